@@ -1,0 +1,105 @@
+"""Shared launch-time helpers for swiftune's Triton kernels.
+
+Three ways to run every kernel (DESIGN.md):
+
+* CUDA tensors           -> the compiled Triton kernel;
+* CPU tensors, interpreter -> the same Triton kernel through ``TRITON_INTERPRET=1``
+  (used by the tests; the variable must be set before swiftune is imported,
+  because ``triton.jit`` decides at decoration time what a kernel is);
+* CPU tensors, otherwise -> the plain-PyTorch reference (fast on CPU).
+
+Nothing here reads environment variables at call time: whether the kernels are
+interpreted is a property of the decorated kernel object itself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+try:  # Triton is Linux-only; everything still works through the references without it.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+Backend = Literal["auto", "triton", "reference"]
+
+INT32_MAX = 2**31 - 1
+
+
+def kernel_is_interpreted(kernel: object) -> bool:
+    """True when ``kernel`` was decorated while ``TRITON_INTERPRET=1`` (runs on CPU tensors)."""
+    if not HAS_TRITON:
+        return False
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
+def max_offset(t: torch.Tensor) -> int:
+    """Largest element offset a kernel computes into ``t`` (covers non-contiguous views)."""
+    if t.numel() == 0:
+        return 0
+    return sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
+
+
+def needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor's offsets overflow int32: then kernels compile their 64-bit variant."""
+    return any(max(t.numel(), max_offset(t)) > INT32_MAX for t in tensors)
+
+
+def choose_backend(backend: Backend, kernel: object, named: dict[str, torch.Tensor]) -> str:
+    """Resolve ``backend`` for tensors ``named`` (argument name -> tensor).
+
+    Returns ``"triton"`` or ``"reference"``; raises a ``ValueError`` naming the argument when the
+    request cannot be met (mixed devices, CPU tensors for a compiled kernel).
+    """
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    items = list(named.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}: move them to one device"
+            )
+    if backend == "reference":
+        return "reference"
+    if first.device.type == "cuda":
+        if not HAS_TRITON:
+            if backend == "triton":
+                raise ValueError("backend='triton' needs the triton package; install it or use backend='reference'")
+            return "reference"
+        if kernel_is_interpreted(kernel):
+            raise ValueError(
+                f"{first_name} is a CUDA tensor but TRITON_INTERPRET=1 was set when swiftune was imported; "
+                "unset it to run compiled kernels"
+            )
+        return "triton"
+    if first.device.type == "cpu" and kernel_is_interpreted(kernel):
+        return "triton"
+    if backend == "triton":
+        raise ValueError(
+            f"{first_name} is on {first.device}: the Triton kernel runs on CUDA tensors, or on CPU tensors only "
+            "when TRITON_INTERPRET=1 is set before importing swiftune; use backend='reference' on CPU"
+        )
+    return "reference"
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32 or fp64), got {t.dtype}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
