@@ -1,0 +1,438 @@
+"""Turn user data into tokenized training examples with a per-token completion mask.
+
+Input: a ``datasets.Dataset`` (any object with ``column_names`` that yields dict rows), a list of
+dicts, a dict of columns, or a path to a ``.jsonl``/``.json``/``.parquet`` file.
+Row shapes (TRL's names):
+
+* ``text`` (or ``text_field``): language modelling, every token trained, EOS appended.
+* ``prompt`` + ``completion``: strings, concatenated token-wise (prompt tokens, then completion
+  tokens, then EOS); or conversational lists of messages rendered with the chat template.
+  Completion-only loss by default (``completion_only_loss=None`` means on).
+* ``messages``: a conversation rendered with the chat template; only assistant turns trained by
+  default (``assistant_only_loss=None`` means on).
+
+Output: :class:`TokenizedDataset`, a torch ``Dataset`` of ``{"input_ids": list[int],
+"completion_mask": list[int]}`` (1 = the token is a training target) plus
+:class:`FormattingStats` (truncated / dropped counts, token totals).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DataShape = Literal["text", "prompt_completion", "messages"]
+Truncation = Literal["truncate", "error", "drop"]
+
+_ACCEPTED_SHAPES = (
+    "'{text}' (plain text), 'prompt' + 'completion' (strings or lists of messages), "
+    "or 'messages' (a list of {{'role', 'content'}} dicts)"
+)
+_TOKENIZE_CHUNK = 1024  # rows per fast-tokenizer call: batching is much faster than one by one
+
+
+class DataFormatError(ValueError):
+    """The data cannot be turned into training examples; the message says what to change."""
+
+
+@dataclass
+class FormattingStats:
+    """What :func:`prepare_dataset` did; also logged as warnings where rows were changed."""
+
+    data_shape: str
+    num_rows: int = 0
+    num_examples: int = 0
+    num_truncated: int = 0
+    num_dropped_too_long: int = 0
+    num_dropped_no_trained_tokens: int = 0
+    num_tokens: int = 0
+    num_trained_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """Tokenized examples (``input_ids``, ``completion_mask``) and the stats of their making."""
+
+    def __init__(self, examples: list[dict[str, list[int]]], stats: FormattingStats):
+        self.examples = examples
+        self.stats = stats
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.examples[index]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every example, for packing and token-budget batching."""
+        return [len(e["input_ids"]) for e in self.examples]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_rows(data: Any) -> Sequence[Mapping[str, Any]]:
+    """Rows of ``data`` as a sequence of mappings, without copying a ``datasets.Dataset``.
+
+    ``datasets`` itself is never imported here: a Dataset is recognised by its
+    ``column_names``; Parquet files are read with ``pyarrow`` (which ``datasets`` installs).
+    """
+    if isinstance(data, (str, os.PathLike)):
+        return _read_file(os.fspath(data))
+    if hasattr(data, "column_names") and isinstance(data.column_names, dict):
+        raise DataFormatError(
+            f"got a DatasetDict with splits {sorted(data.column_names)}; pass one split, "
+            "e.g. dataset['train']"
+        )
+    if hasattr(data, "column_names"):
+        return data  # datasets.Dataset: indexable, yields dict rows
+    if isinstance(data, Mapping):
+        columns = list(data)
+        if columns and all(isinstance(data[c], Sequence) and not isinstance(data[c], str) for c in columns):
+            n = len(data[columns[0]])
+            return [{c: data[c][i] for c in columns} for i in range(n)]
+        raise DataFormatError("a dict dataset must map column names to equal-length lists")
+    if isinstance(data, Iterable):
+        rows = data if isinstance(data, Sequence) else list(data)
+        for row in rows[:1]:
+            if not isinstance(row, Mapping):
+                raise DataFormatError(
+                    f"dataset rows must be dicts, got {type(row).__name__}; "
+                    "e.g. [{'prompt': ..., 'completion': ...}]"
+                )
+        return rows
+    raise DataFormatError(
+        f"cannot read a dataset from {type(data).__name__}; pass a datasets.Dataset, a list of "
+        "dicts, or a path to a .jsonl / .json / .parquet file"
+    )
+
+
+def _read_file(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise DataFormatError(f"dataset file {path!r} does not exist")
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq  # lazy: only Parquet input needs it
+        except ImportError as err:
+            raise DataFormatError(
+                f"reading {path!r} needs pyarrow: pip install pyarrow (or datasets)"
+            ) from err
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if text.lstrip().startswith("["):  # a .json file holding one array of rows
+            return json.loads(text)
+        rows = []
+        for line_number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(f"{path}:{line_number}: not valid JSON ({err.msg})") from err
+        return rows
+    raise DataFormatError(
+        f"unsupported dataset file type {suffix!r} ({path}); use .jsonl, .json or .parquet"
+    )
+
+
+def _column_names(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    names = getattr(rows, "column_names", None)
+    return list(names) if names is not None else list(rows[0])
+
+
+def detect_shape(columns: Iterable[str], text_field: str = "text") -> DataShape:
+    """Which row shape the columns describe; ``messages`` wins over ``prompt``/``completion``."""
+    columns = list(columns)
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt_completion"
+    if text_field in columns:
+        return "text"
+    hint = ""
+    if "prompt" in columns:
+        hint = " A 'prompt' column alone is GRPO data; SFT also needs 'completion'."
+    elif "conversations" in columns:
+        hint = " ShareGPT-style 'conversations' must be renamed to 'messages' with role/content keys."
+    elif {"instruction", "output"} <= set(columns):
+        hint = " Alpaca-style data: map 'instruction' (+ 'input') to 'prompt' and 'output' to 'completion'."
+    raise DataFormatError(
+        f"dataset has columns {columns}; swiftune accepts {_ACCEPTED_SHAPES.format(text=text_field)}."
+        f"{hint}"
+    )
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+
+def _tokenize_texts(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), _TOKENIZE_CHUNK):
+        chunk = texts[start : start + _TOKENIZE_CHUNK]
+        ids.extend(tokenizer(chunk, add_special_tokens=add_special_tokens)["input_ids"])
+    return ids
+
+
+def _column(rows: Sequence[Mapping], name: str, kind: type | tuple[type, ...] = str) -> list:
+    """Values of column ``name``; a missing or wrongly typed value names its row."""
+    values = []
+    for index, row in enumerate(rows):
+        value = row.get(name)
+        if not isinstance(value, kind):
+            raise DataFormatError(
+                f"row {index}: {name!r} must be {_kind_name(kind)}, got {type(value).__name__}"
+                + (f" (the row has keys {sorted(row)})" if value is None else "")
+            )
+        values.append(value)
+    return values
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({str: "a string", list: "a list of messages"}.get(k, k.__name__) for k in kinds)
+
+
+def _with_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    if eos_id is None or (ids and ids[-1] == eos_id):
+        return ids
+    return ids + [eos_id]
+
+
+def _require_eos(tokenizer: Any) -> int:
+    if tokenizer.eos_token_id is None:
+        raise DataFormatError(
+            "the tokenizer has no eos_token; text and prompt/completion examples end with EOS so "
+            "the model learns to stop: set tokenizer.eos_token"
+        )
+    return tokenizer.eos_token_id
+
+
+def _require_chat_template(tokenizer: Any, why: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataFormatError(
+            f"{why} need a chat template, and this tokenizer has none: load the instruct model's "
+            "tokenizer, set tokenizer.chat_template (e.g. ChatML), or give the data as plain "
+            "'prompt'/'completion' strings"
+        )
+
+
+def _render_chat(tokenizer: Any, messages: list, **kwargs: Any) -> dict[str, list[int]]:
+    # return_dict=True keeps one output type across transformers versions.
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    return {k: list(v) for k, v in out.items()}
+
+
+def _has_generation_markers(tokenizer: Any) -> bool:
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default", "")
+    return "generation" in template and "endgeneration" in template
+
+
+def _text_examples(rows: Sequence[Mapping], tokenizer: Any, text_field: str) -> list[tuple[list[int], list[int]]]:
+    eos = _require_eos(tokenizer)
+    texts = _column(rows, text_field)
+    out = []
+    for ids in _tokenize_texts(tokenizer, texts, add_special_tokens=True):
+        ids = _with_eos(ids, eos)
+        out.append((ids, [1] * len(ids)))
+    return out
+
+
+def _prompt_completion_examples(
+    rows: Sequence[Mapping], tokenizer: Any, completion_only: bool
+) -> list[tuple[list[int], list[int]]]:
+    # The first row decides between plain strings and conversational lists, for every row.
+    kind = list if isinstance(rows[0].get("prompt"), list) else str
+    prompt_texts, completion_texts = _column(rows, "prompt", kind), _column(rows, "completion", kind)
+    if kind is list:
+        return [
+            _conversational_prompt_completion(tokenizer, p, c, r.get("tools"), completion_only)
+            for p, c, r in zip(prompt_texts, completion_texts, rows)
+        ]
+    eos = _require_eos(tokenizer)
+    # Prompt and completion are tokenized apart and concatenated: the boundary is exact and the
+    # completion tokens are those the model would generate after seeing the prompt tokens.
+    prompts = _tokenize_texts(tokenizer, prompt_texts, add_special_tokens=True)
+    completions = _tokenize_texts(tokenizer, completion_texts, add_special_tokens=False)
+    out = []
+    for prompt_ids, completion_ids in zip(prompts, completions):
+        completion_ids = _with_eos(completion_ids, eos)
+        mask = [0 if completion_only else 1] * len(prompt_ids) + [1] * len(completion_ids)
+        out.append((prompt_ids + completion_ids, mask))
+    return out
+
+
+def _conversational_prompt_completion(
+    tokenizer: Any, prompt: list, completion: list, tools: Any, completion_only: bool
+) -> tuple[list[int], list[int]]:
+    _require_chat_template(tokenizer, "conversational prompt/completion rows")
+    prompt_ids = _render_chat(tokenizer, prompt, add_generation_prompt=True, tools=tools)["input_ids"]
+    ids = _render_chat(tokenizer, list(prompt) + list(completion), tools=tools)["input_ids"]
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise DataFormatError(
+            "the chat template renders the prompt differently once the completion is appended, so "
+            "the completion tokens cannot be located; use a template whose prompt rendering "
+            "(add_generation_prompt=True) is a prefix of the full conversation"
+        )
+    n = len(prompt_ids)
+    return ids, [0 if completion_only else 1] * n + [1] * (len(ids) - n)
+
+
+def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_markers: bool) -> tuple[list[int], list[int]]:
+    messages = row["messages"]
+    tools = row.get("tools")
+    if not assistant_only:
+        ids = _render_chat(tokenizer, messages, tools=tools)["input_ids"]
+        return ids, [1] * len(ids)
+    if use_markers:
+        out = _render_chat(tokenizer, messages, tools=tools, return_assistant_tokens_mask=True)
+        return out["input_ids"], out["assistant_masks"]
+    return _assistant_mask_by_prefixes(tokenizer, messages, tools)
+
+
+def _assistant_mask_by_prefixes(tokenizer: Any, messages: list, tools: Any) -> tuple[list[int], list[int]]:
+    """Assistant-turn mask for templates without ``{% generation %}`` markers.
+
+    For assistant turn ``i``: the tokens between the rendering of ``messages[:i]`` with the
+    generation prompt and the rendering of ``messages[:i+1]`` are that turn. This needs the
+    template to be prefix-stable (rendering more messages only appends), which ChatML, Llama 3
+    and most templates are; when it is not, the error says what to do.
+    """
+    ids = _render_chat(tokenizer, messages, tools=tools)["input_ids"]
+    mask = [0] * len(ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        start_ids = _render_chat(tokenizer, messages[:i], tools=tools, add_generation_prompt=True)["input_ids"]
+        end_ids = _render_chat(tokenizer, messages[: i + 1], tools=tools)["input_ids"]
+        if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:
+            raise DataFormatError(
+                "cannot locate assistant turns: the chat template is not prefix-stable and has no "
+                "{% generation %} markers; add the markers around assistant content, or pass "
+                "assistant_only_loss=False to train on every token"
+            )
+        mask[len(start_ids) : len(end_ids)] = [1] * (len(end_ids) - len(start_ids))
+    return ids, mask
+
+
+def _check_flags(shape: DataShape, completion_only_loss: bool | None, assistant_only_loss: bool | None) -> None:
+    if completion_only_loss and shape != "prompt_completion":
+        logger.warning("completion_only_loss applies to prompt/completion data; ignored for %r data", shape)
+    if assistant_only_loss and shape != "messages":
+        logger.warning("assistant_only_loss applies to 'messages' data; ignored for %r data", shape)
+
+
+def prepare_dataset(
+    data: Any,
+    tokenizer: Any,
+    *,
+    max_length: int | None = 1024,
+    completion_only_loss: bool | None = None,
+    assistant_only_loss: bool | None = None,
+    truncation: Truncation = "truncate",
+    text_field: str = "text",
+) -> TokenizedDataset:
+    """Tokenize ``data`` into examples ``{"input_ids", "completion_mask"}`` ready for a collator.
+
+    Args:
+        data: a ``datasets.Dataset``, a list of dicts, a dict of columns, or a
+            ``.jsonl``/``.json``/``.parquet`` path.
+        tokenizer: a transformers tokenizer (a chat template is needed for conversational data).
+        max_length: longest example in tokens; ``None`` keeps every example whole.
+        completion_only_loss: train only completion tokens of prompt/completion rows
+            (``None``: yes).
+        assistant_only_loss: train only assistant turns of ``messages`` rows (``None``: yes).
+            Uses the template's ``{% generation %}`` markers when present, else prefix renderings.
+        truncation: for examples longer than ``max_length``: ``"truncate"`` keeps the first
+            ``max_length`` tokens (counted, warned), ``"error"`` raises, ``"drop"`` skips them.
+        text_field: the column of plain-text rows (TRL's ``dataset_text_field``).
+
+    Examples left with no trained token (besides the first, which has no context) are dropped
+    with a warning; all of them dropped is an error.
+    """
+    if truncation not in ("truncate", "error", "drop"):
+        raise ValueError(f"truncation must be 'truncate', 'error' or 'drop', got {truncation!r}")
+    rows = load_rows(data)
+    if len(rows) == 0:
+        raise DataFormatError(
+            "the dataset is empty (0 rows); check the path, split or filter that produced it"
+        )
+    shape = detect_shape(_column_names(rows), text_field)
+    _check_flags(shape, completion_only_loss, assistant_only_loss)
+
+    if shape == "text":
+        pairs = _text_examples(rows, tokenizer, text_field)
+    elif shape == "prompt_completion":
+        pairs = _prompt_completion_examples(rows, tokenizer, completion_only_loss is not False)
+    else:
+        _require_chat_template(tokenizer, "'messages' rows")
+        assistant_only = assistant_only_loss is not False
+        use_markers = _has_generation_markers(tokenizer)
+        _column(rows, "messages", list)
+        pairs = [_messages_example(tokenizer, r, assistant_only, use_markers) for r in rows]
+
+    stats = FormattingStats(data_shape=shape, num_rows=len(rows))
+    examples: list[dict[str, list[int]]] = []
+    for index, (ids, mask) in enumerate(pairs):
+        if max_length is not None and len(ids) > max_length:
+            if truncation == "error":
+                raise DataFormatError(
+                    f"row {index} has {len(ids)} tokens, more than max_length={max_length}; raise "
+                    "max_length, or pass truncation='truncate' (keep the start) or 'drop'"
+                )
+            if truncation == "drop":
+                stats.num_dropped_too_long += 1
+                continue
+            ids, mask = ids[:max_length], mask[:max_length]
+            stats.num_truncated += 1
+        # The first token is never a target (nothing precedes it), so it does not count.
+        trained = sum(mask[1:])
+        if trained == 0:
+            stats.num_dropped_no_trained_tokens += 1
+            continue
+        examples.append({"input_ids": list(ids), "completion_mask": [int(m) for m in mask]})
+        stats.num_tokens += len(ids)
+        stats.num_trained_tokens += trained
+    stats.num_examples = len(examples)
+    _report(stats, max_length)
+    return TokenizedDataset(examples, stats)
+
+
+def _report(stats: FormattingStats, max_length: int | None) -> None:
+    if stats.num_truncated:
+        logger.warning(
+            "%d of %d rows were longer than max_length=%s and were truncated (pass "
+            "truncation='drop' or 'error', or raise max_length, to avoid it)",
+            stats.num_truncated, stats.num_rows, max_length,
+        )
+    if stats.num_dropped_too_long:
+        logger.warning(
+            "%d of %d rows were longer than max_length=%s and were dropped",
+            stats.num_dropped_too_long, stats.num_rows, max_length,
+        )
+    if stats.num_dropped_no_trained_tokens:
+        logger.warning(
+            "%d of %d rows had no trained tokens (empty completion or assistant turns, or all cut "
+            "off by max_length=%s) and were dropped",
+            stats.num_dropped_no_trained_tokens, stats.num_rows, max_length,
+        )
+    if stats.num_examples == 0:
+        raise DataFormatError(
+            f"no example is left to train on out of {stats.num_rows} rows "
+            f"({stats.num_dropped_too_long} too long, {stats.num_dropped_no_trained_tokens} with no "
+            "trained tokens); raise max_length, or check that completions / assistant turns are not empty"
+        )

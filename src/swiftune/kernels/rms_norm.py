@@ -1,0 +1,154 @@
+"""RMSNorm, including Gemma's ``(1 + w)`` form, computed in float32, with weight gradient.
+
+Forward, per row ``x`` of length N (``offset`` = 0 for Llama/Qwen, 1 for Gemma)::
+
+    r     = 1 / sqrt(mean(x^2) + eps)
+    x_hat = x * r
+    y     = round(x_hat * (offset + w))
+
+Backward, with ``g = dy * (offset + w)``::
+
+    dx = r * (g - x_hat * mean(g * x_hat))
+    dw = sum over rows of dy * x_hat
+
+Only x, w and the per-row ``r`` (one float32 per row) are saved. The backward kernel runs a
+fixed number of programs that each walk a strided set of rows and accumulate their share of
+``dw`` in registers; the partial sums are added afterwards, so no atomics are needed and the
+result is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """Plain PyTorch: float32 statistics, one rounding at the end, output in x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (offset + weight.to(y.dtype))).to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, r_ptr, n_cols, stride_x, stride_y, eps, offset,
+        BLOCK: tl.constexpr, INT64: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        if INT64:
+            row = row.to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        tl.store(r_ptr + row, r)
+        tl.store(y_ptr + row * stride_y + cols, (x * r * (offset + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_bwd_kernel(
+        dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols,
+        stride_dy, stride_x, stride_dx, offset,
+        BLOCK: tl.constexpr, INT64: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        first = pid
+        if INT64:  # a 64-bit loop start makes the induction variable, and every offset, 64-bit
+            first = pid.to(tl.int64)
+        for row in range(first, n_rows, n_prog):
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + row)
+            x_hat = x * r
+            g = dy * w
+            dx = r * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
+            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+        tl.store(dw_part_ptr + pid * n_cols + cols, dw, mask=mask)
+
+else:  # pragma: no cover
+    _rms_fwd_kernel = None
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, offset: float, force_int64: bool):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        n_rows, n_cols = x2.shape
+        y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = next_pow2(n_cols)
+        int64 = force_int64 or needs_int64(x2)
+        _rms_fwd_kernel[(n_rows,)](
+            x2, weight, y, r, n_cols, x2.stride(0), y.stride(0), eps, offset,
+            BLOCK=block, INT64=int64, num_warps=_num_warps(block),
+        )
+        ctx.save_for_backward(x2, weight, r)
+        ctx.offset, ctx.int64, ctx.shape = offset, int64, shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, r = ctx.saved_tensors
+        n_rows, n_cols = x2.shape
+        dy2 = dy.reshape(-1, n_cols)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dx = torch.empty_like(x2)
+        if x2.is_cuda:
+            n_prog = min(n_rows, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
+        else:
+            n_prog = min(n_rows, 4)
+        n_prog = max(n_prog, 1)
+        dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x2.device)
+        block = next_pow2(n_cols)
+        _rms_bwd_kernel[(n_prog,)](
+            dy2, x2, weight, r, dx, dw_part, n_rows, n_cols,
+            dy2.stride(0), x2.stride(0), dx.stride(0), ctx.offset,
+            BLOCK=block, INT64=ctx.int64, num_warps=_num_warps(block),
+        )
+        dw = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx.view(ctx.shape), dw, None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    *,
+    backend: Backend = "auto",
+    _force_int64: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x``: ``x / rms(x) * (offset + weight)``.
+
+    ``offset=1.0`` gives Gemma's ``(1 + w)`` parameterisation. Statistics and the product are
+    computed in float32; the output has x's dtype; the weight gradient has the weight's dtype.
+    """
+    check_float("x", x)
+    check_float("weight", weight)
+    if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be 1-D with x's last dimension: weight {tuple(weight.shape)}, x {tuple(x.shape)}"
+        )
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if choose_backend(backend, _rms_fwd_kernel, {"x": x, "weight": weight}) == "reference":
+        return rms_norm_reference(x, weight, eps, offset)
+    return RMSNormFunction.apply(x, weight, float(eps), float(offset), _force_int64)

@@ -1,0 +1,13 @@
+"""Shared test helpers."""
+
+import torch
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative norm error in float64; NaN/inf anywhere yields inf, so it never passes."""
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    denom = e.norm().clamp_min(1e-30)
+    return float((a - e).norm() / denom)

@@ -1,0 +1,321 @@
+"""Kernels vs float64 references, forward and backward.
+
+On CPU the Triton kernels run through the interpreter (tests/conftest.py sets it); on the GPU
+machine the same tests run the compiled kernels (`device` fixture).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swiftune.kernels import (
+    geglu,
+    geglu_reference,
+    rms_norm,
+    rms_norm_reference,
+    rope_qk,
+    rope_qk_reference,
+    swiglu,
+    swiglu_reference,
+)
+from swiftune.kernels._launch import choose_backend, needs_int64
+from tests.helpers import rel_err
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rope_tables(position_ids: torch.Tensor, head_dim: int, base: float = 10000.0):
+    """cos/sin [B, S, D] gathered by position ids, as transformers' rotary embedding builds them."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def packed_positions(lengths: list[int]) -> torch.Tensor:
+    """Position ids of one packed row: 0..len-1 for each document in turn."""
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def grads_of(fn, inputs, grad_outputs):
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, grad_outputs)
+    return [o.detach() for o in outs], [i.grad for i in inputs]
+
+
+# ----------------------------------------------------------------------------------- RoPE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "head_dim,n_q,n_k", [(64, 4, 4), (80, 8, 2), (128, 8, 1), (256, 2, 1)]
+)
+def test_rope_matches_float64_reference(device, dtype, head_dim, n_q, n_k):
+    torch.manual_seed(head_dim * 31 + n_q)
+    B, S = 2, 11
+    pos = torch.stack([torch.arange(S), packed_positions([4, 3, 4])[0]])  # row 1 is a packed row
+    cos64, sin64 = rope_tables(pos, head_dim)
+    # transformers' usual layout: projections viewed as [B, S, H, D] then transposed
+    q64 = torch.randn(B, S, n_q, head_dim, dtype=torch.float64).transpose(1, 2)
+    k64 = torch.randn(B, S, n_k, head_dim, dtype=torch.float64).transpose(1, 2)
+    dq = torch.randn(B, n_q, S, head_dim, dtype=torch.float64)
+    dk = torch.randn(B, n_k, S, head_dim, dtype=torch.float64)
+
+    ref_in = [q64.clone().requires_grad_(), k64.clone().requires_grad_()]
+    (rq, rk), (rdq, rdk) = grads_of(lambda a, b: rope_qk_reference(a, b, cos64, sin64), ref_in, (dq, dk))
+
+    cos, sin = cos64.to(device, dtype), sin64.to(device, dtype)
+    q = q64.to(device, dtype).detach().requires_grad_()
+    k = k64.to(device, dtype).detach().requires_grad_()
+    assert not q.is_contiguous()
+    (oq, ok), (gq, gk) = grads_of(
+        lambda a, b: rope_qk(a, b, cos, sin, backend="triton"), [q, k], (dq.to(device, dtype), dk.to(device, dtype))
+    )
+    for actual, expected in ((oq, rq), (ok, rk), (gq, rdq), (gk, rdk)):
+        assert rel_err(actual, expected) < TOL[dtype]
+
+
+def test_rope_packed_row_equals_documents_alone(device):
+    """A packed row with restarting positions rotates each document exactly as if alone."""
+    torch.manual_seed(1)
+    lengths, D = [5, 2, 6], 64
+    pos = packed_positions(lengths)
+    cos, sin = (t.float().to(device) for t in rope_tables(pos, D))
+    q = torch.randn(1, 4, sum(lengths), D, device=device)
+    k = torch.randn(1, 2, sum(lengths), D, device=device)
+    oq, ok = rope_qk(q.clone(), k.clone(), cos, sin, backend="triton")
+    start = 0
+    for n in lengths:
+        c1, s1 = (t.float().to(device) for t in rope_tables(torch.arange(n)[None], D))
+        eq, ek = rope_qk_reference(q[:, :, start : start + n], k[:, :, start : start + n], c1, s1)
+        assert rel_err(oq[:, :, start : start + n], eq) < 1e-6
+        assert rel_err(ok[:, :, start : start + n], ek) < 1e-6
+        start += n
+    # negative control: positions that do not restart give different rotations
+    c_bad, s_bad = (t.float().to(device) for t in rope_tables(torch.arange(sum(lengths))[None], D))
+    bq, _ = rope_qk(q.clone(), k.clone(), c_bad, s_bad, backend="triton")
+    assert rel_err(bq, oq) > 1e-2
+
+
+def test_rope_in_place_and_autograd_through_views(device):
+    torch.manual_seed(2)
+    B, S, Hq, Hk, D = 2, 6, 4, 2, 32
+    cos, sin = (t.float().to(device) for t in rope_tables(torch.arange(S).expand(B, S), D))
+    x = torch.randn(B, S, Hq * D, device=device, requires_grad=True)
+    y = torch.randn(B, S, Hk * D, device=device, requires_grad=True)
+
+    def run(fn, fused: bool):
+        if fused:  # q and k sliced out of one qkv buffer: must fall back to out-of-place
+            proj = torch.cat([x, y], dim=-1) * 2.0
+            qp, kp = proj[..., : Hq * D], proj[..., Hq * D :]
+        else:  # separate projections, as Llama/Qwen/Gemma compute them
+            qp, kp = x * 2.0, y * 2.0
+        q = qp.view(B, S, Hq, D).transpose(1, 2)
+        k = kp.view(B, S, Hk, D).transpose(1, 2)
+        oq, ok = fn(q, k)
+        loss = (oq * oq.detach().sin()).sum() + (ok**2).sum()
+        gx, gy = torch.autograd.grad(loss, (x, y))
+        return oq, ok, gx, gy, q
+
+    for fused in (False, True):
+        oq, ok, gx, gy, q = run(lambda q, k: rope_qk(q, k, cos, sin, backend="triton"), fused)
+        assert (oq.data_ptr() == q.data_ptr()) != fused, "separate projections rotate in place, fused do not"
+        eq, ek, ex, ey, _ = run(lambda q, k: rope_qk_reference(q, k, cos, sin), fused)
+        for actual, expected in ((oq, eq), (ok, ek), (gx, ex), (gy, ey)):
+            assert rel_err(actual, expected) < 1e-6
+
+    # a leaf that requires grad is never overwritten
+    q_leaf = torch.randn(B, Hq, S, D, device=device, requires_grad=True)
+    k_leaf = torch.randn(B, Hk, S, D, device=device, requires_grad=True)
+    before = q_leaf.detach().clone()
+    rq, _ = rope_qk(q_leaf, k_leaf, cos, sin, backend="triton")
+    assert torch.equal(q_leaf.detach(), before) and rq.data_ptr() != q_leaf.data_ptr()
+    # inference (no grad) on contiguous tensors rotates in place too
+    with torch.no_grad():
+        qc, kc = torch.randn(B, Hq, S, D, device=device), torch.randn(B, Hk, S, D, device=device)
+        eq, ek = rope_qk_reference(qc, kc, cos, sin)
+        oq, ok = rope_qk(qc, kc, cos, sin, backend="triton")
+        assert oq.data_ptr() == qc.data_ptr() and rel_err(oq, eq) < 1e-6 and rel_err(ok, ek) < 1e-6
+
+
+def test_rope_broadcast_tables_and_int64_flag(device):
+    torch.manual_seed(3)
+    B, S, D = 3, 7, 64
+    cos, sin = (t.float().to(device) for t in rope_tables(torch.arange(S)[None], D))  # [1, S, D]
+    q = torch.randn(B, 8, S, D, device=device)
+    k = torch.randn(B, 1, S, D, device=device)
+    eq, ek = rope_qk_reference(q, k, cos, sin)
+    for force in (False, True):  # the 64-bit offset variant, forced on a small tensor
+        oq, ok = rope_qk(q.clone(), k.clone(), cos, sin, backend="triton", _force_int64=force)
+        assert rel_err(oq, eq) < 1e-6 and rel_err(ok, ek) < 1e-6
+
+
+def test_rope_bad_input_messages():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+    cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    with pytest.raises(ValueError, match="4-D"):
+        rope_qk(q[0], k, cos, sin)
+    with pytest.raises(ValueError, match="head_dim"):
+        rope_qk(q, torch.randn(1, 2, 3, 6), cos, sin)
+    with pytest.raises(ValueError, match="multiple of k heads"):
+        rope_qk(torch.randn(1, 3, 3, 8), k, cos, sin)
+    with pytest.raises(TypeError, match="cos/sin dtype"):
+        rope_qk(q, k, cos.double(), sin.double())
+    with pytest.raises(ValueError, match="cos shape"):
+        rope_qk(q, k, torch.randn(1, 4, 8), torch.randn(1, 4, 8))
+    with pytest.raises(TypeError, match="floating"):
+        rope_qk(q, k, cos.long(), sin)
+
+
+# ----------------------------------------------------------------------------- SwiGLU / GeGLU
+
+GLU_CASES = [
+    ("swiglu", lambda g, u: swiglu(g, u, backend="triton"), swiglu_reference),
+    ("geglu_erf", lambda g, u: geglu(g, u, "none", backend="triton"), lambda g, u: geglu_reference(g, u, "none")),
+    ("geglu_tanh", lambda g, u: geglu(g, u, "tanh", backend="triton"), lambda g, u: geglu_reference(g, u, "tanh")),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5, 100), (1, 2077), (4, 1024)])
+@pytest.mark.parametrize("name,kernel,reference", GLU_CASES, ids=[c[0] for c in GLU_CASES])
+def test_glu_matches_float64_reference(device, dtype, shape, name, kernel, reference):
+    torch.manual_seed(hash((name, shape)) % 1000)
+    g64 = 3 * torch.randn(shape, dtype=torch.float64)
+    u64 = torch.randn(shape, dtype=torch.float64)
+    dout = torch.randn(shape, dtype=torch.float64)
+    (ro,), (rg, ru) = grads_of(reference, [g64.clone().requires_grad_(), u64.clone().requires_grad_()], (dout,))
+    g = g64.to(device, dtype).requires_grad_()
+    u = u64.to(device, dtype).requires_grad_()
+    (o,), (gg, gu) = grads_of(kernel, [g, u], (dout.to(device, dtype),))
+    assert o.dtype == dtype
+    for actual, expected in ((o, ro), (gg, rg), (gu, ru)):
+        assert rel_err(actual, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("name,kernel,reference", GLU_CASES, ids=[c[0] for c in GLU_CASES])
+def test_glu_bf16_matches_transformers_rounding(device, name, kernel, reference):
+    """In bf16 the activation is rounded before the product, exactly as transformers does."""
+    torch.manual_seed(5)
+    g = 4 * torch.randn(8, 512, device=device, dtype=torch.bfloat16)
+    u = torch.randn(8, 512, device=device, dtype=torch.bfloat16)
+    ours, theirs = kernel(g, u).float(), reference(g, u).float()
+    if device == "cuda":
+        # The Triton interpreter truncates fp32 -> bf16 instead of rounding to nearest, so
+        # bit-identity is checked on compiled kernels only.
+        equal = (ours == theirs).float().mean().item()
+        assert equal > 0.995, f"only {equal:.4f} of elements bit-identical"
+    # One bf16 ulp is at most 2^-7 relative; the interpreter's two truncations can cost two.
+    # The absolute floor covers GELU's tail, where 1 + erf(x) cancels differently per library.
+    ulps = 1 if device == "cuda" else 2
+    bound = ulps * theirs.abs() * 2**-7 + 1e-4 * theirs.abs().max()
+    assert ((ours - theirs).abs() <= bound).all(), "differences beyond bf16 ulps"
+
+
+def test_glu_int64_flag_and_errors(device):
+    g, u = torch.randn(2, 300, device=device), torch.randn(2, 300, device=device)
+    assert torch.allclose(swiglu(g, u, backend="triton", _force_int64=True), swiglu_reference(g, u), atol=1e-6)
+    assert torch.allclose(
+        geglu(g, u, "tanh", backend="triton", _force_int64=True), geglu_reference(g, u, "tanh"), atol=1e-6
+    )
+    with pytest.raises(ValueError, match="same shape"):
+        swiglu(g, u[:, :10])
+    with pytest.raises(TypeError, match="same dtype"):
+        swiglu(g, u.double())
+    with pytest.raises(ValueError, match="approximate"):
+        geglu(g, u, "sigmoid")
+
+
+# ------------------------------------------------------------------------------------ RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 100, 1000, 2050])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_matches_float64_reference(device, dtype, hidden, offset):
+    torch.manual_seed(hidden + int(offset))
+    x64 = torch.randn(3, 7, hidden, dtype=torch.float64) * 2 + 0.3
+    w64 = torch.randn(hidden, dtype=torch.float64) * 0.5 + (0.0 if offset else 1.0)
+    dy = torch.randn(3, 7, hidden, dtype=torch.float64)
+    (ro,), (rx, rw) = grads_of(
+        lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
+        [x64.clone().requires_grad_(), w64.clone().requires_grad_()],
+        (dy,),
+    )
+    x = x64.to(device, dtype).requires_grad_()
+    w = w64.to(device, dtype).requires_grad_()
+    (o,), (gx, gw) = grads_of(lambda a, b: rms_norm(a, b, 1e-6, offset, backend="triton"), [x, w], (dy.to(device, dtype),))
+    assert o.dtype == dtype and gw.dtype == dtype
+    for actual, expected in ((o, ro), (gx, rx), (gw, rw)):
+        assert rel_err(actual, expected) < TOL[dtype]
+
+
+def test_rms_norm_non_contiguous_fp32_weight_and_int64(device):
+    """bf16 activations with an fp32 weight (mixed precision), strided input, forced 64-bit path."""
+    torch.manual_seed(7)
+    base = torch.randn(6, 2, 96, device=device, dtype=torch.float64)
+    w64 = torch.randn(96, device=device, dtype=torch.float64)
+    x = base.to(torch.bfloat16).transpose(0, 1).requires_grad_()  # rows not contiguous
+    w = w64.float().requires_grad_()
+    o = rms_norm(x, w, 1e-5, backend="triton", _force_int64=True)
+    o.backward(torch.ones_like(o))
+    xr = base.to(torch.bfloat16).double().transpose(0, 1).requires_grad_()
+    wr = w64.clone().requires_grad_()
+    ro = rms_norm_reference(xr, wr, 1e-5)
+    ro.backward(torch.ones_like(ro))
+    assert o.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    assert rel_err(o, ro) < 1e-2 and rel_err(x.grad, xr.grad) < 1e-2 and rel_err(w.grad, wr.grad) < 1e-5
+
+
+def test_rms_norm_errors():
+    with pytest.raises(ValueError, match="weight must be 1-D"):
+        rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(torch.randn(2, 8), torch.randn(8), 0.0)
+
+
+# ------------------------------------------------------------------------------ dispatch
+
+
+def test_dispatcher_rules():
+    cpu = torch.randn(4)
+    assert choose_backend("reference", object(), {"x": cpu}) == "reference"
+    assert choose_backend("auto", object(), {"x": cpu}) == "reference"  # compiled kernel, CPU tensor
+    with pytest.raises(ValueError, match="x is on cpu"):
+        choose_backend("triton", object(), {"x": cpu})
+    with pytest.raises(ValueError, match="backend must be"):
+        choose_backend("cuda", object(), {"x": cpu})
+    # a reference call on CPU is exactly the reference
+    g, u = torch.randn(5, 7), torch.randn(5, 7)
+    assert torch.equal(swiglu(g, u, backend="reference"), F.silu(g) * u)
+
+
+def test_needs_int64_threshold():
+    assert not needs_int64(torch.empty(10))
+    assert not needs_int64(torch.empty(2**31 - 1, device="meta"))
+    assert needs_int64(torch.empty(2**31, device="meta"))
+    # few elements, but strided so that the largest offset passes 2^31 - 1
+    assert needs_int64(torch.empty_strided((2, 1000), (2**31, 1), device="meta"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with > 30 GB free")
+def test_swiglu_over_two_billion_elements_cuda():
+    """A real > 2^31-element tensor: the 64-bit path is chosen and the tail is computed right."""
+    n = 2**31 + 4096
+    g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    assert needs_int64(g)
+    out = swiglu(g, u)
+    tail = slice(n - 65536, n)
+    head = slice(0, 65536)
+    for part in (head, tail):
+        assert torch.equal(out[part], swiglu_reference(g[part], u[part]))
+    del out
+    g.requires_grad_()
+    u.requires_grad_()
+    out = swiglu(g, u)
+    out.backward(torch.ones_like(out))
+    gr, ur = g[tail].detach().requires_grad_(), u[tail].detach().requires_grad_()
+    swiglu_reference(gr.float(), ur.float()).sum().backward()
+    assert rel_err(g.grad[tail], gr.grad) < 1e-2 and rel_err(u.grad[tail], ur.grad) < 1e-2
