@@ -1,0 +1,174 @@
+"""Kernel microbenchmarks: forward + backward of each swiftune kernel on one GPU.
+
+Baselines measured in the same process on the same tensors:
+  (a) transformers' eager implementation (apply_rotary_pos_emb, LlamaRMSNorm, act * up),
+  (b) torch.compile of that same eager code.
+Achieved bandwidth counts the bytes each kernel must move at minimum (inputs read once,
+outputs written once) and is compared with a device-to-device copy measured here too.
+
+    python benchmarks/kernels.py                 # sizes of several GB, prints a table
+    python benchmarks/kernels.py --out k.json    # also writes the rows as JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from swiftune.kernels import geglu, rms_norm, rope_qk, swiglu
+
+
+def bench(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of fn() over iters runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 4 * 2**30) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3)  # bytes read + written per second
+
+
+def fwd_bwd(op, inputs, grads):
+    def run():
+        for t in inputs:
+            t.grad = None
+        outs = op(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, grads)
+
+    return run
+
+
+def hf_rope(q, k, cos, sin):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def hf_rms(x, w, eps=1e-6):
+    # transformers' LlamaRMSNorm.forward, written out so torch.compile sees the same ops
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(dtype)
+
+
+def cases(scale: float):
+    dt = torch.bfloat16
+    # RoPE: Qwen3-8B attention shapes (32 q heads, 8 kv heads, head_dim 128), one long row
+    S = int(131072 * scale)
+    q = torch.randn(1, S, 32, 128, device="cuda", dtype=dt).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, S, 8, 128, device="cuda", dtype=dt).transpose(1, 2).requires_grad_()
+    pos = torch.arange(S, device="cuda")[None].float()
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    emb = torch.cat([pos[..., None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    qk_bytes = (q.numel() + k.numel()) * 2
+    rope_bytes = 2 * (2 * qk_bytes + 2 * cos.numel() * 2)  # fwd + bwd: read+write q,k; read cos,sin
+    yield (
+        "rope_qk", f"q[1,32,{S},128] k[1,8,{S},128]", rope_bytes,
+        fwd_bwd(lambda a, b: rope_qk(a, b, cos, sin), [q, k], (gq, gk)),
+        fwd_bwd(lambda a, b: hf_rope(a, b, cos, sin), [q, k], (gq, gk)),
+        fwd_bwd(torch.compile(lambda a, b: hf_rope(a, b, cos, sin)), [q, k], (gq, gk)),
+    )
+    del q, k, gq, gk, cos, sin, emb
+
+    # SwiGLU / GeGLU: Qwen3-8B MLP intermediate (12288) over many tokens
+    T, I = int(65536 * scale), 12288
+    g = torch.randn(T, I, device="cuda", dtype=dt, requires_grad=True)
+    u = torch.randn(T, I, device="cuda", dtype=dt, requires_grad=True)
+    go = torch.randn(T, I, device="cuda", dtype=dt)
+    glu_bytes = (3 + 5) * g.numel() * 2  # fwd: read g,u write out; bwd: read dout,g,u write dg,du
+    eager_swiglu = lambda a, b: F.silu(a) * b  # noqa: E731
+    eager_geglu = lambda a, b: F.gelu(a, approximate="tanh") * b  # noqa: E731
+    yield (
+        "swiglu", f"[{T},{I}]", glu_bytes,
+        fwd_bwd(swiglu, [g, u], (go,)),
+        fwd_bwd(eager_swiglu, [g, u], (go,)),
+        fwd_bwd(torch.compile(eager_swiglu), [g, u], (go,)),
+    )
+    yield (
+        "geglu_tanh", f"[{T},{I}]", glu_bytes,
+        fwd_bwd(lambda a, b: geglu(a, b, "tanh"), [g, u], (go,)),
+        fwd_bwd(eager_geglu, [g, u], (go,)),
+        fwd_bwd(torch.compile(eager_geglu), [g, u], (go,)),
+    )
+    del g, u, go
+
+    # RMSNorm: hidden 4096 over many tokens, weight gradient included
+    T, H = int(262144 * scale), 4096
+    x = torch.randn(T, H, device="cuda", dtype=dt, requires_grad=True)
+    w = torch.randn(H, device="cuda", dtype=dt, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=dt)
+    rms_bytes = (2 + 3) * x.numel() * 2  # fwd: read x write y; bwd: read dy,x write dx
+    yield (
+        "rms_norm", f"[{T},{H}]", rms_bytes,
+        fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), [x, w], (dy,)),
+        fwd_bwd(hf_rms, [x, w], (dy,)),
+        fwd_bwd(torch.compile(hf_rms), [x, w], (dy,)),
+    )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the token counts (1.0 = several GB)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 1
+    copy_bw = copy_bandwidth()
+    rows = []
+    for name, shape, nbytes, ours, eager, compiled in cases(args.scale):
+        t_ours, t_eager, t_comp = bench(ours), bench(eager), bench(compiled)
+        bw = nbytes / (t_ours * 1e-3)
+        rows.append(dict(
+            kernel=name, shape=shape, gbytes=nbytes / 1e9, ours_ms=t_ours, eager_ms=t_eager, compile_ms=t_comp,
+            vs_eager=t_eager / t_ours, vs_compile=t_comp / t_ours, tb_s=bw / 1e12, of_copy=bw / copy_bw,
+        ))
+        torch.cuda.empty_cache()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12)
+    try:
+        import transformers
+        import triton
+
+        meta.update(transformers=transformers.__version__, triton=triton.__version__)
+    except ImportError:
+        pass
+    print(f"\n{meta}")
+    print(f"{'kernel':<11} {'shape':<30} {'GB':>6} {'ours ms':>8} {'eager':>8} {'compile':>8} "
+          f"{'x eager':>8} {'x comp':>7} {'TB/s':>6} {'%copy':>6}")
+    for r in rows:
+        print(f"{r['kernel']:<11} {r['shape']:<30} {r['gbytes']:6.2f} {r['ours_ms']:8.2f} {r['eager_ms']:8.2f} "
+              f"{r['compile_ms']:8.2f} {r['vs_eager']:8.2f} {r['vs_compile']:7.2f} {r['tb_s']:6.2f} "
+              f"{100 * r['of_copy']:5.0f}%")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    assert all(math.isfinite(r["ours_ms"]) for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

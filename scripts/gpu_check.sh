@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the test suite on CUDA (compiled kernels), then benchmarks.
+# Prints a short table last and writes logs/JSON under $OUT.
+#
+#   scripts/gpu_check.sh                      # everything
+#   scripts/gpu_check.sh tests/test_kernels.py -- kernels losses   # chosen tests, chosen benchmarks
+#
+# Arguments before `--` are pytest targets (default: tests); after it, benchmark names
+# (kernels, losses, sft, longctx, rollout; default: kernels).
+set -uo pipefail
+OUT=${OUT:-/tmp/swiftune_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+tests=(); benches=(); seen_sep=0
+for a in "$@"; do
+  if [ "$a" = "--" ]; then seen_sep=1; elif [ $seen_sep = 1 ]; then benches+=("$a"); else tests+=("$a"); fi
+done
+[ ${#tests[@]} = 0 ] && tests=(tests)
+[ ${#benches[@]} = 0 ] && [ $seen_sep = 0 ] && benches=(kernels)
+
+python3 - <<'PY' | tee "$OUT/env.txt"
+import torch, transformers, triton, peft
+print(f"gpu={torch.cuda.get_device_name()} torch={torch.__version__} transformers={transformers.__version__} "
+      f"triton={triton.__version__} peft={peft.__version__}")
+PY
+
+summary=()
+if [ "${tests[0]}" != "none" ]; then
+  python3 -m pytest "${tests[@]}" -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
+  summary+=("pytest: $(tail -1 "$OUT/pytest.log")")
+fi
+for b in "${benches[@]}"; do
+  timeout 420 python3 "benchmarks/$b.py" --out "$OUT/$b.json" 2>&1 | tee "$OUT/bench_$b.txt" | tail -60
+  summary+=("bench $b: exit ${PIPESTATUS[0]}")
+done
+echo "==================== summary"
+cat "$OUT/env.txt"
+printf '%s\n' "${summary[@]}"
+for b in "${benches[@]}"; do grep -A20 "^kernel\|^tokens\|^mode" "$OUT/bench_$b.txt" 2>/dev/null | head -20; done
