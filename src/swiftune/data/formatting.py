@@ -96,7 +96,9 @@ def load_rows(data: Any) -> Sequence[Mapping[str, Any]]:
             "e.g. dataset['train']"
         )
     if hasattr(data, "column_names"):
-        return data  # datasets.Dataset: indexable, yields dict rows
+        if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+            return data  # datasets.Dataset: indexable, yields dict rows, no copy
+        return list(data)  # datasets.IterableDataset: read it once
     if isinstance(data, Mapping):
         columns = list(data)
         if columns and all(isinstance(data[c], Sequence) and not isinstance(data[c], str) for c in columns):
@@ -149,7 +151,7 @@ def _read_file(path: str) -> list[dict]:
 
 
 def _column_names(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    names = getattr(rows, "column_names", None)
+    names = getattr(rows, "column_names", None) if not isinstance(rows, list) else None
     return list(names) if names is not None else list(rows[0])
 
 
