@@ -170,9 +170,10 @@ class RopeQKInPlaceFunction(torch.autograd.Function):
 
 
 def _rotate_grads(dq, dk, cos, sin, force_int64):
-    # Fresh outputs: incoming gradients may be broadcast (stride-0) views that must not be written.
-    dq_in = torch.empty(dq.shape, dtype=dq.dtype, device=dq.device)
-    dk_in = torch.empty(dk.shape, dtype=dk.dtype, device=dk.device)
+    # Fresh outputs: incoming gradients may be broadcast (stride-0) views that must not be
+    # written. empty_like keeps a dense gradient's layout (usually [B, S, H, D] transposed), so
+    # each program writes one contiguous stretch of memory; a broadcast one gets a dense layout.
+    dq_in, dk_in = torch.empty_like(dq), torch.empty_like(dk)
     _launch(dq, dk, dq_in, dk_in, cos, sin, backward=True, force_int64=force_int64)
     return dq_in, dk_in
 
@@ -202,7 +203,7 @@ def _in_place_source(t: torch.Tensor) -> tuple[torch.Tensor, Geometry] | None:
     Overwriting a tensor some other op saved is caught by autograd's version counter.
     """
     src = t._base if t._is_view() else t
-    if src.is_leaf and src.requires_grad:
+    if (t.is_leaf and t.requires_grad) or (src.is_leaf and src.requires_grad):
         return None
     if not src.is_contiguous() or src.numel() != t.numel() or src.storage_offset() != t.storage_offset():
         return None

@@ -1,0 +1,111 @@
+"""``SFTConfig``: transformers' ``TrainingArguments`` plus the supervised fine-tuning knobs.
+
+Field names follow TRL's ``SFTConfig`` where TRL has the same knob, so that a TRL user changes
+imports only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class SFTConfig(TrainingArguments):
+    """Configuration of :class:`swiftune.SFTTrainer`.
+
+    Batch modes (all give the same loss per step and the same gradients):
+
+    * ``padding_free=True`` (default): each micro-batch is ONE row of the examples concatenated,
+      with ``position_ids`` restarting at every example and no padding at all.
+    * ``packing=True``: the whole dataset is bin-packed best-fit-decreasing into rows of
+      ``max_length`` tokens; a micro-batch is ``per_device_train_batch_size`` such rows.
+    * ``padding_free=False, packing=False``: classic right padding (the reference).
+
+    ``max_tokens_per_batch`` forms micro-batches by token budget instead of example count.
+    The loss is normalised by the number of trained tokens in the whole accumulated batch, so
+    ``gradient_accumulation_steps=4`` equals one 4x batch.
+    """
+
+    # ----------------------------------------------------------------------- data
+    dataset_text_field: str = field(
+        default="text", metadata={"help": "Column holding plain text, for datasets of raw text."}
+    )
+    max_length: int | None = field(
+        default=1024,
+        metadata={"help": "Longest tokenized example (and packed row). None keeps every example whole."},
+    )
+    truncation: Literal["truncate", "error", "drop"] = field(
+        default="truncate",
+        metadata={"help": "What to do with examples longer than max_length: truncate (counted and reported), "
+                          "error, or drop."},
+    )
+    completion_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "Train only on completion tokens of prompt/completion data (None: on where it applies)."},
+    )
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={"help": "Train only on assistant turns of conversational data (None: on where it applies)."},
+    )
+    # ---------------------------------------------------------------------- batches
+    padding_free: bool = field(
+        default=True,
+        metadata={"help": "Concatenate each micro-batch into one row with restarting position_ids (no padding)."},
+    )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Bin-pack the dataset (best-fit decreasing) into rows of max_length tokens."},
+    )
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={"help": "Form micro-batches by a token budget instead of per_device_train_batch_size examples."},
+    )
+    # ---------------------------------------------------------------------- model / kernels
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Packed attention backend: auto, varlen, flash_attn, flex or reference."},
+    )
+    kernel_backend: Literal["auto", "triton", "reference"] = field(
+        default="auto",
+        metadata={"help": "Fused kernels: auto (Triton on CUDA, reference on CPU), triton or reference."},
+    )
+    logit_chunk_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per chunk of the fused LM head + cross entropy (None: chosen from free memory)."},
+    )
+    # ---------------------------------------------------------------------- outputs
+    metrics_file: str | None = field(
+        default="metrics.jsonl",
+        metadata={"help": "Per-step metrics (JSON lines) written to output_dir; None disables it."},
+    )
+    plot_loss: bool = field(default=True, metadata={"help": "Write loss.png to output_dir at the end of training."})
+
+    # TRL-like defaults for TrainingArguments fields
+    learning_rate: float = field(default=2e-5, metadata={"help": "Initial AdamW learning rate."})
+    logging_steps: float = field(default=1, metadata={"help": "Log (and write metrics) every N steps."})
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Kept False: swiftune's collators need the tokenized columns."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.packing and self.max_length is None:
+            raise ValueError("packing=True needs max_length (the length of a packed row); set max_length")
+        if self.max_tokens_per_batch is not None and self.max_tokens_per_batch <= 0:
+            raise ValueError(f"max_tokens_per_batch must be positive, got {self.max_tokens_per_batch}")
+        if self.max_tokens_per_batch is not None and self.packing:
+            raise ValueError("max_tokens_per_batch and packing=True are alternatives: packed rows already "
+                             "fix the tokens per row; choose one")
+        if self.max_length is not None and self.max_tokens_per_batch is not None \
+                and self.max_tokens_per_batch < self.max_length:
+            raise ValueError(f"max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least max_length "
+                             f"({self.max_length}) so that the longest example fits a batch")
+
+    @property
+    def batch_mode(self) -> str:
+        if self.packing:
+            return "packed"
+        return "padding_free" if self.padding_free else "padded"
