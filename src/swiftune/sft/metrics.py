@@ -60,7 +60,8 @@ class MetricsCallback(TrainerCallback):
         os.makedirs(args.output_dir, exist_ok=True)
         if self.path and state.global_step == 0 and os.path.exists(self.path):
             os.remove(self.path)  # a fresh run; a resumed one appends
-        self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+        if not args.disable_tqdm:
+            self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
         self.last_time = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
