@@ -1,0 +1,24 @@
+"""Losses that never hold the ``[tokens, vocab]`` logits (see docs/losses.md).
+
+* :func:`linear_cross_entropy` - fused LM head + cross entropy for SFT (grads computed in forward).
+* :func:`selective_log_softmax` - fused LM head + log-probability of the sampled tokens for RL
+  (recomputes in backward; optional entropy; optional CPU offload of the saved hidden states).
+* :func:`choose_chunk_tokens` / :func:`free_gpu_bytes` - automatic chunk sizes.
+
+Each has a plain-PyTorch reference that materialises the logits (``*_reference``).
+"""
+
+from .chunking import MAX_VOCAB_CHUNK, LogitTransform, choose_chunk_tokens, free_gpu_bytes
+from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from .selective_log_softmax import selective_log_softmax, selective_log_softmax_reference
+
+__all__ = [
+    "MAX_VOCAB_CHUNK",
+    "LogitTransform",
+    "choose_chunk_tokens",
+    "free_gpu_bytes",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "selective_log_softmax",
+    "selective_log_softmax_reference",
+]
