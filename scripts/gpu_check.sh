@@ -13,6 +13,12 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+# Baseline packages missing on the GPU machine (trl, liger-kernel, datasets) travel as wheels
+# in .whl/ (see docs/benchmarks.md); install them beside the image's packages.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 tests=(); benches=(); seen_sep=0
 for a in "$@"; do

@@ -98,7 +98,10 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_metric(metrics_path: str, png_path: str, key: str = "loss") -> bool:
-    """Plot ``key`` against ``step`` from a metrics.jsonl; False (and no file) without matplotlib."""
+    """Plot ``key`` against ``step`` from a metrics.jsonl; False (and no file) without matplotlib
+    or without any logged value."""
+    if not os.path.exists(metrics_path):
+        return False
     try:
         import matplotlib
 

@@ -1,0 +1,202 @@
+"""SFT throughput and peak memory: swiftune against the tools users would run instead.
+
+Every mode trains the same random-init model shape on the same rows (lengths of the reference
+instruction workload, see workload.py) in the same order, with LoRA r=16 on all linear layers,
+bf16 weights, gradient checkpointing, AdamW, for the same number of steps; each mode runs in its
+own process so that no patching leaks between them. Reported: non-padding tokens per second
+over the timed steps (after warm-up), peak GPU memory, padding fraction of the batches.
+
+Modes:
+  hf_padded         transformers Trainer + PEFT, right padding to the longest row, sdpa
+  trl_padding_free  TRL SFTTrainer, padding_free=True (its own collator and loss)
+  trl_liger         the same with use_liger_kernel=True
+  swiftune          swiftune SFTTrainer, padding-free (default)
+  swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
+
+    python benchmarks/sft.py --model qwen3-8b --batch 16 --modes hf_padded swiftune swiftune_budget
+    python benchmarks/sft.py --one swiftune --model qwen3-0.6b --batch 8     # one mode, JSON on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget"]
+
+
+class CountingCollator:
+    """Wraps a collator; counts the real (non-padding) tokens and padding slots it emits."""
+
+    def __init__(self, inner, pad_token_id):
+        self.inner, self.pad = inner, pad_token_id
+        self.tokens = 0
+        self.slots = 0
+
+    def __call__(self, examples):
+        self.tokens += sum(len(e["input_ids"]) for e in examples)
+        batch = self.inner(examples)
+        self.slots += batch["input_ids"].numel()
+        return batch
+
+
+def timing_callback(warmup: int, record: dict):
+    import torch
+    from transformers import TrainerCallback
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if state.global_step == warmup:
+                record["t0"], record["tokens0"] = time.perf_counter(), record["counter"].tokens
+            record["t1"], record["tokens1"] = time.perf_counter(), record["counter"].tokens
+
+    return Timer()
+
+
+def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int) -> dict:
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from workload import model_config, random_token_rows, sample_lengths
+
+    torch.manual_seed(0)
+    config = model_config(model_name)
+    config._attn_implementation = "sdpa"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    n_rows = max(steps * batch * 2, 512)
+    rows = random_token_rows(sample_lengths(n_rows, max_length=max_length), config.vocab_size)
+    lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    common = dict(output_dir=f"/tmp/bench_sft_{mode}", max_steps=steps, per_device_train_batch_size=batch,
+                  learning_rate=1e-4, logging_steps=10_000, save_strategy="no", report_to="none", bf16=True,
+                  gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+                  dataloader_pin_memory=device == "cuda", seed=0, disable_tqdm=True, use_cpu=device == "cpu")
+    if device == "cpu":
+        common["bf16"] = False
+    record: dict = {}
+    if mode == "hf_padded":
+        import peft
+        from transformers import Trainer, TrainingArguments
+
+        model = peft.get_peft_model(model, lora)
+        model.enable_input_require_grads()
+
+        def pad_collate(examples):
+            width = max(len(e["input_ids"]) for e in examples)
+            ids = torch.zeros(len(examples), width, dtype=torch.long)
+            att = torch.zeros_like(ids)
+            for i, e in enumerate(examples):
+                ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+                att[i, : len(e["input_ids"])] = 1
+            return {"input_ids": ids, "attention_mask": att, "labels": ids.masked_fill(att == 0, -100)}
+
+        counter = CountingCollator(pad_collate, 0)
+        trainer = Trainer(model=model, args=TrainingArguments(remove_unused_columns=False, **common),
+                          train_dataset=rows, data_collator=counter)
+    elif mode.startswith("trl"):
+        import datasets
+        import trl
+
+        args = trl.SFTConfig(padding_free=True, max_length=None, use_liger_kernel=(mode == "trl_liger"),
+                             dataset_num_proc=None, **common)
+        tok = _dummy_tokenizer(config.vocab_size)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                                 peft_config=lora, processing_class=tok)
+        counter = CountingCollator(trainer.data_collator, 0)
+        trainer.data_collator = counter
+    else:
+        import swiftune
+        from swiftune.data import FormattingStats, TokenizedDataset
+
+        model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=True)
+        examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
+        data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
+        extra = dict(max_tokens_per_batch=budget) if mode == "swiftune_budget" else {}
+        common.pop("gradient_checkpointing_kwargs")
+        common["gradient_checkpointing"] = False  # already enabled by get_peft_model
+        trainer = swiftune.SFTTrainer(
+            model=model, args=swiftune.SFTConfig(max_length=max_length, **extra, **common),
+            train_dataset=data, processing_class=_dummy_tokenizer(config.vocab_size),
+        )
+        counter = CountingCollator(trainer.data_collator, 0)
+        trainer.data_collator = counter
+    record["counter"] = counter
+    trainer.add_callback(timing_callback(warmup, record))
+    trainer.train()
+    elapsed = record["t1"] - record["t0"]
+    tokens = record["tokens1"] - record["tokens0"]
+    return dict(mode=mode, model=model_name, batch=batch, steps=steps - warmup, tokens_per_s=tokens / elapsed,
+                peak_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, sec_per_step=elapsed / (steps - warmup),
+                padding_fraction=1 - counter.tokens / max(counter.slots, 1))
+
+
+def _dummy_tokenizer(vocab_size: int):
+    """A tokenizer object the trainers accept for pre-tokenized data (pad id 0, eos id 1)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t2")),
+                                  pad_token="t0", eos_token="t1", unk_token="t2")
+    return tok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--batch", type=int, nargs="+", default=[16])
+    p.add_argument("--modes", nargs="+", default=ALL_MODES)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch for swiftune_budget")
+    p.add_argument("--max_length", type=int, default=1024)
+    p.add_argument("--one", help="run a single mode in this process and print its JSON")
+    p.add_argument("--out", help="write all rows as JSON here")
+    args = p.parse_args(argv)
+    if args.one:
+        row = run_one(args.one, args.model, args.batch[0], args.steps, args.warmup, args.budget, args.max_length)
+        print("RESULT " + json.dumps(row))
+        return 0
+    rows = []
+    for batch in args.batch:
+        for mode in args.modes:
+            cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", str(batch),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
+                   "--max_length", str(args.max_length)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if found:
+                rows.append(json.loads(found[-1][7:]))
+            else:
+                err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                rows.append(dict(mode=mode, model=args.model, batch=batch, error=" | ".join(err)[-300:]))
+            print(json.dumps(rows[-1]), flush=True)
+    base = {r["batch"]: r for r in rows if r["mode"] == "hf_padded" and "error" not in r}
+    print(f"\n{'mode':<17} {'model':<11} {'batch':>5} {'tok/s':>8} {'x hf_padded':>11} {'peak GB':>8} "
+          f"{'s/step':>7} {'padding':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:<17} {r['model']:<11} {r['batch']:>5}  FAILED: {r['error'][:150]}")
+            continue
+        ratio = r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"] if r["batch"] in base else float("nan")
+        print(f"{r['mode']:<17} {r['model']:<11} {r['batch']:>5} {r['tokens_per_s']:8.0f} {ratio:11.2f} "
+              f"{r['peak_gb']:8.1f} {r['sec_per_step']:7.2f} {r['padding_fraction']:8.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The benchmark workload and model shapes shared by the benchmark scripts.
+
+Lengths follow the reference distribution of the project's shared `data/lengths.py`
+(instruction-tuning rows: log-normal, median 180 tokens, sigma 0.65, clipped to
+[16, max_length], seeded), restated here because the benchmarks run on machines where only
+this repository travels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Architecture sizes of real models (random weights are built from these configs).
+MODEL_SHAPES: dict[str, dict] = {
+    # a smoke-test shape for CPU runs of the scripts themselves
+    "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                 tie_word_embeddings=False, max_position_embeddings=4096),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=131072),
+}
+
+
+def sample_lengths(n: int, seed: int = 0, max_length: int = 1024) -> np.ndarray:
+    """Token lengths of n instruction rows (the shared reference distribution)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.rint(rng.lognormal(mean=np.log(180.0), sigma=0.65, size=n))
+    return np.clip(lengths, 16, max_length).astype(np.int64)
+
+
+def padding_fraction(lengths: np.ndarray, batch_size: int) -> float:
+    """Share of pad tokens when consecutive rows are padded to the longest in their batch."""
+    usable = len(lengths) - len(lengths) % batch_size
+    batches = lengths[:usable].reshape(-1, batch_size)
+    return float(1.0 - batches.sum() / (batches.max(axis=1).sum() * batch_size))
+
+
+def model_config(name: str):
+    """A transformers config of the named shape (bf16 training, sdpa attention by default)."""
+    from transformers import AutoConfig
+
+    shape = dict(MODEL_SHAPES[name])
+    return AutoConfig.for_model(shape.pop("model_type"), **shape)
+
+
+def random_token_rows(lengths: np.ndarray, vocab_size: int, seed: int = 0) -> list[dict]:
+    """Pre-tokenized rows of random ids with the given lengths (every token trained)."""
+    rng = np.random.default_rng(seed + 1)
+    return [{"input_ids": rng.integers(0, vocab_size, int(n)).tolist()} for n in lengths]
