@@ -1,0 +1,347 @@
+"""Variable-length causal attention over packed documents, four ways.
+
+Every backend takes the flat layout of :mod:`swiftune.attention.packing`: ``q [T, Hq, D]``,
+``k, v [T, Hk, D]`` (``Hq % Hk == 0``: grouped-query attention) and a :class:`PackedBatch`, and
+returns ``[T, Hq, D]``. For a query token ``i`` of document ``d`` the keys it sees are the tokens
+``j`` of the same document with ``j <= i`` and, with a sliding window ``W``, ``i - j < W`` (the
+convention of transformers' masks: a token sees itself and the ``W - 1`` before it). Scores are
+``s = scale * q.k``, soft-capped as ``cap * tanh(s / cap)`` when ``softcap`` is set (Gemma 2).
+
+* ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash kernels in PyTorch, CUDA, fp16/bf16).
+  Its signature changed between releases (``is_causal`` / ``window_size`` / ``enable_gqa``), so
+  the parameters it has are read once at import and the call adapts; no soft-capping.
+* ``flash_attn``: ``flash_attn_varlen_func`` of the flash-attn package, when installed.
+* ``flex``: ``flex_attention`` with a document (+ window) block mask and a soft-cap score_mod;
+  compiled on CUDA, where it costs O(T) memory plus an O((T/128)^2) block table.
+* ``reference``: each document separately with eager softmax attention; for CPU and tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .packing import PackedBatch
+
+BACKENDS = ("varlen", "flash_attn", "flex", "reference")
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+    _VARLEN_PARAMS = frozenset()
+
+try:
+    from flash_attn import flash_attn_varlen_func as _flash_varlen
+
+    _FLASH_PARAMS = frozenset(inspect.signature(_flash_varlen).parameters)
+except Exception:  # not installed, or installed against another torch/CUDA
+    _flash_varlen = None
+    _FLASH_PARAMS = frozenset()
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - older torch
+    create_block_mask = flex_attention = None
+
+_compiled_flex: Callable | None = None
+
+
+def _flex_fn(device: torch.device) -> Callable:
+    """flex_attention, compiled on CUDA (eager flex materialises T x T scores: fine for CPU tests only)."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        # Default dynamic=None: the first shape compiles static, a second one recompiles dynamic,
+        # so padding-free batches of ever-changing length do not exhaust the recompile limit.
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+# --------------------------------------------------------------------------- capabilities
+
+
+def backend_available(name: str, device: torch.device | str) -> bool:
+    """Whether backend ``name`` can run on ``device`` in this environment."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
+    device = torch.device(device)
+    if name == "reference":
+        return True
+    if name == "flex":
+        return flex_attention is not None
+    if device.type != "cuda":
+        return False
+    if name == "varlen":
+        return _varlen_attn is not None
+    return _flash_varlen is not None  # flash_attn
+
+
+def unsupported_reason(
+    name: str, q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None, dropout: float
+) -> str | None:
+    """Why backend ``name`` cannot compute this call (``None`` when it can)."""
+    if not backend_available(name, q.device):
+        return f"{name} is not available on {q.device} here"
+    if name == "varlen":
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"varlen_attn needs fp16/bf16, got {q.dtype}"
+        if softcap:
+            return "varlen_attn has no attention soft-capping"
+        if window and "window_size" not in _VARLEN_PARAMS:
+            return "this torch's varlen_attn has no window_size (sliding window)"
+        if dropout:
+            return "varlen_attn has no attention dropout"
+    if name == "flash_attn":
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"flash_attn needs fp16/bf16, got {q.dtype}"
+        if softcap and "softcap" not in _FLASH_PARAMS:
+            return "this flash_attn has no softcap"
+    if name == "flex":
+        if dropout:
+            return "flex attention has no attention dropout"
+        if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return "flex attention has no backward off CUDA"
+    return None
+
+
+def resolve_backend(
+    name: str, q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None, dropout: float
+) -> str:
+    """Pick the backend for one call: ``name`` itself (checked), or the best one for ``"auto"``.
+
+    ``auto`` on CUDA: flash_attn, then varlen, then flex (whichever first supports the call's
+    dtype, window, soft-cap and dropout); on CPU: reference.
+    """
+    if name != "auto":
+        reason = unsupported_reason(name, q, k, window, softcap, dropout)
+        if reason is not None:
+            raise ValueError(f"attention backend {name!r} cannot run this layer: {reason}")
+        return name
+    order = ("flash_attn", "varlen", "flex") if q.device.type == "cuda" else ("reference",)
+    for candidate in order:
+        if unsupported_reason(candidate, q, k, window, softcap, dropout) is None:
+            return candidate
+    raise ValueError(
+        f"no packed attention backend supports this layer on {q.device} (dtype {q.dtype}, window {window}, "
+        f"softcap {softcap}, dropout {dropout}); install flash-attn or use backend='reference'"
+    )
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Each document alone, eager attention with the softmax in (at least) float32.
+
+    Mirrors transformers' ``eager_attention_forward``: scores in the input dtype, soft-cap,
+    causal (+ window) mask, softmax in float32 cast back, dropout, then ``p @ v``.
+    """
+    groups = q.shape[1] // k.shape[1]
+    bounds = packed.cu_seqlens.tolist()
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qd = q[start:end].transpose(0, 1)  # [H, L, D]
+        kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = torch.matmul(qd, kd.transpose(1, 2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        n = end - start
+        i = torch.arange(n, device=q.device).unsqueeze(1)
+        j = torch.arange(n, device=q.device).unsqueeze(0)
+        allowed = j <= i
+        if window:
+            allowed = allowed & (i - j < window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        if dropout:
+            probs = F.dropout(probs, p=dropout, training=True)
+        outs.append(torch.matmul(probs, vd).transpose(0, 1))
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+
+def _flex_block_mask(packed: PackedBatch, window: int | None, device: torch.device):
+    """The document (+ window) BlockMask of this forward, built once per window size."""
+    key = ("flex_block_mask", window)
+    if key not in packed.cache:
+        total = packed.num_tokens
+        # Pad the ids to whole 128-token blocks with -1 so that mask_mod never indexes past the
+        # end when the mask is evaluated on block-aligned tiles.
+        padded = -(-total // 128) * 128
+        doc = torch.full((padded,), -1, dtype=torch.int32, device=device)
+        doc[:total] = packed.doc_ids()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            same = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+            if window:
+                same = same & (q_idx - kv_idx < window)
+            return same
+
+        packed.cache[key] = create_block_mask(
+            mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device, _compile=device.type == "cuda"
+        )
+    return packed.cache[key]
+
+
+def flex_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """flex_attention over the whole flat axis with a block-sparse document mask."""
+    if dropout:
+        raise ValueError("flex attention has no attention dropout")
+    block_mask = _flex_block_mask(packed, window, q.device)
+    score_mod = None
+    if softcap:
+        # A device tensor, not a Python float: once flex has been recompiled for dynamic shapes,
+        # dynamo lifts captured floats to CPU scalar tensors, which the CUDA kernel cannot read.
+        cap = torch.tensor(float(softcap), device=q.device, dtype=torch.float32)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score / cap) * cap
+
+    with warnings.catch_warnings():
+        # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = _flex_fn(q.device)(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def varlen_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """``torch.nn.attention.varlen.varlen_attn``, adapted to the signature of this torch."""
+    if softcap or dropout:
+        raise ValueError("varlen_attn supports neither soft-capping nor dropout")
+    kwargs: dict = {}
+    if "scale" in _VARLEN_PARAMS:
+        kwargs["scale"] = scale
+    else:  # older signature: fold the scale into q (the kernel uses 1/sqrt(D))
+        q = q * (scale * q.shape[-1] ** 0.5)
+    if "window_size" in _VARLEN_PARAMS:
+        # (left, right) = (W - 1, 0): a token sees itself and the W - 1 before it; (-1, 0) = causal.
+        kwargs["window_size"] = (window - 1, 0) if window else (-1, 0)
+    elif window:
+        raise ValueError("this torch's varlen_attn has no window_size")
+    if "is_causal" in _VARLEN_PARAMS:
+        kwargs["is_causal"] = True
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:  # torch 2.11: expand the KV heads (O(T) memory, like the activations themselves)
+            groups = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+    cu = packed.cu_seqlens
+    n = packed.max_seqlen
+    return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, **kwargs)
+
+
+def flash_attn_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_varlen_func`` (GQA, window and soft-cap are native)."""
+    kwargs: dict = {"dropout_p": dropout, "softmax_scale": scale, "causal": True}
+    if window:
+        kwargs["window_size"] = (window - 1, 0)
+    if softcap:
+        kwargs["softcap"] = float(softcap)
+    cu = packed.cu_seqlens
+    n = packed.max_seqlen
+    return _flash_varlen(q, k, v, cu, cu, n, n, **kwargs)
+
+
+_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
+    "varlen": varlen_packed_attention,
+    "flash_attn": flash_attn_packed_attention,
+    "flex": flex_packed_attention,
+    "reference": reference_attention,
+}
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention within each document of a packed batch.
+
+    Args:
+        q: ``[T, Hq, D]``; k, v: ``[T, Hk, D]`` with ``Hq % Hk == 0``, the real tokens in flat
+            order (see :meth:`PackedBatch.unpad`).
+        packed: the document layout (``cu_seqlens``) of this forward.
+        scale: score scale, default ``D ** -0.5``.
+        window: sliding window (a token sees itself and ``window - 1`` tokens before), or None.
+        softcap: attention logit soft-cap (``cap * tanh(s / cap)``), or None.
+        dropout: attention-probability dropout (reference and flash_attn only).
+        backend: one of :data:`BACKENDS` or ``"auto"``.
+
+    Returns:
+        ``[T, Hq, D]`` in q's dtype.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"expected q [T, Hq, D], k/v [T, Hk, D] with Hq % Hk == 0; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    window = int(window) if window else None
+    softcap = float(softcap) if softcap else None
+    name = resolve_backend(backend, q, k, window, softcap, dropout)
+    return _IMPLS[name](q, k, v, packed, scale=scale, window=window, softcap=softcap, dropout=dropout)

@@ -1,0 +1,190 @@
+"""Packed attention inside transformers models, through transformers' public registries.
+
+Three pieces, none of which edits a model's source:
+
+* :func:`packed_attention_forward` is registered in ``AttentionInterface`` as ``"swiftune_packed"``;
+  a model whose ``config._attn_implementation`` names it calls it from every attention layer with
+  ``query [B, Hq, S, D]``, ``key/value [B, Hk, S, D]`` and the layer's kwargs (``position_ids``,
+  ``sliding_window``, ``softcap``, ...).
+* :func:`packed_attention_mask` is registered under the same name in ``AttentionMaskInterface``.
+  transformers builds each forward's mask through it; it returns the 2-D padding mask as it came
+  (or ``None``), so no 4-D ``[B, 1, S, S]`` mask is ever allocated. (Leaving the name out of the
+  mask registry is not an option: transformers then drops the 2-D mask altogether.)
+* :func:`install_packed_context` adds a forward pre-hook to the decoder stack that computes the
+  :class:`PackedBatch` (``cu_seqlens``, one host sync) once per forward and passes it to every
+  layer as the keyword argument ``swiftune_packed``: transformers forwards unknown keyword
+  arguments from the decoder to each layer and on to the attention function. Without the hook
+  the attention function derives the layout itself, per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .backends import packed_attention
+from .packing import PackedBatch, build_packed_batch
+
+ATTENTION_NAME = "swiftune_packed"
+PACKED_KWARG = "swiftune_packed"
+
+
+def packed_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask builder for ``AttentionMaskInterface``: the 2-D padding mask itself, never ``[S, S]``.
+
+    Causality, documents and windows are applied by the attention kernels from ``position_ids``.
+    The mask is sliced from the right to ``kv_length`` like transformers' flash-attention mask
+    (a sliding-window cache keeps only the last keys).
+    """
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -kv_length:]
+
+
+def _dense_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """Eager attention for what the packed path does not cover: decoding with a KV cache
+    (fewer queries than keys; then ``S_q x S_k`` is small), or a caller's own 4-D mask.
+
+    Queries are aligned to the last keys (the cache convention). Returns ``[B, S, Hq, D]``.
+    """
+    bsz, heads, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    groups = heads // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attention_mask[..., :kv_len], float("-inf"))
+        else:
+            scores = scores + attention_mask[..., :kv_len]
+    else:
+        i = torch.arange(q_len, device=query.device).unsqueeze(1) + (kv_len - q_len)
+        j = torch.arange(kv_len, device=query.device).unsqueeze(0)
+        allowed = j <= i
+        if sliding_window:
+            allowed = allowed & (i - j < sliding_window)
+        allowed = allowed.expand(bsz, 1, q_len, kv_len)
+        if attention_mask is not None:
+            allowed = allowed & (attention_mask[:, None, None, -kv_len:] != 0)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = torch.nan_to_num(probs).to(query.dtype)  # fully masked rows (padding) give zeros, not NaN
+    if dropout:
+        probs = nn.functional.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: causal attention within each packed document.
+
+    Returns ``(attn_output [B, S, Hq, D], None)`` like transformers' own attention functions.
+    Padding positions of a 2-D-masked batch get zeros.
+    """
+    bsz, heads, q_len, head_dim = query.shape
+    if scaling is None:
+        scaling = head_dim**-0.5
+    if not getattr(module, "is_causal", True):
+        raise ValueError("swiftune packed attention is causal; this layer is bidirectional")
+    if key.shape[2] != q_len or (attention_mask is not None and attention_mask.dim() != 2):
+        out = _dense_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap, dropout)
+        return out, None
+
+    packed = kwargs.get(PACKED_KWARG)
+    if not isinstance(packed, PackedBatch) or packed.batch_size != bsz or packed.seq_len != q_len:
+        packed = build_packed_batch(bsz, q_len, kwargs.get("position_ids"), attention_mask, device=query.device)
+
+    # [B, H, S, D] -> [B, S, H, D] is free for projections laid out as view(B, S, H, D).transpose(1, 2).
+    q = packed.unpad(query.transpose(1, 2))
+    k = packed.unpad(key.transpose(1, 2))
+    v = packed.unpad(value.transpose(1, 2))
+    out = packed_attention(
+        q, k, v, packed, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, backend=packed.backend
+    )
+    return packed.pad(out), None
+
+
+def register_packed_attention() -> str:
+    """Register swiftune's attention and mask functions with transformers (idempotent).
+
+    Returns the name to set as ``attn_implementation``.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, packed_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, packed_attention_mask)
+    return ATTENTION_NAME
+
+
+_NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of the decoder stack: compute the PackedBatch once for all layers."""
+    if getattr(module.config, "_attn_implementation", None) != ATTENTION_NAME:
+        return None
+    named = dict(zip(_NAMED_INPUTS, args))
+    named.update({k: kwargs[k] for k in _NAMED_INPUTS if k in kwargs})
+    ids = named.get("input_ids")
+    embeds = kwargs.get("inputs_embeds")
+    ref = ids if ids is not None else embeds
+    if ref is None or ref.dim() < 2:
+        return None
+    bsz, seq_len = ref.shape[0], ref.shape[1]
+    mask = named.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (bsz, seq_len)):
+        return None  # a 4-D / per-layer-type mask, or decoding against a longer cache: layers fall back
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        return None  # decoding: queries attend to cached keys, not a packed layout
+    backend = getattr(module, "_swiftune_attention_backend", "auto")
+    packed = build_packed_batch(bsz, seq_len, named.get("position_ids"), mask, device=ref.device, backend=backend)
+    kwargs = dict(kwargs)
+    kwargs[PACKED_KWARG] = packed
+    return args, kwargs
+
+
+def install_packed_context(decoder: nn.Module, backend: str = "auto") -> None:
+    """Make ``decoder`` (the model's layer stack, e.g. ``LlamaModel``) compute the packed layout
+    once per forward and hand it to every layer; calling it again only updates ``backend``."""
+    decoder._swiftune_attention_backend = backend
+    if not has_packed_context(decoder):
+        decoder.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)
+
+
+def has_packed_context(decoder: nn.Module) -> bool:
+    """Whether :func:`install_packed_context` was applied to ``decoder``."""
+    return any(hook is _packed_pre_hook for hook in decoder._forward_pre_hooks.values())

@@ -1,0 +1,120 @@
+"""swiftune's forwards for the attention, MLP and RMSNorm modules of the supported families.
+
+:func:`swiftune.patch_model` binds these on module *instances* (``module.forward = ...``); the
+classes, the parameters and their names stay transformers' own, so checkpoints stay plain.
+Each forward computes what the transformers forward of the same module computes, with the
+fused kernels of :mod:`swiftune.kernels` in place of the unfused PyTorch ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels import geglu, rms_norm, rope_qk, swiglu
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a family's attention forward passes to the attention function besides q, k, v.
+
+    Attributes:
+        window: the layer's sliding window (``None`` = full attention), read from the module.
+        softcap: whether the family passes ``attn_logit_softcapping`` (Gemma 2 does; Gemma 3
+            has the attribute but does not pass it, so neither do we).
+        eager: the modeling file's own ``eager_attention_forward``, used when the configured
+            implementation is ``"eager"`` (transformers' registry has no entry for it).
+    """
+
+    window: Callable[[nn.Module], int | None]
+    softcap: bool
+    eager: Callable
+
+
+def fused_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of Llama / Mistral / Qwen2 / Qwen3 / Gemma 1-3 with one fused QK RoPE kernel.
+
+    Same projections and (Qwen3 / Gemma 3) per-head q/k RMSNorm as transformers; RoPE through
+    :func:`swiftune.kernels.rope_qk` (in place); then the configured attention function.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    spec: AttentionSpec = self._swiftune_attention_spec
+    backend = self._swiftune_kernel_backend
+    # transformers < 5.2x names the cache ``past_key_values``, later ``cache``: accept both.
+    cache = kwargs.pop("cache", None)
+    legacy_cache = kwargs.pop("past_key_values", None)
+    cache = cache if cache is not None else legacy_cache
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query = self.q_proj(hidden_states).view(hidden_shape)
+    key = self.k_proj(hidden_states).view(hidden_shape)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if getattr(self, "q_norm", None) is not None:
+        # Qwen3 / Gemma 3 normalise each head over head_dim before RoPE; the norm is over the
+        # last axis, so applying it before the transpose (Qwen3's order) is the same for Gemma 3.
+        query = self.q_norm(query)
+        key = self.k_norm(key)
+    cos, sin = position_embeddings
+    if cos.dtype != query.dtype:  # e.g. autocast: rotate in q's dtype
+        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+    query, key = rope_qk(query.transpose(1, 2), key.transpose(1, 2), cos, sin, backend=backend)
+
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, spec.eager)
+    extra = {}
+    window = spec.window(self)
+    if window is not None:
+        extra["sliding_window"] = window
+    if spec.softcap:
+        extra["softcap"] = self.attn_logit_softcapping
+    attn_output, attn_weights = attention_interface(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+def fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Gated MLP ``down(act(gate(x)) * up(x))`` with the activation and product fused."""
+    gate = self.gate_proj(x)
+    up = self.up_proj(x)
+    kind, approximate = self._swiftune_glu
+    backend = self._swiftune_kernel_backend
+    if gate.dtype != up.dtype:  # unusual mixed setups: keep transformers' own arithmetic
+        return type(self).forward(self, x)
+    if kind == "swiglu":
+        hidden = swiglu(gate, up, backend=backend)
+    else:
+        hidden = geglu(gate, up, approximate=approximate, backend=backend)
+    return self.down_proj(hidden)
+
+
+def fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm through the fused kernel (Gemma's ``(1 + w)`` through ``offset=1``)."""
+    if x.dtype != self.weight.dtype:
+        # transformers' dtype rules differ by family when weight and input dtypes differ
+        # (Llama promotes, Gemma keeps x's dtype): keep its own forward for such setups.
+        return type(self).forward(self, x)
+    eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
+    return rms_norm(x, self.weight, eps, self._swiftune_norm_offset, backend=self._swiftune_kernel_backend)
