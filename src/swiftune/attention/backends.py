@@ -18,6 +18,8 @@ convention of transformers' masks: a token sees itself and the ``W - 1`` before 
 
 from __future__ import annotations
 
+import functools
+
 import inspect
 import warnings
 from collections.abc import Callable
@@ -50,19 +52,16 @@ try:
 except ImportError:  # pragma: no cover - older torch
     create_block_mask = flex_attention = None
 
-_compiled_flex: Callable | None = None
+@functools.cache
+def _compiled_flex() -> Callable:
+    # Default dynamic=None: the first shape compiles static, a second one recompiles dynamic,
+    # so padding-free batches of ever-changing length do not exhaust the recompile limit.
+    return torch.compile(flex_attention)
 
 
 def _flex_fn(device: torch.device) -> Callable:
     """flex_attention, compiled on CUDA (eager flex materialises T x T scores: fine for CPU tests only)."""
-    global _compiled_flex
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        # Default dynamic=None: the first shape compiles static, a second one recompiles dynamic,
-        # so padding-free batches of ever-changing length do not exhaust the recompile limit.
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+    return _compiled_flex() if device.type == "cuda" else flex_attention
 
 
 # --------------------------------------------------------------------------- capabilities
