@@ -19,7 +19,6 @@ convention of transformers' masks: a token sees itself and the ``W - 1`` before 
 from __future__ import annotations
 
 import functools
-
 import inspect
 import warnings
 from collections.abc import Callable
