@@ -22,6 +22,12 @@ _LAZY = {
     "unpatch_model": "swiftune.models",
     "SFTConfig": "swiftune.sft",
     "SFTTrainer": "swiftune.sft",
+    "GRPOConfig": "swiftune.rl",
+    "GRPOTrainer": "swiftune.rl",
+    "rl": "swiftune.rl",
+    "plan_memory": "swiftune.memory",
+    "max_tokens": "swiftune.memory",
+    "memory": "swiftune.memory",
     "attention": "swiftune.attention",
     "models": "swiftune.models",
     "data": "swiftune.data",
@@ -36,4 +42,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'swiftune' has no attribute {name!r}")
 
 
-__all__ = ["FastModel", "SFTConfig", "SFTTrainer", "kernels", "losses", "patch_model", "unpatch_model"]
+__all__ = ["FastModel", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "kernels", "losses", "patch_model", "plan_memory",
+           "unpatch_model"]

@@ -98,8 +98,9 @@ def _check_causal_lm(config: Any, name: str) -> None:
 def enable_gradient_checkpointing(model: nn.Module, mode: bool | str = True) -> nn.Module:
     """Turn on non-reentrant gradient checkpointing of every decoder layer.
 
-    ``mode="offload"`` is accepted and recorded on the model (``_swiftune_offload_checkpointing``)
-    for swiftune's offloading checkpoint; for now the layers are checkpointed on the device.
+    ``mode="offload"`` checkpoints each layer with its saved input in pinned CPU memory, copied
+    asynchronously and brought back just in time in backward, keeping as many layers on the GPU
+    as its budget allows (:func:`swiftune.models.checkpointing.enable_offloaded_checkpointing`).
     """
     if not mode:
         return model
@@ -112,7 +113,12 @@ def enable_gradient_checkpointing(model: nn.Module, mode: bool | str = True) -> 
     else:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     hf_model.config.use_cache = False  # a KV cache is useless in training and conflicts with checkpointing
-    hf_model._swiftune_offload_checkpointing = mode in ("offload", "unsloth")
+    if mode in ("offload", "unsloth"):
+        from .checkpointing import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(hf_model)  # takes over from transformers' per-layer flag
+    else:
+        hf_model._swiftune_offload_checkpointing = False
     return model
 
 
@@ -227,6 +233,12 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
+        if use_gradient_checkpointing in ("offload", "unsloth"):
+            # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
+            # runs in tiles along the sequence so one layer's temporaries stay a few GB.
+            from .tiled_mlp import enable_tiled_mlp
+
+            enable_tiled_mlp(peft_model, projections=True)
         return peft_model
 
     @staticmethod

@@ -1,0 +1,355 @@
+"""Long-context training step: peak memory, host memory and time vs tokens, beside the planner.
+
+One training step = forward + loss + backward + AdamW step, on one row of ``T`` tokens of a
+random-init model (bf16 weights, LoRA r=16 on all linear layers), for growing ``T``.  Modes
+(each measured in this process, on the same GPU):
+
+  baseline     plain transformers (sdpa) + PEFT + transformers' gradient checkpointing
+               (non-reentrant) + ``F.cross_entropy(logits.float())`` on the full logits;
+               stops at its first OOM
+  ckpt         swiftune: patched model (fused kernels, packed varlen attention), tiled MLP, fused
+               chunked cross entropy (``swiftune.sft.sft_loss``), checkpoints kept on the GPU
+               (transformers' checkpointing): the reference for the offload overhead
+  offload      the same with ``enable_offloaded_checkpointing`` (automatic GPU budget: only the
+               layer inputs that do not fit go to pinned host memory)
+  offload_all  the same with every layer input offloaded (``gpu_budget_bytes=0``): worst-case
+               transfer overhead
+
+Rows report the step time (median of ``--repeats`` after one warm-up step at the first size),
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, pinned host bytes and process RSS,
+the planner's prediction for the same setup (``swiftune.memory.plan_memory``) and the ratios
+measured / predicted.  A row that runs out of GPU memory (or whose checkpoints fit neither budget)
+is reported as OOM and the mode's larger sizes are skipped.  ``--bisect`` then searches the
+largest token count that fits between the last OK and the first OOM row (granularity
+``--bisect-granularity``).  Rows are documents of ``--doc-tokens`` tokens (``position_ids``
+restart; 0: one sequence), which keeps attention cost linear in ``T``: swiftune's packed
+attention respects the boundaries, the sdpa baseline attends across them (more work, the same
+memory).  The table is printed last; ``--out`` writes JSON.
+
+    python benchmarks/longctx.py --out longctx.json                       # default: ~5-7 min on an H200
+    python benchmarks/longctx.py --tokens 409600 --modes offload --doc-tokens 0   # one 400K sequence (attention
+                                                                  # dominates: ~8-10 min, over a 10-min call limit?)
+    python benchmarks/longctx.py --model tiny                             # CPU smoke test (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ALL_MODES = ["baseline", "ckpt", "offload", "offload_all"]
+DEFAULT_TOKENS = [8192, 32768, 65536, 131072, 262144, 409600]
+TINY_TOKENS = [256, 1024, 2048]
+
+
+# ------------------------------------------------------------------------------------ models
+
+
+def build_model(name: str, mode: str, device: torch.device, mlp_tile: int | None, projections: bool):
+    """A random-init model of shape ``name`` set up for ``mode`` (LoRA r=16 all-linear)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from workload import model_config
+
+    torch.manual_seed(0)
+    config = model_config(name)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.use_cache = False
+    if mode == "baseline":
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+        hf = model.get_base_model()
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model.train()
+    import swiftune
+    from swiftune.models.tiled_mlp import enable_tiled_mlp
+
+    swiftune.patch_model(model)
+    model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
+    enable_tiled_mlp(model, tile_tokens=mlp_tile, projections=projections)
+    return model.train()
+
+
+def set_checkpointing(model, mode: str) -> None:
+    """Switch a swiftune model between GPU checkpointing and the two offload settings."""
+    from swiftune.models.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+
+    hf = model.get_base_model()
+    disable_offloaded_checkpointing(model)
+    if mode == "ckpt":
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        if getattr(hf, "is_gradient_checkpointing", False):
+            hf.gradient_checkpointing_disable()
+        enable_offloaded_checkpointing(model, gpu_budget_bytes=0 if mode == "offload_all" else None)
+
+
+# -------------------------------------------------------------------------------------- step
+
+
+def make_batch(tokens: int, vocab: int, doc_tokens: int, device: torch.device) -> dict:
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, vocab, (1, tokens), generator=g)
+    doc = doc_tokens if doc_tokens > 0 else tokens
+    pos = (torch.arange(tokens) % doc)[None]
+    return {"input_ids": ids.to(device), "position_ids": pos.to(device)}
+
+
+def step(model, mode: str, batch: dict, optimizer) -> float:
+    ids = batch["input_ids"]
+    if mode == "baseline":
+        logits = model(**batch, use_cache=False).logits
+        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+        del logits
+    else:
+        from swiftune.sft import sft_loss
+
+        loss, hidden = sft_loss(model, dict(batch), ids)
+        del hidden
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def host_rss() -> int:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    return 0
+
+
+def _plan_kwargs(mode: str, args) -> dict:
+    """The planner's options for a benchmark mode."""
+    try:
+        from swiftune.attention.backends import _VARLEN_PARAMS
+
+        kv_expanded = "enable_gqa" not in _VARLEN_PARAMS
+    except ImportError:
+        kv_expanded = True
+    kw: dict = dict(kv_expanded=kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
+    if mode == "baseline":
+        kw.update(chunked_loss=False, tiled_mlp=False, tiled_projections=False, gradient_checkpointing=True)
+    elif mode == "ckpt":
+        kw.update(gradient_checkpointing=True)
+    else:
+        kw.update(gradient_checkpointing="offload")
+    return kw
+
+
+def predict(name: str, tokens: int, mode: str, gpu_bytes: int | None, args) -> dict:
+    from swiftune.memory import plan_memory
+
+    from workload import MODEL_SHAPES
+
+    gpu = None if mode == "offload_all" else gpu_bytes
+    plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **_plan_kwargs(mode, args))
+    return {"pred_allocated": plan.allocated, "pred_total": plan.total, "pred_kept": plan.kept_layers,
+            "pred_host": plan.host_bytes}
+
+
+def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer) -> dict:
+    from swiftune.models.checkpointing import CheckpointBudgetError, offload_stats
+
+    pin0 = offload_stats(model).get("host_alloc_seconds", 0.0)
+    vocab = model.config.vocab_size
+    batch = make_batch(tokens, vocab, args.doc_tokens, device)
+    row: dict = {"mode": mode, "tokens": tokens}
+    cuda = device.type == "cuda"
+    times = []
+    try:
+        for _ in range(args.repeats):
+            gc.collect()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            row["loss"] = step(model, mode, batch, optimizer)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        row["status"] = "ok"
+        row["step_s"] = statistics.median(times)
+        row["tokens_per_s"] = tokens / row["step_s"]
+        if cuda:
+            row["peak_allocated"] = torch.cuda.max_memory_allocated()
+            row["peak_reserved"] = torch.cuda.max_memory_reserved()
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="oom", error=str(e).splitlines()[0][:200])
+    except CheckpointBudgetError as e:
+        row.update(status="oom_host", error=str(e)[:300])
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        del batch
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    stats = offload_stats(model)
+    if stats:
+        row.update(kept=len(stats["keep"]), offloaded=len(stats["offload"]), host_pinned=stats["host_pinned_bytes"])
+        # pinning new host pages happens once (the pool is reused); report it apart from the step
+        row["pin_s"] = stats["host_alloc_seconds"] - pin0
+        if row.get("step_s") is not None:
+            row["step_s_excl_pin"] = row["step_s"] - row["pin_s"] / args.repeats
+    row["host_rss"] = host_rss()
+    gpu_total = torch.cuda.get_device_properties(device).total_memory if cuda else None
+    row.update(predict(args.model, tokens, mode, gpu_total, args))
+    if row.get("peak_allocated"):
+        row["alloc_over_pred"] = row["peak_allocated"] / row["pred_allocated"]
+        row["reserved_over_pred"] = row["peak_reserved"] / row["pred_total"]
+    return row
+
+
+def print_row(row: dict, header: bool = False) -> None:
+    cols = (f"{'mode':>11} {'tokens':>8} {'status':>8} {'s/step':>8} {'tok/s':>8} {'alloc GB':>9} {'resv GB':>8} "
+            f"{'pred GB':>8} {'alloc/pred':>10} {'kept':>5} {'host GB':>8} {'pin s':>6} {'rss GB':>7} {'x ckpt':>7}")
+    if header:
+        print(cols, flush=True)
+    g = lambda k, s=1e9, f="%.2f": (f % (row[k] / s)) if row.get(k) is not None else "-"  # noqa: E731
+    print(f"{row['mode']:>11} {row['tokens']:>8} {row['status']:>8} {g('step_s', 1, '%.2f'):>8} "
+          f"{g('tokens_per_s', 1, '%.0f'):>8} {g('peak_allocated'):>9} {g('peak_reserved'):>8} {g('pred_allocated'):>8} "
+          f"{g('alloc_over_pred', 1, '%.3f'):>10} {str(row.get('kept', '-')):>5} {g('host_pinned'):>8} "
+          f"{g('pin_s', 1, '%.1f'):>6} "
+          f"{g('host_rss'):>7} {g('time_vs_ckpt', 1, '%.3f'):>7}", flush=True)
+
+
+def bisect(model, mode: str, lo: int, hi: int, args, device, optimizer, rows: list) -> int:
+    """Largest token count in ``[lo, hi)`` that fits (``lo`` fits, ``hi`` does not)."""
+    while hi - lo > args.bisect_granularity:
+        mid = (lo + hi) // 2
+        mid -= mid % 64
+        row = measure(model, mode, mid, args, device, optimizer)
+        row["bisect"] = True
+        rows.append(row)
+        print_row(row)
+        if row["status"] == "ok":
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b", help="a shape of benchmarks/workload.py (tiny: CPU smoke test)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None)
+    p.add_argument("--modes", nargs="+", default=ALL_MODES, choices=ALL_MODES)
+    p.add_argument("--ckpt-max-tokens", type=int, default=65536,
+                   help="largest size for the ckpt / offload_all comparison rows (they exist to time the offload)")
+    p.add_argument("--doc-tokens", type=int, default=32768, help="document length inside the row (0: one sequence)")
+    p.add_argument("--mlp-tile", type=int, default=None, help="tokens per MLP tile (default: ~1 GiB tiles)")
+    p.add_argument("--no-tile-projections", dest="tile_projections", action="store_false",
+                   help="keep the LoRA attention projections untiled (their float32 input copies stay)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--bisect", nargs="*", default=None, choices=ALL_MODES,
+                   help="modes whose largest fitting token count to search (after the grid)")
+    p.add_argument("--bisect-granularity", type=int, default=16384)
+    p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model != "tiny" and device.type != "cuda":
+        print("benchmarks/longctx.py: real shapes need a CUDA device (use --model tiny on CPU)", file=sys.stderr)
+        return 2
+    if args.tokens is None:
+        args.tokens = TINY_TOKENS if args.model == "tiny" else DEFAULT_TOKENS
+    if args.model == "tiny":  # smoke test: small documents, tiles small enough to run the tiled path
+        args.doc_tokens = min(args.doc_tokens, 512)
+        args.mlp_tile = args.mlp_tile or 256
+    start = time.perf_counter()
+    print(f"# {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'} torch {torch.__version__} "
+          f"model {args.model} LoRA r=16 doc_tokens {args.doc_tokens}", flush=True)
+    rows: list[dict] = []
+    first = True
+    groups = [["baseline"], ["ckpt", "offload", "offload_all"]]
+    for group in groups:
+        modes = [m for m in group if m in args.modes]
+        if not modes:
+            continue
+        model = build_model(args.model, modes[0], device, args.mlp_tile, args.tile_projections)
+        optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
+        warmed = False
+        for mode in modes:
+            if mode != "baseline":
+                set_checkpointing(model, mode)
+            if not warmed:  # compile kernels, allocate optimizer states, once per model
+                measure(model, mode, min(min(args.tokens), 8192), args, device, optimizer)
+                warmed = True
+            limit = args.ckpt_max_tokens if mode in ("ckpt", "offload_all") and args.model != "tiny" else None
+            for n in args.tokens:
+                if limit is not None and n > limit:
+                    continue
+                if time.perf_counter() - start > args.time_budget:
+                    row = {"mode": mode, "tokens": n, "status": "skipped"}
+                else:
+                    row = measure(model, mode, n, args, device, optimizer)
+                    ref = next((r for r in rows if r["mode"] == "ckpt" and r["tokens"] == n and r["status"] == "ok"), None)
+                    if ref is not None and row["status"] == "ok" and mode != "ckpt":
+                        row["time_vs_ckpt"] = row.get("step_s_excl_pin", row["step_s"]) / ref["step_s"]
+                rows.append(row)
+                print_row(row, header=first)
+                first = False
+                if row["status"].startswith("oom"):
+                    break
+            if args.bisect is not None and mode in (args.bisect or args.modes):
+                ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
+                bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]
+                if ok and bad and time.perf_counter() - start < args.time_budget:
+                    best = bisect(model, mode, max(ok), min(bad), args, device, optimizer, rows)
+                    rows.append({"mode": mode, "tokens": best, "status": "max_fit"})
+        del model, optimizer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print("\n# long-context step (LoRA r=16); GB = 1e9 bytes; alloc/pred = measured / planner", flush=True)
+    header = True
+    for row in rows:
+        if row["status"] in ("ok", "oom", "oom_host", "skipped", "max_fit"):
+            print_row(row, header=header)
+            header = False
+    predicted: dict = {}
+    if device.type == "cuda":
+        from swiftune.memory import max_tokens
+
+        from workload import MODEL_SHAPES
+
+        gpu = torch.cuda.get_device_properties(device).total_memory
+        for mode in args.modes:
+            if mode != "offload_all":
+                predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **_plan_kwargs(mode, args))
+        print("# planner's largest fitting token count: "
+              + ", ".join(f"{m} {n:,}" for m, n in predicted.items()), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       "torch": torch.__version__, "args": vars(args), "rows": rows,
+                       "predicted_max_tokens": predicted}, f, indent=1, default=str)
+    print(f"# wall {time.perf_counter() - start:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,726 @@
+"""Memory planner: the peak GPU memory of one training step, predicted from the config alone.
+
+Everything here is a pure function of a model's shape and a few training choices; nothing is
+allocated.  :func:`plan_memory` returns a :class:`MemoryPlan` broken down by component,
+:func:`max_tokens` bisects it for the longest context that fits, and :func:`main_plan` is the
+``swiftune plan`` command.  The formulas are written out in ``docs/memory.md``; the short form,
+with ``T`` tokens in the step, ``L`` layers, hidden ``H``, intermediate ``I``, ``nq``/``nkv``
+heads of ``d``, vocabulary ``V``, ``b`` bytes per weight/activation element (2: bf16) and ``P``
+parameters::
+
+    weights       = P b
+    LoRA          = P_lora (lb + lb + 8)               params + grads + AdamW m, v (fp32)
+    full FT       = P b (grads) + P s_opt              s_opt = 8 (AdamW, fp32 states)
+    checkpoints   = L_gpu T H b                        the saved layer inputs kept on the GPU
+    layer         = max(MLP phase, attention phase)    one layer recomputed and backpropagated
+    loss          = T H b (x3) + c V b                 fused chunked CE, chunk c (full logits: T V (b + 12))
+    overhead      = context + 5% of activations
+
+The checkpointing module uses :func:`layer_working_set` and :func:`step_reserve` to decide how
+many layer inputs it may keep on the GPU (``swiftune.models.checkpointing``).
+
+Layering: pure Python, nothing from swiftune (torch only inside the CLI, for the GPU size), so
+every layer may use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GiB = 2**30
+
+#: Bytes the CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's bookkeeping take
+#: outside ``torch.cuda.memory_allocated`` (measured order of magnitude on H100/H200, CUDA 12-13).
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)
+
+#: Fragmentation of the caching allocator, as a fraction of the activation bytes (long-context
+#: steps allocate and free multi-GB blocks of a few sizes; 5% is the usual reserved/allocated gap).
+FRAGMENTATION = 0.05
+
+#: Default token chunk of the fused loss when none is given: the upper clamp of
+#: :func:`swiftune.losses.choose_chunk_tokens` (what it picks whenever a few GB are free).
+DEFAULT_LOGIT_CHUNK = 4096
+
+#: Tokens per tile of the tiled MLP, default: a tile's intermediate buffers are about 1 GiB
+#: (see :func:`swiftune.models.tiled_mlp.auto_tile_tokens`, the same formula).
+TILE_BYTES = 1 * GiB
+
+# Architecture sizes of real models (random weights are built from these in the benchmarks).
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen3-4b": dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "qwen3-14b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False),
+    "qwen3-32b": dict(model_type="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      tie_word_embeddings=False),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                      tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                       tie_word_embeddings=False),
+}
+
+_QK_NORM = ("qwen3", "gemma3_text", "gemma3")
+_FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
+
+
+# ----------------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that memory depends on (read from a config)."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def model_shape(model_config: Any) -> ModelShape:
+    """A :class:`ModelShape` from a transformers config, a dict of its fields, a known name
+    (``"qwen3-8b"``, see :data:`KNOWN_MODELS`), or a path to a ``config.json`` (or its folder).
+
+    Multimodal configs contribute their ``text_config``.  Bias and norm layout follow the
+    modeling files: Qwen2 has q/k/v biases (always) and no o bias; Llama-style configs use
+    ``attention_bias`` for q/k/v/o and ``mlp_bias`` for the MLP; Qwen3 and Gemma 3 normalise q and
+    k per head; Gemma 2/3 have four RMSNorms per layer.  A :class:`ModelShape` is returned as is.
+    """
+    if isinstance(model_config, ModelShape):
+        return model_config
+    cfg = _config_dict(model_config)
+    if isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    mt = str(cfg.get("model_type", "llama"))
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or hidden // heads
+    kv = cfg.get("num_key_value_heads") or heads
+    attn_bias = bool(cfg.get("attention_bias", False))
+    return ModelShape(
+        model_type=mt,
+        hidden=hidden,
+        intermediate=int(cfg["intermediate_size"]),
+        layers=int(cfg["num_hidden_layers"]),
+        heads=heads,
+        kv_heads=int(kv),
+        head_dim=int(head_dim),
+        vocab=int(cfg["vocab_size"]),
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if mt == "qwen2" else attn_bias,
+        o_bias=False if mt == "qwen2" else attn_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=mt in _QK_NORM,
+        norms_per_layer=4 if mt in _FOUR_NORMS else 2,
+    )
+
+
+def _config_dict(model_config: Any) -> dict[str, Any]:
+    if isinstance(model_config, str):
+        key = model_config.lower()
+        if key in KNOWN_MODELS:
+            return dict(KNOWN_MODELS[key])
+        path = os.path.join(model_config, "config.json") if os.path.isdir(model_config) else model_config
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"unknown model {model_config!r}: give a config.json path, a model folder, or one of "
+                f"{', '.join(KNOWN_MODELS)}"
+            )
+        with open(path) as f:
+            return json.load(f)
+    if isinstance(model_config, Mapping):
+        return dict(model_config)
+    to_dict = getattr(model_config, "to_dict", None)
+    if callable(to_dict):
+        d = to_dict()
+        # to_dict() drops class-level defaults in a few versions; read the attributes we need.
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+                    "attention_bias", "mlp_bias", "model_type"):
+            if hasattr(model_config, key):
+                d[key] = getattr(model_config, key)
+        text = getattr(model_config, "text_config", None)
+        if text is not None and hasattr(text, "to_dict"):
+            d["text_config"] = _config_dict(text)
+        return d
+    raise TypeError(f"cannot read a model shape from {type(model_config).__name__}")
+
+
+def param_count(shape: ModelShape) -> int:
+    """Parameters of the model: embeddings, (untied) LM head, per-layer projections, norms.
+
+    Per layer::
+
+        attn = H*dq + 2*H*dkv + dq*H  (+ dq + 2*dkv if q/k/v biases, + H if o bias)
+               (+ 2*d for Qwen3 / Gemma 3 q/k norms)
+        mlp  = 3*H*I  (+ 2*I + H with MLP biases)
+        norm = norms_per_layer * H
+
+    Total: ``V*H*(1 if tied else 2) + L*(attn + mlp + norm) + H`` (final norm).
+    """
+    H, I, d = shape.hidden, shape.intermediate, shape.head_dim
+    dq, dkv = shape.q_dim, shape.kv_dim
+    attn = H * dq + 2 * H * dkv + dq * H
+    if shape.qkv_bias:
+        attn += dq + 2 * dkv
+    if shape.o_bias:
+        attn += H
+    if shape.qk_norm:
+        attn += 2 * d
+    mlp = 3 * H * I + ((2 * I + H) if shape.mlp_bias else 0)
+    layer = attn + mlp + shape.norms_per_layer * H
+    embed = shape.vocab * H * (1 if shape.tied else 2)
+    return embed + shape.layers * layer + H
+
+
+def lora_param_count(shape: ModelShape, rank: int) -> int:
+    """LoRA parameters on every linear layer of the decoder (PEFT ``"all-linear"``: not the LM head).
+
+    A LoRA pair on a ``[in -> out]`` linear has ``r * (in + out)`` parameters, so per layer::
+
+        r * [(H + dq) + 2 (H + dkv) + (dq + H) + 2 (H + I) + (I + H)]
+    """
+    H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
+    per_layer = (H + dq) + 2 * (H + dkv) + (dq + H) + 2 * (H + I) + (I + H)
+    return rank * per_layer * shape.layers
+
+
+# ----------------------------------------------------------------------------------- setup
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """Training choices that change activation memory.
+
+    Attributes:
+        lora_rank: LoRA rank on all linear layers (ignored with ``full_finetune``).
+        full_finetune: every parameter trainable (no LoRA).
+        dtype_bytes: bytes of a weight / activation element (2: bf16).
+        lora_dtype_bytes: bytes of a LoRA weight.  PEFT's default (``autocast_adapter_dtype=True``)
+            keeps adapters in float32 (4): each LoRA linear then saves a float32 copy of its input.
+        tiled_mlp: the MLP runs in sequence tiles (:mod:`swiftune.models.tiled_mlp`).
+        mlp_tile_tokens: tokens per tile (``None``: the ~1 GiB automatic choice).
+        tiled_projections: the LoRA q/k/v/o projections run in tiles too (saves their casts).
+        kv_expanded: attention saves K and V expanded to the query heads (torch 2.11's
+            ``varlen_attn`` has no GQA flag, so swiftune repeats K/V heads); ``False`` for GQA
+            kernels (flash-attn, later torch).
+        chunked_loss: swiftune's fused chunked cross entropy; ``False``: full logits +
+            ``F.cross_entropy`` (the transformers baseline).
+        logit_chunk_tokens: token chunk of the fused loss (``None``: :data:`DEFAULT_LOGIT_CHUNK`).
+    """
+
+    lora_rank: int = 16
+    full_finetune: bool = False
+    dtype_bytes: int = 2
+    lora_dtype_bytes: int = 4
+    tiled_mlp: bool = True
+    mlp_tile_tokens: int | None = None
+    tiled_projections: bool = False
+    kv_expanded: bool = True
+    chunked_loss: bool = True
+    logit_chunk_tokens: int | None = None
+
+    @property
+    def lora(self) -> bool:
+        return not self.full_finetune and self.lora_rank > 0
+
+
+def auto_tile_tokens(intermediate: int, hidden: int, dtype_bytes: int = 2, tile_bytes: int = TILE_BYTES) -> int:
+    """Tokens per MLP tile so that one tile's buffers take about ``tile_bytes``.
+
+    Per token a tile holds gate, up and the activation (``3 I b``), a float32 LoRA copy of the
+    activation and its gradient (``2 I 4``, the worst case) and a few hidden-sized rows
+    (``4 H 4``).  Rounded down to a multiple of 256 tokens, at least 256.
+    """
+    per_token = intermediate * (3 * dtype_bytes + 8) + hidden * 16
+    tile = int(tile_bytes // max(per_token, 1))
+    return max(256, tile - tile % 256)
+
+
+def _lora_input_bytes(width: int, s: TrainSetup) -> int:
+    """Per-token bytes a LoRA pair saves beyond its base layer: ``r`` outputs of A, and a cast
+    copy of the input when the adapter dtype differs from the activation dtype."""
+    cast = width * s.lora_dtype_bytes if s.lora_dtype_bytes != s.dtype_bytes else 0
+    return cast + s.lora_rank * s.lora_dtype_bytes
+
+
+def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
+    """(attention half, MLP half) of the per-token bytes a layer saves, its input excluded.
+
+    Per token (patched model: fused RMSNorm saves its input and a float32 ``rstd``; fused RoPE
+    saves only cos/sin; packed flash attention saves q, k, v, out and a float32 log-sum-exp;
+    frozen linears save no input)::
+
+        attention half
+          norm 1     4                                                    rstd (input = the checkpoint)
+          q/k/v in   full FT: H b;  LoRA: 3 (cast(H) + r lb)  (tiled: H b)
+          q/k norm   (dq + dkv) b + (nq + nkv) 4                          Qwen3 / Gemma 3
+          attention  (dq + 2 kv') b + dq b + nq 4                         kv' = dq if K/V expanded
+          o in       LoRA: cast(dq) + r lb  (tiled / full FT: 0, shares attention's out)
+        MLP half
+          norm 2     H b + 4                                              the residual it normalises
+          Gemma 2/3  (H b + 4) per extra norm
+          MLP        tiled: H b;  full FT: H b + 3 I b;  LoRA: 2 (cast(H) + r lb) + 2 I b + cast(I) + r lb
+
+    ``cast(w) = w lb`` when the adapters' dtype differs from the activations' (PEFT's float32
+    adapters copy their input), else 0; then the adapters save the shared input itself.
+    """
+    H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
+    dq, dkv = shape.q_dim, shape.kv_dim
+    kvx = dq if s.kv_expanded else dkv
+    attn = 4
+    if s.lora and not s.tiled_projections:
+        attn += 3 * _lora_input_bytes(H, s) + _lora_input_bytes(dq, s)
+        if s.lora_dtype_bytes == s.dtype_bytes:
+            attn += H * b  # the adapters save the (shared) normed input itself
+    else:
+        attn += H * b  # q/k/v input (full FT: for weight grads; tiled: the tile function's input)
+    if shape.qk_norm:
+        attn += (dq + dkv) * b + (shape.heads + shape.kv_heads) * 4
+    attn += (dq + 2 * kvx) * b + dq * b + shape.heads * 4
+    mlp = H * b + 4 + (shape.norms_per_layer - 2) * (H * b + 4)
+    if s.tiled_mlp:
+        mlp += H * b
+    elif s.lora:
+        mlp += 2 * _lora_input_bytes(H, s) + 2 * I * b + _lora_input_bytes(I, s)
+        if s.lora_dtype_bytes == s.dtype_bytes:
+            mlp += H * b + I * b
+    else:
+        mlp += H * b + 3 * I * b
+    return attn, mlp
+
+
+def layer_saved_bytes(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
+    """Bytes one decoder layer's forward saves for its backward, its own input excluded
+    (both halves of :func:`_saved_per_token`)."""
+    attn, mlp = _saved_per_token(shape, s)
+    return tokens * (attn + mlp)
+
+
+def _mlp_tile(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
+    tile = s.mlp_tile_tokens or auto_tile_tokens(shape.intermediate, shape.hidden, s.dtype_bytes)
+    return min(tokens, tile)
+
+
+def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
+    """Peak bytes of one layer being recomputed and backpropagated: the larger of two phases.
+
+    MLP phase (first in backward): everything the layer saved, the incoming gradient and the
+    gradient of the MLP input (``2 H b`` per token), plus either one tile's buffers (tiled:
+    ``tile (3 I b + 2 I 4 + 4 H 4)``, constant in T) or the gradients of gate, up, act
+    (``3 I b``) and, for float32 LoRA, the float32 gradient of the cast copy (``I 4``).
+
+    Attention phase: the attention half of the saved tensors (the MLP half is freed by then),
+    the running gradient (``2 H b``), the gradient of the attention output (``dq b``),
+    dq/dk/dv (``(dq + 2 kv') b``), flash attention's float32 dq accumulator (``dq 4``) and
+    ``nq 4`` softmax terms, plus for untiled float32 LoRA the float32 output gradient and input-cast
+    gradient of the widest projection (``(H + dq) 4``).
+    """
+    H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
+    dq, dkv = shape.q_dim, shape.kv_dim
+    kvx = dq if s.kv_expanded else dkv
+    fp32 = 4
+    attn_saved, mlp_saved = _saved_per_token(shape, s)
+    mlp_phase = tokens * (attn_saved + mlp_saved + 2 * H * b)
+    if s.tiled_mlp:
+        mlp_phase += _mlp_tile(shape, tokens, s) * (3 * I * b + 2 * I * fp32 + 4 * H * fp32)
+    else:
+        mlp_phase += tokens * (3 * I * b + (I * fp32 if s.lora and s.lora_dtype_bytes != b else 0))
+    attn_phase = tokens * (attn_saved + 2 * H * b + dq * b + (dq + 2 * kvx) * b + dq * fp32 + shape.heads * fp32)
+    if s.lora and not s.tiled_projections and s.lora_dtype_bytes != b:
+        attn_phase += tokens * (H + dq) * fp32
+    return max(mlp_phase, attn_phase)
+
+
+def layer_backward_bytes(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
+    """Transient bytes of one layer's backward on top of everything it saved (working set - saved)."""
+    return layer_working_set(shape, tokens, s) - layer_saved_bytes(shape, tokens, s)
+
+
+def loss_bytes(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
+    """Bytes of the LM head + loss at their peak (while every checkpoint is alive).
+
+    Chunked (swiftune's fused cross entropy, gradients computed in forward): the final norm's
+    saved input and its output, the ``dL/dhidden`` buffer (``3 T H b``), and one chunk of ``c``
+    tokens: its logits block (``c V b``, softmax-minus-onehot written over it in place) and the
+    chunk's hidden rows and their gradient (``2 c H b``); a trainable LM head adds its float32
+    gradient accumulator (``V H 4``).
+
+    Full logits (plain ``F.cross_entropy(logits.float())``): ``T H b`` for the final norm input plus
+    ``T V (b + 12)``: the bf16 logits, their float32 copy's log-softmax (saved) and, in backward,
+    two float32 gradient blocks.
+    """
+    H, V, b = shape.hidden, shape.vocab, s.dtype_bytes
+    if not s.chunked_loss:
+        return tokens * H * b * 2 + tokens * V * (b + 12)
+    c = min(tokens, s.logit_chunk_tokens or DEFAULT_LOGIT_CHUNK)
+    head = V * H * 4 if s.full_finetune else 0
+    return 3 * tokens * H * b + c * V * b + 2 * c * H * b + head
+
+
+# ------------------------------------------------------------------------------------- plan
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted peak GPU memory of one training step (bytes), by component.
+
+    ``total`` is what the GPU must hold (allocator peak plus overhead); ``allocated`` is the
+    part ``torch.cuda.max_memory_allocated`` reports.
+    """
+
+    model: str
+    tokens: int
+    weights: int
+    trainable: int
+    gradients: int
+    optimizer: int
+    checkpoints: int
+    layer_working_set: int
+    loss: int
+    transfer: int
+    overhead: int
+    kept_layers: int
+    offloaded_layers: int
+    host_bytes: int
+    gradient_checkpointing: bool | str
+    gpu_bytes: int | None = None
+    host_limit: int | None = None
+    params: int = 0
+    trainable_params: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def activations(self) -> int:
+        return self.checkpoints + max(self.layer_working_set, self.loss) + self.transfer
+
+    @property
+    def allocated(self) -> int:
+        return self.weights + self.trainable + self.gradients + self.optimizer + self.activations
+
+    @property
+    def total(self) -> int:
+        return self.allocated + self.overhead
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu_bytes is None:
+            return None
+        host_ok = self.host_limit is None or self.host_bytes <= self.host_limit
+        return self.total <= self.gpu_bytes and host_ok
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(activations=self.activations, allocated=self.allocated, total=self.total, fits=self.fits)
+        return d
+
+    def table(self) -> str:
+        """A plain-text breakdown (GB = 1e9 bytes)."""
+        rows = [
+            ("weights", self.weights, f"{self.params:,} params"),
+            ("trainable params (LoRA)" if self.trainable else "trainable params", self.trainable,
+             f"{self.trainable_params:,} trainable"),
+            ("gradients", self.gradients, ""),
+            ("optimizer states", self.optimizer, ""),
+            ("layer checkpoints (GPU)", self.checkpoints,
+             f"{self.kept_layers} layers on GPU, {self.offloaded_layers} offloaded"),
+            ("one layer recompute + backward", self.layer_working_set, ""),
+            ("loss / logits", self.loss, "peak is max(layer, loss)"),
+            ("offload transfer buffers", self.transfer, ""),
+            ("CUDA context + fragmentation", self.overhead, ""),
+        ]
+        out = [f"memory plan: {self.model}, {self.tokens:,} tokens, checkpointing={self.gradient_checkpointing}"]
+        out.append(f"{'component':<34}{'GB':>10}  note")
+        for name, value, note in rows:
+            out.append(f"{name:<34}{value / 1e9:>10.2f}  {note}")
+        out.append(f"{'peak allocated (torch)':<34}{self.allocated / 1e9:>10.2f}")
+        out.append(f"{'peak total (GPU)':<34}{self.total / 1e9:>10.2f}"
+                   + ("" if self.gpu_bytes is None else f"  of {self.gpu_bytes / 1e9:.1f}: "
+                      + ("fits" if self.fits else "does NOT fit")))
+        if self.host_bytes:
+            out.append(f"{'pinned host memory':<34}{self.host_bytes / 1e9:>10.2f}"
+                       + ("" if self.host_limit is None else f"  of {self.host_limit / 1e9:.1f}"))
+        out.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(out)
+
+
+def _setup(lora_rank: int, full_finetune: bool, dtype_bytes: int, logit_chunk_tokens: int | None,
+           overrides: dict[str, Any]) -> TrainSetup:
+    unknown = set(overrides) - set(TrainSetup.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown plan_memory options: {sorted(unknown)}")
+    return TrainSetup(lora_rank=lora_rank, full_finetune=full_finetune, dtype_bytes=dtype_bytes,
+                      logit_chunk_tokens=logit_chunk_tokens, **overrides)
+
+
+_OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 0, "sgd_momentum": 4}
+
+
+def plan_memory(
+    model_config: Any,
+    tokens: int,
+    lora_rank: int = 16,
+    *,
+    full_finetune: bool = False,
+    dtype_bytes: int = 2,
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool | str = True,
+    logit_chunk_tokens: int | None = None,
+    gpu_bytes: int | None = None,
+    host_bytes: int | None = None,
+    **setup: Any,
+) -> MemoryPlan:
+    """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
+
+    Args:
+        model_config: transformers config, dict, known name or config.json path (:func:`model_shape`).
+        tokens: tokens in the step (batch x sequence, padding-free).
+        lora_rank: LoRA rank on all linear layers; ignored with ``full_finetune``.
+        full_finetune: all parameters trained; grads in the weight dtype, optimizer states in
+            float32 (``optimizer``: ``adamw`` 8 B/param, ``adamw_8bit`` 2, ``sgd`` 0).
+        dtype_bytes: weight / activation element size (2 for bf16).
+        gradient_checkpointing: ``True`` (every layer input kept on the GPU), ``False`` (every
+            layer's saved tensors kept), ``"offload"`` (as many layer inputs on the GPU as
+            ``gpu_bytes`` leaves room for, the rest in pinned host memory; with no ``gpu_bytes``
+            all are offloaded).
+        logit_chunk_tokens: token chunk of the fused loss (default 4096, the automatic clamp).
+        gpu_bytes: GPU memory; sets ``fits`` and the offload split.
+        host_bytes: pinned host memory available for offloaded checkpoints; sets ``fits``.
+        **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
+            ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    if gradient_checkpointing not in (True, False, "offload"):
+        raise ValueError(f"gradient_checkpointing must be True, False or 'offload', got {gradient_checkpointing!r}")
+    if optimizer not in _OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    shape = model_shape(model_config)
+    s = _setup(lora_rank, full_finetune, dtype_bytes, logit_chunk_tokens, setup)
+    name = model_config if isinstance(model_config, str) else shape.model_type
+    P = param_count(shape)
+    weights = P * dtype_bytes
+    opt = _OPTIMIZER_STATE_BYTES[optimizer]
+    if s.lora:
+        n_train = lora_param_count(shape, s.lora_rank)
+        trainable = n_train * s.lora_dtype_bytes
+        grads = n_train * s.lora_dtype_bytes
+        optim = n_train * opt
+    else:
+        n_train = P if full_finetune else 0
+        trainable = 0
+        grads = n_train * dtype_bytes
+        optim = n_train * opt
+
+    T, L = int(tokens), shape.layers
+    per_layer = T * shape.hidden * dtype_bytes  # one saved layer input
+    working = layer_working_set(shape, T, s)
+    loss = loss_bytes(shape, T, s)
+    transfer = 0
+    notes: list[str] = []
+    if gradient_checkpointing is False:
+        kept, off = L, 0
+        # every layer keeps its input and saved set; the last one also runs its backward transient
+        checkpoints = L * (per_layer + layer_saved_bytes(shape, T, s))
+        working = layer_backward_bytes(shape, T, s)
+    elif gradient_checkpointing is True:
+        kept, off = L, 0
+        checkpoints = L * per_layer
+    else:
+        transfer = 2 * per_layer  # the restored layer input and the prefetched one
+        fixed = weights + trainable + grads + optim + max(working, loss) + transfer
+        if gpu_bytes is None:
+            kept = 0
+        else:
+            room = gpu_bytes - CUDA_CONTEXT_BYTES - fixed * (1 + FRAGMENTATION)
+            kept = max(0, min(L, int(room // (per_layer * (1 + FRAGMENTATION)))))
+        if kept == L:
+            transfer = 0
+        off = L - kept
+        checkpoints = kept * per_layer
+    if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections:
+        notes.append("LoRA adapters in float32 save a float32 copy of each projection's input; "
+                     "tiled_projections=True or bf16 adapters remove most of it")
+    plan = MemoryPlan(
+        model=str(name), tokens=T, weights=weights, trainable=trainable, gradients=grads, optimizer=optim,
+        checkpoints=checkpoints, layer_working_set=working, loss=loss, transfer=transfer, overhead=0,
+        kept_layers=kept, offloaded_layers=off, host_bytes=off * per_layer,
+        gradient_checkpointing=gradient_checkpointing, gpu_bytes=gpu_bytes, host_limit=host_bytes,
+        params=P, trainable_params=n_train, notes=notes,
+    )
+    plan.overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * plan.activations)
+    return plan
+
+
+def step_reserve(model_config: Any, tokens: int, setup: TrainSetup, pending_grad_bytes: int = 0) -> int:
+    """GPU bytes one step needs besides its layer checkpoints, once weights and optimizer states
+    exist: the larger of one layer's working set and the loss, two transfer buffers, the
+    gradients still to be allocated, and fragmentation.  Used by the offloaded checkpointing to
+    size its automatic GPU budget."""
+    shape = model_shape(model_config)
+    per_layer = tokens * shape.hidden * setup.dtype_bytes
+    act = max(layer_working_set(shape, tokens, setup), loss_bytes(shape, tokens, setup)) + 2 * per_layer
+    return int(act * (1 + FRAGMENTATION)) + pending_grad_bytes
+
+
+def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: int = 2**26, **kwargs: Any) -> int:
+    """The largest token count whose :func:`plan_memory` fits ``gpu_bytes`` (0 if none does).
+
+    Bisection over the pure function: every component is non-decreasing in ``tokens`` (the loss
+    chunk is ``min(T, chunk)``; in offload mode fewer layers stay on the GPU as T grows, but the
+    total with them is capped by ``gpu_bytes`` by construction), so ``fits`` is monotone.
+    """
+
+    def fits(t: int) -> bool:
+        return bool(plan_memory(model_config, t, lora_rank, gpu_bytes=gpu_bytes, **kwargs).fits)
+
+    if not fits(1):
+        return 0
+    lo = 1
+    step = 1024
+    while step < hi and fits(step):  # grow until a failure brackets the answer
+        lo, step = step, step * 2
+    hi_bad = min(step, hi)
+    if hi_bad == hi and fits(hi):
+        return hi
+    while hi_bad - lo > 1:
+        mid = (lo + hi_bad) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi_bad = mid
+    return lo
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+
+def _bool_or_offload(text: str) -> bool | str:
+    t = text.strip().lower()
+    if t in ("offload", "unsloth"):
+        return "offload"
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or offload, got {text!r}")
+
+
+_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swiftune plan", description="Predict peak GPU memory of one training step.")
+    p.add_argument("--model", default="qwen3-8b",
+                   help=f"a config.json path, a model folder, or one of: {', '.join(KNOWN_MODELS)}")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens per step (batch x sequence)")
+    p.add_argument("--lora_rank", type=int, default=16)
+    p.add_argument("--full_finetune", action="store_true")
+    p.add_argument("--gpu_gb", type=float, default=None, help="GPU memory in GB (1e9 bytes); default: this GPU's, or 80")
+    p.add_argument("--host_gb", type=float, default=None, help="pinned host memory for offloaded checkpoints, GB")
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE_BYTES))
+    p.add_argument("--gradient_checkpointing", type=_bool_or_offload, default=True, help="true, false or offload")
+    p.add_argument("--logit_chunk_tokens", type=int, default=None)
+    p.add_argument("--no_tiled_mlp", action="store_true")
+    p.add_argument("--tiled_projections", action="store_true")
+    p.add_argument("--lora_dtype", default="fp32", choices=sorted(_DTYPE_BYTES), help="LoRA weight dtype (PEFT: fp32)")
+    p.add_argument("--full_logits", action="store_true", help="plain F.cross_entropy on full logits")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _default_gpu_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    except Exception:  # pragma: no cover - no torch / broken driver: fall through
+        pass
+    return int(80e9)
+
+
+def main_plan(argv: list[str] | None = None) -> int:
+    """``swiftune plan``: print the breakdown for ``--tokens`` and the largest context that fits."""
+    args = build_parser().parse_args(argv)
+    gpu = int(args.gpu_gb * 1e9) if args.gpu_gb is not None else _default_gpu_bytes()
+    host = int(args.host_gb * 1e9) if args.host_gb is not None else None
+    kw = dict(
+        full_finetune=args.full_finetune, dtype_bytes=_DTYPE_BYTES[args.dtype], optimizer=args.optimizer,
+        gradient_checkpointing=args.gradient_checkpointing, logit_chunk_tokens=args.logit_chunk_tokens,
+        host_bytes=host, tiled_mlp=not args.no_tiled_mlp, tiled_projections=args.tiled_projections,
+        lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
+    )
+    try:
+        plan = plan_memory(args.model, args.tokens, args.lora_rank, gpu_bytes=gpu, **kw)
+        best = max_tokens(args.model, gpu, args.lora_rank, **kw)
+    except (ValueError, TypeError, KeyError) as e:
+        print(f"swiftune plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"plan": plan.as_dict(), "max_tokens": best}, indent=2, default=str))
+    else:
+        print(plan.table())
+        print(f"largest context that fits {gpu / 1e9:.1f} GB: {best:,} tokens")
+    return 0
+
+
+__all__ = [
+    "KNOWN_MODELS",
+    "MemoryPlan",
+    "ModelShape",
+    "TrainSetup",
+    "auto_tile_tokens",
+    "layer_backward_bytes",
+    "layer_saved_bytes",
+    "layer_working_set",
+    "lora_param_count",
+    "loss_bytes",
+    "main_plan",
+    "max_tokens",
+    "model_shape",
+    "param_count",
+    "plan_memory",
+    "step_reserve",
+]
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_plan())

@@ -1,0 +1,627 @@
+"""Gradient checkpointing whose saved layer inputs go to pinned CPU memory (``"offload"``).
+
+Plain checkpointing keeps one tensor per decoder layer alive from forward to backward: the
+layer's input, ``T x H`` elements.  For a Qwen3-8B shape that is ``36 x 4096 x 2 B = 288 KB`` per
+token, 118 GB at 400K tokens: more than what is left of an H200 beside the weights and one
+layer's recompute.  This module keeps as many of those inputs on the GPU as a budget allows and
+moves the others to pinned host memory while the forward runs, bringing each back just before
+backward needs it.
+
+Design
+------
+Each decoder layer *instance* gets a ``forward`` that calls PyTorch's non-reentrant
+``torch.utils.checkpoint.checkpoint`` on the layer's own forward, with one twist: the layer input
+is not handed to ``checkpoint`` as a tensor but wrapped in a :class:`LayerInput` handle, and the
+checkpointed function asks the handle for it.  Non-reentrant checkpointing keeps the *arguments*
+of the function alive for the recompute and replaces every tensor saved inside the layer with a
+placeholder; gradients still reach the input through the original graph.  So the handle alone
+decides where the one surviving tensor lives:
+
+* first forward: the handle returns the live GPU tensor (graph-connected); for an offloaded layer
+  it has already queued a device-to-host copy on a side CUDA stream (the stream waits for the
+  compute stream, the tensor is ``record_stream``-ed on the side stream so the allocator cannot
+  reuse it before the copy is done) into pinned pages, and drops its reference when the forward
+  returns: the GPU memory goes back to the allocator as soon as the copy finishes;
+* recompute in backward (``checkpoint`` calls the function again): the handle returns the tensor
+  restored from host memory, detached, with the original ``requires_grad``.  The copy was
+  usually started one layer earlier: when layer ``i``'s input is asked for, the handle of layer
+  ``i - 1`` starts its host-to-device copy on the side stream (prefetch), and layer ``i - 1``'s
+  recompute waits on that copy's CUDA event, not on the host.
+
+Everything else (RNG state for dropout, autocast, keyword arguments such as
+``position_embeddings``/``attention_mask``/``position_ids``, LoRA or full fine-tuning) is
+``checkpoint``'s own, unmodified behaviour; no private PyTorch or transformers API is used.  The
+previous forward of the instance (or the class's) is what runs inside, and transformers' own
+per-layer checkpointing flag is switched off on the instance so a layer is never checkpointed
+twice.
+
+Which layers stay on the GPU
+----------------------------
+With ``B = tokens x hidden x dtype_bytes`` per layer and a GPU budget ``G`` for checkpoints, the
+number kept is ``K = min(L, floor(G / B))`` and the *first* ``L - K`` layers are offloaded
+(:func:`split_layers`): their copies overlap the forward of the layers after them, and backward
+reaches them last, so the kept layers run their backward with no transfer at all and the first
+restore overlaps the backward of the lowest kept layer.  Offloaded layers need
+``ceil(B / page) x page`` bytes of pinned host memory each; when
+``(L - K) x that > host budget`` a :class:`CheckpointBudgetError` is raised at the first layer of
+the forward, before anything is allocated: a clear error instead of a hang or the OOM killer.
+
+Budgets: ``gpu_budget_bytes=None`` on CUDA is measured at the first layer of every forward: free
+GPU memory minus what the rest of the step needs (:func:`swiftune.memory.step_reserve`: one
+layer's recompute and backward, the loss, two transfer buffers, gradients still to be allocated)
+and a margin of 5% of the GPU + 1 GiB.  ``host_budget_bytes=None`` is ``MemAvailable`` (psutil or
+``/proc/meminfo``) minus ``max(4 GiB, 10% of MemTotal)``, plus the pinned pages already held;
+an explicit budget is capped by the same figure.
+
+Pinned pages: host buffers are fixed-size pages (64 MiB, or the next power of two of a small
+layer), a layer's bytes spread over as many as it needs.  PyTorch's pinned allocator rounds each
+allocation up to a power of two; pages that are already powers of two waste nothing, and the
+pool keeps them across steps (pinning is slow), so steady-state steps allocate no host memory.
+
+On CPU tensors (tests, CPU training) the same code runs with synchronous copies into ordinary
+CPU pages; with no explicit budget every layer stays "on the device", i.e. plain checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+GiB = 2**30
+
+#: Size of one pinned host page (a power of two: PyTorch's pinned allocator rounds up to those).
+PAGE_BYTES = 64 * 2**20
+
+_STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
+_LAYER = "_swiftune_offload_layer"  # on each decoder layer: (state, index)
+_ORIG = "_swiftune_offload_orig_forward"  # the layer instance's forward before ours (None: class's)
+_GC_FLAG = "_swiftune_offload_prev_gc"  # transformers' per-layer checkpointing flag before ours
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+class CheckpointBudgetError(MemoryError):
+    """The layer checkpoints of a step fit neither the GPU budget nor the pinned host memory."""
+
+
+# ------------------------------------------------------------------------------------ budgets
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Which layers keep their checkpoint on the GPU for one forward (see :func:`split_layers`)."""
+
+    num_layers: int
+    layer_bytes: int
+    offload: tuple[int, ...]
+    keep: tuple[int, ...]
+    host_bytes: int
+    page_bytes: int
+
+    @property
+    def gpu_bytes(self) -> int:
+        return len(self.keep) * self.layer_bytes
+
+
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """Pages of ``page_bytes`` that hold ``nbytes``."""
+    return math.ceil(nbytes / page_bytes) if nbytes > 0 else 0
+
+
+def choose_page_bytes(layer_bytes: int, page_bytes: int = PAGE_BYTES) -> int:
+    """``page_bytes``, or the next power of two of a smaller layer (tiny layers: one small page)."""
+    if layer_bytes <= 0:
+        return page_bytes
+    return min(page_bytes, 1 << max(0, (layer_bytes - 1).bit_length()))
+
+
+def split_layers(
+    num_layers: int,
+    layer_bytes: int,
+    gpu_budget_bytes: int,
+    host_budget_bytes: int,
+    page_bytes: int = PAGE_BYTES,
+) -> OffloadPlan:
+    """Keep ``K = min(L, gpu_budget // B)`` layer inputs on the GPU, offload the first ``L - K``.
+
+    Host pages are ``choose_page_bytes(B, page_bytes)`` bytes.  Raises
+    :class:`CheckpointBudgetError` when the offloaded layers need more than ``host_budget_bytes``
+    of pages (``(L - K) * ceil(B / page) * page``).  A pure function.
+    """
+    if num_layers < 0 or layer_bytes < 0 or page_bytes < 1:
+        raise ValueError("num_layers and layer_bytes must be >= 0 and page_bytes >= 1")
+    page_bytes = choose_page_bytes(layer_bytes, page_bytes)
+    if layer_bytes == 0:
+        keep_n = num_layers
+    else:
+        keep_n = max(0, min(num_layers, int(gpu_budget_bytes) // layer_bytes))
+    n_off = num_layers - keep_n
+    host = n_off * pages_for(layer_bytes, page_bytes) * page_bytes
+    if host > host_budget_bytes:
+        raise CheckpointBudgetError(
+            f"swiftune offloaded checkpointing: {num_layers} layer checkpoints of {layer_bytes / 1e9:.3f} GB "
+            f"each ({num_layers * layer_bytes / 1e9:.2f} GB in all) do not fit: the GPU budget of "
+            f"{max(gpu_budget_bytes, 0) / 1e9:.2f} GB holds {keep_n} of them, and the other {n_off} need "
+            f"{host / 1e9:.2f} GB of pinned host memory, but only {max(host_budget_bytes, 0) / 1e9:.2f} GB is "
+            "available. Use fewer tokens per step, free host memory, raise gpu_budget_bytes / host_budget_bytes "
+            "if the machine has room, or plan the run with `swiftune plan`."
+        )
+    offload = tuple(range(n_off))
+    keep = tuple(range(n_off, num_layers))
+    return OffloadPlan(num_layers, layer_bytes, offload, keep, host, page_bytes)
+
+
+def host_available_bytes(margin_bytes: int | None = None) -> int:
+    """Host memory a new pinned allocation may take: ``MemAvailable - margin``.
+
+    ``margin_bytes`` defaults to ``max(4 GiB, 10% of MemTotal)`` (the rest of the process and the
+    system keep that much).  Reads psutil when installed, else ``/proc/meminfo``; with neither, 0.
+    """
+    avail = total = None
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        avail, total = int(vm.available), int(vm.total)
+    except Exception:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ":" in ln}
+            avail, total = info.get("MemAvailable"), info.get("MemTotal")
+        except OSError:
+            pass
+    if avail is None or total is None:
+        return 0
+    margin = max(4 * GiB, total // 10) if margin_bytes is None else margin_bytes
+    return max(0, avail - margin)
+
+
+# ---------------------------------------------------------------------------- host page pool
+
+
+class PagePool:
+    """Fixed-size host pages (pinned when ``pin``), reused across layers and steps."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.held_bytes = 0  # allocated by the pool (free + in use)
+        self.in_use_bytes = 0
+        self.alloc_seconds = 0.0  # time spent pinning new pages (slow: the first steps only)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.held_bytes - self.in_use_bytes
+
+    def acquire(self, n: int, page_bytes: int) -> list[torch.Tensor]:
+        free = self._free.setdefault(page_bytes, [])
+        pages = [free.pop() for _ in range(min(n, len(free)))]
+        if len(pages) < n:  # idle pages of another size (a smaller step) cannot serve: unpin them first
+            for size in [k for k in self._free if k != page_bytes]:
+                self.held_bytes -= len(self._free.pop(size)) * size
+        t0 = time.perf_counter()
+        try:
+            while len(pages) < n:
+                pages.append(torch.empty(page_bytes, dtype=torch.uint8, pin_memory=self.pin))
+                self.held_bytes += page_bytes
+        except RuntimeError as e:  # cudaHostAlloc refused: report it as a budget problem
+            free.extend(pages)
+            raise CheckpointBudgetError(
+                f"swiftune offloaded checkpointing: could not pin {n * page_bytes / 1e9:.2f} GB of host memory "
+                f"({self.held_bytes / 1e9:.2f} GB already pinned): {e}"
+            ) from e
+        finally:
+            self.alloc_seconds += time.perf_counter() - t0
+        self.in_use_bytes += n * page_bytes
+        return pages
+
+    def release(self, pages: list[torch.Tensor], page_bytes: int) -> None:
+        self._free.setdefault(page_bytes, []).extend(pages)
+        self.in_use_bytes -= len(pages) * page_bytes
+
+    def clear(self) -> None:
+        """Drop the free pages (pages in use go when their layers are done)."""
+        for size, pages in self._free.items():
+            self.held_bytes -= len(pages) * size
+        self._free.clear()
+
+
+# ------------------------------------------------------------------------------ layer inputs
+
+
+class LayerInput:
+    """Where one checkpointed layer's input lives between forward and backward.
+
+    ``materialize()`` is what the checkpointed function calls: the live tensor during the first
+    forward, then the kept (GPU) or restored (host -> GPU) copy during the recompute.
+    """
+
+    def __init__(self, state: "OffloadState", index: int, generation: int, x: torch.Tensor, offload: bool) -> None:
+        self.index, self.generation = index, generation
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.requires_grad = x.requires_grad
+        self.offloaded = offload
+        self._state = state  # strong: backward must find its pages even if offloading was disabled since
+        self._live: torch.Tensor | None = x
+        self._kept: torch.Tensor | None = None if offload else x.detach()
+        self._gpu: torch.Tensor | None = None  # prefetched / restored copy
+        self._event: Any = None
+        self._pages: list[torch.Tensor] = []
+        if offload:
+            self._offload(state, x)
+
+    # -- transfers
+    def _offload(self, state: "OffloadState", x: torch.Tensor) -> None:
+        nbytes = x.numel() * x.element_size()
+        page = state.page_bytes_for(nbytes)
+        self._page_bytes = page
+        self._pages = state.pool.acquire(pages_for(nbytes, page), page)
+        weakref.finalize(self, state.pool.release, self._pages, page)  # back to the pool when done
+        src = x.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        flat = src.reshape(-1).view(torch.uint8)
+        stream = state.side_stream(x.device)
+        if stream is None:
+            for page_t, (a, b) in zip(self._pages, _spans(nbytes, page)):
+                page_t[: b - a].copy_(flat[a:b])
+            return
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is produced on the compute stream
+        with torch.cuda.stream(stream):
+            for page_t, (a, b) in zip(self._pages, _spans(nbytes, page)):
+                page_t[: b - a].copy_(flat[a:b], non_blocking=True)
+        src.record_stream(stream)  # the allocator keeps x's block until the copy has run
+
+    def prefetch(self) -> None:
+        """Start the host -> GPU copy (side stream) unless it is on the GPU already."""
+        if not self.offloaded or self._gpu is not None or self._live is not None:
+            return
+        state = self._state
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        # Allocated on the compute stream, so the block's ordinary lifetime rules hold; the side
+        # stream first waits for the work already queued there (the block may be a tensor
+        # that queued kernels still read).
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        stream = state.side_stream(self.device)
+        spans = _spans(nbytes, self._page_bytes)
+        if stream is None:
+            for page_t, (a, b) in zip(self._pages, spans):
+                buf[a:b].copy_(page_t[: b - a])
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for page_t, (a, b) in zip(self._pages, spans):
+                    buf[a:b].copy_(page_t[: b - a], non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        self._gpu = buf.view(self.dtype).view(self.shape)
+        state.stats["restored"] += 1
+
+    def materialize(self) -> torch.Tensor:
+        if self._live is not None:  # the first forward
+            return self._live
+        if self._kept is not None:
+            out = self._kept
+        else:
+            self.prefetch()  # no-op when prefetched
+            if self._event is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._event)
+                self._event = None
+            out, self._gpu = self._gpu, None  # autograd owns it now; freed with the layer's graph
+        self._state.prefetch_before(self.generation, self.index)
+        return out.detach().requires_grad_(self.requires_grad)
+
+    def forward_done(self) -> None:
+        self._live = None
+
+
+def _spans(nbytes: int, page: int) -> list[tuple[int, int]]:
+    return [(a, min(a + page, nbytes)) for a in range(0, nbytes, page)]
+
+
+# ------------------------------------------------------------------------------------- state
+
+
+class OffloadState:
+    """Budgets, page pool, side streams and the current plan of one model."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], gpu_budget_bytes: int | None,
+                 host_budget_bytes: int | None, page_bytes: int, host_margin_bytes: int | None) -> None:
+        self.model_ref = weakref.ref(model)
+        self.config = getattr(model, "config", None)
+        self._shape: Any = None  # the planner's ModelShape of config, read once
+        self.num_layers = len(layers)
+        self.gpu_budget_bytes = gpu_budget_bytes
+        self.host_budget_bytes = host_budget_bytes
+        self.page_bytes = page_bytes
+        self.host_margin_bytes = host_margin_bytes
+        self.pool = PagePool(pin=torch.cuda.is_available())
+        self._streams: dict[int, Any] = {}
+        self.generation = 0
+        self.plan: OffloadPlan | None = None
+        self._plan_key: tuple | None = None
+        self._handles: dict[tuple[int, int], weakref.ref] = {}
+        self.stats = {"offloaded": 0, "kept": 0, "restored": 0}
+
+    def page_bytes_for(self, nbytes: int) -> int:
+        return choose_page_bytes(nbytes, self.page_bytes)
+
+    def side_stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = torch.cuda.Stream(device=idx)
+        return self._streams[idx]
+
+    # -- budgets
+    def host_budget(self) -> int:
+        avail = self.pool.free_bytes + host_available_bytes(self.host_margin_bytes)
+        if self.host_budget_bytes is not None:
+            avail = min(avail, self.host_budget_bytes - self.pool.in_use_bytes)
+        return max(0, avail)
+
+    def gpu_budget(self, x: torch.Tensor) -> int:
+        if self.gpu_budget_bytes is not None:
+            return int(self.gpu_budget_bytes)
+        if x.device.type != "cuda":
+            return 2**62  # CPU: everything stays, i.e. plain checkpointing
+        from ..losses.chunking import free_gpu_bytes
+
+        total = torch.cuda.get_device_properties(x.device).total_memory
+        margin = int(0.05 * total) + GiB
+        return max(0, free_gpu_bytes(x.device) - self._reserve(x) - margin)
+
+    def _reserve(self, x: torch.Tensor) -> int:
+        """GPU bytes the rest of the step needs (planner formulas; generous fallback)."""
+        tokens = x.numel() // x.shape[-1]
+        layer_bytes = x.numel() * x.element_size()
+        model = self.model_ref()
+        pending = 0
+        if model is not None:
+            pending = sum(p.numel() * p.element_size() for p in model.parameters()
+                          if p.requires_grad and p.grad is None and p.device == x.device)
+        try:
+            from ..memory.planner import model_shape, step_reserve
+
+            if self._shape is None:
+                self._shape = model_shape(self.config)
+            return step_reserve(self._shape, tokens, _setup_of(model, x), pending)
+        except Exception:  # an unknown config layout: assume a heavy layer
+            return 24 * layer_bytes + pending
+
+    # -- per forward
+    def layer_input(self, index: int, x: torch.Tensor) -> LayerInput:
+        key = (tuple(x.shape), x.dtype, x.device)
+        if index == 0 or self.plan is None or key != self._plan_key:
+            self.generation += 1
+            layer_bytes = x.numel() * x.element_size()
+            self.plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x), self.host_budget(),
+                                     self.page_bytes)
+            self._plan_key = key
+            self._handles = {k: v for k, v in self._handles.items() if v() is not None}
+        offload = index in self.plan.offload
+        handle = LayerInput(self, index, self.generation, x, offload)
+        self._handles[(self.generation, index)] = weakref.ref(handle)
+        self.stats["offloaded" if offload else "kept"] += 1
+        return handle
+
+    def prefetch_before(self, generation: int, index: int) -> None:
+        """Backward is about to recompute layer ``index``: start bringing back ``index - 1``."""
+        ref = self._handles.get((generation, index - 1))
+        handle = ref() if ref is not None else None
+        if handle is not None:
+            handle.prefetch()
+
+
+def _setup_of(model: nn.Module | None, x: torch.Tensor):
+    """The planner's TrainSetup as far as the model tells: LoRA rank/dtype, tiling, full FT,
+    and whether attention saves K/V expanded to the query heads (torch's varlen without GQA)."""
+    from ..memory.planner import TrainSetup
+    from .tiled_mlp import is_tiled
+
+    rank, lora_bytes, full = 0, 4, False
+    if model is not None:
+        for name, p in model.named_parameters():
+            if "lora_A" in name and p.dim() == 2:
+                rank, lora_bytes = p.shape[0], p.element_size()
+                break
+        else:
+            full = any(p.requires_grad for p in model.parameters())
+    try:
+        from ..attention.backends import _VARLEN_PARAMS
+
+        kv_expanded = "enable_gqa" not in _VARLEN_PARAMS
+    except ImportError:  # pragma: no cover
+        kv_expanded = True
+    return TrainSetup(
+        lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
+        tiled_mlp=model is not None and is_tiled(model),
+        tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=kv_expanded,
+    )
+
+
+# ------------------------------------------------------------------------------ the wrapper
+
+
+def _run_layer(orig, handle: LayerInput, *args, **kwargs):
+    return orig(handle.materialize(), *args, **kwargs)
+
+
+def _offloaded_forward(self: nn.Module, *args, **kwargs):
+    state_ref, index = getattr(self, _LAYER)
+    state: OffloadState | None = state_ref()
+    orig = self.__dict__.get(_ORIG) or MethodType(type(self).forward, self)
+    if state is None or not (self.training and torch.is_grad_enabled()):
+        return orig(*args, **kwargs)
+    if getattr(self, "gradient_checkpointing", False):
+        self.gradient_checkpointing = False  # re-enabled by transformers after us: never checkpoint twice
+    if args:
+        x, rest = args[0], args[1:]
+    elif "hidden_states" in kwargs:
+        x, rest = kwargs.pop("hidden_states"), ()
+    else:
+        return orig(*args, **kwargs)
+    # As transformers' checkpointing does: a cache would be updated again by the recompute.
+    for k in _CACHE_KWARGS:
+        if kwargs.get(k) is not None:
+            kwargs[k] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    handle = state.layer_input(index, x)
+    try:
+        return checkpoint(partial(_run_layer, orig, **kwargs), handle, *rest, use_reentrant=False)
+    finally:
+        handle.forward_done()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a causal LM (``model.get_decoder().layers``, PEFT unwrapped)."""
+    hf = _unwrap(model)
+    decoder = hf.get_decoder() if callable(getattr(hf, "get_decoder", None)) else getattr(hf, "model", hf)
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers):
+        return list(layers)
+    try:  # other layouts: transformers' checkpointable blocks, outermost only
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        found = [m for m in hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+        inner = {id(c) for m in found for c in m.modules() if c is not m}
+        found = [m for m in found if id(m) not in inner]
+        if found:
+            return found
+    except ImportError:  # pragma: no cover
+        pass
+    raise ValueError(f"{type(hf).__name__}: no decoder layers found (expected get_decoder().layers)")
+
+
+def enable_offloaded_checkpointing(
+    model: nn.Module,
+    gpu_budget_bytes: int | None = None,
+    host_budget_bytes: int | None = None,
+    *,
+    page_bytes: int = PAGE_BYTES,
+    host_margin_bytes: int | None = None,
+) -> nn.Module:
+    """Checkpoint every decoder layer, keeping the inputs that do not fit ``gpu_budget_bytes`` in
+    pinned host memory (``use_gradient_checkpointing="offload"``).
+
+    Args:
+        model: a transformers causal LM or a PEFT model wrapping one (LoRA or full fine-tuning;
+            patched or not).  Enable before or after ``get_peft_model``: PEFT keeps the layers.
+        gpu_budget_bytes: GPU bytes the kept layer inputs may use; ``None``: measured from free
+            memory at the first layer of each forward (CUDA), everything kept (CPU).  ``0``:
+            offload every layer.
+        host_budget_bytes: cap on the pinned host memory for offloaded inputs; ``None``: what the
+            machine has available (``MemAvailable`` minus a margin).
+        page_bytes: host page size (a power of two).
+        host_margin_bytes: host memory to leave free (default ``max(4 GiB, 10% of MemTotal)``).
+
+    Returns ``model``; calling again updates the budgets.
+    """
+    if page_bytes < 1 or page_bytes & (page_bytes - 1):
+        raise ValueError(f"page_bytes must be a power of two, got {page_bytes}")
+    hf = _unwrap(model)
+    layers = decoder_layers(hf)
+    state = getattr(hf, _STATE, None)
+    if state is None:
+        state = OffloadState(hf, layers, gpu_budget_bytes, host_budget_bytes, page_bytes, host_margin_bytes)
+        setattr(hf, _STATE, state)
+    else:
+        state.gpu_budget_bytes, state.host_budget_bytes = gpu_budget_bytes, host_budget_bytes
+        state.page_bytes, state.host_margin_bytes = page_bytes, host_margin_bytes
+    for i, layer in enumerate(layers):
+        if _LAYER not in layer.__dict__:
+            layer.__dict__[_ORIG] = layer.__dict__.get("forward")
+            layer.__dict__[_GC_FLAG] = layer.__dict__.get("gradient_checkpointing")
+            layer.forward = MethodType(_offloaded_forward, layer)
+        layer.__dict__[_LAYER] = (weakref.ref(state), i)
+        if getattr(layer, "gradient_checkpointing", False):
+            layer.gradient_checkpointing = False
+    if getattr(hf, "config", None) is not None:
+        hf.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
+    hf._swiftune_offload_checkpointing = True
+    return model
+
+
+def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_offloaded_checkpointing`: the layers' previous forwards and transformers'
+    checkpointing flags come back; the free pinned pages are released."""
+    hf = _unwrap(model)
+    for layer in decoder_layers(hf):
+        if _LAYER not in layer.__dict__:
+            continue
+        orig = layer.__dict__.pop(_ORIG, None)
+        if orig is None:
+            layer.__dict__.pop("forward", None)
+        else:
+            layer.forward = orig
+        prev = layer.__dict__.pop(_GC_FLAG, None)
+        if prev is None:
+            layer.__dict__.pop("gradient_checkpointing", None)
+        else:
+            layer.gradient_checkpointing = prev
+        del layer.__dict__[_LAYER]
+    state = hf.__dict__.pop(_STATE, None)
+    if state is not None:
+        state.pool.clear()
+    hf._swiftune_offload_checkpointing = False
+    return model
+
+
+def offload_stats(model: nn.Module) -> dict[str, Any]:
+    """The last plan and counters: kept / offloaded layer indices, bytes per layer, pinned bytes."""
+    state: OffloadState | None = getattr(_unwrap(model), _STATE, None)
+    if state is None:
+        return {}
+    plan = state.plan
+    return {
+        "keep": plan.keep if plan else (),
+        "offload": plan.offload if plan else (),
+        "layer_bytes": plan.layer_bytes if plan else 0,
+        "host_pinned_bytes": state.pool.held_bytes,
+        "host_in_use_bytes": state.pool.in_use_bytes,
+        "host_alloc_seconds": state.pool.alloc_seconds,
+        **state.stats,
+    }
+
+
+def is_offloaded_checkpointing(model: nn.Module) -> bool:
+    return getattr(_unwrap(model), _STATE, None) is not None
+
+
+def release_host_memory(model: nn.Module) -> None:
+    """Free the pinned pages the model's offloading keeps for the next step."""
+    state: OffloadState | None = getattr(_unwrap(model), _STATE, None)
+    if state is not None:
+        state.pool.clear()
+
+
+__all__ = [
+    "PAGE_BYTES",
+    "CheckpointBudgetError",
+    "LayerInput",
+    "OffloadPlan",
+    "choose_page_bytes",
+    "decoder_layers",
+    "disable_offloaded_checkpointing",
+    "enable_offloaded_checkpointing",
+    "host_available_bytes",
+    "is_offloaded_checkpointing",
+    "offload_stats",
+    "release_host_memory",
+    "split_layers",
+]

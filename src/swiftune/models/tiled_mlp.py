@@ -1,0 +1,280 @@
+"""Tiled MLP: run a per-token module over the sequence in tiles, saving only its input.
+
+At 500K tokens the gated MLP of an 8B model builds ``gate``, ``up`` and ``act`` of
+``tokens x intermediate`` (3 x 12 GB in bf16), and PEFT's float32 LoRA adapters add a float32
+copy of each projection input.  An MLP acts on every token independently,
+
+    y_t = down(act(gate(x_t)) * up(x_t))        for every token t,
+
+so it can run on tiles of ``n`` tokens and give exactly the same ``y``.  :class:`TiledApply`
+(an ``autograd.Function``) does that:
+
+* forward, under ``no_grad``: ``y[a:b] = f(x[a:b])`` tile by tile into one output buffer; only
+  ``x`` is saved (plus the parameters, which exist anyway);
+* backward: for each tile, recompute ``y_t = f(x_t)`` with grad enabled (the module's *own*
+  forward: fused kernels, PEFT LoRA, whatever is bound), then
+  ``torch.autograd.grad(y_t, [x_t, *params], dy[a:b])``: the tile's input gradient goes into
+  ``dx[a:b]`` and the parameter gradients are summed over tiles (float32 accumulators for
+  half-precision parameters): ``dW = sum_tiles dW_tile``, the same sum the untiled matmul makes.
+
+Peak temporary memory is one tile's buffers instead of the whole sequence's.  The price is one
+more forward of the module in backward (the MLP costs 4 forward-equivalents instead of 3; under
+checkpointing 5 instead of 4), so tiling only starts above ``tile_tokens`` tokens.  The RNG state
+(dropout in LoRA) and the autocast state of the forward are restored for the recompute, so masks
+and dtypes match.  Parameter gradients are returned through autograd (no nested ``.backward``),
+so gradient hooks, DDP and gradient accumulation see an ordinary gradient.
+
+Tile size (:func:`swiftune.memory.auto_tile_tokens`): about 1 GiB of a tile's buffers, i.e.
+``1 GiB / (I (3 b + 8) + 16 H)`` tokens rounded down to 256: 4,352 tokens for Qwen3-8B in bf16.
+
+:func:`enable_tiled_mlp` binds the tiled forward on each gated-MLP *instance* (``gate_proj``,
+``up_proj``, ``down_proj``), on top of whatever forward the instance had (swiftune's fused one
+after :func:`swiftune.patch_model`); ``projections=True`` also tiles the LoRA-wrapped attention
+projections (call it after PEFT has wrapped them).  Call it after ``patch_model``: patching
+rebinds the MLP forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from types import MethodType
+
+import torch
+from torch import nn
+
+from ..memory.planner import auto_tile_tokens
+
+_ORIG = "_swiftune_untiled_forward"  # the instance's forward before tiling (None: the class's)
+_TILE = "_swiftune_tile_tokens"
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def tile_bounds(n: int, tile: int) -> list[tuple[int, int]]:
+    """``[a, b)`` ranges of ``ceil(n / tile)`` balanced tiles (no sliver at the end)."""
+    if n <= 0:
+        return []
+    k = math.ceil(n / max(1, tile))
+    size = math.ceil(n / k)
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+class _ForwardState:
+    """RNG and autocast state of the forward, replayed for the per-tile recompute in backward."""
+
+    def __init__(self, device: torch.device, with_rng: bool) -> None:
+        self.device = device
+        self.cpu_rng = torch.get_rng_state() if with_rng else None
+        self.dev_rng = torch.cuda.get_rng_state(device) if with_rng and device.type == "cuda" else None
+        dt = device.type
+        self.autocast = torch.is_autocast_enabled(dt) if torch.amp.is_autocast_available(dt) else False
+        self.autocast_dtype = torch.get_autocast_dtype(dt) if self.autocast else None
+
+    def replay(self):
+        """A context manager: forked RNG set to the forward's state, the forward's autocast."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.cpu_rng is not None:
+            devices = [self.device] if self.dev_rng is not None else []
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(self.cpu_rng)
+            if self.dev_rng is not None:
+                torch.cuda.set_rng_state(self.dev_rng, self.device)
+        if self.autocast:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.autocast_dtype))
+        return stack
+
+
+class TiledApply(torch.autograd.Function):
+    """``y = f(x)`` for a per-token ``f``, computed and differentiated in token tiles.
+
+    ``forward(ctx, f, x, tile_tokens, with_rng, *params)``: ``x`` is ``[..., H]``; tiles run over
+    the flattened leading axes; ``params`` are the trainable tensors ``f`` uses (gradients are
+    returned for them).
+    """
+
+    @staticmethod
+    def forward(ctx, f, x, tile_tokens, with_rng, *params):  # type: ignore[override]
+        ctx.f, ctx.tile = f, tile_tokens
+        ctx.state = _ForwardState(x.device, with_rng)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = None
+        with torch.no_grad():
+            for a, b in tile_bounds(x2.shape[0], tile_tokens):
+                y = f(x2[a:b].unsqueeze(0)).squeeze(0)
+                if out is None:
+                    out = y.new_empty((x2.shape[0], y.shape[-1]))
+                out[a:b].copy_(y)
+                del y
+        if out is None:  # zero tokens: one call gives the output width and dtype
+            with torch.no_grad():
+                out = f(x2.unsqueeze(0)).squeeze(0)
+        ctx.save_for_backward(x, *params)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[1]
+        need_p = [ctx.needs_input_grad[4 + i] for i in range(len(params))]
+        targets = [p for p, n in zip(params, need_p) if n]
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = torch.empty_like(x2) if need_x else None
+        # Sum tile gradients in float32 for half-precision parameters (the untiled matmul also
+        # accumulates in float32 and rounds once).
+        acc = [torch.zeros_like(p, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype)
+               for p in targets]
+        with ctx.state.replay(), torch.enable_grad():
+            for a, b in tile_bounds(x2.shape[0], ctx.tile):
+                xt = x2[a:b].unsqueeze(0).requires_grad_(need_x)
+                yt = ctx.f(xt).squeeze(0)
+                inputs = ([xt] if need_x else []) + targets
+                if not inputs:
+                    break
+                grads = torch.autograd.grad(yt, inputs, dy2[a:b].to(yt.dtype), allow_unused=True)
+                del yt
+                if need_x:
+                    g = grads[0]
+                    if g is None:  # f ignores its input
+                        dx[a:b].zero_()
+                    else:
+                        dx[a:b].copy_(g.squeeze(0))
+                    grads = grads[1:]
+                for buf, g in zip(acc, grads):
+                    if g is not None:
+                        buf.add_(g)
+        it = iter(acc)
+        p_grads = [next(it).to(p.dtype) if n else None for p, n in zip(params, need_p)]
+        gx = dx.view(x.shape) if need_x else None
+        return (None, gx, None, None, *p_grads)
+
+
+def tiled_apply(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_tokens: int,
+                params: Sequence[torch.Tensor] = (), with_rng: bool = False) -> torch.Tensor:
+    """``f(x)`` in tiles of ``tile_tokens`` tokens (see :class:`TiledApply`); ``f`` per token."""
+    if tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
+    if not torch.is_grad_enabled():  # nothing to save: just bound the temporaries
+        x2 = x.reshape(-1, x.shape[-1])
+        outs = [f(x2[a:b].unsqueeze(0)).squeeze(0) for a, b in tile_bounds(x2.shape[0], tile_tokens)]
+        out = torch.cat(outs) if outs else f(x2.unsqueeze(0)).squeeze(0)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return TiledApply.apply(f, x, int(tile_tokens), with_rng, *params)
+
+
+def _trainable(module: nn.Module) -> list[torch.Tensor]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _has_dropout(module: nn.Module) -> bool:
+    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def _untiled(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    orig = module.__dict__.get(_ORIG)
+    return orig if orig is not None else MethodType(type(module).forward, module)
+
+
+def mlp_tile_tokens(mlp: nn.Module, x: torch.Tensor, tile_tokens: int | None) -> int:
+    """The tile size for ``mlp`` on ``x``: ``tile_tokens`` or the ~1 GiB automatic choice."""
+    if tile_tokens is not None:
+        return int(tile_tokens)
+    # a gated MLP's intermediate width; a projection's own output width; else a 4x guess
+    inter = getattr(getattr(mlp, "gate_proj", None), "out_features", None) or getattr(mlp, "out_features", None)
+    inter = inter or x.shape[-1] * 4
+    return auto_tile_tokens(int(inter), x.shape[-1], x.element_size())
+
+
+def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int | None = None) -> torch.Tensor:
+    """``mlp(x)`` computed in sequence tiles, saving only ``x`` for backward.
+
+    Uses the module's untiled forward per tile (the instance's bound forward, e.g. swiftune's
+    fused one or PEFT-wrapped projections underneath).  Outputs and gradients (input and every
+    trainable parameter) equal the untiled module's up to floating-point summation order.
+    """
+    tile = mlp_tile_tokens(mlp, x, tile_tokens)
+    f = _untiled(mlp)
+    if x.numel() // max(x.shape[-1], 1) <= tile:
+        return f(x)
+    return tiled_apply(f, x, tile, _trainable(mlp), with_rng=_has_dropout(mlp))
+
+
+def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return tiled_mlp_forward(self, x, getattr(self, _TILE, None))
+
+
+def _is_gated_mlp(module: nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _bind_tiled(module: nn.Module, tile_tokens: int | None) -> None:
+    if _ORIG not in module.__dict__:
+        module.__dict__[_ORIG] = module.__dict__.get("forward")  # None: the class forward
+    setattr(module, _TILE, tile_tokens)
+    module.forward = MethodType(_tiled_forward, module)
+
+
+def enable_tiled_mlp(model: nn.Module, tile_tokens: int | None = None, *, projections: bool = False) -> nn.Module:
+    """Run every gated MLP of ``model`` (and optionally the LoRA attention projections) in tiles.
+
+    Args:
+        model: a transformers causal LM or a PEFT model wrapping one (patched or not).
+        tile_tokens: tokens per tile; ``None`` picks ~1 GiB of buffers per tile from the MLP's
+            sizes and the activation dtype (:func:`swiftune.memory.auto_tile_tokens`).  Inputs
+            with at most ``tile_tokens`` tokens run untiled (no recompute cost).
+        projections: also tile ``q_proj``/``k_proj``/``v_proj``/``o_proj`` modules that have
+            trainable parameters (PEFT LoRA: apply after ``get_peft_model``); saves the float32
+            input copies float32 adapters make, at the cost of recomputing those projections.
+
+    Returns ``model``.  Calling again updates ``tile_tokens``.
+    """
+    if tile_tokens is not None and tile_tokens < 1:
+        raise ValueError(f"tile_tokens must be >= 1 or None, got {tile_tokens}")
+    n = 0
+    for name, module in model.named_modules():
+        if _is_gated_mlp(module):
+            _bind_tiled(module, tile_tokens)
+            n += 1
+        elif projections and name.rsplit(".", 1)[-1] in _PROJECTIONS and _trainable(module):
+            _bind_tiled(module, tile_tokens)
+    if n == 0:
+        raise ValueError(f"{type(model).__name__} has no gated MLP (gate_proj/up_proj/down_proj) to tile")
+    return model
+
+
+def disable_tiled_mlp(model: nn.Module) -> nn.Module:
+    """Restore the forwards :func:`enable_tiled_mlp` replaced."""
+    for module in model.modules():
+        if _ORIG in module.__dict__:
+            orig = module.__dict__.pop(_ORIG)
+            if orig is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = orig
+            module.__dict__.pop(_TILE, None)
+    return model
+
+
+def is_tiled(model: nn.Module, projections: bool = False) -> bool:
+    """Whether :func:`enable_tiled_mlp` is active on an MLP (or, with ``projections``, on an
+    attention projection) of ``model``."""
+    for name, m in model.named_modules():
+        if _ORIG in m.__dict__:
+            is_proj = name.rsplit(".", 1)[-1] in _PROJECTIONS
+            if is_proj == projections:
+                return True
+    return False
+
+
+__all__ = [
+    "TiledApply",
+    "disable_tiled_mlp",
+    "enable_tiled_mlp",
+    "is_tiled",
+    "mlp_tile_tokens",
+    "tile_bounds",
+    "tiled_apply",
+    "tiled_mlp_forward",
+]

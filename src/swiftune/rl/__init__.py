@@ -1,0 +1,45 @@
+"""Reinforcement learning: GRPO and its variants (see docs/grpo.md).
+
+* :class:`GRPOConfig` / :class:`GRPOTrainer` - the trainer (TRL's names and meanings).
+* :mod:`~swiftune.rl.rewards` - reward functions (TRL's signature), weights, async.
+* :mod:`~swiftune.rl.advantages` - group advantages.
+* :mod:`~swiftune.rl.loss` - the policy loss of every ``loss_type`` and GSPO.
+* :mod:`~swiftune.rl.rollout` - the :class:`RolloutEngine` interface and the built-in engine.
+* :mod:`~swiftune.rl.policy` - completion log-probs on packed, optionally shared-prompt rows.
+* :mod:`~swiftune.rl.builtin` - ``swiftune grpo`` (:func:`run_grpo`) and its built-in task.
+"""
+
+from .advantages import group_advantages
+from .config import GRPOConfig
+from .loss import LossOutput, grpo_loss, k3_kl
+from .policy import PolicyRow, build_policy_row, completion_logprobs
+from .rewards import RewardFunctionError, compute_rewards
+from .rollout import RolloutEngine, Rollouts, SamplingParams, TransformersRolloutEngine
+from .trainer import GRPOTrainer
+
+
+def run_grpo(argv: list[str]) -> int:
+    """``swiftune grpo [CONFIG.yaml] [--key value ...]`` (see :mod:`swiftune.rl.builtin`)."""
+    from .builtin import run_grpo as _run
+
+    return _run(argv)
+
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "LossOutput",
+    "PolicyRow",
+    "RewardFunctionError",
+    "RolloutEngine",
+    "Rollouts",
+    "SamplingParams",
+    "TransformersRolloutEngine",
+    "build_policy_row",
+    "completion_logprobs",
+    "compute_rewards",
+    "grpo_loss",
+    "group_advantages",
+    "k3_kl",
+    "run_grpo",
+]

@@ -1,0 +1,238 @@
+"""``GRPOConfig``: transformers' ``TrainingArguments`` plus the GRPO knobs.
+
+Field names and meanings follow TRL's ``GRPOConfig`` wherever TRL has the same knob, so that a
+TRL user changes imports only. The objective of each ``loss_type`` is written out in
+:mod:`swiftune.rl.loss` and docs/grpo.md.
+
+Batch vocabulary (TRL's):
+
+* ``per_device_train_batch_size`` counts **completions** per micro-batch on one process;
+* one *generation* samples ``per_device_train_batch_size * steps_per_generation`` completions per
+  process, i.e. that number divided by ``num_generations`` prompts, each sampled ``num_generations``
+  times (a *group*); it is consumed as ``steps_per_generation`` micro-batches, ``num_iterations``
+  times over;
+* ``steps_per_generation`` defaults to ``gradient_accumulation_steps``: one generation per
+  optimizer step, and then the rollouts are exactly on-policy when ``num_iterations == 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from transformers import TrainingArguments
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    """Configuration of :class:`swiftune.GRPOTrainer` (TRL's names and meanings).
+
+    Objective (per completion ``i`` of a group of ``G``, token ``t``; ``r = pi / pi_old``)::
+
+        l_it = -min(r_it A_i, clip(r_it, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL3_it
+
+    with the ratio capped at ``delta`` in the unclipped term when ``delta`` is set, ``r_it``
+    replaced by the sequence's geometric-mean ratio for ``importance_sampling_level="sequence"``
+    (GSPO), and ``l_it = -min(r_it, epsilon_high).detach() A_i log pi_it`` for ``cispo``. The
+    normalisation of ``sum l_it`` depends on ``loss_type`` (see :func:`swiftune.rl.loss.grpo_loss`).
+    """
+
+    # ----------------------------------------------------------------------- generation
+    num_generations: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (the group size G of the advantages)."}
+    )
+    max_prompt_length: int | None = field(
+        default=512, metadata={"help": "Longest prompt in tokens; longer prompts keep their last tokens."}
+    )
+    max_completion_length: int = field(default=256, metadata={"help": "Most tokens sampled per completion."})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature; the policy log-probs use the same temperature (as TRL)."},
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set of tokens of "
+                                                        "cumulative probability >= top_p (1.0: off)."})
+    top_k: int | None = field(default=None, metadata={"help": "Keep only the k most likely tokens (None/0: off)."})
+    min_p: float | None = field(
+        default=None, metadata={"help": "Drop tokens with probability below min_p times the top one's (None: off)."}
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={"help": "Micro-batches consumed per generation (None: gradient_accumulation_steps, i.e. one "
+                          "generation per optimizer step)."},
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Completions per generation over all processes (TRL's meaning); an alternative to "
+                          "steps_per_generation = generation_batch_size / (per_device_train_batch_size x processes)."},
+    )
+    max_rollout_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Most completions the built-in rollout engine decodes at once (None: a whole generation)."},
+    )
+    stop_token_ids: list[int] | None = field(
+        default=None,
+        metadata={"help": "Extra token ids that end a completion, besides the tokenizer's / generation config's "
+                          "eos (and <|im_end|> for chat prompts)."},
+    )
+    # ----------------------------------------------------------------------- objective
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the k3 KL estimator to the reference policy; 0 skips the reference pass. "
+                          "LoRA: the reference is the same model with adapters disabled; full fine-tuning: a "
+                          "frozen copy, made only when beta > 0."},
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range: the ratio is clipped at 1 - epsilon."})
+    epsilon_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper clipping range, 1 + epsilon_high (None: epsilon; DAPO uses 0.28). For cispo it "
+                          "is the cap of the importance weight itself (None: 5.0, the value TRL recommends)."},
+    )
+    delta: float | None = field(
+        default=None,
+        metadata={"help": "Two-sided clipping: cap the ratio of the unclipped term at delta (> 1 + epsilon), "
+                          "INTELLECT-2 / TRL; None: off."},
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = field(
+        default="dapo",
+        metadata={"help": "Normalisation / objective: grpo (per-sequence mean, then batch mean), bnpo (tokens of "
+                          "the micro-batch), dr_grpo (batch x max_completion_length), dapo (tokens of the whole "
+                          "accumulated global batch), cispo (clipped IS weight x log-prob, dapo normalisation)."},
+    )
+    importance_sampling_level: Literal["token", "sequence"] = field(
+        default="token",
+        metadata={"help": "token: per-token ratios (GRPO); sequence: one length-normalised ratio per "
+                          "completion (GSPO)."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "Advantage scaling: group ((r - mean_g) / (std_g + 1e-4)), batch (std over the whole "
+                          "batch), none (r - mean_g). true/false are accepted as group/none."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Exclude completions that hit max_completion_length without a stop token from the loss "
+                          "(they still count in the batch size of grpo / dr_grpo, as TRL)."},
+    )
+    num_iterations: int = field(
+        default=1,
+        metadata={"help": "Optimisation passes over each generation (PPO epochs, mu). 1: the old log-probs are the "
+                          "detached current ones."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "One weight per reward function (None: all 1.0)."}
+    )
+    # ----------------------------------------------------------------------- swiftune
+    share_prompt: bool | None = field(
+        default=None,
+        metadata={"help": "Encode each group's prompt once in the policy forward, its completions attending to it "
+                          "but not to each other (exactly the unshared result). None: on when num_generations > 1."},
+    )
+    logit_chunk_tokens: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per chunk of the fused LM head + selective log-softmax (None: chosen from free "
+                          "memory)."},
+    )
+    offload_logits: bool = field(
+        default=False,
+        metadata={"help": "Keep the hidden states saved by the log-prob loss in pinned CPU memory (CUDA)."},
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Packed attention backend: auto, varlen, flash_attn, flex or reference. Shared-prompt "
+                          "rows use flex on CUDA and reference on CPU."},
+    )
+    kernel_backend: Literal["auto", "triton", "reference"] = field(
+        default="auto",
+        metadata={"help": "Fused kernels (and the log-prob block math): auto (Triton on CUDA, reference on CPU), "
+                          "triton or reference."},
+    )
+    metrics_file: str | None = field(
+        default="metrics.jsonl",
+        metadata={"help": "Per-step metrics (JSON lines) written to output_dir; None disables it."},
+    )
+    plot_rewards: bool = field(default=True, metadata={"help": "Write reward.png to output_dir at the end."})
+    log_completions: bool = field(
+        default=False, metadata={"help": "Log one prompt / completion / reward sample at every logging step."}
+    )
+
+    # TRL-like defaults for TrainingArguments fields
+    learning_rate: float = field(default=1e-6, metadata={"help": "Initial AdamW learning rate."})
+    logging_steps: float = field(default=1, metadata={"help": "Log (and write metrics) every N steps."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Completions per micro-batch per device (TRL's meaning)."}
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Kept False: every dataset column is passed to the reward functions."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale_rewards, bool):
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
+            self.scale_rewards = "group" if self.scale_rewards.lower() == "true" else "none"
+        super().__post_init__()
+        if self.generation_batch_size is not None:
+            if self.steps_per_generation is not None:
+                raise ValueError("generation_batch_size and steps_per_generation are alternatives: set one")
+            per_step = self.per_device_train_batch_size * max(1, self.world_size)
+            if self.generation_batch_size % per_step:
+                raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                                 f"per_device_train_batch_size x processes ({per_step})")
+            self.steps_per_generation = self.generation_batch_size // per_step
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        if self.epsilon_high is None:
+            # cispo's epsilon_high caps the IS weight itself: TRL recommends 5.0, which is our default there
+            self.epsilon_high = 5.0 if self.loss_type == "cispo" else self.epsilon
+        if self.share_prompt is None:
+            self.share_prompt = self.num_generations > 1
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                             f"got {self.importance_sampling_level!r}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} (or true/false), "
+                             f"got {self.scale_rewards!r}")
+        if self.num_generations < 1:
+            raise ValueError(f"num_generations must be at least 1, got {self.num_generations}")
+        if self.num_generations == 1 and self.scale_rewards != "none":
+            # a group of one has advantage 0 whatever the reward: nothing would be learned
+            raise ValueError("num_generations=1 gives every completion a zero group advantage; "
+                             "use num_generations >= 2")
+        if self.num_iterations < 1 or self.steps_per_generation < 1:
+            raise ValueError("num_iterations and steps_per_generation must be at least 1")
+        per_generation = self.per_device_train_batch_size * self.steps_per_generation
+        if per_generation % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size} * "
+                f"{self.steps_per_generation} = {per_generation} completions per generation must be a multiple of "
+                f"num_generations={self.num_generations} (whole groups on every process)"
+            )
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be positive, got {self.max_completion_length}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.temperature == 0 and self.num_generations > 1:
+            raise ValueError("temperature=0 (greedy) makes every completion of a group identical; "
+                             "use a temperature > 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high and self.loss_type != "cispo":
+            raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.epsilon_high})")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+    @property
+    def completions_per_generation(self) -> int:
+        """Completions one process samples per generation."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Distinct prompts one process samples per generation."""
+        return self.completions_per_generation // self.num_generations

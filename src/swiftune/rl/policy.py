@@ -1,0 +1,189 @@
+"""The policy-loss forward: completion log-probs on packed, padding-free rows.
+
+A micro-batch of rollouts becomes **one row** ``[1, T]`` with no padding:
+
+* unshared: ``prompt_1 + completion_1 | prompt_2 + completion_2 | ...``, positions restarting
+  at 0 for every sample (each sample its own document of the packed attention);
+* shared prompt (``share_prompt=True``): ``prompt_g | completion_g1 | completion_g2 | ...`` for
+  each group ``g`` of consecutive samples with the same prompt, the completions' positions all
+  continuing from the prompt, and the attention rule of :mod:`swiftune.rl.attention` (each
+  completion sees the prompt and itself, not its siblings). Exactly the unshared log-probs and
+  gradients, with the prompt encoded once per group instead of ``G`` times.
+
+The last token of a completion is never an input (it predicts nothing). The decoder's last hidden
+state is captured with a forward hook (the model runs through its own top-level forward, so
+DDP/FSDP hooks run, with ``logits_to_keep=1``); the rows that predict completion tokens are
+gathered and :func:`swiftune.losses.selective_log_softmax` turns them into the log-probability
+of each completion token (and the entropy), chunked: the ``[tokens, vocab]`` logits never exist.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attention import ATTENTION_NAME, PackedBatch
+from ..losses import selective_log_softmax
+from .attention import GRPO_ATTENTION_NAME, LAYOUT_KWARG, RowLayout, install_grpo_attention
+
+
+@dataclass
+class PolicyRow:
+    """One packed row of a micro-batch and where its completion tokens are.
+
+    Attributes:
+        input_ids, position_ids: ``[1, T]``.
+        layout: the row's document / shared-prompt structure, passed to the attention layers.
+        hidden_index: ``[N]`` row index whose hidden state predicts each completion token.
+        targets: ``[N]`` the completion tokens.
+        seq_index: ``[N]`` the sample (``0..B-1``) of each completion token.
+        num_sequences: ``B``.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    layout: RowLayout
+    hidden_index: torch.Tensor
+    targets: torch.Tensor
+    seq_index: torch.Tensor
+    num_sequences: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def group_consecutive(prompt_ids: Sequence[Sequence[int]], group_ids: Sequence[int] | None = None) -> list[list[int]]:
+    """Runs of consecutive samples with the same prompt (and the same group id, when given)."""
+    runs: list[list[int]] = []
+    for i, p in enumerate(prompt_ids):
+        same = runs and list(prompt_ids[runs[-1][0]]) == list(p) and (
+            group_ids is None or group_ids[runs[-1][0]] == group_ids[i])
+        if same:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def build_policy_row(
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    share_prompt: bool = False,
+    group_ids: Sequence[int] | None = None,
+    attention_backend: str = "auto",
+    device: torch.device | str = "cpu",
+) -> PolicyRow:
+    """Lay out samples ``prompt_ids[i] + completion_ids[i]`` as one padding-free row (see module doc)."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
+    tokens: list[int] = []
+    positions: list[int] = []
+    segs: list[int] = []
+    doc_lengths: list[int] = []
+    hidden_index: list[int] = []
+    targets: list[int] = []
+    seq_index: list[int] = []
+    runs = group_consecutive(prompt_ids, group_ids) if share_prompt else [[i] for i in range(len(prompt_ids))]
+    for run in runs:
+        prompt = list(prompt_ids[run[0]])
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        start = len(tokens)
+        tokens += prompt
+        positions += range(len(prompt))
+        segs += [0] * len(prompt)
+        last_prompt = len(tokens) - 1
+        for k, i in enumerate(run, start=1):
+            comp = list(completion_ids[i])
+            offset = len(tokens)
+            inputs = comp[:-1]  # the last completion token predicts nothing: never an input
+            tokens += inputs
+            positions += range(len(prompt), len(prompt) + len(inputs))
+            segs += [k] * len(inputs)
+            if comp:
+                hidden_index.append(last_prompt)
+                hidden_index += range(offset, offset + len(inputs))
+                targets += comp
+                seq_index += [i] * len(comp)
+        doc_lengths.append(len(tokens) - start)
+    T = len(tokens)
+    lengths = torch.tensor(doc_lengths, dtype=torch.int32)
+    cu = torch.zeros(len(doc_lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    packed = PackedBatch(cu.to(device), int(lengths.max()) if doc_lengths else 0, 1, T, None, attention_backend)
+    pos = torch.tensor(positions, dtype=torch.long, device=device)
+    shared = share_prompt and any(len(r) > 1 for r in runs)
+    seg = torch.tensor(segs, dtype=torch.int32, device=device) if shared else None
+    layout = RowLayout(packed, pos, seg, attention_backend)
+    return PolicyRow(
+        input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
+        position_ids=pos.unsqueeze(0),
+        layout=layout,
+        hidden_index=torch.tensor(hidden_index, dtype=torch.long, device=device),
+        targets=torch.tensor(targets, dtype=torch.long, device=device),
+        seq_index=torch.tensor(seq_index, dtype=torch.long, device=device),
+        num_sequences=len(prompt_ids),
+    )
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
+
+
+def completion_logprobs(
+    model: nn.Module,
+    row: PolicyRow,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int | None = None,
+    offload: bool = False,
+    return_entropy: bool = False,
+    kernel_backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs ``[N]`` (float32) of the completion tokens of ``row`` under ``model`` (and entropies).
+
+    ``model`` must be patched by :func:`swiftune.patch_model` (packed attention); it may be wrapped
+    (DDP) and/or a PEFT model. Logits are divided by ``temperature`` as in sampling (TRL).
+    """
+    causal_lm = _causal_lm(model)
+    if causal_lm.config._attn_implementation not in (ATTENTION_NAME, GRPO_ATTENTION_NAME):
+        raise ValueError(
+            "the policy forward needs swiftune's packed attention: call swiftune.patch_model(model) first "
+            f"(attention implementation is {causal_lm.config._attn_implementation!r})"
+        )
+    install_grpo_attention(causal_lm)
+    decoder = causal_lm.get_decoder()
+    lm_head = causal_lm.get_output_embeddings()
+    if hasattr(lm_head, "base_layer"):
+        raise NotImplementedError("LoRA on the LM head is not supported by the fused log-prob loss; "
+                                  "leave lm_head out of target_modules")
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab(module, args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = decoder.register_forward_hook(grab)
+    try:
+        model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, logits_to_keep=1,
+              **{LAYOUT_KWARG: row.layout})
+    finally:
+        handle.remove()
+    hidden = captured["hidden"][0].index_select(0, row.hidden_index)
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    out = selective_log_softmax(
+        hidden, lm_head.weight, row.targets, temperature=temperature, logit_softcap=softcap, chunk_tokens=chunk_tokens,
+        offload=offload, return_entropy=return_entropy, bias=lm_head.bias,
+        backend=kernel_backend if kernel_backend in ("auto", "triton", "reference") else "auto",
+    )
+    if return_entropy:
+        logps, entropy = out
+        return logps, entropy
+    return out, None

@@ -1,0 +1,271 @@
+"""Rollout engines: prompt token ids in, sampled completion ids and their sampling log-probs out.
+
+:class:`RolloutEngine` is the interface the trainer uses (a ``typing.Protocol``): anything with a
+``generate(prompt_ids, num_generations, params)`` method returning a :class:`Rollouts`, plus a
+``load_weights(model)`` hook called after every optimizer step that changed the policy (a
+no-op for an engine that samples from the training model itself; an engine holding its own copy
+of the weights, such as a vLLM server, pushes them there). docs/grpo.md says what a vLLM
+engine needs.
+
+:class:`TransformersRolloutEngine` samples from the training model itself (same weights in
+memory, LoRA adapters applied by the PEFT forward) with transformers' KV cache:
+
+* each distinct prompt is prefilled **once** (left-padded batch), then its cache rows are repeated
+  ``num_generations`` times (``DynamicCache.batch_repeat_interleave``);
+* decoding is batched; a finished row (stop token emitted) leaves the batch
+  (``DynamicCache.batch_select_indices``), so long tails do not keep computing finished rows;
+* sampling: temperature, then top-k, top-p and min-p filtering, then a draw from the
+  renormalised distribution with a seeded ``torch.Generator``; the log-probability recorded for
+  each token is under exactly that filtered, temperature-scaled distribution (temperature 0 =
+  greedy, log-probs at temperature 1);
+* it runs under ``torch.no_grad()`` with the model in eval mode (no dropout; gradient
+  checkpointing is inactive in eval mode) and restores the training mode afterwards, so no
+  autograd graph or training activation is kept; the KV cache is freed when it returns.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingParams:
+    """How to sample (the fields vLLM's ``SamplingParams`` calls the same)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class Rollouts:
+    """Completions of ``P`` prompts x ``G`` generations, prompt-major (``i = p * G + g``).
+
+    Attributes:
+        completion_ids: token ids of each completion, the stop token included when one was emitted.
+        logprobs: the sampling log-probability of each emitted token (float32 tensors).
+        finished: whether the completion ended with a stop token (False: cut at ``max_tokens``).
+    """
+
+    completion_ids: list[list[int]]
+    logprobs: list[torch.Tensor]
+    finished: list[bool]
+    num_generations: int = 1
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What :class:`swiftune.GRPOTrainer` needs from a generation backend."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
+        """Sample ``num_generations`` completions of every prompt (prompt-major order)."""
+        ...
+
+    def load_weights(self, model: nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights (called after optimizer steps)."""
+        ...
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float = 1.0, min_p: float | None = None
+) -> torch.Tensor:
+    """Set to ``-inf`` the logits outside top-k, outside the top-p nucleus, or below ``min_p`` x max prob.
+
+    ``logits`` ``[B, V]`` float (already divided by the temperature); returns a new tensor. The
+    most likely token always survives.
+    """
+    out = logits.clone()
+    vocab = out.shape[-1]
+    if top_k is not None and 0 < top_k < vocab:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
+        out.masked_fill_(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = before >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        out.masked_fill_(drop, float("-inf"))
+    if min_p is not None and min_p > 0:
+        probs = torch.softmax(out, dim=-1)
+        out.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return out
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logits [B, V]``; returns ``(tokens [B], logprobs [B])`` (float32)."""
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+        logp = torch.log_softmax(scaled, dim=-1)
+        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _inner_causal_lm(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
+    params = inspect.signature(_inner_causal_lm(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_supports(cache, method: str) -> bool:
+    """Whether the KV cache has ``method`` (``batch_repeat_interleave`` / ``batch_select_indices``)."""
+    return callable(getattr(cache, method, None))
+
+
+def _new_cache(model: nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=_inner_causal_lm(model).config)
+    except TypeError:  # pragma: no cover - older signature
+        return DynamicCache()
+
+
+class TransformersRolloutEngine:
+    """Batched KV-cache sampling from the training model itself (see the module docstring).
+
+    Args:
+        model: the policy (a transformers causal LM or a PEFT model); not copied.
+        pad_token_id: filler for left padding (never attended to).
+        seed: seed of the engine's ``torch.Generator``; the same seed and calls give the same samples.
+        max_batch_size: most completions decoded at once (None: all of a call).
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, max_batch_size: int | None = None):
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.seed = seed
+        self.max_batch_size = max_batch_size
+        self._generator: torch.Generator | None = None
+        self._cache_arg = cache_kwarg(model)
+
+    def load_weights(self, model: nn.Module) -> None:
+        """The engine samples from the training model itself: nothing to copy."""
+        self.model = model
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generator(self) -> torch.Generator:
+        device = self._device()
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
+        if not prompt_ids:
+            return Rollouts([], [], [], num_generations)
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        per_chunk = len(prompt_ids) if self.max_batch_size is None else max(1, self.max_batch_size // num_generations)
+        out = Rollouts([], [], [], num_generations)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for a in range(0, len(prompt_ids), per_chunk):
+                    ids, logps, done, steps = self._generate_chunk(prompt_ids[a:a + per_chunk], num_generations, params)
+                    out.completion_ids += ids
+                    out.logprobs += logps
+                    out.finished += done
+                    out.stats["decode_steps"] = out.stats.get("decode_steps", 0.0) + steps
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
+        )
+        return out.logits[:, -1, :]
+
+    def _generate_chunk(
+        self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
+    ) -> tuple[list[list[int]], list[torch.Tensor], list[bool], int]:
+        device = self._device()
+        gen = self.generator()
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long, device=device)
+            mask[r, width - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = _new_cache(self.model)
+        if n > 1 and not cache_supports(cache, "batch_repeat_interleave"):  # older cache API: prefill every copy
+            ids, mask, pos = (t.repeat_interleave(n, dim=0) for t in (ids, mask, pos))
+            n_after = 1
+        else:
+            n_after = n
+        logits = self._forward(ids, mask, pos, cache)
+        if n_after > 1:  # one prefill per distinct prompt, its cache shared by the group's rows
+            cache.batch_repeat_interleave(n_after)
+            logits = logits.repeat_interleave(n_after, dim=0)
+            mask = mask.repeat_interleave(n_after, dim=0)
+            pos = pos.repeat_interleave(n_after, dim=0)
+        can_prune = cache_supports(cache, "batch_select_indices")
+        rows = logits.shape[0]
+        stop = torch.as_tensor(sorted(set(int(s) for s in params.stop_token_ids)), dtype=torch.long, device=device)
+        tokens_out = torch.full((rows, params.max_tokens), -1, dtype=torch.long, device=device)
+        logps_out = torch.zeros((rows, params.max_tokens), dtype=torch.float32, device=device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        active = torch.arange(rows, device=device)  # original row of each row still in the batch
+        alive = torch.ones(rows, dtype=torch.bool, device=device)  # rows of the batch still sampling
+        next_pos = pos[:, -1:] + 1
+        steps = 0
+        for step in range(params.max_tokens):
+            tok, lp = sample_next(logits, params, gen)
+            rec = active[alive]
+            tokens_out[rec, step] = tok[alive]
+            logps_out[rec, step] = lp[alive]
+            lengths[rec] += 1
+            steps += 1
+            hit = (torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)) & alive
+            finished[active[hit]] = True
+            alive = alive & ~hit
+            if step + 1 == params.max_tokens:
+                break
+            keep = alive.nonzero().squeeze(1)
+            if keep.numel() == 0:
+                break
+            if can_prune and keep.numel() < active.numel():  # finished rows leave the batch
+                cache.batch_select_indices(keep)
+                active, tok, alive = active[keep], tok[keep], alive[keep]
+                mask, next_pos = mask[keep], next_pos[keep]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            logits = self._forward(tok[:, None], mask, next_pos, cache)
+            next_pos = next_pos + 1
+        del cache
+        lengths_l = lengths.tolist()
+        toks = tokens_out.cpu()
+        lps = logps_out.cpu()
+        return ([toks[r, :lengths_l[r]].tolist() for r in range(rows)],
+                [lps[r, :lengths_l[r]].clone() for r in range(rows)],
+                finished.cpu().tolist(), steps)

@@ -1,0 +1,435 @@
+"""``GRPOTrainer``: group-relative policy optimisation on transformers' ``Trainer``.
+
+One *generation* (every ``steps_per_generation`` micro-batches, ``num_iterations`` passes over it):
+
+1. prompts of the next ``per_device_train_batch_size * steps_per_generation / num_generations``
+   dataset rows are tokenized (chat template for conversational prompts; longer than
+   ``max_prompt_length``: the last tokens are kept);
+2. the :class:`~swiftune.rl.rollout.RolloutEngine` samples ``num_generations`` completions of each;
+3. the reward functions score them (:mod:`swiftune.rl.rewards`) and group advantages follow
+   (:mod:`swiftune.rl.advantages`);
+4. the completions are cut, in order, into ``steps_per_generation`` micro-batches of
+   ``per_device_train_batch_size``; each becomes one packed row (:mod:`swiftune.rl.policy`; with
+   ``share_prompt`` each group's prompt appears once); the old log-probs (only when the rollouts
+   are reused: ``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``)
+   and the reference log-probs (``beta > 0``) are computed here, without gradient.
+
+Each training micro-step then runs the policy forward on its row and the loss of
+:mod:`swiftune.rl.loss`. Everything else (optimizer, schedules, checkpoints, DDP launch, logging
+integrations) is transformers'. Metrics go to the progress bar, ``metrics.jsonl`` and, at the
+end, ``reward.png`` in ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from ..data import BatchStats, load_rows
+from ..models import FastModel, is_patched, patch_model
+from ..sft.metrics import MetricsCallback, TokenMeter
+from .advantages import group_advantages
+from .config import GRPOConfig
+from .loss import grpo_loss
+from .policy import PolicyRow, build_policy_row, completion_logprobs
+from .rewards import RewardFunc, compute_rewards, reward_func_name
+from .rollout import RolloutEngine, SamplingParams, TransformersRolloutEngine
+
+logger = logging.getLogger(__name__)
+
+# End-of-turn tokens of common chat templates: stop tokens for conversational prompts when present.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+@dataclass
+class GRPOMicroBatch:
+    """What one training micro-step needs (built at generation time)."""
+
+    row: PolicyRow
+    advantages: torch.Tensor  # [B]
+    token_mask: torch.Tensor  # [N] 1 = the token counts in the loss
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    num_items_in_batch: float
+
+
+class GenerationBatchSampler(torch.utils.data.Sampler):
+    """Yields this process's prompt indices for a generation, each batch ``repeats`` times in a row.
+
+    The Trainer draws one batch per micro-step; the trainer uses the batch of the micro-step that
+    starts a generation and ignores the repeats, so the data advance one generation at a time.
+    Every process sees different prompts (rank ``r`` takes the ``r``-th slice of each global batch).
+    """
+
+    def __init__(self, num_rows: int, prompts_per_batch: int, repeats: int, *, seed: int = 0, shuffle: bool = True,
+                 rank: int = 0, world_size: int = 1):
+        self.num_rows, self.per_batch, self.repeats = num_rows, prompts_per_batch, repeats
+        self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return (self.num_rows // (self.per_batch * self.world)) * self.repeats
+
+    def __iter__(self):
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_rows, generator=g).tolist()
+        else:
+            order = list(range(self.num_rows))
+        global_batch = self.per_batch * self.world
+        for b in range(self.num_rows // global_batch):
+            chunk = order[b * global_batch:(b + 1) * global_batch]
+            mine = chunk[self.rank * self.per_batch:(self.rank + 1) * self.per_batch]
+            for _ in range(self.repeats):
+                yield mine
+
+
+class _EpochLoader(torch.utils.data.DataLoader):
+    def set_epoch(self, epoch: int) -> None:
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _collate_prompt_rows(rows: list) -> dict[str, list]:
+    return {"prompt_rows": list(rows)}
+
+
+def _is_conversational(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _as_list(x: Any) -> list[int]:
+    if x is None:
+        return []
+    return [int(v) for v in x] if isinstance(x, (list, tuple, set)) else [int(x)]
+
+
+class GRPOTrainer(Trainer):
+    """GRPO (and DAPO, Dr. GRPO, GSPO, CISPO) with packed rollouts and a chunked log-prob loss.
+
+    Args:
+        model: a transformers causal LM, a PEFT model, or a path (loaded with
+            :meth:`swiftune.FastModel.from_pretrained`). It is patched with swiftune's kernels and
+            packed attention if it is not already.
+        reward_funcs: one reward function or a list (TRL's signature; see :mod:`swiftune.rl.rewards`).
+        args: a :class:`GRPOConfig`.
+        train_dataset: rows with a ``"prompt"`` (a string or a list of messages) and any other
+            columns (passed to the reward functions): an HF ``Dataset``, a list of dicts or a path.
+        processing_class: the tokenizer.
+        peft_config: a ``peft.LoraConfig`` to wrap a plain model with adapters.
+        rollout_engine: a :class:`~swiftune.rl.rollout.RolloutEngine` (default: the built-in
+            :class:`~swiftune.rl.rollout.TransformersRolloutEngine` on the training model).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | str,
+        reward_funcs: RewardFunc | Sequence[RewardFunc],
+        args: GRPOConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        rollout_engine: RolloutEngine | None = None,
+        **kwargs: Any,
+    ):
+        args = args or GRPOConfig(output_dir="swiftune_output/grpo")
+        if not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be a swiftune.GRPOConfig, got {type(args).__name__}")
+        if isinstance(model, str):
+            model, loaded_tokenizer = FastModel.from_pretrained(
+                model, attn_implementation=args.attention_backend, kernel_backend=args.kernel_backend)
+            processing_class = processing_class or loaded_tokenizer
+        if processing_class is None:
+            raise ValueError("GRPOTrainer needs the tokenizer: pass processing_class=tokenizer")
+        if train_dataset is None:
+            raise ValueError("GRPOTrainer needs a train_dataset of rows with a 'prompt'")
+        if eval_dataset is not None:
+            raise NotImplementedError("GRPOTrainer does not evaluate yet; pass eval_dataset=None")
+        if peft_config is not None:
+            import peft
+
+            model = peft.get_peft_model(model, peft_config)
+        if not is_patched(model):
+            patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("GRPOTrainer needs at least one reward function")
+        for f in funcs:
+            if not callable(f):
+                raise TypeError(f"reward functions must be callables f(prompts, completions, **kwargs); got "
+                                f"{type(f).__name__} (reward models by name are not supported: wrap one in a function)")
+        self.reward_funcs: list[Callable] = funcs
+        self.reward_func_names = [reward_func_name(f) for f in funcs]
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(f"{len(weights)} reward_weights for {len(funcs)} reward functions")
+        self.reward_weights = [float(w) for w in weights]
+
+        rows = load_rows(train_dataset)
+        if len(rows) == 0 or "prompt" not in rows[0]:
+            raise ValueError("train_dataset rows need a 'prompt' column (a string or a list of messages)")
+        if len(rows) < args.prompts_per_generation:
+            raise ValueError(f"train_dataset has {len(rows)} rows, fewer than the {args.prompts_per_generation} "
+                             "prompts of one generation")
+
+        self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+        self.ref_model = None
+        if args.beta != 0.0 and not self.is_peft:  # full fine-tuning: a frozen copy, only when needed
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+        self.token_meter = TokenMeter()
+        super().__init__(
+            model=model, args=args, data_collator=_collate_prompt_rows, train_dataset=rows,
+            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, **kwargs,
+        )
+        # compute_loss returns losses that transformers divides by the accumulation steps (see there)
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = False
+        self.remove_callback(ProgressCallback)
+        self.remove_callback(PrinterCallback)
+        metrics_cb = MetricsCallback(self.token_meter, args, plot_key="reward", plot_name="reward.png")
+        if not args.plot_rewards:
+            metrics_cb.plot = None
+        self.add_callback(metrics_cb)
+        if self.ref_model is not None:
+            self.ref_model.to(self.args.device)
+
+        tok = processing_class
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        self.rollout_engine = rollout_engine or TransformersRolloutEngine(
+            self.model, pad_token_id=pad, seed=args.seed + self.accelerator.process_index,
+            max_batch_size=args.max_rollout_batch_size)
+        self._engine_step = 0  # global_step the engine's weights correspond to
+        self._buffer: list[GRPOMicroBatch] | None = None
+        self._micro_step = 0
+        self._step_metrics: dict[str, list[float]] = defaultdict(list)
+        self._gen_metrics: dict[str, list[float]] = defaultdict(list)
+        self._last_gen_metrics: dict[str, float] = {}
+        self._last_sample: tuple[Any, Any, float] | None = None
+
+    # ------------------------------------------------------------------------ data
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        args = self.args
+        sampler = GenerationBatchSampler(
+            len(self.train_dataset), args.prompts_per_generation, args.steps_per_generation * args.num_iterations,
+            seed=args.seed, shuffle=True, rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes,
+        )
+        if len(sampler) == 0:
+            raise ValueError(f"train_dataset has {len(self.train_dataset)} rows: too few for one global generation "
+                             f"({args.prompts_per_generation} prompts x {self.accelerator.num_processes} processes)")
+        return _EpochLoader(self.train_dataset, batch_sampler=sampler, collate_fn=_collate_prompt_rows)
+
+    def stop_token_ids(self, conversational: bool) -> list[int]:
+        tok = self.processing_class
+        ids = set(_as_list(tok.eos_token_id))
+        gen = getattr(self.model, "generation_config", None)
+        ids |= set(_as_list(getattr(gen, "eos_token_id", None)))
+        ids |= set(_as_list(self.args.stop_token_ids))
+        if conversational:
+            vocab = tok.get_vocab()
+            ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+        return sorted(ids)
+
+    def tokenize_prompt(self, prompt: Any) -> list[int]:
+        tok = self.processing_class
+        if _is_conversational(prompt):
+            text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        elif isinstance(prompt, str):
+            text = prompt
+        else:
+            raise ValueError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}")
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        if self.args.max_prompt_length is not None and len(ids) > self.args.max_prompt_length:
+            ids = ids[-self.args.max_prompt_length:]
+        if not ids:
+            raise ValueError(f"prompt {prompt!r:.80} tokenizes to nothing")
+        return ids
+
+    # ------------------------------------------------------------------------ generation
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]
+        args = self.args
+        generate_every = args.steps_per_generation * args.num_iterations
+        if self._buffer is None or self._micro_step % generate_every == 0:
+            self._buffer = self._generate_and_score(inputs["prompt_rows"])
+        batch = self._buffer[self._micro_step % args.steps_per_generation]
+        self._micro_step += 1
+        return batch
+
+    def _no_grad_logps(self, model: nn.Module, row: PolicyRow) -> torch.Tensor:
+        was_training = model.training
+        model.eval()  # no dropout: the same numbers the training forward gives without dropout
+        try:
+            with torch.no_grad():
+                return self._logps(model, row)[0]
+        finally:
+            model.train(was_training)
+
+    def _logps(self, model: nn.Module, row: PolicyRow, entropy: bool = False):
+        a = self.args
+        return completion_logprobs(model, row, temperature=a.temperature if a.temperature > 0 else 1.0,
+                                   chunk_tokens=a.logit_chunk_tokens, offload=a.offload_logits,
+                                   return_entropy=entropy, kernel_backend=a.kernel_backend)
+
+    def _generate_and_score(self, prompt_rows: list[dict]) -> list[GRPOMicroBatch]:
+        args = self.args
+        G = args.num_generations
+        device = self.args.device
+        prompts = [row["prompt"] for row in prompt_rows]
+        conversational = _is_conversational(prompts[0])
+        prompt_ids = [self.tokenize_prompt(p) for p in prompts]
+        if self.state.global_step != self._engine_step:
+            self.rollout_engine.load_weights(self.model)
+            self._engine_step = self.state.global_step
+        params = SamplingParams(
+            max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+            top_k=args.top_k, min_p=args.min_p, stop_token_ids=self.stop_token_ids(conversational),
+        )
+        t0 = time.perf_counter()
+        rollouts = self.rollout_engine.generate(prompt_ids, G, params)
+        gen_time = time.perf_counter() - t0
+        completion_ids = rollouts.completion_ids
+        n = len(prompts) * G
+        if len(completion_ids) != n:
+            raise RuntimeError(f"the rollout engine returned {len(completion_ids)} completions for {n}")
+        exp_prompts = [p for p in prompts for _ in range(G)]
+        exp_prompt_ids = [p for p in prompt_ids for _ in range(G)]
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [row[k] for row in prompt_rows for _ in range(G)] for k in prompt_rows[0] if k != "prompt"}
+        rewards, per_func = compute_rewards(
+            self.reward_funcs, exp_prompts, completions, completion_ids, columns, self.reward_weights,
+            group_size=G, trainer_state=self.state,
+        )
+        batch_std = None
+        if args.scale_rewards == "batch" and self.accelerator.num_processes > 1:
+            batch_std = self.accelerator.gather(rewards.to(device)).std().cpu()
+        advantages, group_std = group_advantages(rewards, G, args.scale_rewards, batch_std=batch_std)
+        finished = torch.tensor(rollouts.finished, dtype=torch.bool)
+        seq_keep = finished | (not args.mask_truncated_completions)
+
+        B = args.per_device_train_batch_size
+        micro: list[GRPOMicroBatch] = []
+        for s in range(args.steps_per_generation):
+            idx = list(range(s * B, (s + 1) * B))
+            row = build_policy_row([exp_prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
+                                   share_prompt=bool(args.share_prompt), group_ids=[i // G for i in idx],
+                                   attention_backend=args.attention_backend, device=device)
+            keep = seq_keep[idx].to(device=device, dtype=torch.float32)
+            micro.append(GRPOMicroBatch(row, advantages[idx].to(device), keep.index_select(0, row.seq_index),
+                                        None, None, 0.0))
+        need_old = args.num_iterations > 1 or args.steps_per_generation > args.gradient_accumulation_steps
+        for mb in micro:
+            if need_old:
+                mb.old_logps = self._no_grad_logps(self.model, mb.row)
+            if args.beta != 0.0:
+                mb.ref_logps = self.reference_logprobs(mb.row)
+        # dapo / cispo denominator: completion tokens per optimizer step over all processes
+        local_tokens = torch.tensor(float(sum(float(mb.token_mask.sum()) for mb in micro)), device=device)
+        global_tokens = float(self.accelerator.gather(local_tokens.reshape(1)).sum())
+        per_step = global_tokens * args.gradient_accumulation_steps / args.steps_per_generation
+        for mb in micro:
+            mb.num_items_in_batch = max(per_step, 1.0)
+
+        self._record_generation(rewards, per_func, group_std, completion_ids, finished, gen_time, prompts, texts)
+        return micro
+
+    def reference_logprobs(self, row: PolicyRow) -> torch.Tensor:
+        """Completion log-probs of ``row`` under the reference policy (no gradient).
+
+        LoRA: the training model itself with its adapters disabled; full fine-tuning: the frozen
+        copy made at construction (only when ``beta > 0``).
+        """
+        if self.ref_model is not None:
+            return self._no_grad_logps(self.ref_model, row)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with unwrapped.disable_adapter():  # LoRA: the reference is the base model, no second copy
+            return self._no_grad_logps(unwrapped, row)
+
+    def _record_generation(self, rewards, per_func, group_std, completion_ids, finished, gen_time, prompts, texts):
+        gather = self.accelerator.gather
+        device = self.args.device
+        all_rewards = gather(rewards.to(device)).float().cpu()
+        all_per_func = gather(per_func.to(device)).float().cpu()
+        lengths = gather(torch.tensor([len(c) for c in completion_ids], dtype=torch.float32, device=device)).cpu()
+        done = gather(finished.to(device)).cpu()
+        std = gather(group_std.to(device)).float().cpu()
+        m = self._gen_metrics
+        m["reward"].append(float(all_rewards.mean()))
+        m["reward_std"].append(float(std.mean()))
+        m["frac_reward_zero_std"].append(float((std < 1e-6).float().mean()))
+        for j, name in enumerate(self.reward_func_names):
+            col = all_per_func[:, j]
+            ok = ~torch.isnan(col)
+            m[f"rewards/{name}/mean"].append(float(col[ok].mean()) if ok.any() else math.nan)
+            m[f"rewards/{name}/std"].append(float(col[ok].std()) if int(ok.sum()) > 1 else math.nan)
+        m["completion_length"].append(float(lengths.mean()))
+        m["completions/min_length"].append(float(lengths.min()))
+        m["completions/max_length"].append(float(lengths.max()))
+        m["completions/clipped_ratio"].append(float((~done).float().mean()))
+        m["generation_s"].append(gen_time)
+        self._last_sample = (prompts[0], texts[0], float(rewards[0]))
+
+    # ------------------------------------------------------------------------ loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mb: GRPOMicroBatch = inputs
+        args = self.args
+        logps, entropy = self._logps(model, mb.row, entropy=True)
+        out = grpo_loss(
+            logps, mb.old_logps, mb.advantages, mb.row.seq_index, num_sequences=mb.row.num_sequences,
+            loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
+            epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta, beta=args.beta,
+            ref_logps=mb.ref_logps, mask=mb.token_mask, max_completion_length=args.max_completion_length,
+            num_items_in_batch=mb.num_items_in_batch,
+        )
+        loss = out.loss
+        if args.loss_type in ("dapo", "cispo"):
+            # normalised by the tokens of the whole accumulated global batch already: undo the
+            # Trainer's division by the accumulation steps and DDP's mean over processes
+            ga = getattr(self, "current_gradient_accumulation_steps", None) or args.gradient_accumulation_steps
+            loss = loss * ga * self.accelerator.num_processes
+        if model.training:
+            with torch.no_grad():
+                denom = mb.token_mask.sum().clamp(min=1.0)
+                self._step_metrics["entropy"].append(float((entropy.detach() * mb.token_mask).sum() / denom))
+                for k, v in out.metrics(args.loss_type).items():
+                    self._step_metrics[k].append(v)
+            self.token_meter.add(BatchStats(num_trained_tokens=int(mb.token_mask.sum()),
+                                            num_tokens=mb.row.num_tokens, num_padding_tokens=0))
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    # ------------------------------------------------------------------------ logging
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._gen_metrics:
+            self._last_gen_metrics = {k: sum(v) / len(v) for k, v in self._gen_metrics.items() if v}
+            self._gen_metrics.clear()
+        if "loss" in logs:  # a training step: add this period's rollout and loss diagnostics
+            extra = dict(self._last_gen_metrics)
+            extra.update({k: sum(v) / len(v) for k, v in self._step_metrics.items() if v})
+            self._step_metrics.clear()
+            logs = {**logs, **extra}
+            if self.args.log_completions and self._last_sample is not None:
+                p, c, r = self._last_sample
+                logger.info("step %d | prompt %r | completion %r | reward %.3f", self.state.global_step, p, c, r)
+        super().log(logs, start_time)

@@ -1,0 +1,326 @@
+"""Offloaded gradient checkpointing and the tiled MLP, on CPU (the offload path copies into CPU pages).
+
+Against the model without any checkpointing: loss and every gradient (LoRA and full fine-tuning,
+Qwen3 and Gemma 2, plain and patched/packed), budget splits as a pure function, the clear error
+when both budgets are short, and the tiled MLP against the untiled one.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from swiftune.data import tiny_model_config
+from swiftune.models.checkpointing import (
+    CheckpointBudgetError,
+    choose_page_bytes,
+    decoder_layers,
+    disable_offloaded_checkpointing,
+    enable_offloaded_checkpointing,
+    offload_stats,
+    split_layers,
+)
+from swiftune.models.tiled_mlp import (
+    disable_tiled_mlp,
+    enable_tiled_mlp,
+    is_tiled,
+    tile_bounds,
+    tiled_apply,
+    tiled_mlp_forward,
+)
+from tests.helpers import rel_err
+
+# ------------------------------------------------------------------------------ pure budgets
+
+
+def test_split_layers_keeps_what_fits_and_offloads_the_first_layers():
+    plan = split_layers(36, 1000, gpu_budget_bytes=20_500, host_budget_bytes=10**9, page_bytes=256)
+    assert plan.keep == tuple(range(16, 36)) and plan.offload == tuple(range(16))
+    assert plan.gpu_bytes == 20_000
+    assert plan.host_bytes == 16 * 4 * 256  # ceil(1000 / 256) = 4 pages per layer
+
+
+def test_split_layers_edges():
+    everything = split_layers(4, 100, gpu_budget_bytes=400, host_budget_bytes=0)
+    assert everything.offload == () and everything.keep == (0, 1, 2, 3) and everything.host_bytes == 0
+    nothing = split_layers(4, 100, gpu_budget_bytes=0, host_budget_bytes=4 * 128, page_bytes=128)
+    assert nothing.offload == (0, 1, 2, 3) and nothing.keep == ()
+    negative = split_layers(3, 100, gpu_budget_bytes=-5, host_budget_bytes=10**6)
+    assert negative.keep == ()
+    assert split_layers(3, 0, 0, 0).keep == (0, 1, 2)
+
+
+def test_split_layers_clear_error_when_both_budgets_are_short():
+    # Qwen3-8B at 400K tokens: 36 x 3.28 GB; 60 GB of GPU budget and 40 GB of host cannot hold it.
+    layer = 400_000 * 4096 * 2
+    with pytest.raises(CheckpointBudgetError, match=r"holds 18 of them.*other 18 need"):
+        split_layers(36, layer, gpu_budget_bytes=60 * 10**9, host_budget_bytes=40 * 10**9)
+    ok = split_layers(36, layer, gpu_budget_bytes=60 * 10**9, host_budget_bytes=80 * 10**9)
+    assert len(ok.keep) == 18 and len(ok.offload) == 18
+    assert isinstance(CheckpointBudgetError("x"), MemoryError)
+
+
+def test_page_bytes_are_powers_of_two_no_larger_than_needed():
+    assert choose_page_bytes(1000) == 1024
+    assert choose_page_bytes(3 * 2**30) == 64 * 2**20
+    assert choose_page_bytes(4096, page_bytes=1024) == 1024
+
+
+# ------------------------------------------------------------------------------- models
+
+STEPS_TOKENS = 50  # not a multiple of the page: the last page of each layer is partial
+
+
+def _model(family: str, lora: bool, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    cfg = tiny_model_config(family, vocab_size=320, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    return model
+
+
+def _step(model: nn.Module, ids: torch.Tensor, **kw) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, **kw).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(ref, got, tol=1e-6):
+    (l0, g0), (l1, g1) = ref, got
+    assert rel_err(l1, l0) < tol
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    worst = max(rel_err(g1[k], g0[k]) for k in g0)
+    assert worst < tol, worst
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_offloaded_checkpointing_equals_no_checkpointing(family, lora):
+    model = _model(family, lora)
+    ids = torch.randint(0, 320, (2, STEPS_TOKENS))
+    ref = _step(model, ids)
+    layer_bytes = ids.numel() * model.config.hidden_size * 4
+    # one layer kept, one offloaded, in 4 KiB pages (7 pages, the last one partial)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=layer_bytes, page_bytes=4096)
+    got = _step(model, ids)
+    stats = offload_stats(model)
+    assert stats["offload"] == (0,) and stats["keep"] == (1,)
+    assert stats["restored"] == 1 and stats["host_in_use_bytes"] == 0  # pages back in the pool
+    _assert_same(ref, got)
+    # everything offloaded, a second step reusing the pool's pages
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, page_bytes=4096)
+    held = offload_stats(model)["host_pinned_bytes"]
+    _assert_same(ref, _step(model, ids))
+    assert offload_stats(model)["offload"] == (0, 1)
+    assert offload_stats(model)["host_pinned_bytes"] == 2 * held  # grew once for the 2nd layer, no more
+    _assert_same(ref, _step(model, ids))
+    assert offload_stats(model)["host_pinned_bytes"] == 2 * held
+
+
+def test_offload_with_patched_packed_model_and_tiled_mlp():
+    """swiftune's patched forwards + packed attention kwargs (position_ids restarting) + tiled MLP."""
+    import swiftune
+
+    model = _model("qwen3", lora=False, seed=1)
+    swiftune.patch_model(model, attention="reference", kernel_backend="reference")
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.randint(0, 320, (1, 60))
+    pos = torch.cat([torch.arange(25), torch.arange(35)])[None]
+    ref = _step(model, ids, position_ids=pos)
+    enable_tiled_mlp(model, tile_tokens=16)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    _assert_same(ref, _step(model, ids, position_ids=pos), tol=1e-5)
+    disable_tiled_mlp(model)
+    disable_offloaded_checkpointing(model)
+    assert not is_tiled(model)
+    _assert_same(ref, _step(model, ids, position_ids=pos))
+
+
+def test_layers_are_recomputed_and_offloaded_inputs_freed_after_forward():
+    model = _model("qwen3", lora=True)
+    layers = decoder_layers(model)
+    calls = [0]
+    layers[0].self_attn.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    inputs: list[weakref.ref] = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda m, args, kw: inputs.append(weakref.ref(args[0] if args else kw["hidden_states"])), with_kwargs=True)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=2 * 32 * 128 * 4 - 1)  # one layer fits
+    ids = torch.randint(0, 320, (1, 32))
+    loss = model(input_ids=ids, labels=ids).loss
+    gc.collect()
+    assert offload_stats(model)["offload"] == (0,)
+    assert inputs[0]() is None, "the offloaded layer input is still referenced on the device"
+    assert calls[0] == 1
+    loss.backward()
+    assert calls[0] == 2  # recomputed in backward
+
+
+def test_retain_graph_restores_again():
+    model = _model("qwen3", lora=True)
+    ids = torch.randint(0, 320, (1, 40))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    once = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert offload_stats(model)["restored"] == 4  # each layer brought back once per backward
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert rel_err(p.grad, 2 * once[n]) < 1e-6
+
+
+def test_host_budget_and_gpu_reserve_helpers():
+    from swiftune.models.checkpointing import OffloadState, host_available_bytes
+
+    assert host_available_bytes(margin_bytes=0) >= host_available_bytes() >= 0
+    model = _model("qwen3", lora=True)
+    hf = model.get_base_model()
+    state = OffloadState(hf, decoder_layers(hf), None, None, 2**26, None)
+    small, large = (state._reserve(torch.zeros(1, t, 128)) for t in (1000, 100_000))
+    assert 0 < small < large
+    assert state.gpu_budget(torch.zeros(1, 8, 128)) >= 2**60  # CPU, no budget: everything stays
+    assert state.host_budget() <= host_available_bytes() + state.pool.free_bytes
+
+
+def test_clear_error_when_budgets_are_short():
+    model = _model("qwen3", lora=True)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=1000)
+    ids = torch.randint(0, 320, (1, 32))
+    with pytest.raises(CheckpointBudgetError, match="pinned host memory"):
+        model(input_ids=ids, labels=ids)
+    assert offload_stats(model)["host_pinned_bytes"] == 0  # raised before allocating anything
+
+
+def test_no_checkpointing_without_grad_or_in_eval():
+    model = _model("qwen3", lora=True)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    ids = torch.randint(0, 320, (1, 16))
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.eval()
+    model(input_ids=ids)
+    assert offload_stats(model)["offloaded"] == 0
+    model.train()
+
+
+def test_disable_restores_layers_and_flags():
+    model = _model("qwen3", lora=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = decoder_layers(model)
+    assert layers[0].gradient_checkpointing
+    enable_offloaded_checkpointing(model)
+    assert not layers[0].gradient_checkpointing and "forward" in layers[0].__dict__
+    disable_offloaded_checkpointing(model)
+    assert layers[0].gradient_checkpointing and "forward" not in layers[0].__dict__
+    assert offload_stats(model) == {}
+
+
+# ------------------------------------------------------------------------------- tiled MLP
+
+
+def test_tile_bounds_are_balanced():
+    assert tile_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert tile_bounds(9, 4) == [(0, 3), (3, 6), (6, 9)]
+    assert tile_bounds(5, 100) == [(0, 5)]
+    assert tile_bounds(0, 4) == []
+
+
+def _mlp_grads(mlp: nn.Module, x: torch.Tensor, fn) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    mlp.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    y = fn(x)
+    (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+    params = [p.grad.clone() for p in mlp.parameters() if p.requires_grad]
+    return y.detach(), [x.grad.clone(), *params]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("tile", [1, 7, 64, 1000])
+def test_tiled_mlp_equals_untiled(lora, tile):
+    model = _model("qwen3", lora=lora)
+    mlp = decoder_layers(model)[0].mlp
+    x = torch.randn(2, 33, model.config.hidden_size)
+    y0, g0 = _mlp_grads(mlp, x, mlp)
+    y1, g1 = _mlp_grads(mlp, x, lambda t: tiled_mlp_forward(mlp, t, tile))
+    assert rel_err(y1, y0) < 1e-6
+    assert len(g0) == len(g1) == (1 + (6 if lora else 3))
+    for a, b in zip(g1, g0):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_tiled_mlp_saves_only_its_input():
+    model = _model("qwen3", lora=True)
+    mlp = decoder_layers(model)[0].mlp
+    x = torch.randn(1, 40, model.config.hidden_size, requires_grad=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tiled_mlp_forward(mlp, x * 1.0, 8)
+    assert len(saved) == 1 and saved[0].shape == x.shape
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x * 1.0)
+    assert sum(t.numel() for t in saved) > 5 * x.numel()  # untiled: gate, up, act, LoRA copies...
+
+
+def test_tiled_mlp_replays_dropout_masks():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_model_config("qwen3", vocab_size=320))
+    model = get_peft_model(base, LoraConfig(r=4, lora_dropout=0.5, target_modules=["gate_proj", "up_proj", "down_proj"],
+                                            init_lora_weights=False)).train()
+    mlp = decoder_layers(model)[0].mlp
+    x = torch.randn(1, 30, model.config.hidden_size)
+
+    def per_tile(t):  # what the tiled function must equal: the same tiles, the same RNG stream
+        return torch.cat([mlp(t[:, a:b]) for a, b in tile_bounds(t.shape[1], 10)], dim=1)
+
+    torch.manual_seed(123)
+    y0, g0 = _mlp_grads(mlp, x, per_tile)
+    torch.manual_seed(123)
+    y1, g1 = _mlp_grads(mlp, x, lambda t: tiled_mlp_forward(mlp, t, 10))
+    assert rel_err(y1, y0) < 1e-6
+    for a, b in zip(g1, g0):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_enable_tiled_mlp_on_model_with_projections():
+    model = _model("gemma2", lora=True)
+    ids = torch.randint(0, 320, (1, 40))
+    ref = _step(model, ids)
+    enable_tiled_mlp(model, tile_tokens=9, projections=True)
+    layer = decoder_layers(model)[0]
+    assert "forward" in layer.mlp.__dict__ and "forward" in layer.self_attn.q_proj.__dict__
+    _assert_same(ref, _step(model, ids), tol=1e-5)
+    with torch.no_grad():  # inference path: plain tiles, no autograd function
+        out = model(input_ids=ids).logits
+    disable_tiled_mlp(model)
+    with torch.no_grad():
+        assert rel_err(out, model(input_ids=ids).logits) < 1e-5
+    assert not is_tiled(model)
+
+
+def test_tiled_apply_rejects_bad_tile():
+    with pytest.raises(ValueError):
+        tiled_apply(lambda t: t, torch.zeros(1, 2, 3), 0)

@@ -1,0 +1,463 @@
+"""GRPO on a tiny random model: packed / shared-prompt policy rows equal the padded computation,
+the reference policy of LoRA is the base model, the built-in rollout engine matches transformers'
+generate and a forward pass, gradient accumulation equals one big batch, a short run logs what it
+must, and the built-in `swiftune grpo` run learns.
+
+Kernels and attention run their plain-PyTorch references (``kernel_backend`` /
+``attention_backend="reference"``) for speed, as in test_sft.py.
+"""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
+from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
+from swiftune.rl import (
+    GRPOConfig,
+    GRPOTrainer,
+    Rollouts,
+    SamplingParams,
+    TransformersRolloutEngine,
+    build_policy_row,
+    completion_logprobs,
+    grpo_loss,
+)
+from tests.helpers import rel_err
+
+FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
+            logging_steps=1, seed=1, dataloader_pin_memory=False, disable_tqdm=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def tiny_model(family: str = "qwen3", seed: int = 0, patch: bool = True, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(family, **overrides), dtype=torch.float32)
+    if patch:
+        patch_model(model, attention="reference", kernel_backend="reference")
+    return model
+
+
+def add_lora(model, seed: int = 1):
+    torch.manual_seed(seed)
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    with torch.no_grad():  # PEFT starts B at zero: give the adapters an effect
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def random_groups(seed: int = 0, prompt_lengths=(6, 9), group_size: int = 3, max_completion: int = 7):
+    """Prompts repeated per group and completions of varied length (one of a single token)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for p_len in prompt_lengths:
+        prompt = torch.randint(0, 256, (p_len,), generator=g).tolist()
+        for _ in range(group_size):
+            n = int(torch.randint(1, max_completion + 1, (1,), generator=g))
+            prompts.append(prompt)
+            completions.append(torch.randint(0, 256, (n,), generator=g).tolist())
+    completions[1] = completions[1][:1]
+    return prompts, completions
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_grad_err(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and a
+    return max(rel_err(a[k], b[k]) for k in a if b[k].norm() > 0)
+
+
+# ----------------------------------------------------------------------------- policy forward
+
+def test_packed_policy_loss_equals_padded(tokenizer):
+    """One padding-free row + chunked selective log-softmax == right-padded batch + full logits."""
+    model = tiny_model()
+    plain = tiny_model(patch=False)  # same weights, transformers' own attention and kernels
+    prompts, completions = random_groups(seed=1)
+    adv = torch.tensor([0.5, -1.0, 0.3, 1.2, -0.2, -0.8])
+    T = 0.8
+
+    row = build_policy_row(prompts, completions, attention_backend="reference")
+    assert row.input_ids.shape[0] == 1
+    assert row.num_tokens == sum(len(p) + len(c) - 1 for p, c in zip(prompts, completions))
+    logps, _ = completion_logprobs(model, row, temperature=T, kernel_backend="reference", chunk_tokens=5)
+    old = logps.detach() + 0.1 * torch.sin(torch.arange(logps.numel(), dtype=torch.float32))
+    loss = grpo_loss(logps, old, adv, row.seq_index, loss_type="grpo", beta=0.0).loss
+    loss.backward()
+
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    attn = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids[i, :len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, :len(p) + len(c)] = 1
+    logits = plain(input_ids=ids, attention_mask=attn).logits.float() / T
+    logp_all = torch.log_softmax(logits, dim=-1)
+    per_seq = []
+    flat_ref = []
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        lp = logp_all[i, len(p) - 1:len(p) + len(c) - 1].gather(1, torch.tensor(c)[:, None]).squeeze(1)
+        flat_ref.append(lp)
+        o = old[row.seq_index == i]
+        ratio = torch.exp(lp - o)
+        term = torch.min(ratio * adv[i], torch.clamp(ratio, 0.8, 1.2) * adv[i])
+        per_seq.append(-term.mean())
+    ref_loss = torch.stack(per_seq).mean()
+    ref_loss.backward()
+    assert rel_err(logps, torch.cat(flat_ref)) < 1e-5
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert max_grad_err(grads(model), grads(plain)) < 1e-4
+
+
+@pytest.mark.parametrize("case", ["qwen3-checkpointing", "gemma2-window-softcap", "qwen3-lora"])
+def test_shared_prompt_equals_unshared(case):
+    """Each group's prompt encoded once: same completion log-probs and parameter gradients."""
+    if case.startswith("gemma2"):
+        model = tiny_model("gemma2", sliding_window=5)  # a window shorter than the rows
+    else:
+        model = tiny_model()
+    if case == "qwen3-checkpointing":
+        enable_gradient_checkpointing(model)  # the backward recomputes the layers with the same layout
+        model.train()
+    if case == "qwen3-lora":
+        model = add_lora(model)
+    prompts, completions = random_groups(seed=2, group_size=4)
+    weights = torch.linspace(-1.0, 1.0, sum(len(c) for c in completions))
+    results = {}
+    for share in (False, True):
+        model.zero_grad(set_to_none=True)
+        row = build_policy_row(prompts, completions, share_prompt=share, group_ids=[i // 4 for i in range(8)],
+                               attention_backend="reference")
+        logps, entropy = completion_logprobs(model, row, temperature=0.7, return_entropy=True,
+                                             kernel_backend="reference")
+        ((logps * weights).sum() + 0.1 * entropy.sum()).backward()
+        results[share] = (logps.detach(), entropy.detach(), grads(model), row.num_tokens)
+    shared, unshared = results[True], results[False]
+    assert shared[3] < unshared[3] - 2 * (6 + 9)  # 3 of 4 prompt copies dropped per group
+    assert rel_err(shared[0], unshared[0]) < 1e-5
+    assert rel_err(shared[1], unshared[1]) < 1e-5
+    assert max_grad_err(shared[2], unshared[2]) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_shared_prompt_flex_path(device, family):
+    """Shared rows on flex attention (their CUDA path) against the unshared reference rows.
+
+    Off CUDA flex has no backward: the CPU run checks the block mask through the forward only.
+    """
+    model = tiny_model(family, **({"sliding_window": 5} if family == "gemma2" else {})).to(device)
+    prompts, completions = random_groups(seed=2, group_size=4)
+    weights = torch.linspace(-1.0, 1.0, sum(len(c) for c in completions), device=device)
+    out = {}
+    for backend, share in (("reference", False), ("flex", True)):
+        model.zero_grad(set_to_none=True)
+        row = build_policy_row(prompts, completions, share_prompt=share, attention_backend=backend, device=device)
+        with torch.set_grad_enabled(device == "cuda"):
+            logps, _ = completion_logprobs(model, row, kernel_backend="reference")
+            if device == "cuda":
+                (logps * weights).sum().backward()
+        out[backend] = (logps.detach(), grads(model) if device == "cuda" else None)
+    assert rel_err(out["flex"][0], out["reference"][0]) < 1e-5
+    if device == "cuda":
+        assert max_grad_err(out["flex"][1], out["reference"][1]) < 1e-4
+
+
+def test_shared_row_layout():
+    prompts = [[1, 2, 3]] * 2 + [[4, 5]]
+    completions = [[10, 11], [12], [13, 14, 15]]
+    row = build_policy_row(prompts, completions, share_prompt=True)
+    assert row.input_ids.tolist() == [[1, 2, 3, 10, 4, 5, 13, 14]]
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert row.layout.seg.tolist() == [0, 0, 0, 1, 0, 0, 1, 1]
+    assert row.layout.packed.cu_seqlens.tolist() == [0, 4, 8]
+    assert row.hidden_index.tolist() == [2, 3, 2, 5, 6, 7]
+    assert row.targets.tolist() == [10, 11, 12, 13, 14, 15]
+    assert row.seq_index.tolist() == [0, 0, 1, 2, 2, 2]
+
+
+# ----------------------------------------------------------------------------- reference policy
+
+def test_lora_reference_is_base_model_with_adapters_disabled(tokenizer, tmp_path):
+    base = tiny_model()
+    base_copy = copy.deepcopy(base)
+    model = add_lora(base)
+    args = GRPOConfig(output_dir=str(tmp_path), beta=0.04, num_generations=2, per_device_train_batch_size=2, **FAST)
+    trainer = GRPOTrainer(model, reward_funcs=lambda prompts, completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=[{"prompt": "abc"}] * 4, processing_class=tokenizer)
+    assert trainer.ref_model is None  # no second copy of the weights
+    prompts, completions = random_groups(seed=3)
+    row = build_policy_row(prompts, completions, share_prompt=True, attention_backend="reference")
+    ref = trainer.reference_logprobs(row)
+    want, _ = completion_logprobs(base_copy, row, kernel_backend="reference")
+    assert not ref.requires_grad
+    assert rel_err(ref, want) < 1e-6
+    policy, _ = completion_logprobs(model, row, kernel_backend="reference")  # adapters are back on
+    assert (policy - want).abs().max() > 1e-3
+
+
+def test_full_finetuning_reference_copy_only_when_beta(tokenizer, tmp_path):
+    rows = [{"prompt": "abc"}] * 4
+    reward = [lambda prompts, completions, **kw: [0.0] * len(completions)]
+    common = dict(num_generations=2, per_device_train_batch_size=2, **FAST)
+    t0 = GRPOTrainer(tiny_model(), reward, GRPOConfig(output_dir=str(tmp_path / "a"), **common), rows,
+                     processing_class=tokenizer)
+    assert t0.ref_model is None
+    t1 = GRPOTrainer(tiny_model(), reward, GRPOConfig(output_dir=str(tmp_path / "b"), beta=0.1, **common), rows,
+                     processing_class=tokenizer)
+    assert t1.ref_model is not None and not any(p.requires_grad for p in t1.ref_model.parameters())
+    prompts, completions = random_groups(seed=4)
+    row = build_policy_row(prompts, completions, attention_backend="reference")
+    want, _ = completion_logprobs(tiny_model(), row, kernel_backend="reference")
+    assert rel_err(t1.reference_logprobs(row), want) < 1e-6
+
+
+# ----------------------------------------------------------------------------- rollout engine
+
+PROMPT_TEXTS = ["Reverse: abc\n", "Sort the letters: garden\n", "Hi\n"]
+
+
+def test_greedy_equals_generate(tokenizer):
+    for lora in (False, True):
+        model = tiny_model(seed=5)
+        if lora:
+            model = add_lora(model)
+        prompts = [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+        engine = TransformersRolloutEngine(model, pad_token_id=tokenizer.pad_token_id)
+        out = engine.generate(prompts, 1, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[EOS_TOKEN_ID]))
+        for p, got in zip(prompts, out.completion_ids):
+            ref = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=12, eos_token_id=EOS_TOKEN_ID,
+                                 pad_token_id=tokenizer.pad_token_id)[0, len(p):].tolist()
+            if EOS_TOKEN_ID in ref:
+                ref = ref[:ref.index(EOS_TOKEN_ID) + 1]
+            assert got == ref, (lora, got, ref)
+
+
+def test_sampling_logprobs_equal_forward_pass(tokenizer):
+    model = tiny_model(seed=6)
+    model.train()
+    enable_gradient_checkpointing(model)
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+    engine = TransformersRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, seed=3)
+    out = engine.generate(prompts, 4, SamplingParams(max_tokens=10, temperature=0.8, stop_token_ids=[EOS_TOKEN_ID]))
+    assert model.training  # the training mode came back
+    assert len(out.completion_ids) == 12 and all(not lp.requires_grad for lp in out.logprobs)
+    rep = [p for p in prompts for _ in range(4)]
+    row = build_policy_row(rep, out.completion_ids, share_prompt=True, attention_backend="reference")
+    with torch.no_grad():
+        model.eval()
+        fwd, _ = completion_logprobs(model, row, temperature=0.8, kernel_backend="reference")
+    assert rel_err(torch.cat(out.logprobs), fwd) < 1e-5
+
+    # top-k: log-probs of the renormalised top-k distribution, tokens inside the top k
+    out_k = engine.generate(prompts, 2, SamplingParams(max_tokens=6, temperature=0.8, top_k=5))
+    rep = [p for p in prompts for _ in range(2)]
+    row = build_policy_row(rep, out_k.completion_ids, attention_backend="reference")
+    with torch.no_grad():
+        full, _ = completion_logprobs(model, row, temperature=0.8, kernel_backend="reference")
+        logits = model(input_ids=row.input_ids, position_ids=row.position_ids).logits[0].float() / 0.8
+        top5 = logits.index_select(0, row.hidden_index).topk(5, dim=-1)
+        top5_lse = torch.logsumexp(top5.values, dim=-1)
+        hidden_rank = (top5.indices == row.targets[:, None]).any(dim=1)
+    sampled = torch.cat(out_k.logprobs)
+    assert hidden_rank.all()
+    # log p_topk(t) = log p(t) - log sum_{top5} p = y_t - lse(top5 logits)
+    assert rel_err(sampled, full + torch.logsumexp(logits.index_select(0, row.hidden_index), -1) - top5_lse) < 1e-5
+
+
+def test_stops_at_stop_token_and_max_tokens(tokenizer):
+    model = tiny_model(seed=7)
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+    engine = TransformersRolloutEngine(model, pad_token_id=tokenizer.pad_token_id)
+    free = engine.generate(prompts, 1, SamplingParams(max_tokens=10, temperature=0))
+    assert all(len(c) == 10 for c in free.completion_ids) and not any(free.finished)
+    stop = free.completion_ids[0][3]
+    out = engine.generate(prompts, 1, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop]))
+    for full, got, done in zip(free.completion_ids, out.completion_ids, out.finished):
+        if stop in full:
+            assert done and got == full[:full.index(stop) + 1]
+        else:
+            assert not done and got == full
+    assert out.completion_ids[0][-1] == stop and len(out.completion_ids[0]) <= 4
+
+
+def test_engine_without_cache_row_ops(tokenizer, monkeypatch):
+    """Older caches without batch_repeat_interleave / batch_select_indices: same greedy tokens."""
+    from swiftune.rl import rollout
+
+    model = tiny_model(seed=7)
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+    params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[EOS_TOKEN_ID, 101, 105])
+    want = TransformersRolloutEngine(model).generate(prompts, 2, params)
+    monkeypatch.setattr(rollout, "cache_supports", lambda cache, method: False)
+    got = TransformersRolloutEngine(model).generate(prompts, 2, params)
+    assert got.completion_ids == want.completion_ids and got.finished == want.finished
+    assert rel_err(torch.cat(got.logprobs), torch.cat(want.logprobs)) < 1e-5
+
+
+def test_sampling_is_seeded(tokenizer):
+    model = tiny_model(seed=8)
+    prompts = [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9)
+    a = TransformersRolloutEngine(model, seed=11).generate(prompts, 3, params)
+    b = TransformersRolloutEngine(model, seed=11).generate(prompts, 3, params)
+    c = TransformersRolloutEngine(model, seed=12).generate(prompts, 3, params)
+    assert a.completion_ids == b.completion_ids
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.completion_ids != c.completion_ids
+    assert len({tuple(x) for x in a.completion_ids[:3]}) > 1  # a group's samples differ
+
+
+# ----------------------------------------------------------------------------- trainer
+
+class FixedEngine:
+    """A deterministic RolloutEngine: completions are a function of the prompt (pluggability test)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.loads = 0
+
+    def generate(self, prompt_ids, num_generations, params):
+        self.calls += 1
+        ids, done = [], []
+        for p in prompt_ids:
+            for g in range(num_generations):
+                n = 1 + (sum(p) + 3 * g) % 6
+                comp = [(sum(p) * (g + 1) + 7 * k) % 200 + 40 for k in range(n)]
+                if g % 3:
+                    comp.append(EOS_TOKEN_ID)
+                ids.append(comp[:params.max_tokens])
+                done.append(g % 3 != 0)
+        return Rollouts(ids, [torch.zeros(len(c)) for c in ids], done, num_generations)
+
+    def load_weights(self, model):
+        self.loads += 1
+
+
+def length_reward(prompts, completions, completion_ids, **kwargs):
+    return [float(len(c)) / 4 for c in completion_ids]
+
+
+def answer_reward(prompts, completions, answer, **kwargs):
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+
+PROMPT_ROWS = [{"prompt": f"Reverse: {w}\n", "answer": w[::-1]} for w in
+               ("abc", "hello", "tiger", "moon", "stone", "piano", "cloud", "river")]
+
+
+@pytest.mark.parametrize("loss_type, share", [("dapo", True), ("grpo", False), ("dr_grpo", True), ("cispo", False)])
+def test_accumulation_equals_one_big_batch(tokenizer, tmp_path, loss_type, share):
+    """2 micro-batches of 8 completions accumulated == 1 micro-batch of 16 (same rollouts, SGD step)."""
+    finals = []
+    for bs, ga in ((16, 1), (8, 2)):
+        model = tiny_model(seed=9)
+        args = GRPOConfig(output_dir=str(tmp_path / f"{bs}"), max_steps=1, per_device_train_batch_size=bs,
+                          gradient_accumulation_steps=ga, num_generations=8, max_completion_length=16,
+                          loss_type=loss_type, share_prompt=share, optim="sgd", learning_rate=0.5,
+                          lr_scheduler_type="constant", max_grad_norm=0.0, beta=0.05, **FAST)
+        trainer = GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer,
+                              rollout_engine=FixedEngine())
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer.train()
+        finals.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+    assert max_grad_err(finals[1], finals[0]) < 1e-4
+
+
+def test_short_run_logs_and_reuses_rollouts(tokenizer, tmp_path):
+    """LoRA + KL, two optimisation passes per generation, async and sync rewards, chat prompts."""
+
+    async def async_len(prompts, completions, **kwargs):
+        return [min(len(c[0]["content"]), 8) / 8 for c in completions]
+
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"].strip()}], "answer": r["answer"]} for r in PROMPT_ROWS]
+    model = add_lora(tiny_model(seed=10))
+
+    class CountingEngine(TransformersRolloutEngine):
+        calls = 0
+
+        def generate(self, *a, **k):
+            CountingEngine.calls += 1
+            return super().generate(*a, **k)
+
+    engine = CountingEngine(model, pad_token_id=tokenizer.pad_token_id, seed=0)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, num_iterations=2, beta=0.1, learning_rate=1e-2,
+                      reward_weights=[1.0, 0.5], loss_type="grpo", importance_sampling_level="sequence",
+                      mask_truncated_completions=True, **FAST)
+    trainer = GRPOTrainer(model, [answer_reward, async_len], args=args, train_dataset=rows,
+                          processing_class=tokenizer, rollout_engine=engine)
+    assert EOS_TOKEN_ID in trainer.stop_token_ids(True) and 258 in trainer.stop_token_ids(True)  # <|im_end|>
+    trainer.train()
+    assert CountingEngine.calls == 2  # 4 steps, each generation used twice
+    assert trainer._buffer[0].old_logps is not None and trainer._buffer[0].ref_logps is not None
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for key in ("step", "reward", "reward_std", "completion_length", "kl", "loss", "entropy",
+                "rewards/answer_reward/mean", "rewards/async_len/mean", "completions/max_length",
+                "completions/clipped_ratio", "clip_ratio/region_mean", "tokens_per_s"):
+        assert key in metrics[0], key
+        assert all(isinstance(m[key], (int, float)) for m in metrics)
+    assert (tmp_path / "reward.png").exists()
+
+
+def test_builtin_swiftune_grpo_run_learns(tmp_path):
+    """The main job exactly as a user runs it (a fresh process without TRITON_INTERPRET)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "grpo"
+    from swiftune import cli
+
+    command = ["-m", "swiftune.cli", "grpo"] if "grpo" in getattr(cli, "COMMANDS", {}) else ["-m", "swiftune.rl"]
+    proc = subprocess.run([sys.executable, *command, "--output_dir", str(out)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("metrics.jsonl", "reward.png", "model.safetensors", "config.json", "tokenizer.json"):
+        assert (out / name).exists(), name
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    for key in ("step", "reward", "reward_std", "completion_length", "kl", "loss"):
+        assert key in rows[0], key
+    k = len(rows) // 5
+    first = sum(r["reward"] for r in rows[:k]) / k
+    last = sum(r["reward"] for r in rows[-k:]) / k
+    assert last > first + 0.05, (first, last)
+    assert "first fifth" in proc.stdout
+
+
+def test_command_on_a_saved_model_with_lora_and_jsonl(tokenizer, tmp_path):
+    """`swiftune grpo --model_name_or_path DIR --dataset FILE.jsonl`: the real-model path, in process."""
+    from swiftune.rl import run_grpo
+
+    model_dir = tmp_path / "model"
+    tiny_model(seed=11, patch=False).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "data.jsonl"
+    with open(data, "w") as f:
+        for a in range(8):
+            row = {"prompt": [{"role": "user", "content": f"What is {a} + 2?"}], "answer": str(a + 2)}
+            f.write(json.dumps(row) + "\n")
+    out = tmp_path / "out"
+    rc = run_grpo([
+        "--model_name_or_path", str(model_dir), "--dataset", str(data), "--reward_funcs", "final_answer,exact_match",
+        "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "4", "--dtype", "fp32", "--lora_r", "4", "--learning_rate", "1e-3",
+        "--kernel_backend", "reference", "--attention_backend", "reference", "--report_to", "none",
+        "--disable_tqdm", "true", "--save_strategy", "no", "--beta", "0.1",
+    ])
+    assert rc == 0
+    assert (out / "adapter_model.safetensors").exists() and (out / "reward.png").exists()
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(metrics) == 2 and "rewards/final_answer_reward/mean" in metrics[0] and "kl" in metrics[0]

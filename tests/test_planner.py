@@ -1,0 +1,165 @@
+"""The memory planner: exact parameter counts against real models, monotonicity, max_tokens, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from swiftune.data import tiny_model_config
+from swiftune.memory import (
+    KNOWN_MODELS,
+    lora_param_count,
+    main_plan,
+    max_tokens,
+    model_shape,
+    param_count,
+    plan_memory,
+)
+from swiftune.memory.planner import TrainSetup, layer_saved_bytes
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+
+
+def _real_count(cfg) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tied", [True, False])
+def test_param_count_matches_real_models(family, tied):
+    cfg = tiny_model_config(family, tie_word_embeddings=tied, num_hidden_layers=3, intermediate_size=200)
+    assert param_count(model_shape(cfg)) == _real_count(cfg)
+
+
+@pytest.mark.parametrize("overrides", [dict(attention_bias=True), dict(mlp_bias=True), dict(head_dim=48)])
+def test_param_count_with_biases_and_odd_head_dim(overrides):
+    cfg = tiny_model_config("llama", **overrides)
+    assert param_count(model_shape(cfg)) == _real_count(cfg)
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "llama3-8b"])
+def test_param_count_of_known_shapes_matches_transformers(name):
+    from transformers import AutoConfig
+
+    shape = dict(KNOWN_MODELS[name])
+    cfg = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    assert param_count(model_shape(cfg)) == _real_count(cfg) == param_count(model_shape(name))
+    # published sizes
+    assert param_count(model_shape("llama3-8b")) == 8_030_261_248
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_lora_param_count_matches_peft(family):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = tiny_model_config(family, num_hidden_layers=2)
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=8, target_modules="all-linear"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_param_count(model_shape(cfg), 8) == trainable
+
+
+def test_qwen3_8b_checkpoint_bytes_per_token():
+    plan = plan_memory("qwen3-8b", 1000, gradient_checkpointing=True)
+    assert plan.checkpoints == 1000 * 36 * 4096 * 2  # 288 KB per token
+    assert plan.kept_layers == 36 and plan.offloaded_layers == 0 and plan.host_bytes == 0
+
+
+MODES = [
+    dict(gradient_checkpointing=True),
+    dict(gradient_checkpointing=False),
+    dict(gradient_checkpointing="offload", gpu_bytes=int(141e9)),
+    dict(gradient_checkpointing=True, full_finetune=True),
+    dict(gradient_checkpointing=True, chunked_loss=False, tiled_mlp=False),
+    dict(gradient_checkpointing="offload", gpu_bytes=int(141e9), tiled_projections=True, lora_dtype_bytes=2),
+]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: ",".join(f"{k}={v}" for k, v in m.items() if k != "gpu_bytes"))
+def test_plan_is_monotone_in_tokens(mode):
+    sizes = [1, 100, 4095, 4096, 4097, 8192, 65_536, 131_072, 400_000]
+    plans = [plan_memory("qwen3-8b", t, 16, **mode) for t in sizes]
+    totals = [p.total for p in plans]
+    assert totals == sorted(totals)
+    for a, b in zip(plans, plans[1:]):
+        assert b.layer_working_set >= a.layer_working_set and b.loss >= a.loss
+        assert b.host_bytes >= a.host_bytes
+
+
+def test_offload_plan_keeps_fewer_layers_as_tokens_grow_and_stays_under_the_gpu():
+    gpu = int(141e9)
+    kept = []
+    for t in (32_768, 131_072, 262_144, 400_000):
+        plan = plan_memory("qwen3-8b", t, gradient_checkpointing="offload", gpu_bytes=gpu)
+        assert plan.fits and plan.total <= gpu
+        assert plan.kept_layers + plan.offloaded_layers == 36
+        assert plan.host_bytes == plan.offloaded_layers * t * 4096 * 2
+        kept.append(plan.kept_layers)
+    assert kept == sorted(kept, reverse=True) and kept[0] == 36 and kept[-1] < 36
+    # offloading reaches further than keeping every checkpoint on the GPU, which reaches further
+    # than full logits without tiling
+    off = max_tokens("qwen3-8b", gpu, gradient_checkpointing="offload")
+    on = max_tokens("qwen3-8b", gpu, gradient_checkpointing=True)
+    plain = max_tokens("qwen3-8b", gpu, gradient_checkpointing=True, chunked_loss=False, tiled_mlp=False)
+    assert off > on > plain > 0
+
+
+@pytest.mark.parametrize("mode", MODES[:4], ids=str)
+def test_max_tokens_is_the_fitting_boundary(mode):
+    gpu = int(mode.pop("gpu_bytes", 80e9))
+    best = max_tokens("qwen3-1.7b", gpu, 16, **mode)
+    assert best > 0
+    assert plan_memory("qwen3-1.7b", best, 16, gpu_bytes=gpu, **mode).fits
+    assert not plan_memory("qwen3-1.7b", best + 1, 16, gpu_bytes=gpu, **mode).fits
+
+
+def test_max_tokens_zero_when_weights_do_not_fit_and_host_limit_applies():
+    assert max_tokens("llama3-70b", int(80e9), full_finetune=True) == 0
+    free_host = max_tokens("qwen3-8b", int(141e9), gradient_checkpointing="offload")
+    small_host = max_tokens("qwen3-8b", int(141e9), gradient_checkpointing="offload", host_bytes=int(20e9))
+    assert 0 < small_host < free_host
+
+
+def test_tiling_and_projection_tiling_shrink_the_layer_working_set():
+    shape = model_shape("qwen3-8b")
+    t = 131_072
+    untiled = layer_saved_bytes(shape, t, TrainSetup(tiled_mlp=False))
+    tiled = layer_saved_bytes(shape, t, TrainSetup(tiled_mlp=True))
+    both = layer_saved_bytes(shape, t, TrainSetup(tiled_mlp=True, tiled_projections=True))
+    assert both < tiled < untiled
+
+
+def test_plan_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        plan_memory("qwen3-8b", 0)
+    with pytest.raises(ValueError):
+        plan_memory("qwen3-8b", 10, gradient_checkpointing="sometimes")
+    with pytest.raises(ValueError):
+        plan_memory("no-such-model", 10)
+    with pytest.raises(TypeError):
+        plan_memory("qwen3-8b", 10, not_an_option=1)
+
+
+def test_model_shape_sources_agree(tmp_path):
+    cfg = tiny_model_config("gemma2")
+    cfg.save_pretrained(tmp_path)
+    from_dir = model_shape(str(tmp_path))
+    from_file = model_shape(str(tmp_path / "config.json"))
+    assert from_dir == from_file == model_shape(cfg) == model_shape(cfg.to_dict())
+    assert from_dir.norms_per_layer == 4
+
+
+def test_cli_prints_table_and_max_tokens(capsys, tmp_path):
+    assert main_plan(["--model", "qwen3-8b", "--tokens", "65536", "--lora_rank", "16", "--gpu_gb", "141"]) == 0
+    out = capsys.readouterr().out
+    assert "layer checkpoints (GPU)" in out and "largest context that fits 141.0 GB" in out
+    tiny_model_config("qwen3").save_pretrained(tmp_path)
+    assert main_plan(["--model", str(tmp_path / "config.json"), "--tokens", "1024", "--gpu_gb", "24",
+                      "--gradient_checkpointing", "offload", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["tokens"] == 1024 and data["max_tokens"] > 1024
+    assert main_plan(["--model", "no-such-model"]) == 2
