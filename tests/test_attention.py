@@ -241,6 +241,38 @@ def test_gpu_128k_packed_row_is_linear_memory(backend):
 
 @cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+def test_gpu_128k_packed_row_matches_documents_alone(backend):
+    """The equivalence at 128K total tokens: each document of the packed row (bf16, the backend)
+    against that document alone through PyTorch's float32 SDPA (memory-efficient, causal)."""
+    import torch.nn.functional as F
+
+    if not backend_available(backend, "cuda"):
+        pytest.skip(f"{backend} not available")
+    total, hq, hk, d = 128 * 1024, 8, 2, 64
+    lengths = _random_lengths(total, 8, seed=3)
+    pb = build_packed_batch(1, total, _positions(lengths, "cuda"), backend=backend)
+    q, k, v = _qkv(total, hq=hq, hk=hk, d=d, dtype=torch.bfloat16, device="cuda", grad=True)
+    out = packed_attention(q, k, v, pb, scale=d**-0.5, backend=backend)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        # [n, H, d] token-major slices -> [H, n, d] for SDPA
+        qq, kk, vv = (t.detach()[sl].transpose(0, 1).float().requires_grad_(True) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(
+            qq, kk.repeat_interleave(hq // hk, 0), vv.repeat_interleave(hq // hk, 0), is_causal=True, scale=d**-0.5
+        )
+        ref.backward(dout[sl].transpose(0, 1).float())
+        for got, want in ((out[sl], ref.transpose(0, 1)), (q.grad[sl], qq.grad.transpose(0, 1)),
+                          (k.grad[sl], kk.grad.transpose(0, 1)), (v.grad[sl], vv.grad.transpose(0, 1))):
+            assert rel_err(got, want) < 1e-2, (backend, n)
+        start += n
+
+
+@cuda
+@pytest.mark.gpu
 def test_gpu_flex_stays_compiled_across_changing_lengths():
     """Padding-free batches change length every step. Were flex recompiled per length, it would
     hit dynamo's recompile limit and fall back to eager flex, which materialises T x T scores:
