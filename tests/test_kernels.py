@@ -125,6 +125,16 @@ def test_rope_in_place_and_autograd_through_views(device):
         for actual, expected in ((oq, eq), (ok, ek), (gx, ex), (gy, ey)):
             assert rel_err(actual, expected) < 1e-6
 
+    # a broadcast (stride-0) incoming gradient, as from .sum(), through the in-place path
+    qp, kp = x * 2.0, y * 2.0
+    oq, ok = rope_qk(qp.view(B, S, Hq, D).transpose(1, 2), kp.view(B, S, Hk, D).transpose(1, 2), cos, sin,
+                     backend="triton")
+    gx, gy = torch.autograd.grad(oq.sum() + ok.sum(), (x, y))
+    eq, ek = rope_qk_reference((x * 2.0).view(B, S, Hq, D).transpose(1, 2), (y * 2.0).view(B, S, Hk, D).transpose(1, 2),
+                               cos, sin)
+    ex, ey = torch.autograd.grad(eq.sum() + ek.sum(), (x, y))
+    assert rel_err(gx, ex) < 1e-6 and rel_err(gy, ey) < 1e-6
+
     # a leaf that requires grad is never overwritten
     q_leaf = torch.randn(B, Hq, S, D, device=device, requires_grad=True)
     k_leaf = torch.randn(B, Hk, S, D, device=device, requires_grad=True)

@@ -182,10 +182,12 @@ Geometry = tuple  # (layout, B, H, S, D)
 
 
 def _as_bhsd(src: torch.Tensor, geom: Geometry) -> torch.Tensor:
+    # reshape is a view for the contiguous sources of the forward (so the rotation lands in
+    # place); incoming gradients may be broadcast or strided, where it copies if it must.
     layout, B, H, S, D = geom
     if layout == "bshd":
-        return src.view(B, S, H, D).transpose(1, 2)
-    return src.view(B, H, S, D)
+        return src.reshape(B, S, H, D).transpose(1, 2)
+    return src.reshape(B, H, S, D)
 
 
 def _from_bhsd(t: torch.Tensor, src_shape: torch.Size, geom: Geometry) -> torch.Tensor:
