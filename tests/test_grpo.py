@@ -9,6 +9,7 @@ Kernels and attention run their plain-PyTorch references (``kernel_backend`` /
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -461,3 +462,21 @@ def test_command_on_a_saved_model_with_lora_and_jsonl(tokenizer, tmp_path):
     assert (out / "adapter_model.safetensors").exists() and (out / "reward.png").exists()
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert len(metrics) == 2 and "rewards/final_answer_reward/mean" in metrics[0] and "kl" in metrics[0]
+
+
+def test_trainer_runs_on_the_fast_rollout_engine(tokenizer, tmp_path):
+    """rollout_engine="fast": the trainer samples through FastRolloutEngine (eager on CPU)."""
+    from swiftune.rl.engine import FastRolloutEngine
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-2, rollout_engine="fast", **FAST)
+    trainer = GRPOTrainer(tiny_model(seed=11), [answer_reward], args=args, train_dataset=PROMPT_ROWS,
+                          processing_class=tokenizer)
+    assert isinstance(trainer.rollout_engine, FastRolloutEngine)
+    trainer.train()
+    metrics = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in metrics)
+    with pytest.raises(ValueError, match="rollout_engine"):
+        GRPOTrainer(tiny_model(seed=11), [answer_reward], processing_class=tokenizer, train_dataset=PROMPT_ROWS,
+                    args=GRPOConfig(output_dir=str(tmp_path / "x"), rollout_engine="vllm", **FAST))
+

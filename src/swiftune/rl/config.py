@@ -69,6 +69,11 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Completions per generation over all processes (TRL's meaning); an alternative to "
                           "steps_per_generation = generation_batch_size / (per_device_train_batch_size x processes)."},
     )
+    rollout_engine: str = field(
+        default="transformers",
+        metadata={"help": "Built-in rollout engine: transformers (eager, KV cache) or fast (static KV cache, "
+                          "shared-prompt prefill, CUDA-graph decode on CUDA; see docs/rollout.md)."},
+    )
     max_rollout_batch_size: int | None = field(
         default=None,
         metadata={"help": "Most completions the built-in rollout engine decodes at once (None: a whole generation)."},

@@ -213,9 +213,7 @@ class GRPOTrainer(Trainer):
 
         tok = processing_class
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        self.rollout_engine = rollout_engine or TransformersRolloutEngine(
-            self.model, pad_token_id=pad, seed=args.seed + self.accelerator.process_index,
-            max_batch_size=args.max_rollout_batch_size)
+        self.rollout_engine = rollout_engine or self._builtin_engine(pad)
         self._engine_step = 0  # global_step the engine's weights correspond to
         self._buffer: list[GRPOMicroBatch] | None = None
         self._micro_step = 0
@@ -226,6 +224,19 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------ data
 
+
+    def _builtin_engine(self, pad_token_id: int) -> RolloutEngine:
+        seed = self.args.seed + self.accelerator.process_index
+        if self.args.rollout_engine == "fast":
+            from .engine import FastRolloutEngine
+
+            return FastRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed, tokenizer=self.processing_class,
+                                     max_batch_size=self.args.max_rollout_batch_size,
+                                     attention_backend=self.args.attention_backend)
+        if self.args.rollout_engine != "transformers":
+            raise ValueError(f"rollout_engine must be 'transformers' or 'fast', got {self.args.rollout_engine!r}")
+        return TransformersRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed,
+                                         max_batch_size=self.args.max_rollout_batch_size)
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         args = self.args
         sampler = GenerationBatchSampler(

@@ -1,0 +1,249 @@
+"""Rollout generation: FastRolloutEngine vs transformers ``generate`` (dynamic and static cache).
+
+For each model shape (random bf16 weights built on the GPU from benchmarks/workload.py), each row
+count G (one random 256-token prompt, G sampled completions, temperature 1, **no stop token**, so
+every row runs to the forced length) and each number of new tokens N:
+
+* ``generate_dynamic`` / ``generate_static``: transformers ``model.generate`` on the *unpatched*
+  model (sdpa), ``do_sample=True``, ``min_new_tokens = max_new_tokens = --baseline-steps`` (default
+  64: at ~60-80 ms a step a full 8,192-token baseline would take 10 minutes; the per-step time of
+  generate does not fall with length, so its tokens/s over 64 steps is an upper bound of its
+  tokens/s at N);
+* ``fast``: ``swiftune.rl.engine.FastRolloutEngine`` on the same model after ``swiftune.patch_model``
+  (CUDA graphs on), the full N tokens; decode-step time = decode wall time / steps (graph capture
+  reported apart, prefill included in tokens/s).
+
+Beside each decode-step time: the HBM floor = (bytes of the weights read per step + bytes of the KV
+cache in use, averaged over the run) / measured copy bandwidth (``dst.copy_(src)`` of 2 GiB,
+counting read + write). Before the timings, checks on the first shape: the engine's greedy tokens
+with CUDA graphs equal its eager tokens (64 steps, exact), and their agreement with transformers'
+greedy ``generate`` (bf16: reported, near-ties may diverge).
+
+    python benchmarks/rollout.py --out rollout.json        # GPU: Qwen3-1.7B + 8B, G 8/64, N 1024/8192 (~6-8 min)
+    python benchmarks/rollout.py --model tiny              # CPU smoke test (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import model_config  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync()
+    return 2 * src.numel() * 10 / (time.perf_counter() - t)
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(name)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes read per decode step: every parameter except the input embedding (only G rows of it are read)."""
+    emb = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    return total if tied else total - emb.numel() * emb.element_size()
+
+
+def kv_bytes_per_token(cfg, itemsize: int) -> int:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
+
+
+def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool) -> dict:
+    ids = torch.tensor([prompt] * rows, device=model.device)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+              pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+    sync()
+    t = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
+    sync()
+    wall = time.perf_counter() - t
+    new = out.shape[1] - ids.shape[1]
+    return {"wall_s": wall, "new_tokens": new, "tokens_per_s": rows * new / wall, "step_ms": 1e3 * wall / new}
+
+
+def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int) -> dict:
+    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout import SamplingParams
+
+    engine = FastRolloutEngine(model, seed=0, keep_cache=False, kv_bucket=kv_bucket, check_every=64)
+    engine.generate([prompt], rows, SamplingParams(max_tokens=4, temperature=1.0))  # warm-up (prefill kernels)
+    sync()
+    t = time.perf_counter()
+    out = engine.generate([prompt], rows, SamplingParams(max_tokens=new_tokens, temperature=1.0))
+    sync()
+    wall = time.perf_counter() - t
+    st = out.stats
+    lengths = [len(c) for c in out.completion_ids]
+    assert all(n == new_tokens for n in lengths), "forced length not reached"
+    gen_s = st["prefill_s"] + st["decode_s"]
+    return {"wall_s": wall, "new_tokens": new_tokens, "tokens_per_s": rows * new_tokens / gen_s,
+            "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
+            "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9}
+
+
+def checks(model, prompt: list[int], steps: int) -> dict:
+    """Graph replay == eager (exact), and greedy agreement with transformers generate."""
+    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout import SamplingParams
+
+    greedy = SamplingParams(max_tokens=steps, temperature=0)
+    eager = FastRolloutEngine(model, use_cuda_graph=False, keep_cache=False).generate([prompt], 2, greedy)
+    graph = FastRolloutEngine(model, use_cuda_graph=True, keep_cache=False).generate([prompt], 2, greedy)
+    sampled = SamplingParams(max_tokens=steps, temperature=1.0, top_p=0.9)
+    s_eager = FastRolloutEngine(model, use_cuda_graph=False, seed=1, keep_cache=False).generate([prompt], 2, sampled)
+    s_graph = FastRolloutEngine(model, use_cuda_graph=True, seed=1, keep_cache=False).generate([prompt], 2, sampled)
+    ids = torch.tensor([prompt], device=model.device)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=steps,
+                         min_new_tokens=steps, pad_token_id=0)[0, len(prompt):].tolist()
+    got = graph.completion_ids[0]
+    agree = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+    return {"graph_equals_eager_greedy": graph.completion_ids == eager.completion_ids,
+            "graph_equals_eager_sampled": s_graph.completion_ids == s_eager.completion_ids,
+            "greedy_prefix_agreeing_with_generate": agree, "steps": steps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=None, help="shapes of benchmarks/workload.py (tiny: CPU smoke)")
+    p.add_argument("--rows", type=int, nargs="+", default=None, help="G values (default 8 64; tiny 2 4)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 256 (tiny 16)")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=None, help="default 1024 8192 (tiny 16 32)")
+    p.add_argument("--baseline-steps", type=int, default=None, help="tokens per generate baseline (64; tiny 8)")
+    p.add_argument("--kv-bucket", type=int, default=256)
+    p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--time-budget", type=float, default=420.0,
+                   help="seconds: an engine run whose estimated end lies past it is skipped (listed in the JSON)")
+    p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
+    a = p.parse_args(argv)
+    tiny = a.model == ["tiny"]
+    models = a.model or ["qwen3-1.7b", "qwen3-8b"]
+    rows_list = a.rows or ([2, 4] if tiny else [8, 64])
+    prompt_tokens = a.prompt_tokens or (16 if tiny else 256)
+    new_list = a.new_tokens or ([16, 32] if tiny else [1024, 8192])
+    base_steps = a.baseline_steps or (8 if tiny else 64)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bw = copy_bandwidth(device)
+    from swiftune.models import patch_model
+
+    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                     "copy_bandwidth_gbs": bw / 1e9, "prompt_tokens": prompt_tokens, "baseline_steps": base_steps,
+                     "runs": [], "checks": {}, "skipped": []}
+    t_start = time.perf_counter()
+    for name in models:
+        model = build_model(name, device, dtype)
+        cfg = model.config
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist()
+        wbytes = weight_bytes(model)
+        kv_tok = kv_bytes_per_token(cfg, torch.finfo(dtype).bits // 8)
+        base: dict = {}
+        if not a.no_baselines:
+            for rows in rows_list:
+                for static in (False, True):
+                    r = time_generate(model, prompt, rows, base_steps, static)
+                    base[(rows, static)] = r
+                    print(f"{name} generate {'static' if static else 'dynamic'} G={rows}: "
+                          f"{r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.1f} ms/step", flush=True)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        patch_model(model)
+        if not a.no_checks and name == models[0]:
+            results["checks"][name] = checks(model, prompt, 32 if tiny else 64)
+            print("checks", results["checks"][name], flush=True)
+        step_at: dict[int, float] = {}  # rows -> decode step ms of the shortest N (for the time estimate)
+        for new in sorted(new_list):
+            for rows in rows_list:
+                est = step_at.get(rows, 0.0) * new / 1e3 * 1.5  # the KV read grows along the run
+                if time.perf_counter() - t_start + est > a.time_budget:
+                    results["skipped"].append({"model": name, "rows": rows, "new_tokens": new, "estimated_s": est})
+                    print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
+                    continue
+                r = time_fast(model, prompt, rows, new, a.kv_bucket)
+                step_at.setdefault(rows, r["step_ms"])
+                kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
+                floor_ms = 1e3 * (wbytes + kv_mean) / bw if bw == bw else float("nan")
+                row = {"model": name, "rows": rows, "new_tokens": new, "fast": r, "hbm_floor_ms": floor_ms,
+                       "weight_gb": wbytes / 1e9, "kv_mean_gb": kv_mean / 1e9}
+                for static in (False, True):
+                    b = base.get((rows, static))
+                    if b:
+                        key = "generate_static" if static else "generate_dynamic"
+                        row[key] = b
+                        row[f"speedup_vs_{key}"] = r["tokens_per_s"] / b["tokens_per_s"]
+                results["runs"].append(row)
+                print(f"{name} fast G={rows} N={new}: {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step "
+                      f"(floor {floor_ms:.2f}), capture {r['capture_s']:.1f}s", flush=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    out = a.out or (os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+    for r in results["skipped"]:
+        print(f"skipped (time budget): {r}")
+    print(f"\nRollout generation ({results['device']}, prompt {prompt_tokens}, copy bandwidth {bw / 1e12:.2f} TB/s; "
+          f"generate timed over {base_steps} tokens)")
+    head = (f"{'model':<12}{'G':>4}{'N':>6}{'fast tok/s':>12}{'step ms':>9}{'floor ms':>9}{'x floor':>8}"
+            f"{'dyn tok/s':>11}{'stat tok/s':>11}{'x dyn':>7}{'x stat':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in results["runs"]:
+        f = r["fast"]
+        dyn = r.get("generate_dynamic", {}).get("tokens_per_s", float("nan"))
+        st = r.get("generate_static", {}).get("tokens_per_s", float("nan"))
+        print(f"{r['model']:<12}{r['rows']:>4}{r['new_tokens']:>6}{f['tokens_per_s']:>12.0f}{f['step_ms']:>9.2f}"
+              f"{r['hbm_floor_ms']:>9.2f}{f['step_ms'] / r['hbm_floor_ms']:>8.2f}{dyn:>11.0f}{st:>11.0f}"
+              f"{r.get('speedup_vs_generate_dynamic', float('nan')):>7.1f}"
+              f"{r.get('speedup_vs_generate_static', float('nan')):>7.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,520 @@
+"""``FastRolloutEngine``: static-KV-cache sampling on the training model, decode steps as CUDA graphs.
+
+Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``generate`` /
+``load_weights``, :class:`~swiftune.rl.rollout.Rollouts` out), built for speed:
+
+* **Shared weights.** The engine runs the training model's own modules (embedding, decoder
+  layers, final norm, LM head): no copy. LoRA (PEFT) adapters: ``lora="runtime"`` (default) runs
+  the PEFT layers as they are (base matmul + low-rank update, exact, nothing written);
+  ``lora="merge"`` merges the active adapters with PEFT's ``merge_adapter`` for the duration of the
+  call, then ``unmerge_adapter`` and copies back a saved copy of the base weights, so they are
+  bit-identical afterwards (costs one extra copy of the adapted base weights while generating).
+* **Static KV cache.** Per layer ``K, V [rows, kv_heads, prompt + max_new, head_dim]`` in the
+  model's dtype, zero-initialised, allocated once per call shape; on CUDA the rows decoded at
+  once are capped so the cache fits ``memory_fraction`` of free memory (whole groups per chunk).
+  ``keep_cache=True`` keeps it (and the captured graphs) for the next call of the same shape.
+* **Attention.** During a call the model's attention implementation is switched to
+  ``"swiftune_rollout"`` (registered with transformers' ``AttentionInterface``; restored after),
+  so every layer's own q/k/v projections, q/k norms and RoPE run as usual and only the attention
+  itself is ours: prefill is one packed pass (:func:`swiftune.attention.packed_attention`,
+  varlen/flex on GPU) over the distinct prompts whose K/V are written into the static cache rows of
+  each prompt's ``G`` completions (``share_prompt_prefill=True``: each prompt prefilled once);
+  decode writes each row's new K/V at its own slot (row ``b`` is at position ``cur[b]``: prompts
+  are not padded, positions are exact) and attends over the first ``kv_len`` slots with a
+  ``j <= cur[b]`` (and sliding-window) mask. ``kv_len`` is the used length rounded up to
+  ``kv_bucket``, so a step reads only the part of the cache in use.
+* **Sampling** (:func:`sample_tokens`): temperature, then top-k, top-p and min-p
+  (:func:`swiftune.rl.rollout.filter_logits`), then a Gumbel-max draw ``argmax(logp + g)`` with
+  ``g = -log(-log u)``, ``u`` drawn from the engine's seeded ``torch.Generator`` into a static buffer
+  before each step (exactly a sample of the filtered distribution; no RNG inside the graph). The
+  recorded log-prob is under the filtered, temperature-scaled distribution (temperature 0: greedy,
+  log-probs at temperature 1), as in the transformers engine.
+* **Stopping.** A row finishes at a stop token (on device, inside the step), at a stop string
+  (host check every ``check_every`` steps on the decoded tail of each row; the completion keeps
+  the token that completes the string) or at ``max_tokens``. Finished rows are masked: their
+  tokens are ``pad``, their log-probs are not recorded. The loop ends when all rows are finished,
+  checked every ``check_every`` steps (the only host syncs of the decode loop).
+* **CUDA graphs** (``use_cuda_graph=True``, CUDA only): the decode step (forward, sampling,
+  recording, stop test) is captured once per ``kv_len`` bucket and replayed
+  (:mod:`swiftune.rl.engine_cuda`). On CPU the same step runs eagerly.
+
+Stop strings come from the engine's ``stop_strings`` plus a ``stop`` attribute of the params
+(:class:`FastSamplingParams`) and need a ``tokenizer``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import build_packed_batch, packed_attention
+from .rollout import Rollouts, SamplingParams, filter_logits
+
+ATTENTION_NAME = "swiftune_rollout"
+CTX_KWARG = "swiftune_rollout"
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+@dataclass
+class FastSamplingParams(SamplingParams):
+    """:class:`SamplingParams` plus stop strings (vLLM's ``stop``)."""
+
+    stop: Sequence[str] = ()
+
+
+def sample_tokens(
+    logits: torch.Tensor, uniform: torch.Tensor | None, temperature: float,
+    top_k: int | None = None, top_p: float = 1.0, min_p: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of ``logits [B, V]`` (float32) and its sampling log-prob (static shapes, no sync).
+
+    ``temperature == 0``: argmax, log-prob under ``softmax(logits)``. Otherwise the logits are divided
+    by the temperature and filtered (top-k, top-p, min-p), and the token is ``argmax(logp + g)`` with
+    Gumbel noise ``g = -log(-log u)`` from ``uniform [B, V]`` in [0, 1): an exact draw from the
+    filtered distribution ``softmax(logp)``.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        logp = torch.log_softmax(filter_logits(logits / temperature, top_k, top_p, min_p), dim=-1)
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1.0 - 1e-7)))
+        tokens = (logp + gumbel).argmax(dim=-1)
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def rollout_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function used inside :class:`FastRolloutEngine` calls only."""
+    ctx = kwargs.get(CTX_KWARG)
+    if ctx is None:
+        raise RuntimeError("the swiftune_rollout attention only runs inside FastRolloutEngine.generate")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return ctx.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap), None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, rollout_attention)
+
+
+class _Workspace:
+    """Static buffers of one call shape: KV cache, decode state, outputs, random numbers."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, length: int, max_tokens: int,
+                 vocab: int, dtype: torch.dtype, device: torch.device):
+        self.rows, self.length, self.max_tokens, self.vocab = rows, length, max_tokens, vocab
+        shape = (rows, kv_heads, length, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        z = dict(dtype=torch.long, device=device)
+        self.row_ids = torch.arange(rows, **z)
+        self.tok = torch.zeros(rows, **z)
+        self.cur = torch.zeros(rows, **z)
+        self.step = torch.zeros(1, **z)
+        self.lengths = torch.zeros(rows, **z)
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.out_tok = torch.zeros(rows, max_tokens, **z)
+        self.out_lp = torch.zeros(rows, max_tokens, dtype=torch.float32, device=device)
+        self.uniform = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.stop_ids = torch.full((1,), -1, **z)
+        self.graphs: Any = None  # engine_cuda.DecodeGraphs
+        self.graph_key: Any = None
+
+    def fits(self, rows: int, length: int, max_tokens: int) -> bool:
+        return rows == self.rows and length <= self.length and max_tokens <= self.max_tokens
+
+    def state(self) -> list[torch.Tensor]:
+        return [self.tok, self.cur, self.step, self.lengths, self.finished]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class _Context:
+    """What the attention function needs during one forward (passed to every layer as a kwarg)."""
+
+    def __init__(self, ws: _Workspace, backend: str):
+        self.ws, self.backend = ws, backend
+        self.mode = "decode"
+        self.kv_len = 0
+        self.packed = None
+        self.dst_rows = self.dst_slots = self.src_tok = None
+        self.masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, kv_len]`` bool: slot ``j`` visible to row ``b`` (``j <= cur[b]``, within the window)."""
+        if window not in self.masks:
+            j = torch.arange(self.kv_len, device=self.ws.cur.device)[None, :]
+            cur = self.ws.cur[:, None]
+            allowed = j <= cur
+            if window:
+                allowed = allowed & (cur - j < window)
+            self.masks[window] = allowed[:, None, None, :]
+        return self.masks[window]
+
+    def attend(self, layer: int, query, key, value, scale: float, window: int | None, softcap: float | None):
+        ws = self.ws
+        kc, vc = ws.k[layer], ws.v[layer]
+        if self.mode == "prefill":  # query [1, Hq, T, D] packed prompts
+            q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+            out = packed_attention(q, k, v, self.packed, scale=scale, window=window, softcap=softcap,
+                                   backend=self.backend)
+            kc[self.dst_rows, :, self.dst_slots] = k[self.src_tok].to(kc.dtype)
+            vc[self.dst_rows, :, self.dst_slots] = v[self.src_tok].to(vc.dtype)
+            return out.unsqueeze(0)
+        # decode: query [B, Hq, 1, D]; row b's new K/V go to slot cur[b]
+        rows, heads, _, dim = query.shape
+        kv_heads = kc.shape[1]
+        kc[ws.row_ids, :, ws.cur] = key[:, :, 0].to(kc.dtype)
+        vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
+        keys, values = kc[:, :, :self.kv_len], vc[:, :, :self.kv_len]
+        q = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # q head h reads kv head h // groups
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hk, g, kv_len]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.float().masked_fill(~self.mask(window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        out = torch.matmul(probs, values)  # [B, Hk, g, D]
+        return out.reshape(rows, 1, heads, dim)
+
+
+class FastRolloutEngine:
+    """Fast batched sampling from the training model itself (see the module docstring).
+
+    Args:
+        model: the policy (a transformers causal LM of a supported family, or a PEFT model of one).
+        pad_token_id: token written for finished rows (never returned).
+        seed: seed of the engine's ``torch.Generator``.
+        tokenizer: needed for stop strings only.
+        stop_strings: stop strings applied to every call (besides ``params.stop``).
+        max_batch_size: most rows decoded at once (None: as many as the memory allows).
+        use_cuda_graph: capture the decode step as CUDA graphs (CUDA only).
+        keep_cache: keep the KV cache and graphs between calls of the same shape.
+        check_every: decode steps between host checks (all finished? stop strings?).
+        kv_bucket: granularity of the attended cache length (one graph per bucket).
+        lora: ``"runtime"`` (PEFT layers as they are) or ``"merge"`` (merged for the call, restored exactly).
+        share_prompt_prefill: prefill each distinct prompt once for its ``G`` rows.
+        attention_backend: backend of the packed prefill attention.
+        memory_fraction: share of free CUDA memory the KV cache may take.
+    """
+
+    def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, *, tokenizer=None,
+                 stop_strings: Sequence[str] = (), max_batch_size: int | None = None, use_cuda_graph: bool = True,
+                 keep_cache: bool = True, check_every: int = 16, kv_bucket: int = 256, lora: str = "runtime",
+                 share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8):
+        if lora not in ("runtime", "merge"):
+            raise ValueError(f"lora must be 'runtime' or 'merge', got {lora!r}")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.stop_strings = tuple(stop_strings)
+        self.max_batch_size = max_batch_size
+        self.use_cuda_graph = use_cuda_graph
+        self.keep_cache = keep_cache
+        self.check_every = max(1, int(check_every))
+        self.kv_bucket = max(1, int(kv_bucket))
+        self.lora = lora
+        self.share_prompt_prefill = share_prompt_prefill
+        self.attention_backend = attention_backend
+        self.memory_fraction = memory_fraction
+        self._generator: torch.Generator | None = None
+        self._ws: _Workspace | None = None
+        self.stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ model access
+    def load_weights(self, model: nn.Module) -> None:
+        """The engine samples from the training model itself: nothing to copy."""
+        if model is not self.model:
+            self.release()
+        self.model = model
+
+    def release(self) -> None:
+        """Free the KV cache and the captured graphs."""
+        self._ws = None
+
+    def _hf(self) -> nn.Module:
+        inner = getattr(self.model, "module", self.model)
+        return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+    def _parts(self):
+        hf = self._hf()
+        if hf.config.model_type not in SUPPORTED:
+            raise ValueError(f"FastRolloutEngine supports {SUPPORTED}, not {hf.config.model_type!r}: "
+                             "use TransformersRolloutEngine")
+        return hf, hf.model
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    # ------------------------------------------------------------------ forward pieces
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        hf, decoder = self._parts()
+        h = decoder.embed_tokens(ids)
+        if hf.config.model_type.startswith("gemma") and not hasattr(decoder.embed_tokens, "embed_scale"):
+            h = h * torch.tensor(hf.config.hidden_size**0.5, dtype=h.dtype)  # older transformers: scaled in the model
+        return h
+
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        _, decoder = self._parts()
+        h = self._embed(ids)
+        pe = decoder.rotary_emb(h, pos)
+        ctx.masks = {}
+        for layer in decoder.layers[: decoder.config.num_hidden_layers]:
+            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **{CTX_KWARG: ctx})
+            h = out[0] if isinstance(out, tuple) else out
+        return decoder.norm(h)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hf, _ = self._parts()
+        logits = hf.lm_head(hidden).float()
+        cap = getattr(hf.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _sample_record(self, ws: _Workspace, logits: torch.Tensor, params: SamplingParams) -> None:
+        tok, lp = sample_tokens(logits, ws.uniform, params.temperature, params.top_k, params.top_p, params.min_p)
+        active = ~ws.finished
+        tok = torch.where(active, tok, torch.full_like(tok, self.pad_token_id))
+        lp = torch.where(active, lp, torch.zeros_like(lp))
+        ws.out_tok.index_copy_(1, ws.step, tok[:, None])
+        ws.out_lp.index_copy_(1, ws.step, lp[:, None])
+        ws.lengths.add_(active.long())
+        ws.finished.logical_or_((tok[:, None] == ws.stop_ids[None, :]).any(dim=1) & active)
+        ws.tok.copy_(tok)
+        ws.step.add_(1)
+
+    def _decode_step(self, ws: _Workspace, ctx: _Context, params: SamplingParams, kv_len: int) -> None:
+        """One decode step on static buffers: capturable (no host sync, static shapes for a kv_len)."""
+        ctx.mode, ctx.kv_len = "decode", kv_len
+        hidden = self._hidden(ws.tok[:, None], ws.cur[:, None], ctx)
+        self._sample_record(ws, self._logits(hidden[:, -1]), params)
+        ws.cur.add_(1)
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
+        if not prompt_ids:
+            return Rollouts([], [], [], num_generations)
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        stops = tuple(self.stop_strings) + tuple(getattr(params, "stop", ()) or ())
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need FastRolloutEngine(tokenizer=...)")
+        hf, _ = self._parts()
+        _register()
+        out = Rollouts([], [], [], num_generations)
+        self.stats = {}
+        was_training = self.model.training
+        attn_before = hf.config._attn_implementation
+        backups = None
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                backups = self._merge_lora()
+                hf.config._attn_implementation = ATTENTION_NAME
+                per_chunk = self._prompts_per_chunk(prompt_ids, num_generations, params)
+                for a in range(0, len(prompt_ids), per_chunk):
+                    ids, lps, done, steps = self._generate_chunk(prompt_ids[a:a + per_chunk], num_generations,
+                                                                 params, stops)
+                    out.completion_ids += ids
+                    out.logprobs += lps
+                    out.finished += done
+                    out.stats["decode_steps"] = out.stats.get("decode_steps", 0.0) + steps
+        finally:
+            hf.config._attn_implementation = attn_before
+            if backups is not None:
+                self._unmerge_lora(backups)
+            self.model.train(was_training)
+            if not self.keep_cache:
+                self.release()
+        self.stats.update(out.stats)
+        out.stats = dict(self.stats)
+        return out
+
+    def _merge_lora(self) -> list | None:
+        """``lora="merge"``: merge active adapters; returns (weight, saved copy) pairs to restore."""
+        if self.lora != "merge" or not hasattr(self.model, "merge_adapter"):
+            return None
+        layers = [m for m in self.model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+        if not layers or any(getattr(m, "disable_adapters", False) or getattr(m, "merged", False) for m in layers):
+            return None  # adapters disabled (reference policy) or already merged: run as they are
+        saved = [(m.get_base_layer().weight, m.get_base_layer().weight.detach().clone()) for m in layers]
+        self.model.merge_adapter()
+        return saved
+
+    def _unmerge_lora(self, saved: list) -> None:
+        self.model.unmerge_adapter()
+        with torch.no_grad():
+            for weight, copy in saved:  # (W + dW) - dW is not W in floating point: restore the bits
+                weight.data.copy_(copy)
+
+    def _row_bytes(self, length: int) -> int:
+        hf, _ = self._parts()
+        cfg = hf.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        itemsize = next(self.model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * length * itemsize
+
+    def _prompts_per_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
+        per_chunk = len(prompts)
+        if self.max_batch_size is not None:
+            per_chunk = max(1, self.max_batch_size // n)
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            held = self._ws.nbytes() if self._ws is not None else 0
+            length = max(len(p) for p in prompts) + params.max_tokens
+            fit = int((free + held) * self.memory_fraction) // max(1, self._row_bytes(length) * n)
+            if fit < 1:
+                raise RuntimeError(f"the KV cache of one group ({n} rows x {length} tokens) does not fit in "
+                                   f"{self.memory_fraction:.0%} of free GPU memory")
+            per_chunk = min(per_chunk, fit)
+        return per_chunk
+
+    def _workspace(self, rows: int, length: int, max_tokens: int, device: torch.device) -> _Workspace:
+        if self._ws is not None and self._ws.fits(rows, length, max_tokens) and self._ws.k[0].device == device:
+            return self._ws
+        self._ws = None  # free the old one first
+        hf, _ = self._parts()
+        cfg = hf.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = self._parts()[1].embed_tokens.weight.dtype
+        self._ws = _Workspace(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim, length, max_tokens,
+                              hf.lm_head.out_features, dtype, device)
+        return self._ws
+
+    def _prefill(self, ws: _Workspace, ctx: _Context, prompts: Sequence[Sequence[int]], n: int) -> torch.Tensor:
+        """One packed forward over the prompts; writes their K/V into every row of their group."""
+        device = ws.tok.device
+        seqs = list(prompts) if self.share_prompt_prefill else [p for p in prompts for _ in range(n)]
+        lengths = [len(s) for s in seqs]
+        offsets = [0]
+        for length in lengths:
+            offsets.append(offsets[-1] + length)
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)[None]
+        pos = torch.cat([torch.arange(length, device=device) for length in lengths])[None]
+        dst_rows, dst_slots, src = [], [], []
+        for r in range(len(prompts) * n):
+            s = r // n if self.share_prompt_prefill else r
+            dst_rows += [r] * lengths[s]
+            dst_slots += list(range(lengths[s]))
+            src += list(range(offsets[s], offsets[s + 1]))
+        as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        ctx.mode = "prefill"
+        ctx.dst_rows, ctx.dst_slots, ctx.src_tok = as_t(dst_rows), as_t(dst_slots), as_t(src)
+        ctx.packed = build_packed_batch(1, ids.shape[1], pos, None, backend=self.attention_backend)
+        hidden = self._hidden(ids, pos, ctx)[0]
+        logits = self._logits(hidden[as_t(offsets[1:]) - 1])
+        ctx.packed = ctx.dst_rows = ctx.dst_slots = ctx.src_tok = None
+        return logits.repeat_interleave(n, dim=0) if self.share_prompt_prefill else logits
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
+                        stops: tuple[str, ...]) -> tuple[list[list[int]], list[torch.Tensor], list[bool], int]:
+        device = next(self.model.parameters()).device
+        rows, max_tokens = len(prompts) * n, max(1, params.max_tokens)
+        longest = max(len(p) for p in prompts)
+        ws = self._workspace(rows, longest + max_tokens, max_tokens, device)
+        ctx = _Context(ws, self.attention_backend)
+        gen = self.generator(device)
+        prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
+        ws.cur.copy_(prompt_len)
+        ws.step.zero_()
+        ws.lengths.zero_()
+        ws.finished.zero_()
+        ws.out_tok.fill_(self.pad_token_id)
+        ws.out_lp.zero_()
+        stop_ids = sorted({int(s) for s in params.stop_token_ids}) or [-1]
+        if ws.stop_ids.numel() != len(stop_ids) or ws.stop_ids.tolist() != stop_ids:
+            ws.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+            ws.graphs = None  # the graphs read the old tensor
+        sampling = params.temperature > 0
+        if sampling:
+            ws.uniform.uniform_(generator=gen)
+        t0 = time.perf_counter()
+        self._sample_record(ws, self._prefill(ws, ctx, prompts, n), params)  # token 0 from the prefill
+        _sync(device)
+        t1 = time.perf_counter()
+
+        graphs = self._graphs(ws, ctx, params) if device.type == "cuda" and self.use_cuda_graph else None
+        capture_before = graphs.capture_s if graphs is not None else 0.0
+        stop_at: dict[int, int] = {}
+        checked = [0] * rows
+        steps = 1
+        for s in range(1, max_tokens):
+            if (s - 1) % self.check_every == 0 and s > 1:
+                if stops:
+                    self._check_stop_strings(ws, s, stops, stop_at, checked)
+                if bool(ws.finished.all()):
+                    break
+            kv_len = min(ws.length, math.ceil((longest + s) / self.kv_bucket) * self.kv_bucket)
+            if sampling:
+                ws.uniform.uniform_(generator=gen)
+            if graphs is not None:
+                graphs.run(kv_len)
+            else:
+                self._decode_step(ws, ctx, params, kv_len)
+            steps += 1
+        if stops:
+            self._check_stop_strings(ws, steps, stops, stop_at, checked)
+        lengths = ws.lengths.tolist()  # syncs: the decode loop is done
+        t2 = time.perf_counter()
+        capture = (graphs.capture_s - capture_before) if graphs is not None else 0.0
+        for key, value in (("prefill_s", t1 - t0), ("decode_s", t2 - t1 - capture), ("capture_s", capture)):
+            self.stats[key] = self.stats.get(key, 0.0) + value
+        finished = ws.finished.tolist()
+        toks = ws.out_tok[:, :max_tokens].cpu()
+        lps = ws.out_lp[:, :max_tokens].cpu()
+        for r, k in stop_at.items():
+            lengths[r], finished[r] = min(lengths[r], k), True
+        self.stats["kv_cache_bytes"] = float(ws.nbytes())
+        return ([toks[r, :lengths[r]].tolist() for r in range(rows)],
+                [lps[r, :lengths[r]].clone() for r in range(rows)], finished, steps)
+
+    def _graphs(self, ws: _Workspace, ctx: _Context, params: SamplingParams):
+        from .engine_cuda import DecodeGraphs
+
+        key = (params.temperature, params.top_k, params.top_p, params.min_p,
+               tuple(p.data_ptr() for p in self.model.parameters()))
+        if ws.graphs is None or ws.graph_key != key:
+            ws.graphs = DecodeGraphs(lambda kv_len: self._decode_step(ws, ctx, params, kv_len), ws.state())
+            ws.graph_key = key
+        return ws.graphs
+
+    def _check_stop_strings(self, ws: _Workspace, upto: int, stops: tuple[str, ...], stop_at: dict[int, int],
+                            checked: list[int]) -> None:
+        """Host check: the first token count ``k`` whose decoded tail contains a stop string ends the row."""
+        lengths = ws.lengths.tolist()
+        toks = ws.out_tok[:, :upto].cpu().tolist()
+        tail = 4 * max(len(s) for s in stops) + 4  # tokens enough to hold any stop string
+        newly = []
+        for r, length in enumerate(lengths):
+            if r in stop_at:
+                continue
+            for k in range(checked[r] + 1, min(length, upto) + 1):
+                text = self.tokenizer.decode(toks[r][max(0, k - tail):k])
+                if any(s in text for s in stops):
+                    stop_at[r] = k
+                    newly.append(r)
+                    break
+            checked[r] = max(checked[r], min(length, upto))
+        if newly:
+            ws.finished[torch.tensor(newly, dtype=torch.long, device=ws.finished.device)] = True

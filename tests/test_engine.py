@@ -1,0 +1,238 @@
+"""FastRolloutEngine on CPU: the eager path of the same decode step the GPU captures as CUDA graphs."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
+from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
+from swiftune.rl.engine import FastRolloutEngine, FastSamplingParams, sample_tokens
+from swiftune.rl.rollout import RolloutEngine, SamplingParams
+from tests.helpers import rel_err
+
+PROMPT_TEXTS = ["Reverse: abc\n", "Sort the letters: garden\n", "Hi\n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer(t)["input_ids"] for t in PROMPT_TEXTS]
+
+
+def tiny_model(family="qwen3", seed=0, patch=True, **overrides):
+    torch.manual_seed(seed)
+    if family == "gemma2":
+        overrides.setdefault("sliding_window", 8)  # shorter than prompt + completion: the window matters
+    model = AutoModelForCausalLM.from_config(tiny_model_config(family, **overrides), dtype=torch.float32)
+    if patch:
+        patch_model(model, attention="reference", kernel_backend="reference")
+    return model.eval()
+
+
+def add_lora(model, seed=1):
+    torch.manual_seed(seed)
+    model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return model
+
+
+def hf_greedy(model, prompt, n, pad):
+    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=n, pad_token_id=pad)
+    return out[0, len(prompt):].tolist()
+
+
+def forward_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("family,patch", [("llama", True), ("qwen3", True), ("gemma2", True), ("qwen3", False)])
+def test_greedy_equals_generate(tokenizer, prompts, family, patch):
+    model = tiny_model(family, seed=5, patch=patch)
+    attn = model.config._attn_implementation
+    engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3)
+    assert isinstance(engine, RolloutEngine)
+    out = engine.generate(prompts, 2, SamplingParams(max_tokens=14, temperature=0))
+    assert model.config._attn_implementation == attn  # restored
+    for i, p in enumerate(prompts):
+        ref = hf_greedy(model, p, 14, tokenizer.pad_token_id)
+        assert out.completion_ids[2 * i] == ref and out.completion_ids[2 * i + 1] == ref, (family, i)
+    # greedy log-probs: temperature-1 log-softmax of the model's own logits
+    assert rel_err(torch.cat(out.logprobs[::2]),
+                   torch.cat([forward_logprobs(model, p, c, 1.0) for p, c in zip(prompts, out.completion_ids[::2])])) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_sampling_logprobs_equal_forward_pass(tokenizer, prompts, family):
+    model = tiny_model(family, seed=6)
+    model.train()
+    enable_gradient_checkpointing(model)
+    engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, seed=3, kv_bucket=8)
+    out = engine.generate(prompts, 3, SamplingParams(max_tokens=12, temperature=0.8, stop_token_ids=[EOS_TOKEN_ID]))
+    assert model.training  # training mode restored
+    model.eval()
+    got, want = [], []
+    for i, c in enumerate(out.completion_ids):
+        assert len(c) == len(out.logprobs[i]) and not out.logprobs[i].requires_grad
+        got.append(out.logprobs[i])
+        want.append(forward_logprobs(model, prompts[i // 3], c, 0.8))
+    assert rel_err(torch.cat(got), torch.cat(want)) < 1e-5
+    # top-k: log-probs renormalised over the top k, tokens inside the top k
+    out_k = engine.generate(prompts, 2, SamplingParams(max_tokens=6, temperature=0.8, top_k=5))
+    for i, c in enumerate(out_k.completion_ids):
+        ids = torch.tensor([list(prompts[i // 2]) + c])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompts[i // 2]) - 1:-1].float() / 0.8
+        top = logits.topk(5, dim=-1)
+        assert (top.indices == torch.tensor(c)[:, None]).any(dim=1).all()
+        want_k = logits.gather(1, torch.tensor(c)[:, None]).squeeze(1) - torch.logsumexp(top.values, dim=-1)
+        assert rel_err(out_k.logprobs[i], want_k) < 1e-5
+
+
+def test_shared_prompt_prefill_equals_separate(tokenizer, prompts):
+    model = tiny_model("qwen3", seed=9)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95)
+    a = FastRolloutEngine(model, seed=4, share_prompt_prefill=True).generate(prompts, 4, params)
+    b = FastRolloutEngine(model, seed=4, share_prompt_prefill=False).generate(prompts, 4, params)
+    assert a.completion_ids == b.completion_ids
+    assert rel_err(torch.cat(a.logprobs), torch.cat(b.logprobs)) < 1e-5
+    assert len({tuple(c) for c in a.completion_ids[:4]}) > 1  # a group's samples differ
+
+
+def test_lora_on_off_and_exact_restore(tokenizer, prompts):
+    model = add_lora(tiny_model("qwen3", seed=10))
+    params = SamplingParams(max_tokens=10, temperature=0)
+    pad = tokenizer.pad_token_id
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    merges = []
+    merge = model.merge_adapter
+    model.merge_adapter = lambda *a, **k: (merges.append(1), merge(*a, **k))
+    on = {mode: FastRolloutEngine(model, pad_token_id=pad, lora=mode).generate(prompts, 1, params)
+          for mode in ("runtime", "merge")}
+    with model.disable_adapter():
+        off = FastRolloutEngine(model, pad_token_id=pad, lora="merge").generate(prompts, 1, params)
+        want_off = [hf_greedy(model, p, 10, pad) for p in prompts]
+    want_on = [hf_greedy(model, p, 10, pad) for p in prompts]
+    assert on["runtime"].completion_ids == want_on
+    assert off.completion_ids == want_off
+    assert want_on != want_off  # the adapters matter
+    # merged: same tokens, log-probs equal up to the rounding of W + dW
+    assert merges == [1]  # merged once (adapters on); not with adapters disabled
+    assert on["merge"].completion_ids == want_on
+    assert rel_err(torch.cat(on["merge"].logprobs), torch.cat(on["runtime"].logprobs)) < 1e-5
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # bit-identical after unmerge
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+def test_stop_token_and_stop_string(tokenizer, prompts):
+    model = tiny_model("llama", seed=7)
+    pad = tokenizer.pad_token_id
+    engine = FastRolloutEngine(model, pad_token_id=pad, tokenizer=tokenizer, check_every=2)
+    free = engine.generate(prompts, 1, SamplingParams(max_tokens=12, temperature=0))
+    assert all(len(c) == 12 for c in free.completion_ids) and not any(free.finished)
+    stop = free.completion_ids[0][3]
+    out = engine.generate(prompts, 1, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))
+    for full, got, done, lp in zip(free.completion_ids, out.completion_ids, out.finished, out.logprobs):
+        if stop in full:
+            assert done and got == full[:full.index(stop) + 1]
+        else:
+            assert not done and got == full
+        assert len(lp) == len(got)
+    # a stop string: the text of completion 0 around its 5th token
+    text = tokenizer.decode(free.completion_ids[0][:5])
+    stop_str = text[-3:] if len(text) >= 3 else text
+    out = engine.generate(prompts, 1, FastSamplingParams(max_tokens=12, temperature=0, stop=[stop_str]))
+    for full, got, done in zip(free.completion_ids, out.completion_ids, out.finished):
+        k = next((k for k in range(1, 13) if stop_str in tokenizer.decode(full[:k])), None)
+        if k is None:
+            assert not done and got == full
+        else:
+            assert done and got == full[:k]
+    assert out.finished[0] and len(out.completion_ids[0]) <= 5
+
+
+def test_all_finished_ends_the_loop_and_rows_are_masked(tokenizer, prompts):
+    model = tiny_model("qwen3", seed=11)
+    vocab = model.config.vocab_size
+    engine = FastRolloutEngine(model, check_every=4)
+    out = engine.generate(prompts, 2, SamplingParams(max_tokens=50, temperature=1.0, stop_token_ids=range(vocab)))
+    assert all(len(c) == 1 for c in out.completion_ids) and all(out.finished)
+    assert out.stats["decode_steps"] <= 1 + 4 + 1
+    # finished rows: pad tokens and zero log-probs after their end in the static buffers
+    ws = engine._ws
+    assert (ws.out_tok[:, 1:int(out.stats["decode_steps"])] == engine.pad_token_id).all()
+    assert (ws.out_lp[:, 1:] == 0).all()
+
+
+def test_seeded_reproducibility_and_cache_reuse(prompts):
+    model = tiny_model("qwen3", seed=8)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.05)
+    ea = FastRolloutEngine(model, seed=11)
+    a = ea.generate(prompts, 3, params)
+    ws = ea._ws
+    b = FastRolloutEngine(model, seed=11, keep_cache=False).generate(prompts, 3, params)
+    c = FastRolloutEngine(model, seed=12).generate(prompts, 3, params)
+    assert a.completion_ids == b.completion_ids
+    assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+    assert a.completion_ids != c.completion_ids
+    ea.generate(prompts, 3, params)
+    assert ea._ws is ws  # same shape: the static cache is reused
+
+
+def _reference_keep(logits, top_k, top_p, min_p):
+    """Plain per-row reference of the kept token set (temperature already applied)."""
+    keep = []
+    for row in logits.double().tolist():
+        order = sorted(range(len(row)), key=lambda i: -row[i])
+        alive = set(order[:top_k] if top_k else order)
+        if top_p < 1.0:
+            z = sum(torch.tensor([row[i] for i in alive]).exp().tolist())
+            mass, nucleus = 0.0, set()
+            for i in order:
+                if i not in alive:
+                    continue
+                if mass >= top_p:
+                    break
+                nucleus.add(i)
+                mass += float(torch.tensor(row[i]).exp()) / z
+            alive = nucleus
+        if min_p:
+            z = sum(float(torch.tensor(row[i]).exp()) for i in alive)
+            pmax = max(float(torch.tensor(row[i]).exp()) / z for i in alive)
+            alive = {i for i in alive if float(torch.tensor(row[i]).exp()) / z >= min_p * pmax}
+        keep.append(alive)
+    return keep
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(3, 1.0, None), (None, 0.7, None), (None, 1.0, 0.2), (5, 0.9, 0.1)])
+def test_filtering_against_reference(top_k, top_p, min_p):
+    g = torch.Generator().manual_seed(0)
+    vocab, rows, temp = 12, 4, 0.7
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    keep = _reference_keep(logits / temp, top_k, top_p, min_p)
+    draws = 4000
+    big = logits.repeat(draws, 1)
+    tokens, lps = sample_tokens(big, torch.rand(big.shape, generator=g), temp, top_k, top_p, min_p)
+    tokens, lps = tokens.view(draws, rows), lps.view(draws, rows)
+    for r in range(rows):
+        kept = sorted(keep[r])
+        ref_logp = torch.log_softmax((logits[r, kept] / temp).double(), dim=0)
+        ref = dict(zip(kept, ref_logp.tolist()))
+        assert set(tokens[:, r].tolist()) <= set(kept)
+        for t, lp in zip(tokens[:, r].tolist(), lps[:, r].tolist()):
+            assert abs(lp - ref[t]) < 1e-5
+        freq = torch.bincount(tokens[:, r], minlength=vocab).double() / draws  # Gumbel-max samples the law
+        assert (freq[kept] - ref_logp.exp()).abs().max() < 0.035
