@@ -1,0 +1,152 @@
+"""Smoke tests of the benchmark scripts: each one's tiny mode runs end to end in a subprocess and
+writes the JSON keys the docs and benchmarks/plots.py read; plots.py draws the committed results.
+
+The scripts run without ``TRITON_INTERPRET`` (removed from their environment), so on a machine
+without CUDA the kernels use their plain-PyTorch references, as a user's CPU run would.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+COMMITTED = [os.path.join(ROOT, "docs", "results", f) for f in ("sft_qwen3-8b_b16.json", "longctx_qwen3-8b_32k.json")]
+
+
+def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, name), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{name} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def load_grpo_module():
+    spec = importlib.util.spec_from_file_location("bench_grpo", os.path.join(BENCH, "grpo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def grpo_step_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "grpo_step.json"
+    proc = run_script("grpo.py", "--model", "tiny", "--out", str(out))
+    assert "GRPO step" in proc.stdout  # the table is printed last
+    return out
+
+
+@pytest.fixture(scope="module")
+def grpo_bisect_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "grpo_bisect.json"
+    modes = ["trl_grpo", "swiftune"] if importlib.util.find_spec("trl") else ["hf_full_logits", "swiftune"]
+    run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", *modes,
+               "--simulate-capacity", "1500", "--completion-lengths", "96", "--out", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loss_curve_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loss") / "loss_curve.json"
+    run_script("loss_curve.py", "--model", "tiny", "--steps", "10", "--out", str(out))
+    return out
+
+
+def test_grpo_step_tiny(grpo_step_json):
+    r = json.loads(grpo_step_json.read_text())
+    for key in ("model", "generations", "prompt_tokens", "max_completion_length", "completion_lengths", "step_s",
+                "peak_gb", "phases", "generation_tokens_per_s", "reward", "reward_std", "share_prompt", "device"):
+        assert key in r, key
+    assert r["benchmark"] == "grpo_step" and "error" not in r
+    assert set(r["phases"]) >= {"generation", "logps_no_grad", "policy_forward", "policy_backward", "other"}
+    # no stop token: every completion ran to max_completion_length
+    assert r["all_full_length"] and r["completion_lengths"] == [r["max_completion_length"]] * r["generations"]
+    assert r["reward_std"] > 0  # the reward gives non-zero advantages
+    assert all(v["s"] >= 0 for k, v in r["phases"].items() if k != "other")
+
+
+def test_search_max_fit_brackets_within_tolerance():
+    grpo = load_grpo_module()
+    for capacity in (100, 1000, 1234, 40_000, 300_000):
+        tried = []
+
+        def fits(n, capacity=capacity):
+            tried.append(n)
+            return n <= capacity
+
+        lo, hi, status = grpo.search_max_fit(fits, 512, 2**20, tol=0.05, granularity=16)
+        assert status == "converged", (capacity, lo, hi, status)
+        if capacity < 16:
+            continue
+        assert lo <= capacity < hi and (hi <= lo * 1.05 or hi - lo <= 16), (capacity, lo, hi)
+        assert len(tried) < 30
+    # nothing above the largest size: reported, not invented
+    assert grpo.search_max_fit(lambda n: True, 64, 1024, granularity=16) == (1024, None, "no_limit_found")
+    # resuming from a bracket tries only sizes inside it
+    seen = []
+    lo, hi, status = grpo.search_max_fit(lambda n: seen.append(n) or n <= 5000, 64, 2**20, granularity=16,
+                                         lo=4096, hi=8192)
+    assert status == "converged" and all(4096 < n < 8192 for n in seen) and lo <= 5000 < hi
+
+    # running out of time keeps the bracket found so far
+    def timed(n):
+        if n > 2048:
+            raise grpo.OutOfTime
+        return True
+
+    assert grpo.search_max_fit(timed, 512, 2**20, granularity=16) == (2048, None, "out_of_time")
+
+
+def test_grpo_bisect_tiny(grpo_bisect_json):
+    r = json.loads(grpo_bisect_json.read_text())
+    assert r["benchmark"] == "grpo_bisect" and r["rows"] == 2 and r["prompt_tokens"] == 256
+    for mode, res in r["modes"].items():
+        assert {"label", "max_fit", "first_fail", "status", "trials"} <= set(res), mode
+        assert res["status"] == "converged", res
+        # the simulated capacity is 1500 tokens = 2 x (256 + L): L <= 494
+        assert res["max_fit"] <= 494 < res["first_fail"] and res["first_fail"] <= res["max_fit"] * 1.05 + 16
+        lengths = [t["completion"] for t in res["trials"]]
+        assert lengths[0] == 96  # the fixed length first, then the search
+        assert all({"completion", "tokens", "status", "s"} <= set(t) for t in res["trials"])
+
+
+def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
+    """A trial that kills the process (host memory) counts as not fitting; a new process resumes."""
+    out = tmp_path / "killed.json"
+    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "hf_full_logits",
+                      "--simulate-kill-above", "1400", "--bisect-lo", "256", "--bisect-hi", "512", "--out", str(out))
+    assert "resuming" in proc.stdout
+    res = json.loads(out.read_text())["modes"]["hf_full_logits"]
+    killed = [t["completion"] for t in res["trials"] if t["status"] == "oom_killed"]
+    assert killed and all(2 * (256 + n) > 1400 for n in killed)
+    # 2 x (256 + L) <= 1400: L <= 444
+    assert res["status"] == "converged" and res["max_fit"] <= 444 < res["first_fail"] <= res["max_fit"] * 1.05 + 16
+
+
+def test_loss_curve_tiny_curves_coincide(loss_curve_json):
+    r = json.loads(loss_curve_json.read_text())
+    for key in ("max_abs_diff", "max_rel_diff", "abs_diff", "same_data", "same_init", "modes", "steps"):
+        assert key in r, key
+    assert r["same_data"] and r["same_init"]
+    base, ours = r["modes"]["hf_padded"]["losses"], r["modes"]["swiftune_packed"]["losses"]
+    assert len(base) == len(ours) == 10
+    assert r["dtype"] == "float32"
+    assert r["max_rel_diff"] < (1e-3 if torch.cuda.is_available() else 1e-4), r["max_rel_diff"]
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.getsize(r["png"]) > 10_000
+
+
+def test_plots_render_committed_and_smoke_results(tmp_path, grpo_step_json, grpo_bisect_json, loss_curve_json):
+    pytest.importorskip("matplotlib")
+    files = [*COMMITTED, str(grpo_step_json), str(grpo_bisect_json), str(loss_curve_json)]
+    proc = run_script("plots.py", *files, "--outdir", str(tmp_path))
+    for f in files:
+        png = tmp_path / (os.path.splitext(os.path.basename(f))[0] + ".png")
+        assert png.exists() and png.stat().st_size > 10_000, (png, proc.stdout)
