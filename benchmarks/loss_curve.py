@@ -138,16 +138,7 @@ def run_one(mode: str, args) -> dict:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
 
-        def pad_collate(examples):
-            width = max(len(e["input_ids"]) for e in examples)
-            ids = torch.zeros(len(examples), width, dtype=torch.long)
-            att = torch.zeros_like(ids)
-            for i, e in enumerate(examples):
-                ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
-                att[i, : len(e["input_ids"])] = 1
-            labels = ids.masked_fill(att == 0, -100)
-            labels[:, 0] = -100  # never a target (the loss shifts); keeps the token count exact
-            return {"input_ids": ids, "attention_mask": att, "labels": labels}
+        from workload import pad_to_longest as pad_collate
 
         collator = RecordingCollator(pad_collate)
         init = checksum(model)

@@ -92,14 +92,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         model = peft.get_peft_model(model, lora)
         model.enable_input_require_grads()
 
-        def pad_collate(examples):
-            width = max(len(e["input_ids"]) for e in examples)
-            ids = torch.zeros(len(examples), width, dtype=torch.long)
-            att = torch.zeros_like(ids)
-            for i, e in enumerate(examples):
-                ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
-                att[i, : len(e["input_ids"])] = 1
-            return {"input_ids": ids, "attention_mask": att, "labels": ids.masked_fill(att == 0, -100)}
+        from workload import pad_to_longest as pad_collate
 
         counter = CountingCollator(pad_collate, 0)
         trainer = Trainer(model=model, args=TrainingArguments(remove_unused_columns=False, **common),

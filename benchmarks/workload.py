@@ -57,3 +57,20 @@ def random_token_rows(lengths: np.ndarray, vocab_size: int, seed: int = 0) -> li
     """Pre-tokenized rows of random ids with the given lengths (every token trained)."""
     rng = np.random.default_rng(seed + 1)
     return [{"input_ids": rng.integers(0, vocab_size, int(n)).tolist()} for n in lengths]
+
+
+def pad_to_longest(examples: list[dict]) -> dict:
+    """The padded baseline's collator: right padding to the longest row, an attention mask, labels
+    -100 on padding and on position 0 (never a target once the loss shifts; keeps transformers'
+    trained-token count the same across its versions)."""
+    import torch
+
+    width = max(len(e["input_ids"]) for e in examples)
+    ids = torch.zeros(len(examples), width, dtype=torch.long)
+    att = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        ids[i, : len(e["input_ids"])] = torch.tensor(e["input_ids"])
+        att[i, : len(e["input_ids"])] = 1
+    labels = ids.masked_fill(att == 0, -100)
+    labels[:, 0] = -100
+    return {"input_ids": ids, "attention_mask": att, "labels": labels}
