@@ -2,6 +2,7 @@
 
     swiftune sft [CONFIG.yaml] [--key value ...]    supervised fine-tuning
     swiftune grpo [CONFIG.yaml] [--key value ...]   reinforcement learning (GRPO and its variants)
+    swiftune generate --model PATH --prompt "..."   sample through a rollout engine (quick checks)
     swiftune plan --model qwen3-8b --tokens 65536   predicted peak GPU memory and the largest context
     swiftune check                                  kernels vs their references on this machine
 
@@ -29,6 +30,12 @@ def run_grpo(argv: list[str]) -> int:
     from .rl.builtin import run_grpo as run
 
     return run(argv)
+
+
+def run_generate(argv: list[str]) -> int:
+    from .rl.generate import main_generate
+
+    return main_generate(argv)
 
 
 def run_plan(argv: list[str]) -> int:
@@ -66,7 +73,7 @@ def run_check(argv: list[str]) -> int:
     return 0 if ok else 1
 
 
-COMMANDS = {"sft": run_sft, "grpo": run_grpo, "plan": run_plan, "check": run_check}
+COMMANDS = {"sft": run_sft, "grpo": run_grpo, "generate": run_generate, "plan": run_plan, "check": run_check}
 
 
 def main(argv: list[str] | None = None) -> int:
