@@ -8,6 +8,7 @@ checkpoints and adapters load anywhere.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -42,6 +43,15 @@ def default_dtype() -> torch.dtype:
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
+
+
+def _local_cuda_device() -> int:
+    """This process's GPU: ``LOCAL_RANK`` under torchrun/accelerate launch (each rank loads onto
+    its own GPU before the Trainer sets the device), else the current device."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and local_rank.isdigit() and int(local_rank) < torch.cuda.device_count():
+        return int(local_rank)
+    return torch.cuda.current_device()
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -166,7 +176,7 @@ class FastModel:
         # which every model supports (Gemma 2 has no sdpa); unpatched, transformers' default.
         load_attn = ("eager" if patch else None) if packed else attn_implementation
         if "device_map" not in hf_kwargs and torch.cuda.is_available():
-            hf_kwargs["device_map"] = {"": torch.cuda.current_device()}
+            hf_kwargs["device_map"] = {"": _local_cuda_device()}
         model = AutoModelForCausalLM.from_pretrained(
             model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
         )
