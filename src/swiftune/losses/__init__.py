@@ -8,7 +8,8 @@
 Each has a plain-PyTorch reference that materialises the logits (``*_reference``).
 """
 
-from .chunking import MAX_VOCAB_CHUNK, LogitTransform, choose_chunk_tokens, free_gpu_bytes
+from .blocks import LogitTransform
+from .chunking import MAX_VOCAB_CHUNK, choose_chunk_tokens, free_gpu_bytes
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .selective_log_softmax import selective_log_softmax, selective_log_softmax_reference
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._launch import Backend
-from .chunking import (
+from .blocks import (
     BlockStats,
     LogitTransform,
     backprop_block,
@@ -59,9 +59,8 @@ from .chunking import (
     grad_from_logp_,
     matmul_block,
     project,
-    resolve_chunk_tokens,
-    vocab_blocks,
 )
+from .chunking import resolve_chunk_tokens, vocab_blocks
 from .selective_log_softmax import ChunkedLogProb, _Cfg, check_labels, use_fused
 
 
@@ -196,7 +195,7 @@ def linear_cross_entropy(
         num_items: global labelled-token count (python number or 0-d tensor) for gradient
             accumulation / data parallel: each micro-batch's loss is ``sum / num_items`` so that the
             summed micro-batch losses equal the loss of one big batch.  Only with ``"mean"``.
-        logit_softcap, logit_scale: see :class:`~swiftune.losses.chunking.LogitTransform`
+        logit_softcap, logit_scale: see :class:`~swiftune.losses.blocks.LogitTransform`
             (order: bias, then scale, then softcap).
         chunk_tokens: labelled rows per chunk (``None``: automatic from free memory, times
             ``chunk_multiplier``).  ``vocab_chunk``: widest vocabulary block (default 2^18).

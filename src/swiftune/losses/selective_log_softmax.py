@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels._launch import Backend, choose_backend
-from .chunking import (
+from .blocks import (
     BlockStats,
     LogitTransform,
     backprop_block,
@@ -44,9 +44,8 @@ from .chunking import (
     block_stats,
     compute_dtypes,
     fused_kernel,
-    resolve_chunk_tokens,
-    vocab_blocks,
 )
+from .chunking import resolve_chunk_tokens, vocab_blocks
 
 _SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
 
