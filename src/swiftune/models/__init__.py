@@ -9,13 +9,14 @@ from .checkpointing import (
     release_host_memory,
 )
 from .loading import FastModel, enable_gradient_checkpointing, ensure_pad_token
-from .patching import FAMILIES, is_patched, patch_model, unpatch_model
+from .patching import FAMILIES, causal_lm_of, is_patched, patch_model, unpatch_model
 from .tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, tiled_mlp_forward
 
 __all__ = [
     "FAMILIES",
     "CheckpointBudgetError",
     "FastModel",
+    "causal_lm_of",
     "disable_offloaded_checkpointing",
     "disable_tiled_mlp",
     "enable_gradient_checkpointing",

@@ -91,6 +91,14 @@ _GLU_KINDS: dict[str, tuple[str, str | None]] = {
 }
 
 
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside ``model``: unwraps DDP/FSDP-style ``.module`` wrappers
+    and PEFT."""
+    inner = getattr(model, "module", model)
+    get_base = getattr(inner, "get_base_model", None)
+    return get_base() if callable(get_base) else inner
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)

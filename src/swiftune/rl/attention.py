@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import PackedBatch, packed_attention, packed_attention_forward, packed_attention_mask
+from ..models.patching import causal_lm_of
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
 LAYOUT_KWARG = "swiftune_row_layout"
@@ -90,17 +91,10 @@ def register_grpo_attention() -> str:
     return GRPO_ATTENTION_NAME
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
-    return inner
-
-
 def install_grpo_attention(model: nn.Module) -> None:
     """Make ``model`` (patched by :func:`swiftune.patch_model`) call :func:`grpo_attention_forward`."""
     name = register_grpo_attention()
-    hf_model = _causal_lm(model)
+    hf_model = causal_lm_of(model)
     if hf_model.config._attn_implementation == name:
         return
     try:

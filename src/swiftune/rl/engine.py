@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ..attention import build_packed_batch, packed_attention
+from ..models.patching import causal_lm_of
 from .rollout import Rollouts, SamplingParams, filter_logits
 
 ATTENTION_NAME = "swiftune_rollout"
@@ -249,8 +250,7 @@ class FastRolloutEngine:
         self._ws = None
 
     def _hf(self) -> nn.Module:
-        inner = getattr(self.model, "module", self.model)
-        return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        return causal_lm_of(self.model)
 
     def _parts(self):
         hf = self._hf()

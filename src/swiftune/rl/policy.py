@@ -27,6 +27,7 @@ from torch import nn
 
 from ..attention import ATTENTION_NAME, PackedBatch
 from ..losses import selective_log_softmax
+from ..models.patching import causal_lm_of
 from .attention import GRPO_ATTENTION_NAME, LAYOUT_KWARG, RowLayout, install_grpo_attention
 
 
@@ -131,13 +132,6 @@ def build_policy_row(
     )
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
-    return inner
-
-
 def completion_logprobs(
     model: nn.Module,
     row: PolicyRow,
@@ -153,7 +147,7 @@ def completion_logprobs(
     ``model`` must be patched by :func:`swiftune.patch_model` (packed attention); it may be wrapped
     (DDP) and/or a PEFT model. Logits are divided by ``temperature`` as in sampling (TRL).
     """
-    causal_lm = _causal_lm(model)
+    causal_lm = causal_lm_of(model)
     if causal_lm.config._attn_implementation not in (ATTENTION_NAME, GRPO_ATTENTION_NAME):
         raise ValueError(
             "the policy forward needs swiftune's packed attention: call swiftune.patch_model(model) first "

@@ -33,6 +33,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..models.patching import causal_lm_of
+
 
 @dataclass
 class SamplingParams:
@@ -118,16 +120,9 @@ def sample_next(
     return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _inner_causal_lm(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
-    return inner
-
-
 def cache_kwarg(model: nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
-    params = inspect.signature(_inner_causal_lm(model).forward).parameters
+    params = inspect.signature(causal_lm_of(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -140,7 +135,7 @@ def _new_cache(model: nn.Module):
     from transformers import DynamicCache
 
     try:
-        return DynamicCache(config=_inner_causal_lm(model).config)
+        return DynamicCache(config=causal_lm_of(model).config)
     except TypeError:  # pragma: no cover - older signature
         return DynamicCache()
 

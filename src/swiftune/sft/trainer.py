@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel, Trainer
+from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..data import (
@@ -34,19 +34,11 @@ from ..data import (
     prepare_dataset,
 )
 from ..losses import linear_cross_entropy
-from ..models import FastModel, is_patched, patch_model
+from ..models import FastModel, causal_lm_of, is_patched, patch_model
 from .config import SFTConfig
 from .metrics import MetricsCallback, TokenMeter
 
 logger = logging.getLogger(__name__)
-
-
-def causal_lm_of(model: nn.Module) -> PreTrainedModel:
-    """The transformers causal LM inside ``model`` (unwrapping DDP/FSDP wrappers and PEFT)."""
-    inner = getattr(model, "module", model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
-    return inner
 
 
 class SFTTrainer(Trainer):
