@@ -27,6 +27,7 @@ from torch import nn
 
 from ..attention import ATTENTION_NAME, PackedBatch
 from ..losses import selective_log_softmax
+from ..models.heads import hidden_states_and_head
 from ..models.patching import causal_lm_of
 from .attention import GRPO_ATTENTION_NAME, LAYOUT_KWARG, RowLayout, install_grpo_attention
 
@@ -154,24 +155,9 @@ def completion_logprobs(
             f"(attention implementation is {causal_lm.config._attn_implementation!r})"
         )
     install_grpo_attention(causal_lm)
-    decoder = causal_lm.get_decoder()
-    lm_head = causal_lm.get_output_embeddings()
-    if hasattr(lm_head, "base_layer"):
-        raise NotImplementedError("LoRA on the LM head is not supported by the fused log-prob loss; "
-                                  "leave lm_head out of target_modules")
-    captured: dict[str, torch.Tensor] = {}
-
-    def grab(module, args, output):
-        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    handle = decoder.register_forward_hook(grab)
-    try:
-        model(input_ids=row.input_ids, position_ids=row.position_ids, use_cache=False, logits_to_keep=1,
-              **{LAYOUT_KWARG: row.layout})
-    finally:
-        handle.remove()
-    hidden = captured["hidden"][0].index_select(0, row.hidden_index)
-    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    hidden, lm_head, softcap = hidden_states_and_head(
+        model, input_ids=row.input_ids, position_ids=row.position_ids, **{LAYOUT_KWARG: row.layout})
+    hidden = hidden[0].index_select(0, row.hidden_index)
     out = selective_log_softmax(
         hidden, lm_head.weight, row.targets, temperature=temperature, logit_softcap=softcap, chunk_tokens=chunk_tokens,
         offload=offload, return_entropy=return_entropy, bias=lm_head.bias,

@@ -34,7 +34,8 @@ from ..data import (
     prepare_dataset,
 )
 from ..losses import linear_cross_entropy
-from ..models import FastModel, causal_lm_of, is_patched, patch_model
+from ..models import FastModel, is_patched, patch_model
+from ..models.heads import hidden_states_and_head
 from .config import SFTConfig
 from .metrics import MetricsCallback, TokenMeter
 
@@ -172,35 +173,17 @@ def sft_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal-LM cross entropy of ``model`` on ``inputs`` without materialising the logits.
 
-    The model is called through its own top-level forward (so DDP/FSDP hooks run) with
-    ``logits_to_keep=1``; a forward hook on the decoder captures the last hidden state, and the
-    loss is the fused ``linear_cross_entropy`` of those states against the LM head. Labels are
+    The last hidden states come from :func:`swiftune.models.heads.hidden_states_and_head` (the
+    model's own forward, ``logits_to_keep=1``), and the loss is the fused
+    ``linear_cross_entropy`` of those states against the LM head. Labels are
     unshifted (transformers' convention); the shift happens here, on the labels only.
 
     Returns ``(loss, last_hidden_state)``. With ``num_items_in_batch`` the loss is the sum over
     trained tokens divided by it (gradient accumulation / multi-GPU); else the mean.
     """
-    causal_lm = causal_lm_of(model)
-    decoder = causal_lm.get_decoder()
-    lm_head = causal_lm.get_output_embeddings()
-    if hasattr(lm_head, "base_layer"):
-        raise NotImplementedError(
-            "LoRA on the LM head is not supported by the fused loss; leave lm_head out of target_modules"
-        )
-    captured: dict[str, torch.Tensor] = {}
-
-    def grab(module, args, output):
-        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-    handle = decoder.register_forward_hook(grab)
-    try:
-        model(**inputs, use_cache=False, logits_to_keep=1)
-    finally:
-        handle.remove()
-    hidden = captured["hidden"]
+    hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
     # position t predicts labels[t + 1]; the last position predicts nothing
     shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     loss = linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, shift_labels.reshape(-1),
         reduction="mean", num_items=num_items_in_batch,
