@@ -3,8 +3,8 @@
 **Step** (default; issue 6 "on the GPU"). One step of ``swiftune.GRPOTrainer`` on a random-init
 model (bf16 weights, LoRA r=16 on all linear layers, gradient checkpointing), rollouts included:
 ``--generations`` (G, default 8) completions of one prompt of ``--prompt-tokens`` (256) random token
-ids, sampled by the built-in ``TransformersRolloutEngine`` with **no stop token** (the engine is
-called with ``stop_token_ids=()``), so every completion runs to ``max_completion_length``
+ids, sampled by the built-in engine the trainer picks (``--engine``: ``FastRolloutEngine`` on CUDA,
+``TransformersRolloutEngine`` on CPU) with **no stop token** (the engine is called with ``stop_token_ids=()``), so every completion runs to ``max_completion_length``
 (``--completion-tokens``, default 4096); a token-parity reward (share of even token ids) gives
 non-zero advantages; ``beta`` 0.04 so that the reference pass (the same model, adapters disabled)
 runs. Phases, each with its wall time and peak GPU memory (``max_memory_allocated`` reset at its
@@ -196,6 +196,7 @@ def run_step(args) -> dict:
 
     from swiftune import GRPOConfig, GRPOTrainer
     from swiftune.rl import SamplingParams, TransformersRolloutEngine, build_policy_row, completion_logprobs
+    from swiftune.rl.engine import FastRolloutEngine
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -212,7 +213,10 @@ def run_step(args) -> dict:
     print(f"# {versions()['device']} model {args.model} G={G} prompt {P} completion {L} beta {args.beta} "
           f"(build {time.perf_counter() - t_start:.0f} s, weights {weights_gb:.1f} GB)", flush=True)
 
-    class FullLengthEngine(TransformersRolloutEngine):
+    engine_name = args.engine or ("fast" if cuda else "transformers")
+    engine_cls = FastRolloutEngine if engine_name == "fast" else TransformersRolloutEngine
+
+    class FullLengthEngine(engine_cls):
         """The built-in engine with no stop token: every completion runs to max_completion_length."""
 
         def generate(self, prompt_ids, num_generations, params):
@@ -328,7 +332,7 @@ def run_step(args) -> dict:
     peak = max([v["peak_gb"] for v in phases.values() if v["peak_gb"] is not None] + [step["tail_peak_gb"]])
     gen = phases.get("generation", {"s": float("nan")})
     return dict(
-        benchmark="grpo_step", model=args.model, generations=G, prompt_tokens=P, max_completion_length=L,
+        benchmark="grpo_step", engine=engine_name, model=args.model, generations=G, prompt_tokens=P, max_completion_length=L,
         completion_lengths=lengths, all_full_length=all(n == L for n in lengths), beta=args.beta,
         num_iterations=args.num_iterations, share_prompt=share, share_prompt_error=share_error,
         policy_row_tokens=sum(mb.row.num_tokens for mb in micro), lora_r=16,
@@ -342,7 +346,7 @@ def run_step(args) -> dict:
 def print_step_table(r: dict) -> None:
     print(f"\n# GRPO step, {r['model']} shape, LoRA r=16, G={r['generations']}, prompt {r['prompt_tokens']}, "
           f"completions {r['max_completion_length']} (all full length: {r['all_full_length']}), "
-          f"share_prompt {r['share_prompt']}, beta {r['beta']}; {r['device']}")
+          f"share_prompt {r['share_prompt']}, beta {r['beta']}, engine {r.get('engine')}; {r['device']}")
     print(f"{'phase':<16} {'s':>8} {'share':>6} {'peak GB':>8}")
     for name, v in r["phases"].items():
         peak = "-" if v["peak_gb"] is None or r["device"] == "cpu" else f"{v['peak_gb']:.1f}"
@@ -743,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-iterations", type=int, default=1, help="2: the old log-probs pass runs too")
     p.add_argument("--no-share-prompt", action="store_true", help="step: unshared policy rows")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--engine", choices=["fast", "transformers"], default=None,
+                   help="rollout engine of the step (default: fast on CUDA, transformers on CPU, as GRPOTrainer)")
     p.add_argument("--bisect-completion", action="store_true", help="run the bisection instead of the step")
     p.add_argument("--bisect-modes", nargs="+", choices=ALL_BISECT_MODES, default=None,
                    help="default: hf_full_logits, trl_grpo (when trl is importable), swiftune")

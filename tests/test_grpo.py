@@ -480,3 +480,17 @@ def test_trainer_runs_on_the_fast_rollout_engine(tokenizer, tmp_path):
         GRPOTrainer(tiny_model(seed=11), [answer_reward], processing_class=tokenizer, train_dataset=PROMPT_ROWS,
                     args=GRPOConfig(output_dir=str(tmp_path / "x"), rollout_engine="vllm", **FAST))
 
+
+def test_rollout_engine_auto_picks_by_device(tokenizer, tmp_path):
+    """The default ("auto"): the fast engine on CUDA, transformers' generate elsewhere."""
+    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout import TransformersRolloutEngine
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, **FAST)
+    assert args.rollout_engine == "auto"
+    trainer = GRPOTrainer(tiny_model(seed=11), [answer_reward], args=args, train_dataset=PROMPT_ROWS,
+                          processing_class=tokenizer)
+    expected = FastRolloutEngine if args.device.type == "cuda" else TransformersRolloutEngine
+    assert type(trainer.rollout_engine) is expected
+

@@ -70,9 +70,10 @@ class GRPOConfig(TrainingArguments):
                           "steps_per_generation = generation_batch_size / (per_device_train_batch_size x processes)."},
     )
     rollout_engine: str = field(
-        default="transformers",
-        metadata={"help": "Built-in rollout engine: transformers (eager, KV cache) or fast (static KV cache, "
-                          "shared-prompt prefill, CUDA-graph decode on CUDA; see docs/rollout.md)."},
+        default="auto",
+        metadata={"help": "Built-in rollout engine: fast (static KV cache, shared-prompt prefill, CUDA-graph decode "
+                          "on CUDA; see docs/rollout.md), transformers (its generate with a KV cache), or auto: fast "
+                          "on CUDA for the families it supports, transformers otherwise."},
     )
     max_rollout_batch_size: int | None = field(
         default=None,

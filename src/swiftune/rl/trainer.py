@@ -37,7 +37,7 @@ from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..data import BatchStats, load_rows
-from ..models import FastModel, is_patched, patch_model
+from ..models import FastModel, causal_lm_of, is_patched, patch_model
 from ..sft.metrics import MetricsCallback, TokenMeter
 from .advantages import group_advantages
 from .config import GRPOConfig
@@ -226,17 +226,23 @@ class GRPOTrainer(Trainer):
 
 
     def _builtin_engine(self, pad_token_id: int) -> RolloutEngine:
-        seed = self.args.seed + self.accelerator.process_index
-        if self.args.rollout_engine == "fast":
-            from .engine import FastRolloutEngine
+        from .engine import SUPPORTED, FastRolloutEngine
 
+        seed = self.args.seed + self.accelerator.process_index
+        choice = self.args.rollout_engine
+        if choice not in ("auto", "fast", "transformers"):
+            raise ValueError(f"rollout_engine must be 'auto', 'fast' or 'transformers', got {choice!r}")
+        if choice == "auto":
+            on_cuda = self.args.device.type == "cuda"
+            family = causal_lm_of(self.model).config.model_type
+            choice = "fast" if on_cuda and family in SUPPORTED else "transformers"
+        if choice == "fast":
             return FastRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed, tokenizer=self.processing_class,
                                      max_batch_size=self.args.max_rollout_batch_size,
                                      attention_backend=self.args.attention_backend)
-        if self.args.rollout_engine != "transformers":
-            raise ValueError(f"rollout_engine must be 'transformers' or 'fast', got {self.args.rollout_engine!r}")
         return TransformersRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed,
                                          max_batch_size=self.args.max_rollout_batch_size)
+
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         args = self.args
         sampler = GenerationBatchSampler(
