@@ -89,7 +89,9 @@ def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool)
               pad_token_id=0)
     if static:
         kw["cache_implementation"] = "static"
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+    # warm-up of the same length: the static cache is sized prompt + max_new_tokens, and transformers
+    # compiles the forward for it, so a shorter warm-up would leave the compile inside the timing
+    model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
     sync()
     t = time.perf_counter()
     out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kw)
@@ -99,11 +101,11 @@ def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool)
     return {"wall_s": wall, "new_tokens": new, "tokens_per_s": rows * new / wall, "step_ms": 1e3 * wall / new}
 
 
-def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int) -> dict:
+def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int, lora: str = "runtime") -> dict:
     from swiftune.rl.engine import FastRolloutEngine
     from swiftune.rl.rollout import SamplingParams
 
-    engine = FastRolloutEngine(model, seed=0, keep_cache=False, kv_bucket=kv_bucket, check_every=64)
+    engine = FastRolloutEngine(model, seed=0, keep_cache=False, kv_bucket=kv_bucket, check_every=64, lora=lora)
     engine.generate([prompt], rows, SamplingParams(max_tokens=4, temperature=1.0))  # warm-up (prefill kernels)
     sync()
     t = time.perf_counter()
@@ -117,6 +119,22 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
     return {"wall_s": wall, "new_tokens": new_tokens, "tokens_per_s": rows * new_tokens / gen_s,
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9}
+
+
+def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, kv_bucket: int) -> list[dict]:
+    """The engine on a PEFT LoRA model (r=16, all linear layers): adapters run as PEFT layers vs merged."""
+    from swiftune.models import FastModel
+
+    peft_model = FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
+    runs = []
+    for rows in rows_list:
+        for lora in ("runtime", "merge"):
+            r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora)
+            runs.append({"rows": rows, "new_tokens": new_tokens, "lora": lora, "fast": r})
+            print(f"LoRA r=16 {lora:<8} G={rows} N={new_tokens}: {r['tokens_per_s']:.0f} tok/s, "
+                  f"{r['step_ms']:.2f} ms/step", flush=True)
+    peft_model.unload()
+    return runs
 
 
 def checks(model, prompt: list[int], steps: int) -> dict:
@@ -152,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds: an engine run whose estimated end lies past it is skipped (listed in the JSON)")
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--lora-rows", type=int, nargs="*", default=None,
+                   help="after the plain runs of the first shape: LoRA r=16 on all linear layers, the engine with "
+                        "lora=runtime and lora=merge at these G and the shortest N (default: 8)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     a = p.parse_args(argv)
     tiny = a.model == ["tiny"]
@@ -217,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if name == models[0] and (a.lora_rows is None or a.lora_rows):
+            results["lora"] = lora_runs(model, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
         del model
         gc.collect()
         if device.type == "cuda":
@@ -234,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{'dyn tok/s':>11}{'stat tok/s':>11}{'x dyn':>7}{'x stat':>7}")
     print(head)
     print("-" * len(head))
+    for r in results.get("lora", []):
+        print(f"LoRA r=16 lora={r['lora']:<8} G={r['rows']} N={r['new_tokens']}: {r['fast']['tokens_per_s']:.0f} tok/s, "
+              f"{r['fast']['step_ms']:.2f} ms/step")
     for r in results["runs"]:
         f = r["fast"]
         dyn = r.get("generate_dynamic", {}).get("tokens_per_s", float("nan"))

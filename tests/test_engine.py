@@ -256,12 +256,15 @@ def test_cuda_graph_decode_equals_eager_and_generate(tokenizer, prompts, family)
         return out[0, len(p):].tolist()
 
     refs = [hf_greedy_cuda(p, 20) for p in prompts]
-    patch_model(model)  # CUDA defaults: Triton kernels, packed attention chosen automatically
+    # Triton kernels compiled for CUDA; the prefill attention on the reference backend because float32
+    # would take flex, whose compile per prompt shape costs minutes (bf16 varlen: benchmarks/rollout.py)
+    patch_model(model, attention="reference")
     greedy = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=())
     sampled = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, stop_token_ids=())
     runs = {}
     for graph in (False, True):
-        kw = dict(pad_token_id=pad, use_cuda_graph=graph, kv_bucket=8, check_every=5, seed=3)
+        kw = dict(pad_token_id=pad, use_cuda_graph=graph, kv_bucket=8, check_every=5, seed=3,
+                  attention_backend="reference")
         runs[graph] = (FastRolloutEngine(model, **kw).generate(prompts, 2, greedy),
                        FastRolloutEngine(model, **kw).generate(prompts, 2, sampled))
     (g_eager, s_eager), (g_graph, s_graph) = runs[False], runs[True]
@@ -273,7 +276,8 @@ def test_cuda_graph_decode_equals_eager_and_generate(tokenizer, prompts, family)
         assert g_graph.completion_ids[2 * i] == ref and g_graph.completion_ids[2 * i + 1] == ref, (family, i)
     # sampled log-probs (temperature 1, no filter) equal a forward pass over the produced sequence
     plain = SamplingParams(max_tokens=20, temperature=1.0, stop_token_ids=())
-    out = FastRolloutEngine(model, pad_token_id=pad, use_cuda_graph=True, kv_bucket=8, seed=4).generate(prompts, 2, plain)
+    out = FastRolloutEngine(model, pad_token_id=pad, use_cuda_graph=True, kv_bucket=8, seed=4,
+                            attention_backend="reference").generate(prompts, 2, plain)
     for p, c, lp in zip(prompts, out.completion_ids[::2], out.logprobs[::2]):
         ids = torch.tensor([list(p) + list(c)], device="cuda")
         with torch.no_grad():
@@ -286,11 +290,12 @@ def test_cuda_graph_decode_equals_eager_and_generate(tokenizer, prompts, family)
 def test_cuda_graph_with_lora_runtime_and_merge(tokenizer, prompts):
     """CUDA graphs over PEFT LoRA layers: both LoRA modes give the adapted model's greedy tokens."""
     model = add_lora(tiny_model("qwen3", seed=8, patch=False)).cuda()
-    patch_model(model)
+    patch_model(model, attention="reference")
     greedy = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=())
-    eager = FastRolloutEngine(model, use_cuda_graph=False, kv_bucket=8).generate(prompts, 2, greedy)
+    kw = dict(kv_bucket=8, attention_backend="reference")
+    eager = FastRolloutEngine(model, use_cuda_graph=False, **kw).generate(prompts, 2, greedy)
     before = [p.detach().clone() for p in model.parameters()]
     for lora in ("runtime", "merge"):
-        out = FastRolloutEngine(model, use_cuda_graph=True, kv_bucket=8, lora=lora).generate(prompts, 2, greedy)
+        out = FastRolloutEngine(model, use_cuda_graph=True, lora=lora, **kw).generate(prompts, 2, greedy)
         assert out.completion_ids == eager.completion_ids, lora
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
