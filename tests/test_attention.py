@@ -246,6 +246,7 @@ def test_gpu_128k_packed_row_matches_documents_alone(backend):
     """The equivalence at 128K total tokens: each document of the packed row (bf16, the backend)
     against that document alone through PyTorch's float32 SDPA (memory-efficient, causal)."""
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if not backend_available(backend, "cuda"):
         pytest.skip(f"{backend} not available")
@@ -259,12 +260,15 @@ def test_gpu_128k_packed_row_matches_documents_alone(backend):
     start = 0
     for n in lengths:
         sl = slice(start, start + n)
-        # [n, H, d] token-major slices -> [H, n, d] for SDPA
+        # [n, H, d] token-major slices -> [1, H, n, d] for SDPA; the memory-efficient kernel only
+        # (float32 on the math fallback would hold H x n x n scores: 34 GB for a 34K-token document)
         qq, kk, vv = (t.detach()[sl].transpose(0, 1).float().requires_grad_(True) for t in (q, k, v))
-        ref = F.scaled_dot_product_attention(
-            qq, kk.repeat_interleave(hq // hk, 0), vv.repeat_interleave(hq // hk, 0), is_causal=True, scale=d**-0.5
-        )
-        ref.backward(dout[sl].transpose(0, 1).float())
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            ref = F.scaled_dot_product_attention(
+                qq[None], kk.repeat_interleave(hq // hk, 0)[None], vv.repeat_interleave(hq // hk, 0)[None],
+                is_causal=True, scale=d**-0.5,
+            )[0]
+            ref.backward(dout[sl].transpose(0, 1).float())
         for got, want in ((out[sl], ref.transpose(0, 1)), (q.grad[sl], qq.grad.transpose(0, 1)),
                           (k.grad[sl], kk.grad.transpose(0, 1)), (v.grad[sl], vv.grad.transpose(0, 1))):
             assert rel_err(got, want) < 1e-2, (backend, n)

@@ -58,9 +58,25 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention)
 
 
-def _flex_fn(device: torch.device) -> Callable:
+def flex_fn(device: torch.device) -> Callable:
     """flex_attention, compiled on CUDA (eager flex materialises T x T scores: fine for CPU tests only)."""
     return _compiled_flex() if device.type == "cuda" else flex_attention
+
+
+def softcap_score_mod(softcap: float | None, device: torch.device) -> Callable | None:
+    """Gemma 2's ``c * tanh(score / c)`` as a flex ``score_mod`` (None without soft-capping).
+
+    ``c`` is a device tensor, not a Python float: once flex has been recompiled for dynamic shapes,
+    dynamo lifts captured floats to CPU scalar tensors, which the CUDA kernel cannot read.
+    """
+    if not softcap:
+        return None
+    cap = torch.tensor(float(softcap), device=device, dtype=torch.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+
+    return score_mod
 
 
 # --------------------------------------------------------------------------- capabilities
@@ -214,19 +230,11 @@ def flex_packed_attention(
     if dropout:
         raise ValueError("flex attention has no attention dropout")
     block_mask = _flex_block_mask(packed, window, q.device)
-    score_mod = None
-    if softcap:
-        # A device tensor, not a Python float: once flex has been recompiled for dynamic shapes,
-        # dynamo lifts captured floats to CPU scalar tensors, which the CUDA kernel cannot read.
-        cap = torch.tensor(float(softcap), device=q.device, dtype=torch.float32)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.tanh(score / cap) * cap
-
+    score_mod = softcap_score_mod(softcap, q.device)
     with warnings.catch_warnings():
         # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = _flex_fn(q.device)(
+        out = flex_fn(q.device)(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),

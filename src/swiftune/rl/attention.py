@@ -34,7 +34,6 @@ unchanged, so the switch is safe to leave in place.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import PackedBatch, packed_attention, packed_attention_forward, packed_attention_mask
+from ..attention.backends import flex_fn, softcap_score_mod
 from ..models.patching import causal_lm_of
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
@@ -52,8 +52,6 @@ try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 except ImportError:  # pragma: no cover - older torch
     create_block_mask = flex_attention = None
-
-_compiled_flex: Callable | None = None
 
 
 @dataclass
@@ -182,15 +180,6 @@ def shared_prompt_reference(
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
 
-def _flex_fn(device: torch.device) -> Callable:
-    global _compiled_flex
-    if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
-
-
 def _shared_block_mask(layout: RowLayout, window: int | None, device: torch.device):
     key = ("shared_block_mask", window)
     if key not in layout.cache:
@@ -222,16 +211,10 @@ def shared_prompt_flex(
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex attention needs torch >= 2.5")
     block_mask = _shared_block_mask(layout, window, q.device)
-    score_mod = None
-    if softcap:
-        c = float(softcap)
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.tanh(score / c) * c
-
+    score_mod = softcap_score_mod(softcap, q.device)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = _flex_fn(q.device)(
+        out = flex_fn(q.device)(
             q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         )

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention import build_packed_batch, packed_attention
@@ -185,6 +186,11 @@ class _Context:
         vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
         keys, values = kc[:, :, :self.kv_len], vc[:, :, :self.kv_len]
         q = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # q head h reads kv head h // groups
+        if not softcap:
+            # the g query heads of a kv head share one position: SDPA over [B, Hk, g] queries with the
+            # row's slot mask is one fused kernel on CUDA instead of matmul / mask / softmax / matmul
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(window), scale=scale)
+            return out.reshape(rows, 1, heads, dim)
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hk, g, kv_len]
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
@@ -247,6 +253,13 @@ class FastRolloutEngine:
 
     def release(self) -> None:
         """Free the KV cache and the captured graphs."""
+        self._drop_workspace()
+
+    def _drop_workspace(self) -> None:
+        # The graphs' step closure refers back to the workspace: cut that cycle so the old graphs and
+        # cache are freed here, not by a later garbage-collection pass (which could land mid-capture).
+        if self._ws is not None:
+            self._ws.graphs = None
         self._ws = None
 
     def _hf(self) -> nn.Module:
@@ -393,7 +406,7 @@ class FastRolloutEngine:
     def _workspace(self, rows: int, length: int, max_tokens: int, device: torch.device) -> _Workspace:
         if self._ws is not None and self._ws.fits(rows, length, max_tokens) and self._ws.k[0].device == device:
             return self._ws
-        self._ws = None  # free the old one first
+        self._drop_workspace()  # free the old one first
         hf, _ = self._parts()
         cfg = hf.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -17,13 +17,17 @@ Capture protocol, per bucket (lazily, the first time a bucket is reached):
    workspace (buckets are replayed one after another, never concurrently, and nothing a graph
    allocates is used after it returns: everything kept lives in the preallocated buffers);
 4. restore the snapshot; from then on ``replay()`` is the step.
+
+A capture that fails (a library call that is not capturable on some path, another thread touching
+the device) is retried once on a fresh memory pool; if that fails too the bucket runs eagerly
+(same results, slower) and the failure is kept in ``failures`` and reported as a warning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import time
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -41,9 +45,10 @@ class DecodeGraphs:
         self.step = step
         self.state = list(state)
         self.warmup = warmup
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # None: this bucket runs eagerly
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_s = 0.0  # total time spent warming up and capturing
+        self.failures: list[tuple[int, str]] = []
 
     def _snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.state]
@@ -72,11 +77,28 @@ class DecodeGraphs:
         self.capture_s += time.perf_counter() - start
         return graph
 
+    def _capture_or_none(self, kv_len: int) -> torch.cuda.CUDAGraph | None:
+        for attempt in range(2):
+            snap = self._snapshot()
+            try:
+                return self.capture(kv_len)
+            except RuntimeError as e:  # torch.AcceleratorError and Triton's launch errors are RuntimeErrors
+                torch.cuda.synchronize()
+                self._restore(snap)
+                self.failures.append((kv_len, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+                self.pool = torch.cuda.graph_pool_handle()  # retry on a fresh pool
+        warnings.warn(f"CUDA-graph capture of the decode step failed twice at kv_len={kv_len} "
+                      f"({self.failures[-1][1]}); this bucket runs eagerly", RuntimeWarning, stacklevel=3)
+        return None
+
     def run(self, kv_len: int) -> None:
-        graph = self.graphs.get(kv_len)
+        if kv_len not in self.graphs:
+            self.graphs[kv_len] = self._capture_or_none(kv_len)
+        graph = self.graphs[kv_len]
         if graph is None:
-            graph = self.capture(kv_len)
-        graph.replay()
+            self.step(kv_len)
+        else:
+            graph.replay()
 
     def reset(self) -> None:
         self.graphs.clear()
