@@ -85,7 +85,7 @@ def kind_of(data) -> str | None:
             and {"mode", "batch"} <= set(data[0]):
         return "sft"
     if isinstance(data, dict):
-        if data.get("benchmark") in ("grpo_step", "grpo_bisect", "loss_curve"):
+        if data.get("benchmark") in ("grpo_step", "grpo_bisect", "loss_curve", "rollout"):
             return data["benchmark"]
         rows = data.get("rows")
         if isinstance(rows, list) and rows and {"mode", "tokens", "status"} <= set(rows[0]):
@@ -236,6 +236,44 @@ def plot_grpo_step(data: dict, out: str) -> list[str]:
     return [out]
 
 
+def plot_rollout(data: dict, out: str) -> list[str]:
+    """Tokens/s against G per model shape and new-token count: the engine vs transformers generate."""
+    plt = _plt()
+    runs = data.get("runs", [])
+    if not runs:
+        print(f"# {out}: no engine rows; nothing to draw")
+        return []
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in runs if r["model"] == model]
+        for new in sorted({r["new_tokens"] for r in mine}):
+            pts = sorted((r["rows"], r) for r in mine if r["new_tokens"] == new)
+            g = [p[0] for p in pts]
+            ax.plot(g, [p[1]["fast"]["tokens_per_s"] for p in pts], "o-", color=SWIFTUNE_COLOR if new == min(
+                r["new_tokens"] for r in mine) else "#ff7f0e", label=f"swiftune engine, N={new}")
+            for gi, (_, r) in zip(g, pts):
+                ax.annotate(f"{r['fast']['step_ms'] / r['hbm_floor_ms']:.1f}x floor", (gi, r["fast"]["tokens_per_s"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7)
+        for kind, style in (("generate_static", "s--"), ("generate_dynamic", "^:")):
+            pts = sorted({r["rows"]: r[kind]["tokens_per_s"] for r in mine if kind in r}.items())
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color="#7f7f7f",
+                        label=f"transformers generate, {kind.split('_')[1]} cache")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows decoded together (G)")
+        ax.set_ylabel("sampled tokens / s")
+        ax.set_title(f"{model} shape, bf16, prompt {data.get('prompt_tokens', 256)}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Rollout generation ({data.get('device', '')}); 'x floor' = decode step / HBM read time")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return [out]
+
+
 def plot_grpo_bisect(data: dict, out: str) -> list[str]:
     plt = _plt()
     modes = list(data["modes"])
@@ -280,7 +318,7 @@ def plot_loss_curve(data: dict, out: str) -> list[str]:
 
 
 PLOTTERS = {"sft": plot_sft, "longctx": plot_longctx, "grpo_step": plot_grpo_step, "grpo_bisect": plot_grpo_bisect,
-            "loss_curve": plot_loss_curve}
+            "loss_curve": plot_loss_curve, "rollout": plot_rollout}
 
 
 def render(path: str, outdir: str) -> list[str]:

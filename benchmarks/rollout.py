@@ -21,6 +21,10 @@ greedy ``generate`` (bf16: reported, near-ties may diverge).
 
     python benchmarks/rollout.py --out rollout.json        # GPU: Qwen3-1.7B + 8B, G 8/64, N 1024/8192 (~6-8 min)
     python benchmarks/rollout.py --model tiny              # CPU smoke test (seconds)
+    python benchmarks/rollout.py --from-log a.txt b.txt --out rollout.json   # JSON from printed logs
+
+The JSON is rewritten after every run, so a run stopped by a time limit keeps what it measured;
+``--from-log`` rebuilds the same rows from the lines the script prints (for logs of killed runs).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import sys
 import time
 
@@ -158,6 +163,43 @@ def checks(model, prompt: list[int], steps: int) -> dict:
             "greedy_prefix_agreeing_with_generate": agree, "steps": steps}
 
 
+_GENERATE_LINE = re.compile(r"^(\S+) generate (dynamic|static) G=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
+_FAST_LINE = re.compile(r"^(\S+) fast G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step \(floor ([\d.]+)\), "
+                        r"capture ([\d.]+)s")
+_LORA_LINE = re.compile(r"^LoRA r=16 (\w+)\s+G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
+
+
+def rows_from_logs(paths: list[str]) -> dict:
+    """The JSON rows rebuilt from the lines this script prints (weights/KV sizes are not in the log)."""
+    results: dict = {"device": "from logs: " + ", ".join(os.path.basename(p) for p in paths), "runs": [],
+                     "lora": [], "checks": {}, "skipped": []}
+    base: dict = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("Rollout generation (") and results["device"].startswith("from logs"):
+                    results["device"] = line[len("Rollout generation ("):].split(",")[0]
+                if m := _GENERATE_LINE.match(line):
+                    name, kind, rows, tps, ms = m.groups()
+                    base[(name, int(rows), kind)] = {"tokens_per_s": float(tps), "step_ms": float(ms)}
+                elif m := _FAST_LINE.match(line):
+                    name, rows, new, tps, ms, floor, cap = m.groups()
+                    row = {"model": name, "rows": int(rows), "new_tokens": int(new), "hbm_floor_ms": float(floor),
+                           "fast": {"tokens_per_s": float(tps), "step_ms": float(ms), "capture_s": float(cap)}}
+                    for kind in ("dynamic", "static"):
+                        b = base.get((name, int(rows), kind))
+                        if b:
+                            row[f"generate_{kind}"] = b
+                            row[f"speedup_vs_generate_{kind}"] = float(tps) / b["tokens_per_s"]
+                    results["runs"].append(row)
+                elif m := _LORA_LINE.match(line):
+                    lora, rows, new, tps, ms = m.groups()
+                    results["lora"].append({"rows": int(rows), "new_tokens": int(new), "lora": lora,
+                                            "fast": {"tokens_per_s": float(tps), "step_ms": float(ms)}})
+    results["benchmark"] = "rollout"
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=None, help="shapes of benchmarks/workload.py (tiny: CPU smoke)")
@@ -174,7 +216,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the plain runs of the first shape: LoRA r=16 on all linear layers, the engine with "
                         "lora=runtime and lora=merge at these G and the shortest N (default: 8)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
+    p.add_argument("--from-log", nargs="+", default=None, help="build the JSON from printed logs instead of running")
     a = p.parse_args(argv)
+    out = a.out or (os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None)
+
+    def save() -> None:
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=2)
+
+    if a.from_log:
+        results = rows_from_logs(a.from_log)
+        save()
+        print(f"{len(results['runs'])} engine rows, {len(results['lora'])} LoRA rows -> {out}")
+        return 0
     tiny = a.model == ["tiny"]
     models = a.model or ["qwen3-1.7b", "qwen3-8b"]
     rows_list = a.rows or ([2, 4] if tiny else [8, 64])
@@ -186,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(device)
     from swiftune.models import patch_model
 
-    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    results: dict = {"benchmark": "rollout",
+                     "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "copy_bandwidth_gbs": bw / 1e9, "prompt_tokens": prompt_tokens, "baseline_steps": base_steps,
                      "runs": [], "checks": {}, "skipped": []}
     t_start = time.perf_counter()
@@ -233,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                         row[key] = b
                         row[f"speedup_vs_{key}"] = r["tokens_per_s"] / b["tokens_per_s"]
                 results["runs"].append(row)
+                save()
                 print(f"{name} fast G={rows} N={new}: {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step "
                       f"(floor {floor_ms:.2f}), capture {r['capture_s']:.1f}s", flush=True)
                 gc.collect()
@@ -245,10 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    out = a.out or (os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=2)
+    save()
     for r in results["skipped"]:
         print(f"skipped (time budget): {r}")
     print(f"\nRollout generation ({results['device']}, prompt {prompt_tokens}, copy bandwidth {bw / 1e12:.2f} TB/s; "

@@ -4,11 +4,14 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
 ``load_weights``, :class:`~swiftune.rl.rollout.Rollouts` out), built for speed:
 
 * **Shared weights.** The engine runs the training model's own modules (embedding, decoder
-  layers, final norm, LM head): no copy. LoRA (PEFT) adapters: ``lora="runtime"`` (default) runs
+  layers, final norm, LM head): no copy. LoRA (PEFT) adapters: ``lora="runtime"`` runs
   the PEFT layers as they are (base matmul + low-rank update, exact, nothing written);
   ``lora="merge"`` merges the active adapters with PEFT's ``merge_adapter`` for the duration of the
   call, then ``unmerge_adapter`` and copies back a saved copy of the base weights, so they are
   bit-identical afterwards (costs one extra copy of the adapted base weights while generating).
+  ``lora="auto"`` (default) merges on CUDA when that copy takes under a quarter of the free memory
+  (a decode step then runs the plain weights: 2.2x faster on the H200 at G=8, docs/benchmarks.md)
+  and runs the PEFT layers otherwise.
 * **Static KV cache.** Per layer ``K, V [rows, kv_heads, prompt + max_new, head_dim]`` in the
   model's dtype, zero-initialised, allocated once per call shape; on CUDA the rows decoded at
   once are capped so the cache fits ``memory_fraction`` of free memory (whole groups per chunk).
@@ -214,7 +217,8 @@ class FastRolloutEngine:
         keep_cache: keep the KV cache and graphs between calls of the same shape.
         check_every: decode steps between host checks (all finished? stop strings?).
         kv_bucket: granularity of the attended cache length (one graph per bucket).
-        lora: ``"runtime"`` (PEFT layers as they are) or ``"merge"`` (merged for the call, restored exactly).
+        lora: ``"runtime"`` (PEFT layers as they are), ``"merge"`` (merged for the call, restored exactly) or
+            ``"auto"`` (merge on CUDA when the saved copy fits a quarter of free memory, else runtime).
         share_prompt_prefill: prefill each distinct prompt once for its ``G`` rows.
         attention_backend: backend of the packed prefill attention.
         memory_fraction: share of free CUDA memory the KV cache may take.
@@ -222,10 +226,10 @@ class FastRolloutEngine:
 
     def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, *, tokenizer=None,
                  stop_strings: Sequence[str] = (), max_batch_size: int | None = None, use_cuda_graph: bool = True,
-                 keep_cache: bool = True, check_every: int = 16, kv_bucket: int = 256, lora: str = "runtime",
+                 keep_cache: bool = True, check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8):
-        if lora not in ("runtime", "merge"):
-            raise ValueError(f"lora must be 'runtime' or 'merge', got {lora!r}")
+        if lora not in ("auto", "runtime", "merge"):
+            raise ValueError(f"lora must be 'auto', 'runtime' or 'merge', got {lora!r}")
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.seed = seed
@@ -365,11 +369,18 @@ class FastRolloutEngine:
 
     def _merge_lora(self) -> list | None:
         """``lora="merge"``: merge active adapters; returns (weight, saved copy) pairs to restore."""
-        if self.lora != "merge" or not hasattr(self.model, "merge_adapter"):
+        if self.lora == "runtime" or not hasattr(self.model, "merge_adapter"):
             return None
         layers = [m for m in self.model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
         if not layers or any(getattr(m, "disable_adapters", False) or getattr(m, "merged", False) for m in layers):
             return None  # adapters disabled (reference policy) or already merged: run as they are
+        if self.lora == "auto":
+            weight = layers[0].get_base_layer().weight
+            if weight.device.type != "cuda":
+                return None
+            copy_bytes = sum(m.get_base_layer().weight.numel() for m in layers) * weight.element_size()
+            if copy_bytes > torch.cuda.mem_get_info(weight.device)[0] // 4:
+                return None
         saved = [(m.get_base_layer().weight, m.get_base_layer().weight.detach().clone()) for m in layers]
         self.model.merge_adapter()
         return saved
