@@ -1,0 +1,56 @@
+"""Data-parallel training under torchrun (CPU, gloo): 2 processes of batch B take the same SGD step
+as 1 process of batch 2B, for SFT (loss normalised by the global token count) and GRPO (dapo: global
+token count; grpo: mean over all sequences), with batch-scaled rewards gathered across processes.
+
+Each run is a real ``torch.distributed.run`` launch of tests/distributed_worker.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import rel_err
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "distributed_worker.py")
+
+
+def launch(tmp_path, name: str, nproc: int, *args: str) -> dict:
+    out = tmp_path / name
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", WORKER,
+           "--out", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = torch.load(out / "result.pt")
+    assert result["world_size"] == nproc
+    return result
+
+
+def assert_same_step(one: dict, two: dict, tol: float = 1e-4) -> None:
+    assert one["deltas"].keys() == two["deltas"].keys()
+    moved = sum(float(d.abs().sum()) for d in one["deltas"].values())
+    assert moved > 0  # the step did something
+    for key in one["deltas"]:
+        assert rel_err(two["deltas"][key], one["deltas"][key]) < tol, key
+
+
+def test_sft_two_processes_equal_one_big_batch(tmp_path):
+    one = launch(tmp_path, "one", 1, "--mode", "sft", "--batch", "8")
+    two = launch(tmp_path, "two", 2, "--mode", "sft", "--batch", "4")
+    assert len(one["losses"]) == len(two["losses"]) == 2
+    for a, b in zip(two["losses"], one["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(b), (two["losses"], one["losses"])
+    assert_same_step(one, two)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_grpo_two_processes_equal_one_big_batch(tmp_path, loss_type):
+    one = launch(tmp_path, "one", 1, "--mode", "grpo", "--batch", "16", "--loss-type", loss_type)
+    two = launch(tmp_path, "two", 2, "--mode", "grpo", "--batch", "8", "--loss-type", loss_type)
+    assert_same_step(one, two)
