@@ -52,16 +52,22 @@ class LossLog(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
 
+def full(p: torch.Tensor) -> torch.Tensor:
+    """The whole parameter (FSDP2 shards are DTensors)."""
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
 def run(mode: str, batch: int, out_dir: str, loss_type: str):
     tokenizer = build_tokenizer()
     model = lora_model(9)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
+    common = dict(COMMON)
     log = LossLog()
     if mode == "sft":
         from swiftune.sft import SFTConfig, SFTTrainer
 
         args = SFTConfig(output_dir=out_dir, max_steps=2, per_device_train_batch_size=batch, max_length=256,
-                         **COMMON)
+                         **common)
         trainer = SFTTrainer(model=model, args=args, train_dataset=builtin_instruction_dataset(num_rows=16, seed=3),
                              processing_class=tokenizer, callbacks=[log])
     else:
@@ -70,24 +76,77 @@ def run(mode: str, batch: int, out_dir: str, loss_type: str):
 
         args = GRPOConfig(output_dir=out_dir, max_steps=1, per_device_train_batch_size=batch, num_generations=8,
                           max_completion_length=16, loss_type=loss_type, beta=0.05, scale_rewards="batch",
-                          metrics_file=None, plot_rewards=False, **COMMON)
+                          metrics_file=None, plot_rewards=False, **common)
         trainer = GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS[:4],
                               processing_class=tokenizer, rollout_engine=FixedEngine(), callbacks=[log])
     trainer.train()
+    after = {n: full(p) for n, p in trainer.model.named_parameters() if n in before}
     if trainer.accelerator.is_main_process:
-        deltas = {n: (p.detach() - before[n]) for n, p in model.named_parameters() if p.requires_grad}
+        deltas = {n: after[n] - before[n] for n in before}
         torch.save({"deltas": deltas, "losses": log.losses, "world_size": trainer.accelerator.num_processes},
                    os.path.join(out_dir, "result.pt"))
 
 
+def fsdp2_loss_gradients(out_dir: str) -> None:
+    """FSDP2 by hand (accelerate does not shard on CPU): ``fully_shard`` on every decoder layer and the
+    root, each rank the SFT loss of its half of a fixed batch normalised by the global label count,
+    times the world size (FSDP2's reduce-scatter averages); rank 0 saves the full gradients."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from swiftune.sft.trainer import sft_loss
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, labels = fixed_batch()
+    num_items = int((labels[:, 1:] != -100).sum())
+    model = plain_model()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    per_rank = ids.shape[0] // world
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    loss, _ = sft_loss(model, {"input_ids": ids[mine]}, labels[mine], num_items_in_batch=num_items)
+    (loss * world).backward()
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    sharded = all(hasattr(p, "full_tensor") for p in model.parameters())
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    if rank == 0:
+        torch.save({"grads": grads, "loss": float(total), "world_size": world, "sharded": sharded},
+                   os.path.join(out_dir, "result.pt"))
+    dist.destroy_process_group()
+
+
+def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, tiny_model_config("qwen3").vocab_size, (4, 24), generator=g)
+    labels = ids.clone()
+    labels[:, :6] = -100  # a prompt part without loss
+    labels[1, 10:] = -100  # rows with different label counts
+    return ids, labels
+
+
+def plain_model():
+    """Full fine-tuning model (every parameter trained) on the reference kernels and attention."""
+    from swiftune.models import patch_model
+
+    torch.manual_seed(9)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)
+    return patch_model(model, attention="reference", kernel_backend="reference")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["sft", "grpo"], required=True)
-    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--mode", choices=["sft", "grpo", "fsdp2_loss"], required=True)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    run(a.mode, a.batch, a.out, a.loss_type)
+    if a.mode == "fsdp2_loss":
+        fsdp2_loss_gradients(a.out)
+    else:
+        run(a.mode, a.batch, a.out, a.loss_type)
     print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "done": True}))
 
 

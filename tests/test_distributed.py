@@ -2,7 +2,8 @@
 as 1 process of batch 2B, for SFT (loss normalised by the global token count) and GRPO (dapo: global
 token count; grpo: mean over all sequences), with batch-scaled rewards gathered across processes.
 
-Each run is a real ``torch.distributed.run`` launch of tests/distributed_worker.py.
+Each run is a real ``torch.distributed.run`` launch of tests/distributed_worker.py. FSDP2 is checked
+at the loss level (accelerate does not shard on CPU): sharded gradients == unsharded gradients.
 """
 
 import os
@@ -47,6 +48,23 @@ def test_sft_two_processes_equal_one_big_batch(tmp_path):
     for a, b in zip(two["losses"], one["losses"]):
         assert abs(a - b) <= 1e-4 * abs(b), (two["losses"], one["losses"])
     assert_same_step(one, two)
+
+
+def test_fsdp2_sharded_sft_loss_gradients_equal_unsharded(tmp_path):
+    """FSDP2 (``fully_shard`` per decoder layer + root): the fused loss reads the LM head after the
+    model's forward; the gradients of 2 sharded processes equal one unsharded pass over the batch."""
+    from swiftune.sft.trainer import sft_loss
+    from tests.distributed_worker import fixed_batch, plain_model
+
+    two = launch(tmp_path, "two", 2, "--mode", "fsdp2_loss")
+    assert two["sharded"]
+    ids, labels = fixed_batch()
+    model = plain_model()
+    loss, _ = sft_loss(model, {"input_ids": ids}, labels, num_items_in_batch=int((labels[:, 1:] != -100).sum()))
+    loss.backward()
+    assert abs(two["loss"] - loss.item()) <= 1e-5 * loss.item()
+    for name, p in model.named_parameters():
+        assert rel_err(two["grads"][name], p.grad) < 1e-4, name
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
