@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
 from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
@@ -494,3 +494,42 @@ def test_rollout_engine_auto_picks_by_device(tokenizer, tmp_path):
     expected = FastRolloutEngine if args.device.type == "cuda" else TransformersRolloutEngine
     assert type(trainer.rollout_engine) is expected
 
+
+
+class _KillAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt("simulated kill")
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_killed_run_resumes_to_the_same_weights(tokenizer, tmp_path, num_iterations):
+    """A run killed after its checkpoint at step 2 and resumed ends where the uninterrupted run ends
+    (deterministic rollouts; with num_iterations=2 the checkpoint falls mid-way through reusing a
+    generation, so the resumed run regenerates it)."""
+    common = dict(max_steps=4, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                  num_iterations=num_iterations, beta=0.05, learning_rate=1e-2, lr_scheduler_type="cosine",
+                  warmup_steps=1, save_steps=2 if num_iterations == 1 else 3, metrics_file=None, plot_rewards=False,
+                  **{**FAST, "save_strategy": "steps"})
+
+    def trainer_for(out, model, callbacks=()):
+        args = GRPOConfig(output_dir=str(out), **common)
+        return GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer,
+                           rollout_engine=FixedEngine(), callbacks=list(callbacks))
+
+    full = add_lora(tiny_model(seed=12))
+    trainer_for(tmp_path / "full", full).train()
+    killed_at = common["save_steps"] + 1
+    trainer = trainer_for(tmp_path / "killed", add_lora(tiny_model(seed=12)), [_KillAt(killed_at)])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (tmp_path / "killed" / f"checkpoint-{common['save_steps']}").is_dir()
+    resumed = add_lora(tiny_model(seed=12), seed=99)  # other adapter init: the state must come from the checkpoint
+    trainer_for(tmp_path / "killed", resumed).train(resume_from_checkpoint=True)
+    want = {n: p for n, p in full.named_parameters() if p.requires_grad}
+    for n, p in resumed.named_parameters():
+        if p.requires_grad:
+            assert rel_err(p, want[n]) < 1e-5, n

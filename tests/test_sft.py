@@ -210,3 +210,23 @@ def test_builtin_swiftune_sft_run_learns(tmp_path):
     last = sum(r["loss"] for r in rows[-k:]) / k
     assert last < 0.6 * first, (first, last)
     assert "first fifth" in proc.stdout
+
+
+def test_command_resumes_from_the_newest_checkpoint(tmp_path):
+    """`swiftune sft ... --resume_from_checkpoint true` continues from checkpoint-N of output_dir."""
+    from swiftune.cli import main
+    from swiftune.sft.command import resume_target
+
+    out = tmp_path / "run"
+    common = ["sft", "--output_dir", str(out), "--per_device_train_batch_size", "4", "--save_steps", "2",
+              "--kernel_backend", "reference", "--attention_backend", "reference", "--disable_tqdm", "true",
+              "--report_to", "none", "--save_total_limit", "3"]
+    assert main(common + ["--max_steps", "2"]) == 0
+    assert (out / "checkpoint-2").is_dir()
+    assert main(common + ["--max_steps", "4", "--resume_from_checkpoint", "true"]) == 0
+    state = json.load(open(out / "checkpoint-4" / "trainer_state.json"))
+    steps = [h["step"] for h in state["log_history"] if "loss" in h]
+    assert steps == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's history, not a second run of them
+    assert resume_target("false") is None and resume_target("last") is True
+    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint"):
+        resume_target(str(tmp_path / "missing"))

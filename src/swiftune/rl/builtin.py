@@ -28,7 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sft.command import ModelArguments, build_model, first_and_last_fifth, load_rows, parse_command_args
+from ..sft.command import (ModelArguments, build_model, first_and_last_fifth, load_rows, parse_command_args,
+                           resume_target)
 
 _ALPHABET = "abcdefgh"
 
@@ -191,7 +192,7 @@ def run_grpo(argv: list[str]) -> int:
           f"{config.prompts_per_generation} prompts per generation, loss {config.loss_type}"
           f"{' (GSPO)' if config.importance_sampling_level == 'sequence' else ''}, beta {config.beta}, "
           f"{'LoRA r=%d' % model_args.lora_r if use_lora else 'full fine-tuning'}; device {trainer.args.device}")
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
     tokenizer.save_pretrained(config.output_dir)
     if config.metrics_file and trainer.is_world_process_zero():

@@ -15,8 +15,9 @@ One *generation* (every ``steps_per_generation`` micro-batches, ``num_iterations
    and the reference log-probs (``beta > 0``) are computed here, without gradient.
 
 Each training micro-step then runs the policy forward on its row and the loss of
-:mod:`swiftune.rl.loss`. Everything else (optimizer, schedules, checkpoints, DDP launch, logging
-integrations) is transformers'. Metrics go to the progress bar, ``metrics.jsonl`` and, at the
+:mod:`swiftune.rl.loss`. Checkpoints also hold the unfinished generation's micro-batches
+(:mod:`swiftune.rl.checkpoint`), so a resumed run continues exactly. Everything else (optimizer,
+schedules, checkpoints, DDP launch, logging integrations) is transformers'. Metrics go to the progress bar, ``metrics.jsonl`` and, at the
 end, ``reward.png`` in ``output_dir``.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -35,11 +37,13 @@ import torch
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..data import BatchStats, load_rows
 from ..models import FastModel, causal_lm_of, is_patched, patch_model
 from ..sft.metrics import MetricsCallback, TokenMeter
 from .advantages import group_advantages
+from .checkpoint import load_rollout_state, save_rollout_state
 from .config import GRPOConfig
 from .loss import grpo_loss
 from .policy import PolicyRow, build_policy_row, completion_logprobs
@@ -283,9 +287,23 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------ generation
 
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        save_rollout_state(folder, self.accelerator.process_index, self._micro_step, self._buffer)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        state = load_rollout_state(resume_from_checkpoint, self.accelerator.process_index, self.args.device)
+        if state is not None:
+            self._micro_step, self._buffer = state
+
     def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]
         args = self.args
         generate_every = args.steps_per_generation * args.num_iterations
+        if self._micro_step == 0 and self.state.global_step > 0:
+            # resumed from a checkpoint without a saved rollout buffer: realign with the data
+            self._micro_step = self.state.global_step * args.gradient_accumulation_steps
         if self._buffer is None or self._micro_step % generate_every == 0:
             self._buffer = self._generate_and_score(inputs["prompt_rows"])
         batch = self._buffer[self._micro_step % args.steps_per_generation]

@@ -155,6 +155,22 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
     return model, tokenizer, use_lora
 
 
+def resume_target(value: str | bool | None) -> str | bool | None:
+    """``--resume_from_checkpoint`` as the Trainer takes it: ``true``/``last`` = the newest checkpoint
+    in ``output_dir``, ``false``/empty = start fresh, anything else a checkpoint folder."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text.lower() in ("true", "yes", "1", "last", "latest"):
+        return True
+    if text.lower() in ("", "false", "no", "0", "none"):
+        return None
+    if not os.path.isdir(text):
+        raise FileNotFoundError(f"--resume_from_checkpoint {text!r}: no such checkpoint folder "
+                                "(give a checkpoint-N folder, or true for the newest one in output_dir)")
+    return text
+
+
 def first_and_last_fifth(metrics_path: str, key: str) -> tuple[float, float] | None:
     """Mean of ``key`` over the first and the last fifth of the logged steps."""
     from .metrics import read_metrics
@@ -186,7 +202,7 @@ def run_sft(argv: list[str]) -> int:
     print(f"swiftune sft: {stats.num_examples} examples ({stats.data_shape}), {stats.num_tokens} tokens, "
           f"{stats.num_truncated} truncated; batches: {config.batch_mode}; "
           f"{'LoRA r=%d' % model_args.lora_r if use_lora else 'full fine-tuning'}; device {trainer.args.device}")
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
     tokenizer.save_pretrained(config.output_dir)
     if config.metrics_file and trainer.is_world_process_zero():
