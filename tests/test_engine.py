@@ -164,6 +164,74 @@ def test_stop_token_and_stop_string(tokenizer, prompts):
     assert out.finished[0] and len(out.completion_ids[0]) <= 5
 
 
+def _stops_finishing_rows_at_different_steps(full: list[list[int]]) -> list[int]:
+    """Stop tokens taken from greedy completions so that most rows end early, at different steps,
+    and at least one row never ends (so the live rows become few but not none)."""
+    def ends(stops):
+        return [next((k for k, t in enumerate(c) if t in stops), None) for c in full]
+
+    stops: set[int] = set()
+    for t in dict.fromkeys(t for c in full for t in c[1:]):
+        trial = stops | {t}
+        if all(e is not None for e in ends(trial)):
+            continue  # every row would stop
+        stops = trial
+        if sum(e is not None and e < len(c) - 8 for e, c in zip(ends(stops), full)) >= 0.75 * len(full):
+            return sorted(stops)
+    raise AssertionError("no stop set ends most rows early: pick another seed")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_finished_rows_leave_the_batch_with_the_same_results(tokenizer, prompts, family):
+    """Compaction (finished rows moved out, the live ones decoded as a smaller batch) changes nothing:
+    greedy tokens, log-probs and finished flags equal the masked-only run; it does happen."""
+    model = tiny_model(family, seed=13)
+    pad = tokenizer.pad_token_id
+    many = prompts + [p[:-1] for p in prompts] + [prompts[0] + prompts[2]]  # 7 prompts x 2 rows
+    free = FastRolloutEngine(model, pad_token_id=pad).generate(many, 2, SamplingParams(max_tokens=24, temperature=0))
+    params = SamplingParams(max_tokens=24, temperature=0,
+                            stop_token_ids=_stops_finishing_rows_at_different_steps(free.completion_ids))
+    kw = dict(pad_token_id=pad, check_every=2, kv_bucket=4)
+    masked = FastRolloutEngine(model, compact_finished=False, **kw).generate(many, 2, params)
+    engine = FastRolloutEngine(model, compact_finished=True, **kw)
+    compact = engine.generate(many, 2, params)
+    assert engine.stats.get("compactions", 0) >= 1 and "compactions" not in masked.stats
+    assert compact.completion_ids == masked.completion_ids
+    assert compact.finished == masked.finished
+    for a, b in zip(compact.logprobs, masked.logprobs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert any(f for f in compact.finished) and not all(compact.finished)
+
+
+def test_compacted_sampling_logprobs_equal_forward_pass(tokenizer, prompts):
+    """Sampled rows after compaction (their KV cache moved to other slots) still have the log-probs of
+    a plain forward pass over prompt + completion."""
+    model = tiny_model("llama", seed=14)
+    pad = tokenizer.pad_token_id
+    vocab = model.config.vocab_size
+    stops = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 6].tolist()  # rows end at random
+    engine = FastRolloutEngine(model, pad_token_id=pad, check_every=1, kv_bucket=4, seed=5)
+    out = engine.generate(prompts, 4, SamplingParams(max_tokens=16, temperature=0.8, stop_token_ids=stops))
+    assert engine.stats.get("compactions", 0) >= 1 and len({len(c) for c in out.completion_ids}) > 2
+    for i, (c, lp) in enumerate(zip(out.completion_ids, out.logprobs)):
+        assert len(lp) == len(c) >= 1
+        assert rel_err(lp, forward_logprobs(model, prompts[i // 4], c, 0.8)) < 1e-5, i
+
+
+def test_stop_strings_with_compaction(tokenizer, prompts):
+    """Stop strings are checked per original row after slots have moved."""
+    model = tiny_model("llama", seed=7)
+    pad = tokenizer.pad_token_id
+    kw = dict(pad_token_id=pad, tokenizer=tokenizer, check_every=1, kv_bucket=4)
+    free = FastRolloutEngine(model, **kw).generate(prompts, 2, SamplingParams(max_tokens=12, temperature=0))
+    stop = free.completion_ids[0][1]
+    text = tokenizer.decode(free.completion_ids[2][:6])
+    params = FastSamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop], stop=[text[-2:]])
+    a = FastRolloutEngine(model, compact_finished=True, **kw).generate(prompts, 2, params)
+    b = FastRolloutEngine(model, compact_finished=False, **kw).generate(prompts, 2, params)
+    assert a.completion_ids == b.completion_ids and a.finished == b.finished
+
+
 def test_all_finished_ends_the_loop_and_rows_are_masked(tokenizer, prompts):
     model = tiny_model("qwen3", seed=11)
     vocab = model.config.vocab_size
@@ -299,3 +367,22 @@ def test_cuda_graph_with_lora_runtime_and_merge(tokenizer, prompts):
         out = FastRolloutEngine(model, use_cuda_graph=True, lora=lora, **kw).generate(prompts, 2, greedy)
         assert out.completion_ids == eager.completion_ids, lora
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@cuda
+def test_cuda_graphs_with_compaction(tokenizer, prompts):
+    """CUDA graphs per (live rows, kv_len): after finished rows leave the batch the replayed steps
+    still give the eager, masked-only tokens."""
+    model = tiny_model("qwen3", seed=13, patch=False).cuda()
+    patch_model(model, attention="reference")
+    pad = tokenizer.pad_token_id
+    many = prompts + [p[:-1] for p in prompts] + [prompts[0] + prompts[2]]
+    kw = dict(pad_token_id=pad, kv_bucket=8, check_every=2, attention_backend="reference")
+    free = FastRolloutEngine(model, **kw).generate(many, 2, SamplingParams(max_tokens=24, temperature=0))
+    params = SamplingParams(max_tokens=24, temperature=0,
+                            stop_token_ids=_stops_finishing_rows_at_different_steps(free.completion_ids))
+    masked = FastRolloutEngine(model, use_cuda_graph=False, compact_finished=False, **kw).generate(many, 2, params)
+    engine = FastRolloutEngine(model, use_cuda_graph=True, compact_finished=True, **kw)
+    graph = engine.generate(many, 2, params)
+    assert engine.stats.get("compactions", 0) >= 1
+    assert graph.completion_ids == masked.completion_ids and graph.finished == masked.finished

@@ -37,6 +37,11 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
   the token that completes the string) or at ``max_tokens``. Finished rows are masked: their
   tokens are ``pad``, their log-probs are not recorded. The loop ends when all rows are finished,
   checked every ``check_every`` steps (the only host syncs of the decode loop).
+* **Finished rows leave the batch** (``compact_finished=True``): at a check where at most half the
+  rows decoded together are still running, the finished rows' outputs are copied to the host, the
+  live rows' KV cache and state are moved to the first slots, and decoding goes on over a view of
+  the next power of two of them (``Workspace.view``; its own CUDA graphs). A long tail of a few
+  rows then costs a small batch's step, not the full one's.
 * **CUDA graphs** (``use_cuda_graph=True``, CUDA only): the decode step (forward, sampling,
   recording, stop test) is captured once per ``kv_len`` bucket and replayed
   (:mod:`swiftune.rl.engine_cuda`). On CPU the same step runs eagerly.
@@ -51,14 +56,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..attention import build_packed_batch, packed_attention
+from ..attention import build_packed_batch
 from ..models.patching import causal_lm_of
+from .engine_cache import DecodeContext, Workspace
 from .rollout import Rollouts, SamplingParams, filter_logits
 
 ATTENTION_NAME = "swiftune_rollout"
@@ -117,92 +121,6 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, rollout_attention)
 
 
-class _Workspace:
-    """Static buffers of one call shape: KV cache, decode state, outputs, random numbers."""
-
-    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, length: int, max_tokens: int,
-                 vocab: int, dtype: torch.dtype, device: torch.device):
-        self.rows, self.length, self.max_tokens, self.vocab = rows, length, max_tokens, vocab
-        shape = (rows, kv_heads, length, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        z = dict(dtype=torch.long, device=device)
-        self.row_ids = torch.arange(rows, **z)
-        self.tok = torch.zeros(rows, **z)
-        self.cur = torch.zeros(rows, **z)
-        self.step = torch.zeros(1, **z)
-        self.lengths = torch.zeros(rows, **z)
-        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.out_tok = torch.zeros(rows, max_tokens, **z)
-        self.out_lp = torch.zeros(rows, max_tokens, dtype=torch.float32, device=device)
-        self.uniform = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-        self.stop_ids = torch.full((1,), -1, **z)
-        self.graphs: Any = None  # engine_cuda.DecodeGraphs
-        self.graph_key: Any = None
-
-    def fits(self, rows: int, length: int, max_tokens: int) -> bool:
-        return rows == self.rows and length <= self.length and max_tokens <= self.max_tokens
-
-    def state(self) -> list[torch.Tensor]:
-        return [self.tok, self.cur, self.step, self.lengths, self.finished]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
-class _Context:
-    """What the attention function needs during one forward (passed to every layer as a kwarg)."""
-
-    def __init__(self, ws: _Workspace, backend: str):
-        self.ws, self.backend = ws, backend
-        self.mode = "decode"
-        self.kv_len = 0
-        self.packed = None
-        self.dst_rows = self.dst_slots = self.src_tok = None
-        self.masks: dict[int | None, torch.Tensor] = {}
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """``[B, 1, 1, kv_len]`` bool: slot ``j`` visible to row ``b`` (``j <= cur[b]``, within the window)."""
-        if window not in self.masks:
-            j = torch.arange(self.kv_len, device=self.ws.cur.device)[None, :]
-            cur = self.ws.cur[:, None]
-            allowed = j <= cur
-            if window:
-                allowed = allowed & (cur - j < window)
-            self.masks[window] = allowed[:, None, None, :]
-        return self.masks[window]
-
-    def attend(self, layer: int, query, key, value, scale: float, window: int | None, softcap: float | None):
-        ws = self.ws
-        kc, vc = ws.k[layer], ws.v[layer]
-        if self.mode == "prefill":  # query [1, Hq, T, D] packed prompts
-            q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-            out = packed_attention(q, k, v, self.packed, scale=scale, window=window, softcap=softcap,
-                                   backend=self.backend)
-            kc[self.dst_rows, :, self.dst_slots] = k[self.src_tok].to(kc.dtype)
-            vc[self.dst_rows, :, self.dst_slots] = v[self.src_tok].to(vc.dtype)
-            return out.unsqueeze(0)
-        # decode: query [B, Hq, 1, D]; row b's new K/V go to slot cur[b]
-        rows, heads, _, dim = query.shape
-        kv_heads = kc.shape[1]
-        kc[ws.row_ids, :, ws.cur] = key[:, :, 0].to(kc.dtype)
-        vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
-        keys, values = kc[:, :, :self.kv_len], vc[:, :, :self.kv_len]
-        q = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # q head h reads kv head h // groups
-        if not softcap:
-            # the g query heads of a kv head share one position: SDPA over [B, Hk, g] queries with the
-            # row's slot mask is one fused kernel on CUDA instead of matmul / mask / softmax / matmul
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(window), scale=scale)
-            return out.reshape(rows, 1, heads, dim)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hk, g, kv_len]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.float().masked_fill(~self.mask(window), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(values.dtype)
-        out = torch.matmul(probs, values)  # [B, Hk, g, D]
-        return out.reshape(rows, 1, heads, dim)
-
-
 class FastRolloutEngine:
     """Fast batched sampling from the training model itself (see the module docstring).
 
@@ -222,12 +140,16 @@ class FastRolloutEngine:
         share_prompt_prefill: prefill each distinct prompt once for its ``G`` rows.
         attention_backend: backend of the packed prefill attention.
         memory_fraction: share of free CUDA memory the KV cache may take.
+        compact_finished: at each host check, once at most half the rows decoded together are
+            still running, move those to the front and decode only them (the next power of two of
+            them), so finished rows stop costing compute and KV reads.
     """
 
     def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, *, tokenizer=None,
                  stop_strings: Sequence[str] = (), max_batch_size: int | None = None, use_cuda_graph: bool = True,
                  keep_cache: bool = True, check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
-                 share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8):
+                 share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
+                 compact_finished: bool = True):
         if lora not in ("auto", "runtime", "merge"):
             raise ValueError(f"lora must be 'auto', 'runtime' or 'merge', got {lora!r}")
         self.model = model
@@ -244,8 +166,9 @@ class FastRolloutEngine:
         self.share_prompt_prefill = share_prompt_prefill
         self.attention_backend = attention_backend
         self.memory_fraction = memory_fraction
+        self.compact_finished = compact_finished
         self._generator: torch.Generator | None = None
-        self._ws: _Workspace | None = None
+        self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ model access
@@ -263,7 +186,7 @@ class FastRolloutEngine:
         # The graphs' step closure refers back to the workspace: cut that cycle so the old graphs and
         # cache are freed here, not by a later garbage-collection pass (which could land mid-capture).
         if self._ws is not None:
-            self._ws.graphs = None
+            self._ws.drop_graphs()
         self._ws = None
 
     def _hf(self) -> nn.Module:
@@ -290,7 +213,7 @@ class FastRolloutEngine:
             h = h * torch.tensor(hf.config.hidden_size**0.5, dtype=h.dtype)  # older transformers: scaled in the model
         return h
 
-    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: _Context) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: DecodeContext) -> torch.Tensor:
         _, decoder = self._parts()
         h = self._embed(ids)
         pe = decoder.rotary_emb(h, pos)
@@ -308,7 +231,7 @@ class FastRolloutEngine:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _sample_record(self, ws: _Workspace, logits: torch.Tensor, params: SamplingParams) -> None:
+    def _sample_record(self, ws: Workspace, logits: torch.Tensor, params: SamplingParams) -> None:
         tok, lp = sample_tokens(logits, ws.uniform, params.temperature, params.top_k, params.top_p, params.min_p)
         active = ~ws.finished
         tok = torch.where(active, tok, torch.full_like(tok, self.pad_token_id))
@@ -320,7 +243,7 @@ class FastRolloutEngine:
         ws.tok.copy_(tok)
         ws.step.add_(1)
 
-    def _decode_step(self, ws: _Workspace, ctx: _Context, params: SamplingParams, kv_len: int) -> None:
+    def _decode_step(self, ws: Workspace, ctx: DecodeContext, params: SamplingParams, kv_len: int) -> None:
         """One decode step on static buffers: capturable (no host sync, static shapes for a kv_len)."""
         ctx.mode, ctx.kv_len = "decode", kv_len
         hidden = self._hidden(ws.tok[:, None], ws.cur[:, None], ctx)
@@ -414,7 +337,7 @@ class FastRolloutEngine:
             per_chunk = min(per_chunk, fit)
         return per_chunk
 
-    def _workspace(self, rows: int, length: int, max_tokens: int, device: torch.device) -> _Workspace:
+    def _workspace(self, rows: int, length: int, max_tokens: int, device: torch.device) -> Workspace:
         if self._ws is not None and self._ws.fits(rows, length, max_tokens) and self._ws.k[0].device == device:
             return self._ws
         self._drop_workspace()  # free the old one first
@@ -422,11 +345,11 @@ class FastRolloutEngine:
         cfg = hf.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = self._parts()[1].embed_tokens.weight.dtype
-        self._ws = _Workspace(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim, length, max_tokens,
+        self._ws = Workspace(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim, length, max_tokens,
                               hf.lm_head.out_features, dtype, device)
         return self._ws
 
-    def _prefill(self, ws: _Workspace, ctx: _Context, prompts: Sequence[Sequence[int]], n: int) -> torch.Tensor:
+    def _prefill(self, ws: Workspace, ctx: DecodeContext, prompts: Sequence[Sequence[int]], n: int) -> torch.Tensor:
         """One packed forward over the prompts; writes their K/V into every row of their group."""
         device = ws.tok.device
         seqs = list(prompts) if self.share_prompt_prefill else [p for p in prompts for _ in range(n)]
@@ -457,7 +380,7 @@ class FastRolloutEngine:
         rows, max_tokens = len(prompts) * n, max(1, params.max_tokens)
         longest = max(len(p) for p in prompts)
         ws = self._workspace(rows, longest + max_tokens, max_tokens, device)
-        ctx = _Context(ws, self.attention_backend)
+        ctx = DecodeContext(ws, self.attention_backend)
         gen = self.generator(device)
         prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
         ws.cur.copy_(prompt_len)
@@ -469,7 +392,7 @@ class FastRolloutEngine:
         stop_ids = sorted({int(s) for s in params.stop_token_ids}) or [-1]
         if ws.stop_ids.numel() != len(stop_ids) or ws.stop_ids.tolist() != stop_ids:
             ws.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
-            ws.graphs = None  # the graphs read the old tensor
+            ws.drop_graphs()  # the graphs read the old tensor
         sampling = params.temperature > 0
         if sampling:
             ws.uniform.uniform_(generator=gen)
@@ -478,66 +401,101 @@ class FastRolloutEngine:
         _sync(device)
         t1 = time.perf_counter()
 
-        graphs = self._graphs(ws, ctx, params) if device.type == "cuda" and self.use_cuda_graph else None
-        capture_before = graphs.capture_s if graphs is not None else 0.0
-        stop_at: dict[int, int] = {}
+        use_graphs = device.type == "cuda" and self.use_cuda_graph
+        view, slot_row = ws, list(range(rows))  # the rows decoded now; original row of each slot
+        done: dict[int, tuple[list[int], torch.Tensor, bool]] = {}  # rows that left the batch
+        view_ctx = {rows: ctx}
+        capture = 0.0
+        stop_at: dict[int, int] = {}  # original row -> tokens kept (stop strings)
         checked = [0] * rows
         steps = 1
         for s in range(1, max_tokens):
             if (s - 1) % self.check_every == 0 and s > 1:
                 if stops:
-                    self._check_stop_strings(ws, s, stops, stop_at, checked)
-                if bool(ws.finished.all()):
+                    self._check_stop_strings(view, slot_row, s, stops, stop_at, checked)
+                finished = view.finished.tolist()
+                live = [i for i, f in enumerate(finished) if not f]
+                if not live:
                     break
+                if self.compact_finished and len(live) <= view.rows // 2:
+                    keep = min(view.rows, 1 << (len(live) - 1).bit_length())
+                    self._collect(view, slot_row, s, [i for i, f in enumerate(finished) if f], done)
+                    slots = live + [i for i, f in enumerate(finished) if f][:keep - len(live)]
+                    ws.keep_slots(slots)
+                    slot_row = [slot_row[i] for i in slots]
+                    view = ws.view(keep)
+                    view_ctx.setdefault(keep, DecodeContext(view, self.attention_backend))
+                    self.stats["compactions"] = self.stats.get("compactions", 0.0) + 1
             kv_len = min(ws.length, math.ceil((longest + s) / self.kv_bucket) * self.kv_bucket)
             if sampling:
-                ws.uniform.uniform_(generator=gen)
-            if graphs is not None:
+                view.uniform.uniform_(generator=gen)
+            if use_graphs:
+                graphs = self._graphs(view, view_ctx[view.rows], params)
+                before = graphs.capture_s
                 graphs.run(kv_len)
+                capture += graphs.capture_s - before
             else:
-                self._decode_step(ws, ctx, params, kv_len)
+                self._decode_step(view, view_ctx[view.rows], params, kv_len)
             steps += 1
         if stops:
-            self._check_stop_strings(ws, steps, stops, stop_at, checked)
-        lengths = ws.lengths.tolist()  # syncs: the decode loop is done
+            self._check_stop_strings(view, slot_row, steps, stops, stop_at, checked)
+        self._collect(view, slot_row, steps, list(range(view.rows)), done)  # syncs: the decode loop is done
         t2 = time.perf_counter()
-        capture = (graphs.capture_s - capture_before) if graphs is not None else 0.0
         for key, value in (("prefill_s", t1 - t0), ("decode_s", t2 - t1 - capture), ("capture_s", capture)):
             self.stats[key] = self.stats.get(key, 0.0) + value
-        finished = ws.finished.tolist()
-        toks = ws.out_tok[:, :max_tokens].cpu()
-        lps = ws.out_lp[:, :max_tokens].cpu()
-        for r, k in stop_at.items():
-            lengths[r], finished[r] = min(lengths[r], k), True
         self.stats["kv_cache_bytes"] = float(ws.nbytes())
-        return ([toks[r, :lengths[r]].tolist() for r in range(rows)],
-                [lps[r, :lengths[r]].clone() for r in range(rows)], finished, steps)
+        ids, lps, fins = [], [], []
+        for r in range(rows):
+            toks, lp, fin = done[r]
+            k = min(len(toks), stop_at.get(r, len(toks)))
+            ids.append(toks[:k])
+            lps.append(lp[:k].clone())
+            fins.append(fin or r in stop_at)
+        return ids, lps, fins, steps
 
-    def _graphs(self, ws: _Workspace, ctx: _Context, params: SamplingParams):
+    @staticmethod
+    def _collect(view: Workspace, slot_row: list[int], upto: int, slots: list[int],
+                 done: dict[int, tuple[list[int], torch.Tensor, bool]]) -> None:
+        """Copy the outputs of ``slots`` to the host, keyed by original row (first copy wins)."""
+        slots = [i for i in slots if slot_row[i] not in done]
+        if not slots:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=view.tok.device)
+        lengths = view.lengths.index_select(0, index).tolist()
+        finished = view.finished.index_select(0, index).tolist()
+        toks = view.out_tok.index_select(0, index)[:, :upto].cpu()
+        lps = view.out_lp.index_select(0, index)[:, :upto].cpu()
+        for j, i in enumerate(slots):
+            done[slot_row[i]] = (toks[j, :lengths[j]].tolist(), lps[j, :lengths[j]], bool(finished[j]))
+
+    def _graphs(self, ws: Workspace, ctx: DecodeContext, params: SamplingParams):
         from .engine_cuda import DecodeGraphs
 
         key = (params.temperature, params.top_k, params.top_p, params.min_p,
                tuple(p.data_ptr() for p in self.model.parameters()))
         if ws.graphs is None or ws.graph_key != key:
+            ws.graphs = None
             ws.graphs = DecodeGraphs(lambda kv_len: self._decode_step(ws, ctx, params, kv_len), ws.state())
             ws.graph_key = key
         return ws.graphs
 
-    def _check_stop_strings(self, ws: _Workspace, upto: int, stops: tuple[str, ...], stop_at: dict[int, int],
-                            checked: list[int]) -> None:
-        """Host check: the first token count ``k`` whose decoded tail contains a stop string ends the row."""
+    def _check_stop_strings(self, ws: Workspace, slot_row: list[int], upto: int, stops: tuple[str, ...],
+                            stop_at: dict[int, int], checked: list[int]) -> None:
+        """Host check: the first token count ``k`` whose decoded tail contains a stop string ends the row
+        (``stop_at`` and ``checked`` are keyed by original row; ``ws`` slot ``i`` holds row ``slot_row[i]``)."""
         lengths = ws.lengths.tolist()
         toks = ws.out_tok[:, :upto].cpu().tolist()
         tail = 4 * max(len(s) for s in stops) + 4  # tokens enough to hold any stop string
         newly = []
-        for r, length in enumerate(lengths):
+        for i, length in enumerate(lengths):
+            r = slot_row[i]
             if r in stop_at:
                 continue
             for k in range(checked[r] + 1, min(length, upto) + 1):
-                text = self.tokenizer.decode(toks[r][max(0, k - tail):k])
+                text = self.tokenizer.decode(toks[i][max(0, k - tail):k])
                 if any(s in text for s in stops):
                     stop_at[r] = k
-                    newly.append(r)
+                    newly.append(i)
                     break
             checked[r] = max(checked[r], min(length, upto))
         if newly:
