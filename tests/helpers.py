@@ -1,6 +1,18 @@
 """Shared test helpers."""
 
 import torch
+from transformers import TrainerCallback
+
+
+class KillAt(TrainerCallback):
+    """Stops training at the end of ``step`` as a killed process would (after that step's checkpoint)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt("simulated kill")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
 from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
@@ -30,7 +30,7 @@ from swiftune.rl import (
     completion_logprobs,
     grpo_loss,
 )
-from tests.helpers import rel_err
+from tests.helpers import KillAt, rel_err
 
 FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
             logging_steps=1, seed=1, dataloader_pin_memory=False, disable_tqdm=True)
@@ -496,15 +496,6 @@ def test_rollout_engine_auto_picks_by_device(tokenizer, tmp_path):
 
 
 
-class _KillAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise KeyboardInterrupt("simulated kill")
-
-
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_killed_run_resumes_to_the_same_weights(tokenizer, tmp_path, num_iterations):
     """A run killed after its checkpoint at step 2 and resumed ends where the uninterrupted run ends
@@ -523,7 +514,7 @@ def test_killed_run_resumes_to_the_same_weights(tokenizer, tmp_path, num_iterati
     full = add_lora(tiny_model(seed=12))
     trainer_for(tmp_path / "full", full).train()
     killed_at = common["save_steps"] + 1
-    trainer = trainer_for(tmp_path / "killed", add_lora(tiny_model(seed=12)), [_KillAt(killed_at)])
+    trainer = trainer_for(tmp_path / "killed", add_lora(tiny_model(seed=12)), [KillAt(killed_at)])
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert (tmp_path / "killed" / f"checkpoint-{common['save_steps']}").is_dir()

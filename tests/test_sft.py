@@ -14,12 +14,12 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, TrainerCallback
+from transformers import AutoModelForCausalLM
 
 from swiftune.data import build_tokenizer, builtin_instruction_dataset, make_collator, tiny_model_config
 from swiftune.models import FastModel
 from swiftune.sft import SFTConfig, SFTTrainer
-from tests.helpers import rel_err
+from tests.helpers import KillAt, rel_err
 
 FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
             logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True)
@@ -119,15 +119,6 @@ def test_gradient_accumulation_equals_one_big_batch(tokenizer, rows, tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (acc, big)
     for key in big_state:
         assert rel_err(acc_state[key], big_state[key]) < 1e-4, key
-
-
-class KillAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise KeyboardInterrupt("simulated kill")
 
 
 def test_killed_run_resumes_to_the_same_weights(tokenizer, rows, tmp_path):
