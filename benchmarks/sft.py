@@ -14,7 +14,12 @@ Modes:
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
 
     python benchmarks/sft.py --model qwen3-8b --batch 16 --modes hf_padded swiftune swiftune_budget
+    python benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32        # the batch sweep
     python benchmarks/sft.py --one swiftune --model qwen3-0.6b --batch 8     # one mode, JSON on stdout
+
+One process per mode runs every batch size of the sweep (a fresh model and trainer per batch size,
+peak memory reset between them), so imports and CUDA start-up are paid once per mode; a batch size
+that runs out of memory is reported as such and the next one still runs.
 """
 
 from __future__ import annotations
@@ -134,6 +139,18 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 padding_fraction=1 - counter.tokens / max(counter.slots, 1))
 
 
+def release_gpu_memory() -> None:
+    """Drop what the last run left (model, trainer, optimizer) and reset the peak counter."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def _dummy_tokenizer(vocab_size: int):
     """A tokenizer object the trainers accept for pre-tokenized data (pad id 0, eos id 1)."""
     from tokenizers import Tokenizer, models
@@ -158,23 +175,31 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write all rows as JSON here")
     args = p.parse_args(argv)
     if args.one:
-        row = run_one(args.one, args.model, args.batch[0], args.steps, args.warmup, args.budget, args.max_length)
-        print("RESULT " + json.dumps(row))
+        for batch in args.batch:
+            try:
+                row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length)
+            except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
+                row = dict(mode=args.one, model=args.model, batch=batch,
+                           error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
+            print("RESULT " + json.dumps(row), flush=True)
+            release_gpu_memory()
         return 0
     rows = []
-    for batch in args.batch:
-        for mode in args.modes:
-            cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", str(batch),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
-                   "--max_length", str(args.max_length)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if found:
-                rows.append(json.loads(found[-1][7:]))
-            else:
-                err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                rows.append(dict(mode=mode, model=args.model, batch=batch, error=" | ".join(err)[-300:]))
+    for mode in args.modes:
+        cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
+               "--max_length", str(args.max_length)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = {}
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                row = json.loads(line[7:])
+                found[row["batch"]] = row
+        err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        for batch in args.batch:
+            rows.append(found.get(batch) or dict(mode=mode, model=args.model, batch=batch, error=" | ".join(err)[-300:]))
             print(json.dumps(rows[-1]), flush=True)
+    rows.sort(key=lambda r: (r["batch"], args.modes.index(r["mode"])))
     base = {r["batch"]: r for r in rows if r["mode"] == "hf_padded" and "error" not in r}
     print(f"\n{'mode':<17} {'model':<11} {'batch':>5} {'tok/s':>8} {'x hf_padded':>11} {'peak GB':>8} "
           f"{'s/step':>7} {'padding':>8}")
