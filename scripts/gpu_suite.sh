@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The benchmark suite of docs/benchmarks.md in parts meant to fit one 10-minute device call each
+# (the minutes below are estimates from the runs so far; every part stops itself before 10 min).
+# Run from the repository root on the GPU machine (with .whl/ carried for the TRL / Liger baselines):
+#
+#   scripts/gpu_suite.sh check        # CUDA tests of the engine, attention, GRPO paths (~3 min)
+#   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024 (~6 min)
+#   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
+#   scripts/gpu_suite.sh grpo-step    # one GRPO step, Qwen3-1.7B, G=8, 4K completions (~2 min)
+#   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
+#   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B (~8 min)
+#   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
+#   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
+#   scripts/gpu_suite.sh longctx      # 8K..400K tokens, Qwen3-8B, every mode + bisection (~9 min)
+#   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune vs TRL (~9 min)
+#
+# Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
+# the JSON into the PNGs of docs/plots.
+set -uo pipefail
+OUT=${OUT:-/tmp/swiftune_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c "import torch, transformers; print(torch.cuda.get_device_name(), torch.__version__, transformers.__version__)" \
+  | tee "$OUT/env.txt"
+
+run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/$name.txt" | tail -30
+  echo "== $name: exit ${PIPESTATUS[0]}"
+}
+
+part=${1:?"which part? see the header of $0"}
+case "$part" in
+  check)
+    run pytest 280 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py \
+      -k "cuda or gpu or flex or auto" -p no:cacheprovider ;;
+  rollout)
+    run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 \
+      --time-budget 500 --out "$OUT/rollout.json" ;;
+  rollout-long)
+    run rollout_long 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
+      --no-baselines --no-checks --lora-rows --time-budget 500 --out "$OUT/rollout_long.json" ;;
+  grpo-step)
+    run grpo_step 400 python3 benchmarks/grpo.py --completion-tokens 4096 --out "$OUT/grpo_step.json" ;;
+  sft-8b)
+    run sft_8b 570 python3 benchmarks/sft.py --model qwen3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+      --out "$OUT/sft_qwen3-8b.json" ;;
+  sft-small)
+    run sft_06b 280 python3 benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+      --out "$OUT/sft_qwen3-0.6b.json"
+    run sft_17b 280 python3 benchmarks/sft.py --model qwen3-1.7b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+      --out "$OUT/sft_qwen3-1.7b.json" ;;
+  sft-llama)
+    run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+      --out "$OUT/sft_llama3-8b.json" ;;
+  loss-curve)
+    run loss_curve 560 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
+  longctx)
+    run longctx 570 python3 benchmarks/longctx.py --repeats 3 --bisect offload --time-budget 520 \
+      --out "$OUT/longctx.json" ;;
+  grpo-bisect)
+    run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
+      --completion-lengths 65536 --time-budget 520 --out "$OUT/grpo_bisect.json" ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
