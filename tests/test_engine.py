@@ -257,7 +257,10 @@ def test_seeded_reproducibility_and_cache_reuse(prompts):
     assert all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
     assert a.completion_ids != c.completion_ids
     ea.generate(prompts, 3, params)
-    assert ea._ws is ws  # same shape: the static cache is reused
+    assert ea._ws is ws  # same shape: the static cache is reused ("auto" keeps it off CUDA)
+    assert FastRolloutEngine(model, keep_cache=False).generate(prompts, 3, params) and True
+    with pytest.raises(ValueError, match="keep_cache"):
+        FastRolloutEngine(model, keep_cache="sometimes")
 
 
 def _reference_keep(logits, top_k, top_p, min_p):

@@ -15,7 +15,10 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
 * **Static KV cache.** Per layer ``K, V [rows, kv_heads, prompt + max_new, head_dim]`` in the
   model's dtype, zero-initialised, allocated once per call shape; on CUDA the rows decoded at
   once are capped so the cache fits ``memory_fraction`` of free memory (whole groups per chunk).
-  ``keep_cache=True`` keeps it (and the captured graphs) for the next call of the same shape.
+  ``keep_cache=True`` keeps it (and the captured graphs) for the next call of the same shape;
+  ``"auto"`` (default) keeps it only while it takes at most ``KEEP_CACHE_FRACTION`` (10%) of the
+  GPU's memory, so that a long-context training step between two generations gets a large cache's
+  memory back (at the price of re-capturing the graphs next time).
 * **Attention.** During a call the model's attention implementation is switched to
   ``"swiftune_rollout"`` (registered with transformers' ``AttentionInterface``; restored after),
   so every layer's own q/k/v projections, q/k norms and RoPE run as usual and only the attention
@@ -68,6 +71,8 @@ from .rollout import Rollouts, SamplingParams, filter_logits
 ATTENTION_NAME = "swiftune_rollout"
 CTX_KWARG = "swiftune_rollout"
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+#: ``keep_cache="auto"`` keeps a KV cache between calls only up to this share of the GPU's memory.
+KEEP_CACHE_FRACTION = 0.10
 
 
 @dataclass
@@ -132,7 +137,8 @@ class FastRolloutEngine:
         stop_strings: stop strings applied to every call (besides ``params.stop``).
         max_batch_size: most rows decoded at once (None: as many as the memory allows).
         use_cuda_graph: capture the decode step as CUDA graphs (CUDA only).
-        keep_cache: keep the KV cache and graphs between calls of the same shape.
+        keep_cache: keep the KV cache and graphs between calls of the same shape (True), free them after
+            each call (False), or keep them when they take at most 10% of the GPU's memory ("auto").
         check_every: decode steps between host checks (all finished? stop strings?).
         kv_bucket: granularity of the attended cache length (one graph per bucket).
         lora: ``"runtime"`` (PEFT layers as they are), ``"merge"`` (merged for the call, restored exactly) or
@@ -147,9 +153,11 @@ class FastRolloutEngine:
 
     def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, *, tokenizer=None,
                  stop_strings: Sequence[str] = (), max_batch_size: int | None = None, use_cuda_graph: bool = True,
-                 keep_cache: bool = True, check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
+                 keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True):
+        if keep_cache not in (True, False, "auto"):
+            raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
             raise ValueError(f"lora must be 'auto', 'runtime' or 'merge', got {lora!r}")
         self.model = model
@@ -177,6 +185,14 @@ class FastRolloutEngine:
         if model is not self.model:
             self.release()
         self.model = model
+
+    def _keeps_cache(self) -> bool:
+        if self.keep_cache != "auto":
+            return bool(self.keep_cache)
+        if self._ws is None or self._ws.tok.device.type != "cuda":
+            return True
+        total = torch.cuda.get_device_properties(self._ws.tok.device).total_memory
+        return self._ws.nbytes() <= KEEP_CACHE_FRACTION * total
 
     def release(self) -> None:
         """Free the KV cache and the captured graphs."""
@@ -284,7 +300,7 @@ class FastRolloutEngine:
             if backups is not None:
                 self._unmerge_lora(backups)
             self.model.train(was_training)
-            if not self.keep_cache:
+            if not self._keeps_cache():
                 self.release()
         self.stats.update(out.stats)
         out.stats = dict(self.stats)
