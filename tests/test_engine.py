@@ -25,7 +25,7 @@ def prompts(tokenizer):
 
 def tiny_model(family="qwen3", seed=0, patch=True, **overrides):
     torch.manual_seed(seed)
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3"):
         overrides.setdefault("sliding_window", 8)  # shorter than prompt + completion: the window matters
     model = AutoModelForCausalLM.from_config(tiny_model_config(family, **overrides), dtype=torch.float32)
     if patch:
@@ -57,7 +57,7 @@ def forward_logprobs(model, prompt, completion, temperature):
     return logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("family,patch", [("llama", True), ("qwen3", True), ("gemma2", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,patch", [("llama", True), ("qwen3", True), ("gemma2", True), ("gemma3", True), ("qwen3", False)])
 def test_greedy_equals_generate(tokenizer, prompts, family, patch):
     model = tiny_model(family, seed=5, patch=patch)
     attn = model.config._attn_implementation
@@ -73,7 +73,7 @@ def test_greedy_equals_generate(tokenizer, prompts, family, patch):
                    torch.cat([forward_logprobs(model, p, c, 1.0) for p, c in zip(prompts, out.completion_ids[::2])])) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_sampling_logprobs_equal_forward_pass(tokenizer, prompts, family):
     model = tiny_model(family, seed=6)
     model.train()
@@ -315,7 +315,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_cuda_graph_decode_equals_eager_and_generate(tokenizer, prompts, family):
     """CUDA: decode steps replayed as CUDA graphs give the eager step's tokens and log-probs, and greedy
     tokens equal transformers' generate on the unpatched model (float32, so no bf16 near-ties)."""

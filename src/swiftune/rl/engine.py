@@ -55,6 +55,7 @@ Stop strings come from the engine's ``stop_strings`` plus a ``stop`` attribute o
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Sequence
@@ -70,7 +71,7 @@ from .rollout import Rollouts, SamplingParams, filter_logits
 
 ATTENTION_NAME = "swiftune_rollout"
 CTX_KWARG = "swiftune_rollout"
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 #: ``keep_cache="auto"`` keeps a KV cache between calls only up to this share of the GPU's memory.
 KEEP_CACHE_FRACTION = 0.10
 
@@ -113,6 +114,15 @@ def rollout_attention(module: nn.Module, query, key, value, attention_mask, drop
         raise RuntimeError("the swiftune_rollout attention only runs inside FastRolloutEngine.generate")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return ctx.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap), None
+
+
+def _rope_layer_types(decoder: nn.Module) -> list[str] | None:
+    """The layer types whose rotary tables differ (``rotary_emb(x, pos, layer_type)``), or None."""
+    try:
+        takes_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover - not introspectable
+        takes_type = False
+    return list(decoder.config.layer_types) if takes_type else None
 
 
 def _sync(device: torch.device) -> None:
@@ -232,10 +242,15 @@ class FastRolloutEngine:
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: DecodeContext) -> torch.Tensor:
         _, decoder = self._parts()
         h = self._embed(ids)
-        pe = decoder.rotary_emb(h, pos)
+        layer_types = _rope_layer_types(decoder)
+        if layer_types is None:
+            pe = [decoder.rotary_emb(h, pos)] * decoder.config.num_hidden_layers
+        else:  # Gemma 3: a rotary table per layer type (local sliding layers use another base)
+            tables = {t: decoder.rotary_emb(h, pos, t) for t in set(layer_types)}
+            pe = [tables[t] for t in layer_types]
         ctx.masks = {}
-        for layer in decoder.layers[: decoder.config.num_hidden_layers]:
-            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe, **{CTX_KWARG: ctx})
+        for i, layer in enumerate(decoder.layers[: decoder.config.num_hidden_layers]):
+            out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe[i], **{CTX_KWARG: ctx})
             h = out[0] if isinstance(out, tuple) else out
         return decoder.norm(h)
 
