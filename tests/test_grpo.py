@@ -524,3 +524,12 @@ def test_killed_run_resumes_to_the_same_weights(tokenizer, tmp_path, num_iterati
     for n, p in resumed.named_parameters():
         if p.requires_grad:
             assert rel_err(p, want[n]) < 1e-5, n
+
+
+def test_warns_when_completions_outrun_the_models_positions(tokenizer, tmp_path, caplog):
+    model = tiny_model(seed=3, max_position_embeddings=64)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_prompt_length=32, max_completion_length=48, **FAST)
+    with caplog.at_level("WARNING", logger="swiftune.rl.trainer"):
+        GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer)
+    assert "max_position_embeddings = 64" in caplog.text and "80 tokens" in caplog.text

@@ -193,6 +193,13 @@ class GRPOTrainer(Trainer):
             raise ValueError(f"train_dataset has {len(rows)} rows, fewer than the {args.prompts_per_generation} "
                              "prompts of one generation")
 
+        limit = getattr(causal_lm_of(model).config, "max_position_embeddings", None)
+        longest = (args.max_prompt_length or 0) + args.max_completion_length
+        if limit and longest > limit:
+            logger.warning("swiftune: max_prompt_length + max_completion_length = %d tokens exceeds the model's "
+                           "max_position_embeddings = %d: positions past it were never trained (lower "
+                           "max_completion_length, or extend the context with rope_scaling first)", longest, limit)
+
         self.is_peft = hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
         self.ref_model = None
         if args.beta != 0.0 and not self.is_peft:  # full fine-tuning: a frozen copy, only when needed
