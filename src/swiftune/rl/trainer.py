@@ -243,10 +243,16 @@ class GRPOTrainer(Trainer):
         choice = self.args.rollout_engine
         if choice not in ("auto", "fast", "transformers"):
             raise ValueError(f"rollout_engine must be 'auto', 'fast' or 'transformers', got {choice!r}")
+        sharded = bool(getattr(self, "is_fsdp_enabled", False))
         if choice == "auto":
             on_cuda = self.args.device.type == "cuda"
             family = causal_lm_of(self.model).config.model_type
-            choice = "fast" if on_cuda and family in SUPPORTED else "transformers"
+            choice = "fast" if on_cuda and family in SUPPORTED and not sharded else "transformers"
+        if choice == "fast" and sharded:
+            # the engine calls the layers outside the root module's forward (FSDP would not gather the
+            # embedding / LM head) and captures CUDA graphs (no collectives inside)
+            raise ValueError("rollout_engine='fast' does not run on FSDP-sharded models: use 'transformers' "
+                             "(or 'auto', which picks it under FSDP)")
         if choice == "fast":
             return FastRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed, tokenizer=self.processing_class,
                                      max_batch_size=self.args.max_rollout_batch_size,
