@@ -493,6 +493,11 @@ def test_rollout_engine_auto_picks_by_device(tokenizer, tmp_path):
                           processing_class=tokenizer)
     expected = FastRolloutEngine if args.device.type == "cuda" else TransformersRolloutEngine
     assert type(trainer.rollout_engine) is expected
+    trainer.is_fsdp_enabled = True  # FSDP-sharded: auto never picks the fast engine, forcing it is an error
+    assert type(trainer._builtin_engine(0)) is TransformersRolloutEngine
+    trainer.args.rollout_engine = "fast"
+    with pytest.raises(ValueError, match="FSDP"):
+        trainer._builtin_engine(0)
 
 
 
