@@ -270,7 +270,7 @@ def run_step(args) -> dict:
     warmup_s = time.perf_counter() - t0
 
     config = GRPOConfig(
-        output_dir="/tmp/bench_grpo_step", max_steps=1, per_device_train_batch_size=G, num_generations=G,
+        output_dir="/tmp/bench_grpo_step", max_steps=args.steps, per_device_train_batch_size=G, num_generations=G,
         max_prompt_length=P, max_completion_length=L, temperature=1.0, beta=args.beta, loss_type="dapo",
         num_iterations=args.num_iterations, share_prompt=share, learning_rate=1e-6, logging_steps=1,
         save_strategy="no", report_to="none", metrics_file=None, plot_rewards=False, disable_tqdm=True,
@@ -305,6 +305,7 @@ def run_step(args) -> dict:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
+            timer.phases.clear()  # the reported phases are those of the last step
             timer.sync()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -332,7 +333,7 @@ def run_step(args) -> dict:
     peak = max([v["peak_gb"] for v in phases.values() if v["peak_gb"] is not None] + [step["tail_peak_gb"]])
     gen = phases.get("generation", {"s": float("nan")})
     return dict(
-        benchmark="grpo_step", engine=engine_name, model=args.model, generations=G, prompt_tokens=P, max_completion_length=L,
+        benchmark="grpo_step", engine=engine_name, steps=args.steps, model=args.model, generations=G, prompt_tokens=P, max_completion_length=L,
         completion_lengths=lengths, all_full_length=all(n == L for n in lengths), beta=args.beta,
         num_iterations=args.num_iterations, share_prompt=share, share_prompt_error=share_error,
         policy_row_tokens=sum(mb.row.num_tokens for mb in micro), lora_r=16,
@@ -747,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-iterations", type=int, default=1, help="2: the old log-probs pass runs too")
     p.add_argument("--no-share-prompt", action="store_true", help="step: unshared policy rows")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
+    p.add_argument("--steps", type=int, default=1,
+                   help="optimizer steps; the last one is reported (2: the engine's graphs and cache are warm)")
     p.add_argument("--engine", choices=["fast", "transformers"], default=None,
                    help="rollout engine of the step (default: fast on CUDA, transformers on CPU, as GRPOTrainer)")
     p.add_argument("--bisect-completion", action="store_true", help="run the bisection instead of the step")

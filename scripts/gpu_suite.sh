@@ -6,7 +6,7 @@
 #   scripts/gpu_suite.sh check        # CUDA tests of the engine, attention, GRPO paths (~3 min)
 #   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024 (~6 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
-#   scripts/gpu_suite.sh grpo-step    # one GRPO step, Qwen3-1.7B, G=8, 4K completions (~2 min)
+#   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
@@ -46,7 +46,7 @@ case "$part" in
     run rollout_long 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
       --no-baselines --no-checks --lora-rows --time-budget 500 --out "$OUT/rollout_long.json" ;;
   grpo-step)
-    run grpo_step 400 python3 benchmarks/grpo.py --completion-tokens 4096 --out "$OUT/grpo_step.json" ;;
+    run grpo_step 400 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   sft-8b)
     run sft_8b 570 python3 benchmarks/sft.py --model qwen3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-8b.json" ;;
