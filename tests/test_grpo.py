@@ -457,11 +457,15 @@ def test_command_on_a_saved_model_with_lora_and_jsonl(tokenizer, tmp_path):
         "--max_completion_length", "4", "--dtype", "fp32", "--lora_r", "4", "--learning_rate", "1e-3",
         "--kernel_backend", "reference", "--attention_backend", "reference", "--report_to", "none",
         "--disable_tqdm", "true", "--save_strategy", "no", "--beta", "0.1",
+        "--eval_dataset", str(data), "--eval_strategy", "steps", "--eval_steps", "2",
     ])
     assert rc == 0
     assert (out / "adapter_model.safetensors").exists() and (out / "reward.png").exists()
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert len(metrics) == 2 and "rewards/final_answer_reward/mean" in metrics[0] and "kl" in metrics[0]
+    train = [m for m in metrics if "reward" in m]
+    assert len(train) == 2 and "rewards/final_answer_reward/mean" in train[0] and "kl" in train[0]
+    evals = [m for m in metrics if "eval_reward" in m]
+    assert [m["step"] for m in evals] == [2] and "eval_rewards/exact_match_reward/mean" in evals[0]
 
 
 def test_trainer_runs_on_the_fast_rollout_engine(tokenizer, tmp_path):
@@ -538,3 +542,32 @@ def test_warns_when_completions_outrun_the_models_positions(tokenizer, tmp_path,
     with caplog.at_level("WARNING", logger="swiftune.rl.trainer"):
         GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer)
     assert "max_position_embeddings = 64" in caplog.text and "80 tokens" in caplog.text
+
+
+def test_evaluate_scores_fresh_completions_of_held_out_prompts(tokenizer, tmp_path):
+    """evaluate(): mean rewards of the engine's completions of the eval prompts (checked against the
+    same completions scored here), logged; with eval_strategy="steps" during training too."""
+    eval_rows = [{"prompt": f"Sort: {w}\n", "answer": "".join(sorted(w))} for w in ("dog", "zebra", "kiwi")]
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=1,
+                      **FAST)
+    trainer = GRPOTrainer(tiny_model(seed=15), [length_reward, answer_reward], args=args, train_dataset=PROMPT_ROWS,
+                          eval_dataset=eval_rows, processing_class=tokenizer, rollout_engine=FixedEngine())
+    metrics = trainer.evaluate()
+    ids = [trainer.tokenize_prompt(r["prompt"]) for r in eval_rows]
+    comps = FixedEngine().generate(ids, 4, SamplingParams(max_tokens=8)).completion_ids
+    texts = tokenizer.batch_decode(comps, skip_special_tokens=True)
+    lengths = length_reward(None, texts, comps)
+    answers = answer_reward(None, texts, [r["answer"] for r in eval_rows for _ in range(4)])
+    assert metrics["eval_rewards/length_reward/mean"] == pytest.approx(sum(lengths) / 12)
+    assert metrics["eval_rewards/answer_reward/mean"] == pytest.approx(sum(answers) / 12)
+    assert metrics["eval_reward"] == pytest.approx((sum(lengths) + sum(answers)) / 12)
+    assert metrics["eval_completion_length"] == pytest.approx(sum(len(c) for c in comps) / 12)
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [1, 2]  # train() starts a fresh state
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in lines if "eval_reward" in m] == [1, 2]  # the file starts with the run
+    assert [m["step"] for m in lines if "reward" in m] == [1, 2]
+    with pytest.raises(ValueError, match="prompt"):
+        trainer.evaluate([{"text": "no prompt"}])

@@ -8,6 +8,7 @@ those references in test_kernels.py and test_attention.py.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -221,3 +222,21 @@ def test_command_resumes_from_the_newest_checkpoint(tmp_path):
     assert resume_target("false") is None and resume_target("last") is True
     with pytest.raises(FileNotFoundError, match="resume_from_checkpoint"):
         resume_target(str(tmp_path / "missing"))
+
+
+def test_command_evaluates_a_held_out_file(tmp_path):
+    """`swiftune sft --eval_dataset FILE --eval_strategy steps`: eval_loss logged beside the steps."""
+    from swiftune.cli import main
+
+    data = tmp_path / "eval.jsonl"
+    with open(data, "w") as f:
+        for row in builtin_instruction_dataset(num_rows=6, seed=9):
+            f.write(json.dumps(row) + "\n")
+    out = tmp_path / "run"
+    assert main(["sft", "--output_dir", str(out), "--per_device_train_batch_size", "4", "--max_steps", "2",
+                 "--kernel_backend", "reference", "--attention_backend", "reference", "--disable_tqdm", "true",
+                 "--report_to", "none", "--save_strategy", "no", "--eval_dataset", str(data),
+                 "--eval_strategy", "steps", "--eval_steps", "1"]) == 0
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    evals = [m for m in lines if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [1, 2] and all(math.isfinite(m["eval_loss"]) for m in evals)

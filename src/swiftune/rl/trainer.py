@@ -44,6 +44,7 @@ from ..models import FastModel, causal_lm_of, is_patched, patch_model
 from ..sft.metrics import MetricsCallback, TokenMeter
 from .advantages import group_advantages
 from .checkpoint import load_rollout_state, save_rollout_state
+from .evaluation import evaluate_rewards
 from .config import GRPOConfig
 from .loss import grpo_loss
 from .policy import PolicyRow, build_policy_row, completion_logprobs
@@ -107,6 +108,13 @@ class _EpochLoader(torch.utils.data.DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
+def _prompt_rows(data: Any, what: str) -> Sequence[Any]:
+    rows = load_rows(data)
+    if len(rows) == 0 or "prompt" not in rows[0]:
+        raise ValueError(f"{what} rows need a 'prompt' column (a string or a list of messages)")
+    return rows
+
+
 def _collate_prompt_rows(rows: list) -> dict[str, list]:
     return {"prompt_rows": list(rows)}
 
@@ -163,8 +171,6 @@ class GRPOTrainer(Trainer):
             raise ValueError("GRPOTrainer needs the tokenizer: pass processing_class=tokenizer")
         if train_dataset is None:
             raise ValueError("GRPOTrainer needs a train_dataset of rows with a 'prompt'")
-        if eval_dataset is not None:
-            raise NotImplementedError("GRPOTrainer does not evaluate yet; pass eval_dataset=None")
         if peft_config is not None:
             import peft
 
@@ -189,6 +195,7 @@ class GRPOTrainer(Trainer):
         rows = load_rows(train_dataset)
         if len(rows) == 0 or "prompt" not in rows[0]:
             raise ValueError("train_dataset rows need a 'prompt' column (a string or a list of messages)")
+        eval_rows = _prompt_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if len(rows) < args.prompts_per_generation:
             raise ValueError(f"train_dataset has {len(rows)} rows, fewer than the {args.prompts_per_generation} "
                              "prompts of one generation")
@@ -208,7 +215,7 @@ class GRPOTrainer(Trainer):
         self.token_meter = TokenMeter()
         super().__init__(
             model=model, args=args, data_collator=_collate_prompt_rows, train_dataset=rows,
-            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, **kwargs,
+            eval_dataset=eval_rows, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
         # compute_loss returns losses that transformers divides by the accumulation steps (see there)
         self.model_accepts_loss_kwargs = False
@@ -400,6 +407,25 @@ class GRPOTrainer(Trainer):
 
         self._record_generation(rewards, per_func, group_std, completion_ids, finished, gen_time, prompts, texts)
         return micro
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Mean rewards of fresh completions of held-out prompts (:mod:`swiftune.rl.evaluation`).
+
+        ``eval_dataset`` (rows with a ``prompt``, as for training) overrides the trainer's; with
+        ``eval_strategy="steps"`` the Trainer calls this every ``eval_steps``.
+        """
+        rows = _prompt_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
+        if rows is None:
+            raise ValueError("nothing to evaluate: pass eval_dataset= to GRPOTrainer or to evaluate()")
+        was_training = self.model.training
+        try:
+            metrics = evaluate_rewards(self, rows, metric_key_prefix)
+        finally:
+            self.model.train(was_training)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def reference_logprobs(self, row: PolicyRow) -> torch.Tensor:
         """Completion log-probs of ``row`` under the reference policy (no gradient).

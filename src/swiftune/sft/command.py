@@ -26,6 +26,12 @@ class ModelArguments:
         metadata={"help": "JSONL/JSON/Parquet path, or a hub dataset name (needs `datasets`); none: built-in data."},
     )
     dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
+    eval_dataset: str | None = field(
+        default=None,
+        metadata={"help": "Held-out rows (same formats as --dataset), evaluated every --eval_steps with "
+                          "--eval_strategy steps; SFT reports eval_loss, GRPO eval_reward."},
+    )
+    eval_dataset_split: str = field(default="test", metadata={"help": "Split of a hub eval dataset."})
     dtype: str = field(default="auto", metadata={"help": "Model weights dtype: auto (bf16 on GPU), bf16, fp16, fp32."})
     use_lora: bool | None = field(
         default=None, metadata={"help": "Train LoRA adapters (default for real models) or the full model (false; "
@@ -197,7 +203,10 @@ def run_sft(argv: list[str]) -> int:
     model_args, config, builtin = parse_sft_args(argv)
     model, tokenizer, use_lora = build_model(model_args, config, builtin)
     rows = load_rows(model_args.dataset, model_args.dataset_split, builtin_instruction_dataset)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
+    eval_rows = (load_rows(model_args.eval_dataset, model_args.eval_dataset_split, list)
+                 if model_args.eval_dataset else None)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=rows, eval_dataset=eval_rows,
+                         processing_class=tokenizer)
     stats = trainer.train_dataset.stats
     print(f"swiftune sft: {stats.num_examples} examples ({stats.data_shape}), {stats.num_tokens} tokens, "
           f"{stats.num_truncated} truncated; batches: {config.batch_mode}; "

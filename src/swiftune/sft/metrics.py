@@ -69,7 +69,13 @@ class MetricsCallback(TrainerCallback):
             self.bar.update(state.global_step - self.bar.n)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or logs is None or self.plot_key not in logs:
+        if not state.is_world_process_zero or logs is None:
+            return
+        if self.plot_key not in logs:
+            evals = {k: v for k, v in logs.items() if k.startswith("eval_") and isinstance(v, (int, float))}
+            if evals and self.path:  # an evaluation: its own line, beside the training steps
+                with open(self.path, "a") as f:
+                    f.write(json.dumps({"step": state.global_step, **evals}) + "\n")
             return
         now = time.perf_counter()
         counts = self.meter.take()
