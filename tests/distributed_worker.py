@@ -80,10 +80,16 @@ def run(mode: str, batch: int, out_dir: str, loss_type: str):
         trainer = GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS[:4],
                               processing_class=tokenizer, rollout_engine=FixedEngine(), callbacks=[log])
     trainer.train()
+    evaluated = None
+    if mode == "grpo":  # held-out prompts split over the processes, totals summed
+        from tests.test_grpo import PROMPT_ROWS
+
+        evaluated = trainer.evaluate(PROMPT_ROWS[3:8])
     after = {n: full(p) for n, p in trainer.model.named_parameters() if n in before}
     if trainer.accelerator.is_main_process:
         deltas = {n: after[n] - before[n] for n in before}
-        torch.save({"deltas": deltas, "losses": log.losses, "world_size": trainer.accelerator.num_processes},
+        torch.save({"deltas": deltas, "losses": log.losses, "world_size": trainer.accelerator.num_processes,
+                    "eval": evaluated},
                    os.path.join(out_dir, "result.pt"))
 
 

@@ -72,3 +72,6 @@ def test_grpo_two_processes_equal_one_big_batch(tmp_path, loss_type):
     one = launch(tmp_path, "one", 1, "--mode", "grpo", "--batch", "16", "--loss-type", loss_type)
     two = launch(tmp_path, "two", 2, "--mode", "grpo", "--batch", "8", "--loss-type", loss_type)
     assert_same_step(one, two)
+    # evaluation of 5 held-out prompts (3 on one process, 2 on the other) == one process's
+    for key in ("eval_reward", "eval_reward_std", "eval_completion_length", "eval_rewards/length_reward/mean"):
+        assert two["eval"][key] == pytest.approx(one["eval"][key], rel=1e-6), key
