@@ -571,3 +571,17 @@ def test_evaluate_scores_fresh_completions_of_held_out_prompts(tokenizer, tmp_pa
     assert [m["step"] for m in lines if "reward" in m] == [1, 2]
     with pytest.raises(ValueError, match="prompt"):
         trainer.evaluate([{"text": "no prompt"}])
+
+
+def test_reward_functions_by_name_module_or_file(tmp_path):
+    from swiftune.rl.builtin import BUILTIN_REWARDS, resolve_reward_funcs
+
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def brevity(prompts, completions, **kw):\n    return [-len(c) / 10 for c in completions]\n")
+    funcs = resolve_reward_funcs(f"{sorted(BUILTIN_REWARDS)[0]}, json:dumps, {path}:brevity")
+    assert funcs[0] is BUILTIN_REWARDS[sorted(BUILTIN_REWARDS)[0]] and funcs[1] is json.dumps
+    assert funcs[2](None, ["abcd", ""]) == [-0.4, 0.0]
+    for spec, message in ((f"{path}:nope", "has no function"), (f"{tmp_path}/missing.py:f", "no file"),
+                          ("no_such_module_xyz:f", "cannot import"), ("nonsense", "unknown reward")):
+        with pytest.raises(SystemExit, match=message):
+            resolve_reward_funcs(spec)

@@ -41,7 +41,7 @@ class GRPOModelArguments(ModelArguments):
     reward_funcs: str = field(
         default="reverse",
         metadata={"help": "Comma-separated reward functions: built-in names (reverse, exact_match, final_answer) "
-                          "or module:function import paths."},
+                          "or module:function import paths, or path/to/file.py:function."},
     )
     sft_warmup_steps: int = field(
         default=60, metadata={"help": "Built-in task only: SFT steps on the task before GRPO (0: none)."}
@@ -129,22 +129,42 @@ BUILTIN_REWARDS = {"reverse": reverse_reward, "exact_match": exact_match_reward,
 
 
 def resolve_reward_funcs(spec: str) -> list:
-    """``"reverse,pkg.mod:fn"`` -> functions (built-in names or ``module:function`` paths)."""
-    import importlib
-
+    """``"reverse,pkg.mod:fn,./my_rewards.py:fn"`` -> functions: built-in names, ``module:function``
+    (an importable module) or ``path.py:function`` (a Python file, loaded as a module)."""
     funcs = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
         if name in BUILTIN_REWARDS:
             funcs.append(BUILTIN_REWARDS[name])
         elif ":" in name:
-            module, attr = name.split(":", 1)
-            funcs.append(getattr(importlib.import_module(module), attr))
+            where, attr = name.rsplit(":", 1)
+            module = _load_reward_module(where, name)
+            if not callable(getattr(module, attr, None)):
+                raise SystemExit(f"reward function {name!r}: {where} has no function {attr!r}")
+            funcs.append(getattr(module, attr))
         else:
-            raise SystemExit(f"unknown reward function {name!r}: use one of {sorted(BUILTIN_REWARDS)} "
-                             "or module:function")
+            raise SystemExit(f"unknown reward function {name!r}: use one of {sorted(BUILTIN_REWARDS)}, "
+                             "module:function or path/to/file.py:function")
     if not funcs:
         raise SystemExit("--reward_funcs names no function")
     return funcs
+
+
+def _load_reward_module(where: str, spec: str):
+    import importlib
+    import importlib.util
+
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise SystemExit(f"reward function {spec!r}: no file {where}")
+        module_name = "swiftune_rewards_" + os.path.splitext(os.path.basename(where))[0]
+        loader_spec = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(loader_spec)
+        loader_spec.loader.exec_module(module)  # the user's own reward file, imported like any module
+        return module
+    try:
+        return importlib.import_module(where)
+    except ImportError as e:
+        raise SystemExit(f"reward function {spec!r}: cannot import {where} ({e})") from e
 
 
 # ----------------------------------------------------------------------------- the command
