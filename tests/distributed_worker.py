@@ -91,6 +91,7 @@ def run(mode: str, batch: int, out_dir: str, loss_type: str):
         torch.save({"deltas": deltas, "losses": log.losses, "world_size": trainer.accelerator.num_processes,
                     "eval": evaluated},
                    os.path.join(out_dir, "result.pt"))
+    finish_process_group()
 
 
 def fsdp2_loss_gradients(out_dir: str) -> None:
@@ -121,7 +122,16 @@ def fsdp2_loss_gradients(out_dir: str) -> None:
     if rank == 0:
         torch.save({"grads": grads, "loss": float(total), "world_size": world, "sharded": sharded},
                    os.path.join(out_dir, "result.pt"))
-    dist.destroy_process_group()
+    finish_process_group()
+
+
+def finish_process_group() -> None:
+    """Every rank done before the group goes: tearing gloo down while a peer still uses it aborts."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor]:
