@@ -28,8 +28,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sft.command import (ModelArguments, build_model, first_and_last_fifth, load_rows, parse_command_args,
-                           resume_target)
+from ..sft.command import (ModelArguments, build_model, first_and_last_fifth, load_eval_rows, load_rows,
+                           parse_command_args, resume_target)
 
 _ALPHABET = "abcdefgh"
 
@@ -206,10 +206,8 @@ def run_grpo(argv: list[str]) -> int:
                        model_args.sft_warmup_steps, config.output_dir, config.seed, config.disable_tqdm)
 
     model, tokenizer, use_lora = build_model(model_args, config, builtin, prepare_builtin=warm_up)
-    eval_rows = (load_rows(model_args.eval_dataset, model_args.eval_dataset_split, list)
-                 if model_args.eval_dataset else None)
     trainer = GRPOTrainer(model=model, reward_funcs=resolve_reward_funcs(model_args.reward_funcs), args=config,
-                          train_dataset=rows, eval_dataset=eval_rows, processing_class=tokenizer)
+                          train_dataset=rows, eval_dataset=load_eval_rows(model_args), processing_class=tokenizer)
     print(f"swiftune grpo: {len(trainer.train_dataset)} prompts, G={config.num_generations}, "
           f"{config.prompts_per_generation} prompts per generation, loss {config.loss_type}"
           f"{' (GSPO)' if config.importance_sampling_level == 'sequence' else ''}, beta {config.beta}, "

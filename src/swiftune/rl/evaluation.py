@@ -1,9 +1,9 @@
 """Reward evaluation of a GRPO policy on held-out prompts (``GRPOTrainer.evaluate``).
 
-Each process takes every ``world``-th prompt, samples ``num_generations`` completions of each with
-the trainer's rollout engine and sampling settings (no training, nothing kept), scores them with
-the trainer's reward functions, and the processes sum their totals, so the metrics are means over
-all evaluated completions:
+Each process takes every ``world``-th prompt, samples ``num_generations`` completions of each and
+scores them exactly as a training generation does (``GRPOTrainer.sample_and_score``: the trainer's
+rollout engine, sampling settings and reward functions; no training, nothing kept), and the
+processes sum their totals, so the metrics are means over all evaluated completions:
 
 * ``{prefix}_reward``: weighted reward (the quantity training maximises), ``{prefix}_reward_std``:
   mean within-group standard deviation, ``{prefix}_rewards/{name}/mean`` per function (``None``
@@ -21,9 +21,6 @@ from typing import Any
 
 import torch
 
-from .rewards import compute_rewards
-from .rollout import SamplingParams
-
 
 def evaluate_rewards(trainer: Any, rows: Sequence[Mapping[str, Any]], prefix: str = "eval") -> dict[str, float]:
     args = trainer.args
@@ -34,37 +31,19 @@ def evaluate_rewards(trainer: Any, rows: Sequence[Mapping[str, Any]], prefix: st
     per_call = max(1, args.per_device_eval_batch_size // G)
     # totals: reward sum, completions, group-std sum, groups, length sum, clipped, then (sum, count) per function
     totals = torch.zeros(6 + 2 * len(names), dtype=torch.float64)
-    if trainer.state.global_step != trainer._engine_step:
-        trainer.rollout_engine.load_weights(trainer.model)
-        trainer._engine_step = trainer.state.global_step
     t0 = time.perf_counter()
     for a in range(0, len(mine), per_call):
-        batch = mine[a:a + per_call]
-        prompts = [row["prompt"] for row in batch]
-        conversational = isinstance(prompts[0], (list, tuple))
-        prompt_ids = [trainer.tokenize_prompt(p) for p in prompts]
-        params = SamplingParams(max_tokens=args.max_completion_length, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                stop_token_ids=trainer.stop_token_ids(conversational))
-        rollouts = trainer.rollout_engine.generate(prompt_ids, G, params)
-        ids = rollouts.completion_ids
-        texts = trainer.processing_class.batch_decode(ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: [row[k] for row in batch for _ in range(G)] for k in batch[0] if k != "prompt"}
-        rewards, per_func = compute_rewards(
-            trainer.reward_funcs, [p for p in prompts for _ in range(G)], completions, ids, columns,
-            trainer.reward_weights, group_size=G, trainer_state=trainer.state,
-        )
-        rewards = rewards.double()
+        sampled = trainer.sample_and_score(mine[a:a + per_call])
+        rewards = sampled.rewards.double()
         groups = rewards.view(-1, G)
         totals[0] += rewards.sum()
         totals[1] += rewards.numel()
         totals[2] += (groups.std(dim=1) if G > 1 else torch.zeros(groups.shape[0], dtype=torch.float64)).sum()
         totals[3] += groups.shape[0]
-        totals[4] += sum(len(c) for c in ids)
-        totals[5] += sum(not f for f in rollouts.finished)
+        totals[4] += sum(len(c) for c in sampled.completion_ids)
+        totals[5] += int((~sampled.finished).sum())
         for j in range(len(names)):
-            col = per_func[:, j].double()
+            col = sampled.per_func[:, j].double()
             ok = ~torch.isnan(col)
             totals[6 + 2 * j] += col[ok].sum()
             totals[7 + 2 * j] += ok.sum()

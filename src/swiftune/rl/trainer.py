@@ -17,8 +17,8 @@ One *generation* (every ``steps_per_generation`` micro-batches, ``num_iterations
 Each training micro-step then runs the policy forward on its row and the loss of
 :mod:`swiftune.rl.loss`. Checkpoints also hold the unfinished generation's micro-batches
 (:mod:`swiftune.rl.checkpoint`), so a resumed run continues exactly. Everything else (optimizer,
-schedules, checkpoints, DDP launch, logging integrations) is transformers'. Metrics go to the progress bar, ``metrics.jsonl`` and, at the
-end, ``reward.png`` in ``output_dir``.
+schedules, checkpoints, DDP launch, logging integrations) is transformers'. Metrics go to the
+progress bar, ``metrics.jsonl`` and, at the end, ``reward.png`` in ``output_dir``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,20 @@ class GRPOMicroBatch:
     old_logps: torch.Tensor | None
     ref_logps: torch.Tensor | None
     num_items_in_batch: float
+
+
+@dataclass
+class SampledGroups:
+    """Completions of a batch of prompts and their rewards (``num_generations`` per prompt, prompt-major)."""
+
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    finished: torch.Tensor  # [N] bool: ended with a stop token
+    rewards: torch.Tensor  # [N] weighted sum of the reward functions
+    per_func: torch.Tensor  # [N, F] each function's reward (NaN: None)
+    generation_s: float
 
 
 class GenerationBatchSampler(torch.utils.data.Sampler):
@@ -192,9 +206,7 @@ class GRPOTrainer(Trainer):
             raise ValueError(f"{len(weights)} reward_weights for {len(funcs)} reward functions")
         self.reward_weights = [float(w) for w in weights]
 
-        rows = load_rows(train_dataset)
-        if len(rows) == 0 or "prompt" not in rows[0]:
-            raise ValueError("train_dataset rows need a 'prompt' column (a string or a list of messages)")
+        rows = _prompt_rows(train_dataset, "train_dataset")
         eval_rows = _prompt_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if len(rows) < args.prompts_per_generation:
             raise ValueError(f"train_dataset has {len(rows)} rows, fewer than the {args.prompts_per_generation} "
@@ -214,8 +226,8 @@ class GRPOTrainer(Trainer):
 
         self.token_meter = TokenMeter()
         super().__init__(
-            model=model, args=args, data_collator=_collate_prompt_rows, train_dataset=rows,
-            eval_dataset=eval_rows, processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, **kwargs,
+            model=model, args=args, data_collator=_collate_prompt_rows, train_dataset=rows, eval_dataset=eval_rows,
+            processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
         # compute_loss returns losses that transformers divides by the accumulation steps (see there)
         self.model_accepts_loss_kwargs = False
@@ -345,10 +357,11 @@ class GRPOTrainer(Trainer):
                                    chunk_tokens=a.logit_chunk_tokens, offload=a.offload_logits,
                                    return_entropy=entropy, kernel_backend=a.kernel_backend)
 
-    def _generate_and_score(self, prompt_rows: list[dict]) -> list[GRPOMicroBatch]:
+    def sample_and_score(self, prompt_rows: Sequence[dict]) -> SampledGroups:
+        """``num_generations`` completions of each row's prompt from the rollout engine, decoded and
+        scored by the reward functions (training generations and :meth:`evaluate` alike)."""
         args = self.args
         G = args.num_generations
-        device = self.args.device
         prompts = [row["prompt"] for row in prompt_rows]
         conversational = _is_conversational(prompts[0])
         prompt_ids = [self.tokenize_prompt(p) for p in prompts]
@@ -366,20 +379,28 @@ class GRPOTrainer(Trainer):
         n = len(prompts) * G
         if len(completion_ids) != n:
             raise RuntimeError(f"the rollout engine returned {len(completion_ids)} completions for {n}")
-        exp_prompts = [p for p in prompts for _ in range(G)]
-        exp_prompt_ids = [p for p in prompt_ids for _ in range(G)]
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: [row[k] for row in prompt_rows for _ in range(G)] for k in prompt_rows[0] if k != "prompt"}
         rewards, per_func = compute_rewards(
-            self.reward_funcs, exp_prompts, completions, completion_ids, columns, self.reward_weights,
-            group_size=G, trainer_state=self.state,
+            self.reward_funcs, [p for p in prompts for _ in range(G)], completions, completion_ids, columns,
+            self.reward_weights, group_size=G, trainer_state=self.state,
         )
+        finished = torch.tensor(rollouts.finished, dtype=torch.bool)
+        return SampledGroups(prompts, prompt_ids, completion_ids, texts, finished, rewards, per_func, gen_time)
+
+    def _generate_and_score(self, prompt_rows: list[dict]) -> list[GRPOMicroBatch]:
+        args = self.args
+        G = args.num_generations
+        device = self.args.device
+        sampled = self.sample_and_score(prompt_rows)
+        prompts, completion_ids, texts = sampled.prompts, sampled.completion_ids, sampled.texts
+        rewards, per_func, finished = sampled.rewards, sampled.per_func, sampled.finished
+        exp_prompt_ids = [p for p in sampled.prompt_ids for _ in range(G)]
         batch_std = None
         if args.scale_rewards == "batch" and self.accelerator.num_processes > 1:
             batch_std = self.accelerator.gather(rewards.to(device)).std().cpu()
         advantages, group_std = group_advantages(rewards, G, args.scale_rewards, batch_std=batch_std)
-        finished = torch.tensor(rollouts.finished, dtype=torch.bool)
         seq_keep = finished | (not args.mask_truncated_completions)
 
         B = args.per_device_train_batch_size
@@ -405,7 +426,8 @@ class GRPOTrainer(Trainer):
         for mb in micro:
             mb.num_items_in_batch = max(per_step, 1.0)
 
-        self._record_generation(rewards, per_func, group_std, completion_ids, finished, gen_time, prompts, texts)
+        self._record_generation(rewards, per_func, group_std, completion_ids, finished, sampled.generation_s,
+                                prompts, texts)
         return micro
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,

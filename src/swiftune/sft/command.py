@@ -114,6 +114,13 @@ def load_rows(spec: str | None, split: str, builtin_rows: Callable[[], Any]):
     return datasets.load_dataset(spec, split=split)
 
 
+def load_eval_rows(model_args: ModelArguments):
+    """The ``--eval_dataset`` rows (a file path or hub dataset), or None without one."""
+    if not model_args.eval_dataset:
+        return None
+    return load_rows(model_args.eval_dataset, model_args.eval_dataset_split, list)
+
+
 def gradient_checkpointing_mode(model_args: ModelArguments) -> bool | str:
     gc = {"true": True, "false": False, "offload": "offload"}.get(model_args.use_gradient_checkpointing.lower())
     if gc is None:
@@ -203,9 +210,7 @@ def run_sft(argv: list[str]) -> int:
     model_args, config, builtin = parse_sft_args(argv)
     model, tokenizer, use_lora = build_model(model_args, config, builtin)
     rows = load_rows(model_args.dataset, model_args.dataset_split, builtin_instruction_dataset)
-    eval_rows = (load_rows(model_args.eval_dataset, model_args.eval_dataset_split, list)
-                 if model_args.eval_dataset else None)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=rows, eval_dataset=eval_rows,
+    trainer = SFTTrainer(model=model, args=config, train_dataset=rows, eval_dataset=load_eval_rows(model_args),
                          processing_class=tokenizer)
     stats = trainer.train_dataset.stats
     print(f"swiftune sft: {stats.num_examples} examples ({stats.data_shape}), {stats.num_tokens} tokens, "
