@@ -55,6 +55,7 @@ Stop strings come from the engine's ``stop_strings`` plus a ``stop`` attribute o
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import time
@@ -116,13 +117,18 @@ def rollout_attention(module: nn.Module, query, key, value, attention_mask, drop
     return ctx.attend(module.layer_idx, query, key, value, scale, sliding_window, softcap), None
 
 
-def _rope_layer_types(decoder: nn.Module) -> list[str] | None:
-    """The layer types whose rotary tables differ (``rotary_emb(x, pos, layer_type)``), or None."""
+@functools.cache
+def _rotary_takes_layer_type(rotary_cls: type) -> bool:
+    """Whether ``rotary_emb(x, pos, layer_type)`` gives a table per layer type (Gemma 3); per class, once."""
     try:
-        takes_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
+        return "layer_type" in inspect.signature(rotary_cls.forward).parameters
     except (TypeError, ValueError):  # pragma: no cover - not introspectable
-        takes_type = False
-    return list(decoder.config.layer_types) if takes_type else None
+        return False
+
+
+def _rope_layer_types(decoder: nn.Module) -> list[str] | None:
+    """The layer types whose rotary tables differ, or None (one table for every layer)."""
+    return list(decoder.config.layer_types) if _rotary_takes_layer_type(type(decoder.rotary_emb)) else None
 
 
 def _sync(device: torch.device) -> None:
@@ -450,8 +456,9 @@ class FastRolloutEngine:
                     break
                 if self.compact_finished and len(live) <= view.rows // 2:
                     keep = min(view.rows, 1 << (len(live) - 1).bit_length())
-                    self._collect(view, slot_row, s, [i for i, f in enumerate(finished) if f], done)
-                    slots = live + [i for i, f in enumerate(finished) if f][:keep - len(live)]
+                    ended = [i for i, f in enumerate(finished) if f]
+                    self._collect(view, slot_row, s, ended, done)
+                    slots = live + ended[:keep - len(live)]
                     ws.keep_slots(slots)
                     slot_row = [slot_row[i] for i in slots]
                     view = ws.view(keep)
@@ -494,8 +501,8 @@ class FastRolloutEngine:
         index = torch.tensor(slots, dtype=torch.long, device=view.tok.device)
         lengths = view.lengths.index_select(0, index).tolist()
         finished = view.finished.index_select(0, index).tolist()
-        toks = view.out_tok.index_select(0, index)[:, :upto].cpu()
-        lps = view.out_lp.index_select(0, index)[:, :upto].cpu()
+        toks = view.out_tok[:, :upto].index_select(0, index).cpu()  # only the columns written so far
+        lps = view.out_lp[:, :upto].index_select(0, index).cpu()
         for j, i in enumerate(slots):
             done[slot_row[i]] = (toks[j, :lengths[j]].tolist(), lps[j, :lengths[j]], bool(finished[j]))
 
@@ -505,7 +512,7 @@ class FastRolloutEngine:
         key = (params.temperature, params.top_k, params.top_p, params.min_p,
                tuple(p.data_ptr() for p in self.model.parameters()))
         if ws.graphs is None or ws.graph_key != key:
-            ws.graphs = None
+            ws.graphs = None  # free the old graphs and their pool before capturing new ones
             ws.graphs = DecodeGraphs(lambda kv_len: self._decode_step(ws, ctx, params, kv_len), ws.state())
             ws.graph_key = key
         return ws.graphs

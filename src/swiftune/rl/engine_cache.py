@@ -128,9 +128,9 @@ class DecodeContext:
             # row's slot mask is one fused kernel on CUDA instead of matmul / mask / softmax / matmul
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(window), scale=scale)
             return out.reshape(rows, 1, heads, dim)
+        # Gemma 2 soft-caps the scores, which SDPA cannot do: matmul, tanh cap, mask, softmax, matmul
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hk, g, kv_len]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh(scores / softcap) * softcap
         scores = scores.float().masked_fill(~self.mask(window), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # [B, Hk, g, D]

@@ -78,7 +78,7 @@ class DecodeGraphs:
         return graph
 
     def _capture_or_none(self, kv_len: int) -> torch.cuda.CUDAGraph | None:
-        for attempt in range(2):
+        for _ in range(2):
             snap = self._snapshot()
             try:
                 return self.capture(kv_len)
