@@ -22,6 +22,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,26 @@ def _compiled_flex() -> Callable:
 def flex_fn(device: torch.device) -> Callable:
     """flex_attention, compiled on CUDA (eager flex materialises T x T scores: fine for CPU tests only)."""
     return _compiled_flex() if device.type == "cuda" else flex_attention
+
+
+def flex_token_major(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, *, scale: float, softcap: float | None = None,
+) -> torch.Tensor:
+    """flex_attention of token-major ``[T, H, D]`` q/k/v (one flat row) under ``block_mask``, with
+    Gemma 2's soft-cap when given; GQA when q has more heads than k. Returns ``[T, Hq, D]``."""
+    with warnings.catch_warnings():
+        # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = flex_fn(q.device)(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            score_mod=softcap_score_mod(softcap, q.device),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out.squeeze(0).transpose(0, 1)
 
 
 def softcap_score_mod(softcap: float | None, device: torch.device) -> Callable | None:
@@ -229,21 +250,7 @@ def flex_packed_attention(
     """flex_attention over the whole flat axis with a block-sparse document mask."""
     if dropout:
         raise ValueError("flex attention has no attention dropout")
-    block_mask = _flex_block_mask(packed, window, q.device)
-    score_mod = softcap_score_mod(softcap, q.device)
-    with warnings.catch_warnings():
-        # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = flex_fn(q.device)(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-    return out.squeeze(0).transpose(0, 1)
+    return flex_token_major(q, k, v, _flex_block_mask(packed, window, q.device), scale=scale, softcap=softcap)
 
 
 def varlen_packed_attention(

@@ -33,7 +33,6 @@ unchanged, so the switch is safe to leave in place.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import PackedBatch, packed_attention, packed_attention_forward, packed_attention_mask
-from ..attention.backends import flex_fn, softcap_score_mod
+from ..attention.backends import flex_token_major
 from ..models.patching import causal_lm_of
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
@@ -210,12 +209,4 @@ def shared_prompt_flex(
     """``flex_attention`` over the whole row with the shared-prompt block mask (GPU path)."""
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex attention needs torch >= 2.5")
-    block_mask = _shared_block_mask(layout, window, q.device)
-    score_mod = softcap_score_mod(softcap, q.device)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = flex_fn(q.device)(
-            q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-        )
-    return out.squeeze(0).transpose(0, 1)
+    return flex_token_major(q, k, v, _shared_block_mask(layout, window, q.device), scale=scale, softcap=softcap)
