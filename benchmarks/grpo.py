@@ -4,7 +4,8 @@
 model (bf16 weights, LoRA r=16 on all linear layers, gradient checkpointing), rollouts included:
 ``--generations`` (G, default 8) completions of one prompt of ``--prompt-tokens`` (256) random token
 ids, sampled by the built-in engine the trainer picks (``--engine``: ``FastRolloutEngine`` on CUDA,
-``TransformersRolloutEngine`` on CPU) with **no stop token** (the engine is called with ``stop_token_ids=()``), so every completion runs to ``max_completion_length``
+``TransformersRolloutEngine`` on CPU) with **no stop token** (the engine is called with
+``stop_token_ids=()``), so every completion runs to ``max_completion_length``
 (``--completion-tokens``, default 4096); a token-parity reward (share of even token ids) gives
 non-zero advantages; ``beta`` 0.04 so that the reference pass (the same model, adapters disabled)
 runs. Phases, each with its wall time and peak GPU memory (``max_memory_allocated`` reset at its
@@ -333,7 +334,8 @@ def run_step(args) -> dict:
     peak = max([v["peak_gb"] for v in phases.values() if v["peak_gb"] is not None] + [step["tail_peak_gb"]])
     gen = phases.get("generation", {"s": float("nan")})
     return dict(
-        benchmark="grpo_step", engine=engine_name, steps=args.steps, model=args.model, generations=G, prompt_tokens=P, max_completion_length=L,
+        benchmark="grpo_step", engine=engine_name, steps=args.steps, model=args.model, generations=G,
+        prompt_tokens=P, max_completion_length=L,
         completion_lengths=lengths, all_full_length=all(n == L for n in lengths), beta=args.beta,
         num_iterations=args.num_iterations, share_prompt=share, share_prompt_error=share_error,
         policy_row_tokens=sum(mb.row.num_tokens for mb in micro), lora_r=16,

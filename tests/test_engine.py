@@ -57,7 +57,8 @@ def forward_logprobs(model, prompt, completion, temperature):
     return logp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
 
 
-@pytest.mark.parametrize("family,patch", [("llama", True), ("qwen3", True), ("gemma2", True), ("gemma3", True), ("qwen3", False)])
+@pytest.mark.parametrize("family,patch",
+                         [("llama", True), ("qwen3", True), ("gemma2", True), ("gemma3", True), ("qwen3", False)])
 def test_greedy_equals_generate(tokenizer, prompts, family, patch):
     model = tiny_model(family, seed=5, patch=patch)
     attn = model.config._attn_implementation
@@ -209,7 +210,8 @@ def test_compacted_sampling_logprobs_equal_forward_pass(tokenizer, prompts):
     model = tiny_model("llama", seed=14)
     pad = tokenizer.pad_token_id
     vocab = model.config.vocab_size
-    stops = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 6].tolist()  # rows end at random
+    # a sixth of the vocabulary stops a row: rows end at random steps
+    stops = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab // 6].tolist()
     engine = FastRolloutEngine(model, pad_token_id=pad, check_every=1, kv_bucket=4, seed=5)
     out = engine.generate(prompts, 4, SamplingParams(max_tokens=16, temperature=0.8, stop_token_ids=stops))
     assert engine.stats.get("compactions", 0) >= 1 and len({len(c) for c in out.completion_ids}) > 2

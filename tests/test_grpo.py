@@ -504,12 +504,12 @@ def test_rollout_engine_auto_picks_by_device(tokenizer, tmp_path):
         trainer._builtin_engine(0)
 
 
-
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_killed_run_resumes_to_the_same_weights(tokenizer, tmp_path, num_iterations):
-    """A run killed after its checkpoint at step 2 and resumed ends where the uninterrupted run ends
-    (deterministic rollouts; with num_iterations=2 the checkpoint falls mid-way through reusing a
-    generation, so the resumed run regenerates it)."""
+    """A run killed after its checkpoint and resumed ends where the uninterrupted run ends
+    (deterministic rollouts; with num_iterations=2 the checkpoint at step 3 falls mid-way through
+    reusing a generation, so the resumed run must take that generation's micro-batches from the
+    checkpoint rather than sample again under the later policy)."""
     common = dict(max_steps=4, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
                   num_iterations=num_iterations, beta=0.05, learning_rate=1e-2, lr_scheduler_type="cosine",
                   warmup_steps=1, save_steps=2 if num_iterations == 1 else 3, metrics_file=None, plot_rewards=False,
