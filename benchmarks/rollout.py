@@ -169,6 +169,14 @@ _FAST_LINE = re.compile(r"^(\S+) fast G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) 
 _LORA_LINE = re.compile(r"^LoRA r=16 (\w+)\s+G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
 
 
+def attach_baselines(row: dict, baselines: dict[str, dict | None]) -> None:
+    """Put each measured ``generate`` baseline beside the engine's row, with the engine's speedup over it."""
+    for key, b in baselines.items():
+        if b:
+            row[key] = b
+            row[f"speedup_vs_{key}"] = row["fast"]["tokens_per_s"] / b["tokens_per_s"]
+
+
 def rows_from_logs(paths: list[str]) -> dict:
     """The JSON rows rebuilt from the lines this script prints (weights/KV sizes are not in the log)."""
     results: dict = {"device": "from logs: " + ", ".join(os.path.basename(p) for p in paths), "runs": [],
@@ -186,11 +194,8 @@ def rows_from_logs(paths: list[str]) -> dict:
                     name, rows, new, tps, ms, floor, cap = m.groups()
                     row = {"model": name, "rows": int(rows), "new_tokens": int(new), "hbm_floor_ms": float(floor),
                            "fast": {"tokens_per_s": float(tps), "step_ms": float(ms), "capture_s": float(cap)}}
-                    for kind in ("dynamic", "static"):
-                        b = base.get((name, int(rows), kind))
-                        if b:
-                            row[f"generate_{kind}"] = b
-                            row[f"speedup_vs_generate_{kind}"] = float(tps) / b["tokens_per_s"]
+                    attach_baselines(row, {f"generate_{k}": base.get((name, int(rows), k))
+                                           for k in ("dynamic", "static")})
                     results["runs"].append(row)
                 elif m := _LORA_LINE.match(line):
                     lora, rows, new, tps, ms = m.groups()
@@ -282,12 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                 floor_ms = 1e3 * (wbytes + kv_mean) / bw if bw == bw else float("nan")
                 row = {"model": name, "rows": rows, "new_tokens": new, "fast": r, "hbm_floor_ms": floor_ms,
                        "weight_gb": wbytes / 1e9, "kv_mean_gb": kv_mean / 1e9}
-                for static in (False, True):
-                    b = base.get((rows, static))
-                    if b:
-                        key = "generate_static" if static else "generate_dynamic"
-                        row[key] = b
-                        row[f"speedup_vs_{key}"] = r["tokens_per_s"] / b["tokens_per_s"]
+                attach_baselines(row, {"generate_dynamic": base.get((rows, False)),
+                                       "generate_static": base.get((rows, True))})
                 results["runs"].append(row)
                 save()
                 print(f"{name} fast G={rows} N={new}: {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step "
