@@ -12,6 +12,9 @@
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh longctx      # 8K..400K tokens, Qwen3-8B, every mode + bisection (~9 min)
+#   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
+#   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
+#   scripts/gpu_suite.sh verify       # check + grpo-step + longctx-overhead in one call (~9.5 min)
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune vs TRL (~9 min)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
@@ -37,7 +40,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
 part=${1:?"which part? see the header of $0"}
 case "$part" in
   check)
-    run pytest 280 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py \
+    run pytest 230 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py \
       -k "cuda or gpu or flex or auto" -p no:cacheprovider ;;
   rollout)
     run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 \
@@ -66,5 +69,16 @@ case "$part" in
   grpo-bisect)
     run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
       --completion-lengths 65536 --time-budget 520 --out "$OUT/grpo_bisect.json" ;;
+  longctx-overhead)
+    run longctx_overhead 180 python3 benchmarks/longctx.py --modes ckpt offload_all --tokens 8192 32768 \
+      --doc-tokens 8192 --repeats 3 --time-budget 140 --out "$OUT/longctx_overhead.json" ;;
+  longctx-sweep)
+    run longctx_sweep 560 python3 benchmarks/longctx.py --modes baseline ckpt offload \
+      --tokens 8192 32768 65536 131072 262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 \
+      --time-budget 470 --out "$OUT/longctx_sweep.json" ;;
+  verify)
+    "$0" check
+    run grpo_step 170 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json"
+    "$0" longctx-overhead ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
