@@ -140,15 +140,18 @@ def host_rss() -> int:
     return 0
 
 
-def _plan_kwargs(mode: str, args) -> dict:
-    """The planner's options for a benchmark mode."""
+def varlen_expands_kv() -> bool:
+    """Whether this torch's varlen attention needs K/V repeated to the query heads (no GQA)."""
     try:
         from swiftune.attention.backends import _VARLEN_PARAMS
-
-        kv_expanded = "enable_gqa" not in _VARLEN_PARAMS
     except ImportError:
-        kv_expanded = True
-    kw: dict = dict(kv_expanded=kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
+        return True
+    return "enable_gqa" not in _VARLEN_PARAMS
+
+
+def _plan_kwargs(mode: str, args) -> dict:
+    """The planner's options for a benchmark mode."""
+    kw: dict = dict(kv_expanded=args.kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
     if mode == "baseline":
         kw.update(chunked_loss=False, tiled_mlp=False, tiled_projections=False, gradient_checkpointing=True)
     elif mode == "ckpt":
@@ -177,20 +180,24 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
     batch = make_batch(tokens, vocab, args.doc_tokens, device)
     row: dict = {"mode": mode, "tokens": tokens}
     cuda = device.type == "cuda"
-    times = []
+    times, times_excl_pin = [], []
     try:
         for _ in range(args.repeats):
             gc.collect()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            pinned_before = offload_stats(model).get("host_alloc_seconds", 0.0)
             t0 = time.perf_counter()
             row["loss"] = step(model, mode, batch, optimizer)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+            # first-time pinning of host pages (the pool keeps them for later steps), per step
+            times_excl_pin.append(times[-1] - (offload_stats(model).get("host_alloc_seconds", 0.0) - pinned_before))
         row["status"] = "ok"
         row["step_s"] = statistics.median(times)
+        row["step_s_excl_pin"] = statistics.median(times_excl_pin)
         row["tokens_per_s"] = tokens / row["step_s"]
         if cuda:
             row["peak_allocated"] = torch.cuda.max_memory_allocated()
@@ -210,8 +217,6 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
         row.update(kept=len(stats["keep"]), offloaded=len(stats["offload"]), host_pinned=stats["host_pinned_bytes"])
         # pinning new host pages happens once (the pool is reused); report it apart from the step
         row["pin_s"] = stats["host_alloc_seconds"] - pin0
-        if row.get("step_s") is not None:
-            row["step_s_excl_pin"] = row["step_s"] - row["pin_s"] / args.repeats
     row["host_rss"] = host_rss()
     gpu_total = torch.cuda.get_device_properties(device).total_memory if cuda else None
     row.update(predict(args.model, tokens, mode, gpu_total, args))
@@ -219,6 +224,29 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
         row["alloc_over_pred"] = row["peak_allocated"] / row["pred_allocated"]
         row["reserved_over_pred"] = row["peak_reserved"] / row["pred_total"]
     return row
+
+
+def replan(path: str, args) -> None:
+    """Rewrite the planner's columns of a saved result with the current planner (no GPU needed)."""
+    with open(path) as f:
+        data = json.load(f)
+    saved = data.get("args", {})
+    for key in ("model", "tile_projections", "mlp_tile"):
+        setattr(args, key, saved.get(key, getattr(args, key)))
+    # results saved before the field existed came from torch 2.11, whose varlen attention expands K/V
+    args.kv_expanded = saved.get("kv_expanded", True)
+    gpu = int(data.get("gpu_bytes") or args.gpu_bytes)
+    data["gpu_bytes"] = gpu
+    for row in data["rows"]:
+        if row.get("status") not in ("ok", "oom", "oom_host"):
+            continue
+        row.update(predict(args.model, row["tokens"], row["mode"], gpu, args))
+        if row.get("peak_allocated"):
+            row["alloc_over_pred"] = row["peak_allocated"] / row["pred_allocated"]
+            row["reserved_over_pred"] = row["peak_reserved"] / row["pred_total"]
+        print_row(row)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
 
 
 def print_row(row: dict, header: bool = False) -> None:
@@ -267,7 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bisect-granularity", type=int, default=16384)
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped")
     p.add_argument("--out", default=None)
+    p.add_argument("--replan", nargs="+", default=None, metavar="JSON",
+                   help="no run: recompute the planner columns of saved results with the current planner "
+                        "(rewritten in place; see --gpu-bytes)")
+    p.add_argument("--gpu-bytes", type=float, default=149.3e9,
+                   help="--replan: GPU memory when the JSON does not record it (default: an H200)")
     args = p.parse_args(argv)
+    args.kv_expanded = varlen_expands_kv()
+    if args.replan:
+        for path in args.replan:
+            replan(path, args)
+        return 0
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.model != "tiny" and device.type != "cuda":
@@ -336,15 +374,22 @@ def main(argv: list[str] | None = None) -> int:
 
         from workload import MODEL_SHAPES
 
+        from swiftune.models.checkpointing import host_available_bytes
+
         gpu = torch.cuda.get_device_properties(device).total_memory
+        host = host_available_bytes()  # what the offloaded checkpoints may pin on this machine
         for mode in args.modes:
             if mode != "offload_all":
-                predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **_plan_kwargs(mode, args))
+                kw = _plan_kwargs(mode, args)
+                if mode == "offload":
+                    kw["host_bytes"] = host
+                predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **kw)
         print("# planner's largest fitting token count: "
               + ", ".join(f"{m} {n:,}" for m, n in predicted.items()), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                       "gpu_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
                        "torch": torch.__version__, "args": vars(args), "rows": rows,
                        "predicted_max_tokens": predicted}, f, indent=1, default=str)
     print(f"# wall {time.perf_counter() - start:.0f} s", flush=True)

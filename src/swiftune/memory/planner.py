@@ -43,6 +43,14 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)
 #: steps allocate and free multi-GB blocks of a few sizes; 5% is the usual reserved/allocated gap).
 FRAGMENTATION = 0.05
 
+
+def offload_margin_bytes(gpu_bytes: int) -> int:
+    """GPU memory the offloaded checkpointing leaves unused when it sizes its budget: 5% of the GPU
+    + 1 GiB (headroom for allocator rounding and whatever the step allocates beyond the plan).
+    The planner's offload split uses the same margin, so it predicts the layers the run keeps."""
+    return int(0.05 * gpu_bytes) + GiB
+
+
 #: Default token chunk of the fused loss when none is given: the upper clamp of
 #: :func:`swiftune.losses.choose_chunk_tokens` (what it picks whenever a few GB are free).
 DEFAULT_LOGIT_CHUNK = 4096
@@ -565,12 +573,16 @@ def plan_memory(
         checkpoints = L * per_layer
     else:
         transfer = 2 * per_layer  # the restored layer input and the prefetched one
-        fixed = weights + trainable + grads + optim + max(working, loss) + transfer
         if gpu_bytes is None:
             kept = 0
         else:
-            room = gpu_bytes - CUDA_CONTEXT_BYTES - fixed * (1 + FRAGMENTATION)
-            kept = max(0, min(L, int(room // (per_layer * (1 + FRAGMENTATION)))))
+            # the runtime's rule (models/checkpointing.py, gpu_budget): what is free once the
+            # parameters, optimizer states and the first layer's input exist, minus step_reserve,
+            # minus the same margin
+            resident = weights + trainable + grads + optim + per_layer
+            reserve = (max(working, loss) + transfer) * (1 + FRAGMENTATION)
+            room = gpu_bytes - CUDA_CONTEXT_BYTES - offload_margin_bytes(gpu_bytes) - resident - reserve
+            kept = max(0, min(L, int(room // per_layer)))
         if kept == L:
             transfer = 0
         off = L - kept

@@ -375,10 +375,10 @@ class OffloadState:
         if x.device.type != "cuda":
             return 2**62  # CPU: everything stays, i.e. plain checkpointing
         from ..losses.chunking import free_gpu_bytes
+        from ..memory.planner import offload_margin_bytes
 
         total = torch.cuda.get_device_properties(x.device).total_memory
-        margin = int(0.05 * total) + GiB
-        return max(0, free_gpu_bytes(x.device) - self._reserve(x) - margin)
+        return max(0, free_gpu_bytes(x.device) - self._reserve(x) - offload_margin_bytes(total))
 
     def _reserve(self, x: torch.Tensor) -> int:
         """GPU bytes the rest of the step needs (planner formulas; generous fallback)."""
