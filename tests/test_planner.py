@@ -108,6 +108,27 @@ def test_offload_plan_keeps_fewer_layers_as_tokens_grow_and_stays_under_the_gpu(
     assert off > on > plain > 0
 
 
+@pytest.mark.parametrize("tokens", [65_536, 300_000, 409_600, 600_000])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_offload_plan_keeps_the_layers_the_runtime_budget_keeps(tokens, tiled):
+    """The planner's offload split and the runtime's (models/checkpointing.py: free memory at the
+    first layer, minus step_reserve, minus offload_margin_bytes, then split_layers) agree."""
+    from swiftune.memory.planner import CUDA_CONTEXT_BYTES, offload_margin_bytes, step_reserve
+    from swiftune.models.checkpointing import split_layers
+
+    gpu = int(149.3e9)
+    plan = plan_memory("qwen3-8b", tokens, gradient_checkpointing="offload", gpu_bytes=gpu,
+                       tiled_projections=tiled, kv_expanded=True)
+    setup = TrainSetup(lora_rank=16, tiled_projections=tiled, kv_expanded=True)
+    per_layer = tokens * 4096 * 2
+    resident = plan.weights + plan.trainable + plan.gradients + plan.optimizer
+    free_at_first_layer = gpu - CUDA_CONTEXT_BYTES - resident - per_layer  # the embedding output is alive
+    budget = free_at_first_layer - step_reserve("qwen3-8b", tokens, setup) - offload_margin_bytes(gpu)
+    runtime = split_layers(36, per_layer, budget, host_budget_bytes=2**62)
+    assert plan.kept_layers == len(runtime.keep)
+    assert plan.host_bytes == len(runtime.offload) * per_layer
+
+
 @pytest.mark.parametrize("mode", MODES[:4], ids=str)
 def test_max_tokens_is_the_fitting_boundary(mode):
     gpu = int(mode.pop("gpu_bytes", 80e9))
