@@ -240,3 +240,17 @@ def test_command_evaluates_a_held_out_file(tmp_path):
     lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
     evals = [m for m in lines if "eval_loss" in m]
     assert [m["step"] for m in evals] == [1, 2] and all(math.isfinite(m["eval_loss"]) for m in evals)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_model_path_uses_the_configs_kernel_backend(tokenizer, rows, tmp_path, backend):
+    """SFTTrainer(model="path/to/model") loads, patches and trains with its SFTConfig's kernel_backend."""
+    path = tmp_path / "base"
+    tiny_model(False).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
+                     max_length=64, **{**FAST, "kernel_backend": backend})
+    trainer = SFTTrainer(model=str(path), args=args, train_dataset=rows[:4])
+    backends = {getattr(m, "_swiftune_kernel_backend", None) for m in trainer.model.modules()} - {None}
+    assert backends == {backend}
+    trainer.train()

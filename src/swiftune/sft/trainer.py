@@ -73,7 +73,8 @@ class SFTTrainer(Trainer):
             raise TypeError(f"args must be a swiftune.SFTConfig, got {type(args).__name__}")
         if isinstance(model, str):
             model, loaded_tokenizer = FastModel.from_pretrained(
-                model, max_seq_length=args.max_length, attn_implementation=args.attention_backend
+                model, max_seq_length=args.max_length, attn_implementation=args.attention_backend,
+                kernel_backend=args.kernel_backend,
             )
             processing_class = processing_class or loaded_tokenizer
         if processing_class is None:
