@@ -184,3 +184,42 @@ def test_cli_prints_table_and_max_tokens(capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["tokens"] == 1024 and data["max_tokens"] > 1024
     assert main_plan(["--model", "no-such-model"]) == 2
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+def test_lora_saved_bytes_match_autograd(autocast, lora_dtype):
+    """What one PEFT LoRA linear saves per token, measured with saved-tensor hooks, against the
+    planner's term (``_lora_input_bytes``), with float32 / bf16 adapters, with and without autocast."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftune.memory.planner import _lora_input_bytes
+
+    H, out, r, T = 48, 80, 8, 37
+
+    class Up(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(H, out, bias=False)
+
+        def forward(self, x):
+            return self.up(x)
+
+    torch.manual_seed(0)
+    model = get_peft_model(Up().to(torch.bfloat16), LoraConfig(r=r, target_modules=["up"]))
+    if lora_dtype == torch.bfloat16:
+        model.to(torch.bfloat16)
+    assert model.base_model.model.up.lora_A["default"].weight.dtype == lora_dtype
+    x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
+    inp = x * 1  # the layer's input: a non-leaf activation, as in a model
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(inp)
+    per_token = [t for t in saved if t.dim() == 2 and t.shape[0] == T]  # weights are not per token
+    own = sum(t.numel() * t.element_size() for t in per_token if t.data_ptr() != inp.data_ptr()) // T
+    shares_input = any(t.data_ptr() == inp.data_ptr() for t in per_token)
+    setup = TrainSetup(lora_rank=r, lora_dtype_bytes=4 if lora_dtype == torch.float32 else 2, autocast=autocast)
+    assert own == _lora_input_bytes(H, setup)
+    # same dtype: the adapters save the shared input itself (the planner counts it once per input)
+    assert shares_input == (lora_dtype == torch.bfloat16)

@@ -252,6 +252,10 @@ class TrainSetup:
         chunked_loss: swiftune's fused chunked cross entropy; ``False``: full logits +
             ``F.cross_entropy`` (the transformers baseline).
         logit_chunk_tokens: token chunk of the fused loss (``None``: :data:`DEFAULT_LOGIT_CHUNK`).
+        autocast: the step runs under ``torch.autocast`` to the activation dtype (``bf16=True`` in
+            the trainers).  PEFT still casts each LoRA input to the adapters' dtype, but autocast
+            casts it back for the matmul, so what is saved is an activation-dtype copy (and the
+            rank-``r`` intermediate in that dtype too), not a float32 one.
     """
 
     lora_rank: int = 16
@@ -264,6 +268,7 @@ class TrainSetup:
     kv_expanded: bool = True
     chunked_loss: bool = True
     logit_chunk_tokens: int | None = None
+    autocast: bool = False
 
     @property
     def lora(self) -> bool:
@@ -284,9 +289,11 @@ def auto_tile_tokens(intermediate: int, hidden: int, dtype_bytes: int = 2, tile_
 
 def _lora_input_bytes(width: int, s: TrainSetup) -> int:
     """Per-token bytes a LoRA pair saves beyond its base layer: ``r`` outputs of A, and a cast
-    copy of the input when the adapter dtype differs from the activation dtype."""
-    cast = width * s.lora_dtype_bytes if s.lora_dtype_bytes != s.dtype_bytes else 0
-    return cast + s.lora_rank * s.lora_dtype_bytes
+    copy of the input when the adapter dtype differs from the activation dtype (under autocast
+    both are in the activation dtype: the matmuls run there)."""
+    saved_bytes = s.dtype_bytes if s.autocast else s.lora_dtype_bytes
+    cast = width * saved_bytes if s.lora_dtype_bytes != s.dtype_bytes else 0
+    return cast + s.lora_rank * saved_bytes
 
 
 def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
@@ -587,7 +594,7 @@ def plan_memory(
             transfer = 0
         off = L - kept
         checkpoints = kept * per_layer
-    if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections:
+    if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections and not s.autocast:
         notes.append("LoRA adapters in float32 save a float32 copy of each projection's input; "
                      "tiled_projections=True or bf16 adapters remove most of it")
     plan = MemoryPlan(
@@ -675,6 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiled_projections", action="store_true")
     p.add_argument("--lora_dtype", default="fp32", choices=sorted(_DTYPE_BYTES), help="LoRA weight dtype (PEFT: fp32)")
     p.add_argument("--full_logits", action="store_true", help="plain F.cross_entropy on full logits")
+    p.add_argument("--autocast", action="store_true",
+                   help="the step runs under bf16 autocast (swiftune sft / grpo with bf16): LoRA saves bf16 copies")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -700,6 +709,7 @@ def main_plan(argv: list[str] | None = None) -> int:
         gradient_checkpointing=args.gradient_checkpointing, logit_chunk_tokens=args.logit_chunk_tokens,
         host_bytes=host, tiled_mlp=not args.no_tiled_mlp, tiled_projections=args.tiled_projections,
         lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
+        autocast=args.autocast,
     )
     try:
         plan = plan_memory(args.model, args.tokens, args.lora_rank, gpu_bytes=gpu, **kw)

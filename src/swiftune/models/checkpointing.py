@@ -423,8 +423,9 @@ class OffloadState:
 
 
 def _setup_of(model: nn.Module | None, x: torch.Tensor):
-    """The planner's TrainSetup as far as the model tells: LoRA rank/dtype, tiling, full FT,
-    and whether attention saves K/V expanded to the query heads (torch's varlen without GQA)."""
+    """The planner's TrainSetup as far as the model and the step tell: LoRA rank/dtype, tiling,
+    full FT, autocast, and whether attention saves K/V expanded to the query heads (torch's
+    varlen without GQA)."""
     from ..memory.planner import TrainSetup
     from .tiled_mlp import is_tiled
 
@@ -446,6 +447,7 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor):
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
         tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=kv_expanded,
+        autocast=torch.is_autocast_enabled(x.device.type),
     )
 
 
