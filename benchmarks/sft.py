@@ -12,6 +12,10 @@ Modes:
   trl_liger         the same with use_liger_kernel=True
   swiftune          swiftune SFTTrainer, padding-free (default)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
+  swiftune_budget_offload
+                    the same with every layer checkpoint in pinned host memory and the LoRA
+                    projections tiled (use_gradient_checkpointing="offload", GPU budget 0): the
+                    least GPU memory (offloading costs 0.1-0.5% of a step, docs/benchmarks.md)
 
     python benchmarks/sft.py --model qwen3-8b --batch 16 --modes hf_padded swiftune swiftune_budget
     python benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32        # the batch sweep
@@ -34,7 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget"]
+ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 
 
 class CountingCollator:
@@ -117,10 +121,17 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         import swiftune
         from swiftune.data import FormattingStats, TokenizedDataset
 
-        model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=True)
+        offload = mode == "swiftune_budget_offload"
+        model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16,
+                                                  use_gradient_checkpointing="offload" if offload else True)
+        if offload:  # every layer input to the host, not only those the GPU budget cannot hold
+            from swiftune.models.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+
+            disable_offloaded_checkpointing(model)
+            enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
         examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
-        extra = dict(max_tokens_per_batch=budget) if mode == "swiftune_budget" else {}
+        extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}
         common.pop("gradient_checkpointing_kwargs")
         common["gradient_checkpointing"] = False  # already enabled by get_peft_model
         trainer = swiftune.SFTTrainer(
@@ -201,14 +212,14 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     rows.sort(key=lambda r: (r["batch"], args.modes.index(r["mode"])))
     base = {r["batch"]: r for r in rows if r["mode"] == "hf_padded" and "error" not in r}
-    print(f"\n{'mode':<17} {'model':<11} {'batch':>5} {'tok/s':>8} {'x hf_padded':>11} {'peak GB':>8} "
+    print(f"\n{'mode':<24} {'model':<11} {'batch':>5} {'tok/s':>8} {'x hf_padded':>11} {'peak GB':>8} "
           f"{'s/step':>7} {'padding':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mode']:<17} {r['model']:<11} {r['batch']:>5}  FAILED: {r['error'][:150]}")
+            print(f"{r['mode']:<24} {r['model']:<11} {r['batch']:>5}  FAILED: {r['error'][:150]}")
             continue
         ratio = r["tokens_per_s"] / base[r["batch"]]["tokens_per_s"] if r["batch"] in base else float("nan")
-        print(f"{r['mode']:<17} {r['model']:<11} {r['batch']:>5} {r['tokens_per_s']:8.0f} {ratio:11.2f} "
+        print(f"{r['mode']:<24} {r['model']:<11} {r['batch']:>5} {r['tokens_per_s']:8.0f} {ratio:11.2f} "
               f"{r['peak_gb']:8.1f} {r['sec_per_step']:7.2f} {r['padding_fraction']:8.1%}")
     if args.out:
         with open(args.out, "w") as f:

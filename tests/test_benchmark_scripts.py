@@ -16,7 +16,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
-COMMITTED = [os.path.join(ROOT, "docs", "results", f) for f in ("sft_qwen3-8b_b16.json", "longctx_qwen3-8b_32k.json")]
+COMMITTED = [os.path.join(ROOT, "docs", "results", f)
+             for f in ("sft_qwen3-8b_b16.json", "longctx_qwen3-8b_32k.json", "longctx_qwen3-8b_sweep_h200.json")]
+LONGCTX_RESULTS = [os.path.join(ROOT, "docs", "results", f"longctx_qwen3-8b_{k}.json")
+                   for k in ("sweep_h200", "400k_single_h200", "offload_overhead_h200", "32k")]
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -150,3 +153,50 @@ def test_plots_render_committed_and_smoke_results(tmp_path, grpo_step_json, grpo
     for f in files:
         png = tmp_path / (os.path.splitext(os.path.basename(f))[0] + ".png")
         assert png.exists() and png.stat().st_size > 10_000, (png, proc.stdout)
+
+
+def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path):
+    out = tmp_path / "sft.json"
+    modes = ["hf_padded", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
+    proc = run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "3", "--warmup", "1",
+                      "--modes", *modes, "--budget", "256", "--max_length", "128", "--out", str(out))
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == set(modes) and not any("error" in r for r in rows.values()), proc.stdout[-2000:]
+    assert rows["hf_padded"]["padding_fraction"] > 0
+    assert all(rows[m]["padding_fraction"] == 0 and rows[m]["tokens_per_s"] > 0 for m in modes[1:])
+    assert "x hf_padded" in proc.stdout.splitlines()[-5]  # the table is printed last
+
+
+def test_longctx_tiny_rows_and_replan(tmp_path):
+    out = tmp_path / "longctx.json"
+    run_script("longctx.py", "--model", "tiny", "--tokens", "256", "1024", "--modes", "baseline", "ckpt",
+               "offload", "offload_all", "--repeats", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    rows = {(r["mode"], r["tokens"]): r for r in data["rows"]}
+    assert all(rows[(m, t)]["status"] == "ok" for m in ("baseline", "ckpt", "offload", "offload_all")
+               for t in (256, 1024))
+    assert rows[("offload_all", 1024)]["kept"] == 0 and rows[("offload", 1024)]["offloaded"] == 0
+    assert "time_vs_ckpt" in rows[("offload_all", 1024)] and "pred_allocated" in rows[("ckpt", 1024)]
+    # --replan rewrites only the planner's columns
+    before = json.loads(out.read_text())
+    for r in before["rows"]:
+        r["pred_allocated"] = 1
+    out.write_text(json.dumps(before))
+    run_script("longctx.py", "--replan", str(out), "--gpu-bytes", "8e9")
+    after = json.loads(out.read_text())
+    for a, b in zip(before["rows"], after["rows"]):
+        assert a.get("step_s") == b.get("step_s") and a.get("peak_allocated") == b.get("peak_allocated")
+    assert after["rows"][0]["pred_allocated"] > 1 and after["gpu_bytes"] == (data["gpu_bytes"] or int(8e9))
+
+
+@pytest.mark.parametrize("path", LONGCTX_RESULTS, ids=os.path.basename)
+def test_committed_longctx_results_carry_the_current_planner(tmp_path, path):
+    """docs/benchmarks.md quotes the planner columns of these files: they must be what the
+    planner says today (after a planner change: python benchmarks/longctx.py --replan FILE)."""
+    copy = tmp_path / os.path.basename(path)
+    copy.write_text(open(path).read())
+    run_script("longctx.py", "--replan", str(copy))
+    committed, now = json.loads(open(path).read()), json.loads(copy.read_text())
+    for a, b in zip(committed["rows"], now["rows"]):
+        assert a.get("pred_allocated") == b.get("pred_allocated"), (a["mode"], a["tokens"])
+        assert a.get("pred_kept") == b.get("pred_kept")
