@@ -21,7 +21,9 @@ Modes:
     python benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32        # the batch sweep
     python benchmarks/sft.py --one swiftune --model qwen3-0.6b --batch 8     # one mode, JSON on stdout
 
-One process per mode runs every batch size of the sweep (a fresh model and trainer per batch size,
+The token-budget modes take micro-batches of ``--budget`` tokens whatever the batch size, so they
+run once, reported beside batch 16 (or the largest batch of the sweep). One process per mode runs
+every batch size of the sweep (a fresh model and trainer per batch size,
 peak memory reset between them), so imports and CUDA start-up are paid once per mode; a batch size
 that runs out of memory is reported as such and the next one still runs.
 """
@@ -197,7 +199,9 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for mode in args.modes:
-        cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, args.batch),
+        # a token-budget micro-batch ignores the row count: measure it once, beside batch 16
+        batches = [16 if 16 in args.batch else max(args.batch)] if mode.startswith("swiftune_budget") else args.batch
+        cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, batches),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
                "--max_length", str(args.max_length)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
                 row = json.loads(line[7:])
                 found[row["batch"]] = row
         err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        for batch in args.batch:
+        for batch in batches:
             rows.append(found.get(batch) or dict(mode=mode, model=args.model, batch=batch, error=" | ".join(err)[-300:]))
             print(json.dumps(rows[-1]), flush=True)
     rows.sort(key=lambda r: (r["batch"], args.modes.index(r["mode"])))
