@@ -101,6 +101,48 @@ def test_sampling_logprobs_equal_forward_pass(tokenizer, prompts, family):
         assert rel_err(out_k.logprobs[i], want_k) < 1e-5
 
 
+@pytest.mark.parametrize("family,dtype,backend", [("llama", torch.float32, "reference"),
+                                                   ("qwen3", torch.bfloat16, "reference"),
+                                                   ("qwen3", torch.float32, "triton")])
+def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prompts, family, dtype, backend,
+                                                                  monkeypatch):
+    """The engine's pre-norm loop (residual adds folded into the norms) gives the same tokens and
+    log-probs as calling each decoder layer, sampled, with a LoRA adapter running as PEFT layers."""
+    import swiftune.rl.engine as engine_module
+
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(family), dtype=dtype)
+    with torch.no_grad():  # norms start as ones: give each its own weights, so a mixed-up norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    patch_model(model, attention="reference", kernel_backend=backend)
+    model = add_lora(model).eval()
+    calls = []
+    real = engine_module.prenorm_layers
+    monkeypatch.setattr(engine_module, "prenorm_layers", lambda *a: calls.append(1) or real(*a))
+    params = SamplingParams(max_tokens=9, temperature=0.9)
+    fused = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime").generate(prompts, 2, params)
+    assert calls  # the fused loop ran (prefill and every decode step)
+    n = len(calls)
+    plain = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime",
+                              fuse_residual_norm=False).generate(prompts, 2, params)
+    assert len(calls) == n  # ... and the unfused engine did not use it
+    assert fused.completion_ids == plain.completion_ids
+    assert torch.equal(torch.cat(fused.logprobs), torch.cat(plain.logprobs))
+
+
+def test_fused_residual_norm_only_on_patched_pre_norm_models():
+    from swiftune.rl.engine_layers import fused_prenorm_supported
+
+    for family, patch, expected in [("qwen3", True, True), ("llama", True, True), ("qwen3", False, False),
+                                    ("gemma2", True, False), ("gemma3", True, False)]:
+        model = tiny_model(family, patch=patch)
+        assert fused_prenorm_supported(model.model, model.config.model_type, torch.float32) == expected, family
+        if expected:  # norm weights in another dtype than the activations: transformers' rules apply
+            assert not fused_prenorm_supported(model.model, model.config.model_type, torch.bfloat16)
+
+
 def test_shared_prompt_prefill_equals_separate(tokenizer, prompts):
     model = tiny_model("qwen3", seed=9)
     params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.95)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from swiftune.kernels import (
+    add_rms_norm,
+    add_rms_norm_reference,
     geglu,
     geglu_reference,
     rms_norm,
@@ -283,6 +285,37 @@ def test_rms_norm_non_contiguous_fp32_weight_and_int64(device):
     ro.backward(torch.ones_like(ro))
     assert o.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
     assert rel_err(o, ro) < 1e-2 and rel_err(x.grad, xr.grad) < 1e-2 and rel_err(w.grad, wr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 100, 2050])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_add_rms_norm_matches_reference_and_the_unfused_ops_exactly(device, dtype, hidden, offset):
+    torch.manual_seed(hidden + 3 * int(offset))
+    x64 = torch.randn(5, 3, hidden, dtype=torch.float64)
+    r64 = torch.randn(5, 3, hidden, dtype=torch.float64) * 3
+    w64 = torch.randn(hidden, dtype=torch.float64) * 0.5 + (0.0 if offset else 1.0)
+    ry, rs = add_rms_norm_reference(x64, r64, w64, 1e-6, offset)
+    x, res, w = (t.to(device, dtype) for t in (x64, r64, w64))
+    with torch.no_grad():
+        y, s = add_rms_norm(x, res, w, 1e-6, offset, backend="triton")
+        # the unfused ops it replaces: the same roundings, bit for bit
+        s_unfused = x + res
+        y_unfused = rms_norm(s_unfused, w, 1e-6, offset, backend="triton")
+    assert y.dtype == s.dtype == dtype and y.shape == s.shape == x.shape
+    assert rel_err(s, rs) < TOL[dtype] and rel_err(y, ry) < TOL[dtype]
+    if dtype == torch.float32 or x.is_cuda:
+        assert torch.equal(s, s_unfused) and torch.equal(y, y_unfused)
+    else:  # the Triton interpreter does not round float32 -> bf16 to nearest (DESIGN.md): 1 ulp apart
+        assert rel_err(s, s_unfused) < TOL[dtype] and rel_err(y, y_unfused) < TOL[dtype]
+
+
+def test_add_rms_norm_refuses_grad_and_mismatched_residual():
+    x, w = torch.randn(2, 8, requires_grad=True), torch.ones(8)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        add_rms_norm(x, torch.randn(2, 8), w, 1e-6, backend="reference")
+    with pytest.raises(ValueError, match="residual must match"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64), w, 1e-6)
 
 
 def test_rms_norm_errors():

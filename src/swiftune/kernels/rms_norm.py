@@ -11,6 +11,10 @@ Backward, with ``g = dy * (offset + w)``::
     dx = r * (g - x_hat * mean(g * x_hat))
     dw = sum over rows of dy * x_hat
 
+``add_rms_norm`` (decoding only, no backward) fuses the residual add that precedes each norm of
+a pre-norm decoder layer: ``s = round(x + residual)``, ``y = rms_norm(s)``; it returns ``(y, s)``
+with exactly the roundings of the unfused ``rms_norm(x + residual)``.
+
 Only x, w and the per-row ``r`` (one float32 per row) are saved. The backward kernel runs a
 fixed number of programs that each walk a strided set of rows and accumulate their share of
 ``dw`` in registers; the partial sums are added afterwards, so no atomics are needed and the
@@ -75,8 +79,30 @@ if triton is not None:
             dw += dy * x_hat
         tl.store(dw_part_ptr + pid * n_cols + cols, dw, mask=mask)
 
+    @triton.jit
+    def _add_rms_fwd_kernel(
+        x_ptr, res_ptr, w_ptr, y_ptr, s_ptr, n_cols, stride_x, stride_res, stride_y, stride_s, eps, offset,
+        BLOCK: tl.constexpr, INT64: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        if INT64:
+            row = row.to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # round the sum to the activation dtype first, as the unfused `x + residual` does, and
+        # normalise the rounded value: the new residual stream and y match the unfused path
+        s = (x + res).to(s_ptr.dtype.element_ty)
+        tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
+        s = s.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(s * s, axis=0) / n_cols + eps)
+        tl.store(y_ptr + row * stride_y + cols, (s * r * (offset + w)).to(y_ptr.dtype.element_ty), mask=mask)
+
 else:  # pragma: no cover
     _rms_fwd_kernel = None
+    _add_rms_fwd_kernel = None
 
 
 def _num_warps(block: int) -> int:
@@ -152,3 +178,56 @@ def rms_norm(
     if choose_backend(backend, _rms_fwd_kernel, {"x": x, "weight": weight}) == "reference":
         return rms_norm_reference(x, weight, eps, offset)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), _force_int64)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch: ``s = x + residual`` (in x's dtype), ``(rms_norm(s), s)``."""
+    s = x + residual
+    return rms_norm_reference(s, weight, eps, offset), s
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)`` in one pass: the residual add and the next
+    RMSNorm of a pre-norm decoder layer, for decoding (one kernel instead of two per norm).
+
+    No autograd: inputs that require grad are refused (training keeps the separate ops, whose
+    backward exists). ``x`` and ``residual`` share shape and dtype; outputs are in that dtype.
+    """
+    check_float("x", x)
+    check_float("weight", weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be 1-D with x's last dimension: weight {tuple(weight.shape)}, x {tuple(x.shape)}"
+        )
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        raise RuntimeError("add_rms_norm has no backward: call it under torch.no_grad() (decoding)")
+    if choose_backend(backend, _add_rms_fwd_kernel, {"x": x, "residual": residual, "weight": weight}) == "reference":
+        return add_rms_norm_reference(x, residual, weight, eps, offset)
+    shape = x.shape
+    x2, r2 = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    n_rows, n_cols = x2.shape
+    y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y)
+    block = next_pow2(n_cols)
+    _add_rms_fwd_kernel[(n_rows,)](
+        x2, r2, weight, y, s, n_cols, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps),
+        float(offset), BLOCK=block, INT64=needs_int64(x2, r2), num_warps=_num_warps(block),
+    )
+    return y.view(shape), s.view(shape)
