@@ -106,11 +106,13 @@ def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool)
     return {"wall_s": wall, "new_tokens": new, "tokens_per_s": rows * new / wall, "step_ms": 1e3 * wall / new}
 
 
-def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int, lora: str = "runtime") -> dict:
+def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int, lora: str = "runtime",
+              **engine_options) -> dict:
     from swiftune.rl.engine import FastRolloutEngine
     from swiftune.rl.rollout import SamplingParams
 
-    engine = FastRolloutEngine(model, seed=0, keep_cache=False, kv_bucket=kv_bucket, check_every=64, lora=lora)
+    engine = FastRolloutEngine(model, seed=0, keep_cache=False, kv_bucket=kv_bucket, check_every=64, lora=lora,
+                               **engine_options)
     engine.generate([prompt], rows, SamplingParams(max_tokens=4, temperature=1.0))  # warm-up (prefill kernels)
     sync()
     t = time.perf_counter()
@@ -164,9 +166,10 @@ def checks(model, prompt: list[int], steps: int) -> dict:
 
 
 _GENERATE_LINE = re.compile(r"^(\S+) generate (dynamic|static) G=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
-_FAST_LINE = re.compile(r"^(\S+) fast G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step \(floor ([\d.]+)\), "
+_FAST_LINE = re.compile(r"^(\S+) fast G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step \(floor ([\d.]+|nan)\), "
                         r"capture ([\d.]+)s")
 _LORA_LINE = re.compile(r"^LoRA r=16 (\w+)\s+G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
+_UNFUSED_LINE = re.compile(r"^(\S+) unfused G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
 
 
 def attach_baselines(row: dict, baselines: dict[str, dict | None]) -> None:
@@ -197,6 +200,11 @@ def rows_from_logs(paths: list[str]) -> dict:
                     attach_baselines(row, {f"generate_{k}": base.get((name, int(rows), k))
                                            for k in ("dynamic", "static")})
                     results["runs"].append(row)
+                elif m := _UNFUSED_LINE.match(line):
+                    name, rows, new, tps, ms = m.groups()
+                    results.setdefault("unfused", []).append(
+                        {"model": name, "rows": int(rows), "new_tokens": int(new),
+                         "fast": {"tokens_per_s": float(tps), "step_ms": float(ms)}})
                 elif m := _LORA_LINE.match(line):
                     lora, rows, new, tps, ms = m.groups()
                     results["lora"].append({"rows": int(rows), "new_tokens": int(new), "lora": lora,
@@ -220,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rows", type=int, nargs="*", default=None,
                    help="after the plain runs of the first shape: LoRA r=16 on all linear layers, the engine with "
                         "lora=runtime and lora=merge at these G and the shortest N (default: 8)")
+    p.add_argument("--unfused-rows", type=int, nargs="*", default=None,
+                   help="after the plain runs of the first shape: the engine again with fuse_residual_norm=False "
+                        "at these G and the shortest N (the A/B of the fused residual + RMSNorm layer loop)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--from-log", nargs="+", default=None, help="build the JSON from printed logs instead of running")
     a = p.parse_args(argv)
@@ -296,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+        if name == models[0] and a.unfused_rows:
+            results["unfused"] = []
+            for rows in a.unfused_rows:
+                r = time_fast(model, prompt, rows, min(new_list), a.kv_bucket, fuse_residual_norm=False)
+                results["unfused"].append({"model": name, "rows": rows, "new_tokens": min(new_list), "fast": r})
+                print(f"{name} unfused G={rows} N={min(new_list)}: {r['tokens_per_s']:.0f} tok/s, "
+                      f"{r['step_ms']:.2f} ms/step", flush=True)
+            save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
             results["lora"] = lora_runs(model, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
         del model
@@ -315,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in results.get("lora", []):
         print(f"LoRA r=16 lora={r['lora']:<8} G={r['rows']} N={r['new_tokens']}: {r['fast']['tokens_per_s']:.0f} tok/s, "
               f"{r['fast']['step_ms']:.2f} ms/step")
+    for r in results.get("unfused", []):
+        fused = next((x["fast"] for x in results["runs"] if (x["model"], x["rows"], x["new_tokens"])
+                      == (r["model"], r["rows"], r["new_tokens"])), None)
+        ratio = f", unfused / fused step time {r['fast']['step_ms'] / fused['step_ms']:.3f}" if fused else ""
+        print(f"fuse_residual_norm=False {r['model']} G={r['rows']} N={r['new_tokens']}: "
+              f"{r['fast']['tokens_per_s']:.0f} tok/s, {r['fast']['step_ms']:.2f} ms/step{ratio}")
     for r in results["runs"]:
         f = r["fast"]
         dyn = r.get("generate_dynamic", {}).get("tokens_per_s", float("nan"))

@@ -4,7 +4,7 @@
 # Run from the repository root on the GPU machine (with .whl/ carried for the TRL / Liger baselines):
 #
 #   scripts/gpu_suite.sh check        # CUDA tests of the engine, attention, GRPO paths (~3 min)
-#   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024 (~6 min)
+#   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-norm A/B (~7 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
 #   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
@@ -43,7 +43,7 @@ case "$part" in
     run pytest 230 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py \
       -k "cuda or gpu or flex or auto" -p no:cacheprovider ;;
   rollout)
-    run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 \
+    run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 --unfused-rows 8 \
       --time-budget 500 --out "$OUT/rollout.json" ;;
   rollout-long)
     run rollout_long 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
