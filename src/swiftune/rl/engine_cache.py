@@ -93,7 +93,17 @@ class DecodeContext:
         self.kv_len = 0
         self.packed = None
         self.dst_rows = self.dst_slots = self.src_tok = None
-        self.masks: dict[int | None, torch.Tensor] = {}
+        self.masks: dict[Any, torch.Tensor] = {}
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`mask` as an additive ``0 / -inf`` mask in ``dtype``, built once per step: SDPA
+        would otherwise convert the boolean mask again in every layer (two kernels each)."""
+        key = ("bias", window, dtype)
+        if key not in self.masks:
+            allowed = self.mask(window)
+            self.masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self.masks[key]
 
     def mask(self, window: int | None) -> torch.Tensor:
         """``[B, 1, 1, kv_len]`` bool: slot ``j`` visible to row ``b`` (``j <= cur[b]``, within the window)."""
@@ -126,7 +136,7 @@ class DecodeContext:
         if not softcap:
             # the g query heads of a kv head share one position: SDPA over [B, Hk, g] queries with the
             # row's slot mask is one fused kernel on CUDA instead of matmul / mask / softmax / matmul
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask(window), scale=scale)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.bias(window, q.dtype), scale=scale)
             return out.reshape(rows, 1, heads, dim)
         # Gemma 2 soft-caps the scores, which SDPA cannot do: matmul, tanh cap, mask, softmax, matmul
         scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hk, g, kv_len]
