@@ -1,4 +1,5 @@
-"""Kernel microbenchmarks: forward + backward of each swiftune kernel on one GPU.
+"""Kernel microbenchmarks: forward + backward of each swiftune kernel on one GPU (forward only
+for ``add_rms_norm``, a decoding kernel).
 
 Baselines measured in the same process on the same tensors:
   (a) transformers' eager implementation (apply_rotary_pos_emb, LlamaRMSNorm, act * up),
@@ -20,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from swiftune.kernels import geglu, rms_norm, rope_qk, swiglu
+from swiftune.kernels import add_rms_norm, geglu, rms_norm, rope_qk, swiglu
 
 
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -71,6 +72,12 @@ def hf_rms(x, w, eps=1e-6):
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return w * h.to(dtype)
+
+
+def hf_add_rms(x, res, w, eps=1e-6):
+    # a pre-norm layer's residual add, then transformers' RMSNorm
+    s = x + res
+    return hf_rms(s, w, eps), s
 
 
 def cases(scale: float):
@@ -128,6 +135,19 @@ def cases(scale: float):
         fwd_bwd(hf_rms, [x, w], (dy,)),
         fwd_bwd(torch.compile(hf_rms), [x, w], (dy,)),
     )
+    del x, w, dy
+
+    # residual add + RMSNorm (decoding, no grad): many tokens for bandwidth, and the rollout
+    # engine's decode shape (8 rows of Qwen3-1.7B's 2048), where launches dominate
+    for T, H in ((int(262144 * scale), 4096), (8, 2048)):
+        x, res = (torch.randn(T, H, device="cuda", dtype=dt) for _ in range(2))
+        w = torch.randn(H, device="cuda", dtype=dt)
+        yield (
+            "add_rms", f"[{T},{H}] no grad", 4 * x.numel() * 2,  # read x, residual; write y, sum
+            torch.no_grad()(lambda x=x, res=res, w=w: add_rms_norm(x, res, w, 1e-6)),
+            torch.no_grad()(lambda x=x, res=res, w=w: hf_add_rms(x, res, w)),
+            torch.no_grad()(lambda x=x, res=res, w=w, f=torch.compile(hf_add_rms): f(x, res, w)),
+        )
 
 
 def main(argv=None) -> int:
