@@ -40,8 +40,8 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
 part=${1:?"which part? see the header of $0"}
 case "$part" in
   check)
-    run pytest 230 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py \
-      -k "cuda or gpu or flex or auto" -p no:cacheprovider ;;
+    run pytest 230 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py tests/test_kernels.py \
+      -k "cuda or gpu or flex or auto or add_rms" -p no:cacheprovider ;;
   rollout)
     run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 --unfused-rows 8 \
       --time-budget 500 --out "$OUT/rollout.json" ;;
