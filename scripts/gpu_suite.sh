@@ -11,7 +11,7 @@
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
-#   scripts/gpu_suite.sh longctx      # 8K..400K tokens, Qwen3-8B, every mode + bisection (~9 min)
+#   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, bisected to 3% (~8 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
 #   scripts/gpu_suite.sh verify       # check + grpo-step + longctx-overhead in one call (~9.5 min)
@@ -63,9 +63,11 @@ case "$part" in
       --out "$OUT/sft_llama3-8b.json" ;;
   loss-curve)
     run loss_curve 560 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
-  longctx)
-    run longctx 570 python3 benchmarks/longctx.py --repeats 3 --bisect offload --time-budget 520 \
-      --out "$OUT/longctx.json" ;;
+  longctx)  # largest fitting row with offload, bisected from 409,600 (fits on the 8B shapes) to 600,000
+    model=${2:-qwen3-8b}
+    run "longctx_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes offload \
+      --tokens 409600 600000 --doc-tokens 8192 --bisect offload --bisect-granularity 16384 \
+      --time-budget 500 --out "$OUT/longctx_bisect_$model.json" ;;
   grpo-bisect)
     run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
       --completion-lengths 65536 --time-budget 520 --out "$OUT/grpo_bisect.json" ;;
