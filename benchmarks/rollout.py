@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the plain runs of the first shape: LoRA r=16 on all linear layers, the engine with "
                         "lora=runtime and lora=merge at these G and the shortest N (default: 8)")
     p.add_argument("--unfused-rows", type=int, nargs="*", default=None,
-                   help="after the plain runs of the first shape: the engine again with fuse_residual_norm=False "
+                   help="after the plain runs of the first shape: the engine again with fused_layers=False "
                         "at these G and the shortest N (the A/B of the fused residual + RMSNorm layer loop)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--from-log", nargs="+", default=None, help="build the JSON from printed logs instead of running")
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == models[0] and a.unfused_rows:
             results["unfused"] = []
             for rows in a.unfused_rows:
-                r = time_fast(model, prompt, rows, min(new_list), a.kv_bucket, fuse_residual_norm=False)
+                r = time_fast(model, prompt, rows, min(new_list), a.kv_bucket, fused_layers=False)
                 results["unfused"].append({"model": name, "rows": rows, "new_tokens": min(new_list), "fast": r})
                 print(f"{name} unfused G={rows} N={min(new_list)}: {r['tokens_per_s']:.0f} tok/s, "
                       f"{r['step_ms']:.2f} ms/step", flush=True)
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         fused = next((x["fast"] for x in results["runs"] if (x["model"], x["rows"], x["new_tokens"])
                       == (r["model"], r["rows"], r["new_tokens"])), None)
         ratio = f", unfused / fused step time {r['fast']['step_ms'] / fused['step_ms']:.3f}" if fused else ""
-        print(f"fuse_residual_norm=False {r['model']} G={r['rows']} N={r['new_tokens']}: "
+        print(f"fused_layers=False {r['model']} G={r['rows']} N={r['new_tokens']}: "
               f"{r['fast']['tokens_per_s']:.0f} tok/s, {r['fast']['step_ms']:.2f} ms/step{ratio}")
     for r in results["runs"]:
         f = r["fast"]

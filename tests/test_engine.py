@@ -106,8 +106,9 @@ def test_sampling_logprobs_equal_forward_pass(tokenizer, prompts, family):
                                                    ("qwen3", torch.float32, "triton")])
 def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prompts, family, dtype, backend,
                                                                   monkeypatch):
-    """The engine's pre-norm loop (residual adds folded into the norms) gives the same tokens and
-    log-probs as calling each decoder layer, sampled, with a LoRA adapter running as PEFT layers."""
+    """The engine's pre-norm loop (residual adds folded into the norms; q/k norms, RoPE and cache
+    writes fused in decode steps) gives the same tokens and log-probs as calling each decoder
+    layer, sampled, with a LoRA adapter running as PEFT layers."""
     import swiftune.rl.engine as engine_module
 
     torch.manual_seed(2)
@@ -126,7 +127,7 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
     assert calls  # the fused loop ran (prefill and every decode step)
     n = len(calls)
     plain = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime",
-                              fuse_residual_norm=False).generate(prompts, 2, params)
+                              fused_layers=False).generate(prompts, 2, params)
     assert len(calls) == n  # ... and the unfused engine did not use it
     assert fused.completion_ids == plain.completion_ids
     assert torch.equal(torch.cat(fused.logprobs), torch.cat(plain.logprobs))
@@ -406,8 +407,8 @@ def test_cuda_graph_decode_equals_eager_and_generate(tokenizer, prompts, family)
 @cuda
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_cuda_fused_residual_norm_equals_the_layers_own_forward_bf16(tokenizer, prompts, family):
-    """CUDA, bf16, CUDA graphs, compiled Triton kernels: the engine's fused pre-norm loop gives the
-    same sampled tokens and log-probs, bit for bit, as calling the decoder layers."""
+    """CUDA, bf16, CUDA graphs, compiled Triton kernels: the engine's fused layer loop (add_rms_norm,
+    decode_qkv) gives the same sampled tokens and log-probs, bit for bit, as calling the layers."""
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(tiny_model_config(family), dtype=torch.bfloat16)
     with torch.no_grad():
@@ -419,7 +420,7 @@ def test_cuda_fused_residual_norm_equals_the_layers_own_forward_bf16(tokenizer, 
     params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=())
     kw = dict(pad_token_id=tokenizer.pad_token_id, kv_bucket=8, check_every=5, seed=5, attention_backend="reference")
     fused = FastRolloutEngine(model, **kw).generate(prompts, 2, params)
-    plain = FastRolloutEngine(model, fuse_residual_norm=False, **kw).generate(prompts, 2, params)
+    plain = FastRolloutEngine(model, fused_layers=False, **kw).generate(prompts, 2, params)
     assert fused.stats["capture_s"] > 0 and plain.stats["capture_s"] > 0
     assert fused.completion_ids == plain.completion_ids
     assert torch.equal(torch.cat(fused.logprobs), torch.cat(plain.logprobs))

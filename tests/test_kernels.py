@@ -318,6 +318,64 @@ def test_add_rms_norm_refuses_grad_and_mismatched_residual():
         add_rms_norm(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.float64), w, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (8, 8, 128), (6, 1, 80)])
+def test_decode_qkv_matches_float64_reference(device, dtype, norm, heads, kv_heads, dim):
+    """Norm + RoPE + cache writes of one decode step against the float64 composition of the
+    references; exactly the unfused Triton kernels (rms_norm, rope_qk) where rounding allows."""
+    from swiftune.kernels import decode_qkv, decode_qkv_reference
+
+    torch.manual_seed(heads * dim + norm)
+    B, L = 5, 11
+    q64, k64, v64 = (torch.randn(B, h, dim, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    wq64, wk64 = torch.rand(dim, dtype=torch.float64) + 0.5, torch.rand(dim, dtype=torch.float64) + 0.5
+    slot = torch.tensor([0, 3, 10, 7, 3])
+    cos64, sin64 = rope_tables(slot[:, None], dim)
+    cos64, sin64 = cos64[:, 0], sin64[:, 0]
+    kc64, vc64 = torch.randn(B, kv_heads, L, dim, dtype=torch.float64), torch.randn(B, kv_heads, L, dim, dtype=torch.float64)
+    w = (wq64, wk64) if norm else (None, None)
+    ref_kc, ref_vc = kc64.clone(), vc64.clone()
+    ref_q = decode_qkv_reference(q64, k64, v64, *w, 1e-6, cos64, sin64, ref_kc, ref_vc, slot)
+
+    cast = lambda t: t.to(device, dtype)  # noqa: E731
+    kc, vc = cast(kc64), cast(vc64)
+    kc_before, vc_before = kc.clone(), vc.clone()
+    with torch.no_grad():
+        got_q = decode_qkv(cast(q64), cast(k64), cast(v64), *(cast(t) if t is not None else None for t in w), 1e-6,
+                           cast(cos64), cast(sin64), kc, vc, slot.to(device), backend="triton")
+    assert rel_err(got_q, ref_q) < TOL[dtype]
+    rows = torch.arange(B)
+    assert rel_err(kc[rows, :, slot], ref_kc[rows, :, slot]) < TOL[dtype]
+    assert torch.equal(vc[rows, :, slot], cast(v64))
+    untouched = torch.ones(B, L, dtype=torch.bool)
+    untouched[rows, slot] = False
+    assert torch.equal(kc.transpose(1, 2)[untouched], kc_before.transpose(1, 2)[untouched])
+    assert torch.equal(vc.transpose(1, 2)[untouched], vc_before.transpose(1, 2)[untouched])
+    if dtype == torch.float32 or device == "cuda":  # the interpreter rounds bf16 differently (DESIGN.md)
+        q, k = cast(q64)[:, :, None], cast(k64)[:, :, None]
+        if norm:
+            q, k = rms_norm(q, cast(wq64), 1e-6, backend="triton"), rms_norm(k, cast(wk64), 1e-6, backend="triton")
+        with torch.no_grad():
+            uq, uk = rope_qk(q, k, cast(cos64)[:, None], cast(sin64)[:, None], backend="triton")
+        assert torch.equal(got_q, uq[:, :, 0]) and torch.equal(kc[rows, :, slot], uk[:, :, 0])
+
+
+def test_decode_qkv_errors():
+    from swiftune.kernels import decode_qkv
+
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    cache = torch.zeros(2, 2, 5, 8)
+    cs = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="shapes"):
+        decode_qkv(q, k, torch.randn(2, 2, 6), None, None, 1e-6, cs, cs, cache, cache.clone(), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="both norm weights"):
+        decode_qkv(q, k, k, torch.ones(8), None, 1e-6, cs, cs, cache, cache.clone(), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no_grad"):
+        decode_qkv(q.requires_grad_(), k, k, None, None, 1e-6, cs, cs, cache, cache.clone(),
+                   torch.zeros(2, dtype=torch.long), backend="reference")
+
+
 def test_rms_norm_errors():
     with pytest.raises(ValueError, match="weight must be 1-D"):
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)

@@ -1,6 +1,7 @@
-"""Fused Triton kernels, each with a plain-PyTorch reference and (but ``add_rms_norm``, a
-decoding-only kernel) a backward pass."""
+"""Fused Triton kernels, each with a plain-PyTorch reference and a backward pass, but for the
+decoding-only kernels ``add_rms_norm`` and ``decode_qkv`` (no autograd)."""
 
+from .decode_qkv import decode_qkv, decode_qkv_reference
 from .glu import geglu, geglu_reference, swiglu, swiglu_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope_qk, rope_qk_reference
@@ -8,6 +9,8 @@ from .rope import rope_qk, rope_qk_reference
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
+    "decode_qkv",
+    "decode_qkv_reference",
     "geglu",
     "geglu_reference",
     "rms_norm",

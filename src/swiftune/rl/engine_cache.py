@@ -127,10 +127,16 @@ class DecodeContext:
             vc[self.dst_rows, :, self.dst_slots] = v[self.src_tok].to(vc.dtype)
             return out.unsqueeze(0)
         # decode: query [B, Hq, 1, D]; row b's new K/V go to slot cur[b]
-        rows, heads, _, dim = query.shape
-        kv_heads = kc.shape[1]
         kc[ws.row_ids, :, ws.cur] = key[:, :, 0].to(kc.dtype)
         vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
+        return self.attend_cached(layer, query, scale, window, softcap)
+
+    def attend_cached(self, layer: int, query, scale: float, window: int | None, softcap: float | None = None):
+        """Decode attention of ``query [B, Hq, 1, D]`` over the cache, this step's K/V already in it;
+        returns ``[B, 1, Hq, D]``."""
+        kc, vc = self.ws.k[layer], self.ws.v[layer]
+        rows, heads, _, dim = query.shape
+        kv_heads = kc.shape[1]
         keys, values = kc[:, :, :self.kv_len], vc[:, :, :self.kv_len]
         q = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # q head h reads kv head h // groups
         if not softcap:
