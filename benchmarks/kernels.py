@@ -1,5 +1,6 @@
 """Kernel microbenchmarks: forward + backward of each swiftune kernel on one GPU (forward only
-for ``add_rms_norm``, a decoding kernel).
+for the decoding kernels ``add_rms_norm`` and ``decode_qkv``; for ``decode_qkv`` the "eager"
+column is the unfused swiftune kernels it replaces).
 
 Baselines measured in the same process on the same tensors:
   (a) transformers' eager implementation (apply_rotary_pos_emb, LlamaRMSNorm, act * up),
@@ -21,7 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from swiftune.kernels import add_rms_norm, geglu, rms_norm, rope_qk, swiglu
+from swiftune.kernels import add_rms_norm, decode_qkv, decode_qkv_reference, geglu, rms_norm, rope_qk, swiglu
 
 
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -78,6 +79,16 @@ def hf_add_rms(x, res, w, eps=1e-6):
     # a pre-norm layer's residual add, then transformers' RMSNorm
     s = x + res
     return hf_rms(s, w, eps), s
+
+
+def unfused_decode_qkv(q, k, v, wq, wk, cos, sin, kc, vc, slot):
+    # what the engine ran before decode_qkv: two norm kernels, the RoPE kernel, two indexed writes
+    q, k = rms_norm(q[:, :, None], wq, 1e-6), rms_norm(k[:, :, None], wk, 1e-6)
+    q, k = rope_qk(q, k, cos[:, None], sin[:, None])
+    rows = torch.arange(q.shape[0], device=q.device)
+    kc[rows, :, slot] = k[:, :, 0]
+    vc[rows, :, slot] = v
+    return q
 
 
 def cases(scale: float):
@@ -148,6 +159,22 @@ def cases(scale: float):
             torch.no_grad()(lambda x=x, res=res, w=w: hf_add_rms(x, res, w)),
             torch.no_grad()(lambda x=x, res=res, w=w, f=torch.compile(hf_add_rms): f(x, res, w)),
         )
+
+    # one decode step's q/k norms + RoPE + K/V cache writes, Qwen3-1.7B heads, 8 rows (launch-bound);
+    # baselines: the unfused swiftune kernels, and the plain-PyTorch reference compiled
+    B, Hq, Hk, D, L = 8, 16, 8, 128, 1280
+    q, k, v = (torch.randn(B, h, D, device="cuda", dtype=dt) for h in (Hq, Hk, Hk))
+    wq, wk = (torch.rand(D, device="cuda", dtype=dt) + 0.5 for _ in range(2))
+    cos, sin = (torch.randn(B, D, device="cuda", dtype=dt) for _ in range(2))
+    kc, vc = (torch.zeros(B, Hk, L, D, device="cuda", dtype=dt) for _ in range(2))
+    slot = torch.randint(0, L, (B,), device="cuda")
+    args = (q, k, v, wq, wk, cos, sin, kc, vc, slot)
+    yield (
+        "decode_qkv", f"B{B} Hq{Hq} Hk{Hk} D{D} no grad", 2 * (q.numel() + 2 * k.numel()) * 2,
+        torch.no_grad()(lambda: decode_qkv(q, k, v, wq, wk, 1e-6, cos, sin, kc, vc, slot)),
+        torch.no_grad()(lambda: unfused_decode_qkv(*args)),
+        torch.no_grad()(lambda f=torch.compile(decode_qkv_reference): f(q, k, v, wq, wk, 1e-6, cos, sin, kc, vc, slot)),
+    )
 
 
 def main(argv=None) -> int:
