@@ -14,7 +14,8 @@
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, bisected to 3% (~8 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
-#   scripts/gpu_suite.sh verify       # check + grpo-step + longctx-overhead in one call (~9.5 min)
+#   scripts/gpu_suite.sh kernels      # kernel microbenchmarks vs eager and torch.compile (~1.5 min)
+#   scripts/gpu_suite.sh verify       # check + kernels + one GRPO step in one call (~7 min)
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune vs TRL (~9 min)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
@@ -78,9 +79,11 @@ case "$part" in
     run longctx_sweep 560 python3 benchmarks/longctx.py --modes baseline ckpt offload \
       --tokens 8192 32768 65536 131072 262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 \
       --time-budget 470 --out "$OUT/longctx_sweep.json" ;;
-  verify)
+  kernels)
+    run kernels 150 python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
+  verify)  # CUDA tests, kernel table, one GRPO step (after any change to the engine or kernels)
     "$0" check
-    run grpo_step 170 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json"
-    "$0" longctx-overhead ;;
+    "$0" kernels
+    run grpo_step 170 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
