@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._launch import Backend, choose_backend, next_pow2, tl, triton
-from .rms_norm import rms_norm_reference
+from .rms_norm import rms_norm_reference, rms_row
 from .rope import rope_qk_reference
 
 
@@ -73,13 +73,11 @@ if triton is not None:
             vrow = tl.load(v_ptr + b * sv_b + kh * sv_h + d_all, mask=d_all < head_dim, other=0.0)
             tl.store(vc_ptr + b * svc_b + kh * svc_h + slot * svc_s + d_all,
                      vrow.to(vc_ptr.dtype.element_ty), mask=d_all < head_dim)
-        if NORM:  # rms_norm's arithmetic over the head: float32, rounded to the output dtype
+        if NORM:  # rms_norm's own row function: float32, rounded to the output dtype
             d = tl.arange(0, BLOCK_D)
             dmask = d < head_dim
             x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
-            r = tl.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
-            tl.store(dst + d, (x * r * (0.0 + w)).to(dst.dtype.element_ty), mask=dmask)
+            rms_row(x, w_ptr, dst, d, dmask, head_dim, eps, 0.0)
             tl.debug_barrier()
             src = dst
         # rope_qk's arithmetic on the halves of the (normalised) head

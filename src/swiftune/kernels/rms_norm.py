@@ -38,6 +38,16 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 if triton is not None:
 
     @triton.jit
+    def rms_row(x, w_ptr, y_row_ptr, cols, mask, n_cols, eps, offset):
+        """Normalise one float32 row ``x`` and store ``round(x * r * (offset + w))`` at
+        ``y_row_ptr + cols``; returns ``r``. Every forward kernel that normalises (this module's,
+        ``decode_qkv``) goes through it, so their roundings agree bit for bit."""
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        tl.store(y_row_ptr + cols, (x * r * (offset + w)).to(y_row_ptr.dtype.element_ty), mask=mask)
+        return r
+
+    @triton.jit
     def _rms_fwd_kernel(
         x_ptr, w_ptr, y_ptr, r_ptr, n_cols, stride_x, stride_y, eps, offset,
         BLOCK: tl.constexpr, INT64: tl.constexpr,
@@ -48,10 +58,8 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        r = rms_row(x, w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
         tl.store(r_ptr + row, r)
-        tl.store(y_ptr + row * stride_y + cols, (x * r * (offset + w)).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rms_bwd_kernel(
@@ -95,12 +103,10 @@ if triton is not None:
         # normalise the rounded value: the new residual stream and y match the unfused path
         s = (x + res).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
-        s = s.to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(s * s, axis=0) / n_cols + eps)
-        tl.store(y_ptr + row * stride_y + cols, (s * r * (offset + w)).to(y_ptr.dtype.element_ty), mask=mask)
+        rms_row(s.to(tl.float32), w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
 
 else:  # pragma: no cover
+    rms_row = None
     _rms_fwd_kernel = None
     _add_rms_fwd_kernel = None
 
