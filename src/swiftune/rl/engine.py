@@ -169,7 +169,7 @@ class FastRolloutEngine:
         fused_layers: on patched pre-norm models (Llama, Mistral, Qwen2, Qwen3), run the engine's
             own layer loop (:mod:`swiftune.rl.engine_layers`): each residual add folded into the
             next RMSNorm, and in decode steps the q/k norms, RoPE and K/V cache writes in one
-            kernel; the same numbers as the layers' own forward, seven launches fewer per layer.
+            kernel; the same numbers as the layers' own forward, up to six launches fewer per layer.
     """
 
     def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, *, tokenizer=None,

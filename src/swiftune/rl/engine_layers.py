@@ -86,7 +86,8 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     """One decode step of a patched attention module (``x [B, 1, hidden]``): its own projections
     and o_proj; q/k norms, RoPE and the K/V cache writes in one kernel (:func:`decode_qkv`); then
     the engine's attention over the cache. Computes what ``fused_attention_forward`` with the
-    ``swiftune_rollout`` attention function computes, in five launches fewer."""
+    ``swiftune_rollout`` attention function computes, with one launch where there were five (Qwen3:
+    two norms, RoPE, two cache writes) or three (no q/k norms)."""
     rows = x.shape[0]
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
     q = attn.q_proj(x).view(rows, heads, dim)
