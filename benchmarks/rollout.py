@@ -169,7 +169,7 @@ _GENERATE_LINE = re.compile(r"^(\S+) generate (dynamic|static) G=(\d+): ([\d.]+)
 _FAST_LINE = re.compile(r"^(\S+) fast G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step \(floor ([\d.]+|nan)\), "
                         r"capture ([\d.]+)s")
 _LORA_LINE = re.compile(r"^LoRA r=16 (\w+)\s+G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
-_UNFUSED_LINE = re.compile(r"^(\S+) unfused G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
+_FUSED_AB_LINE = re.compile(r"^(\S+) fused_layers=(True|False) G=(\d+) N=(\d+): ([\d.]+) tok/s, ([\d.]+) ms/step")
 
 
 def attach_baselines(row: dict, baselines: dict[str, dict | None]) -> None:
@@ -200,10 +200,10 @@ def rows_from_logs(paths: list[str]) -> dict:
                     attach_baselines(row, {f"generate_{k}": base.get((name, int(rows), k))
                                            for k in ("dynamic", "static")})
                     results["runs"].append(row)
-                elif m := _UNFUSED_LINE.match(line):
-                    name, rows, new, tps, ms = m.groups()
-                    results.setdefault("unfused", []).append(
-                        {"model": name, "rows": int(rows), "new_tokens": int(new),
+                elif m := _FUSED_AB_LINE.match(line):
+                    name, fused, rows, new, tps, ms = m.groups()
+                    results.setdefault("fused_ab", []).append(
+                        {"model": name, "rows": int(rows), "new_tokens": int(new), "fused_layers": fused == "True",
                          "fast": {"tokens_per_s": float(tps), "step_ms": float(ms)}})
                 elif m := _LORA_LINE.match(line):
                     lora, rows, new, tps, ms = m.groups()
@@ -228,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-rows", type=int, nargs="*", default=None,
                    help="after the plain runs of the first shape: LoRA r=16 on all linear layers, the engine with "
                         "lora=runtime and lora=merge at these G and the shortest N (default: 8)")
-    p.add_argument("--unfused-rows", type=int, nargs="*", default=None,
-                   help="after the plain runs of the first shape: the engine again with fused_layers=False "
-                        "at these G and the shortest N (the A/B of the fused residual + RMSNorm layer loop)")
+    p.add_argument("--ab-fused-rows", type=int, nargs="*", default=None,
+                   help="after the plain runs of the first shape: the engine with fused_layers=True and =False "
+                        "at these G and the shortest N (the A/B of the engine's fused layer loop)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--from-log", nargs="+", default=None, help="build the JSON from printed logs instead of running")
     a = p.parse_args(argv)
@@ -307,13 +307,15 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-        if name == models[0] and a.unfused_rows:
-            results["unfused"] = []
-            for rows in a.unfused_rows:
-                r = time_fast(model, prompt, rows, min(new_list), a.kv_bucket, fused_layers=False)
-                results["unfused"].append({"model": name, "rows": rows, "new_tokens": min(new_list), "fast": r})
-                print(f"{name} unfused G={rows} N={min(new_list)}: {r['tokens_per_s']:.0f} tok/s, "
-                      f"{r['step_ms']:.2f} ms/step", flush=True)
+        if name == models[0] and a.ab_fused_rows:
+            results["fused_ab"] = []
+            for rows in a.ab_fused_rows:
+                for fused in (True, False):
+                    r = time_fast(model, prompt, rows, min(new_list), a.kv_bucket, fused_layers=fused)
+                    results["fused_ab"].append({"model": name, "rows": rows, "new_tokens": min(new_list),
+                                                "fused_layers": fused, "fast": r})
+                    print(f"{name} fused_layers={fused} G={rows} N={min(new_list)}: {r['tokens_per_s']:.0f} tok/s, "
+                          f"{r['step_ms']:.2f} ms/step", flush=True)
             save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
             results["lora"] = lora_runs(model, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
@@ -334,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in results.get("lora", []):
         print(f"LoRA r=16 lora={r['lora']:<8} G={r['rows']} N={r['new_tokens']}: {r['fast']['tokens_per_s']:.0f} tok/s, "
               f"{r['fast']['step_ms']:.2f} ms/step")
-    for r in results.get("unfused", []):
-        fused = next((x["fast"] for x in results["runs"] if (x["model"], x["rows"], x["new_tokens"])
-                      == (r["model"], r["rows"], r["new_tokens"])), None)
-        ratio = f", unfused / fused step time {r['fast']['step_ms'] / fused['step_ms']:.3f}" if fused else ""
-        print(f"fused_layers=False {r['model']} G={r['rows']} N={r['new_tokens']}: "
-              f"{r['fast']['tokens_per_s']:.0f} tok/s, {r['fast']['step_ms']:.2f} ms/step{ratio}")
+    ab = results.get("fused_ab", [])
+    for on in (r for r in ab if r["fused_layers"]):
+        off = next((r for r in ab if not r["fused_layers"] and r["rows"] == on["rows"]), None)
+        ratio = f", unfused / fused step time {off['fast']['step_ms'] / on['fast']['step_ms']:.3f}" if off else ""
+        print(f"fused_layers A/B {on['model']} G={on['rows']} N={on['new_tokens']}: fused {on['fast']['step_ms']:.2f} "
+              f"ms/step" + (f", unfused {off['fast']['step_ms']:.2f} ms/step" if off else "") + ratio)
     for r in results["runs"]:
         f = r["fast"]
         dyn = r.get("generate_dynamic", {}).get("tokens_per_s", float("nan"))

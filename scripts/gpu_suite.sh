@@ -4,7 +4,7 @@
 # Run from the repository root on the GPU machine (with .whl/ carried for the TRL / Liger baselines):
 #
 #   scripts/gpu_suite.sh check        # CUDA tests of the engine, attention, GRPO paths (~3 min)
-#   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-norm A/B (~7 min)
+#   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-layers A/B (~7 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
 #   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
@@ -15,7 +15,7 @@
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
 #   scripts/gpu_suite.sh kernels      # kernel microbenchmarks vs eager and torch.compile (~1.5 min)
-#   scripts/gpu_suite.sh verify       # check + kernels + one GRPO step in one call (~7 min)
+#   scripts/gpu_suite.sh verify       # check + kernels + GRPO step, fused layers off/on (~8 min)
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune vs TRL (~9 min)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
@@ -44,7 +44,7 @@ case "$part" in
     run pytest 230 python3 -m pytest tests/test_engine.py tests/test_attention.py tests/test_grpo.py tests/test_kernels.py \
       -k "cuda or gpu or flex or auto or add_rms" -p no:cacheprovider ;;
   rollout)
-    run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 --unfused-rows 8 \
+    run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 --ab-fused-rows 8 \
       --time-budget 500 --out "$OUT/rollout.json" ;;
   rollout-long)
     run rollout_long 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
@@ -80,10 +80,12 @@ case "$part" in
       --tokens 8192 32768 65536 131072 262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 \
       --time-budget 470 --out "$OUT/longctx_sweep.json" ;;
   kernels)
-    run kernels 150 python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
-  verify)  # CUDA tests, kernel table, one GRPO step (after any change to the engine or kernels)
+    run kernels 120 python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
+  verify)  # CUDA tests, kernel table, the GRPO step with and without the engine's fused layers
     "$0" check
     "$0" kernels
-    run grpo_step 170 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
+    run grpo_step 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json"
+    run grpo_step_fused 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --fused-layers \
+      --out "$OUT/grpo_step_fused.json" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

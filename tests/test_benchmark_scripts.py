@@ -204,15 +204,16 @@ def test_committed_longctx_results_carry_the_current_planner(tmp_path, path):
 
 def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
     out, log = tmp_path / "rollout.json", tmp_path / "rollout.txt"
-    proc = run_script("rollout.py", "--model", "tiny", "--unfused-rows", "2", "--lora-rows", "2", "--out", str(out))
+    proc = run_script("rollout.py", "--model", "tiny", "--ab-fused-rows", "2", "--lora-rows", "2", "--out", str(out))
     log.write_text(proc.stdout)
     r = json.loads(out.read_text())
     assert r["checks"]["tiny"]["graph_equals_eager_greedy"] and r["checks"]["tiny"]["graph_equals_eager_sampled"]
     assert {(x["rows"], x["new_tokens"]) for x in r["runs"]} == {(2, 16), (4, 16), (2, 32), (4, 32)}
-    assert [x["rows"] for x in r["unfused"]] == [2] and [x["lora"] for x in r["lora"]] == ["runtime", "merge"]
+    assert [(x["rows"], x["fused_layers"]) for x in r["fused_ab"]] == [(2, True), (2, False)]
+    assert [x["lora"] for x in r["lora"]] == ["runtime", "merge"]
     assert all("speedup_vs_generate_static" in x for x in r["runs"])
     # the JSON rebuilt from the printed lines (for logs of runs killed by a time limit) has the same rows
     again = tmp_path / "again.json"
     run_script("rollout.py", "--from-log", str(log), "--out", str(again))
     b = json.loads(again.read_text())
-    assert len(b["runs"]) == len(r["runs"]) and len(b["unfused"]) == 1 and len(b["lora"]) == 2
+    assert len(b["runs"]) == len(r["runs"]) and len(b["fused_ab"]) == 2 and len(b["lora"]) == 2

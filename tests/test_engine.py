@@ -123,7 +123,8 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
     real = engine_module.prenorm_layers
     monkeypatch.setattr(engine_module, "prenorm_layers", lambda *a: calls.append(1) or real(*a))
     params = SamplingParams(max_tokens=9, temperature=0.9)
-    fused = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime").generate(prompts, 2, params)
+    fused = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime",
+                              fused_layers=True).generate(prompts, 2, params)
     assert calls  # the fused loop ran (prefill and every decode step)
     n = len(calls)
     plain = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime",
@@ -419,7 +420,7 @@ def test_cuda_fused_residual_norm_equals_the_layers_own_forward_bf16(tokenizer, 
     patch_model(model, attention="reference")
     params = SamplingParams(max_tokens=24, temperature=1.0, stop_token_ids=())
     kw = dict(pad_token_id=tokenizer.pad_token_id, kv_bucket=8, check_every=5, seed=5, attention_backend="reference")
-    fused = FastRolloutEngine(model, **kw).generate(prompts, 2, params)
+    fused = FastRolloutEngine(model, fused_layers=True, **kw).generate(prompts, 2, params)
     plain = FastRolloutEngine(model, fused_layers=False, **kw).generate(prompts, 2, params)
     assert fused.stats["capture_s"] > 0 and plain.stats["capture_s"] > 0
     assert fused.completion_ids == plain.completion_ids
