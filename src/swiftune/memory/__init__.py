@@ -5,21 +5,17 @@ it models live in :mod:`swiftune.models.checkpointing` and :mod:`swiftune.models
 See docs/memory.md for the formulas.
 """
 
+from .cli import main_plan
 from .planner import (
-    KNOWN_MODELS,
     MemoryPlan,
-    ModelShape,
     TrainSetup,
     auto_tile_tokens,
     layer_working_set,
-    lora_param_count,
-    main_plan,
     max_tokens,
-    model_shape,
-    param_count,
     plan_memory,
     step_reserve,
 )
+from .shapes import KNOWN_MODELS, ModelShape, lora_param_count, model_shape, param_count
 
 __all__ = [
     "KNOWN_MODELS",

@@ -390,7 +390,7 @@ class OffloadState:
             pending = sum(p.numel() * p.element_size() for p in model.parameters()
                           if p.requires_grad and p.grad is None and p.device == x.device)
         try:
-            from ..memory.planner import model_shape, step_reserve
+            from ..memory import model_shape, step_reserve
 
             if self._shape is None:
                 self._shape = model_shape(self.config)

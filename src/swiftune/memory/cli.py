@@ -1,0 +1,90 @@
+"""``swiftune plan``: the memory planner's command line (the breakdown for ``--tokens`` and the
+largest context that fits the GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .planner import _OPTIMIZER_STATE_BYTES, max_tokens, plan_memory
+from .shapes import KNOWN_MODELS
+
+
+
+def _bool_or_offload(text: str) -> bool | str:
+    t = text.strip().lower()
+    if t in ("offload", "unsloth"):
+        return "offload"
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true, false or offload, got {text!r}")
+
+
+_DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="swiftune plan", description="Predict peak GPU memory of one training step.")
+    p.add_argument("--model", default="qwen3-8b",
+                   help=f"a config.json path, a model folder, or one of: {', '.join(KNOWN_MODELS)}")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens per step (batch x sequence)")
+    p.add_argument("--lora_rank", type=int, default=16)
+    p.add_argument("--full_finetune", action="store_true")
+    p.add_argument("--gpu_gb", type=float, default=None, help="GPU memory in GB (1e9 bytes); default: this GPU's, or 80")
+    p.add_argument("--host_gb", type=float, default=None, help="pinned host memory for offloaded checkpoints, GB")
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
+    p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZER_STATE_BYTES))
+    p.add_argument("--gradient_checkpointing", type=_bool_or_offload, default=True, help="true, false or offload")
+    p.add_argument("--logit_chunk_tokens", type=int, default=None)
+    p.add_argument("--no_tiled_mlp", action="store_true")
+    p.add_argument("--tiled_projections", action="store_true")
+    p.add_argument("--lora_dtype", default="fp32", choices=sorted(_DTYPE_BYTES), help="LoRA weight dtype (PEFT: fp32)")
+    p.add_argument("--full_logits", action="store_true", help="plain F.cross_entropy on full logits")
+    p.add_argument("--autocast", action="store_true",
+                   help="the step runs under bf16 autocast (swiftune sft / grpo with bf16): LoRA saves bf16 copies")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _default_gpu_bytes() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    except Exception:  # pragma: no cover - no torch / broken driver: fall through
+        pass
+    return int(80e9)
+
+
+def main_plan(argv: list[str] | None = None) -> int:
+    """``swiftune plan``: print the breakdown for ``--tokens`` and the largest context that fits."""
+    args = build_parser().parse_args(argv)
+    gpu = int(args.gpu_gb * 1e9) if args.gpu_gb is not None else _default_gpu_bytes()
+    host = int(args.host_gb * 1e9) if args.host_gb is not None else None
+    kw = dict(
+        full_finetune=args.full_finetune, dtype_bytes=_DTYPE_BYTES[args.dtype], optimizer=args.optimizer,
+        gradient_checkpointing=args.gradient_checkpointing, logit_chunk_tokens=args.logit_chunk_tokens,
+        host_bytes=host, tiled_mlp=not args.no_tiled_mlp, tiled_projections=args.tiled_projections,
+        lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
+        autocast=args.autocast,
+    )
+    try:
+        plan = plan_memory(args.model, args.tokens, args.lora_rank, gpu_bytes=gpu, **kw)
+        best = max_tokens(args.model, gpu, args.lora_rank, **kw)
+    except (ValueError, TypeError, KeyError) as e:
+        print(f"swiftune plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"plan": plan.as_dict(), "max_tokens": best}, indent=2, default=str))
+    else:
+        print(plan.table())
+        print(f"largest context that fits {gpu / 1e9:.1f} GB: {best:,} tokens")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_plan())
