@@ -1,0 +1,164 @@
+"""Budgets and host pages of the offloaded checkpointing (:mod:`swiftune.models.checkpointing`):
+which layer inputs stay on the GPU (:func:`split_layers`), how much host memory a new pinned
+allocation may take (:func:`host_available_bytes`), and the pool of fixed-size pinned pages
+(:class:`PagePool`) that holds the offloaded ones across steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+GiB = 2**30
+
+#: Size of one pinned host page (a power of two: PyTorch's pinned allocator rounds up to those).
+PAGE_BYTES = 64 * 2**20
+
+
+class CheckpointBudgetError(MemoryError):
+    """The layer checkpoints of a step fit neither the GPU budget nor the pinned host memory."""
+
+
+# ------------------------------------------------------------------------------------ budgets
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Which layers keep their checkpoint on the GPU for one forward (see :func:`split_layers`)."""
+
+    num_layers: int
+    layer_bytes: int
+    offload: tuple[int, ...]
+    keep: tuple[int, ...]
+    host_bytes: int
+    page_bytes: int
+
+    @property
+    def gpu_bytes(self) -> int:
+        return len(self.keep) * self.layer_bytes
+
+
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """Pages of ``page_bytes`` that hold ``nbytes``."""
+    return math.ceil(nbytes / page_bytes) if nbytes > 0 else 0
+
+
+def choose_page_bytes(layer_bytes: int, page_bytes: int = PAGE_BYTES) -> int:
+    """``page_bytes``, or the next power of two of a smaller layer (tiny layers: one small page)."""
+    if layer_bytes <= 0:
+        return page_bytes
+    return min(page_bytes, 1 << max(0, (layer_bytes - 1).bit_length()))
+
+
+def split_layers(
+    num_layers: int,
+    layer_bytes: int,
+    gpu_budget_bytes: int,
+    host_budget_bytes: int,
+    page_bytes: int = PAGE_BYTES,
+) -> OffloadPlan:
+    """Keep ``K = min(L, gpu_budget // B)`` layer inputs on the GPU, offload the first ``L - K``.
+
+    Host pages are ``choose_page_bytes(B, page_bytes)`` bytes.  Raises
+    :class:`CheckpointBudgetError` when the offloaded layers need more than ``host_budget_bytes``
+    of pages (``(L - K) * ceil(B / page) * page``).  A pure function.
+    """
+    if num_layers < 0 or layer_bytes < 0 or page_bytes < 1:
+        raise ValueError("num_layers and layer_bytes must be >= 0 and page_bytes >= 1")
+    page_bytes = choose_page_bytes(layer_bytes, page_bytes)
+    if layer_bytes == 0:
+        keep_n = num_layers
+    else:
+        keep_n = max(0, min(num_layers, int(gpu_budget_bytes) // layer_bytes))
+    n_off = num_layers - keep_n
+    host = n_off * pages_for(layer_bytes, page_bytes) * page_bytes
+    if host > host_budget_bytes:
+        raise CheckpointBudgetError(
+            f"swiftune offloaded checkpointing: {num_layers} layer checkpoints of {layer_bytes / 1e9:.3f} GB "
+            f"each ({num_layers * layer_bytes / 1e9:.2f} GB in all) do not fit: the GPU budget of "
+            f"{max(gpu_budget_bytes, 0) / 1e9:.2f} GB holds {keep_n} of them, and the other {n_off} need "
+            f"{host / 1e9:.2f} GB of pinned host memory, but only {max(host_budget_bytes, 0) / 1e9:.2f} GB is "
+            "available. Use fewer tokens per step, free host memory, raise gpu_budget_bytes / host_budget_bytes "
+            "if the machine has room, or plan the run with `swiftune plan`."
+        )
+    offload = tuple(range(n_off))
+    keep = tuple(range(n_off, num_layers))
+    return OffloadPlan(num_layers, layer_bytes, offload, keep, host, page_bytes)
+
+
+def host_available_bytes(margin_bytes: int | None = None) -> int:
+    """Host memory a new pinned allocation may take: ``MemAvailable - margin``.
+
+    ``margin_bytes`` defaults to ``max(4 GiB, 10% of MemTotal)`` (the rest of the process and the
+    system keep that much).  Reads psutil when installed, else ``/proc/meminfo``; with neither, 0.
+    """
+    avail = total = None
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        avail, total = int(vm.available), int(vm.total)
+    except Exception:
+        try:
+            with open("/proc/meminfo") as f:
+                info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ":" in ln}
+            avail, total = info.get("MemAvailable"), info.get("MemTotal")
+        except OSError:
+            pass
+    if avail is None or total is None:
+        return 0
+    margin = max(4 * GiB, total // 10) if margin_bytes is None else margin_bytes
+    return max(0, avail - margin)
+
+
+# ---------------------------------------------------------------------------- host page pool
+
+
+class PagePool:
+    """Fixed-size host pages (pinned when ``pin``), reused across layers and steps."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.held_bytes = 0  # allocated by the pool (free + in use)
+        self.in_use_bytes = 0
+        self.alloc_seconds = 0.0  # time spent pinning new pages (slow: the first steps only)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.held_bytes - self.in_use_bytes
+
+    def acquire(self, n: int, page_bytes: int) -> list[torch.Tensor]:
+        free = self._free.setdefault(page_bytes, [])
+        pages = [free.pop() for _ in range(min(n, len(free)))]
+        if len(pages) < n:  # idle pages of another size (a smaller step) cannot serve: unpin them first
+            for size in [k for k in self._free if k != page_bytes]:
+                self.held_bytes -= len(self._free.pop(size)) * size
+        t0 = time.perf_counter()
+        try:
+            while len(pages) < n:
+                pages.append(torch.empty(page_bytes, dtype=torch.uint8, pin_memory=self.pin))
+                self.held_bytes += page_bytes
+        except RuntimeError as e:  # cudaHostAlloc refused: report it as a budget problem
+            free.extend(pages)
+            raise CheckpointBudgetError(
+                f"swiftune offloaded checkpointing: could not pin {n * page_bytes / 1e9:.2f} GB of host memory "
+                f"({self.held_bytes / 1e9:.2f} GB already pinned): {e}"
+            ) from e
+        finally:
+            self.alloc_seconds += time.perf_counter() - t0
+        self.in_use_bytes += n * page_bytes
+        return pages
+
+    def release(self, pages: list[torch.Tensor], page_bytes: int) -> None:
+        self._free.setdefault(page_bytes, []).extend(pages)
+        self.in_use_bytes -= len(pages) * page_bytes
+
+    def clear(self) -> None:
+        """Drop the free pages (pages in use go when their layers are done)."""
+        for size, pages in self._free.items():
+            self.held_bytes -= len(pages) * size
+        self._free.clear()
