@@ -171,17 +171,11 @@ def even_token_reward(prompts, completions, completion_ids=None, **kwargs) -> li
 def build_swiftune_model(name: str, device, checkpointing):
     """Random-init model of shape ``name``, patched by swiftune, LoRA r=16 on all linear layers."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     import swiftune
-    from workload import model_config
+    from workload import random_model
 
-    torch.manual_seed(0)
-    config = model_config(name)
-    config._attn_implementation = "sdpa"
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     swiftune.patch_model(model)
     return swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=checkpointing)
 
@@ -436,16 +430,10 @@ def build_bisect_model(mode: str, name: str, device, args):
     if mode == "swiftune":
         return build_swiftune_model(name, device, "offload" if args.swiftune_checkpointing == "offload" else True)
     import peft
-    from transformers import AutoModelForCausalLM
 
-    from workload import model_config
+    from workload import random_model
 
-    torch.manual_seed(0)
-    config = model_config(name)
-    config._attn_implementation = "sdpa"
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.config.use_cache = False
     if mode == "trl_grpo":
         from trl.trainer.utils import add_fused_lm_head

@@ -60,16 +60,10 @@ TINY_TOKENS = [256, 1024, 2048]
 def build_model(name: str, mode: str, device: torch.device, mlp_tile: int | None, projections: bool):
     """A random-init model of shape ``name`` set up for ``mode`` (LoRA r=16 all-linear)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    from workload import model_config
+    from workload import random_model
 
-    torch.manual_seed(0)
-    config = model_config(name)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.config.use_cache = False
     if mode == "baseline":
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))

@@ -84,15 +84,10 @@ class RecordingCollator:
 def build_model(name: str, dtype, device):
     import peft
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from workload import model_config
+    from workload import random_model
 
-    torch.manual_seed(0)
-    config = model_config(name)
-    config._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = random_model(name, device, dtype)
     lora = peft.LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):

@@ -40,7 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import model_config  # noqa: E402
+from workload import random_model  # noqa: E402
 
 
 def sync() -> None:
@@ -65,14 +65,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def build_model(name: str, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    cfg = model_config(name)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.eval()
+    return random_model(name, device, dtype).eval()
 
 
 def weight_bytes(model) -> int:

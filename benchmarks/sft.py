@@ -76,16 +76,12 @@ def timing_callback(warmup: int, record: dict):
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int) -> dict:
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM
 
-    from workload import model_config, random_token_rows, sample_lengths
+    from workload import random_model, random_token_rows, sample_lengths
 
-    torch.manual_seed(0)
-    config = model_config(model_name)
-    config._attn_implementation = "sdpa"
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = random_model(model_name, device, torch.bfloat16)
+    config = model.config
     n_rows = max(steps * batch * 2, 512)
     rows = random_token_rows(sample_lengths(n_rows, max_length=max_length), config.vocab_size)
     lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")

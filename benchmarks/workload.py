@@ -53,6 +53,19 @@ def model_config(name: str):
     return AutoConfig.for_model(shape.pop("model_type"), **shape)
 
 
+def random_model(name: str, device, dtype):
+    """A random-init causal LM of the named shape built on ``device`` in ``dtype`` (seed 0, sdpa):
+    the same weights in every benchmark and mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = model_config(name)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def random_token_rows(lengths: np.ndarray, vocab_size: int, seed: int = 0) -> list[dict]:
     """Pre-tokenized rows of random ids with the given lengths (every token trained)."""
     rng = np.random.default_rng(seed + 1)
