@@ -448,6 +448,9 @@ class FastRolloutEngine:
         t1 = time.perf_counter()
 
         use_graphs = device.type == "cuda" and self.use_cuda_graph
+        # what captured graphs depend on besides their workspace: computed once per call, not per step
+        graph_key = ((params.temperature, params.top_k, params.top_p, params.min_p,
+                      tuple(p.data_ptr() for p in self.model.parameters())) if use_graphs else None)
         view, slot_row = ws, list(range(rows))  # the rows decoded now; original row of each slot
         done: dict[int, tuple[list[int], torch.Tensor, bool]] = {}  # rows that left the batch
         view_ctx = {rows: ctx}
@@ -477,7 +480,7 @@ class FastRolloutEngine:
             if sampling:
                 view.uniform.uniform_(generator=gen)
             if use_graphs:
-                graphs = self._graphs(view, view_ctx[view.rows], params)
+                graphs = self._graphs(view, view_ctx[view.rows], params, graph_key)
                 before = graphs.capture_s
                 graphs.run(kv_len)
                 capture += graphs.capture_s - before
@@ -515,11 +518,10 @@ class FastRolloutEngine:
         for j, i in enumerate(slots):
             done[slot_row[i]] = (toks[j, :lengths[j]].tolist(), lps[j, :lengths[j]], bool(finished[j]))
 
-    def _graphs(self, ws: Workspace, ctx: DecodeContext, params: SamplingParams):
+    def _graphs(self, ws: Workspace, ctx: DecodeContext, params: SamplingParams, key: tuple):
+        """The workspace's graphs, captured anew when ``key`` (sampling settings, weight storage) changed."""
         from .engine_cuda import DecodeGraphs
 
-        key = (params.temperature, params.top_k, params.top_p, params.min_p,
-               tuple(p.data_ptr() for p in self.model.parameters()))
         if ws.graphs is None or ws.graph_key != key:
             ws.graphs = None  # free the old graphs and their pool before capturing new ones
             ws.graphs = DecodeGraphs(lambda kv_len: self._decode_step(ws, ctx, params, kv_len), ws.state())
