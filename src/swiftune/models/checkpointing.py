@@ -84,6 +84,7 @@ from .offload_memory import (
     pages_for,
     split_layers,
 )
+from .patching import causal_lm_of
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
 _LAYER = "_swiftune_offload_layer"  # on each decoder layer: (state, index)
@@ -343,14 +344,9 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         handle.forward_done()
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a causal LM (``model.get_decoder().layers``, PEFT unwrapped)."""
-    hf = _unwrap(model)
+    hf = causal_lm_of(model)
     decoder = hf.get_decoder() if callable(getattr(hf, "get_decoder", None)) else getattr(hf, "model", hf)
     layers = getattr(decoder, "layers", None)
     if isinstance(layers, nn.ModuleList) and len(layers):
@@ -394,7 +390,7 @@ def enable_offloaded_checkpointing(
     """
     if page_bytes < 1 or page_bytes & (page_bytes - 1):
         raise ValueError(f"page_bytes must be a power of two, got {page_bytes}")
-    hf = _unwrap(model)
+    hf = causal_lm_of(model)
     layers = decoder_layers(hf)
     state = getattr(hf, _STATE, None)
     if state is None:
@@ -420,7 +416,7 @@ def enable_offloaded_checkpointing(
 def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_offloaded_checkpointing`: the layers' previous forwards and transformers'
     checkpointing flags come back; the free pinned pages are released."""
-    hf = _unwrap(model)
+    hf = causal_lm_of(model)
     for layer in decoder_layers(hf):
         if _LAYER not in layer.__dict__:
             continue
@@ -444,7 +440,7 @@ def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
 
 def offload_stats(model: nn.Module) -> dict[str, Any]:
     """The last plan and counters: kept / offloaded layer indices, bytes per layer, pinned bytes."""
-    state: OffloadState | None = getattr(_unwrap(model), _STATE, None)
+    state: OffloadState | None = getattr(causal_lm_of(model), _STATE, None)
     if state is None:
         return {}
     plan = state.plan
@@ -460,12 +456,12 @@ def offload_stats(model: nn.Module) -> dict[str, Any]:
 
 
 def is_offloaded_checkpointing(model: nn.Module) -> bool:
-    return getattr(_unwrap(model), _STATE, None) is not None
+    return getattr(causal_lm_of(model), _STATE, None) is not None
 
 
 def release_host_memory(model: nn.Module) -> None:
     """Free the pinned pages the model's offloading keeps for the next step."""
-    state: OffloadState | None = getattr(_unwrap(model), _STATE, None)
+    state: OffloadState | None = getattr(causal_lm_of(model), _STATE, None)
     if state is not None:
         state.pool.clear()
 

@@ -99,12 +99,6 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else inner
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def _bind(module: nn.Module, forward: Callable, kernel_backend: str) -> None:
     module.forward = MethodType(forward, module)
     module._swiftune_kernel_backend = kernel_backend
@@ -173,7 +167,7 @@ def patch_model(
         raise ValueError(f"attention must be 'auto', None or one of {BACKENDS}, got {attention!r}")
     if kernel_backend not in ("auto", "triton", "reference"):
         raise ValueError(f"kernel_backend must be 'auto', 'triton' or 'reference', got {kernel_backend!r}")
-    hf_model = _unwrap(model)
+    hf_model = causal_lm_of(model)
     config = getattr(hf_model, "config", None)
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
@@ -206,7 +200,7 @@ def patch_model(
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo the kernel forwards of :func:`patch_model` (the attention implementation is kept)."""
-    for module in _unwrap(model).modules():
+    for module in causal_lm_of(model).modules():
         if getattr(module, _PATCHED, False):
             del module.forward  # the instance attribute: the class's forward applies again
             delattr(module, _PATCHED)
@@ -215,4 +209,4 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 def is_patched(model: nn.Module) -> bool:
     """Whether :func:`patch_model` has bound swiftune's forwards on ``model``."""
-    return any(getattr(m, _PATCHED, False) for m in _unwrap(model).modules())
+    return any(getattr(m, _PATCHED, False) for m in causal_lm_of(model).modules())
