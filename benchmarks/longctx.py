@@ -134,15 +134,6 @@ def host_rss() -> int:
     return 0
 
 
-def varlen_expands_kv() -> bool:
-    """Whether this torch's varlen attention needs K/V repeated to the query heads (no GQA)."""
-    try:
-        from swiftune.attention.backends import _VARLEN_PARAMS
-    except ImportError:
-        return True
-    return "enable_gqa" not in _VARLEN_PARAMS
-
-
 def _plan_kwargs(mode: str, args) -> dict:
     """The planner's options for a benchmark mode."""
     kw: dict = dict(kv_expanded=args.kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
@@ -295,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-bytes", type=float, default=149.3e9,
                    help="--replan: GPU memory when the JSON does not record it (default: an H200)")
     args = p.parse_args(argv)
+    from swiftune.attention.backends import varlen_expands_kv
+
     args.kv_expanded = varlen_expands_kv()
     if args.replan:
         for path in args.replan:

@@ -253,6 +253,12 @@ def flex_packed_attention(
     return flex_token_major(q, k, v, _flex_block_mask(packed, window, q.device), scale=scale, softcap=softcap)
 
 
+def varlen_expands_kv() -> bool:
+    """Whether this torch's ``varlen_attn`` lacks GQA (torch 2.11), so K/V heads are repeated to the
+    query heads before the call (and saved so for backward: the memory planner counts them)."""
+    return "enable_gqa" not in _VARLEN_PARAMS
+
+
 def varlen_packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,7 +286,7 @@ def varlen_packed_attention(
     if "is_causal" in _VARLEN_PARAMS:
         kwargs["is_causal"] = True
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if not varlen_expands_kv():
             kwargs["enable_gqa"] = True
         else:  # torch 2.11: expand the KV heads (O(T) memory, like the activations themselves)
             groups = q.shape[1] // k.shape[1]

@@ -296,16 +296,12 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor):
                 break
         else:
             full = any(p.requires_grad for p in model.parameters())
-    try:
-        from ..attention.backends import _VARLEN_PARAMS
+    from ..attention.backends import varlen_expands_kv
 
-        kv_expanded = "enable_gqa" not in _VARLEN_PARAMS
-    except ImportError:  # pragma: no cover
-        kv_expanded = True
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
-        tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=kv_expanded,
+        tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=varlen_expands_kv(),
         autocast=torch.is_autocast_enabled(x.device.type),
     )
 
