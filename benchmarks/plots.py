@@ -54,6 +54,16 @@ def _plt():
     return plt
 
 
+def _save(fig, path: str) -> str:
+    """Lay out, write at the docs' resolution, free the figure; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def colors_for(modes: list[str]) -> dict[str, str]:
     out, i = {}, 0
     for m in modes:
@@ -136,11 +146,7 @@ def plot_sft(rows: list[dict], out: str) -> list[str]:
                 ax.legend(fontsize=8)
         batch_txt = f"batch {batches[0]}" if len(batches) == 1 else "by batch size"
         fig.suptitle(f"SFT throughput and memory, {model} shape, LoRA r=16, {batch_txt}")
-        fig.tight_layout()
-        path = out if len(models) == 1 else f"{os.path.splitext(out)[0]}_{model}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out if len(models) == 1 else f"{os.path.splitext(out)[0]}_{model}.png"))
     return written
 
 
@@ -189,10 +195,7 @@ def plot_longctx(data: dict, out: str) -> list[str]:
     if any(str(r["status"]).startswith("oom") for r in rows):
         axes[0].text(0.01, 0.98, "X: out of memory", transform=axes[0].transAxes, va="top", fontsize=8)
     fig.suptitle(f"Long-context training step, {model} shape, LoRA r=16 ({data.get('device', '')})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return [out]
+    return [_save(fig, out)]
 
 
 # ----------------------------------------------------------------------------------------- grpo
@@ -230,10 +233,7 @@ def plot_grpo_step(data: dict, out: str) -> list[str]:
     axes[1].grid(axis="x", alpha=0.3)
     fig.suptitle(f"One GRPO step, {data['model']} shape, LoRA r=16, G={data['generations']}, prompt "
                  f"{data['prompt_tokens']} + completions {data['max_completion_length']} ({data.get('device', '')})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return [out]
+    return [_save(fig, out)]
 
 
 def plot_rollout(data: dict, out: str) -> list[str]:
@@ -268,10 +268,7 @@ def plot_rollout(data: dict, out: str) -> list[str]:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle(f"Rollout generation ({data.get('device', '')}); 'x floor' = decode step / HBM read time")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return [out]
+    return [_save(fig, out)]
 
 
 def plot_grpo_bisect(data: dict, out: str) -> list[str]:
@@ -305,10 +302,7 @@ def plot_grpo_bisect(data: dict, out: str) -> list[str]:
     ax.text(0.01, 0.98, "X: out of memory; dashed: largest fitting length", transform=ax.transAxes, va="top",
             fontsize=8)
     ax.set_title(f"GRPO policy loss + backward, {data['model']} shape, LoRA r=16 ({data.get('device', '')})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return [out]
+    return [_save(fig, out)]
 
 
 def plot_loss_curve(data: dict, out: str) -> list[str]:
