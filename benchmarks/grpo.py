@@ -75,6 +75,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
+from workload import host_rss  # noqa: E402
+
 BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_selective"]
 ALL_BISECT_MODES = BASELINE_MODES + ["swiftune"]
 MODE_LABELS = {
@@ -108,17 +110,6 @@ def versions() -> dict:
         out["trl"] = trl.__version__
     out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return out
-
-
-def host_rss() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class PhaseTimer:

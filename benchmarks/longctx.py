@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from workload import host_rss  # noqa: E402
 
 ALL_MODES = ["baseline", "ckpt", "offload", "offload_all"]
 DEFAULT_TOKENS = [8192, 32768, 65536, 131072, 262144, 409600]
@@ -119,19 +120,6 @@ def step(model, mode: str, batch: dict, optimizer) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
-
-
-def host_rss() -> int:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    return 0
 
 
 def _plan_kwargs(mode: str, args) -> dict:

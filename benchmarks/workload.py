@@ -66,6 +66,24 @@ def random_model(name: str, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def host_rss() -> int:
+    """This process's resident host memory in bytes (psutil, else /proc; 0 where neither works)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def random_token_rows(lengths: np.ndarray, vocab_size: int, seed: int = 0) -> list[dict]:
     """Pre-tokenized rows of random ids with the given lengths (every token trained)."""
     rng = np.random.default_rng(seed + 1)
