@@ -210,7 +210,7 @@ def run_step(args) -> dict:
             with timer.phase("generation"):
                 return super().generate(prompt_ids, num_generations, params)
 
-    options = {"fused_layers": True} if args.fused_layers and engine_name == "fast" else {}
+    options = {"fused_layers": args.fused_layers} if engine_name == "fast" else {}
     engine = FullLengthEngine(model, pad_token_id=0, seed=0, **options)
 
     # ---- warm-up: compile the kernels on the step's own row shape, outside the timed step
@@ -320,7 +320,7 @@ def run_step(args) -> dict:
     peak = max([v["peak_gb"] for v in phases.values() if v["peak_gb"] is not None] + [step["tail_peak_gb"]])
     gen = phases.get("generation", {"s": float("nan")})
     return dict(
-        benchmark="grpo_step", engine=engine_name, fused_layers=bool(options), steps=args.steps, model=args.model,
+        benchmark="grpo_step", engine=engine_name, fused_layers=options.get("fused_layers", False), steps=args.steps, model=args.model,
         generations=G, prompt_tokens=P, max_completion_length=L,
         completion_lengths=lengths, all_full_length=all(n == L for n in lengths), beta=args.beta,
         num_iterations=args.num_iterations, share_prompt=share, share_prompt_error=share_error,
@@ -732,8 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--steps", type=int, default=1,
                    help="optimizer steps; the last one is reported (2: the engine's graphs and cache are warm)")
-    p.add_argument("--fused-layers", action="store_true",
-                   help="FastRolloutEngine(fused_layers=True): the engine's fused decode layer loop")
+    p.add_argument("--no-fused-layers", dest="fused_layers", action="store_false",
+                   help="FastRolloutEngine(fused_layers=False): each layer's own forward, not the engine's fused loop")
     p.add_argument("--engine", choices=["fast", "transformers"], default=None,
                    help="rollout engine of the step (default: fast on CUDA, transformers on CPU, as GRPOTrainer)")
     p.add_argument("--bisect-completion", action="store_true", help="run the bisection instead of the step")

@@ -32,7 +32,8 @@ MODE_NAMES = {
     "trl_padding_free": "TRL, padding-free",
     "trl_liger": "TRL + Liger",
     "swiftune": "swiftune",
-    "swiftune_budget": "swiftune, token budget",
+    "swiftune_budget": "swiftune, 16K-token budget",
+    "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
     "baseline": "transformers + PEFT (full logits)",
     "ckpt": "swiftune, checkpoints on GPU",
     "offload": "swiftune, offload within budget",
@@ -68,7 +69,8 @@ def colors_for(modes: list[str]) -> dict[str, str]:
     out, i = {}, 0
     for m in modes:
         if m.startswith("swiftune") or m in ("ckpt", "offload", "offload_all"):
-            shade = {"swiftune": SWIFTUNE_COLOR, "swiftune_budget": "#ff7f0e", "ckpt": "#ff7f0e",
+            shade = {"swiftune": SWIFTUNE_COLOR, "swiftune_budget": "#ff7f0e",
+                     "swiftune_budget_offload": "#bcbd22", "ckpt": "#ff7f0e",
                      "offload": SWIFTUNE_COLOR, "offload_all": "#bcbd22"}
             out[m] = shade.get(m, SWIFTUNE_COLOR)
         else:
@@ -145,7 +147,8 @@ def plot_sft(rows: list[dict], out: str) -> list[str]:
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=8)
         batch_txt = f"batch {batches[0]}" if len(batches) == 1 else "by batch size"
-        fig.suptitle(f"SFT throughput and memory, {model} shape, LoRA r=16, {batch_txt}")
+        how = "full fine-tuning" if all(r.get("finetune") == "full" for r in mine) else "LoRA r=16"
+        fig.suptitle(f"SFT throughput and memory, {model} shape, {how}, {batch_txt}")
         written.append(_save(fig, out if len(models) == 1 else f"{os.path.splitext(out)[0]}_{model}.png"))
     return written
 
@@ -250,11 +253,18 @@ def plot_rollout(data: dict, out: str) -> list[str]:
         for new in sorted({r["new_tokens"] for r in mine}):
             pts = sorted((r["rows"], r) for r in mine if r["new_tokens"] == new)
             g = [p[0] for p in pts]
+            fused = {p[1]["fast"].get("fused_layers") for p in pts}
+            how = {frozenset({True}): ", fused layers", frozenset({False}): ", layers' own forward"}.get(
+                frozenset(fused), "")
             ax.plot(g, [p[1]["fast"]["tokens_per_s"] for p in pts], "o-", color=SWIFTUNE_COLOR if new == min(
-                r["new_tokens"] for r in mine) else "#ff7f0e", label=f"swiftune engine, N={new}")
+                r["new_tokens"] for r in mine) else "#ff7f0e", label=f"swiftune engine, N={new}{how}")
             for gi, (_, r) in zip(g, pts):
                 ax.annotate(f"{r['fast']['step_ms'] / r['hbm_floor_ms']:.1f}x floor", (gi, r["fast"]["tokens_per_s"]),
                             textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ab = [r for r in data.get("fused_ab", []) if r["model"] == model and r["fused_layers"]]
+        if ab:
+            ax.plot([r["rows"] for r in ab], [r["fast"]["tokens_per_s"] for r in ab], "*", markersize=11,
+                    color=SWIFTUNE_COLOR, label=f"swiftune engine, fused layers (A/B), N={ab[0]['new_tokens']}")
         for kind, style in (("generate_static", "s--"), ("generate_dynamic", "^:")):
             pts = sorted({r["rows"]: r[kind]["tokens_per_s"] for r in mine if kind in r}.items())
             if pts:

@@ -118,7 +118,8 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
     gen_s = st["prefill_s"] + st["decode_s"]
     return {"wall_s": wall, "new_tokens": new_tokens, "tokens_per_s": rows * new_tokens / gen_s,
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
-            "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9}
+            "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
+            "fused_layers": engine.fused_layers}
 
 
 def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, kv_bucket: int) -> list[dict]:
@@ -206,6 +207,30 @@ def rows_from_logs(paths: list[str]) -> dict:
     return results
 
 
+def merge_results(paths: list[str]) -> dict:
+    """One result from several saved ones: runs, skips, LoRA and A/B rows concatenated, checks merged.
+
+    Every file must come from the same device and prompt length (the rows are compared in one plot)."""
+    results: dict = {"benchmark": "rollout", "runs": [], "checks": {}, "skipped": [], "lora": [], "fused_ab": [],
+                     "merged_from": [os.path.basename(p) for p in paths]}
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        for key in ("device", "prompt_tokens"):  # (JSON rebuilt from logs may lack them)
+            if part.get(key) is None:
+                continue
+            if results.get(key) is not None and part[key] != results[key]:
+                raise SystemExit(f"{path}: {key} {part[key]!r} differs from {results[key]!r}; "
+                                 "merge only runs of one device and prompt length")
+            results[key] = part[key]
+        results["copy_bandwidth_gbs"] = part.get("copy_bandwidth_gbs")
+        results["baseline_steps"] = part.get("baseline_steps")
+        for key in ("runs", "skipped", "lora", "fused_ab"):
+            results[key] += part.get(key, [])
+        results["checks"].update(part.get("checks", {}))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=None, help="shapes of benchmarks/workload.py (tiny: CPU smoke)")
@@ -226,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                         "at these G and the shortest N (the A/B of the engine's fused layer loop)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--from-log", nargs="+", default=None, help="build the JSON from printed logs instead of running")
+    p.add_argument("--merge", nargs="+", default=None,
+                   help="write one JSON with the rows of these saved results (e.g. the N=1024 and N=8192 runs)")
     a = p.parse_args(argv)
     out = a.out or (os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None)
 
@@ -234,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(out, "w") as f:
                 json.dump(results, f, indent=2)
 
+    if a.merge:
+        results = merge_results(a.merge)
+        save()
+        print(f"{len(results['runs'])} engine rows from {len(a.merge)} files -> {out}")
+        return 0
     if a.from_log:
         results = rows_from_logs(a.from_log)
         save()

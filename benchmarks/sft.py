@@ -19,6 +19,7 @@ Modes:
 
     python benchmarks/sft.py --model qwen3-8b --batch 16 --modes hf_padded swiftune swiftune_budget
     python benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32        # the batch sweep
+    python benchmarks/sft.py --model qwen3-0.6b --batch 16 --full             # full fine-tuning row
     python benchmarks/sft.py --one swiftune --model qwen3-0.6b --batch 8     # one mode, JSON on stdout
 
 The token-budget modes take micro-batches of ``--budget`` tokens whatever the batch size, so they
@@ -73,7 +74,9 @@ def timing_callback(warmup: int, record: dict):
     return Timer()
 
 
-def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int) -> dict:
+def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
+            full: bool = False) -> dict:
+    """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode."""
     import torch
     from peft import LoraConfig
 
@@ -96,8 +99,9 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         import peft
         from transformers import Trainer, TrainingArguments
 
-        model = peft.get_peft_model(model, lora)
-        model.enable_input_require_grads()
+        if not full:
+            model = peft.get_peft_model(model, lora)
+            model.enable_input_require_grads()
 
         from workload import pad_to_longest as pad_collate
 
@@ -112,7 +116,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                              dataset_num_proc=None, **common)
         tok = _dummy_tokenizer(config.vocab_size)
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-                                 peft_config=lora, processing_class=tok)
+                                 peft_config=None if full else lora, processing_class=tok)
         counter = CountingCollator(trainer.data_collator, 0)
         trainer.data_collator = counter
     else:
@@ -120,8 +124,11 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         from swiftune.data import FormattingStats, TokenizedDataset
 
         offload = mode == "swiftune_budget_offload"
-        model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16,
-                                                  use_gradient_checkpointing="offload" if offload else True)
+        gc_mode = "offload" if offload else True
+        if full:
+            swiftune.FastModel.for_training(model, use_gradient_checkpointing=gc_mode)
+        else:
+            model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=gc_mode)
         if offload:  # every layer input to the host, not only those the GPU budget cannot hold
             from swiftune.models.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 
@@ -131,7 +138,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}
         common.pop("gradient_checkpointing_kwargs")
-        common["gradient_checkpointing"] = False  # already enabled by get_peft_model
+        common["gradient_checkpointing"] = False  # already enabled by get_peft_model / for_training
         trainer = swiftune.SFTTrainer(
             model=model, args=swiftune.SFTConfig(max_length=max_length, **extra, **common),
             train_dataset=data, processing_class=_dummy_tokenizer(config.vocab_size),
@@ -139,11 +146,15 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         counter = CountingCollator(trainer.data_collator, 0)
         trainer.data_collator = counter
     record["counter"] = counter
+    params = list(trainer.model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
     trainer.add_callback(timing_callback(warmup, record))
     trainer.train()
     elapsed = record["t1"] - record["t0"]
     tokens = record["tokens1"] - record["tokens0"]
-    return dict(mode=mode, model=model_name, batch=batch, steps=steps - warmup, tokens_per_s=tokens / elapsed,
+    return dict(mode=mode, model=model_name, batch=batch, finetune="full" if full else "lora r=16",
+                trainable_fraction=trainable / sum(p.numel() for p in params),
+                steps=steps - warmup, tokens_per_s=tokens / elapsed,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, sec_per_step=elapsed / (steps - warmup),
                 padding_fraction=1 - counter.tokens / max(counter.slots, 1))
 
@@ -180,13 +191,15 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch for swiftune_budget")
     p.add_argument("--max_length", type=int, default=1024)
+    p.add_argument("--full", action="store_true", help="full fine-tuning (every weight, no LoRA) in every mode")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     args = p.parse_args(argv)
     if args.one:
         for batch in args.batch:
             try:
-                row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length)
+                row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length,
+                              full=args.full)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -199,7 +212,7 @@ def main(argv=None) -> int:
         batches = [16 if 16 in args.batch else max(args.batch)] if mode.startswith("swiftune_budget") else args.batch
         cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, batches),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
-               "--max_length", str(args.max_length)]
+               "--max_length", str(args.max_length), *(["--full"] if args.full else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = {}
         for line in proc.stdout.splitlines():

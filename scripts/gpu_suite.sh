@@ -10,6 +10,7 @@
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
+#   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, bisected to 3% (~8 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
@@ -34,7 +35,8 @@ python3 -c "import torch, transformers; print(torch.cuda.get_device_name(), torc
 
 run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
   local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" 2>&1 | grep -v -i "warn" | tee "$OUT/$name.txt" | tail -30
+  # warnings dropped, but not pytest's summary line ("N passed, M warnings")
+  timeout "$limit" "$@" 2>&1 | awk '!/[Ww][Aa][Rr][Nn]/ || /passed|failed|error/' | tee "$OUT/$name.txt" | tail -30
   echo "== $name: exit ${PIPESTATUS[0]}"
 }
 
@@ -62,6 +64,9 @@ case "$part" in
   sft-llama)
     run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
+  sft-full)
+    run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
+      --out "$OUT/sft_qwen3-0.6b_full.json" ;;
   loss-curve)
     run loss_curve 560 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
   longctx)  # largest fitting row with offload, bisected from 409,600 (fits on the 8B shapes) to 600,000
@@ -84,8 +89,8 @@ case "$part" in
   verify)  # CUDA tests, kernel table, the GRPO step with and without the engine's fused layers
     "$0" check
     "$0" kernels
-    run grpo_step 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json"
-    run grpo_step_fused 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --fused-layers \
-      --out "$OUT/grpo_step_fused.json" ;;
+    run grpo_step_unfused 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --no-fused-layers \
+      --out "$OUT/grpo_step_unfused.json"
+    run grpo_step 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

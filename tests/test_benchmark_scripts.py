@@ -165,6 +165,17 @@ def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path
     assert rows["hf_padded"]["padding_fraction"] > 0
     assert all(rows[m]["padding_fraction"] == 0 and rows[m]["tokens_per_s"] > 0 for m in modes[1:])
     assert "x hf_padded" in proc.stdout.splitlines()[-5]  # the table is printed last
+    assert all(0 < r["trainable_fraction"] < 0.2 and r["finetune"] == "lora r=16" for r in rows.values())
+
+
+def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):
+    out = tmp_path / "sft_full.json"
+    modes = ["hf_padded", "swiftune", "swiftune_budget_offload"]
+    proc = run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "2", "--warmup", "1", "--full",
+                      "--modes", *modes, "--budget", "256", "--max_length", "128", "--out", str(out))
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == set(modes) and not any("error" in r for r in rows.values()), proc.stdout[-2000:]
+    assert all(r["trainable_fraction"] == 1.0 and r["finetune"] == "full" for r in rows.values())
 
 
 def test_longctx_tiny_rows_and_replan(tmp_path):
@@ -217,3 +228,13 @@ def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
     run_script("rollout.py", "--from-log", str(log), "--out", str(again))
     b = json.loads(again.read_text())
     assert len(b["runs"]) == len(r["runs"]) and len(b["fused_ab"]) == 2 and len(b["lora"]) == 2
+    # --merge: the rows of several saved runs in one file (the plot of N=1,024 and N=8,192 together)
+    merged = tmp_path / "merged.json"
+    run_script("rollout.py", "--merge", str(out), str(again), "--out", str(merged))
+    m = json.loads(merged.read_text())
+    assert len(m["runs"]) == len(r["runs"]) + len(b["runs"]) and len(m["fused_ab"]) == 4
+    assert all(x["fast"]["fused_layers"] for x in r["runs"])  # the engine's default
+    b["device"] = "another GPU"
+    again.write_text(json.dumps(b))
+    with pytest.raises(AssertionError, match="differs"):
+        run_script("rollout.py", "--merge", str(out), str(again), "--out", str(merged))

@@ -35,8 +35,8 @@ def test_generate_greedy_engines_agree_with_transformers(capsys):
 
 def test_generate_fused_layers_gives_the_same_samples(capsys):
     args = ["--max_tokens", "8", "--json", "--seed", "3", "--num_generations", "3", "--prompt", "Sort: cab\n"]
-    plain = run(capsys, *args, "--engine", "fast")
-    fused = run(capsys, *args, "--engine", "fast", "--fused_layers")
+    plain = run(capsys, *args, "--engine", "fast", "--no_fused_layers")
+    fused = run(capsys, *args, "--engine", "fast")
     # the same samples; log-probs within float32 rounding (the fused run also patches the model's kernels)
     assert len(fused) == 3 and [r["completion"] for r in fused] == [r["completion"] for r in plain]
     assert all(abs(a["mean_logprob"] - b["mean_logprob"]) < 1e-5 for a, b in zip(fused, plain))

@@ -28,8 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min_p", type=float, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (fast engine; repeatable)")
     p.add_argument("--engine", choices=("transformers", "fast"), default="transformers")
-    p.add_argument("--fused_layers", action="store_true",
-                   help="fast engine: its fused decode layer loop (patches the built-in model with swiftune's kernels)")
+    p.add_argument("--no_fused_layers", dest="fused_layers", action="store_false",
+                   help="fast engine: run each layer's own forward instead of the engine's fused layer loop "
+                        "(which needs a patched model: the built-in one is patched for it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--json", action="store_true", help="one JSON object per completion")
@@ -52,7 +53,8 @@ def main_generate(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"))
         if torch.cuda.is_available():
             model = model.to("cuda")
-        if args.fused_layers:  # the fused loop runs on patched models (FastModel.from_pretrained patches)
+        if args.engine == "fast" and args.fused_layers:  # the fused loop runs on patched models
+            # (FastModel.from_pretrained patches; the transformers engine keeps the plain model)
             from ..models import patch_model
 
             patch_model(model)
@@ -81,8 +83,8 @@ def main_generate(argv: list[str] | None = None) -> int:
                                    fused_layers=args.fused_layers)
         params = FastSamplingParams(stop=tuple(args.stop), **params_kw)
     else:
-        if args.stop or args.fused_layers:
-            raise SystemExit("--stop strings and --fused_layers need --engine fast")
+        if args.stop or not args.fused_layers:
+            raise SystemExit("--stop strings and --no_fused_layers need --engine fast")
         engine = TransformersRolloutEngine(model, pad_token_id=pad, seed=args.seed)
         params = SamplingParams(**params_kw)
     start = time.perf_counter()
