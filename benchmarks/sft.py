@@ -75,8 +75,9 @@ def timing_callback(warmup: int, record: dict):
 
 
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
-            full: bool = False) -> dict:
-    """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode."""
+            full: bool = False, memory_profile: bool = False) -> dict:
+    """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
+    ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed)."""
     import torch
     from peft import LoraConfig
 
@@ -148,6 +149,10 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     record["counter"] = counter
     params = list(trainer.model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
+    if memory_profile and device == "cuda":  # before the timer: its t0 is taken after the profiled step
+        from memory_profile import peak_profile_callback
+
+        trainer.add_callback(peak_profile_callback(warmup, record))
     trainer.add_callback(timing_callback(warmup, record))
     trainer.train()
     elapsed = record["t1"] - record["t0"]
@@ -156,7 +161,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 trainable_fraction=trainable / sum(p.numel() for p in params),
                 steps=steps - warmup, tokens_per_s=tokens / elapsed,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, sec_per_step=elapsed / (steps - warmup),
-                padding_fraction=1 - counter.tokens / max(counter.slots, 1))
+                padding_fraction=1 - counter.tokens / max(counter.slots, 1),
+                **({"peak_profile": record["peak_profile"]} if "peak_profile" in record else {}))
 
 
 def release_gpu_memory() -> None:
@@ -192,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=int, default=16384, help="tokens per micro-batch for swiftune_budget")
     p.add_argument("--max_length", type=int, default=1024)
     p.add_argument("--full", action="store_true", help="full fine-tuning (every weight, no LoRA) in every mode")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="CUDA: the allocation sites alive at the peak of the last warm-up step, per mode")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     args = p.parse_args(argv)
@@ -199,7 +207,7 @@ def main(argv=None) -> int:
         for batch in args.batch:
             try:
                 row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length,
-                              full=args.full)
+                              full=args.full, memory_profile=args.memory_profile)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -212,7 +220,8 @@ def main(argv=None) -> int:
         batches = [16 if 16 in args.batch else max(args.batch)] if mode.startswith("swiftune_budget") else args.batch
         cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, batches),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
-               "--max_length", str(args.max_length), *(["--full"] if args.full else [])]
+               "--max_length", str(args.max_length), *(["--full"] if args.full else []),
+               *(["--memory-profile"] if args.memory_profile else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = {}
         for line in proc.stdout.splitlines():
@@ -224,6 +233,11 @@ def main(argv=None) -> int:
             rows.append(found.get(batch) or dict(mode=mode, model=args.model, batch=batch, error=" | ".join(err)[-300:]))
             print(json.dumps(rows[-1]), flush=True)
     rows.sort(key=lambda r: (r["batch"], args.modes.index(r["mode"])))
+    for r in rows:  # (before the table, which comes last)
+        if "peak_profile" in r:
+            from memory_profile import format_breakdown
+
+            print(f"\nmemory at the peak: {r['mode']} batch {r['batch']}\n{format_breakdown(r['peak_profile'])}")
     base = {r["batch"]: r for r in rows if r["mode"] == "hf_padded" and "error" not in r}
     print(f"\n{'mode':<24} {'model':<11} {'batch':>5} {'tok/s':>8} {'x hf_padded':>11} {'peak GB':>8} "
           f"{'s/step':>7} {'padding':>8}")

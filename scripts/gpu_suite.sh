@@ -10,6 +10,7 @@
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
+#   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, bisected to 3% (~8 min)
@@ -64,6 +65,9 @@ case "$part" in
   sft-llama)
     run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
+  sft-memory)  # the allocation sites at the peak of a step: why 16K-token batches need more than 19.3 GB
+    run sft_memory 300 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
+      --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
   sft-full)
     run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;

@@ -238,3 +238,60 @@ def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
     again.write_text(json.dumps(b))
     with pytest.raises(AssertionError, match="differs"):
         run_script("rollout.py", "--merge", str(out), str(again), "--out", str(merged))
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_profile_finds_the_blocks_alive_at_the_peak():
+    """The two-pass replay against a brute-force one (copy of the live set after every event) on
+    random alloc/free traces, including frees of blocks allocated before recording began."""
+    mp = _bench_module("memory_profile")
+    gen = torch.Generator().manual_seed(0)
+    sites = [[{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+              {"filename": f"/w/swiftune/layer{k}.py", "line": 10 + k, "name": f"f{k}"}] for k in range(5)]
+    for trial in range(20):
+        trace, live, next_addr = [], {}, 1000
+        pre = {i: int(torch.randint(1, 50, (1,), generator=gen)) for i in range(3)}  # before recording
+        for _ in range(200):
+            if live and (torch.rand(1, generator=gen) < 0.45 or len(live) > 30):
+                addr = list(live)[int(torch.randint(len(live), (1,), generator=gen))]
+                trace.append({"action": "free_requested", "addr": addr, "size": live[addr]})
+                trace.append({"action": "free_completed", "addr": addr, "size": live.pop(addr)})
+            elif pre and torch.rand(1, generator=gen) < 0.05:
+                addr, size = pre.popitem()
+                trace.append({"action": "free_completed", "addr": addr, "size": size})
+            else:
+                size = int(torch.randint(1, 100, (1,), generator=gen))
+                k = int(torch.randint(5, (1,), generator=gen))
+                trace.append({"action": "alloc", "addr": next_addr, "size": size, "frames": sites[k]})
+                live[next_addr] = size
+                next_addr += 1
+        # reference: level and live set after every event, the first maximum wins
+        level, best, best_live, cur = 0, 0, {}, {}
+        for ev in trace:
+            if ev["action"] == "alloc":
+                cur[ev["addr"]] = ev
+                level += ev["size"]
+            elif ev["action"] == "free_completed":
+                level -= ev["size"]
+                cur.pop(ev["addr"], None)
+            if level > best:
+                best, best_live = level, dict(cur)
+        peak, alive = mp.blocks_at_peak(trace)
+        assert peak == best and sorted(e["addr"] for e in alive) == sorted(best_live), trial
+        report = mp.peak_breakdown(trace, bytes_before=10**9, top=2)
+        by_site: dict = {}
+        for ev in best_live.values():
+            site = mp.allocation_site(ev["frames"])
+            by_site[site] = by_site.get(site, 0) + ev["size"]
+        want = sorted(by_site.values(), reverse=True)
+        assert [round(s["gb"] * 1e9) for s in report["sites"][:2]] == want[:2]
+        assert round(sum(s["gb"] for s in report["sites"]) * 1e9) == sum(want)
+        assert report["step_peak_gb"] == (10**9 + best) / 1e9
+    # the site is the innermost frame outside torch
+    assert mp.allocation_site(sites[3]) == "f3 (layer3.py:13)"

@@ -1,0 +1,104 @@
+"""Where the peak of one CUDA training step goes: the allocations alive at its highest point.
+
+``torch.cuda.max_memory_allocated`` says how high a step went, not what was there. This records the
+caching allocator's alloc/free history over one step (``torch.cuda.memory._record_memory_history``),
+replays it to find the moment of the peak, and sums the blocks alive then by the line of code that
+allocated them (the innermost frame outside torch itself: a swiftune kernel, a PEFT layer, the
+Trainer's optimizer step...). Blocks allocated before the step began (weights, optimizer states)
+are one line, ``before the step``.
+
+    python benchmarks/sft.py --model qwen3-8b --batch 16 --modes swiftune_budget_offload --memory-profile
+"""
+
+from __future__ import annotations
+
+import os
+
+# frames from these folders are the machinery, not the caller that asked for memory
+_MACHINERY = (os.sep + "torch" + os.sep, os.sep + "contextlib.py", os.sep + "functools.py")
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """``name (file:line)`` of the innermost frame outside torch; the innermost frame if all are torch's."""
+    for f in frames:
+        path = f.get("filename", "")
+        if path and not any(m in path for m in _MACHINERY) and not path.startswith("<"):
+            return f"{f.get('name', '?')} ({os.path.basename(path)}:{f.get('line', '?')})"
+    if frames:
+        f = frames[0]
+        return f"{f.get('name', '?')} ({os.path.basename(f.get('filename', '?'))}:{f.get('line', '?')})"
+    return "(no stack)"
+
+
+def blocks_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
+    """Replay one device's trace: ``(peak bytes above the level at the first event, alive blocks then)``.
+
+    An allocation counts from its ``alloc`` until its ``free_completed`` (what
+    ``max_memory_allocated`` counts). A free of a block allocated before recording began lowers the
+    level below the start; such blocks are not in the returned list. Two passes: find the index of
+    the peak, then replay up to it (copying the live set at every new maximum would be quadratic).
+    """
+    level = peak = 0
+    peak_at = -1
+    sizes: dict[int, int] = {}
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            sizes[ev["addr"]] = ev["size"]
+            level += ev["size"]
+            if level > peak:
+                peak, peak_at = level, i
+        elif ev["action"] == "free_completed":
+            level -= sizes.pop(ev["addr"], ev["size"])
+    live: dict[int, dict] = {}
+    for ev in trace[: peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    return peak, list(live.values())
+
+
+def peak_breakdown(trace: list[dict], bytes_before: int, top: int = 12) -> dict:
+    """The peak of the traced step and its largest allocation sites (GB, 1e9 bytes)."""
+    peak, alive = blocks_at_peak(trace)
+    by_site: dict[str, int] = {}
+    for ev in alive:
+        site = allocation_site(ev.get("frames", []))
+        by_site[site] = by_site.get(site, 0) + ev["size"]
+    ranked = sorted(by_site.items(), key=lambda kv: -kv[1])
+    rest = sum(b for _, b in ranked[top:])
+    sites = [{"site": s, "gb": b / 1e9} for s, b in ranked[:top]]
+    if rest:
+        sites.append({"site": f"({len(ranked) - top} other sites)", "gb": rest / 1e9})
+    return {"before_step_gb": bytes_before / 1e9, "step_peak_gb": (bytes_before + peak) / 1e9,
+            "alive_at_peak_gb": sum(ev["size"] for ev in alive) / 1e9, "sites": sites}
+
+
+def peak_profile_callback(step: int, record: dict, top: int = 12):
+    """A Trainer callback that profiles optimizer step ``step`` (1-based) into ``record["peak_profile"]``."""
+    import torch
+    from transformers import TrainerCallback
+
+    class PeakProfile(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:
+                torch.cuda.synchronize()
+                record["bytes_before"] = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step and "bytes_before" in record:
+                torch.cuda.synchronize()
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                trace = snapshot["device_traces"][torch.cuda.current_device()]
+                record["peak_profile"] = peak_breakdown(trace, record["bytes_before"], top)
+
+    return PeakProfile()
+
+
+def format_breakdown(profile: dict) -> str:
+    lines = [f"  before the step {profile['before_step_gb']:6.2f} GB; peak of the step "
+             f"{profile['step_peak_gb']:6.2f} GB; allocated in the step and alive at its peak:"]
+    lines += [f"  {s['gb']:8.3f} GB  {s['site']}" for s in profile["sites"]]
+    return "\n".join(lines)
