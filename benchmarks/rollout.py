@@ -42,6 +42,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import random_model  # noqa: E402
 
+from swiftune.rl.engine import kv_bytes_per_token  # noqa: E402
+
 
 def sync() -> None:
     if torch.cuda.is_available():
@@ -74,11 +76,6 @@ def weight_bytes(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     return total if tied else total - emb.numel() * emb.element_size()
-
-
-def kv_bytes_per_token(cfg, itemsize: int) -> int:
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
 
 
 def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool) -> dict:

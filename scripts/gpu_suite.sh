@@ -13,6 +13,7 @@
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
+#   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, bisected to 3% (~8 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
@@ -72,7 +73,7 @@ case "$part" in
     run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;
   loss-curve)
-    run loss_curve 560 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
+    run loss_curve 380 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
   longctx)  # largest fitting row with offload, bisected from 409,600 (fits on the 8B shapes) to 600,000
     model=${2:-qwen3-8b}
     run "longctx_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes offload \
@@ -90,6 +91,9 @@ case "$part" in
       --time-budget 470 --out "$OUT/longctx_sweep.json" ;;
   kernels)
     run kernels 120 python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
+  small-rows)  # the two small-model figures in one call
+    "$0" loss-curve
+    "$0" sft-full ;;
   verify)  # CUDA tests, kernel table, the GRPO step with and without the engine's fused layers
     "$0" check
     "$0" kernels

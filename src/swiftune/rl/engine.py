@@ -143,6 +143,16 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION_NAME, rollout_attention)
 
 
+def head_dim_of(config) -> int:
+    """Attention head size: ``config.head_dim`` where the config sets it (Qwen3, Gemma), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """Bytes of K and V that one token occupies in the cache, over all layers."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * itemsize
+
+
 class FastRolloutEngine:
     """Fast batched sampling from the training model itself (see the module docstring).
 
@@ -364,9 +374,8 @@ class FastRolloutEngine:
     def _row_bytes(self, length: int) -> int:
         hf, _ = self._parts()
         cfg = hf.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         itemsize = next(self.model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * length * itemsize
+        return kv_bytes_per_token(cfg, itemsize) * length
 
     def _prompts_per_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
         per_chunk = len(prompts)
@@ -390,10 +399,9 @@ class FastRolloutEngine:
         self._drop_workspace()  # free the old one first
         hf, _ = self._parts()
         cfg = hf.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = self._parts()[1].embed_tokens.weight.dtype
-        self._ws = Workspace(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim, length, max_tokens,
-                              hf.lm_head.out_features, dtype, device)
+        self._ws = Workspace(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim_of(cfg), length,
+                             max_tokens, hf.lm_head.out_features, dtype, device)
         return self._ws
 
     def _prefill(self, ws: Workspace, ctx: DecodeContext, prompts: Sequence[Sequence[int]], n: int) -> torch.Tensor:
