@@ -29,6 +29,8 @@ baselines first:
   trl_grpo        TRL's GRPOTrainer loss path (TRL 1.16: ``add_fused_lm_head`` on the model,
                   ``model(..., labels, fused_lm_head=True).log_probs`` under bf16 autocast) with
                   TRL's gradient checkpointing (baseline 2; only when trl is importable)
+  trl_liger       the same with Liger-Kernel's layer kernels (RMSNorm, RoPE, SwiGLU) as TRL 1.16
+                  applies them for ``use_liger_kernel=True`` (baseline 3; when liger-kernel is importable)
   trl_selective   full logits + ``trl.trainer.utils.selective_log_softmax`` (TRL's pre-fused path;
                   optional, not in the defaults)
   swiftune        ``swiftune.patch_model`` + LoRA with ``use_gradient_checkpointing="offload"``
@@ -47,7 +49,7 @@ swiftune search spans several 10-minute calls. The table is printed last; ``--ou
 
     python benchmarks/grpo.py --out grpo.json                       # step, Qwen3-1.7B shape: ~3-5 min on an H200
     python benchmarks/grpo.py --model tiny                          # CPU smoke test (~15 s)
-    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes hf_full_logits trl_grpo \\
+    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes hf_full_logits trl_grpo trl_liger \\
         --completion-lengths 65536 --out grpo_bisect_base.json      # baselines: ~8 min
     python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \\
         --completion-lengths 65536 --bisect-start 131072 --out grpo_bisect_swiftune.json
@@ -77,11 +79,13 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from workload import host_rss  # noqa: E402
 
-BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_selective"]
+BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_liger", "trl_selective"]
+TRL_HEAD_MODES = ("trl_grpo", "trl_liger")  # TRL's fused LM head
 ALL_BISECT_MODES = BASELINE_MODES + ["swiftune"]
 MODE_LABELS = {
     "hf_full_logits": "transformers + PEFT, full logits, log_softmax(float32).gather",
     "trl_grpo": "TRL GRPOTrainer loss path (add_fused_lm_head, fused_lm_head=True)",
+    "trl_liger": "the same + Liger-Kernel layer kernels (TRL's use_liger_kernel=True)",
     "trl_selective": "full logits + trl selective_log_softmax",
     "swiftune": "swiftune packed row, chunked selective log-softmax, offloaded checkpoints",
 }
@@ -92,7 +96,12 @@ def trl_available() -> bool:
 
 
 def default_bisect_modes() -> list[str]:
-    return ["hf_full_logits", "trl_grpo", "swiftune"] if trl_available() else ["hf_full_logits", "swiftune"]
+    modes = ["hf_full_logits"]
+    if trl_available():
+        modes.append("trl_grpo")
+        if importlib.util.find_spec("liger_kernel") is not None:
+            modes.append("trl_liger")
+    return modes + ["swiftune"]
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -426,7 +435,11 @@ def build_bisect_model(mode: str, name: str, device, args):
 
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.config.use_cache = False
-    if mode == "trl_grpo":
+    if mode == "trl_liger":
+        from workload import apply_liger_like_trl
+
+        apply_liger_like_trl(model)
+    if mode in TRL_HEAD_MODES:
         from trl.trainer.utils import add_fused_lm_head
 
         # as GRPOTrainer.__init__ does (log-probs and entropy, temperature 1.0)
@@ -475,7 +488,7 @@ def policy_step(model, mode: str, L: int, args, device) -> None:
         mask = torch.ones_like(ids)
         target = comps.to(device)
         adv_tok = adv.to(device)[:, None].expand(R, L)
-        if mode == "trl_grpo":
+        if mode in TRL_HEAD_MODES:
             labels = ids.clone()
             labels[:, :-L] = -100
             cuda = device.type == "cuda"
@@ -738,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rollout engine of the step (default: fast on CUDA, transformers on CPU, as GRPOTrainer)")
     p.add_argument("--bisect-completion", action="store_true", help="run the bisection instead of the step")
     p.add_argument("--bisect-modes", nargs="+", choices=ALL_BISECT_MODES, default=None,
-                   help="default: hf_full_logits, trl_grpo (when trl is importable), swiftune")
+                   help="default: hf_full_logits, trl_grpo (when trl is importable), trl_liger (and "
+                        "liger-kernel), swiftune")
     p.add_argument("--bisect-rows", type=int, default=2, help="completions per step (G) of the bisection")
     p.add_argument("--bisect-start", type=int, default=None, help="first completion length (default 16384; tiny 64)")
     p.add_argument("--bisect-max", type=int, default=None, help="largest length tried (default 2**20; tiny 4096)")

@@ -7,6 +7,11 @@ random-init model (bf16 weights, LoRA r=16 on all linear layers), for growing ``
   baseline     plain transformers (sdpa) + PEFT + transformers' gradient checkpointing
                (non-reentrant) + ``F.cross_entropy(logits.float())`` on the full logits;
                stops at its first OOM
+  trl          TRL 1.16's SFT step: the same PEFT model and checkpointing, TRL's fused LM head
+               (``add_fused_lm_head``, as ``SFTTrainer`` adds it) under bf16 autocast, loss =
+               mean of ``-log_probs``; one causal sequence per row (below)
+  trl_liger    the same with Liger-Kernel's layer kernels, as ``use_liger_kernel=True`` applies
+               them in TRL 1.16 (its fused linear cross entropy off: TRL's head computes the loss)
   ckpt         swiftune: patched model (fused kernels, packed varlen attention), tiled MLP, fused
                chunked cross entropy (``swiftune.sft.sft_loss``), checkpoints kept on the GPU
                (transformers' checkpointing): the reference for the offload overhead
@@ -24,17 +29,23 @@ largest token count that fits between the last OK and the first OOM row (granula
 ``--bisect-granularity``).  Rows are documents of ``--doc-tokens`` tokens (``position_ids``
 restart; 0: one sequence), which keeps attention cost linear in ``T``: swiftune's packed
 attention respects the boundaries, the sdpa baseline attends across them (more work, the same
-memory).  The table is printed last; ``--out`` writes JSON.
+memory).  The TRL modes ignore the document boundaries and train one causal sequence per row:
+with position_ids restarting, transformers builds a ``T x T`` packed-sequence mask for sdpa
+(flash-attn, which TRL's padding-free mode relies on, is not installed on the device machine);
+one sequence has the memory of flash-attn's varlen path and the time of full attention.  The
+table is printed last; ``--out`` writes JSON.
 
     python benchmarks/longctx.py --out longctx.json                       # default: ~5-7 min on an H200
     python benchmarks/longctx.py --tokens 409600 --modes offload --doc-tokens 0   # one 400K sequence (attention
                                                                   # dominates: ~8-10 min, over a 10-min call limit?)
     python benchmarks/longctx.py --model tiny                             # CPU smoke test (~1 min)
+    python benchmarks/longctx.py --modes trl_liger --tokens 65536 131072 262144 --bisect trl_liger  # TRL + Liger
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -48,9 +59,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from workload import host_rss  # noqa: E402
+from workload import apply_liger_like_trl, host_rss  # noqa: E402
 
-ALL_MODES = ["baseline", "ckpt", "offload", "offload_all"]
+DEFAULT_MODES = ["baseline", "ckpt", "offload", "offload_all"]
+ALL_MODES = ["baseline", "trl", "trl_liger", "ckpt", "offload", "offload_all"]
+TRL_MODES = ("trl", "trl_liger")
 DEFAULT_TOKENS = [8192, 32768, 65536, 131072, 262144, 409600]
 TINY_TOKENS = [256, 1024, 2048]
 
@@ -66,10 +79,18 @@ def build_model(name: str, mode: str, device: torch.device, mlp_tile: int | None
 
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.config.use_cache = False
-    if mode == "baseline":
+    if mode == "baseline" or mode in TRL_MODES:
+        if mode == "trl_liger":
+            apply_liger_like_trl(model)
+        if mode in TRL_MODES:  # as SFTTrainer.__init__ adds it (log-probs, entropy and accuracy outputs)
+            from trl.trainer.utils import add_fused_lm_head
+
+            add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
         hf = model.get_base_model()
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if mode in TRL_MODES:
+            model.enable_input_require_grads()
         return model.train()
     import swiftune
     from swiftune.models.tiled_mlp import enable_tiled_mlp
@@ -111,6 +132,11 @@ def step(model, mode: str, batch: dict, optimizer) -> float:
         logits = model(**batch, use_cache=False).logits
         loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
         del logits
+    elif mode in TRL_MODES:  # SFTTrainer.compute_loss of TRL 1.16 (loss_type "nll"), Trainer's bf16 autocast
+        with torch.autocast("cuda", dtype=torch.bfloat16) if ids.is_cuda else contextlib.nullcontext():
+            out = model(input_ids=ids, labels=ids, fused_lm_head=True, use_cache=False)
+        loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+        del out
     else:
         from swiftune.sft import sft_loss
 
@@ -127,6 +153,8 @@ def _plan_kwargs(mode: str, args) -> dict:
     kw: dict = dict(kv_expanded=args.kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
     if mode == "baseline":
         kw.update(chunked_loss=False, tiled_mlp=False, tiled_projections=False, gradient_checkpointing=True)
+    elif mode in TRL_MODES:  # (approximate: the planner knows swiftune's kernels, not Liger's or sdpa's)
+        kw.update(tiled_mlp=False, tiled_projections=False, gradient_checkpointing=True, autocast=True)
     elif mode == "ckpt":
         kw.update(gradient_checkpointing=True)
     else:
@@ -255,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b", help="a shape of benchmarks/workload.py (tiny: CPU smoke test)")
     p.add_argument("--tokens", type=int, nargs="+", default=None)
-    p.add_argument("--modes", nargs="+", default=ALL_MODES, choices=ALL_MODES)
+    p.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=ALL_MODES,
+                   help=f"default {' '.join(DEFAULT_MODES)}; trl and trl_liger need trl (and liger-kernel)")
     p.add_argument("--ckpt-max-tokens", type=int, default=65536,
                    help="largest size for the ckpt / offload_all comparison rows (they exist to time the offload)")
     p.add_argument("--doc-tokens", type=int, default=32768, help="document length inside the row (0: one sequence)")
@@ -296,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
           f"model {args.model} LoRA r=16 doc_tokens {args.doc_tokens}", flush=True)
     rows: list[dict] = []
     first = True
-    groups = [["baseline"], ["ckpt", "offload", "offload_all"]]
+    groups = [["baseline"], ["trl"], ["trl_liger"], ["ckpt", "offload", "offload_all"]]
     for group in groups:
         modes = [m for m in group if m in args.modes]
         if not modes:
@@ -305,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-5)
         warmed = False
         for mode in modes:
-            if mode != "baseline":
+            if mode in ("ckpt", "offload", "offload_all"):
                 set_checkpointing(model, mode)
             if not warmed:  # compile kernels, allocate optimizer states, once per model
                 measure(model, mode, min(min(args.tokens), 8192), args, device, optimizer)

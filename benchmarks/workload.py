@@ -66,6 +66,15 @@ def random_model(name: str, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def apply_liger_like_trl(model) -> None:
+    """Liger-Kernel's layer kernels (RMSNorm, RoPE, SwiGLU) on ``model``, as TRL 1.16 applies them for
+    ``use_liger_kernel=True``: without Liger's fused linear cross entropy, which TRL switches off
+    because its own fused LM head (``trl.trainer.utils.add_fused_lm_head``) computes the loss."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False)
+
+
 def host_rss() -> int:
     """This process's resident host memory in bytes (psutil, else /proc; 0 where neither works)."""
     try:

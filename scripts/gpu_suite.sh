@@ -19,7 +19,9 @@
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
 #   scripts/gpu_suite.sh kernels      # kernel microbenchmarks vs eager and torch.compile (~1.5 min)
 #   scripts/gpu_suite.sh verify       # check + kernels + GRPO step, fused layers off/on (~8 min)
-#   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune vs TRL (~9 min)
+#   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
+#   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
 # the JSON into the PNGs of docs/plots.
@@ -79,9 +81,18 @@ case "$part" in
     run "longctx_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes offload \
       --tokens 409600 600000 --doc-tokens 8192 --bisect offload --bisect-granularity 16384 \
       --time-budget 500 --out "$OUT/longctx_bisect_$model.json" ;;
-  grpo-bisect)
-    run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
-      --completion-lengths 65536 --time-budget 520 --out "$OUT/grpo_bisect.json" ;;
+  grpo-bisect)  # swiftune: 2 x 65,536 (the issue's comparison point), then the search upwards
+    run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --completion-lengths 65536 --bisect-start 131072 --time-budget 520 --out "$OUT/grpo_bisect.json" ;;
+  grpo-bisect-base)  # the baselines: transformers full logits, TRL 1.16's loss path, TRL + Liger
+    run grpo_bisect_base 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
+      --bisect-modes hf_full_logits trl_grpo trl_liger --completion-lengths 65536 --time-budget 520 \
+      --out "$OUT/grpo_bisect_base.json" ;;
+  longctx-trl)  # TRL + Liger's largest single sequence (quadratic attention: a trial at 256K takes minutes)
+    model=${2:-qwen3-8b}
+    run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
+      --tokens 65536 131072 262144 --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 \
+      --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
   longctx-overhead)
     run longctx_overhead 180 python3 benchmarks/longctx.py --modes ckpt offload_all --tokens 8192 32768 \
       --doc-tokens 8192 --repeats 3 --time-budget 140 --out "$OUT/longctx_overhead.json" ;;

@@ -178,6 +178,17 @@ def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):
     assert all(r["trainable_fraction"] == 1.0 and r["finetune"] == "full" for r in rows.values())
 
 
+def test_longctx_trl_mode_trains_the_same_loss_as_the_baseline(tmp_path):
+    """The TRL baseline (TRL's fused LM head, -mean log-prob) computes the loss of plain transformers'
+    full-logits cross entropy on the same model and tokens (one document: 256 tokens < 512)."""
+    pytest.importorskip("trl")
+    out = tmp_path / "longctx_trl.json"
+    run_script("longctx.py", "--model", "tiny", "--tokens", "256", "--modes", "baseline", "trl", "--out", str(out))
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["trl"]["status"] == rows["baseline"]["status"] == "ok"
+    assert rows["trl"]["loss"] == pytest.approx(rows["baseline"]["loss"], rel=1e-5)
+
+
 def test_longctx_tiny_rows_and_replan(tmp_path):
     out = tmp_path / "longctx.json"
     run_script("longctx.py", "--model", "tiny", "--tokens", "256", "1024", "--modes", "baseline", "ckpt",
