@@ -17,7 +17,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 COMMITTED = [os.path.join(ROOT, "docs", "results", f)
-             for f in ("sft_qwen3-8b_b16.json", "longctx_qwen3-8b_32k.json", "longctx_qwen3-8b_sweep_h200.json")]
+             for f in ("sft_qwen3-8b_b16.json", "sft_qwen3-8b_sweep_h200.json", "longctx_qwen3-8b_32k.json",
+                       "longctx_qwen3-8b_sweep_h200.json", "rollout_h200.json", "grpo_step_qwen3-1.7b_h200.json")]
 LONGCTX_RESULTS = [os.path.join(ROOT, "docs", "results", f"longctx_qwen3-8b_{k}.json")
                    for k in ("sweep_h200", "400k_single_h200", "offload_overhead_h200", "32k")]
 
