@@ -196,6 +196,59 @@ def test_host_budget_and_gpu_reserve_helpers():
     assert state.host_budget() <= host_available_bytes() + state.pool.free_bytes
 
 
+def test_reserve_drops_the_kv_expansion_when_attention_keeps_kv_heads(monkeypatch):
+    """A forward whose attention keeps the K/V heads (flex) reserves less GPU memory for the layer
+    being recomputed, by what the planner says expanded K/V cost; nothing changes where varlen
+    does not expand them anyway."""
+    import dataclasses
+
+    import swiftune.attention.backends as backends
+    from swiftune.memory import model_shape, step_reserve
+    from swiftune.models.checkpointing import OffloadState, _setup_of
+
+    model = _model("qwen3", lora=True)  # 4 query heads, 2 K/V heads
+    hf = model.get_base_model()
+    state = OffloadState(hf, decoder_layers(hf), None, None, 2**26, None)
+    x = torch.zeros(1, 50_000, 128)
+    monkeypatch.setattr(backends, "varlen_expands_kv", lambda: True)
+    expanded, kept = state._reserve(x), state._reserve(x, keeps_kv_heads=True)
+    setup = _setup_of(hf, x)
+    assert setup.kv_expanded and not _setup_of(hf, x, keeps_kv_heads=True).kv_expanded
+    shape = model_shape(hf.config)
+    assert expanded - kept == step_reserve(shape, 50_000, setup, 0) - step_reserve(
+        shape, 50_000, dataclasses.replace(setup, kv_expanded=False), 0) > 0
+    monkeypatch.setattr(backends, "varlen_expands_kv", lambda: False)
+    assert state._reserve(x) == state._reserve(x, keeps_kv_heads=True) == kept
+
+
+def test_layers_see_the_forwards_attention_hint(monkeypatch):
+    """The hint travels from a keyword argument of the model's forward (GRPO's RowLayout) to the
+    plan of every layer input; without it the plan assumes expanded K/V."""
+    from swiftune.models.checkpointing import KEEPS_KV_HEADS_ATTR, OffloadState
+
+    seen = []
+    real = OffloadState.layer_input
+
+    def spy(self, index, x, keeps_kv_heads=False):
+        seen.append(keeps_kv_heads)
+        return real(self, index, x, keeps_kv_heads)
+
+    monkeypatch.setattr(OffloadState, "layer_input", spy)
+
+    class Hint:
+        pass
+
+    hint = Hint()
+    setattr(hint, KEEPS_KV_HEADS_ATTR, True)
+    model = _model("qwen3", lora=True)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    ids = torch.randint(0, 320, (1, 16))
+    model(input_ids=ids, labels=ids, flex_hint=hint).loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()
+    layers = len(decoder_layers(model))
+    assert seen == [True] * layers + [False] * layers
+
+
 def test_clear_error_when_budgets_are_short():
     model = _model("qwen3", lora=True)
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=1000)

@@ -177,6 +177,25 @@ def test_shared_prompt_flex_path(device, family):
         assert max_grad_err(out["flex"][1], out["reference"][1]) < 1e-4
 
 
+def test_row_layout_says_whether_attention_keeps_kv_heads():
+    """Offloaded checkpointing reads this to size a recomputed layer: flex keeps the K/V heads
+    (GQA in the kernel); the reference path and varlen rows do not claim it."""
+    prompts, completions = [[5, 6, 7]] * 2, [[8, 9], [10]]
+    shared = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0])
+    plain = build_policy_row(prompts, completions, share_prompt=False)
+    assert shared.layout.shared and not plain.layout.shared
+    assert not shared.layout.attention_keeps_kv_heads  # CPU: the shared row runs the reference path
+    assert shared.layout.shared_backend(on_cuda=False) == "reference"
+    assert not plain.layout.attention_keeps_kv_heads
+    for layout in (shared.layout, plain.layout):
+        layout.backend = "flex"
+        assert layout.attention_keeps_kv_heads and layout.shared_backend(on_cuda=False) == "flex"
+    shared.layout.backend = "auto"
+    from swiftune.rl.attention import flex_attention
+
+    assert shared.layout.shared_backend(on_cuda=True) == ("flex" if flex_attention is not None else "reference")
+
+
 def test_shared_row_layout():
     prompts = [[1, 2, 3]] * 2 + [[4, 5]]
     completions = [[10, 11], [12], [13, 14, 15]]

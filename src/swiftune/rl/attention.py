@@ -77,6 +77,22 @@ class RowLayout:
     def shared(self) -> bool:
         return self.seg is not None
 
+    def shared_backend(self, on_cuda: bool) -> str:
+        """The backend a shared row runs: ``flex`` or ``reference`` when asked for; otherwise (``auto``,
+        or a varlen kernel, which cannot express the rule) flex on CUDA and reference elsewhere."""
+        if self.backend in ("flex", "reference"):
+            return self.backend
+        return "flex" if on_cuda and flex_attention is not None else "reference"
+
+    @property
+    def attention_keeps_kv_heads(self) -> bool:
+        """Whether this row's attention takes K/V with their own head count: flex does GQA itself,
+        torch 2.11's varlen expands K/V. Read by offloaded checkpointing
+        (``checkpointing.KEEPS_KV_HEADS_ATTR``) to size the working set of a recomputed layer."""
+        if self.shared:
+            return self.shared_backend(self.position_ids.is_cuda) == "flex"
+        return self.backend == "flex"
+
 
 def register_grpo_attention() -> str:
     """Register ``"swiftune_grpo"`` with transformers' attention and mask registries (idempotent)."""
@@ -130,9 +146,7 @@ def grpo_attention_forward(
         out = packed_attention(q, k, v, layout.packed, scale=scaling, window=window, softcap=cap, dropout=dropout,
                                backend=layout.backend)
     else:
-        backend = layout.backend
-        if backend not in ("flex", "reference"):  # auto, or a varlen kernel that cannot express the rule
-            backend = "flex" if q.is_cuda and flex_attention is not None else "reference"
+        backend = layout.shared_backend(q.is_cuda)
         if dropout:
             raise ValueError("attention dropout is not supported in shared-prompt rows; set share_prompt=False")
         if backend == "flex":
