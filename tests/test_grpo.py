@@ -196,6 +196,33 @@ def test_row_layout_says_whether_attention_keeps_kv_heads():
     assert shared.layout.shared_backend(on_cuda=True) == ("flex" if flex_attention is not None else "reference")
 
 
+def test_policy_forward_tells_offloaded_checkpointing_when_attention_keeps_kv_heads(monkeypatch):
+    """The RowLayout keyword of a policy forward reaches the offloaded layers' plan: flex rows plan
+    without the K/V expansion, reference rows with it. (CPU flex cannot run with grad, so the spy
+    stops the forward at the first layer's plan, which is where the hint is read.)"""
+    from swiftune.models.checkpointing import OffloadState, enable_offloaded_checkpointing
+
+    class Planned(Exception):
+        pass
+
+    seen = []
+
+    def spy(self, index, x, keeps_kv_heads=False):
+        seen.append((index, keeps_kv_heads))
+        raise Planned
+
+    monkeypatch.setattr(OffloadState, "layer_input", spy)
+    model = tiny_model("qwen3").train()
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    prompts, completions = random_groups(seed=2, group_size=4)
+    for backend, expected in (("flex", True), ("reference", False)):
+        seen.clear()
+        row = build_policy_row(prompts, completions, share_prompt=True, attention_backend=backend)
+        with pytest.raises(Planned):
+            completion_logprobs(model, row, kernel_backend="reference")
+        assert seen == [(0, expected)], backend
+
+
 def test_shared_row_layout():
     prompts = [[1, 2, 3]] * 2 + [[4, 5]]
     completions = [[10, 11], [12], [13, 14, 15]]
