@@ -40,6 +40,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from workload import random_model  # noqa: E402
 
 from swiftune.rl.engine import kv_bytes_per_token  # noqa: E402
