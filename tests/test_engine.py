@@ -25,7 +25,7 @@ def prompts(tokenizer):
 
 def tiny_model(family="qwen3", seed=0, patch=True, **overrides):
     torch.manual_seed(seed)
-    if family in ("gemma2", "gemma3"):
+    if family in ("gemma2", "gemma3", "mistral"):
         overrides.setdefault("sliding_window", 8)  # shorter than prompt + completion: the window matters
     model = AutoModelForCausalLM.from_config(tiny_model_config(family, **overrides), dtype=torch.float32)
     if patch:
@@ -58,7 +58,8 @@ def forward_logprobs(model, prompt, completion, temperature):
 
 
 @pytest.mark.parametrize("family,patch",
-                         [("llama", True), ("qwen3", True), ("gemma2", True), ("gemma3", True), ("qwen3", False)])
+                         [("llama", True), ("mistral", True), ("qwen2", True), ("qwen3", True), ("gemma2", True),
+                          ("gemma3", True), ("qwen3", False)])
 def test_greedy_equals_generate(tokenizer, prompts, family, patch):
     model = tiny_model(family, seed=5, patch=patch)
     attn = model.config._attn_implementation
@@ -102,6 +103,8 @@ def test_sampling_logprobs_equal_forward_pass(tokenizer, prompts, family):
 
 
 @pytest.mark.parametrize("family,dtype,backend", [("llama", torch.float32, "reference"),
+                                                   ("mistral", torch.float32, "reference"),
+                                                   ("qwen2", torch.float32, "reference"),
                                                    ("qwen3", torch.bfloat16, "reference"),
                                                    ("qwen3", torch.float32, "triton")])
 def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prompts, family, dtype, backend,
@@ -112,7 +115,9 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
     import swiftune.rl.engine as engine_module
 
     torch.manual_seed(2)
-    model = AutoModelForCausalLM.from_config(tiny_model_config(family), dtype=dtype)
+    # Mistral with a window shorter than prompt + completion: the fused decode path must apply it
+    overrides = {"sliding_window": 6} if family == "mistral" else {}
+    model = AutoModelForCausalLM.from_config(tiny_model_config(family, **overrides), dtype=dtype)
     with torch.no_grad():  # norms start as ones: give each its own weights, so a mixed-up norm shows
         for name, p in model.named_parameters():
             if "norm" in name:
