@@ -196,42 +196,47 @@ def test_host_budget_and_gpu_reserve_helpers():
     assert state.host_budget() <= host_available_bytes() + state.pool.free_bytes
 
 
-def test_reserve_drops_the_kv_expansion_when_attention_keeps_kv_heads(monkeypatch):
-    """A forward whose attention keeps the K/V heads (flex) reserves less GPU memory for the layer
-    being recomputed, by what the planner says expanded K/V cost; nothing changes where varlen
-    does not expand them anyway."""
-    import dataclasses
+def test_reserve_follows_the_attention_kernel_of_the_forward(monkeypatch):
+    """A forward whose attention runs flex reserves less GPU memory for the layer being
+    recomputed: no K/V expanded to the query heads (torch 2.11's varlen) and no float32 dq
+    accumulator (flash). Checked against those two terms written out here, on a shape whose
+    attention phase is the larger one (8 query heads, 2 K/V heads, a narrow MLP)."""
+    from peft import LoraConfig, get_peft_model
 
     import swiftune.attention.backends as backends
-    from swiftune.memory import model_shape, step_reserve
     from swiftune.models.checkpointing import OffloadState, _setup_of
 
-    model = _model("qwen3", lora=True)  # 4 query heads, 2 K/V heads
-    hf = model.get_base_model()
+    cfg = tiny_model_config("qwen3", vocab_size=320, intermediate_size=32, num_attention_heads=8)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    get_peft_model(hf, LoraConfig(r=4, target_modules="all-linear"))  # float32 adapters
     state = OffloadState(hf, decoder_layers(hf), None, None, 2**26, None)
-    x = torch.zeros(1, 50_000, 128)
+    T = 50_000
+    x = torch.zeros(1, T, 128, dtype=torch.bfloat16)
+    dq, dkv, b = 8 * 32, 2 * 32, 2
+    expand_kv = 2 * (dq - dkv) * b * 2  # K and V widened to dq: saved once, and their gradients
+    dq_accumulator = dq * 4
     monkeypatch.setattr(backends, "varlen_expands_kv", lambda: True)
-    expanded, kept = state._reserve(x), state._reserve(x, keeps_kv_heads=True)
-    setup = _setup_of(hf, x)
-    assert setup.kv_expanded and not _setup_of(hf, x, keeps_kv_heads=True).kv_expanded
-    shape = model_shape(hf.config)
-    assert expanded - kept == step_reserve(shape, 50_000, setup, 0) - step_reserve(
-        shape, 50_000, dataclasses.replace(setup, kv_expanded=False), 0) > 0
-    monkeypatch.setattr(backends, "varlen_expands_kv", lambda: False)
-    assert state._reserve(x) == state._reserve(x, keeps_kv_heads=True) == kept
+    default, flex = state._reserve(x), state._reserve(x, attention_kernel="flex")
+    base, lean = _setup_of(hf, x), _setup_of(hf, x, attention_kernel="flex")
+    assert base.kv_expanded and base.float32_dq and not lean.kv_expanded and not lean.float32_dq
+    assert state._reserve(x, attention_kernel="varlen") == default
+    assert default - flex == pytest.approx(1.05 * T * (expand_kv + dq_accumulator), rel=1e-4)  # 1.05: reserve
+    monkeypatch.setattr(backends, "varlen_expands_kv", lambda: False)  # a torch whose varlen has GQA
+    assert default - state._reserve(x) == pytest.approx(1.05 * T * expand_kv, rel=1e-4)
+    assert state._reserve(x) - flex == pytest.approx(1.05 * T * dq_accumulator, rel=1e-4)
 
 
-def test_layers_see_the_forwards_attention_hint(monkeypatch):
-    """The hint travels from a keyword argument of the model's forward (GRPO's RowLayout) to the
-    plan of every layer input; without it the plan assumes expanded K/V."""
-    from swiftune.models.checkpointing import KEEPS_KV_HEADS_ATTR, OffloadState
+def test_layers_see_the_forwards_attention_kernel(monkeypatch):
+    """The kernel travels from a keyword argument of the model's forward (GRPO's RowLayout) to the
+    plan of every layer input; without it the plan uses the defaults."""
+    from swiftune.models.checkpointing import ATTENTION_KERNEL_ATTR, OffloadState
 
     seen = []
     real = OffloadState.layer_input
 
-    def spy(self, index, x, keeps_kv_heads=False):
-        seen.append(keeps_kv_heads)
-        return real(self, index, x, keeps_kv_heads)
+    def spy(self, index, x, attention_kernel=None):
+        seen.append(attention_kernel)
+        return real(self, index, x, attention_kernel)
 
     monkeypatch.setattr(OffloadState, "layer_input", spy)
 
@@ -239,14 +244,14 @@ def test_layers_see_the_forwards_attention_hint(monkeypatch):
         pass
 
     hint = Hint()
-    setattr(hint, KEEPS_KV_HEADS_ATTR, True)
+    setattr(hint, ATTENTION_KERNEL_ATTR, "flex")
     model = _model("qwen3", lora=True)
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
     ids = torch.randint(0, 320, (1, 16))
-    model(input_ids=ids, labels=ids, flex_hint=hint).loss.backward()
+    model(input_ids=ids, labels=ids, row_hint=hint).loss.backward()
     model(input_ids=ids, labels=ids).loss.backward()
     layers = len(decoder_layers(model))
-    assert seen == [True] * layers + [False] * layers
+    assert seen == ["flex"] * layers + [None] * layers
 
 
 def test_clear_error_when_budgets_are_short():

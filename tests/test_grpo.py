@@ -177,28 +177,28 @@ def test_shared_prompt_flex_path(device, family):
         assert max_grad_err(out["flex"][1], out["reference"][1]) < 1e-4
 
 
-def test_row_layout_says_whether_attention_keeps_kv_heads():
-    """Offloaded checkpointing reads this to size a recomputed layer: flex keeps the K/V heads
-    (GQA in the kernel); the reference path and varlen rows do not claim it."""
+def test_row_layout_names_its_attention_kernel_when_it_is_flex():
+    """Offloaded checkpointing reads this to size a recomputed layer: flex rows say so; the
+    reference path and rows whose kernel is chosen per call (auto) do not claim anything."""
     prompts, completions = [[5, 6, 7]] * 2, [[8, 9], [10]]
     shared = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0])
     plain = build_policy_row(prompts, completions, share_prompt=False)
     assert shared.layout.shared and not plain.layout.shared
-    assert not shared.layout.attention_keeps_kv_heads  # CPU: the shared row runs the reference path
+    assert shared.layout.attention_kernel is None  # CPU: the shared row runs the reference path
     assert shared.layout.shared_backend(on_cuda=False) == "reference"
-    assert not plain.layout.attention_keeps_kv_heads
+    assert plain.layout.attention_kernel is None
     for layout in (shared.layout, plain.layout):
         layout.backend = "flex"
-        assert layout.attention_keeps_kv_heads and layout.shared_backend(on_cuda=False) == "flex"
+        assert layout.attention_kernel == "flex" and layout.shared_backend(on_cuda=False) == "flex"
     shared.layout.backend = "auto"
     from swiftune.rl.attention import flex_attention
 
     assert shared.layout.shared_backend(on_cuda=True) == ("flex" if flex_attention is not None else "reference")
 
 
-def test_policy_forward_tells_offloaded_checkpointing_when_attention_keeps_kv_heads(monkeypatch):
+def test_policy_forward_tells_offloaded_checkpointing_its_attention_kernel(monkeypatch):
     """The RowLayout keyword of a policy forward reaches the offloaded layers' plan: flex rows plan
-    without the K/V expansion, reference rows with it. (CPU flex cannot run with grad, so the spy
+    for flex's memory, reference rows for the defaults. (CPU flex cannot run with grad, so the spy
     stops the forward at the first layer's plan, which is where the hint is read.)"""
     from swiftune.models.checkpointing import OffloadState, enable_offloaded_checkpointing
 
@@ -207,15 +207,15 @@ def test_policy_forward_tells_offloaded_checkpointing_when_attention_keeps_kv_he
 
     seen = []
 
-    def spy(self, index, x, keeps_kv_heads=False):
-        seen.append((index, keeps_kv_heads))
+    def spy(self, index, x, attention_kernel=None):
+        seen.append((index, attention_kernel))
         raise Planned
 
     monkeypatch.setattr(OffloadState, "layer_input", spy)
     model = tiny_model("qwen3").train()
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
     prompts, completions = random_groups(seed=2, group_size=4)
-    for backend, expected in (("flex", True), ("reference", False)):
+    for backend, expected in (("flex", "flex"), ("reference", None)):
         seen.clear()
         row = build_policy_row(prompts, completions, share_prompt=True, attention_backend=backend)
         with pytest.raises(Planned):

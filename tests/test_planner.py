@@ -186,6 +186,21 @@ def test_cli_prints_table_and_max_tokens(capsys, tmp_path):
     assert main_plan(["--model", "no-such-model"]) == 2
 
 
+def test_cli_flex_attention_keeps_kv_heads_and_bf16_dq(capsys):
+    """--flex_attention: the working set loses the K/V expansion and the float32 dq accumulator,
+    per token 2 x 2 (dq - dkv) b + dq 4 on the attention phase (Qwen3-8B: 2 x 2 x 3072 x 2 + 4096 x 4)."""
+    base = ["--model", "qwen3-8b", "--tokens", "262144", "--gpu_gb", "150", "--tiled_projections",
+            "--gradient_checkpointing", "offload", "--autocast", "--json"]
+    plans = []
+    for extra in ([], ["--flex_attention"]):
+        assert main_plan(base + extra) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    (default, flex) = plans
+    per_token = 2 * 2 * (4096 - 1024) * 2 + 4096 * 4
+    assert default["plan"]["layer_working_set"] - flex["plan"]["layer_working_set"] == 262144 * per_token
+    assert flex["max_tokens"] > default["max_tokens"]
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
 def test_lora_saved_bytes_match_autograd(autocast, lora_dtype):

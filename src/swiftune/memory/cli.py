@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full_logits", action="store_true", help="plain F.cross_entropy on full logits")
     p.add_argument("--autocast", action="store_true",
                    help="the step runs under bf16 autocast (swiftune sft / grpo with bf16): LoRA saves bf16 copies")
+    p.add_argument("--flex_attention", action="store_true",
+                   help="attention runs flex (GRPO's shared-prompt rows): K/V keep their heads, dq stays bf16")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -72,6 +74,8 @@ def main_plan(argv: list[str] | None = None) -> int:
         lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
         autocast=args.autocast,
     )
+    if args.flex_attention:
+        kw.update(kv_expanded=False, float32_dq=False)
     try:
         plan = plan_memory(args.model, args.tokens, args.lora_rank, gpu_bytes=gpu, **kw)
         best = max_tokens(args.model, gpu, args.lora_rank, **kw)

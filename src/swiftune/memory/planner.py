@@ -74,7 +74,10 @@ class TrainSetup:
         tiled_projections: the LoRA q/k/v/o projections run in tiles too (saves their casts).
         kv_expanded: attention saves K and V expanded to the query heads (torch 2.11's
             ``varlen_attn`` has no GQA flag, so swiftune repeats K/V heads); ``False`` for GQA
-            kernels (flash-attn, later torch).
+            kernels (flash-attn, later torch, flex attention).
+        float32_dq: attention's backward accumulates the query gradient in float32 (flash-attn and
+            torch's flash / varlen kernels); ``False`` for flex attention, whose backward writes it
+            in the activation dtype.
         chunked_loss: swiftune's fused chunked cross entropy; ``False``: full logits +
             ``F.cross_entropy`` (the transformers baseline).
         logit_chunk_tokens: token chunk of the fused loss (``None``: :data:`DEFAULT_LOGIT_CHUNK`).
@@ -92,6 +95,7 @@ class TrainSetup:
     mlp_tile_tokens: int | None = None
     tiled_projections: bool = False
     kv_expanded: bool = True
+    float32_dq: bool = True
     chunked_loss: bool = True
     logit_chunk_tokens: int | None = None
     autocast: bool = False
@@ -190,8 +194,8 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
 
     Attention phase: the attention half of the saved tensors (the MLP half is freed by then),
     the running gradient (``2 H b``), the gradient of the attention output (``dq b``),
-    dq/dk/dv (``(dq + 2 kv') b``), flash attention's float32 dq accumulator (``dq 4``) and
-    ``nq 4`` softmax terms, plus for untiled float32 LoRA the float32 output gradient and input-cast
+    dq/dk/dv (``(dq + 2 kv') b``), flash attention's float32 dq accumulator (``dq 4``; not with
+    flex, ``float32_dq=False``) and ``nq 4`` softmax terms, plus for untiled float32 LoRA the float32 output gradient and input-cast
     gradient of the widest projection (``(H + dq) 4``).
     """
     H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
@@ -204,7 +208,8 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
         mlp_phase += _mlp_tile(shape, tokens, s) * (3 * I * b + 2 * I * fp32 + 4 * H * fp32)
     else:
         mlp_phase += tokens * (3 * I * b + (I * fp32 if s.lora and s.lora_dtype_bytes != b else 0))
-    attn_phase = tokens * (attn_saved + 2 * H * b + dq * b + (dq + 2 * kvx) * b + dq * fp32 + shape.heads * fp32)
+    dq_acc = dq * fp32 if s.float32_dq else 0
+    attn_phase = tokens * (attn_saved + 2 * H * b + dq * b + (dq + 2 * kvx) * b + dq_acc + shape.heads * fp32)
     if s.lora and not s.tiled_projections and s.lora_dtype_bytes != b:
         attn_phase += tokens * (H + dq) * fp32
     return max(mlp_phase, attn_phase)

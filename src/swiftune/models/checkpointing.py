@@ -228,7 +228,7 @@ class OffloadState:
             avail = min(avail, self.host_budget_bytes - self.pool.in_use_bytes)
         return max(0, avail)
 
-    def gpu_budget(self, x: torch.Tensor, keeps_kv_heads: bool = False) -> int:
+    def gpu_budget(self, x: torch.Tensor, attention_kernel: str | None = None) -> int:
         if self.gpu_budget_bytes is not None:
             return int(self.gpu_budget_bytes)
         if x.device.type != "cuda":
@@ -237,11 +237,11 @@ class OffloadState:
         from ..memory.planner import offload_margin_bytes
 
         total = torch.cuda.get_device_properties(x.device).total_memory
-        return max(0, free_gpu_bytes(x.device) - self._reserve(x, keeps_kv_heads) - offload_margin_bytes(total))
+        return max(0, free_gpu_bytes(x.device) - self._reserve(x, attention_kernel) - offload_margin_bytes(total))
 
-    def _reserve(self, x: torch.Tensor, keeps_kv_heads: bool = False) -> int:
+    def _reserve(self, x: torch.Tensor, attention_kernel: str | None = None) -> int:
         """GPU bytes the rest of the step needs (planner formulas; generous fallback).
-        ``keeps_kv_heads``: this forward's attention takes K/V with their own head count (flex)."""
+        ``attention_kernel``: the kernel this forward's attention runs, when it says (``"flex"``)."""
         tokens = x.numel() // x.shape[-1]
         layer_bytes = x.numel() * x.element_size()
         model = self.model_ref()
@@ -254,17 +254,17 @@ class OffloadState:
 
             if self._shape is None:
                 self._shape = model_shape(self.config)
-            return step_reserve(self._shape, tokens, _setup_of(model, x, keeps_kv_heads), pending)
+            return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel), pending)
         except Exception:  # an unknown config layout: assume a heavy layer
             return 24 * layer_bytes + pending
 
     # -- per forward
-    def layer_input(self, index: int, x: torch.Tensor, keeps_kv_heads: bool = False) -> LayerInput:
-        key = (tuple(x.shape), x.dtype, x.device, keeps_kv_heads)
+    def layer_input(self, index: int, x: torch.Tensor, attention_kernel: str | None = None) -> LayerInput:
+        key = (tuple(x.shape), x.dtype, x.device, attention_kernel)
         if index == 0 or self.plan is None or key != self._plan_key:
             self.generation += 1
             layer_bytes = x.numel() * x.element_size()
-            self.plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, keeps_kv_heads),
+            self.plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, attention_kernel),
                                      self.host_budget(), self.page_bytes)
             self._plan_key = key
             self._handles = {k: v for k, v in self._handles.items() if v() is not None}
@@ -282,10 +282,10 @@ class OffloadState:
             handle.prefetch()
 
 
-def _setup_of(model: nn.Module | None, x: torch.Tensor, keeps_kv_heads: bool = False):
+def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | None = None):
     """The planner's TrainSetup as far as the model and the step tell: LoRA rank/dtype, tiling,
-    full FT, autocast, and whether attention saves K/V expanded to the query heads (torch's
-    varlen without GQA; not when the forward says its attention keeps the K/V heads)."""
+    full FT, autocast, and the attention kernel's memory: K/V expanded to the query heads (torch's
+    varlen without GQA) and a float32 dq accumulator (flash), neither of which flex has."""
     from ..memory.planner import TrainSetup
     from .tiled_mlp import is_tiled
 
@@ -302,7 +302,7 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, keeps_kv_heads: bool = F
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
-        tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=varlen_expands_kv() and not keeps_kv_heads,
+        tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=varlen_expands_kv() and attention_kernel != "flex", float32_dq=attention_kernel != "flex",
         autocast=torch.is_autocast_enabled(x.device.type),
     )
 
@@ -311,14 +311,19 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, keeps_kv_heads: bool = F
 
 
 #: An object passed to the decoder layers as a keyword argument (e.g. GRPO's ``RowLayout``) may
-#: say, through this attribute, that this forward's attention takes K and V with their own head
-#: count (flex attention's GQA), not expanded to the query heads: the GPU budget then reserves
-#: that much less for the layer being recomputed.
-KEEPS_KV_HEADS_ATTR = "attention_keeps_kv_heads"
+#: name, through this attribute, the attention kernel this forward runs. ``"flex"``: K and V keep
+#: their own head count (GQA in the kernel, not expanded to the query heads) and the backward
+#: writes dq in the activation dtype (no float32 accumulator), so the GPU budget reserves that
+#: much less for the layer being recomputed. Anything else: the planner's defaults.
+ATTENTION_KERNEL_ATTR = "attention_kernel"
 
 
-def _attention_keeps_kv_heads(kwargs: dict) -> bool:
-    return any(getattr(v, KEEPS_KV_HEADS_ATTR, False) is True for v in kwargs.values())
+def _attention_kernel(kwargs: dict) -> str | None:
+    for value in kwargs.values():
+        kernel = getattr(value, ATTENTION_KERNEL_ATTR, None)
+        if isinstance(kernel, str):
+            return kernel
+    return None
 
 
 def _run_layer(orig, handle: LayerInput, *args, **kwargs):
@@ -345,7 +350,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
             kwargs[k] = None
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    handle = state.layer_input(index, x, _attention_keeps_kv_heads(kwargs))
+    handle = state.layer_input(index, x, _attention_kernel(kwargs))
     try:
         return checkpoint(partial(_run_layer, orig, **kwargs), handle, *rest, use_reentrant=False)
     finally:

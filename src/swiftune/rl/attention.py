@@ -85,13 +85,13 @@ class RowLayout:
         return "flex" if on_cuda and flex_attention is not None else "reference"
 
     @property
-    def attention_keeps_kv_heads(self) -> bool:
-        """Whether this row's attention takes K/V with their own head count: flex does GQA itself,
-        torch 2.11's varlen expands K/V. Read by offloaded checkpointing
-        (``checkpointing.KEEPS_KV_HEADS_ATTR``) to size the working set of a recomputed layer."""
+    def attention_kernel(self) -> str | None:
+        """``"flex"`` when this row's attention surely runs flex (GQA in the kernel, dq in the
+        activation dtype), else ``None`` (decided per call). Read by offloaded checkpointing
+        (``checkpointing.ATTENTION_KERNEL_ATTR``) to size the working set of a recomputed layer."""
         if self.shared:
-            return self.shared_backend(self.position_ids.is_cuda) == "flex"
-        return self.backend == "flex"
+            return "flex" if self.shared_backend(self.position_ids.is_cuda) == "flex" else None
+        return "flex" if self.backend == "flex" else None
 
 
 def register_grpo_attention() -> str:
