@@ -195,8 +195,8 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
     Attention phase: the attention half of the saved tensors (the MLP half is freed by then),
     the running gradient (``2 H b``), the gradient of the attention output (``dq b``),
     dq/dk/dv (``(dq + 2 kv') b``), flash attention's float32 dq accumulator (``dq 4``; not with
-    flex, ``float32_dq=False``) and ``nq 4`` softmax terms, plus for untiled float32 LoRA the float32 output gradient and input-cast
-    gradient of the widest projection (``(H + dq) 4``).
+    flex, ``float32_dq=False``) and ``nq 4`` softmax terms, plus for untiled float32 LoRA the
+    float32 output gradient and input-cast gradient of the widest projection (``(H + dq) 4``).
     """
     H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
     dq, dkv = shape.q_dim, shape.kv_dim

@@ -302,7 +302,8 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
-        tiled_projections=model is not None and is_tiled(model, projections=True), kv_expanded=varlen_expands_kv() and attention_kernel != "flex", float32_dq=attention_kernel != "flex",
+        tiled_projections=model is not None and is_tiled(model, projections=True),
+        kv_expanded=varlen_expands_kv() and attention_kernel != "flex", float32_dq=attention_kernel != "flex",
         autocast=torch.is_autocast_enabled(x.device.type),
     )
 
