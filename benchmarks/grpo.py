@@ -696,6 +696,31 @@ def run_bisect(args) -> dict:
                 **versions())
 
 
+def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int | None = None) -> dict:
+    """The planner's largest completion per row for the swiftune mode, to print beside its search:
+    offloaded checkpoints, tiled MLP and projections, flex attention's memory for shared-prompt
+    rows (torch's varlen otherwise). Defaults: this GPU (an H200's 149.3 GB off CUDA) and the host
+    memory offloaded checkpoints may pin here."""
+    import torch
+
+    from swiftune.attention.backends import varlen_expands_kv
+    from swiftune.memory import max_tokens
+    from swiftune.models.checkpointing import host_available_bytes
+    from workload import MODEL_SHAPES
+
+    if gpu_bytes is None:
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else int(149.3e9)
+    host_bytes = host_available_bytes() if host_bytes is None else host_bytes
+    flex = args.share_prompt
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes,
+              kv_expanded=varlen_expands_kv() and not flex, float32_dq=not flex)
+    tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw)
+    P, R = args.prompt_tokens, args.bisect_rows
+    completion = (tokens - P) // R if flex else tokens // R - P  # shared: P + R L tokens; else R (P + L)
+    return {"tokens": tokens, "completion": max(0, completion), "gpu_bytes": gpu_bytes, "host_bytes": host_bytes,
+            "attention": "flex" if flex else "varlen"}
+
+
 def print_trial(t: dict | None, header: bool = False) -> None:
     if header:
         print(f"{'mode':<15} {'completion':>10} {'tokens':>9} {'status':>10} {'s':>8} {'peak GB':>8} {'host GB':>8}")
@@ -727,6 +752,11 @@ def print_bisect_table(r: dict) -> None:
         ratio = (lo / base[ref_mode]["max_fit"]) if lo and ref_mode else float("nan")
         print(f"{mode:<15} {lo if lo else '-':>13} {hi if hi else '-':>10} {tokens if tokens else '-':>11} "
               f"{ratio:18.2f} {res['status']:>14}  {res['label']}")
+    plan = r.get("planner")
+    if plan:
+        print(f"{'planner':<15} {plan['completion']:>13} {'':>10} {plan['tokens']:>11} {'':>18} {'':>14}  "
+              f"swiftune.memory.max_tokens ({plan['attention']} attention, {plan['gpu_bytes'] / 1e9:.1f} GB GPU, "
+              f"{plan['host_bytes'] / 1e9:.1f} GB host)")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -800,6 +830,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.bisect_completion:
         result = run_bisect(args)
+        if "swiftune" in result["modes"]:
+            result["planner"] = planner_max_completion(args)
         print_bisect_table(result)
     else:
         try:

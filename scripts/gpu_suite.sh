@@ -81,9 +81,10 @@ case "$part" in
     run "longctx_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes offload \
       --tokens 409600 600000 --doc-tokens 8192 --bisect offload --bisect-granularity 16384 \
       --time-budget 500 --out "$OUT/longctx_bisect_$model.json" ;;
-  grpo-bisect)  # swiftune: 2 x 65,536 (the issue's comparison point), then the search upwards
+  grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt, flex): 2 x 65,536 first, then upwards
     run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
-      --completion-lengths 65536 --bisect-start 131072 --time-budget 520 --out "$OUT/grpo_bisect.json" ;;
+      --share-prompt --completion-lengths 65536 --bisect-start 131072 --time-budget 520 \
+      --out "$OUT/grpo_bisect.json" ;;
   grpo-bisect-base)  # the baselines: transformers full logits, TRL 1.16's loss path, TRL + Liger
     run grpo_bisect_base 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
       --bisect-modes hf_full_logits trl_grpo trl_liger --completion-lengths 65536 --time-budget 520 \

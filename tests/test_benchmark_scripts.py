@@ -121,6 +121,43 @@ def test_grpo_bisect_tiny(grpo_bisect_json):
         assert all({"completion", "tokens", "status", "s"} <= set(t) for t in res["trials"])
 
 
+def test_grpo_bisect_prints_the_planners_largest_completion(grpo_bisect_json):
+    r = json.loads(grpo_bisect_json.read_text())
+    plan = r["planner"]
+    P, R = r["prompt_tokens"], r["rows"]
+    per_row = (plan["tokens"] - P) // R if r["share_prompt"] else plan["tokens"] // R - P
+    assert plan["completion"] == per_row > 0
+    assert plan["attention"] == ("flex" if r["share_prompt"] else "varlen")
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_planner_max_completion_is_the_largest_that_fits(share):
+    """At small budgets the answer is a real boundary: the planner fits its token count, not one more,
+    with flex's memory (no K/V expansion, bf16 dq) for shared-prompt rows."""
+    import argparse
+
+    from swiftune.memory import plan_memory
+
+    grpo = load_grpo_module()
+    from workload import MODEL_SHAPES
+
+    args = argparse.Namespace(model="qwen3-0.6b", share_prompt=share, prompt_tokens=256, bisect_rows=2)
+    gpu, host = int(12e9), int(8e9)
+    plan = grpo.planner_max_completion(args, gpu_bytes=gpu, host_bytes=host)
+    from swiftune.attention.backends import varlen_expands_kv
+
+    assert plan["attention"] == ("flex" if share else "varlen")
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host,
+              kv_expanded=not share and varlen_expands_kv(), float32_dq=not share)
+
+    def fits(t):
+        return plan_memory(dict(MODEL_SHAPES["qwen3-0.6b"]), t, 16, gpu_bytes=gpu, **kw).fits
+
+    assert fits(plan["tokens"]) and not fits(plan["tokens"] + 1)
+    tokens_per_step = 256 + 2 * plan["completion"] if share else 2 * (256 + plan["completion"])
+    assert tokens_per_step <= plan["tokens"] < tokens_per_step + 2  # the rest does not make a whole token per row
+
+
 def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
     """A trial that kills the process (host memory) counts as not fitting; a new process resumes."""
     out = tmp_path / "killed.json"
