@@ -264,7 +264,7 @@ class FastRolloutEngine:
         return h
 
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: DecodeContext) -> torch.Tensor:
-        hf, decoder = self._parts()
+        _, decoder = self._parts()
         h = self._embed(ids)
         layer_types = _rope_layer_types(decoder)
         if layer_types is None:
@@ -273,7 +273,7 @@ class FastRolloutEngine:
             tables = {t: decoder.rotary_emb(h, pos, t) for t in set(layer_types)}
             pe = [tables[t] for t in layer_types]
         ctx.masks = {}
-        if self.fused_layers and fused_prenorm_supported(decoder, hf.config.model_type, h.dtype):
+        if ctx.fused_layers:
             return prenorm_layers(decoder, h, pos, pe[0], ctx, CTX_KWARG)
         for i, layer in enumerate(decoder.layers[: decoder.config.num_hidden_layers]):
             out = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe[i], **{CTX_KWARG: ctx})
@@ -435,7 +435,11 @@ class FastRolloutEngine:
         rows, max_tokens = len(prompts) * n, max(1, params.max_tokens)
         longest = max(len(p) for p in prompts)
         ws = self._workspace(rows, longest + max_tokens, max_tokens, device)
-        ctx = DecodeContext(ws, self.attention_backend)
+        hf, decoder = self._parts()
+        # whether the fused layer loop applies: a walk over every layer's norms, so once per call
+        fused = self.fused_layers and fused_prenorm_supported(decoder, hf.config.model_type,
+                                                                 decoder.embed_tokens.weight.dtype)
+        ctx = DecodeContext(ws, self.attention_backend, fused)
         gen = self.generator(device)
         prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
         ws.cur.copy_(prompt_len)
@@ -483,7 +487,7 @@ class FastRolloutEngine:
                     ws.keep_slots(slots)
                     slot_row = [slot_row[i] for i in slots]
                     view = ws.view(keep)
-                    view_ctx.setdefault(keep, DecodeContext(view, self.attention_backend))
+                    view_ctx.setdefault(keep, DecodeContext(view, self.attention_backend, fused))
                     self.stats["compactions"] = self.stats.get("compactions", 0.0) + 1
             kv_len = min(ws.length, math.ceil((longest + s) / self.kv_bucket) * self.kv_bucket)
             if sampling:

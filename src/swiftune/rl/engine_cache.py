@@ -87,8 +87,9 @@ class Workspace:
 class DecodeContext:
     """What the attention function needs during one forward (passed to every layer as a kwarg)."""
 
-    def __init__(self, ws: Workspace, backend: str):
+    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False):
         self.ws, self.backend = ws, backend
+        self.fused_layers = fused_layers  # run the engine's fused pre-norm layer loop (decided per call)
         self.mode = "decode"
         self.kv_len = 0
         self.packed = None
