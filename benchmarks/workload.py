@@ -8,26 +8,28 @@ this repository travels.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
-# Architecture sizes of real models (random weights are built from these configs).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))  # this checkout's swiftune
+from swiftune.memory.shapes import KNOWN_MODELS  # noqa: E402
+
+# The benchmarks' model shapes: swiftune's table of real architectures (what the planner reads,
+# swiftune.memory.KNOWN_MODELS) plus the RoPE base and context length of each model's config, and
+# a tiny shape for CPU runs of the scripts themselves.
+_CONFIG_EXTRAS: dict[str, dict] = {
+    "qwen3-0.6b": dict(rope_theta=1e6, max_position_embeddings=40960),
+    "qwen3-1.7b": dict(rope_theta=1e6, max_position_embeddings=40960),
+    "qwen3-8b": dict(rope_theta=1e6, max_position_embeddings=40960),
+    "llama3-8b": dict(rope_theta=500000.0, max_position_embeddings=131072),
+}
 MODEL_SHAPES: dict[str, dict] = {
-    # a smoke-test shape for CPU runs of the scripts themselves
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                  tie_word_embeddings=False, max_position_embeddings=4096),
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960),
-    "qwen3-1.7b": dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960),
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                     rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=40960),
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                      rope_theta=500000.0, tie_word_embeddings=False, max_position_embeddings=131072),
+    **{name: {**KNOWN_MODELS[name], **extras} for name, extras in _CONFIG_EXTRAS.items()},
 }
 
 
