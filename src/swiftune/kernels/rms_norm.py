@@ -115,13 +115,28 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """``t`` as ``[rows, n_cols]`` with a unit last stride (copied only when it has none)."""
+    t2 = t.reshape(-1, n_cols)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _check_norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    check_float("x", x)
+    check_float("weight", weight)
+    if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be 1-D with x's last dimension: weight {tuple(weight.shape)}, x {tuple(x.shape)}"
+        )
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, offset: float, force_int64: bool):
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _as_rows(x, shape[-1])
         n_rows, n_cols = x2.shape
         y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
         r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -139,9 +154,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x2, weight, r = ctx.saved_tensors
         n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(-1, n_cols)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        dy2 = _as_rows(dy, n_cols)
         dx = torch.empty_like(x2)
         if x2.is_cuda:
             n_prog = min(n_rows, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
@@ -173,14 +186,7 @@ def rms_norm(
     ``offset=1.0`` gives Gemma's ``(1 + w)`` parameterisation. Statistics and the product are
     computed in float32; the output has x's dtype; the weight gradient has the weight's dtype.
     """
-    check_float("x", x)
-    check_float("weight", weight)
-    if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight must be 1-D with x's last dimension: weight {tuple(weight.shape)}, x {tuple(x.shape)}"
-        )
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
+    _check_norm_args(x, weight, eps)
     if choose_backend(backend, _rms_fwd_kernel, {"x": x, "weight": weight}) == "reference":
         return rms_norm_reference(x, weight, eps, offset)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), _force_int64)
@@ -209,25 +215,16 @@ def add_rms_norm(
     No autograd: inputs that require grad are refused (training keeps the separate ops, whose
     backward exists). ``x`` and ``residual`` share shape and dtype; outputs are in that dtype.
     """
-    check_float("x", x)
-    check_float("weight", weight)
+    _check_norm_args(x, weight, eps)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs "
                          f"{tuple(x.shape)} {x.dtype}")
-    if weight.dim() != 1 or x.dim() == 0 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight must be 1-D with x's last dimension: weight {tuple(weight.shape)}, x {tuple(x.shape)}"
-        )
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
         raise RuntimeError("add_rms_norm has no backward: call it under torch.no_grad() (decoding)")
     if choose_backend(backend, _add_rms_fwd_kernel, {"x": x, "residual": residual, "weight": weight}) == "reference":
         return add_rms_norm_reference(x, residual, weight, eps, offset)
     shape = x.shape
-    x2, r2 = x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    x2, r2 = _as_rows(x, shape[-1]), _as_rows(residual, shape[-1])
     n_rows, n_cols = x2.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y)
