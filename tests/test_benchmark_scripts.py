@@ -32,8 +32,9 @@ def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.Complete
     return proc
 
 
-def load_grpo_module():
-    spec = importlib.util.spec_from_file_location("bench_grpo", os.path.join(BENCH, "grpo.py"))
+def load_bench_module(name: str):
+    """A benchmark script imported as a module (``bench_<name>``), for its functions."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -77,7 +78,7 @@ def test_grpo_step_tiny(grpo_step_json):
 
 
 def test_search_max_fit_brackets_within_tolerance():
-    grpo = load_grpo_module()
+    grpo = load_bench_module("grpo")
     for capacity in (100, 1000, 1234, 40_000, 300_000):
         tried = []
 
@@ -138,7 +139,7 @@ def test_planner_max_completion_is_the_largest_that_fits(share):
 
     from swiftune.memory import plan_memory
 
-    grpo = load_grpo_module()
+    grpo = load_bench_module("grpo")
     from workload import MODEL_SHAPES
 
     args = argparse.Namespace(model="qwen3-0.6b", share_prompt=share, prompt_tokens=256, bisect_rows=2)
@@ -289,17 +290,10 @@ def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
         run_script("rollout.py", "--merge", str(out), str(again), "--out", str(merged))
 
 
-def _bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_memory_profile_finds_the_blocks_alive_at_the_peak():
     """The two-pass replay against a brute-force one (copy of the live set after every event) on
     random alloc/free traces, including frees of blocks allocated before recording began."""
-    mp = _bench_module("memory_profile")
+    mp = load_bench_module("memory_profile")
     gen = torch.Generator().manual_seed(0)
     sites = [[{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
               {"filename": f"/w/swiftune/layer{k}.py", "line": 10 + k, "name": f"f{k}"}] for k in range(5)]
