@@ -77,6 +77,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
+from time_profile import device_time_profile, format_profile  # noqa: E402
 from workload import host_rss  # noqa: E402
 
 BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_liger", "trl_selective"]
@@ -538,9 +539,11 @@ def bisect_one_mode(args) -> dict:
                 os._exit(137)  # as the kernel's OOM killer would end the process
             if args.simulate_capacity and tokens > args.simulate_capacity:
                 raise MemoryError(f"simulated: {tokens} tokens > --simulate-capacity {args.simulate_capacity}")
-            policy_step(model, mode, L, args, device)
-            if cuda:
-                torch.cuda.synchronize()
+            profiled = cuda and record and L == args.profile_completion
+            with device_time_profile(row) if profiled else contextlib.nullcontext():
+                policy_step(model, mode, L, args, device)
+                if cuda:
+                    torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - OOM (GPU or host budget) = does not fit; anything else: stop
             host = type(e).__name__ == "CheckpointBudgetError"  # swiftune's offload: host budget exhausted
             if not (_is_oom(e) or host):
@@ -630,6 +633,8 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         cmd.append("--share-prompt")
     if args.fixed_only:
         cmd.append("--fixed-only")
+    if args.profile_completion:
+        cmd += ["--profile-completion", str(args.profile_completion)]
     if not args.offload_logits:
         cmd.append("--no-offload-logits")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -731,6 +736,8 @@ def print_trial(t: dict | None, header: bool = False) -> None:
     host = f"{t['host_rss_gb']:.1f}" if t.get("host_rss_gb") is not None else "-"
     print(f"{t['mode']:<15} {t['completion']:>10} {t.get('tokens', 0):>9} {t['status']:>10} {s:>8} {peak:>8} "
           f"{host:>8}", flush=True)
+    if t.get("profile"):
+        print(format_profile(t["profile"], f"{t['mode']} at {t['completion']}"), flush=True)
 
 
 def print_bisect_table(r: dict) -> None:
@@ -800,6 +807,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-offload-logits", dest="offload_logits", action="store_false",
                    help="bisection: keep the log-prob loss's saved hidden states on the GPU")
     p.add_argument("--swiftune-checkpointing", choices=["offload", "gpu"], default="offload")
+    p.add_argument("--profile-completion", type=int, default=None,
+                   help="bisection: the trial at this completion length runs under torch.profiler; its device "
+                        "time by kind of kernel is printed and kept in the JSON (benchmarks/time_profile.py)")
     p.add_argument("--time-budget", type=float, default=500.0,
                    help="seconds for the bisection, all modes (a 10-minute device call leaves room for start-up)")
     p.add_argument("--simulate-capacity", type=int, default=None,

@@ -21,6 +21,7 @@
 #   scripts/gpu_suite.sh verify       # check + kernels + GRPO step, fused layers off/on (~8 min)
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune flex, varlen (~4.5 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
@@ -89,6 +90,13 @@ case "$part" in
     run grpo_bisect_base 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
       --bisect-modes hf_full_logits trl_grpo trl_liger --completion-lengths 65536 --time-budget 520 \
       --out "$OUT/grpo_bisect_base.json" ;;
+  grpo-profile)  # where the time of one policy step goes: TRL's loss path vs swiftune's (flex and varlen rows)
+    run grpo_profile 170 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
+      swiftune --share-prompt --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 150 \
+      --out "$OUT/grpo_profile.json"
+    run grpo_profile_varlen 100 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes \
+      swiftune --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 85 \
+      --out "$OUT/grpo_profile_varlen.json" ;;
   longctx-trl)  # TRL + Liger's largest single sequence (quadratic attention: a trial at 256K takes minutes)
     model=${2:-qwen3-8b}
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \

@@ -338,3 +338,44 @@ def test_memory_profile_finds_the_blocks_alive_at_the_peak():
         assert report["step_peak_gb"] == (10**9 + best) / 1e9
     # the site is the innermost frame outside torch
     assert mp.allocation_site(sites[3]) == "f3 (layer3.py:13)"
+
+
+def test_time_profile_sums_device_time_by_kind():
+    """Per-kind sums and the top list against sums written out over random kernel times."""
+    tp = load_bench_module("time_profile")
+    gen = torch.Generator().manual_seed(1)
+    names = {"attention": ["flash_fwd_kernel<...>", "triton_tem_fused_flex_attention_0", "fmha_cutlassF"],
+             "matmul": ["nvjet_tst_128x256_64x4", "sm90_xmma_gemm_bf16bf16", "ampere_bf16_s16816gemm"],
+             "copy host<->device": ["Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"],
+             "copy device": ["Memcpy DtoD (Device -> Device)", "Memset (Device)"],
+             tp.TRITON: ["_rms_norm_fwd_kernel", "triton_poi_fused_mul_0"],
+             tp.OTHER: ["void at::native::vectorized_elementwise_kernel<4>", "reduce_kernel<512>"]}
+    events, want = [], {}
+    for kind, ks in names.items():
+        for n in ks:
+            us = float(torch.randint(1, 10_000, (1,), generator=gen))
+            events.append((n, us, int(torch.randint(1, 9, (1,), generator=gen))))
+            want[kind] = want.get(kind, 0.0) + us
+            assert tp.kind_of(n) == kind, n
+    events.append(("cudaDeviceSynchronize", 0.0, 1))  # no device time: left out
+    p = tp.summarise(events, top=4)
+    total = sum(want.values())
+    assert p["device_ms"] == pytest.approx(total / 1e3)
+    assert {k["kind"]: k["ms"] for k in p["kinds"]} == pytest.approx({k: us / 1e3 for k, us in want.items()})
+    assert [k["ms"] for k in p["kinds"]] == sorted((k["ms"] for k in p["kinds"]), reverse=True)
+    assert sum(k["share"] for k in p["kinds"]) == pytest.approx(1.0)
+    assert [t["ms"] for t in p["top"]] == sorted((us / 1e3 for _, us, _ in events), reverse=True)[:4]
+    assert "attention" in tp.format_profile(p, "x")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_time_profile_puts_a_large_matmul_first():
+    tp = load_bench_module("time_profile")
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    r: dict = {}
+    with tp.device_time_profile(r):
+        for _ in range(5):
+            a @ a
+        a.float().sum()
+    assert r["profile"]["kinds"][0]["kind"] == "matmul" and r["profile"]["kinds"][0]["share"] > 0.5

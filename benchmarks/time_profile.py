@@ -1,0 +1,85 @@
+"""Where the time of one step goes: device time per kernel, summed by kind of work.
+
+A missed speed target is reported with what limits it. This wraps one step in
+``torch.profiler`` (device activity only: kernels and copies, not the Python around them) and sums
+each kernel's own device time into a few kinds (attention, matrix multiplies, host<->device copies,
+Triton kernels, the rest), plus the top kernels by name:
+
+    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune trl_grpo \
+        --completion-lengths 32768 --fixed-only --profile-completion 32768
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+# the first kind whose words appear in a kernel's (lower-cased) name is its kind
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("copy host<->device", ("memcpy htod", "memcpy dtoh", "pinned", "pageable")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "cudnn", "flex")),
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul", "sm90_")),
+    ("copy device", ("memcpy", "memset")),
+)
+TRITON = "triton (swiftune, liger, inductor)"
+OTHER = "elementwise / reductions / other"
+
+
+def kind_of(kernel_name: str) -> str:
+    name = kernel_name.lower()
+    for kind, words in KINDS:
+        if any(w in name for w in words):
+            return kind
+    # a Triton kernel is named by its Python function: a bare identifier, where CUDA C++ kernels
+    # carry "void", namespaces and template arguments
+    if "triton" in name or name.replace("_", "").isalnum():
+        return TRITON
+    return OTHER
+
+
+def summarise(events: Iterable[tuple[str, float, int]], top: int = 12) -> dict:
+    """``events``: ``(kernel name, own device time in microseconds, calls)``. Returns the total in ms,
+    ms and share per kind (largest first) and the ``top`` kernels by time."""
+    events = [(n, float(us), int(c)) for n, us, c in events if us > 0]
+    total = sum(us for _, us, _ in events)
+    kinds: dict[str, float] = {}
+    for name, us, _ in events:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us
+    share = (lambda us: us / total) if total else (lambda us: 0.0)
+    return {
+        "device_ms": total / 1e3,
+        "kinds": [{"kind": k, "ms": us / 1e3, "share": share(us)}
+                  for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])],
+        "top": [{"kernel": n[:120], "kind": kind_of(n), "ms": us / 1e3, "calls": c, "share": share(us)}
+                for n, us, c in sorted(events, key=lambda e: -e[1])[:top]],
+    }
+
+
+def _own_device_us(event) -> float:
+    # torch >= 2.4 says "device"; older releases "cuda"
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        if hasattr(event, attr):
+            return getattr(event, attr)
+    return 0.0
+
+
+@contextlib.contextmanager
+def device_time_profile(result: dict) -> Iterator[None]:
+    """Profile the device work of the ``with`` body; on exit ``result["profile"]`` holds :func:`summarise`'s
+    dict. Only kernels and copies are kept (events with device time and no child events)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    events = [(e.key, _own_device_us(e), e.count) for e in prof.key_averages()]
+    result["profile"] = summarise(events)
+
+
+def format_profile(p: dict, title: str = "") -> str:
+    lines = [f"# device time{(' of ' + title) if title else ''}: {p['device_ms'] / 1e3:.2f} s"]
+    lines += [f"  {k['kind']:<38} {k['ms'] / 1e3:8.2f} s  {100 * k['share']:5.1f}%" for k in p["kinds"]]
+    lines.append("  top kernels:")
+    lines += [f"  {t['ms'] / 1e3:8.2f} s {100 * t['share']:5.1f}% {t['calls']:6d}x  {t['kernel'][:90]}" for t in p["top"]]
+    return "\n".join(lines)
