@@ -429,7 +429,13 @@ def build_bisect_model(mode: str, name: str, device, args):
     import torch
 
     if mode == "swiftune":
-        return build_swiftune_model(name, device, "offload" if args.swiftune_checkpointing == "offload" else True)
+        offload = args.swiftune_checkpointing in ("offload", "offload_all")
+        model = build_swiftune_model(name, device, "offload" if offload else True)
+        if args.swiftune_checkpointing == "offload_all":  # no layer input stays on the GPU
+            from swiftune.models.checkpointing import enable_offloaded_checkpointing
+
+            enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+        return model
     import peft
 
     from workload import random_model
@@ -481,7 +487,10 @@ def policy_step(model, mode: str, L: int, args, device) -> None:
 
         row = build_policy_row([prompt.tolist()] * R, comps.tolist(), share_prompt=args.share_prompt,
                                group_ids=[0] * R, device=device)
-        logps, _ = completion_logprobs(model, row, offload=args.offload_logits and device.type == "cuda")
+        cuda = device.type == "cuda"
+        # GRPOTrainer(bf16=True) runs the model under bf16 autocast (accelerate), as the TRL rows do
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+            logps, _ = completion_logprobs(model, row, offload=args.offload_logits and cuda)
         loss = grpo_loss(logps, None, adv.to(device), row.seq_index, num_sequences=R, loss_type="dapo").loss
         del logps
     else:
@@ -522,7 +531,9 @@ def bisect_one_mode(args) -> dict:
     model = build_bisect_model(mode, args.model, device, args)
     trials: list[dict] = []
 
-    def trial(L: int, record: bool = True) -> dict:
+    def trial(L: int, record: bool = True, repeats: int = 1) -> dict:
+        """One policy step of completion ``L`` (``repeats`` > 1: that many steps, the last one timed,
+        the first one's time kept as ``first_s``: steady state, with allocator and pinned pages warm)."""
         tokens = args.bisect_rows * (args.prompt_tokens + L)
         row: dict = {"mode": mode, "completion": L, "tokens": tokens}
         if record:  # a trial that kills the process (host memory) is then known to the parent
@@ -539,6 +550,13 @@ def bisect_one_mode(args) -> dict:
                 os._exit(137)  # as the kernel's OOM killer would end the process
             if args.simulate_capacity and tokens > args.simulate_capacity:
                 raise MemoryError(f"simulated: {tokens} tokens > --simulate-capacity {args.simulate_capacity}")
+            for _ in range(repeats - 1):
+                policy_step(model, mode, L, args, device)
+                model.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+                row.setdefault("first_s", time.perf_counter() - t0)
+                t0 = time.perf_counter()
             profiled = cuda and record and L == args.profile_completion
             with device_time_profile(row) if profiled else contextlib.nullcontext():
                 policy_step(model, mode, L, args, device)
@@ -583,10 +601,10 @@ def bisect_one_mode(args) -> dict:
 
     warm = trial(min(args.bisect_start, 1024 if args.model != "tiny" else 64), record=False)  # compile kernels
     for L in args.completion_lengths or []:
-        if time.perf_counter() - start + estimate(L) > args.time_budget:
+        if time.perf_counter() - start + estimate(L) * args.trial_repeats > args.time_budget:
             trials.append({"mode": mode, "completion": L, "status": "skipped"})
             continue
-        trial(L)
+        trial(L, repeats=args.trial_repeats)
     if args.fixed_only:
         lo, hi = bracket_from_trials(trials, args.bisect_lo, args.bisect_hi)
         status = "fixed_only"
@@ -622,7 +640,7 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
            "--model", args.model, "--prompt-tokens", str(args.prompt_tokens), "--bisect-rows", str(args.bisect_rows),
            "--bisect-start", str(args.bisect_start), "--bisect-max", str(args.bisect_max),
            "--bisect-tol", str(args.bisect_tol), "--bisect-granularity", str(args.bisect_granularity),
-           "--swiftune-checkpointing", args.swiftune_checkpointing]
+           "--swiftune-checkpointing", args.swiftune_checkpointing, "--trial-repeats", str(args.trial_repeats)]
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
                         ("--simulate-kill-above", args.simulate_kill_above)):
         if value:
@@ -696,19 +714,30 @@ def run_bisect(args) -> dict:
         results[mode] = result
     return dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=args.prompt_tokens, rows=args.bisect_rows,
                 tolerance=args.bisect_tol, share_prompt=args.share_prompt, offload_logits=args.offload_logits,
-                swiftune_checkpointing=args.swiftune_checkpointing, simulate_capacity=args.simulate_capacity,
+                swiftune_checkpointing=args.swiftune_checkpointing, trial_repeats=args.trial_repeats,
+                simulate_capacity=args.simulate_capacity,
                 simulate_kill_above=args.simulate_kill_above, modes=results, wall_s=time.perf_counter() - start,
                 **versions())
 
 
+def planner_attention_memory(kind: str) -> dict:
+    """The planner's attention terms for the kernel a row runs: flex keeps the K/V heads and writes
+    dq in bf16; sdpa and varlen are planned with K/V expanded (torch 2.11's varlen; for sdpa it
+    covers the gathered prompt copies of shared rows and the no-GQA retry) and a float32 dq."""
+    from swiftune.attention.backends import varlen_expands_kv
+
+    return dict(kv_expanded=kind != "flex" and varlen_expands_kv(), float32_dq=kind != "flex")
+
+
 def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int | None = None) -> dict:
     """The planner's largest completion per row for the swiftune mode, to print beside its search:
-    offloaded checkpoints, tiled MLP and projections, flex attention's memory for shared-prompt
-    rows (torch's varlen otherwise). Defaults: this GPU (an H200's 149.3 GB off CUDA) and the host
-    memory offloaded checkpoints may pin here."""
+    offloaded checkpoints, tiled MLP and projections, bf16 autocast, and the memory of the attention
+    kernel the rows run: per-document sdpa for long rows (``auto``), else flex for shared-prompt rows
+    and torch's varlen for unshared ones. Defaults: this GPU (an H200's 149.3 GB off CUDA) and the
+    host memory offloaded checkpoints may pin here."""
     import torch
 
-    from swiftune.attention.backends import varlen_expands_kv
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS
     from swiftune.memory import max_tokens
     from swiftune.models.checkpointing import host_available_bytes
     from workload import MODEL_SHAPES
@@ -716,14 +745,16 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else int(149.3e9)
     host_bytes = host_available_bytes() if host_bytes is None else host_bytes
-    flex = args.share_prompt
-    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes,
-              kv_expanded=varlen_expands_kv() and not flex, float32_dq=not flex)
-    tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw)
+    share = args.share_prompt
     P, R = args.prompt_tokens, args.bisect_rows
-    completion = (tokens - P) // R if flex else tokens // R - P  # shared: P + R L tokens; else R (P + L)
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True)
+    for kind in ("sdpa", "flex" if share else "varlen"):
+        tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **planner_attention_memory(kind))
+        completion = (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)
+        if P + completion >= SDPA_MIN_MEAN_DOC_TOKENS:  # long rows: auto runs sdpa, as planned
+            break
     return {"tokens": tokens, "completion": max(0, completion), "gpu_bytes": gpu_bytes, "host_bytes": host_bytes,
-            "attention": "flex" if flex else "varlen"}
+            "attention": kind}
 
 
 def print_trial(t: dict | None, header: bool = False) -> None:
@@ -806,7 +837,13 @@ def main(argv: list[str] | None = None) -> int:
                         "(varlen), which costs G-1 extra prompt copies (0.1%% at 256 + 256K)")
     p.add_argument("--no-offload-logits", dest="offload_logits", action="store_false",
                    help="bisection: keep the log-prob loss's saved hidden states on the GPU")
-    p.add_argument("--swiftune-checkpointing", choices=["offload", "gpu"], default="offload")
+    p.add_argument("--swiftune-checkpointing", choices=["offload", "offload_all", "gpu"], default="offload",
+                   help="offload: as many layer inputs on the GPU as fit, the rest in pinned host memory; "
+                        "offload_all: every one on the host (least GPU memory); gpu: plain checkpointing")
+    p.add_argument("--trial-repeats", type=int, default=1,
+                   help="bisection: run each fixed-length trial this many times in its process and report the "
+                        "last (steady state: allocator, kernels and offload's pinned host pages warm); the "
+                        "first one's time is kept as first_s")
     p.add_argument("--profile-completion", type=int, default=None,
                    help="bisection: the trial at this completion length runs under torch.profiler; its device "
                         "time by kind of kernel is printed and kept in the JSON (benchmarks/time_profile.py)")

@@ -105,6 +105,39 @@ def test_flex_matches_reference_forward(window, softcap):
     assert rel_err(got, want) < 1e-5
 
 
+def test_sdpa_per_document_matches_each_document_alone_with_gradients():
+    """The ``sdpa`` backend (one dense causal call per document, GQA in the call) against the float64
+    oracle, outputs and q/k/v gradients, on fresh random inputs; a single document too."""
+    for lengths in ([5, 11, 3, 14, 7], [23]):
+        total = sum(lengths)
+        pb = build_packed_batch(1, total, _positions(lengths))
+        q, k, v = _qkv(total, grad=True)
+        out = packed_attention(q, k, v, pb, scale=0.3, backend="sdpa")
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        want = _alone(qq, kk, vv, lengths, 0.3)
+        ref = torch.autograd.grad(want, (qq, kk, vv), dout)
+        assert rel_err(out, want) < 1e-12
+        for g, r in zip(got, ref):
+            assert rel_err(g, r) < 1e-10
+
+
+def test_sdpa_backend_refuses_window_and_softcap_and_auto_prefers_it_for_long_documents():
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, prefers_sdpa
+
+    q, k, _ = _qkv(4, dtype=torch.float32)
+    for window, softcap in ((8, None), (None, 30.0)):
+        with pytest.raises(ValueError, match="sdpa"):
+            resolve_backend("sdpa", q, k, window, softcap, 0.0)
+    n = SDPA_MIN_MEAN_DOC_TOKENS
+    assert prefers_sdpa(2 * n, 2) and prefers_sdpa(65_792 * 2, 2)
+    assert not prefers_sdpa(2 * n - 1, 2) and not prefers_sdpa(16_384, 90) and not prefers_sdpa(0, 0)
+    # CPU: auto stays on the reference path whatever the layout
+    long_doc = build_packed_batch(1, 2 * n, None)
+    assert resolve_backend("auto", q, k, None, None, 0.0, long_doc) == "reference"
+
+
 def test_negative_control_without_boundaries_differs():
     """The oracle comparison can fail: one document instead of five gives other outputs."""
     lengths = [5, 11, 3, 14, 7]
@@ -219,7 +252,7 @@ def test_gpu_backend_matches_reference(backend, window, softcap):
 
 @cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["varlen", "flex"])
+@pytest.mark.parametrize("backend", ["varlen", "flex", "sdpa"])
 def test_gpu_128k_packed_row_is_linear_memory(backend):
     total = 128 * 1024
     q, k, v = _qkv(total, hq=16, hk=4, d=128, dtype=torch.bfloat16, device="cuda", grad=True)
@@ -229,7 +262,7 @@ def test_gpu_128k_packed_row_is_linear_memory(backend):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = packed_attention(q, k, v, pb, window=4096 if backend == "flex" else None)
+    out = packed_attention(q, k, v, pb, window=4096 if backend == "flex" else None, backend=backend)
     out.float().sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base

@@ -128,28 +128,31 @@ def test_grpo_bisect_prints_the_planners_largest_completion(grpo_bisect_json):
     P, R = r["prompt_tokens"], r["rows"]
     per_row = (plan["tokens"] - P) // R if r["share_prompt"] else plan["tokens"] // R - P
     assert plan["completion"] == per_row > 0
-    assert plan["attention"] == ("flex" if r["share_prompt"] else "varlen")
+    assert plan["attention"] in ("sdpa", "flex" if r["share_prompt"] else "varlen")
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_planner_max_completion_is_the_largest_that_fits(share):
+@pytest.mark.parametrize("gpu", [int(12e9), int(3.5e9)])
+def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
     """At small budgets the answer is a real boundary: the planner fits its token count, not one more,
-    with flex's memory (no K/V expansion, bf16 dq) for shared-prompt rows."""
+    with the memory of the kernel such rows run: sdpa when they are long, else flex (no K/V
+    expansion, bf16 dq) for shared-prompt rows and varlen for unshared ones."""
     import argparse
 
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, varlen_expands_kv
     from swiftune.memory import plan_memory
 
     grpo = load_bench_module("grpo")
     from workload import MODEL_SHAPES
 
     args = argparse.Namespace(model="qwen3-0.6b", share_prompt=share, prompt_tokens=256, bisect_rows=2)
-    gpu, host = int(12e9), int(8e9)
+    host = int(8e9)
     plan = grpo.planner_max_completion(args, gpu_bytes=gpu, host_bytes=host)
-    from swiftune.attention.backends import varlen_expands_kv
-
-    assert plan["attention"] == ("flex" if share else "varlen")
-    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host,
-              kv_expanded=not share and varlen_expands_kv(), float32_dq=not share)
+    long_rows = 256 + plan["completion"] >= SDPA_MIN_MEAN_DOC_TOKENS
+    assert plan["attention"] == ("sdpa" if long_rows else "flex" if share else "varlen")
+    flex = plan["attention"] == "flex"
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host, autocast=True,
+              kv_expanded=not flex and varlen_expands_kv(), float32_dq=not flex)
 
     def fits(t):
         return plan_memory(dict(MODEL_SHAPES["qwen3-0.6b"]), t, 16, gpu_bytes=gpu, **kw).fits
@@ -157,6 +160,19 @@ def test_planner_max_completion_is_the_largest_that_fits(share):
     assert fits(plan["tokens"]) and not fits(plan["tokens"] + 1)
     tokens_per_step = 256 + 2 * plan["completion"] if share else 2 * (256 + plan["completion"])
     assert tokens_per_step <= plan["tokens"] < tokens_per_step + 2  # the rest does not make a whole token per row
+
+
+def test_grpo_bisect_repeats_fixed_trials_and_offloads_every_layer(tmp_path):
+    """--trial-repeats reports the last of N steps (the first one's time kept), and
+    --swiftune-checkpointing offload_all runs the swiftune step with every layer input offloaded."""
+    out = tmp_path / "repeats.json"
+    run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+               "--swiftune-checkpointing", "offload_all", "--trial-repeats", "2", "--fixed-only",
+               "--completion-lengths", "96", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["trial_repeats"] == 2 and r["swiftune_checkpointing"] == "offload_all"
+    (t,) = r["modes"]["swiftune"]["trials"]
+    assert t["status"] == "ok" and t["completion"] == 96 and t["first_s"] > 0 and t["s"] > 0
 
 
 def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):

@@ -177,6 +177,71 @@ def test_shared_prompt_flex_path(device, family):
         assert max_grad_err(out["flex"][1], out["reference"][1]) < 1e-4
 
 
+def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
+    """The sdpa path of shared rows (each completion as dense prompt + completion, later ones
+    gathered) against the masked eager reference in float64: outputs and q/k/v gradients, with
+    groups of one, several and empty-input completions."""
+    from swiftune.rl.attention import shared_prompt_reference, shared_prompt_sdpa
+
+    prompts, completions = random_groups(seed=5, prompt_lengths=(6, 9, 4), group_size=3)
+    completions[3] = completions[3][:1]  # a group whose first completion has no input token
+    row = build_policy_row(prompts, completions, share_prompt=True, group_ids=[i // 3 for i in range(9)])
+    T = row.num_tokens
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(T, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    dout = torch.randn(T, 4, 8, generator=g, dtype=torch.float64)
+    got = shared_prompt_sdpa(q, k, v, row.layout, scale=0.4)
+    got_grads = torch.autograd.grad(got, (q, k, v), dout)
+    want = shared_prompt_reference(q, k, v, row.layout, scale=0.4)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    assert rel_err(got, want) < 1e-12
+    for a, b in zip(got_grads, want_grads):
+        assert rel_err(a, b) < 1e-10
+    # negative control: later completions without their prompt (each alone) give other outputs
+    layout = copy.copy(row.layout)
+    seqs = row.layout.sequences
+    layout.sequences = [(cs, cs, cs, ce) if i and seqs[i - 1][0] == ps else (ps, pe, cs, ce)
+                        for i, (ps, pe, cs, ce) in enumerate(seqs)]
+    assert rel_err(shared_prompt_sdpa(q, k, v, layout, scale=0.4), want) > 1e-2
+    layout.sequences = seqs[:-1]  # a table that does not cover the row
+    with pytest.raises(ValueError, match="covers"):
+        shared_prompt_sdpa(q, k, v, layout, scale=0.4)
+    layout.sequences = [seqs[1], seqs[0], *seqs[2:]]
+    with pytest.raises(ValueError, match="in order"):
+        shared_prompt_sdpa(q, k, v, layout, scale=0.4)
+
+
+def test_shared_prompt_sdpa_path_through_the_model(device):
+    """A whole policy forward + backward on the sdpa shared path equals the unshared reference rows
+    (on CUDA in float32: a fused kernel without GQA, so the K/V-expanding retry runs too)."""
+    model = tiny_model().to(device)
+    prompts, completions = random_groups(seed=2, group_size=4)
+    weights = torch.linspace(-1.0, 1.0, sum(len(c) for c in completions), device=device)
+    out = {}
+    for backend, share in (("reference", False), ("sdpa", True)):
+        model.zero_grad(set_to_none=True)
+        row = build_policy_row(prompts, completions, share_prompt=share, attention_backend=backend, device=device)
+        logps, _ = completion_logprobs(model, row, kernel_backend="reference")
+        (logps * weights).sum().backward()
+        out[backend] = (logps.detach(), grads(model))
+    assert rel_err(out["sdpa"][0], out["reference"][0]) < 1e-5
+    assert max_grad_err(out["sdpa"][1], out["reference"][1]) < 1e-4
+
+
+def test_shared_rows_take_sdpa_on_cuda_for_long_completions_only():
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS as n
+    from swiftune.rl.attention import flex_attention
+
+    short = build_policy_row([[1, 2, 3]] * 2, [[4, 5], [6]], share_prompt=True, group_ids=[0, 0]).layout
+    long = build_policy_row([[1, 2, 3]] * 2, [[4] * n, [5] * n], share_prompt=True, group_ids=[0, 0]).layout
+    flex_or = "flex" if flex_attention is not None else "sdpa"
+    assert long.shared_backend(on_cuda=True) == "sdpa" and short.shared_backend(on_cuda=True) == flex_or
+    assert long.shared_backend(on_cuda=True, window=4096) == flex_or  # sdpa has no window
+    assert long.shared_backend(on_cuda=True, softcap=30.0) == flex_or
+    assert long.shared_backend(on_cuda=False) == "reference"
+    assert long.sequences == [(0, 3, 3, 2 + n), (0, 3, 2 + n, 1 + 2 * n)]
+
+
 def test_row_layout_names_its_attention_kernel_when_it_is_flex():
     """Offloaded checkpointing reads this to size a recomputed layer: flex rows say so; the
     reference path and rows whose kernel is chosen per call (auto) do not claim anything."""

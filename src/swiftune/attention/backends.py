@@ -1,4 +1,4 @@
-"""Variable-length causal attention over packed documents, four ways.
+"""Variable-length causal attention over packed documents, five ways.
 
 Every backend takes the flat layout of :mod:`swiftune.attention.packing`: ``q [T, Hq, D]``,
 ``k, v [T, Hk, D]`` (``Hq % Hk == 0``: grouped-query attention) and a :class:`PackedBatch`, and
@@ -13,11 +13,17 @@ convention of transformers' masks: a token sees itself and the ``W - 1`` before 
 * ``flash_attn``: ``flash_attn_varlen_func`` of the flash-attn package, when installed.
 * ``flex``: ``flex_attention`` with a document (+ window) block mask and a soft-cap score_mod;
   compiled on CUDA, where it costs O(T) memory plus an O((T/128)^2) block table.
+* ``sdpa``: each document separately through ``F.scaled_dot_product_attention(is_causal=True)``,
+  GQA in the kernel. On Hopper PyTorch has cuDNN's attention behind it, measured 1.7x faster than
+  torch's varlen (FlashAttention-2) and 1.45x faster than flex at 2 x 32K tokens on an H200
+  (docs/benchmarks.md, GRPO section); one call per document, so ``auto`` takes it only for long
+  documents (:func:`prefers_sdpa`). No sliding window, no soft-capping.
 * ``reference``: each document separately with eager softmax attention; for CPU and tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -26,10 +32,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .packing import PackedBatch
 
-BACKENDS = ("varlen", "flash_attn", "flex", "reference")
+_SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
+
+BACKENDS = ("varlen", "flash_attn", "flex", "sdpa", "reference")
+
+# ``auto`` runs documents through ``sdpa`` one call each when they average at least this many
+# tokens: the per-call overhead (~0.1 ms) is then under 1% of a document's attention.
+SDPA_MIN_MEAN_DOC_TOKENS = 4096
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -108,7 +121,7 @@ def backend_available(name: str, device: torch.device | str) -> bool:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {BACKENDS} or 'auto'")
     device = torch.device(device)
-    if name == "reference":
+    if name in ("reference", "sdpa"):
         return True
     if name == "flex":
         return flex_attention is not None
@@ -139,6 +152,11 @@ def unsupported_reason(
             return f"flash_attn needs fp16/bf16, got {q.dtype}"
         if softcap and "softcap" not in _FLASH_PARAMS:
             return "this flash_attn has no softcap"
+    if name == "sdpa":
+        if window:
+            return "per-document sdpa has no sliding window"
+        if softcap:
+            return "per-document sdpa has no attention soft-capping"
     if name == "flex":
         if dropout:
             return "flex attention has no attention dropout"
@@ -147,20 +165,33 @@ def unsupported_reason(
     return None
 
 
+def prefers_sdpa(num_tokens: int, num_docs: int) -> bool:
+    """Whether ``auto`` runs this layout as one dense causal sdpa call per document: on average
+    long documents (GRPO's long completions, long-context SFT), where the fastest dense kernel
+    (cuDNN's on Hopper) beats the varlen kernels and the calls cost nothing in comparison."""
+    return num_docs > 0 and num_tokens >= SDPA_MIN_MEAN_DOC_TOKENS * num_docs
+
+
 def resolve_backend(
-    name: str, q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None, dropout: float
+    name: str, q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None, dropout: float,
+    packed: PackedBatch | None = None,
 ) -> str:
     """Pick the backend for one call: ``name`` itself (checked), or the best one for ``"auto"``.
 
-    ``auto`` on CUDA: flash_attn, then varlen, then flex (whichever first supports the call's
-    dtype, window, soft-cap and dropout); on CPU: reference.
+    ``auto`` on CUDA: ``sdpa`` when ``packed``'s documents are long (:func:`prefers_sdpa`), else
+    flash_attn, then varlen, then flex, then sdpa (whichever first supports the call's dtype,
+    window, soft-cap and dropout); on CPU: reference.
     """
     if name != "auto":
         reason = unsupported_reason(name, q, k, window, softcap, dropout)
         if reason is not None:
             raise ValueError(f"attention backend {name!r} cannot run this layer: {reason}")
         return name
-    order = ("flash_attn", "varlen", "flex") if q.device.type == "cuda" else ("reference",)
+    if q.device.type == "cuda":
+        long_docs = packed is not None and prefers_sdpa(packed.num_tokens, packed.num_docs)
+        order = ("sdpa", "flash_attn", "varlen", "flex") if long_docs else ("flash_attn", "varlen", "flex", "sdpa")
+    else:
+        order = ("reference",)
     for candidate in order:
         if unsupported_reason(candidate, q, k, window, softcap, dropout) is None:
             return candidate
@@ -319,10 +350,72 @@ def flash_attn_packed_attention(
     return _flash_varlen(q, k, v, cu, cu, n, n, **kwargs)
 
 
+def _fused_sdpa_kernels(device: torch.device):
+    """On CUDA, sdpa restricted to its fused kernels, cuDNN's first (never the math fallback,
+    which would build ``L x L`` scores: at long context an out-of-memory instead of an error)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return sdpa_kernel(fused, set_priority=True) if _SDPA_SET_PRIORITY else sdpa_kernel(fused)
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, dropout: float = 0.0,
+) -> torch.Tensor:
+    """One causal sequence, token-major ``q [L, Hq, D]``, ``k, v [L, Hk, D]`` -> ``[L, Hq, D]``,
+    through ``F.scaled_dot_product_attention`` with GQA in the kernel.
+
+    If no fused kernel of this torch takes grouped K/V heads, the heads are repeated to the query
+    heads and the call made again (memory O(L), like the activations)."""
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D] views
+    gqa = q.shape[1] != k.shape[1]
+    with _fused_sdpa_kernels(q.device):
+        try:
+            out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout, is_causal=True, scale=scale,
+                                                 enable_gqa=gqa)
+        except RuntimeError as e:
+            if not gqa or isinstance(e, torch.OutOfMemoryError):
+                raise
+            groups = q.shape[1] // k.shape[1]
+            kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout, is_causal=True, scale=scale)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def document_bounds(packed: PackedBatch) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of every document on the flat axis (one host sync per forward, cached)."""
+    if "bounds" not in packed.cache:
+        cu = packed.cu_seqlens.tolist()
+        packed.cache["bounds"] = list(zip(cu[:-1], cu[1:]))
+    return packed.cache["bounds"]
+
+
+def sdpa_packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packed: PackedBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Every document alone through :func:`dense_causal_attention`; outputs concatenated."""
+    if window or softcap:
+        raise ValueError("per-document sdpa supports neither a sliding window nor soft-capping")
+    outs = [dense_causal_attention(q[a:b], k[a:b], v[a:b], scale=scale, dropout=dropout)
+            for a, b in document_bounds(packed) if b > a]
+    if not outs:
+        return q.new_zeros(q.shape)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
 _IMPLS: dict[str, Callable[..., torch.Tensor]] = {
     "varlen": varlen_packed_attention,
     "flash_attn": flash_attn_packed_attention,
     "flex": flex_packed_attention,
+    "sdpa": sdpa_packed_attention,
     "reference": reference_attention,
 }
 
@@ -348,7 +441,7 @@ def packed_attention(
         scale: score scale, default ``D ** -0.5``.
         window: sliding window (a token sees itself and ``window - 1`` tokens before), or None.
         softcap: attention logit soft-cap (``cap * tanh(s / cap)``), or None.
-        dropout: attention-probability dropout (reference and flash_attn only).
+        dropout: attention-probability dropout (reference, sdpa and flash_attn).
         backend: one of :data:`BACKENDS` or ``"auto"``.
 
     Returns:
@@ -362,5 +455,5 @@ def packed_attention(
         scale = q.shape[-1] ** -0.5
     window = int(window) if window else None
     softcap = float(softcap) if softcap else None
-    name = resolve_backend(backend, q, k, window, softcap, dropout)
+    name = resolve_backend(backend, q, k, window, softcap, dropout, packed)
     return _IMPLS[name](q, k, v, packed, scale=scale, window=window, softcap=softcap, dropout=dropout)

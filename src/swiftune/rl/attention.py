@@ -16,10 +16,15 @@ on completion ``k``)::
                     [and pos[i] - pos[j] < W for a sliding window W]
 
 Backends: ``reference`` (each group separately, eager softmax attention with that mask; CPU and
-tests) and ``flex`` (``flex_attention`` with a block mask from the same rule, compiled on CUDA:
-O(T) memory plus the block table). Any other requested backend (``auto``, ``varlen``,
-``flash_attn``: their kernels take contiguous documents only) means flex on CUDA and reference
-elsewhere for shared rows; plain packed rows use the requested backend as it is.
+tests), ``flex`` (``flex_attention`` with a block mask from the same rule, compiled on CUDA:
+O(T) memory plus the block table) and ``sdpa`` (each completion as its own dense causal sequence
+``prompt + completion`` through ``F.scaled_dot_product_attention``: the prompt's queries are
+computed once more per completion, which costs nothing next to long completions, and in exchange
+the fastest dense kernel runs, cuDNN's on Hopper). ``auto`` on CUDA takes ``sdpa`` when the
+sequences average at least ``SDPA_MIN_MEAN_DOC_TOKENS`` tokens and the layer has neither sliding
+window nor soft-cap, else flex; reference elsewhere. ``varlen``/``flash_attn`` (contiguous
+documents only) mean the same as ``auto`` for shared rows; plain packed rows use the requested
+backend as it is.
 
 How it reaches the model without editing anyone's source: :func:`install_grpo_attention` registers
 :func:`grpo_attention_forward` with transformers' ``AttentionInterface`` (and swiftune's packed
@@ -41,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import PackedBatch, packed_attention, packed_attention_forward, packed_attention_mask
-from ..attention.backends import flex_token_major
+from ..attention.backends import dense_causal_attention, flex_token_major, prefers_sdpa
 from ..models.patching import causal_lm_of
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
@@ -63,26 +68,37 @@ class RowLayout:
         position_ids: ``[T]`` positions.
         seg: ``[T]`` int32, 0 on prompt tokens and ``k >= 1`` on the k-th completion of a shared
             group; ``None`` for a plain packed row (every sample its own document).
-        backend: attention backend name (``auto``, ``reference``, ``flex``; for plain rows any of
-            swiftune's packed backends).
+        backend: attention backend name (``auto``, ``reference``, ``flex``, ``sdpa``; for plain rows
+            any of swiftune's packed backends).
+        sequences: for a shared row, ``(prompt_start, prompt_end, completion_start, completion_end)``
+            on the flat axis for every completion, in row order (host integers: the ``sdpa`` path
+            slices with them without a device sync).
     """
 
     packed: PackedBatch
     position_ids: torch.Tensor
     seg: torch.Tensor | None = None
     backend: str = "auto"
+    sequences: list[tuple[int, int, int, int]] | None = None
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def shared(self) -> bool:
         return self.seg is not None
 
-    def shared_backend(self, on_cuda: bool) -> str:
-        """The backend a shared row runs: ``flex`` or ``reference`` when asked for; otherwise (``auto``,
-        or a varlen kernel, which cannot express the rule) flex on CUDA and reference elsewhere."""
-        if self.backend in ("flex", "reference"):
+    def shared_backend(self, on_cuda: bool, window: int | None = None, softcap: float | None = None) -> str:
+        """The backend a shared row runs: ``flex``, ``sdpa`` or ``reference`` when asked for; otherwise
+        (``auto``, or a varlen kernel, which cannot express the rule) on CUDA ``sdpa`` for long
+        sequences without window or soft-cap, else flex; reference off CUDA."""
+        if self.backend in ("flex", "reference", "sdpa"):
             return self.backend
-        return "flex" if on_cuda and flex_attention is not None else "reference"
+        if not on_cuda:
+            return "reference"
+        long_seqs = self.sequences is not None and prefers_sdpa(
+            sum(pe - ps + ce - cs for ps, pe, cs, ce in self.sequences), len(self.sequences))
+        if long_seqs and not window and not softcap:
+            return "sdpa"
+        return "flex" if flex_attention is not None else "sdpa"
 
     @property
     def attention_kernel(self) -> str | None:
@@ -146,15 +162,19 @@ def grpo_attention_forward(
         out = packed_attention(q, k, v, layout.packed, scale=scaling, window=window, softcap=cap, dropout=dropout,
                                backend=layout.backend)
     else:
-        backend = layout.shared_backend(q.is_cuda)
         if dropout:
             raise ValueError("attention dropout is not supported in shared-prompt rows; set share_prompt=False")
+        backend = layout.shared_backend(q.is_cuda, window, cap)
         if backend == "flex":
             out = shared_prompt_flex(q, k, v, layout, scale=scaling, window=window, softcap=cap)
+        elif backend == "sdpa":
+            if window or cap:
+                raise ValueError("the sdpa backend has no sliding window or soft-cap; use 'flex' for this model")
+            out = shared_prompt_sdpa(q, k, v, layout, scale=scaling)
         elif backend == "reference":
             out = shared_prompt_reference(q, k, v, layout, scale=scaling, window=window, softcap=cap)
         else:
-            raise ValueError(f"shared-prompt rows run on the 'flex' or 'reference' backend, not {backend!r}")
+            raise ValueError(f"shared-prompt rows run on the 'flex', 'sdpa' or 'reference' backend, not {backend!r}")
     return out.unsqueeze(0), None
 
 
@@ -224,3 +244,34 @@ def shared_prompt_flex(
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex attention needs torch >= 2.5")
     return flex_token_major(q, k, v, _shared_block_mask(layout, window, q.device), scale=scale, softcap=softcap)
+
+
+def shared_prompt_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float,
+) -> torch.Tensor:
+    """Each completion as the dense causal sequence ``prompt + completion`` (:func:`dense_causal_attention`).
+
+    The first completion of a group follows its prompt on the flat axis, so ``prompt + completion``
+    is a slice and its output covers the prompt's tokens too; every later completion is gathered
+    with a copy of the prompt's q/k/v and keeps only its own outputs. The prompt's queries see the
+    same keys in every copy, so computing them once more changes nothing but the (small) cost.
+    Gradients reach the shared prompt's k/v from every completion through the copies."""
+    if layout.sequences is None:
+        raise ValueError("this RowLayout has no host-side sequence table; build it with build_policy_row")
+    pieces: list[torch.Tensor] = []
+    emitted = 0  # flat tokens whose outputs are in ``pieces``
+    for ps, pe, cs, ce in layout.sequences:
+        if ps == emitted and cs == pe:  # a group's first completion: prompt + completion is one slice
+            pieces.append(dense_causal_attention(q[ps:ce], k[ps:ce], v[ps:ce], scale=scale))
+        elif cs == emitted and pe <= cs:  # a later one: gather the prompt, keep the completion's outputs
+            if cs == ce:
+                continue
+            qs, ks, vs = (torch.cat([t[ps:pe], t[cs:ce]]) for t in (q, k, v))
+            pieces.append(dense_causal_attention(qs, ks, vs, scale=scale)[pe - ps:])
+        else:
+            raise ValueError(f"the sequence table does not tile the row in order at {(ps, pe, cs, ce)} "
+                             f"(outputs so far end at {emitted})")
+        emitted = ce
+    if emitted != q.shape[0]:
+        raise ValueError(f"the sequence table covers {emitted} of the row's {q.shape[0]} tokens")
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)

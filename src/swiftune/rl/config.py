@@ -148,8 +148,9 @@ class GRPOConfig(TrainingArguments):
     )
     attention_backend: str = field(
         default="auto",
-        metadata={"help": "Packed attention backend: auto, varlen, flash_attn, flex or reference. Shared-prompt "
-                          "rows use flex on CUDA and reference on CPU."},
+        metadata={"help": "Packed attention backend: auto, varlen, flash_attn, flex, sdpa or reference. auto on "
+                          "CUDA: sdpa (cuDNN's kernel on Hopper) for rows averaging >= 4096 tokens a sequence, else "
+                          "flash_attn / varlen, and flex for shared-prompt rows; reference on CPU."},
     )
     kernel_backend: Literal["auto", "triton", "reference"] = field(
         default="auto",

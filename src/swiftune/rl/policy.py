@@ -90,6 +90,7 @@ def build_policy_row(
     hidden_index: list[int] = []
     targets: list[int] = []
     seq_index: list[int] = []
+    sequences: list[tuple[int, int, int, int]] = []  # (prompt start, end, completion start, end)
     runs = group_consecutive(prompt_ids, group_ids) if share_prompt else [[i] for i in range(len(prompt_ids))]
     for run in runs:
         prompt = list(prompt_ids[run[0]])
@@ -107,6 +108,7 @@ def build_policy_row(
             tokens += inputs
             positions += range(len(prompt), len(prompt) + len(inputs))
             segs += [k] * len(inputs)
+            sequences.append((start, start + len(prompt), offset, len(tokens)))
             if comp:
                 hidden_index.append(last_prompt)
                 hidden_index += range(offset, offset + len(inputs))
@@ -121,7 +123,7 @@ def build_policy_row(
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     shared = share_prompt and any(len(r) > 1 for r in runs)
     seg = torch.tensor(segs, dtype=torch.int32, device=device) if shared else None
-    layout = RowLayout(packed, pos, seg, attention_backend)
+    layout = RowLayout(packed, pos, seg, attention_backend, sequences if shared else None)
     return PolicyRow(
         input_ids=torch.tensor([tokens], dtype=torch.long, device=device),
         position_ids=pos.unsqueeze(0),

@@ -66,7 +66,8 @@ class SFTConfig(TrainingArguments):
     # ---------------------------------------------------------------------- model / kernels
     attention_backend: str = field(
         default="auto",
-        metadata={"help": "Packed attention backend: auto, varlen, flash_attn, flex or reference."},
+        metadata={"help": "Packed attention backend: auto, varlen, flash_attn, flex, sdpa or reference (auto on "
+                          "CUDA: sdpa for documents averaging >= 4096 tokens, else flash_attn, varlen, flex)."},
     )
     kernel_backend: Literal["auto", "triton", "reference"] = field(
         default="auto",
