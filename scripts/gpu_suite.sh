@@ -21,6 +21,8 @@
 #   scripts/gpu_suite.sh verify       # check + kernels + GRPO step, fused layers off/on (~8 min)
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
+#   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune flex, varlen (~4.5 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #
@@ -90,6 +92,23 @@ case "$part" in
     run grpo_bisect_base 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
       --bisect-modes hf_full_logits trl_grpo trl_liger --completion-lengths 65536 --time-budget 520 \
       --out "$OUT/grpo_bisect_base.json" ;;
+  grpo-65k)  # the half-memory / 1.1x-time targets: steady-state steps (the 2nd of 2), TRL's loss path first
+    run grpo_65k_trl 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
+      --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_trl.json"
+    run grpo_65k_swiftune 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only --trial-repeats 2 \
+      --time-budget 190 --out "$OUT/grpo_65k_swiftune.json"
+    run grpo_32k_profile 130 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --swiftune-checkpointing offload_all --completion-lengths 32768 --fixed-only \
+      --profile-completion 32768 --time-budget 120 --out "$OUT/grpo_32k_profile.json" ;;
+  grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
+    setsid nohup python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json \
+      > /tmp/grpo_3x.log 2>&1 < /dev/null &
+    sleep 540; tail -5 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
+  grpo-3x-wait)
+    for _ in $(seq 55); do [ -f /tmp/grpo_3x.json ] && break; sleep 10; done
+    tail -12 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
   grpo-profile)  # where the time of one policy step goes: TRL's loss path vs swiftune's (flex and varlen rows)
     run grpo_profile 170 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
       swiftune --share-prompt --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 150 \
