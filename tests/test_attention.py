@@ -310,6 +310,39 @@ def test_gpu_128k_packed_row_matches_documents_alone(backend):
 
 @cuda
 @pytest.mark.gpu
+def test_gpu_sdpa_one_400k_sequence_equals_varlen_and_auto_picks_sdpa():
+    """One 409,600-token document (the long-context target) through the per-document sdpa path and
+    through torch's varlen kernel: same outputs and gradients in bf16, O(T) memory; ``auto`` picks
+    sdpa for it and keeps varlen for a row of short documents."""
+    from swiftune.attention.backends import _IMPLS
+
+    total, hq, hk, d = 409_600, 8, 2, 128
+    q, k, v = _qkv(total, hq=hq, hk=hk, d=d, dtype=torch.bfloat16, device="cuda", grad=True)
+    pb = build_packed_batch(1, total, _positions([total], "cuda"))
+    short = build_packed_batch(1, 8192, _positions(_random_lengths(8192, 16, seed=4), "cuda"))
+    assert resolve_backend("auto", q, k, None, None, 0.0, pb) == "sdpa"
+    assert resolve_backend("auto", q[:8192], k[:8192], None, None, 0.0, short) != "sdpa"
+    if not backend_available("varlen", "cuda"):
+        pytest.skip("varlen not available for the comparison")
+    dout = torch.randn(total, hq, d, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for name in ("sdpa", "varlen"):
+        qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = _IMPLS[name](qq, kk, vv, pb, scale=d**-0.5)
+        out.backward(dout)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra < 16 * q.numel() * q.element_size(), f"{name}: {extra / 2**30:.2f} GiB over the inputs"
+        results[name] = (out.detach(), qq.grad, kk.grad, vv.grad)
+    for got, want in zip(results["sdpa"], results["varlen"]):
+        assert rel_err(got, want) < 1e-2
+
+
+@cuda
+@pytest.mark.gpu
 def test_gpu_flex_stays_compiled_across_changing_lengths():
     """Padding-free batches change length every step. Were flex recompiled per length, it would
     hit dynamo's recompile limit and fall back to eager flex, which materialises T x T scores:
