@@ -17,6 +17,7 @@
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, bisected to 3% (~8 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
+#   scripts/gpu_suite.sh attention    # packed attention backends at 2 x 32K / 1 x 128K: time, memory, kernel (~1 min)
 #   scripts/gpu_suite.sh kernels      # kernel microbenchmarks vs eager and torch.compile (~1.5 min)
 #   scripts/gpu_suite.sh verify       # check + kernels + GRPO step, fused layers off/on (~8 min)
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
@@ -128,6 +129,8 @@ case "$part" in
     run longctx_sweep 560 python3 benchmarks/longctx.py --modes baseline ckpt offload \
       --tokens 8192 32768 65536 131072 262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 \
       --time-budget 470 --out "$OUT/longctx_sweep.json" ;;
+  attention)
+    run attention 150 python3 benchmarks/attention_backends.py --out "$OUT/attention.json" ;;
   kernels)
     run kernels 120 python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
   small-rows)  # the two small-model figures in one call

@@ -395,3 +395,14 @@ def test_cuda_time_profile_puts_a_large_matmul_first():
             a @ a
         a.float().sum()
     assert r["profile"]["kinds"][0]["kind"] == "matmul" and r["profile"]["kinds"][0]["share"] > 0.5
+
+
+def test_attention_benchmark_flop_count_and_cpu_refusal():
+    """Causal attention FLOPs written out for one case; without CUDA the script says so and exits 2."""
+    ab = load_bench_module("attention_backends")
+    # 2 documents of 1024 tokens, 4 heads of 64: forward 2 * 4 * 1024^2 * 64 * 4 / 2, backward 2.5x
+    assert ab.attention_flops(1024, 2, 4, 64) == 3.5 * (2 * 4 * 1024**2 * 64 * 4 / 2)
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, os.path.join(BENCH, "attention_backends.py")], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+        assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
