@@ -154,27 +154,27 @@ def test_shared_prompt_equals_unshared(case):
     assert max_grad_err(shared[2], unshared[2]) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
-def test_shared_prompt_flex_path(device, family):
-    """Shared rows on flex attention (their CUDA path) against the unshared reference rows.
-
-    Off CUDA flex has no backward: the CPU run checks the block mask through the forward only.
-    """
+@pytest.mark.parametrize("family,kernel", [("qwen3", "flex"), ("gemma2", "flex"), ("qwen3", "sdpa")])
+def test_shared_prompt_kernel_paths(device, family, kernel):
+    """Shared rows on their CUDA kernels against the unshared reference rows: flex (window and
+    soft-cap too) and sdpa (on CUDA in float32 a fused kernel without GQA, so the K/V-expanding
+    retry runs). Off CUDA flex has no backward: there the flex run checks the forward only."""
     model = tiny_model(family, **({"sliding_window": 5} if family == "gemma2" else {})).to(device)
     prompts, completions = random_groups(seed=2, group_size=4)
     weights = torch.linspace(-1.0, 1.0, sum(len(c) for c in completions), device=device)
+    with_grad = device == "cuda" or kernel == "sdpa"
     out = {}
-    for backend, share in (("reference", False), ("flex", True)):
+    for backend, share in (("reference", False), (kernel, True)):
         model.zero_grad(set_to_none=True)
         row = build_policy_row(prompts, completions, share_prompt=share, attention_backend=backend, device=device)
-        with torch.set_grad_enabled(device == "cuda"):
+        with torch.set_grad_enabled(with_grad):
             logps, _ = completion_logprobs(model, row, kernel_backend="reference")
-            if device == "cuda":
+            if with_grad:
                 (logps * weights).sum().backward()
-        out[backend] = (logps.detach(), grads(model) if device == "cuda" else None)
-    assert rel_err(out["flex"][0], out["reference"][0]) < 1e-5
-    if device == "cuda":
-        assert max_grad_err(out["flex"][1], out["reference"][1]) < 1e-4
+        out[backend] = (logps.detach(), grads(model) if with_grad else None)
+    assert rel_err(out[kernel][0], out["reference"][0]) < 1e-5
+    if with_grad:
+        assert max_grad_err(out[kernel][1], out["reference"][1]) < 1e-4
 
 
 def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
@@ -209,23 +209,6 @@ def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
     layout.sequences = [seqs[1], seqs[0], *seqs[2:]]
     with pytest.raises(ValueError, match="in order"):
         shared_prompt_sdpa(q, k, v, layout, scale=0.4)
-
-
-def test_shared_prompt_sdpa_path_through_the_model(device):
-    """A whole policy forward + backward on the sdpa shared path equals the unshared reference rows
-    (on CUDA in float32: a fused kernel without GQA, so the K/V-expanding retry runs too)."""
-    model = tiny_model().to(device)
-    prompts, completions = random_groups(seed=2, group_size=4)
-    weights = torch.linspace(-1.0, 1.0, sum(len(c) for c in completions), device=device)
-    out = {}
-    for backend, share in (("reference", False), ("sdpa", True)):
-        model.zero_grad(set_to_none=True)
-        row = build_policy_row(prompts, completions, share_prompt=share, attention_backend=backend, device=device)
-        logps, _ = completion_logprobs(model, row, kernel_backend="reference")
-        (logps * weights).sum().backward()
-        out[backend] = (logps.detach(), grads(model))
-    assert rel_err(out["sdpa"][0], out["reference"][0]) < 1e-5
-    assert max_grad_err(out["sdpa"][1], out["reference"][1]) < 1e-4
 
 
 def test_shared_rows_take_sdpa_on_cuda_for_long_completions_only():
