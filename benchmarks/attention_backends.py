@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 import torch  # noqa: E402
 
+from kernels import bench  # noqa: E402
 from time_profile import device_time_profile  # noqa: E402
 
 
@@ -68,15 +69,7 @@ def measure(backend: str, doc_tokens: int, docs: int, hq: int, hk: int, d: int, 
         row["backward_extra_bytes_per_token"] = (torch.cuda.max_memory_allocated() - after_forward) / total
         del out
         q.grad = k.grad = v.grad = None
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        row["ms"] = sorted(times)[len(times) // 2]
+        row["ms"] = bench(step, warmup=0, iters=iters)
         row["tflops"] = attention_flops(doc_tokens, docs, hq, d) / (row["ms"] * 1e-3) / 1e12
         prof: dict = {}
         with device_time_profile(prof):
