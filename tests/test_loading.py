@@ -128,6 +128,36 @@ def test_lora_dropout_bias_and_offload_flag(tmp_path):
         FastModel.get_peft_model(model, use_gradient_checkpointing="sometimes")
 
 
+def test_offload_gpu_budget_reaches_the_layers(tmp_path):
+    """offload_gpu_budget_bytes=0 puts every layer input in host memory (the least GPU memory); the
+    loss and gradients equal those of plain checkpointing; the option needs "offload"."""
+    from swiftune.models.checkpointing import offload_stats
+
+    _save(tmp_path, "qwen2")
+    ids = _ids(12)
+    results = {}
+    for mode, budget in ((True, None), ("offload", 0)):
+        model, _ = _load(tmp_path, kernel_backend="reference")
+        peft_model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing=mode,
+                                              offload_gpu_budget_bytes=budget).train()
+        loss = peft_model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.grad is not None}
+        results[mode] = (loss.detach(), grads)
+        if mode == "offload":
+            stats = offload_stats(peft_model)
+            assert stats["keep"] == () and len(stats["offload"]) == model.config.num_hidden_layers
+    assert rel_err(results["offload"][0], results[True][0]) < 1e-6
+    assert results["offload"][1].keys() == results[True][1].keys()
+    for name, g in results[True][1].items():
+        assert rel_err(results["offload"][1][name], g) < 1e-5, name
+    model, _ = _load(tmp_path, kernel_backend="reference")
+    with pytest.raises(ValueError, match="offload"):
+        FastModel.get_peft_model(model, use_gradient_checkpointing=True, offload_gpu_budget_bytes=0)
+    with pytest.raises(ValueError, match=">= 0"):
+        FastModel.get_peft_model(model, use_gradient_checkpointing="offload", offload_gpu_budget_bytes=-1)
+
+
 def test_full_finetuning_gradients_match_transformers():
     """Every parameter's gradient through the fused kernels (Triton interpreter) vs eager transformers."""
     reference = tiny_model("gemma")

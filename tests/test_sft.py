@@ -254,3 +254,15 @@ def test_model_path_uses_the_configs_kernel_backend(tokenizer, rows, tmp_path, b
     backends = {getattr(m, "_swiftune_kernel_backend", None) for m in trainer.model.modules()} - {None}
     assert backends == {backend}
     trainer.train()
+
+
+def test_cli_offload_gpu_budget_checks():
+    """--offload_gpu_budget_gb needs offloaded checkpointing and a non-negative size (checked before
+    any model is built)."""
+    from swiftune.sft.command import ModelArguments, build_model
+
+    for gc, budget, message in (("true", 0.0, "needs --use_gradient_checkpointing offload"),
+                                ("offload", -1.0, "must be >= 0")):
+        args = ModelArguments(use_gradient_checkpointing=gc, offload_gpu_budget_gb=budget)
+        with pytest.raises(SystemExit, match=message):
+            build_model(args, config=None, builtin=True)

@@ -105,13 +105,21 @@ def _check_causal_lm(config: Any, name: str) -> None:
         )
 
 
-def enable_gradient_checkpointing(model: nn.Module, mode: bool | str = True) -> nn.Module:
+def enable_gradient_checkpointing(
+    model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
+) -> nn.Module:
     """Turn on non-reentrant gradient checkpointing of every decoder layer.
 
     ``mode="offload"`` checkpoints each layer with its saved input in pinned CPU memory, copied
     asynchronously and brought back just in time in backward, keeping as many layers on the GPU
-    as its budget allows (:func:`swiftune.models.checkpointing.enable_offloaded_checkpointing`).
+    as its budget allows (:func:`swiftune.models.checkpointing.enable_offloaded_checkpointing`):
+    ``offload_gpu_budget_bytes`` (``None``: what is free at each forward, less the rest of the step;
+    ``0``: every layer input on the host, the least GPU memory).
     """
+    if offload_gpu_budget_bytes is not None and mode not in ("offload", "unsloth"):
+        raise ValueError("offload_gpu_budget_bytes needs use_gradient_checkpointing='offload'")
+    if offload_gpu_budget_bytes is not None and offload_gpu_budget_bytes < 0:
+        raise ValueError(f"offload_gpu_budget_bytes must be >= 0, got {offload_gpu_budget_bytes}")
     if not mode:
         return model
     if mode not in (True, "offload", "unsloth"):
@@ -126,7 +134,8 @@ def enable_gradient_checkpointing(model: nn.Module, mode: bool | str = True) -> 
     if mode in ("offload", "unsloth"):
         from .checkpointing import enable_offloaded_checkpointing
 
-        enable_offloaded_checkpointing(hf_model)  # takes over from transformers' per-layer flag
+        # takes over from transformers' per-layer flag
+        enable_offloaded_checkpointing(hf_model, gpu_budget_bytes=offload_gpu_budget_bytes)
     else:
         hf_model._swiftune_offload_checkpointing = False
     return model
@@ -212,6 +221,7 @@ class FastModel:
         random_state: int = 3407,
         use_rslora: bool = False,
         modules_to_save: list[str] | None = None,
+        offload_gpu_budget_bytes: int | None = None,
         **lora_kwargs: Any,
     ) -> nn.Module:
         """Add LoRA adapters through PEFT; the result is a normal ``peft.PeftModel``.
@@ -223,6 +233,8 @@ class FastModel:
                 but the output head).
             use_gradient_checkpointing: ``True`` (non-reentrant checkpointing of every layer),
                 ``False``, or ``"offload"`` (recorded; see :func:`enable_gradient_checkpointing`).
+            offload_gpu_budget_bytes: with ``"offload"``, GPU bytes the kept layer inputs may take
+                (``None``: as many as fit; ``0``: all on the host).
             random_state: seed of the adapter initialisation (the global RNG is left untouched).
         """
         from peft import LoraConfig, get_peft_model
@@ -238,7 +250,7 @@ class FastModel:
             task_type="CAUSAL_LM",
             **lora_kwargs,
         )
-        enable_gradient_checkpointing(model, use_gradient_checkpointing)
+        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
@@ -252,9 +264,10 @@ class FastModel:
         return peft_model
 
     @staticmethod
-    def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True) -> nn.Module:
+    def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True,
+                     offload_gpu_budget_bytes: int | None = None) -> nn.Module:
         """Full fine-tuning: every parameter trainable, gradient checkpointing, train mode."""
         for p in model.parameters():
             p.requires_grad_(True)
-        enable_gradient_checkpointing(model, use_gradient_checkpointing)
+        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes)
         return model.train()

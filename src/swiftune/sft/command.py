@@ -46,6 +46,11 @@ class ModelArguments:
     use_gradient_checkpointing: str = field(
         default="true", metadata={"help": "true, false, or offload (saved layer inputs in CPU memory)."}
     )
+    offload_gpu_budget_gb: float | None = field(
+        default=None, metadata={"help": "With --use_gradient_checkpointing offload: GB of GPU memory the kept "
+                                        "layer inputs may take (default: as many as fit; 0: every one on the host, "
+                                        "the least GPU memory)."}
+    )
 
 
 # Settings of the built-in run: a random tiny model learns the built-in tasks in about a minute.
@@ -139,6 +144,12 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
     from ..models import FastModel
 
     gc = gradient_checkpointing_mode(model_args)
+    budget = model_args.offload_gpu_budget_gb
+    if budget is not None and gc != "offload":
+        raise SystemExit("--offload_gpu_budget_gb needs --use_gradient_checkpointing offload")
+    if budget is not None and budget < 0:
+        raise SystemExit(f"--offload_gpu_budget_gb must be >= 0, got {budget}")
+    budget_bytes = None if budget is None else int(budget * 1e9)
     if builtin:
         from transformers import AutoModelForCausalLM
 
@@ -162,9 +173,10 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
         model = FastModel.get_peft_model(
             model, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
             target_modules=targets if targets == "all-linear" else targets.split(","), use_gradient_checkpointing=gc,
+            offload_gpu_budget_bytes=budget_bytes,
         )
     elif gc:
-        FastModel.for_training(model, use_gradient_checkpointing=gc)
+        FastModel.for_training(model, use_gradient_checkpointing=gc, offload_gpu_budget_bytes=budget_bytes)
     return model, tokenizer, use_lora
 
 
