@@ -169,7 +169,7 @@ def even_token_reward(prompts, completions, completion_ids=None, **kwargs) -> li
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def build_swiftune_model(name: str, device, checkpointing):
+def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_bytes: int | None = None):
     """Random-init model of shape ``name``, patched by swiftune, LoRA r=16 on all linear layers."""
     import torch
 
@@ -178,7 +178,8 @@ def build_swiftune_model(name: str, device, checkpointing):
 
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     swiftune.patch_model(model)
-    return swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=checkpointing)
+    return swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=checkpointing,
+                                             offload_gpu_budget_bytes=offload_gpu_budget_bytes)
 
 
 # --------------------------------------------------------------------------------------- step
@@ -430,12 +431,8 @@ def build_bisect_model(mode: str, name: str, device, args):
 
     if mode == "swiftune":
         offload = args.swiftune_checkpointing in ("offload", "offload_all")
-        model = build_swiftune_model(name, device, "offload" if offload else True)
-        if args.swiftune_checkpointing == "offload_all":  # no layer input stays on the GPU
-            from swiftune.models.checkpointing import enable_offloaded_checkpointing
-
-            enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
-        return model
+        budget = 0 if args.swiftune_checkpointing == "offload_all" else None  # 0: no layer input on the GPU
+        return build_swiftune_model(name, device, "offload" if offload else True, budget)
     import peft
 
     from workload import random_model
