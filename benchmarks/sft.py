@@ -126,15 +126,12 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
 
         offload = mode == "swiftune_budget_offload"
         gc_mode = "offload" if offload else True
+        budget_0 = 0 if offload else None  # every layer input to the host, not only those the GPU cannot hold
         if full:
-            swiftune.FastModel.for_training(model, use_gradient_checkpointing=gc_mode)
+            swiftune.FastModel.for_training(model, use_gradient_checkpointing=gc_mode, offload_gpu_budget_bytes=budget_0)
         else:
-            model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=gc_mode)
-        if offload:  # every layer input to the host, not only those the GPU budget cannot hold
-            from swiftune.models.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
-
-            disable_offloaded_checkpointing(model)
-            enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+            model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=gc_mode,
+                                                      offload_gpu_budget_bytes=budget_0)
         examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}
