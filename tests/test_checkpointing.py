@@ -59,10 +59,29 @@ def test_split_layers_clear_error_when_both_budgets_are_short():
     # Qwen3-8B at 400K tokens: 36 x 3.28 GB; 60 GB of GPU budget and 40 GB of host cannot hold it.
     layer = 400_000 * 4096 * 2
     with pytest.raises(CheckpointBudgetError, match=r"holds 18 of them.*other 18 need"):
-        split_layers(36, layer, gpu_budget_bytes=60 * 10**9, host_budget_bytes=40 * 10**9)
+        split_layers(36, layer, gpu_budget_bytes=60 * 10**9, host_budget_bytes=40 * 10**9, allow_derived=False)
     ok = split_layers(36, layer, gpu_budget_bytes=60 * 10**9, host_budget_bytes=80 * 10**9)
-    assert len(ok.keep) == 18 and len(ok.offload) == 18
+    assert len(ok.keep) == 18 and len(ok.offload) == 18 and ok.derived == ()
+    # even with every second layer input recomputed (18 derived), 0 + 0 bytes hold nothing
+    with pytest.raises(CheckpointBudgetError, match="every second layer"):
+        split_layers(36, layer, gpu_budget_bytes=0, host_budget_bytes=0)
     assert isinstance(CheckpointBudgetError("x"), MemoryError)
+
+
+def test_split_layers_derives_every_second_input_when_the_host_is_short():
+    """40 GB of host holds 12 of the 18 offloaded inputs (3.28 GB each): the 6 missing ones are
+    derived, layers 1, 3, ..., 11, each right after a stored layer; the rest split as before."""
+    layer = 400_000 * 4096 * 2
+    plan = split_layers(36, layer, gpu_budget_bytes=60 * 10**9, host_budget_bytes=40 * 10**9)
+    assert plan.derived == (1, 3, 5, 7, 9, 11)
+    assert len(plan.keep) == 18 and len(plan.offload) == 12
+    assert sorted(plan.keep + plan.offload + plan.derived) == list(range(36))
+    assert plan.offload == (0, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16, 17) and plan.keep == tuple(range(18, 36))
+    assert all(i - 1 not in plan.derived for i in plan.derived)  # a derived input's source is stored
+    assert plan.host_bytes <= 40 * 10**9
+    # the most it derives: every second layer (here 18 of 36, nothing else stored off the GPU)
+    most = split_layers(36, layer, gpu_budget_bytes=18 * layer, host_budget_bytes=0)
+    assert most.derived == tuple(range(1, 36, 2)) and most.offload == () and len(most.keep) == 18
 
 
 def test_page_bytes_are_powers_of_two_no_larger_than_needed():
@@ -382,3 +401,54 @@ def test_enable_tiled_mlp_on_model_with_projections():
 def test_tiled_apply_rejects_bad_tile():
     with pytest.raises(ValueError):
         tiled_apply(lambda t: t, torch.zeros(1, 2, 3), 0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_derived_layer_inputs_equal_no_checkpointing(family, lora, device):
+    """A host budget for only some of the offloaded inputs: every second layer's input is derived
+    (stored nowhere, recomputed from the layer before in backward). Loss and every gradient equal
+    the step without checkpointing, LoRA dropout masks included (the replayed RNG state), and the
+    layers before the derived ones run once more. On CUDA: pinned pages, side-stream copies."""
+    torch.manual_seed(0)
+    cfg = tiny_model_config(family, vocab_size=320, attn_implementation="eager", num_hidden_layers=6)
+    model = AutoModelForCausalLM.from_config(cfg).to(device).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.2,
+                                                 init_lora_weights=False))
+    ids = torch.randint(0, 320, (2, STEPS_TOKENS), device=device)
+    torch.manual_seed(1)
+    ref = _step(model, ids)
+    layer_bytes = ids.numel() * cfg.hidden_size * 4
+    page = 4096
+    per_layer_host = -(-layer_bytes // page) * page
+    # GPU: none; host: 4 of the 6 inputs -> layers 1 and 3 derived, 0 2 4 5 offloaded
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=4 * per_layer_host, page_bytes=page)
+    torch.manual_seed(1)
+    got = _step(model, ids)
+    stats = offload_stats(model)
+    assert stats["derived"] == (1, 3) and stats["offload"] == (0, 2, 4, 5) and stats["keep"] == ()
+    assert stats["derived_recomputed"] == 2
+    _assert_same(ref, got, tol=1e-5 if lora or device == "cuda" else 1e-6)
+    # negative control: a different dropout draw changes the gradients (so the check above can fail)
+    if lora:
+        torch.manual_seed(2)
+        other = _step(model, ids)
+        assert max(rel_err(other[1][k], ref[1][k]) for k in ref[1]) > 1e-3
+
+
+def test_derived_input_needs_its_graph_for_a_second_backward():
+    model = _model("qwen3", lora=False)
+    ids = torch.randint(0, 320, (1, 20))
+    layer_bytes = ids.numel() * model.config.hidden_size * 4
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=layer_bytes, page_bytes=256)
+    loss = model(input_ids=ids, labels=ids).loss
+    assert offload_stats(model)["derived"] == (1,)
+    loss.backward(retain_graph=True)
+    first = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss.backward()  # the handles live as long as the graph: the derived input is recomputed again
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, first[n]) < 1e-6, n

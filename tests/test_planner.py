@@ -238,3 +238,25 @@ def test_lora_saved_bytes_match_autograd(autocast, lora_dtype):
     assert own == _lora_input_bytes(H, setup)
     # same dtype: the adapters save the shared input itself (the planner counts it once per input)
     assert shares_input == (lora_dtype == torch.bfloat16)
+
+
+def test_planner_derives_layer_inputs_like_the_runtime_when_the_host_is_short():
+    """Offload with too little host memory: the planner recomputes the inputs the host cannot hold
+    (at most every second layer), as split_layers does at run time, and fits where it did not."""
+    from swiftune.memory import plan_memory
+    from swiftune.models.offload_memory import split_layers
+
+    tokens, gpu = 400_000, 150 * 10**9
+    per_layer = tokens * 4096 * 2
+    roomy = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=10**12)
+    assert roomy.derived_layers == 0
+    host = (roomy.offloaded_layers - 4) * per_layer  # four inputs short
+    short = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=host)
+    assert short.derived_layers == 4 and short.offloaded_layers == roomy.offloaded_layers - 4
+    assert short.kept_layers == roomy.kept_layers and short.host_bytes <= host and short.fits
+    assert "recomputed" in short.table()
+    runtime = split_layers(36, per_layer, short.kept_layers * per_layer, host, page_bytes=per_layer)
+    assert len(runtime.derived) == short.derived_layers and len(runtime.offload) == short.offloaded_layers
+    # more than every second layer missing: no derivation, the plan does not fit
+    none = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=0)
+    assert none.derived_layers == 0 and not none.fits

@@ -271,6 +271,7 @@ class MemoryPlan:
     host_limit: int | None = None
     params: int = 0
     trainable_params: int = 0
+    derived_layers: int = 0  # layer inputs recomputed from the layer before instead of stored
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -306,7 +307,8 @@ class MemoryPlan:
             ("gradients", self.gradients, ""),
             ("optimizer states", self.optimizer, ""),
             ("layer checkpoints (GPU)", self.checkpoints,
-             f"{self.kept_layers} layers on GPU, {self.offloaded_layers} offloaded"),
+             f"{self.kept_layers} layers on GPU, {self.offloaded_layers} offloaded"
+             + (f", {self.derived_layers} recomputed" if self.derived_layers else "")),
             ("one layer recompute + backward", self.layer_working_set, ""),
             ("loss / logits", self.loss, "peak is max(layer, loss)"),
             ("offload transfer buffers", self.transfer, ""),
@@ -400,6 +402,7 @@ def plan_memory(
     working = layer_working_set(shape, T, s)
     loss = loss_bytes(shape, T, s)
     transfer = 0
+    derived = 0
     notes: list[str] = []
     if gradient_checkpointing is False:
         kept, off = L, 0
@@ -424,6 +427,14 @@ def plan_memory(
         if kept == L:
             transfer = 0
         off = L - kept
+        if host_bytes is not None and per_layer and off * per_layer > host_bytes:
+            # the runtime's rule (offload_memory.split_layers): inputs the host cannot hold either are
+            # derived, recomputed from the layer before in backward, at most every second layer
+            missing = off - max(0, int(host_bytes)) // per_layer
+            if missing <= L // 2:
+                derived, off = missing, off - missing
+                notes.append(f"{derived} layer inputs are recomputed in backward instead of stored (host memory "
+                             f"holds {off} of the offloaded ones): one more forward of {derived} layers")
         checkpoints = kept * per_layer
     if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections and not s.autocast:
         notes.append("LoRA adapters in float32 save a float32 copy of each projection's input; "
@@ -431,7 +442,7 @@ def plan_memory(
     plan = MemoryPlan(
         model=str(name), tokens=T, weights=weights, trainable=trainable, gradients=grads, optimizer=optim,
         checkpoints=checkpoints, layer_working_set=working, loss=loss, transfer=transfer, overhead=0,
-        kept_layers=kept, offloaded_layers=off, host_bytes=off * per_layer,
+        kept_layers=kept, offloaded_layers=off, derived_layers=derived, host_bytes=off * per_layer,
         gradient_checkpointing=gradient_checkpointing, gpu_bytes=gpu_bytes, host_limit=host_bytes,
         params=P, trainable_params=n_train, notes=notes,
     )

@@ -42,9 +42,12 @@ number kept is ``K = min(L, floor(G / B))`` and the *first* ``L - K`` layers are
 (:func:`split_layers`): their copies overlap the forward of the layers after them, and backward
 reaches them last, so the kept layers run their backward with no transfer at all and the first
 restore overlaps the backward of the lowest kept layer.  Offloaded layers need
-``ceil(B / page) x page`` bytes of pinned host memory each; when
-``(L - K) x that > host budget`` a :class:`CheckpointBudgetError` is raised at the first layer of
-the forward, before anything is allocated: a clear error instead of a hang or the OOM killer.
+``ceil(B / page) x page`` bytes of pinned host memory each; when ``(L - K) x that > host budget``
+the missing ones are *derived* (layers 1, 3, 5, ...: no input stored; backward recomputes it by
+running the layer before once more, without grad, under that layer's replayed RNG and autocast
+state, from its stored input, :meth:`OffloadState.derive_input`), at most every second layer;
+beyond that a :class:`CheckpointBudgetError` is raised at the first layer of the forward, before
+anything is allocated: a clear error instead of a hang or the OOM killer.
 
 Budgets: ``gpu_budget_bytes=None`` on CUDA is measured at the first layer of every forward: free
 GPU memory minus what the rest of the step needs (:func:`swiftune.memory.step_reserve`: one
@@ -85,6 +88,7 @@ from .offload_memory import (
     split_layers,
 )
 from .patching import causal_lm_of
+from .tiled_mlp import ForwardState
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
 _LAYER = "_swiftune_offload_layer"  # on each decoder layer: (state, index)
@@ -103,14 +107,19 @@ class LayerInput:
     forward, then the kept (GPU) or restored (host -> GPU) copy during the recompute.
     """
 
-    def __init__(self, state: "OffloadState", index: int, generation: int, x: torch.Tensor, offload: bool) -> None:
+    def __init__(self, state: "OffloadState", index: int, generation: int, x: torch.Tensor, offload: bool,
+                 derived: bool = False) -> None:
         self.index, self.generation = index, generation
         self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
         self.requires_grad = x.requires_grad
         self.offloaded = offload
+        self.derived = derived  # stored nowhere: recomputed from the layer before (OffloadState.derive_input)
+        # set on the layer before a derived one: (its forward with the other arguments bound, the
+        # RNG / autocast state it ran with), to recompute the derived input without grad
+        self.rerun: tuple[Any, ForwardState] | None = None
         self._state = state  # strong: backward must find its pages even if offloading was disabled since
         self._live: torch.Tensor | None = x
-        self._kept: torch.Tensor | None = None if offload else x.detach()
+        self._kept: torch.Tensor | None = None if offload or derived else x.detach()
         self._gpu: torch.Tensor | None = None  # prefetched / restored copy
         self._event: Any = None
         self._pages: list[torch.Tensor] = []
@@ -164,10 +173,26 @@ class LayerInput:
         self._gpu = buf.view(self.dtype).view(self.shape)
         state.stats["restored"] += 1
 
+    def peek(self) -> torch.Tensor:
+        """The stored input (restored from the host if offloaded), left in place for this layer's
+        own recompute, which comes next in backward: what a derived input is recomputed from."""
+        if self._kept is not None:
+            return self._kept
+        if self.derived:
+            raise RuntimeError(f"layer {self.index}'s input is derived, not stored")
+        self.prefetch()
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+            self._event = None
+        assert self._gpu is not None
+        return self._gpu
+
     def materialize(self) -> torch.Tensor:
         if self._live is not None:  # the first forward
             return self._live
-        if self._kept is not None:
+        if self.derived:
+            out = self._state.derive_input(self.generation, self.index)
+        elif self._kept is not None:
             out = self._kept
         else:
             self.prefetch()  # no-op when prefetched
@@ -208,7 +233,7 @@ class OffloadState:
         self.plan: OffloadPlan | None = None
         self._plan_key: tuple | None = None
         self._handles: dict[tuple[int, int], weakref.ref] = {}
-        self.stats = {"offloaded": 0, "kept": 0, "restored": 0}
+        self.stats = {"offloaded": 0, "kept": 0, "derived_inputs": 0, "restored": 0, "derived_recomputed": 0}
 
     def page_bytes_for(self, nbytes: int) -> int:
         return choose_page_bytes(nbytes, self.page_bytes)
@@ -268,16 +293,39 @@ class OffloadState:
                                      self.host_budget(), self.page_bytes)
             self._plan_key = key
             self._handles = {k: v for k, v in self._handles.items() if v() is not None}
-        offload = index in self.plan.offload
-        handle = LayerInput(self, index, self.generation, x, offload)
+        offload, derived = index in self.plan.offload, index in self.plan.derived
+        handle = LayerInput(self, index, self.generation, x, offload, derived)
         self._handles[(self.generation, index)] = weakref.ref(handle)
-        self.stats["offloaded" if offload else "kept"] += 1
+        self.stats["derived_inputs" if derived else "offloaded" if offload else "kept"] += 1
         return handle
 
+    def derives_next(self, index: int) -> bool:
+        return self.plan is not None and index + 1 in self.plan.derived
+
+    def derive_input(self, generation: int, index: int) -> torch.Tensor:
+        """Layer ``index``'s input, recomputed in backward: the layer before runs its forward again
+        (no grad; the RNG and autocast state of its first forward) on its own stored input."""
+        ref = self._handles.get((generation, index - 1))
+        source = ref() if ref is not None else None
+        if source is None or source.rerun is None:
+            raise RuntimeError(
+                f"swiftune offloaded checkpointing: layer {index}'s input was not stored and the layer before it "
+                "can no longer recompute it (a second backward through the same graph needs retain_graph=True)")
+        run, forward_state = source.rerun
+        x_prev = source.peek()
+        with torch.no_grad(), forward_state.replay():
+            out = run(x_prev)
+        self.stats["derived_recomputed"] += 1
+        return out[0] if isinstance(out, tuple) else out
+
     def prefetch_before(self, generation: int, index: int) -> None:
-        """Backward is about to recompute layer ``index``: start bringing back ``index - 1``."""
+        """Backward is about to recompute layer ``index``: start bringing back ``index - 1`` (or, when
+        that one's input is derived, ``index - 2``, which it is recomputed from)."""
         ref = self._handles.get((generation, index - 1))
         handle = ref() if ref is not None else None
+        if handle is not None and handle.derived:
+            ref = self._handles.get((generation, index - 2))
+            handle = ref() if ref is not None else None
         if handle is not None:
             handle.prefetch()
 
@@ -331,6 +379,10 @@ def _run_layer(orig, handle: LayerInput, *args, **kwargs):
     return orig(handle.materialize(), *args, **kwargs)
 
 
+def _run_on(orig, rest: tuple, kwargs: dict, x: torch.Tensor):
+    return orig(x, *rest, **kwargs)
+
+
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
     state_ref, index = getattr(self, _LAYER)
     state: OffloadState | None = state_ref()
@@ -352,6 +404,8 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     handle = state.layer_input(index, x, _attention_kernel(kwargs))
+    if state.derives_next(index):  # the next layer's input will be recomputed from this one's
+        handle.rerun = (partial(_run_on, orig, rest, kwargs), ForwardState(x.device, with_rng=True))
     try:
         return checkpoint(partial(_run_layer, orig, **kwargs), handle, *rest, use_reentrant=False)
     finally:
@@ -461,6 +515,7 @@ def offload_stats(model: nn.Module) -> dict[str, Any]:
     return {
         "keep": plan.keep if plan else (),
         "offload": plan.offload if plan else (),
+        "derived": plan.derived if plan else (),
         "layer_bytes": plan.layer_bytes if plan else 0,
         "host_pinned_bytes": state.pool.held_bytes,
         "host_in_use_bytes": state.pool.in_use_bytes,

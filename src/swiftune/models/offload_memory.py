@@ -35,6 +35,7 @@ class OffloadPlan:
     keep: tuple[int, ...]
     host_bytes: int
     page_bytes: int
+    derived: tuple[int, ...] = ()  # inputs stored nowhere: recomputed from the layer before in backward
 
     @property
     def gpu_bytes(self) -> int:
@@ -59,12 +60,17 @@ def split_layers(
     gpu_budget_bytes: int,
     host_budget_bytes: int,
     page_bytes: int = PAGE_BYTES,
+    allow_derived: bool = True,
 ) -> OffloadPlan:
     """Keep ``K = min(L, gpu_budget // B)`` layer inputs on the GPU, offload the first ``L - K``.
 
-    Host pages are ``choose_page_bytes(B, page_bytes)`` bytes.  Raises
-    :class:`CheckpointBudgetError` when the offloaded layers need more than ``host_budget_bytes``
-    of pages (``(L - K) * ceil(B / page) * page``).  A pure function.
+    When the host cannot hold the ``L - K`` offloaded inputs either (``allow_derived``), the
+    ``D`` missing ones are *derived*: layers ``1, 3, ..., 2D - 1`` store no input at all, and
+    backward recomputes it from the stored input of the layer before (one more forward of that
+    layer, without grad: ~1/8 of a step's compute per derived layer pair at most; see
+    :mod:`.checkpointing`). At most every second layer is derived. Host pages are
+    ``choose_page_bytes(B, page_bytes)`` bytes. Raises :class:`CheckpointBudgetError` when even
+    that does not fit. A pure function.
     """
     if num_layers < 0 or layer_bytes < 0 or page_bytes < 1:
         raise ValueError("num_layers and layer_bytes must be >= 0 and page_bytes >= 1")
@@ -74,19 +80,28 @@ def split_layers(
     else:
         keep_n = max(0, min(num_layers, int(gpu_budget_bytes) // layer_bytes))
     n_off = num_layers - keep_n
-    host = n_off * pages_for(layer_bytes, page_bytes) * page_bytes
+    per_layer_host = pages_for(layer_bytes, page_bytes) * page_bytes
+    derived: tuple[int, ...] = ()
+    if allow_derived and n_off * per_layer_host > host_budget_bytes:
+        host_holds = max(0, int(host_budget_bytes)) // per_layer_host
+        missing = n_off - host_holds
+        if missing <= num_layers // 2:
+            derived = tuple(range(1, 2 * missing, 2))
+            n_off -= missing
+    host = n_off * per_layer_host
     if host > host_budget_bytes:
         raise CheckpointBudgetError(
             f"swiftune offloaded checkpointing: {num_layers} layer checkpoints of {layer_bytes / 1e9:.3f} GB "
             f"each ({num_layers * layer_bytes / 1e9:.2f} GB in all) do not fit: the GPU budget of "
             f"{max(gpu_budget_bytes, 0) / 1e9:.2f} GB holds {keep_n} of them, and the other {n_off} need "
             f"{host / 1e9:.2f} GB of pinned host memory, but only {max(host_budget_bytes, 0) / 1e9:.2f} GB is "
-            "available. Use fewer tokens per step, free host memory, raise gpu_budget_bytes / host_budget_bytes "
+            f"available{' (recomputing every second layer input would still leave too many)' if allow_derived else ''}. "
+            "Use fewer tokens per step, free host memory, raise gpu_budget_bytes / host_budget_bytes "
             "if the machine has room, or plan the run with `swiftune plan`."
         )
-    offload = tuple(range(n_off))
-    keep = tuple(range(n_off, num_layers))
-    return OffloadPlan(num_layers, layer_bytes, offload, keep, host, page_bytes)
+    stored = [i for i in range(num_layers) if i not in set(derived)]
+    return OffloadPlan(num_layers, layer_bytes, tuple(stored[:n_off]), tuple(stored[n_off:]), host, page_bytes,
+                       derived)
 
 
 def host_available_bytes(margin_bytes: int | None = None) -> int:

@@ -59,8 +59,9 @@ def tile_bounds(n: int, tile: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, n)) for a in range(0, n, size)]
 
 
-class _ForwardState:
-    """RNG and autocast state of the forward, replayed for the per-tile recompute in backward."""
+class ForwardState:
+    """RNG and autocast state of a forward, replayed for a recompute in backward (the tiles here,
+    a derived layer input in :mod:`.checkpointing`)."""
 
     def __init__(self, device: torch.device, with_rng: bool) -> None:
         self.device = device
@@ -97,7 +98,7 @@ class TiledApply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, f, x, tile_tokens, with_rng, *params):  # type: ignore[override]
         ctx.f, ctx.tile = f, tile_tokens
-        ctx.state = _ForwardState(x.device, with_rng)
+        ctx.state = ForwardState(x.device, with_rng)
         x2 = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():
