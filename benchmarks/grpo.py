@@ -78,7 +78,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from time_profile import device_time_profile, format_profile  # noqa: E402
-from workload import host_rss  # noqa: E402
+from workload import host_rss, word_tokenizer  # noqa: E402
 
 BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_liger", "trl_selective"]
 TRL_HEAD_MODES = ("trl_grpo", "trl_liger")  # TRL's fused LM head
@@ -152,16 +152,6 @@ class PhaseTimer:
             rec["calls"] += 1
             if self.cuda:
                 rec["peak_gb"] = max(rec["peak_gb"], torch.cuda.max_memory_allocated() / 1e9)
-
-
-def word_tokenizer(vocab_size: int):
-    """A tokenizer whose token ``i`` is the word ``t{i}`` (pad t0, eos t1, unk t2): text <-> ids exactly."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0", eos_token="t1", unk_token="t2")
 
 
 def even_token_reward(prompts, completions, completion_ids=None, **kwargs) -> list[float]:

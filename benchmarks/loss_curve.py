@@ -150,12 +150,12 @@ def run_one(mode: str, args) -> dict:
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         collator = RecordingCollator(make_collator("packed", max_length=args.max_length, pad_token_id=0))
         init = checksum(model)
-        from sft import _dummy_tokenizer
+        from workload import word_tokenizer
 
         trainer = sequential(swiftune.SFTTrainer)(
             model=model, args=swiftune.SFTConfig(max_length=args.max_length, metrics_file=None, plot_loss=False,
                                                  **common),
-            train_dataset=data, processing_class=_dummy_tokenizer(model.config.vocab_size), data_collator=collator,
+            train_dataset=data, processing_class=word_tokenizer(256), data_collator=collator,
         )
     losses: list[float] = []
     orig = trainer.compute_loss

@@ -81,7 +81,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     import torch
     from peft import LoraConfig
 
-    from workload import random_model, random_token_rows, sample_lengths
+    from workload import random_model, random_token_rows, sample_lengths, word_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
     model = random_model(model_name, device, torch.bfloat16)
@@ -115,7 +115,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
 
         args = trl.SFTConfig(padding_free=True, max_length=None, use_liger_kernel=(mode == "trl_liger"),
                              dataset_num_proc=None, **common)
-        tok = _dummy_tokenizer(config.vocab_size)
+        tok = word_tokenizer(256)  # pre-tokenized rows: pad and eos ids are all the trainers read
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                                  peft_config=None if full else lora, processing_class=tok)
         counter = CountingCollator(trainer.data_collator, 0)
@@ -139,7 +139,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         common["gradient_checkpointing"] = False  # already enabled by get_peft_model / for_training
         trainer = swiftune.SFTTrainer(
             model=model, args=swiftune.SFTConfig(max_length=max_length, **extra, **common),
-            train_dataset=data, processing_class=_dummy_tokenizer(config.vocab_size),
+            train_dataset=data, processing_class=word_tokenizer(256),
         )
         counter = CountingCollator(trainer.data_collator, 0)
         trainer.data_collator = counter
@@ -172,17 +172,6 @@ def release_gpu_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-
-
-def _dummy_tokenizer(vocab_size: int):
-    """A tokenizer object the trainers accept for pre-tokenized data (pad id 0, eos id 1)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(256)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t2")),
-                                  pad_token="t0", eos_token="t1", unk_token="t2")
-    return tok
 
 
 def main(argv=None) -> int:

@@ -116,3 +116,13 @@ def pad_to_longest(examples: list[dict]) -> dict:
     labels = ids.masked_fill(att == 0, -100)
     labels[:, 0] = -100
     return {"input_ids": ids, "attention_mask": att, "labels": labels}
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer whose token ``i`` is the word ``t{i}`` (pad t0, eos t1, unk t2): text <-> ids exactly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0", eos_token="t1", unk_token="t2")
