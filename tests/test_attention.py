@@ -123,6 +123,36 @@ def test_sdpa_per_document_matches_each_document_alone_with_gradients():
             assert rel_err(g, r) < 1e-10
 
 
+def test_sdpa_retries_with_expanded_heads_when_the_gqa_call_fails(monkeypatch):
+    """A torch whose fused kernels refuse grouped K/V (or a shape cuDNN refuses): the call is made
+    again with K/V repeated to the query heads, same result; an out-of-memory is not retried."""
+    import torch.nn.functional as F
+
+    real = F.scaled_dot_product_attention
+    calls = []
+
+    def picky(q, k, v, *args, enable_gqa=False, **kw):
+        calls.append(enable_gqa)
+        if enable_gqa:
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return real(q, k, v, *args, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", picky)
+    lengths = [9, 13]
+    pb = build_packed_batch(1, sum(lengths), _positions(lengths))
+    q, k, v = _qkv(sum(lengths), grad=True)
+    out = packed_attention(q, k, v, pb, scale=0.3, backend="sdpa")
+    assert calls == [True, False, True, False]
+    assert rel_err(out, _alone(q, k, v, lengths, 0.3)) < 1e-12
+
+    def oom(*args, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        packed_attention(q, k, v, pb, scale=0.3, backend="sdpa")
+
+
 def test_sdpa_backend_refuses_window_and_softcap_and_auto_prefers_it_for_long_documents():
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, prefers_sdpa
 

@@ -350,12 +350,13 @@ def flash_attn_packed_attention(
     return _flash_varlen(q, k, v, cu, cu, n, n, **kwargs)
 
 
-def _fused_sdpa_kernels(device: torch.device):
+def _fused_sdpa_kernels(device: torch.device, cudnn_first: bool = True):
     """On CUDA, sdpa restricted to its fused kernels, cuDNN's first (never the math fallback,
     which would build ``L x L`` scores: at long context an out-of-memory instead of an error)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    fused = [SDPBackend.CUDNN_ATTENTION, *fused] if cudnn_first else [*fused, SDPBackend.CUDNN_ATTENTION]
     return sdpa_kernel(fused, set_priority=True) if _SDPA_SET_PRIORITY else sdpa_kernel(fused)
 
 
@@ -365,19 +366,22 @@ def dense_causal_attention(
     """One causal sequence, token-major ``q [L, Hq, D]``, ``k, v [L, Hk, D]`` -> ``[L, Hq, D]``,
     through ``F.scaled_dot_product_attention`` with GQA in the kernel.
 
-    If no fused kernel of this torch takes grouped K/V heads, the heads are repeated to the query
-    heads and the call made again (memory O(L), like the activations)."""
+    If the call fails (no fused kernel of this torch takes grouped K/V heads, or cuDNN refuses the
+    shape), it is made again with the K/V heads repeated to the query heads (memory O(L), like the
+    activations) and FlashAttention first."""
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, L, D] views
     gqa = q.shape[1] != k.shape[1]
-    with _fused_sdpa_kernels(q.device):
-        try:
+    try:
+        with _fused_sdpa_kernels(q.device):
             out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout, is_causal=True, scale=scale,
                                                  enable_gqa=gqa)
-        except RuntimeError as e:
-            if not gqa or isinstance(e, torch.OutOfMemoryError):
-                raise
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        if gqa:
             groups = q.shape[1] // k.shape[1]
             kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+        with _fused_sdpa_kernels(q.device, cudnn_first=False):
             out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout, is_causal=True, scale=scale)
     return out.squeeze(0).transpose(0, 1)
 
