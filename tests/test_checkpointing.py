@@ -452,3 +452,25 @@ def test_derived_input_needs_its_graph_for_a_second_backward():
     loss.backward()  # the handles live as long as the graph: the derived input is recomputed again
     for n, p in model.named_parameters():
         assert rel_err(p.grad, first[n]) < 1e-6, n
+
+
+@pytest.mark.parametrize("family,skips", [("qwen3", True), ("gemma2", False)])
+def test_recompute_skips_the_tiled_mlp_output_only_where_nothing_reads_it(family, skips):
+    """In the recompute of an offloaded layer whose MLP output only feeds the residual add (Qwen3),
+    the tiled MLP saves its input and computes nothing: each tile's gate projection runs twice a
+    step (forward, backward) instead of three times. Gemma 2 normalises the MLP output (a saved
+    tensor), so there it runs in full. Gradients equal the untiled step without checkpointing."""
+    model = _model(family, lora=True, seed=3)
+    ids = torch.randint(0, 320, (1, 60))
+    ref = _step(model, ids)
+    enable_tiled_mlp(model, tile_tokens=16)  # 60 tokens: 4 tiles
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    calls = [0]
+    gate = decoder_layers(model)[0].mlp.gate_proj
+    hook = gate.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    got = _step(model, ids)
+    hook.remove()
+    assert calls[0] == (8 if skips else 12)
+    _assert_same(ref, got, tol=1e-5)
+    disable_tiled_mlp(model)
+    disable_offloaded_checkpointing(model)

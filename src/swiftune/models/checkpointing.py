@@ -88,7 +88,7 @@ from .offload_memory import (
     split_layers,
 )
 from .patching import causal_lm_of
-from .tiled_mlp import ForwardState
+from .tiled_mlp import ForwardState, has_tiled_forward, recompute_output_unused
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
 _LAYER = "_swiftune_offload_layer"  # on each decoder layer: (state, index)
@@ -186,6 +186,11 @@ class LayerInput:
             self._event = None
         assert self._gpu is not None
         return self._gpu
+
+    @property
+    def in_recompute(self) -> bool:
+        """True once the first forward is done: a call now is checkpointing's recompute."""
+        return self._live is None
 
     def materialize(self) -> torch.Tensor:
         if self._live is not None:  # the first forward
@@ -375,8 +380,25 @@ def _attention_kernel(kwargs: dict) -> str | None:
     return None
 
 
-def _run_layer(orig, handle: LayerInput, *args, **kwargs):
-    return orig(handle.materialize(), *args, **kwargs)
+#: Decoder layers whose MLP output only feeds the residual add (nothing after the MLP saves a
+#: tensor), so a recompute may skip computing a tiled MLP's output (``recompute_output_unused``).
+#: Gemma's post-feed-forward norm, for one, saves the MLP output: not listed.
+MLP_OUTPUT_FEEDS_ONLY_THE_RESIDUAL = frozenset(
+    {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+
+
+def _mlp_to_skip_in_recompute(layer: nn.Module) -> nn.Module | None:
+    mlp = getattr(layer, "mlp", None)
+    if type(layer).__name__ in MLP_OUTPUT_FEEDS_ONLY_THE_RESIDUAL and mlp is not None and has_tiled_forward(mlp):
+        return mlp
+    return None
+
+
+def _run_layer(orig, mlp_to_skip: nn.Module | None, handle: LayerInput, *args, **kwargs):
+    recompute = handle.in_recompute
+    x = handle.materialize()
+    with recompute_output_unused(mlp_to_skip if recompute else None):
+        return orig(x, *args, **kwargs)
 
 
 def _run_on(orig, rest: tuple, kwargs: dict, x: torch.Tensor):
@@ -407,7 +429,8 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
         handle.rerun = (partial(_run_on, orig, rest, kwargs), ForwardState(x.device, with_rng=True))
     try:
-        return checkpoint(partial(_run_layer, orig, **kwargs), handle, *rest, use_reentrant=False)
+        return checkpoint(partial(_run_layer, orig, _mlp_to_skip_in_recompute(self), **kwargs), handle, *rest,
+                          use_reentrant=False)
     finally:
         handle.forward_done()
 

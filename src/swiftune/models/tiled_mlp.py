@@ -19,7 +19,11 @@ so it can run on tiles of ``n`` tokens and give exactly the same ``y``.  :class:
 
 Peak temporary memory is one tile's buffers instead of the whole sequence's.  The price is one
 more forward of the module in backward (the MLP costs 4 forward-equivalents instead of 3; under
-checkpointing 5 instead of 4), so tiling only starts above ``tile_tokens`` tokens.  The RNG state
+checkpointing 5 instead of 4), so tiling only starts above ``tile_tokens`` tokens.  Under
+swiftune's offloaded checkpointing of a layer whose MLP output only feeds the residual add
+(Llama, Mistral, Qwen2, Qwen3) the recompute skips the MLP's output (:func:`recompute_output_unused`:
+the recompute only rebuilds saved tensors, and the tiled MLP saves its input alone), which brings
+it back to 4, the cost of the untiled MLP under checkpointing.  The RNG state
 (dropout in LoRA) and the autocast state of the forward are restored for the recompute, so masks
 and dtypes match.  Parameter gradients are returned through autograd (no nested ``.backward``),
 so gradient hooks, DDP and gradient accumulation see an ordinary gradient.
@@ -36,8 +40,9 @@ rebinds the MLP forward.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import MethodType
 
 import torch
@@ -47,6 +52,7 @@ from ..memory.planner import auto_tile_tokens
 
 _ORIG = "_swiftune_untiled_forward"  # the instance's forward before tiling (None: the class's)
 _TILE = "_swiftune_tile_tokens"
+_OUTPUT_UNUSED = "_swiftune_recompute_output_unused"  # set by recompute_output_unused
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -73,8 +79,6 @@ class ForwardState:
 
     def replay(self):
         """A context manager: forked RNG set to the forward's state, the forward's autocast."""
-        import contextlib
-
         stack = contextlib.ExitStack()
         if self.cpu_rng is not None:
             devices = [self.device] if self.dev_rng is not None else []
@@ -96,9 +100,12 @@ class TiledApply(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, f, x, tile_tokens, with_rng, *params):  # type: ignore[override]
+    def forward(ctx, f, x, tile_tokens, with_rng, skip_output, *params):  # type: ignore[override]
         ctx.f, ctx.tile = f, tile_tokens
         ctx.state = ForwardState(x.device, with_rng)
+        if skip_output:  # a recompute whose output nobody reads (see recompute_output_unused)
+            ctx.save_for_backward(x, *params)
+            return torch.empty_like(x)
         x2 = x.reshape(-1, x.shape[-1])
         out = None
         with torch.no_grad():
@@ -118,7 +125,7 @@ class TiledApply(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         x, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[1]
-        need_p = [ctx.needs_input_grad[4 + i] for i in range(len(params))]
+        need_p = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
         targets = [p for p, n in zip(params, need_p) if n]
         x2 = x.detach().reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -149,12 +156,16 @@ class TiledApply(torch.autograd.Function):
         it = iter(acc)
         p_grads = [next(it).to(p.dtype) if n else None for p, n in zip(params, need_p)]
         gx = dx.view(x.shape) if need_x else None
-        return (None, gx, None, None, *p_grads)
+        return (None, gx, None, None, None, *p_grads)
 
 
 def tiled_apply(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_tokens: int,
-                params: Sequence[torch.Tensor] = (), with_rng: bool = False) -> torch.Tensor:
-    """``f(x)`` in tiles of ``tile_tokens`` tokens (see :class:`TiledApply`); ``f`` per token."""
+                params: Sequence[torch.Tensor] = (), with_rng: bool = False, skip_output: bool = False) -> torch.Tensor:
+    """``f(x)`` in tiles of ``tile_tokens`` tokens (see :class:`TiledApply`); ``f`` per token.
+
+    ``skip_output`` (``f`` maps ``[..., H]`` to ``[..., H]``): save ``x`` for backward but return an
+    uninitialised output without running ``f``: for a checkpoint's recompute that reads nothing
+    but the saved tensors (:func:`recompute_output_unused`)."""
     if tile_tokens < 1:
         raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
     if not torch.is_grad_enabled():  # nothing to save: just bound the temporaries
@@ -162,7 +173,7 @@ def tiled_apply(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
         outs = [f(x2[a:b].unsqueeze(0)).squeeze(0) for a, b in tile_bounds(x2.shape[0], tile_tokens)]
         out = torch.cat(outs) if outs else f(x2.unsqueeze(0)).squeeze(0)
         return out.view(*x.shape[:-1], out.shape[-1])
-    return TiledApply.apply(f, x, int(tile_tokens), with_rng, *params)
+    return TiledApply.apply(f, x, int(tile_tokens), with_rng, skip_output, *params)
 
 
 def _trainable(module: nn.Module) -> list[torch.Tensor]:
@@ -199,7 +210,27 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int | None =
     f = _untiled(mlp)
     if x.numel() // max(x.shape[-1], 1) <= tile:
         return f(x)
-    return tiled_apply(f, x, tile, _trainable(mlp), with_rng=_has_dropout(mlp))
+    skip = bool(mlp.__dict__.get(_OUTPUT_UNUSED)) and _is_gated_mlp(mlp)
+    return tiled_apply(f, x, tile, _trainable(mlp), with_rng=_has_dropout(mlp), skip_output=skip)
+
+
+@contextlib.contextmanager
+def recompute_output_unused(mlp: nn.Module | None) -> Iterator[None]:
+    """Within the ``with`` body, the tiled ``mlp`` saves its input but computes no output.
+
+    For the recompute of a checkpointed decoder layer whose MLP output only feeds the residual add
+    (Llama, Mistral, Qwen2, Qwen3: nothing after the MLP saves a tensor): the recompute exists to
+    rebuild the saved tensors, and the tiled MLP's one saved tensor is its input, so its forward
+    there would be one whole MLP forward for nothing (its backward recomputes each tile anyway).
+    The layer's (garbage) output is discarded by checkpointing. ``None``: no-op."""
+    if mlp is None:
+        yield
+        return
+    mlp.__dict__[_OUTPUT_UNUSED] = True
+    try:
+        yield
+    finally:
+        mlp.__dict__.pop(_OUTPUT_UNUSED, None)
 
 
 def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -258,6 +289,11 @@ def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     return model
 
 
+def has_tiled_forward(module: nn.Module) -> bool:
+    """Whether :func:`enable_tiled_mlp` bound its tiled forward on this module instance."""
+    return _ORIG in module.__dict__
+
+
 def is_tiled(model: nn.Module, projections: bool = False) -> bool:
     """Whether :func:`enable_tiled_mlp` is active on an MLP (or, with ``projections``, on an
     attention projection) of ``model``."""
@@ -270,11 +306,14 @@ def is_tiled(model: nn.Module, projections: bool = False) -> bool:
 
 
 __all__ = [
+    "ForwardState",
     "TiledApply",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
+    "has_tiled_forward",
     "is_tiled",
     "mlp_tile_tokens",
+    "recompute_output_unused",
     "tile_bounds",
     "tiled_apply",
     "tiled_mlp_forward",
