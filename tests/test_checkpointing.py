@@ -455,13 +455,13 @@ def test_derived_input_needs_its_graph_for_a_second_backward():
 
 
 @pytest.mark.parametrize("family,skips", [("qwen3", True), ("gemma2", False)])
-def test_recompute_skips_the_tiled_mlp_output_only_where_nothing_reads_it(family, skips):
+def test_recompute_skips_the_tiled_mlp_output_only_where_nothing_reads_it(family, skips, device):
     """In the recompute of an offloaded layer whose MLP output only feeds the residual add (Qwen3),
     the tiled MLP saves its input and computes nothing: each tile's gate projection runs twice a
     step (forward, backward) instead of three times. Gemma 2 normalises the MLP output (a saved
     tensor), so there it runs in full. Gradients equal the untiled step without checkpointing."""
-    model = _model(family, lora=True, seed=3)
-    ids = torch.randint(0, 320, (1, 60))
+    model = _model(family, lora=True, seed=3).to(device)
+    ids = torch.randint(0, 320, (1, 60), device=device)
     ref = _step(model, ids)
     enable_tiled_mlp(model, tile_tokens=16)  # 60 tokens: 4 tiles
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
