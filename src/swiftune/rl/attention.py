@@ -96,9 +96,12 @@ class RowLayout:
             return "reference"
         long_seqs = self.sequences is not None and prefers_sdpa(
             sum(pe - ps + ce - cs for ps, pe, cs, ce in self.sequences), len(self.sequences))
-        if long_seqs and not window and not softcap:
+        dense_ok = not window and not softcap
+        if long_seqs and dense_ok:
             return "sdpa"
-        return "flex" if flex_attention is not None else "sdpa"
+        if flex_attention is not None:
+            return "flex"
+        return "sdpa" if dense_ok else "reference"  # torch without flex
 
     @property
     def attention_kernel(self) -> str | None:
