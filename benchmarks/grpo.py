@@ -464,7 +464,16 @@ def dapo_loss(logps, adv_per_token):
 
 
 def policy_step(model, mode: str, L: int, args, device) -> None:
-    """Policy forward + loss + backward of ``rows`` completions of length ``L`` on a shared prompt."""
+    """Policy forward + loss + backward of ``rows`` completions of length ``L`` on a shared prompt.
+    swiftune's step, as ``GRPOTrainer.training_step`` under bf16, leaves LoRA inputs in bf16."""
+    from swiftune.models.lora_casting import lora_input_casting
+
+    skip_casts = mode == "swiftune" and device.type == "cuda"
+    with lora_input_casting(model, enabled=False) if skip_casts else contextlib.nullcontext():
+        _policy_step(model, mode, L, args, device)
+
+
+def _policy_step(model, mode: str, L: int, args, device) -> None:
     import torch
 
     P, R = args.prompt_tokens, args.bisect_rows

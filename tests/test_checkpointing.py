@@ -474,3 +474,41 @@ def test_recompute_skips_the_tiled_mlp_output_only_where_nothing_reads_it(family
     _assert_same(ref, got, tol=1e-5)
     disable_tiled_mlp(model)
     disable_offloaded_checkpointing(model)
+
+
+def test_lora_inputs_left_in_the_autocast_dtype_change_no_number():
+    """bf16 weights, float32 LoRA adapters, bf16 autocast, offloaded checkpointing and tiled MLP
+    (every recompute path): with PEFT's input casts switched off the loss and every gradient are
+    the same as with them. Without autocast the switch is not allowed, and the mismatch shows
+    (so the switch really reaches the layers)."""
+    import argparse
+
+    from peft import LoraConfig, get_peft_model
+
+    from swiftune.models.lora_casting import can_skip_lora_input_casts, lora_input_casting
+
+    torch.manual_seed(0)
+    cfg = tiny_model_config("qwen3", vocab_size=320, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train()
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    enable_tiled_mlp(model, tile_tokens=16, projections=True)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    ids = torch.randint(0, 320, (1, 60))
+    results = {}
+    for cast in (True, False):
+        with lora_input_casting(model, enabled=cast), torch.autocast("cpu", dtype=torch.bfloat16):
+            results[cast] = _step(model, ids)
+    (l0, g0), (l1, g1) = results[True], results[False]
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys() and g0
+    for k in g0:
+        assert torch.equal(g0[k], g1[k]), k
+    assert all(m.cast_input_dtype_enabled for m in model.modules() if hasattr(m, "cast_input_dtype_enabled"))
+    with lora_input_casting(model, enabled=False), pytest.raises(RuntimeError):
+        _step(model, ids)  # bf16 inputs into float32 adapters with no autocast
+    args = argparse.Namespace(bf16=True, fp16=False)
+    assert can_skip_lora_input_casts(model, args)
+    assert not can_skip_lora_input_casts(model, argparse.Namespace(bf16=False, fp16=False))
+    assert not can_skip_lora_input_casts(_model("qwen3", lora=False), args)
+    model.peft_config["default"].use_dora = True
+    assert not can_skip_lora_input_casts(model, args)

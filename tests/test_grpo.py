@@ -709,3 +709,21 @@ def test_reward_functions_by_name_module_or_file(tmp_path):
                           ("no_such_module_xyz:f", "cannot import"), ("nonsense", "unknown reward")):
         with pytest.raises(SystemExit, match=message):
             resolve_reward_funcs(spec)
+
+
+def test_bf16_step_skips_lora_input_casts_but_generation_keeps_them(tokenizer, tmp_path):
+    """bf16 weights, float32 adapters, bf16=True: the loss forward and backward run with PEFT's LoRA
+    input casts off (autocast covers them); generation inside the same training step (transformers'
+    generate, no autocast) runs with them on, else bf16 inputs would meet float32 adapters."""
+    model = add_lora(tiny_model(seed=12).to(torch.bfloat16))
+    lora_layer = next(m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled") and hasattr(m, "lora_A"))
+    seen = set()
+    lora_layer.register_forward_pre_hook(lambda m, a: seen.add((torch.is_grad_enabled(), m.cast_input_dtype_enabled)))
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, bf16=True, use_cpu=True, **FAST)
+    trainer = GRPOTrainer(model, [length_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer)
+    trainer.train()
+    assert (False, True) in seen  # generation: casts on
+    assert (True, False) in seen and (True, True) not in seen  # the loss forward: casts off
+    assert lora_layer.cast_input_dtype_enabled
+    assert math.isfinite(trainer.state.log_history[0]["loss"])

@@ -266,3 +266,19 @@ def test_cli_offload_gpu_budget_checks():
         args = ModelArguments(use_gradient_checkpointing=gc, offload_gpu_budget_gb=budget)
         with pytest.raises(SystemExit, match=message):
             build_model(args, config=None, builtin=True)
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_training_step_leaves_lora_inputs_in_the_autocast_dtype_under_bf16(tokenizer, rows, tmp_path, bf16):
+    """With bf16 (autocast) the trainer switches PEFT's LoRA input casts off for the step, forward and
+    backward recompute alike, and back on after; in float32 training they stay on."""
+    model = tiny_model(lora=True)
+    lora_layer = next(m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled") and hasattr(m, "lora_A"))
+    seen = []
+    lora_layer.register_forward_pre_hook(lambda m, a: seen.append(m.cast_input_dtype_enabled))
+    args = SFTConfig(output_dir=str(tmp_path / "o"), max_steps=2, per_device_train_batch_size=4, max_length=256,
+                     bf16=bf16, use_cpu=True, **FAST)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer.train()
+    assert seen and set(seen) == {not bf16}
+    assert lora_layer.cast_input_dtype_enabled  # restored after each step

@@ -41,6 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..data import BatchStats, load_rows
 from ..models import FastModel, causal_lm_of, is_patched, patch_model
+from ..models.lora_casting import can_skip_lora_input_casts, lora_input_casting
 from ..sft.metrics import MetricsCallback, TokenMeter
 from .advantages import group_advantages
 from .checkpoint import load_rollout_state, save_rollout_state
@@ -330,7 +331,17 @@ class GRPOTrainer(Trainer):
         if state is not None:
             self._micro_step, self._buffer = state
 
+    def training_step(self, model, *args, **kwargs):
+        # as SFTTrainer.training_step: LoRA inputs stay in the autocast dtype (generation, which
+        # runs inside the step without autocast, switches PEFT's casting back on: _prepare_inputs)
+        with lora_input_casting(model, enabled=not can_skip_lora_input_casts(model, self.args)):
+            return super().training_step(model, *args, **kwargs)
+
     def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]
+        with lora_input_casting(self.model, enabled=True):
+            return self._rollout_batch(inputs)
+
+    def _rollout_batch(self, inputs: dict[str, Any]) -> GRPOMicroBatch:
         args = self.args
         generate_every = args.steps_per_generation * args.num_iterations
         if self._micro_step == 0 and self.state.global_step > 0:

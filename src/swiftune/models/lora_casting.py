@@ -1,0 +1,59 @@
+"""LoRA inputs left in the activation dtype while training under autocast.
+
+PEFT keeps LoRA adapters in float32 (``autocast_adapter_dtype=True``) and casts every input of a
+LoRA layer to the adapters' dtype before the adapter matmuls. Under bf16/fp16 autocast those
+matmuls run in the half dtype anyway: autocast casts the float32 copy straight back. So every LoRA
+call of every pass (forward, checkpoint recompute, tiled-MLP recompute) writes and reads two full
+copies of its input for nothing: on Qwen3-8B ~440 KB a token a layer a pass, a few percent of an
+SFT step, and a float32 ``[tokens, 12288]`` transient at ``down_proj``. A bf16 -> fp32 -> bf16 round
+trip is exact, so skipping it changes no number.
+
+:func:`lora_input_casting` switches PEFT's own per-layer flag (``cast_input_dtype_enabled``, what
+``peft.helpers.disable_input_dtype_casting`` sets) for a ``with`` block; the trainers wrap each
+training step in it when :func:`can_skip_lora_input_casts` says autocast covers the step. GRPO's
+generation runs inside a training step without autocast, so it switches casting back on around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+_FLAG = "cast_input_dtype_enabled"  # peft.tuners.tuners_utils.BaseTunerLayer's attribute
+
+
+def _lora_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, _FLAG) and hasattr(m, "lora_A")]
+
+
+@contextlib.contextmanager
+def lora_input_casting(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Within the block, PEFT LoRA layers of ``model`` cast their inputs to the adapter dtype
+    (``enabled=True``, PEFT's default) or leave them as they come (``False``); restored after."""
+    layers = _lora_layers(model)
+    before = [getattr(m, _FLAG) for m in layers]
+    for m in layers:
+        setattr(m, _FLAG, enabled)
+    try:
+        yield
+    finally:
+        for m, value in zip(layers, before):
+            setattr(m, _FLAG, value)
+
+
+def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
+    """Whether a training step under these ``TrainingArguments`` runs under half-precision autocast
+    (``bf16`` or ``fp16``) and ``model`` has PEFT LoRA layers without DoRA (whose magnitude step
+    computes in the adapter dtype outside autocast's matmuls)."""
+    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        return False
+    configs = getattr(model, "peft_config", None) or getattr(getattr(model, "module", None), "peft_config", None) or {}
+    if any(getattr(c, "use_dora", False) for c in configs.values()):
+        return False
+    return bool(_lora_layers(model))
+
+
+__all__ = ["can_skip_lora_input_casts", "lora_input_casting"]
