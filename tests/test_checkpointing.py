@@ -512,3 +512,28 @@ def test_lora_inputs_left_in_the_autocast_dtype_change_no_number():
     assert not can_skip_lora_input_casts(_model("qwen3", lora=False), args)
     model.peft_config["default"].use_dora = True
     assert not can_skip_lora_input_casts(model, args)
+
+
+def test_recompute_skip_keeps_lora_dropout_masks(monkeypatch):
+    """With LoRA dropout, the skipped recompute leaves the RNG where the tiles' backward expects it:
+    the same gradients as the full recompute (the skip switched off), same seed."""
+    import swiftune.models.checkpointing as ckpt
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    cfg = tiny_model_config("qwen3", vocab_size=320, attn_implementation="eager")
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg).train(),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.3,
+                                      init_lora_weights=False))
+    enable_tiled_mlp(model, tile_tokens=16)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    ids = torch.randint(0, 320, (1, 60))
+    torch.manual_seed(5)
+    skipped = _step(model, ids)
+    monkeypatch.setattr(ckpt, "MLP_OUTPUT_FEEDS_ONLY_THE_RESIDUAL", frozenset())
+    torch.manual_seed(5)
+    full = _step(model, ids)
+    _assert_same(full, skipped, tol=1e-6)
+    torch.manual_seed(6)  # negative control: another dropout draw
+    other = _step(model, ids)
+    assert max(rel_err(other[1][k], full[1][k]) for k in full[1]) > 1e-3
