@@ -10,8 +10,9 @@ trip is exact, so skipping it changes no number.
 
 :func:`lora_input_casting` switches PEFT's own per-layer flag (``cast_input_dtype_enabled``, what
 ``peft.helpers.disable_input_dtype_casting`` sets) for a ``with`` block; the trainers wrap each
-training step in it when :func:`can_skip_lora_input_casts` says autocast covers the step. GRPO's
-generation runs inside a training step without autocast, so it switches casting back on around it.
+training step in it when :func:`can_skip_lora_input_casts` says autocast covers the step (decided
+from the arguments and the PEFT config, without walking the model). GRPO's generation runs inside a
+training step without autocast, so it switches casting back on around it.
 """
 
 from __future__ import annotations
@@ -51,9 +52,8 @@ def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
     if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
         return False
     configs = getattr(model, "peft_config", None) or getattr(getattr(model, "module", None), "peft_config", None) or {}
-    if any(getattr(c, "use_dora", False) for c in configs.values()):
-        return False
-    return bool(_lora_layers(model))
+    return bool(configs) and all(getattr(c, "peft_type", None) == "LORA" and not getattr(c, "use_dora", False)
+                                 for c in configs.values())
 
 
 __all__ = ["can_skip_lora_input_casts", "lora_input_casting"]

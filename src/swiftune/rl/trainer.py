@@ -334,21 +334,20 @@ class GRPOTrainer(Trainer):
     def training_step(self, model, *args, **kwargs):
         # as SFTTrainer.training_step: LoRA inputs stay in the autocast dtype (generation, which
         # runs inside the step without autocast, switches PEFT's casting back on: _prepare_inputs)
-        with lora_input_casting(model, enabled=not can_skip_lora_input_casts(model, self.args)):
+        if not can_skip_lora_input_casts(model, self.args):
+            return super().training_step(model, *args, **kwargs)
+        with lora_input_casting(model, enabled=False):
             return super().training_step(model, *args, **kwargs)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]
-        with lora_input_casting(self.model, enabled=True):
-            return self._rollout_batch(inputs)
-
-    def _rollout_batch(self, inputs: dict[str, Any]) -> GRPOMicroBatch:
         args = self.args
         generate_every = args.steps_per_generation * args.num_iterations
         if self._micro_step == 0 and self.state.global_step > 0:
             # resumed from a checkpoint without a saved rollout buffer: realign with the data
             self._micro_step = self.state.global_step * args.gradient_accumulation_steps
         if self._buffer is None or self._micro_step % generate_every == 0:
-            self._buffer = self._generate_and_score(inputs["prompt_rows"])
+            with lora_input_casting(self.model, enabled=True):  # generation runs without autocast
+                self._buffer = self._generate_and_score(inputs["prompt_rows"])
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1
         return batch

@@ -147,7 +147,9 @@ class SFTTrainer(Trainer):
     def training_step(self, model, *args, **kwargs):
         # under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight back:
         # skip both copies in the forward and in every recompute of the backward (same numbers)
-        with lora_input_casting(model, enabled=not can_skip_lora_input_casts(model, self.args)):
+        if not can_skip_lora_input_casts(model, self.args):
+            return super().training_step(model, *args, **kwargs)
+        with lora_input_casting(model, enabled=False):
             return super().training_step(model, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
