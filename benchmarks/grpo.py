@@ -716,15 +716,6 @@ def run_bisect(args) -> dict:
                 **versions())
 
 
-def planner_attention_memory(kind: str) -> dict:
-    """The planner's attention terms for the kernel a row runs: flex keeps the K/V heads and writes
-    dq in bf16; sdpa and varlen are planned with K/V expanded (torch 2.11's varlen; for sdpa it
-    covers the gathered prompt copies of shared rows and the no-GQA retry) and a float32 dq."""
-    from swiftune.attention.backends import varlen_expands_kv
-
-    return dict(kv_expanded=kind != "flex" and varlen_expands_kv(), float32_dq=kind != "flex")
-
-
 def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int | None = None) -> dict:
     """The planner's largest completion per row for the swiftune mode, to print beside its search:
     offloaded checkpoints, tiled MLP and projections, bf16 autocast, and the memory of the attention
@@ -733,7 +724,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     host memory offloaded checkpoints may pin here."""
     import torch
 
-    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
     from swiftune.memory import max_tokens
     from swiftune.models.checkpointing import host_available_bytes
     from workload import MODEL_SHAPES
@@ -745,7 +736,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     P, R = args.prompt_tokens, args.bisect_rows
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True)
     for kind in ("sdpa", "flex" if share else "varlen"):
-        tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **planner_attention_memory(kind))
+        tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **planner_attention_terms(kind))
         completion = (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)
         if P + completion >= SDPA_MIN_MEAN_DOC_TOKENS:  # long rows: auto runs sdpa, as planned
             break

@@ -290,6 +290,15 @@ def varlen_expands_kv() -> bool:
     return "enable_gqa" not in _VARLEN_PARAMS
 
 
+def planner_attention_terms(kernel: str | None) -> dict[str, bool]:
+    """The memory planner's attention terms (``TrainSetup.kv_expanded``, ``float32_dq``) for the
+    kernel a forward runs: flex keeps the K/V heads and writes dq in the activation dtype; anything
+    else is planned as torch's varlen (K/V expanded where it has no GQA, a float32 dq accumulator),
+    which also covers sdpa's gathered prompt copies and its no-GQA retry."""
+    flex = kernel == "flex"
+    return {"kv_expanded": varlen_expands_kv() and not flex, "float32_dq": not flex}
+
+
 def varlen_packed_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -350,14 +350,13 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
                 break
         else:
             full = any(p.requires_grad for p in model.parameters())
-    from ..attention.backends import varlen_expands_kv
+    from ..attention.backends import planner_attention_terms
 
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
         tiled_projections=model is not None and is_tiled(model, projections=True),
-        kv_expanded=varlen_expands_kv() and attention_kernel != "flex", float32_dq=attention_kernel != "flex",
-        autocast=torch.is_autocast_enabled(x.device.type),
+        autocast=torch.is_autocast_enabled(x.device.type), **planner_attention_terms(attention_kernel),
     )
 
 
