@@ -67,8 +67,7 @@ def split_layers(
     When the host cannot hold the ``L - K`` offloaded inputs either (``allow_derived``), the
     ``D`` missing ones are *derived*: layers ``1, 3, ..., 2D - 1`` store no input at all, and
     backward recomputes it from the stored input of the layer before (one more forward of that
-    layer, without grad: ~1/8 of a step's compute per derived layer pair at most; see
-    :mod:`.checkpointing`). At most every second layer is derived. Host pages are
+    layer, without grad, per derived layer; see :mod:`.checkpointing`). At most every second layer is derived. Host pages are
     ``choose_page_bytes(B, page_bytes)`` bytes. Raises :class:`CheckpointBudgetError` when even
     that does not fit. A pure function.
     """
@@ -99,7 +98,8 @@ def split_layers(
             "Use fewer tokens per step, free host memory, raise gpu_budget_bytes / host_budget_bytes "
             "if the machine has room, or plan the run with `swiftune plan`."
         )
-    stored = [i for i in range(num_layers) if i not in set(derived)]
+    derived_set = set(derived)
+    stored = [i for i in range(num_layers) if i not in derived_set]
     return OffloadPlan(num_layers, layer_bytes, tuple(stored[:n_off]), tuple(stored[n_off:]), host, page_bytes,
                        derived)
 
