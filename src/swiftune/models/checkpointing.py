@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from contextlib import nullcontext
 from functools import partial
 from types import MethodType
 from typing import Any
@@ -114,9 +115,13 @@ class LayerInput:
         self.requires_grad = x.requires_grad
         self.offloaded = offload
         self.derived = derived  # stored nowhere: recomputed from the layer before (OffloadState.derive_input)
-        # set on the layer before a derived one: (its forward with the other arguments bound, the
-        # RNG / autocast state it ran with), to recompute the derived input without grad
-        self.rerun: tuple[Any, ForwardState] | None = None
+        # RNG / autocast state of the first forward, replayed by the recompute. Not left to
+        # torch's checkpoint: it saves the RNG state of the devices of its tensor arguments, and
+        # this handle is not a tensor, so a CUDA dropout mask would differ in the recompute.
+        self.forward_state: ForwardState | None = None
+        # set on the layer before a derived one: its forward with the other arguments bound, to
+        # recompute the derived input without grad (under ``forward_state``)
+        self.rerun: Any = None
         self._state = state  # strong: backward must find its pages even if offloading was disabled since
         self._live: torch.Tensor | None = x
         self._kept: torch.Tensor | None = None if offload or derived else x.detach()
@@ -316,10 +321,10 @@ class OffloadState:
             raise RuntimeError(
                 f"swiftune offloaded checkpointing: layer {index}'s input was not stored and the layer before it "
                 "can no longer recompute it (a second backward through the same graph needs retain_graph=True)")
-        run, forward_state = source.rerun
         x_prev = source.peek()
-        with torch.no_grad(), forward_state.replay():
-            out = run(x_prev)
+        assert source.forward_state is not None
+        with torch.no_grad(), source.forward_state.replay():
+            out = source.rerun(x_prev)
         self.stats["derived_recomputed"] += 1
         return out[0] if isinstance(out, tuple) else out
 
@@ -395,8 +400,9 @@ def _mlp_to_skip_in_recompute(layer: nn.Module) -> nn.Module | None:
 
 def _run_layer(orig, mlp_to_skip: nn.Module | None, handle: LayerInput, *args, **kwargs):
     recompute = handle.in_recompute
-    x = handle.materialize()
-    with recompute_output_unused(mlp_to_skip if recompute else None):
+    x = handle.materialize()  # a derived input is recomputed under its own layer's replayed state
+    replay = handle.forward_state.replay() if recompute and handle.forward_state is not None else nullcontext()
+    with replay, recompute_output_unused(mlp_to_skip if recompute else None):
         return orig(x, *args, **kwargs)
 
 
@@ -425,11 +431,12 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     handle = state.layer_input(index, x, _attention_kernel(kwargs))
+    handle.forward_state = ForwardState(x.device, with_rng=True)
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
-        handle.rerun = (partial(_run_on, orig, rest, kwargs), ForwardState(x.device, with_rng=True))
+        handle.rerun = partial(_run_on, orig, rest, kwargs)
     try:
         return checkpoint(partial(_run_layer, orig, _mlp_to_skip_in_recompute(self), **kwargs), handle, *rest,
-                          use_reentrant=False)
+                          use_reentrant=False, preserve_rng_state=False)
     finally:
         handle.forward_done()
 
