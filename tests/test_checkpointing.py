@@ -537,3 +537,54 @@ def test_recompute_skip_keeps_lora_dropout_masks(monkeypatch):
     torch.manual_seed(6)  # negative control: another dropout draw
     other = _step(model, ids)
     assert max(rel_err(other[1][k], full[1][k]) for k in full[1]) > 1e-3
+
+
+def test_patching_after_tiling_keeps_the_tiling_with_the_fused_forward_underneath():
+    """The trainers patch a model they are given unpatched, after FastModel.get_peft_model tiled its
+    MLPs: the patch goes underneath the tiling (each tile runs the fused MLP); unpatching leaves the
+    tiles on the class forward. Saved tensors say which forward runs: the tiled MLP saves only its
+    input; gradients equal the untiled, unpatched model's."""
+    import swiftune
+    from swiftune.models.forwards import fused_mlp_forward
+
+    model = _model("qwen3", lora=True, seed=2)
+    ids = torch.randint(0, 320, (1, 48))
+    ref = _step(model, ids)
+    enable_tiled_mlp(model, tile_tokens=16, projections=True)
+    swiftune.patch_model(model, attention="reference", kernel_backend="reference")
+    mlp = decoder_layers(model)[0].mlp
+    untiled = mlp.__dict__["_swiftune_untiled_forward"]
+    assert mlp.forward.__func__.__name__ == "_tiled_forward" and untiled.__func__ is fused_mlp_forward
+    x = torch.randn(1, 48, model.config.hidden_size, requires_grad=True)
+    params = {p.data_ptr() for p in model.parameters()}
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        mlp(x * 1.0)
+    assert [t.shape for t in saved if t.data_ptr() not in params] == [x.shape]
+    _assert_same(ref, _step(model, ids), tol=1e-5)
+    swiftune.unpatch_model(model)
+    assert is_tiled(model) and mlp.__dict__["_swiftune_untiled_forward"] is None
+    _assert_same(ref, _step(model, ids), tol=1e-5)
+    disable_tiled_mlp(model)
+    assert "forward" not in mlp.__dict__
+    _assert_same(ref, _step(model, ids), tol=1e-5)
+
+
+def test_sft_trainer_keeps_the_tiling_of_an_offloaded_peft_model(tmp_path):
+    import swiftune
+    from swiftune.data import FormattingStats, TokenizedDataset
+    from swiftune.data import build_tokenizer
+    from swiftune.models.forwards import fused_mlp_forward
+
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3", vocab_size=320))
+    model = swiftune.FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing="offload",
+                                              offload_gpu_budget_bytes=0)
+    rows = [{"input_ids": list(range(1, 40)), "completion_mask": None}] * 4
+    trainer = swiftune.SFTTrainer(
+        model=model, args=swiftune.SFTConfig(output_dir=str(tmp_path), max_length=64, report_to=[],
+                                             max_steps=1, gradient_checkpointing=False),
+        train_dataset=TokenizedDataset(rows, FormattingStats(data_shape="pretokenized")),
+        processing_class=build_tokenizer())
+    mlp = decoder_layers(trainer.model)[0].mlp
+    assert mlp.forward.__func__.__name__ == "_tiled_forward"
+    assert mlp.__dict__["_swiftune_untiled_forward"].__func__ is fused_mlp_forward

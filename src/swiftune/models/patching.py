@@ -29,6 +29,7 @@ from torch import nn
 
 from ..attention import BACKENDS, install_packed_context, register_packed_attention
 from .forwards import AttentionSpec, fused_attention_forward, fused_mlp_forward, fused_rms_norm_forward
+from .tiled_mlp import replace_untiled_forward
 
 _PATCHED = "_swiftune_patched"  # attribute set on every module whose forward swiftune replaced
 
@@ -100,7 +101,9 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
 
 
 def _bind(module: nn.Module, forward: Callable, kernel_backend: str) -> None:
-    module.forward = MethodType(forward, module)
+    bound = MethodType(forward, module)
+    if not replace_untiled_forward(module, bound):  # a tiled MLP keeps its tiling, fused underneath
+        module.forward = bound
     module._swiftune_kernel_backend = kernel_backend
     setattr(module, _PATCHED, True)
 
@@ -202,7 +205,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo the kernel forwards of :func:`patch_model` (the attention implementation is kept)."""
     for module in causal_lm_of(model).modules():
         if getattr(module, _PATCHED, False):
-            del module.forward  # the instance attribute: the class's forward applies again
+            if not replace_untiled_forward(module, None):
+                del module.forward  # the instance attribute: the class's forward applies again
             delattr(module, _PATCHED)
     return model
 

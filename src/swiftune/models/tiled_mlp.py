@@ -34,8 +34,8 @@ Tile size (:func:`swiftune.memory.auto_tile_tokens`): about 1 GiB of a tile's bu
 :func:`enable_tiled_mlp` binds the tiled forward on each gated-MLP *instance* (``gate_proj``,
 ``up_proj``, ``down_proj``), on top of whatever forward the instance had (swiftune's fused one
 after :func:`swiftune.patch_model`); ``projections=True`` also tiles the LoRA-wrapped attention
-projections (call it after PEFT has wrapped them).  Call it after ``patch_model``: patching
-rebinds the MLP forward.
+projections (call it after PEFT has wrapped them).  Before or after ``patch_model``: patching a
+tiled MLP replaces what each tile runs (:func:`replace_untiled_forward`), not the tiling.
 """
 
 from __future__ import annotations
@@ -241,6 +241,18 @@ def _is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj"))
 
 
+def replace_untiled_forward(module: nn.Module, forward: Callable | None) -> bool:
+    """If :func:`enable_tiled_mlp` bound its tiled forward on ``module``, make ``forward`` (a bound
+    method; ``None``: the class's) what each tile runs, keeping the tiling, and return True; else
+    change nothing and return False. :func:`swiftune.patch_model` patches underneath the tiling
+    this way, so patching after tiling (the trainers patch an unpatched model they are given)
+    does not silently switch the tiling off."""
+    if _ORIG not in module.__dict__:
+        return False
+    module.__dict__[_ORIG] = forward
+    return True
+
+
 def _bind_tiled(module: nn.Module, tile_tokens: int | None) -> None:
     if _ORIG not in module.__dict__:
         module.__dict__[_ORIG] = module.__dict__.get("forward")  # None: the class forward
@@ -307,6 +319,7 @@ def is_tiled(model: nn.Module, projections: bool = False) -> bool:
 
 __all__ = [
     "ForwardState",
+    "replace_untiled_forward",
     "TiledApply",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
