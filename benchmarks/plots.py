@@ -40,6 +40,7 @@ MODE_NAMES = {
     "offload_all": "swiftune, offload all",
     "hf_full_logits": "transformers + PEFT, full logits",
     "trl_grpo": "TRL GRPOTrainer loss",
+    "swiftune_offload_all": "swiftune, every checkpoint on the host",
     "trl_selective": "TRL selective_log_softmax",
 }
 SWIFTUNE_COLOR = "#d62728"
@@ -71,7 +72,7 @@ def colors_for(modes: list[str]) -> dict[str, str]:
         if m.startswith("swiftune") or m in ("ckpt", "offload", "offload_all"):
             shade = {"swiftune": SWIFTUNE_COLOR, "swiftune_budget": "#ff7f0e",
                      "swiftune_budget_offload": "#bcbd22", "ckpt": "#ff7f0e",
-                     "offload": SWIFTUNE_COLOR, "offload_all": "#bcbd22"}
+                     "offload": SWIFTUNE_COLOR, "offload_all": "#bcbd22", "swiftune_offload_all": "#bcbd22"}
             out[m] = shade.get(m, SWIFTUNE_COLOR)
         else:
             out[m] = OTHER_COLORS[i % len(OTHER_COLORS)]
@@ -291,7 +292,11 @@ def plot_grpo_bisect(data: dict, out: str) -> list[str]:
     for m in modes:
         res = data["modes"][m]
         ok = sorted((t["completion"], t.get("peak_gb") or 0.0) for t in res["trials"] if t.get("status") == "ok")
-        fit = f" (largest fit {res['max_fit']:,} / row)" if res.get("max_fit") else ""
+        fit = ""
+        if res.get("max_fit"):  # a search's largest fit, or the lengths tried when there was no search
+            fit = {"fixed_only": f" (fits {res['max_fit']:,} / row; larger not tried)",
+                   "out_of_time": f" (fits {res['max_fit']:,} / row; search ran out of time)"}.get(
+                res.get("status"), f" (largest fit {res['max_fit']:,} / row)")
         ax.plot([c for c, _ in ok], [p for _, p in ok], marker="o", color=color[m], label=name(m) + fit,
                 lw=2.2 if m == "swiftune" else 1.4)
         ooms = [t["completion"] for t in res["trials"] if str(t.get("status", "")).startswith("oom")]

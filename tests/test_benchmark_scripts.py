@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 COMMITTED = [os.path.join(ROOT, "docs", "results", f)
              for f in ("sft_qwen3-8b_b16.json", "sft_qwen3-8b_sweep_h200.json", "longctx_qwen3-8b_32k.json",
-                       "longctx_qwen3-8b_sweep_h200.json", "rollout_h200.json", "grpo_step_qwen3-1.7b_h200.json")]
+                       "longctx_qwen3-8b_sweep_h200.json", "rollout_h200.json", "grpo_step_qwen3-1.7b_h200.json",
+                       "grpo_figure3_qwen3-8b_h200.json")]
 LONGCTX_RESULTS = [os.path.join(ROOT, "docs", "results", f"longctx_qwen3-8b_{k}.json")
                    for k in ("sweep_h200", "400k_single_h200", "offload_overhead_h200", "32k")]
 
@@ -208,6 +209,30 @@ def test_plots_render_committed_and_smoke_results(tmp_path, grpo_step_json, grpo
     for f in files:
         png = tmp_path / (os.path.splitext(os.path.basename(f))[0] + ".png")
         assert png.exists() and png.stat().st_size > 10_000, (png, proc.stdout)
+
+
+def test_merge_bisect_renames_keeps_provenance_and_refuses_other_shapes(tmp_path, grpo_bisect_json):
+    merge_bisect = load_bench_module("merge_bisect")
+    data = json.loads(grpo_bisect_json.read_text())
+    mode = next(iter(data["modes"]))
+    other = dict(data, modes={mode: dict(data["modes"][mode], max_fit=12345)}, swiftune_checkpointing="offload_all")
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps(other))
+    out = tmp_path / "merged.json"
+    run_script("merge_bisect.py", "--out", str(out), f"{grpo_bisect_json}:{mode}", f"{other_path}:{mode}=second")
+    merged = json.loads(out.read_text())
+    assert list(merged["modes"]) == [mode, "second"]
+    assert merged["modes"][mode]["max_fit"] == data["modes"][mode]["max_fit"]
+    assert merged["modes"]["second"]["max_fit"] == 12345 and merged["modes"]["second"]["mode"] == "second"
+    assert merged["sources"]["second"]["swiftune_checkpointing"] == "offload_all"
+    assert {k: merged[k] for k in merge_bisect.SAME} == {k: data[k] for k in merge_bisect.SAME}
+    with pytest.raises(ValueError, match="rows"):
+        merge_bisect.merge([("a", data, [(mode, mode)]), ("b", dict(other, rows=8), [(mode, "b")])])
+    with pytest.raises(ValueError, match="two modes"):
+        merge_bisect.merge([("a", data, [(mode, mode)]), ("b", other, [(mode, mode)])])
+    with pytest.raises(ValueError, match="no mode"):
+        merge_bisect.merge([("a", data, [("nonexistent", "x")])])
+    assert merge_bisect.parse_spec("dir:with/colon.json:a,b=c") == ("dir:with/colon.json", [("a", "a"), ("b", "c")])
 
 
 def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path):

@@ -1,0 +1,89 @@
+"""One figure from several ``benchmarks/grpo.py --bisect-completion`` runs.
+
+A long search does not fit one device call, so the modes of figure 3 come from separate runs (the
+baselines' search in one, swiftune's trials in others). This writes one JSON with every chosen mode,
+each under the name given to it, and records for each where it came from (file, library versions,
+checkpointing, planner line), so ``benchmarks/plots.py`` draws them side by side without hiding that
+they were measured in different processes.
+
+    python benchmarks/merge_bisect.py --out docs/results/grpo_figure3_qwen3-8b_h200.json \\
+        docs/results/grpo_bisect_qwen3-8b_h200.json:hf_full_logits,trl_grpo,trl_liger \\
+        docs/results/grpo_3x_qwen3-8b_h200.json:swiftune \\
+        docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all
+
+Each argument is ``FILE:MODE[=NAME][,MODE[=NAME]...]``. Runs of different models, prompt lengths or
+row counts are refused: their lengths do not compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+#: what must agree between the merged runs for their trials to be comparable
+SAME = ("benchmark", "model", "prompt_tokens", "rows")
+#: what each mode keeps of the run it came from
+PROVENANCE = ("torch", "transformers", "peft", "trl", "device", "swiftune_checkpointing", "share_prompt",
+              "trial_repeats", "planner")
+
+
+def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
+    """``"a.json:x,y=z"`` -> ``("a.json", [("x", "x"), ("y", "z")])``."""
+    path, sep, modes = spec.rpartition(":")
+    if not sep or not path or not modes:
+        raise ValueError(f"expected FILE:MODE[=NAME][,...], got {spec!r}")
+    pairs = []
+    for item in modes.split(","):
+        mode, _, new = item.partition("=")
+        pairs.append((mode, new or mode))
+    return path, pairs
+
+
+def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
+    """The first run's header, then every chosen mode under its new name with its provenance."""
+    if not runs:
+        raise ValueError("nothing to merge")
+    first = runs[0][1]
+    out = {k: first.get(k) for k in (*SAME, "tolerance")}
+    out["modes"], out["sources"] = {}, {}
+    for path, data, pairs in runs:
+        for k in SAME:
+            if data.get(k) != first.get(k):
+                raise ValueError(f"{path}: {k} = {data.get(k)!r}, the first run has {first.get(k)!r}")
+        for mode, new in pairs:
+            if mode not in data.get("modes", {}):
+                raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(data.get('modes', {}))})")
+            if new in out["modes"]:
+                raise ValueError(f"two modes named {new!r}: rename one (MODE=NAME)")
+            out["modes"][new] = dict(data["modes"][mode], mode=new)
+            out["sources"][new] = {"file": path, "mode": mode, **{k: data.get(k) for k in PROVENANCE if k in data}}
+    devices = {data.get("device") for _, data, _ in runs}
+    out["device"] = devices.pop() if len(devices) == 1 else " / ".join(sorted(str(d) for d in devices))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="FILE:MODES")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    runs = []
+    for spec in args.runs:
+        path, pairs = parse_spec(spec)
+        with open(path) as f:
+            runs.append((path, json.load(f), pairs))
+    try:
+        merged = merge(runs)
+    except ValueError as e:
+        print(f"merge_bisect: {e}", file=sys.stderr)
+        return 2
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    for new, src in merged["sources"].items():
+        print(f"{new:<24} <- {src['file']} ({src['mode']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
