@@ -734,7 +734,9 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     host_bytes = host_available_bytes() if host_bytes is None else host_bytes
     share = args.share_prompt
     P, R = args.prompt_tokens, args.bisect_rows
-    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True)
+    # the swiftune step: bf16 autocast, LoRA input casts off (policy_step), projections tiled
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
+              lora_input_casts=False)
     for kind in ("sdpa", "flex" if share else "varlen"):
         tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **planner_attention_terms(kind))
         completion = (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)

@@ -153,7 +153,7 @@ def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
     assert plan["attention"] == ("sdpa" if long_rows else "flex" if share else "varlen")
     flex = plan["attention"] == "flex"
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host, autocast=True,
-              kv_expanded=not flex and varlen_expands_kv(), float32_dq=not flex)
+              lora_input_casts=False, kv_expanded=not flex and varlen_expands_kv(), float32_dq=not flex)
 
     def fits(t):
         return plan_memory(dict(MODEL_SHAPES["qwen3-0.6b"]), t, 16, gpu_bytes=gpu, **kw).fits

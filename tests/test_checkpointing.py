@@ -245,6 +245,33 @@ def test_reserve_follows_the_attention_kernel_of_the_forward(monkeypatch):
     assert state._reserve(x) - flex == pytest.approx(1.05 * T * dq_accumulator, rel=1e-4)
 
 
+def test_reserve_drops_the_lora_input_copies_the_trainers_switch_off():
+    """Under bf16 autocast with PEFT's input casts switched off (what the trainers do), the reserve
+    for the layer being recomputed has no float32 copies of LoRA inputs: the setup the runtime
+    reads from the model says so, and the difference is the planner's terms for those copies."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftune.memory.planner import TrainSetup, layer_working_set, model_shape
+    from swiftune.models.checkpointing import OffloadState, _setup_of
+    from swiftune.models.lora_casting import lora_input_casting
+
+    cfg = tiny_model_config("qwen3", vocab_size=320)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, target_modules="all-linear"))  # float32 adapters
+    state = OffloadState(hf, decoder_layers(hf), None, None, 2**26, None)
+    x = torch.zeros(1, 20_000, cfg.hidden_size, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with_casts, setup_casts = state._reserve(x), _setup_of(hf, x)
+        with lora_input_casting(peft_model, False):
+            without, setup_none = state._reserve(x), _setup_of(hf, x)
+    assert setup_casts.lora_input_casts and setup_casts.lora_copies_input and setup_casts.autocast
+    assert not setup_none.lora_input_casts and not setup_none.lora_copies_input
+    assert setup_none == TrainSetup(**{**setup_casts.__dict__, "lora_input_casts": False})
+    shape, T = model_shape(cfg), x.shape[1]
+    terms = layer_working_set(shape, T, setup_casts) - layer_working_set(shape, T, setup_none)
+    assert terms > 0 and with_casts - without == pytest.approx(1.05 * terms, rel=1e-4)
+
+
 def test_layers_see_the_forwards_attention_kernel(monkeypatch):
     """The kernel travels from a keyword argument of the model's forward (GRPO's RowLayout) to the
     plan of every layer input; without it the plan uses the defaults."""

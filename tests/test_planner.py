@@ -201,14 +201,17 @@ def test_cli_flex_attention_keeps_kv_heads_and_bf16_dq(capsys):
     assert flex["max_tokens"] > default["max_tokens"]
 
 
+@pytest.mark.parametrize("casts", [True, False], ids=["casts", "no_casts"])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
-def test_lora_saved_bytes_match_autograd(autocast, lora_dtype):
+def test_lora_saved_bytes_match_autograd(autocast, lora_dtype, casts):
     """What one PEFT LoRA linear saves per token, measured with saved-tensor hooks, against the
-    planner's term (``_lora_input_bytes``), with float32 / bf16 adapters, with and without autocast."""
+    planner's term (``_lora_input_bytes``), with float32 / bf16 adapters, with and without autocast,
+    with PEFT's input casts on or switched off (the trainers' bf16 steps)."""
     from peft import LoraConfig, get_peft_model
 
     from swiftune.memory.planner import _lora_input_bytes
+    from swiftune.models.lora_casting import lora_input_casting
 
     H, out, r, T = 48, 80, 8, 37
 
@@ -228,16 +231,23 @@ def test_lora_saved_bytes_match_autograd(autocast, lora_dtype):
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
     inp = x * 1  # the layer's input: a non-leaf activation, as in a model
     saved: list[torch.Tensor] = []
+    if not casts and not autocast and lora_dtype == torch.float32:
+        # why the trainers keep the casts without autocast: bf16 inputs cannot meet float32 adapters
+        with lora_input_casting(model, False), pytest.raises(RuntimeError, match="dtype"):
+            model(inp)
+        return
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), lora_input_casting(model, casts):
             model(inp)
     per_token = [t for t in saved if t.dim() == 2 and t.shape[0] == T]  # weights are not per token
     own = sum(t.numel() * t.element_size() for t in per_token if t.data_ptr() != inp.data_ptr()) // T
     shares_input = any(t.data_ptr() == inp.data_ptr() for t in per_token)
-    setup = TrainSetup(lora_rank=r, lora_dtype_bytes=4 if lora_dtype == torch.float32 else 2, autocast=autocast)
+    setup = TrainSetup(lora_rank=r, lora_dtype_bytes=4 if lora_dtype == torch.float32 else 2, autocast=autocast,
+                       lora_input_casts=casts)
     assert own == _lora_input_bytes(H, setup)
-    # same dtype: the adapters save the shared input itself (the planner counts it once per input)
-    assert shares_input == (lora_dtype == torch.bfloat16)
+    # no copy: the adapters save the shared input itself (the planner counts it once per input)
+    assert shares_input == (not setup.lora_copies_input)
+    assert setup.lora_copies_input == (lora_dtype == torch.float32 and (casts or not autocast))
 
 
 def test_planner_derives_layer_inputs_like_the_runtime_when_the_host_is_short():

@@ -44,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_dtype", default="fp32", choices=sorted(_DTYPE_BYTES), help="LoRA weight dtype (PEFT: fp32)")
     p.add_argument("--full_logits", action="store_true", help="plain F.cross_entropy on full logits")
     p.add_argument("--autocast", action="store_true",
-                   help="the step runs under bf16 autocast (swiftune sft / grpo with bf16): LoRA saves bf16 copies")
+                   help="the step runs under bf16 autocast (swiftune sft / grpo with bf16): LoRA matmuls in bf16")
+    p.add_argument("--lora_input_casts", action="store_true",
+                   help="with --autocast: PEFT still copies each LoRA input to float32 (other trainers; "
+                        "swiftune's switch that off)")
     p.add_argument("--flex_attention", action="store_true",
                    help="attention runs flex (GRPO's shared-prompt rows): K/V keep their heads, dq stays bf16")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -72,7 +75,7 @@ def main_plan(argv: list[str] | None = None) -> int:
         gradient_checkpointing=args.gradient_checkpointing, logit_chunk_tokens=args.logit_chunk_tokens,
         host_bytes=host, tiled_mlp=not args.no_tiled_mlp, tiled_projections=args.tiled_projections,
         lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
-        autocast=args.autocast,
+        autocast=args.autocast, lora_input_casts=args.lora_input_casts or not args.autocast,
     )
     if args.flex_attention:
         kw.update(kv_expanded=False, float32_dq=False)

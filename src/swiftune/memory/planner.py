@@ -82,9 +82,13 @@ class TrainSetup:
             ``F.cross_entropy`` (the transformers baseline).
         logit_chunk_tokens: token chunk of the fused loss (``None``: :data:`DEFAULT_LOGIT_CHUNK`).
         autocast: the step runs under ``torch.autocast`` to the activation dtype (``bf16=True`` in
-            the trainers).  PEFT still casts each LoRA input to the adapters' dtype, but autocast
-            casts it back for the matmul, so what is saved is an activation-dtype copy (and the
+            the trainers).  If PEFT casts each LoRA input to the adapters' dtype, autocast casts
+            it back for the matmul, so what is saved is an activation-dtype copy (and the
             rank-``r`` intermediate in that dtype too), not a float32 one.
+        lora_input_casts: PEFT copies each LoRA input to the adapters' dtype (its default).  The
+            swiftune trainers switch that off for bf16/fp16 training steps
+            (:mod:`swiftune.models.lora_casting`); without autocast the copy is what the float32
+            matmul reads, so it stays.
     """
 
     lora_rank: int = 16
@@ -99,10 +103,19 @@ class TrainSetup:
     chunked_loss: bool = True
     logit_chunk_tokens: int | None = None
     autocast: bool = False
+    lora_input_casts: bool = True
 
     @property
     def lora(self) -> bool:
         return not self.full_finetune and self.lora_rank > 0
+
+    @property
+    def lora_copies_input(self) -> bool:
+        """Each LoRA layer makes its own copy of its input in the adapters' dtype (and a gradient
+        of it in backward): adapters in another dtype than the activations, PEFT's input cast
+        not switched off under autocast. Otherwise the adapters read the base layer's input."""
+        return (self.lora and self.lora_dtype_bytes != self.dtype_bytes
+                and (self.lora_input_casts or not self.autocast))
 
 
 def auto_tile_tokens(intermediate: int, hidden: int, dtype_bytes: int = 2, tile_bytes: int = TILE_BYTES) -> int:
@@ -120,9 +133,10 @@ def auto_tile_tokens(intermediate: int, hidden: int, dtype_bytes: int = 2, tile_
 def _lora_input_bytes(width: int, s: TrainSetup) -> int:
     """Per-token bytes a LoRA pair saves beyond its base layer: ``r`` outputs of A, and a cast
     copy of the input when the adapter dtype differs from the activation dtype (under autocast
-    both are in the activation dtype: the matmuls run there)."""
+    both are in the activation dtype: the matmuls run there; with the casts switched off under
+    autocast, the adapters save the base layer's input itself)."""
     saved_bytes = s.dtype_bytes if s.autocast else s.lora_dtype_bytes
-    cast = width * saved_bytes if s.lora_dtype_bytes != s.dtype_bytes else 0
+    cast = width * saved_bytes if s.lora_copies_input else 0
     return cast + s.lora_rank * saved_bytes
 
 
@@ -144,8 +158,9 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
           Gemma 2/3  (H b + 4) per extra norm
           MLP        tiled: H b;  full FT: H b + 3 I b;  LoRA: 2 (cast(H) + r lb) + 2 I b + cast(I) + r lb
 
-    ``cast(w) = w lb`` when the adapters' dtype differs from the activations' (PEFT's float32
-    adapters copy their input), else 0; then the adapters save the shared input itself.
+    ``cast(w) = w lb`` when each LoRA layer copies its input (:attr:`TrainSetup.lora_copies_input`:
+    PEFT's float32 adapters, casts not switched off), else 0; then the adapters save the shared
+    input itself.
     """
     H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
     dq, dkv = shape.q_dim, shape.kv_dim
@@ -153,7 +168,7 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
     attn = 4
     if s.lora and not s.tiled_projections:
         attn += 3 * _lora_input_bytes(H, s) + _lora_input_bytes(dq, s)
-        if s.lora_dtype_bytes == s.dtype_bytes:
+        if not s.lora_copies_input:
             attn += H * b  # the adapters save the (shared) normed input itself
     else:
         attn += H * b  # q/k/v input (full FT: for weight grads; tiled: the tile function's input)
@@ -165,7 +180,7 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
         mlp += H * b
     elif s.lora:
         mlp += 2 * _lora_input_bytes(H, s) + 2 * I * b + _lora_input_bytes(I, s)
-        if s.lora_dtype_bytes == s.dtype_bytes:
+        if not s.lora_copies_input:
             mlp += H * b + I * b
     else:
         mlp += H * b + 3 * I * b
@@ -207,10 +222,10 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
     if s.tiled_mlp:
         mlp_phase += _mlp_tile(shape, tokens, s) * (3 * I * b + 2 * I * fp32 + 4 * H * fp32)
     else:
-        mlp_phase += tokens * (3 * I * b + (I * fp32 if s.lora and s.lora_dtype_bytes != b else 0))
+        mlp_phase += tokens * (3 * I * b + (I * fp32 if s.lora_copies_input else 0))
     dq_acc = dq * fp32 if s.float32_dq else 0
     attn_phase = tokens * (attn_saved + 2 * H * b + dq * b + (dq + 2 * kvx) * b + dq_acc + shape.heads * fp32)
-    if s.lora and not s.tiled_projections and s.lora_dtype_bytes != b:
+    if not s.tiled_projections and s.lora_copies_input:
         attn_phase += tokens * (H + dq) * fp32
     return max(mlp_phase, attn_phase)
 

@@ -89,6 +89,7 @@ from .offload_memory import (
     split_layers,
 )
 from .patching import causal_lm_of
+from .lora_casting import LORA_CAST_FLAG
 from .tiled_mlp import ForwardState, has_tiled_forward, recompute_output_unused
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
@@ -347,7 +348,7 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
     from ..memory.planner import TrainSetup
     from .tiled_mlp import is_tiled
 
-    rank, lora_bytes, full = 0, 4, False
+    rank, lora_bytes, full, casts = 0, 4, False, True
     if model is not None:
         for name, p in model.named_parameters():
             if "lora_A" in name and p.dim() == 2:
@@ -355,13 +356,17 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
                 break
         else:
             full = any(p.requires_grad for p in model.parameters())
+        if rank:  # PEFT's per-layer input cast, switched off by the trainers (models.lora_casting)
+            layer = next((m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, LORA_CAST_FLAG)), None)
+            casts = layer is None or bool(getattr(layer, LORA_CAST_FLAG))
     from ..attention.backends import planner_attention_terms
 
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
         tiled_projections=model is not None and is_tiled(model, projections=True),
-        autocast=torch.is_autocast_enabled(x.device.type), **planner_attention_terms(attention_kernel),
+        autocast=torch.is_autocast_enabled(x.device.type), lora_input_casts=casts,
+        **planner_attention_terms(attention_kernel),
     )
 
 

@@ -23,11 +23,11 @@ from typing import Any
 
 from torch import nn
 
-_FLAG = "cast_input_dtype_enabled"  # peft.tuners.tuners_utils.BaseTunerLayer's attribute
+LORA_CAST_FLAG = "cast_input_dtype_enabled"  # peft.tuners.tuners_utils.BaseTunerLayer's attribute
 
 
 def _lora_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, _FLAG) and hasattr(m, "lora_A")]
+    return [m for m in model.modules() if hasattr(m, LORA_CAST_FLAG) and hasattr(m, "lora_A")]
 
 
 @contextlib.contextmanager
@@ -35,14 +35,14 @@ def lora_input_casting(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Within the block, PEFT LoRA layers of ``model`` cast their inputs to the adapter dtype
     (``enabled=True``, PEFT's default) or leave them as they come (``False``); restored after."""
     layers = _lora_layers(model)
-    before = [getattr(m, _FLAG) for m in layers]
+    before = [getattr(m, LORA_CAST_FLAG) for m in layers]
     for m in layers:
-        setattr(m, _FLAG, enabled)
+        setattr(m, LORA_CAST_FLAG, enabled)
     try:
         yield
     finally:
         for m, value in zip(layers, before):
-            setattr(m, _FLAG, value)
+            setattr(m, LORA_CAST_FLAG, value)
 
 
 def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
@@ -56,4 +56,4 @@ def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
                                  for c in configs.values())
 
 
-__all__ = ["can_skip_lora_input_casts", "lora_input_casting"]
+__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting"]

@@ -149,7 +149,6 @@ def grpo_loss(
         capped = torch.clamp(coef1, max=delta) if delta is not None else coef1
         per_token = -torch.min(capped * adv, coef2 * adv)
 
-    kl = None
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps")
