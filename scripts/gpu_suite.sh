@@ -3,7 +3,7 @@
 # (the minutes below are estimates from the runs so far; every part stops itself before 10 min).
 # Run from the repository root on the GPU machine (with .whl/ carried for the TRL / Liger baselines):
 #
-#   scripts/gpu_suite.sh check        # CUDA tests: engine, attention, GRPO, kernels, checkpointing (~4 min)
+#   scripts/gpu_suite.sh check        # CUDA tests: engine, attention, GRPO, kernels, checkpointing (~4.5 min)
 #   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-layers A/B (~7 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
 #   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)

@@ -78,6 +78,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .lora_casting import LORA_CAST_FLAG
 from .offload_memory import (
     PAGE_BYTES,
     CheckpointBudgetError,
@@ -89,7 +90,6 @@ from .offload_memory import (
     split_layers,
 )
 from .patching import causal_lm_of
-from .lora_casting import LORA_CAST_FLAG
 from .tiled_mlp import ForwardState, has_tiled_forward, recompute_output_unused
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
