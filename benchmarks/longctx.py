@@ -20,6 +20,10 @@ random-init model (bf16 weights, LoRA r=16 on all linear layers), for growing ``
   offload_all  the same with every layer input offloaded (``gpu_budget_bytes=0``): worst-case
                transfer overhead
 
+On CUDA the swiftune modes run their step as ``swiftune.SFTTrainer(bf16=True)`` does: bf16
+autocast, PEFT's float32 copies of LoRA inputs switched off (``--no-autocast``: neither, as the
+results recorded before 2026-11-30 ran).
+
 Rows report the step time (median of ``--repeats`` after one warm-up step at the first size),
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``, pinned host bytes and process RSS,
 the planner's prediction for the same setup (``swiftune.memory.plan_memory``) and the ratios
@@ -40,6 +44,8 @@ table is printed last; ``--out`` writes JSON.
                                                                   # dominates: ~8-10 min, over a 10-min call limit?)
     python benchmarks/longctx.py --model tiny                             # CPU smoke test (~1 min)
     python benchmarks/longctx.py --modes trl_liger --tokens 65536 131072 262144 --bisect trl_liger  # TRL + Liger
+    python benchmarks/longctx.py --modes offload --tokens-from-planner --bisect offload --bisect-tol 0.05 \
+        --doc-tokens 8192          # the largest row that fits, within 5%, starting at the planner's answer
 """
 
 from __future__ import annotations
@@ -126,23 +132,30 @@ def make_batch(tokens: int, vocab: int, doc_tokens: int, device: torch.device) -
     return {"input_ids": ids.to(device), "position_ids": pos.to(device)}
 
 
-def step(model, mode: str, batch: dict, optimizer) -> float:
-    ids = batch["input_ids"]
-    if mode == "baseline":
-        logits = model(**batch, use_cache=False).logits
-        loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-        del logits
-    elif mode in TRL_MODES:  # SFTTrainer.compute_loss of TRL 1.16 (loss_type "nll"), Trainer's bf16 autocast
-        with torch.autocast("cuda", dtype=torch.bfloat16) if ids.is_cuda else contextlib.nullcontext():
-            out = model(input_ids=ids, labels=ids, fused_lm_head=True, use_cache=False)
-        loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
-        del out
-    else:
-        from swiftune.sft import sft_loss
+def step(model, mode: str, batch: dict, optimizer, autocast: bool = False) -> float:
+    """One training step. ``autocast``: swiftune's step as ``swiftune.SFTTrainer`` runs it with
+    ``bf16=True`` (bf16 autocast, LoRA inputs left in bf16 through forward and backward)."""
+    from swiftune.models.lora_casting import lora_input_casting
 
-        loss, hidden = sft_loss(model, dict(batch), ids)
-        del hidden
-    loss.backward()
+    ids = batch["input_ids"]
+    swiftune_bf16 = autocast and mode not in TRL_MODES and mode != "baseline"
+    with lora_input_casting(model, enabled=False) if swiftune_bf16 else contextlib.nullcontext():
+        if mode == "baseline":
+            logits = model(**batch, use_cache=False).logits
+            loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+            del logits
+        elif mode in TRL_MODES:  # SFTTrainer.compute_loss of TRL 1.16 (loss_type "nll"), Trainer's bf16 autocast
+            with torch.autocast("cuda", dtype=torch.bfloat16) if ids.is_cuda else contextlib.nullcontext():
+                out = model(input_ids=ids, labels=ids, fused_lm_head=True, use_cache=False)
+            loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
+            del out
+        else:
+            from swiftune.sft import sft_loss
+
+            with torch.autocast(ids.device.type, dtype=torch.bfloat16) if swiftune_bf16 else contextlib.nullcontext():
+                loss, hidden = sft_loss(model, dict(batch), ids)
+            del hidden
+        loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
@@ -159,6 +172,8 @@ def _plan_kwargs(mode: str, args) -> dict:
         kw.update(gradient_checkpointing=True)
     else:
         kw.update(gradient_checkpointing="offload")
+    if mode not in TRL_MODES and mode != "baseline" and args.autocast:  # swiftune's step (see step())
+        kw.update(autocast=True, lora_input_casts=False)
     return kw
 
 
@@ -190,7 +205,7 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
                 torch.cuda.reset_peak_memory_stats()
             pinned_before = offload_stats(model).get("host_alloc_seconds", 0.0)
             t0 = time.perf_counter()
-            row["loss"] = step(model, mode, batch, optimizer)
+            row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -234,6 +249,7 @@ def replan(path: str, args) -> None:
     saved = data.get("args", {})
     for key in ("model", "tile_projections", "mlp_tile"):
         setattr(args, key, saved.get(key, getattr(args, key)))
+    args.autocast = saved.get("autocast", False)  # results from before swiftune's step ran under autocast
     # results saved before the field existed came from torch 2.11, whose varlen attention expands K/V
     args.kv_expanded = saved.get("kv_expanded", True)
     gpu = int(data.get("gpu_bytes") or args.gpu_bytes)
@@ -263,9 +279,41 @@ def print_row(row: dict, header: bool = False) -> None:
           f"{g('host_rss'):>7} {g('time_vs_ckpt', 1, '%.3f'):>7}", flush=True)
 
 
+def bisect_done(lo: int, hi: int, args) -> bool:
+    """The bracket is narrow enough: ``hi - lo`` within the granularity, or within ``--bisect-tol``
+    of ``lo`` (the issue's "within 5%")."""
+    return hi - lo <= max(args.bisect_granularity, (args.bisect_tol or 0.0) * lo)
+
+
+def planner_bracket(name: str, mode: str, gpu_bytes: int, host_bytes: int, args) -> tuple[list[int], int]:
+    """The planner's largest fitting row for ``mode`` and two sizes around it (2.5% under, 2% over,
+    multiples of 1,024): when the planner is within that, two trials bracket the answer within 5%."""
+    from swiftune.memory import max_tokens
+
+    from workload import MODEL_SHAPES
+
+    kw = _plan_kwargs(mode, args)
+    if mode == "offload":
+        kw["host_bytes"] = host_bytes
+    best = max_tokens(dict(MODEL_SHAPES[name]), gpu_bytes, 16, **kw)
+    return [int(best * f) // 1024 * 1024 for f in (0.975, 1.02)], best
+
+
+def next_size_to_bracket(rows: list[dict], mode: str, step: float = 0.05) -> int | None:
+    """Until ``mode`` has a size that fitted and one that did not: 5% above the largest fit when
+    nothing failed, 5% below the smallest failure when nothing fitted (multiples of 1,024);
+    ``None`` once bracketed (or before any trial)."""
+    ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
+    bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]
+    if (ok and bad) or not (ok or bad):
+        return None
+    n = max(ok) * (1 + step) if ok else min(bad) * (1 - step)
+    return max(1024, int(n) // 1024 * 1024)
+
+
 def bisect(model, mode: str, lo: int, hi: int, args, device, optimizer, rows: list) -> int:
     """Largest token count in ``[lo, hi)`` that fits (``lo`` fits, ``hi`` does not)."""
-    while hi - lo > args.bisect_granularity:
+    while not bisect_done(lo, hi, args):
         mid = (lo + hi) // 2
         mid -= mid % 64
         row = measure(model, mode, mid, args, device, optimizer)
@@ -295,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bisect", nargs="*", default=None, choices=ALL_MODES,
                    help="modes whose largest fitting token count to search (after the grid)")
     p.add_argument("--bisect-granularity", type=int, default=16384)
+    p.add_argument("--bisect-tol", type=float, default=None,
+                   help="stop bisecting once the bracket is within this fraction of the largest fit (0.05: 5%%)")
+    p.add_argument("--tokens-from-planner", action="store_true",
+                   help="offload mode: the sizes are the planner's largest fitting row -2.5%% / +2%%; the mode "
+                        "then grows by 5%% while it fits, and bisects (with --bisect)")
+    p.add_argument("--no-autocast", dest="autocast", action="store_false",
+                   help="run swiftune's step without bf16 autocast (the float32 LoRA matmuls of PEFT's default)")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped")
     p.add_argument("--out", default=None)
     p.add_argument("--replan", nargs="+", default=None, metavar="JSON",
@@ -306,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     from swiftune.attention.backends import varlen_expands_kv
 
     args.kv_expanded = varlen_expands_kv()
+    args.autocast = args.autocast and torch.cuda.is_available()  # the bf16 step is the GPU's
     if args.replan:
         for path in args.replan:
             replan(path, args)
@@ -315,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.model != "tiny" and device.type != "cuda":
         print("benchmarks/longctx.py: real shapes need a CUDA device (use --model tiny on CPU)", file=sys.stderr)
         return 2
+    if args.tokens_from_planner:
+        if device.type != "cuda" or args.modes != ["offload"]:
+            p.error("--tokens-from-planner needs a CUDA device and --modes offload")
+        from swiftune.models.checkpointing import host_available_bytes
+
+        args.tokens, args.planner_best = planner_bracket(
+            args.model, "offload", torch.cuda.get_device_properties(device).total_memory, host_available_bytes(), args)
+        print(f"# planner: largest fitting row {args.planner_best:,} tokens; trials {args.tokens}", flush=True)
     if args.tokens is None:
         args.tokens = TINY_TOKENS if args.model == "tiny" else DEFAULT_TOKENS
     if args.model == "tiny":  # smoke test: small documents, tiles small enough to run the tiled path
@@ -355,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
                 first = False
                 if row["status"].startswith("oom"):
                     break
+            while args.tokens_from_planner and time.perf_counter() - start < args.time_budget:
+                n = next_size_to_bracket(rows, mode)  # the planner was off by more than its bracket
+                if n is None:
+                    break
+                rows.append(measure(model, mode, n, args, device, optimizer))
+                print_row(rows[-1])
             if args.bisect is not None and mode in (args.bisect or args.modes):
                 ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
                 bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]

@@ -291,6 +291,53 @@ def test_longctx_tiny_rows_and_replan(tmp_path):
     assert after["rows"][0]["pred_allocated"] > 1 and after["gpu_bytes"] == (data["gpu_bytes"] or int(8e9))
 
 
+def test_longctx_search_from_the_planner_brackets_within_five_percent():
+    """The planner-guided search: two trials around the planner's answer, 5% steps out of the
+    bracket when the planner was off, then bisection to 5% of the largest fit."""
+    import argparse
+
+    longctx = load_bench_module("longctx")
+    from swiftune.memory import max_tokens
+
+    from workload import MODEL_SHAPES
+
+    args = argparse.Namespace(kv_expanded=True, tile_projections=True, mlp_tile=None, autocast=True,
+                              bisect_granularity=1024, bisect_tol=0.05)
+    (low, high), best = longctx.planner_bracket("qwen3-8b", "offload", int(150e9), int(120e9), args)
+    assert best == max_tokens(dict(MODEL_SHAPES["qwen3-8b"]), int(150e9), 16, **longctx._plan_kwargs("offload", args),
+                              host_bytes=int(120e9))
+    assert low % 1024 == high % 1024 == 0 and low < best < high and longctx.bisect_done(low, high, args)
+    assert not longctx.bisect_done(low, int(low * 1.06), args)
+    rows = [{"mode": "offload", "tokens": low, "status": "ok"}, {"mode": "offload", "tokens": high, "status": "ok"}]
+    grown = longctx.next_size_to_bracket(rows, "offload")
+    assert grown == int(high * 1.05) // 1024 * 1024
+    rows = [{"mode": "offload", "tokens": low, "status": "oom"}]
+    assert longctx.next_size_to_bracket(rows, "offload") == int(low * 0.95) // 1024 * 1024
+    rows.append({"mode": "offload", "tokens": int(low * 0.95), "status": "ok"})
+    assert longctx.next_size_to_bracket(rows, "offload") is None and longctx.next_size_to_bracket([], "x") is None
+    # the swiftune step is planned as it runs: bf16 autocast, LoRA input copies off
+    assert longctx._plan_kwargs("offload", args)["lora_input_casts"] is False
+    assert "autocast" not in longctx._plan_kwargs("baseline", args)
+
+
+def test_longctx_swiftune_step_under_autocast_matches_the_float32_step():
+    """The bf16 step (autocast, LoRA input casts off) trains the same loss as the float32 one, to
+    bf16 precision, and leaves PEFT's casting switched back on."""
+    longctx = load_bench_module("longctx")
+    device = torch.device("cpu")
+    losses = []
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        model = longctx.build_model("tiny", "offload", device, 64, True)
+        longctx.set_checkpointing(model, "offload")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        batch = longctx.make_batch(200, model.config.vocab_size, 128, device)
+        losses.append([longctx.step(model, "offload", batch, opt, autocast=autocast) for _ in range(2)])
+        layer = next(m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled") and hasattr(m, "lora_A"))
+        assert layer.cast_input_dtype_enabled
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+
 @pytest.mark.parametrize("path", LONGCTX_RESULTS, ids=os.path.basename)
 def test_committed_longctx_results_carry_the_current_planner(tmp_path, path):
     """docs/benchmarks.md quotes the planner columns of these files: they must be what the
