@@ -127,7 +127,7 @@ case "$part" in
   longctx-trl)  # TRL + Liger's largest single sequence (quadratic attention: a trial at 256K takes minutes)
     model=${2:-qwen3-8b}
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
-      --tokens 65536 131072 262144 --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 \
+      --tokens 65536 131072 262144 --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 \
       --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
   longctx-overhead)
     run longctx_overhead 180 python3 benchmarks/longctx.py --modes ckpt offload_all --tokens 8192 32768 \
