@@ -77,6 +77,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
+from memory_profile import format_breakdown, peak_profile  # noqa: E402
 from time_profile import device_time_profile, format_profile  # noqa: E402
 from workload import host_rss, word_tokenizer  # noqa: E402
 
@@ -554,7 +555,12 @@ def bisect_one_mode(args) -> dict:
                 row.setdefault("first_s", time.perf_counter() - t0)
                 t0 = time.perf_counter()
             profiled = cuda and record and L == args.profile_completion
-            with device_time_profile(row) if profiled else contextlib.nullcontext():
+            mem_profiled = cuda and record and L == args.memory_profile_completion
+            with contextlib.ExitStack() as stack:
+                if profiled:
+                    stack.enter_context(device_time_profile(row))
+                if mem_profiled:  # (recording slows the step down: its time is not a timing figure)
+                    stack.enter_context(peak_profile(row))
                 policy_step(model, mode, L, args, device)
                 if cuda:
                     torch.cuda.synchronize()
@@ -649,6 +655,8 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         cmd.append("--fixed-only")
     if args.profile_completion:
         cmd += ["--profile-completion", str(args.profile_completion)]
+    if args.memory_profile_completion:
+        cmd += ["--memory-profile-completion", str(args.memory_profile_completion)]
     if not args.offload_logits:
         cmd.append("--no-offload-logits")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -758,6 +766,9 @@ def print_trial(t: dict | None, header: bool = False) -> None:
           f"{host:>8}", flush=True)
     if t.get("profile"):
         print(format_profile(t["profile"], f"{t['mode']} at {t['completion']}"), flush=True)
+    if t.get("peak_profile"):
+        print(f"# memory at the peak of {t['mode']} at {t['completion']}\n{format_breakdown(t['peak_profile'])}",
+              flush=True)
 
 
 def print_bisect_table(r: dict) -> None:
@@ -836,6 +847,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-completion", type=int, default=None,
                    help="bisection: the trial at this completion length runs under torch.profiler; its device "
                         "time by kind of kernel is printed and kept in the JSON (benchmarks/time_profile.py)")
+    p.add_argument("--memory-profile-completion", type=int, default=None,
+                   help="bisection: the trial at this completion length records the caching allocator's history; "
+                        "what is alive at its peak, by allocation site, is printed and kept in the JSON "
+                        "(benchmarks/memory_profile.py)")
     p.add_argument("--time-budget", type=float, default=500.0,
                    help="seconds for the bisection, all modes (a 10-minute device call leaves room for start-up)")
     p.add_argument("--simulate-capacity", type=int, default=None,

@@ -12,7 +12,9 @@ are one line, ``before the step``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 # frames from these folders are the machinery, not the caller that asked for memory
 _MACHINERY = (os.sep + "torch" + os.sep, os.sep + "contextlib.py", os.sep + "functools.py")
@@ -74,25 +76,49 @@ def peak_breakdown(trace: list[dict], bytes_before: int, top: int = 12) -> dict:
             "alive_at_peak_gb": sum(ev["size"] for ev in alive) / 1e9, "sites": sites}
 
 
+def start_recording() -> int:
+    """Begin recording the caching allocator's history; returns the bytes allocated before."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    return before
+
+
+def stop_recording(bytes_before: int, top: int = 12) -> dict:
+    """Stop recording; the peak breakdown of what ran since :func:`start_recording`."""
+    import torch
+
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snapshot["device_traces"][torch.cuda.current_device()]
+    return peak_breakdown(trace, bytes_before, top)
+
+
+@contextlib.contextmanager
+def peak_profile(record: dict, top: int = 12) -> Iterator[None]:
+    """Profile the ``with`` block (one training step, CUDA) into ``record["peak_profile"]``."""
+    before = start_recording()
+    try:
+        yield
+    finally:
+        record["peak_profile"] = stop_recording(before, top)
+
+
 def peak_profile_callback(step: int, record: dict, top: int = 12):
     """A Trainer callback that profiles optimizer step ``step`` (1-based) into ``record["peak_profile"]``."""
-    import torch
     from transformers import TrainerCallback
 
     class PeakProfile(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if state.global_step + 1 == step:
-                torch.cuda.synchronize()
-                record["bytes_before"] = torch.cuda.memory_allocated()
-                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+                record["bytes_before"] = start_recording()
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == step and "bytes_before" in record:
-                torch.cuda.synchronize()
-                snapshot = torch.cuda.memory._snapshot()
-                torch.cuda.memory._record_memory_history(enabled=None)
-                trace = snapshot["device_traces"][torch.cuda.current_device()]
-                record["peak_profile"] = peak_breakdown(trace, record["bytes_before"], top)
+                record["peak_profile"] = stop_recording(record["bytes_before"], top)
 
     return PeakProfile()
 

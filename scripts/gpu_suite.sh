@@ -25,6 +25,7 @@
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune flex, varlen (~4.5 min)
+#   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
@@ -117,6 +118,14 @@ case "$part" in
   grpo-3x-wait)
     for _ in $(seq 55); do [ -f /tmp/grpo_3x.json ] && break; sleep 10; done
     tail -12 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
+  grpo-memory)  # what is alive at the peak of a GRPO step: every checkpoint on the host at 2 x 65,536, the
+    # automatic budget at 2 x 131,072 (the planner overestimated the 2 x 294,912 step by ~25%)
+    run grpo_memory_65k 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only \
+      --memory-profile-completion 65536 --time-budget 190 --out "$OUT/grpo_memory_65k.json"
+    run grpo_memory_131k 300 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --completion-lengths 131072 --fixed-only --memory-profile-completion 131072 \
+      --time-budget 290 --out "$OUT/grpo_memory_131k.json" ;;
   grpo-profile)  # where the time of one policy step goes: TRL's loss path vs swiftune's (flex and varlen rows)
     run grpo_profile 170 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
       swiftune --share-prompt --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 150 \

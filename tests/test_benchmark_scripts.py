@@ -472,6 +472,21 @@ def test_cuda_time_profile_puts_a_large_matmul_first():
     assert r["profile"]["kinds"][0]["kind"] == "matmul" and r["profile"]["kinds"][0]["share"] > 0.5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_profile_names_the_line_that_held_the_peak():
+    mp = load_bench_module("memory_profile")
+    keep = torch.empty(2**20, device="cuda")  # allocated before: not part of the step
+    r: dict = {}
+    with mp.peak_profile(r):
+        big = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        small = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+        del big
+        small.zero_()
+    top = r["peak_profile"]["sites"][0]
+    assert "test_benchmark_scripts.py" in top["site"] and top["gb"] == pytest.approx(64 * 2**20 / 1e9, rel=0.01)
+    assert r["peak_profile"]["before_step_gb"] >= keep.numel() * 4 / 1e9
+
+
 def test_attention_benchmark_flop_count_and_cpu_refusal():
     """Causal attention FLOPs written out for one case; without CUDA the script says so and exits 2."""
     ab = load_bench_module("attention_backends")
