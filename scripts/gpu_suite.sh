@@ -24,7 +24,7 @@
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
-#   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune flex, varlen (~4.5 min)
+#   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune shared-prompt rows (sdpa), unshared rows (~4.5 min)
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #
@@ -93,7 +93,7 @@ case "$part" in
   longctx-wait)
     for _ in $(seq 56); do [ -f /tmp/longctx_bisect.json ] && break; sleep 10; done
     tail -16 /tmp/longctx_bisect.log; cp /tmp/longctx_bisect.* "$OUT/" 2>/dev/null ;;
-  grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt, flex): 2 x 65,536 first, then upwards
+  grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt: sdpa for long completions, flex for short): 2 x 65,536 first, then upwards
     run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 65536 --bisect-start 131072 --time-budget 520 \
       --out "$OUT/grpo_bisect.json" ;;
@@ -126,7 +126,7 @@ case "$part" in
     run grpo_memory_131k 300 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 131072 --fixed-only --memory-profile-completion 131072 \
       --time-budget 290 --out "$OUT/grpo_memory_131k.json" ;;
-  grpo-profile)  # where the time of one policy step goes: TRL's loss path vs swiftune's (flex and varlen rows)
+  grpo-profile)  # where the time of one policy step goes: TRL's loss path vs swiftune's (shared-prompt and unshared rows)
     run grpo_profile 170 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
       swiftune --share-prompt --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 150 \
       --out "$OUT/grpo_profile.json"
