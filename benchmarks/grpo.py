@@ -833,8 +833,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-only", action="store_true",
                    help="bisection: measure --completion-lengths only, no search (e.g. one size at a target)")
     p.add_argument("--share-prompt", action="store_true",
-                   help="bisection: swiftune encodes the prompt once (flex attention); default: unshared rows "
-                        "(varlen), which costs G-1 extra prompt copies (0.1%% at 256 + 256K)")
+                   help="bisection: swiftune encodes the prompt once (sdpa for long completions, else flex); "
+                        "default: unshared rows, which cost G-1 extra prompt copies (0.1%% at 256 + 256K)")
     p.add_argument("--no-offload-logits", dest="offload_logits", action="store_false",
                    help="bisection: keep the log-prob loss's saved hidden states on the GPU")
     p.add_argument("--swiftune-checkpointing", choices=["offload", "offload_all", "gpu"], default="offload",
