@@ -204,6 +204,14 @@ def resolve_backend(
 # --------------------------------------------------------------------------- backends
 
 
+def document_bounds(packed: PackedBatch) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of every document on the flat axis (one host sync per forward, cached)."""
+    if "bounds" not in packed.cache:
+        cu = packed.cu_seqlens.tolist()
+        packed.cache["bounds"] = list(zip(cu[:-1], cu[1:]))
+    return packed.cache["bounds"]
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,9 +229,8 @@ def reference_attention(
     causal (+ window) mask, softmax in float32 cast back, dropout, then ``p @ v``.
     """
     groups = q.shape[1] // k.shape[1]
-    bounds = packed.cu_seqlens.tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in document_bounds(packed):
         qd = q[start:end].transpose(0, 1)  # [H, L, D]
         kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
@@ -393,14 +400,6 @@ def dense_causal_attention(
         with _fused_sdpa_kernels(q.device, cudnn_first=False):
             out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout, is_causal=True, scale=scale)
     return out.squeeze(0).transpose(0, 1)
-
-
-def document_bounds(packed: PackedBatch) -> list[tuple[int, int]]:
-    """``[(start, end)]`` of every document on the flat axis (one host sync per forward, cached)."""
-    if "bounds" not in packed.cache:
-        cu = packed.cu_seqlens.tolist()
-        packed.cache["bounds"] = list(zip(cu[:-1], cu[1:]))
-    return packed.cache["bounds"]
 
 
 def sdpa_packed_attention(
