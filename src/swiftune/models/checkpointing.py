@@ -116,10 +116,10 @@ class LayerInput:
         self.requires_grad = x.requires_grad
         self.offloaded = offload
         self.derived = derived  # stored nowhere: recomputed from the layer before (OffloadState.derive_input)
-        # RNG / autocast state of the first forward, replayed by the recompute. Not left to
-        # torch's checkpoint: it saves the RNG state of the devices of its tensor arguments, and
-        # this handle is not a tensor, so a CUDA dropout mask would differ in the recompute.
-        self.forward_state: ForwardState | None = None
+        # RNG / autocast state of the first forward (which starts right after this), replayed by the
+        # recompute. Not left to torch's checkpoint: it saves the RNG state of the devices of its
+        # tensor arguments, and this handle is not a tensor, so a CUDA dropout mask would differ.
+        self.forward_state = ForwardState(x.device, with_rng=True)
         # set on the layer before a derived one: its forward with the other arguments bound, to
         # recompute the derived input without grad (under ``forward_state``)
         self.rerun: Any = None
@@ -323,7 +323,6 @@ class OffloadState:
                 f"swiftune offloaded checkpointing: layer {index}'s input was not stored and the layer before it "
                 "can no longer recompute it (a second backward through the same graph needs retain_graph=True)")
         x_prev = source.peek()
-        assert source.forward_state is not None
         with torch.no_grad(), source.forward_state.replay():
             out = source.rerun(x_prev)
         self.stats["derived_recomputed"] += 1
@@ -406,7 +405,7 @@ def _mlp_to_skip_in_recompute(layer: nn.Module) -> nn.Module | None:
 def _run_layer(orig, mlp_to_skip: nn.Module | None, handle: LayerInput, *args, **kwargs):
     recompute = handle.in_recompute
     x = handle.materialize()  # a derived input is recomputed under its own layer's replayed state
-    replay = handle.forward_state.replay() if recompute and handle.forward_state is not None else nullcontext()
+    replay = handle.forward_state.replay() if recompute else nullcontext()
     with replay, recompute_output_unused(mlp_to_skip if recompute else None):
         return orig(x, *args, **kwargs)
 
@@ -436,7 +435,6 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     handle = state.layer_input(index, x, _attention_kernel(kwargs))
-    handle.forward_state = ForwardState(x.device, with_rng=True)
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
         handle.rerun = partial(_run_on, orig, rest, kwargs)
     try:
