@@ -56,4 +56,13 @@ def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
                                  for c in configs.values())
 
 
-__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting"]
+def training_step_lora_casting(model: nn.Module, args: Any) -> contextlib.AbstractContextManager:
+    """What the trainers wrap each ``training_step`` in: casting switched off when
+    :func:`can_skip_lora_input_casts` allows it (forward and every recompute of the backward; the
+    same numbers), else nothing."""
+    if can_skip_lora_input_casts(model, args):
+        return lora_input_casting(model, enabled=False)
+    return contextlib.nullcontext()
+
+
+__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting", "training_step_lora_casting"]

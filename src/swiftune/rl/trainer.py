@@ -41,7 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..data import BatchStats, load_rows
 from ..models import FastModel, causal_lm_of, is_patched, patch_model
-from ..models.lora_casting import can_skip_lora_input_casts, lora_input_casting
+from ..models.lora_casting import lora_input_casting, training_step_lora_casting
 from ..sft.metrics import MetricsCallback, TokenMeter
 from .advantages import group_advantages
 from .checkpoint import load_rollout_state, save_rollout_state
@@ -334,9 +334,7 @@ class GRPOTrainer(Trainer):
     def training_step(self, model, *args, **kwargs):
         # as SFTTrainer.training_step: LoRA inputs stay in the autocast dtype (generation, which
         # runs inside the step without autocast, switches PEFT's casting back on: _prepare_inputs)
-        if not can_skip_lora_input_casts(model, self.args):
-            return super().training_step(model, *args, **kwargs)
-        with lora_input_casting(model, enabled=False):
+        with training_step_lora_casting(model, self.args):
             return super().training_step(model, *args, **kwargs)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]

@@ -36,7 +36,7 @@ from ..data import (
 from ..losses import linear_cross_entropy
 from ..models import FastModel, is_patched, patch_model
 from ..models.heads import hidden_states_and_head
-from ..models.lora_casting import can_skip_lora_input_casts, lora_input_casting
+from ..models.lora_casting import training_step_lora_casting
 from .config import SFTConfig
 from .metrics import MetricsCallback, TokenMeter
 
@@ -147,9 +147,7 @@ class SFTTrainer(Trainer):
     def training_step(self, model, *args, **kwargs):
         # under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight back:
         # skip both copies in the forward and in every recompute of the backward (same numbers)
-        if not can_skip_lora_input_casts(model, self.args):
-            return super().training_step(model, *args, **kwargs)
-        with lora_input_casting(model, enabled=False):
+        with training_step_lora_casting(model, self.args):
             return super().training_step(model, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
