@@ -48,6 +48,15 @@ def offload_margin_bytes(gpu_bytes: int) -> int:
     return int(0.05 * gpu_bytes) + GiB
 
 
+def derived_input_count(num_layers: int, offloaded: int, host_holds: int) -> int:
+    """How many of the ``offloaded`` layer inputs are *derived* (stored nowhere, recomputed from
+    the layer before in backward) when the host holds only ``host_holds`` of them: the missing
+    ones, if that is at most every second layer; else 0 (the step does not fit). The runtime
+    (:func:`swiftune.models.offload_memory.split_layers`) and the planner use this one rule."""
+    missing = offloaded - max(0, host_holds)
+    return missing if 0 < missing <= num_layers // 2 else 0
+
+
 #: Default token chunk of the fused loss when none is given: the upper clamp of
 #: :func:`swiftune.losses.choose_chunk_tokens` (what it picks whenever a few GB are free).
 DEFAULT_LOGIT_CHUNK = 4096
@@ -443,11 +452,10 @@ def plan_memory(
             transfer = 0
         off = L - kept
         if host_bytes is not None and per_layer and off * per_layer > host_bytes:
-            # the runtime's rule (offload_memory.split_layers): inputs the host cannot hold either are
-            # derived, recomputed from the layer before in backward, at most every second layer
-            missing = off - max(0, int(host_bytes)) // per_layer
-            if missing <= L // 2:
-                derived, off = missing, off - missing
+            # inputs the host cannot hold either are derived, at most every second layer
+            derived = derived_input_count(L, off, max(0, int(host_bytes)) // per_layer)
+            if derived:
+                off -= derived
                 notes.append(f"{derived} layer inputs are recomputed in backward instead of stored (host memory "
                              f"holds {off} of the offloaded ones): one more forward of {derived} layers")
         checkpoints = kept * per_layer
@@ -513,6 +521,7 @@ __all__ = [
     "ModelShape",
     "TrainSetup",
     "auto_tile_tokens",
+    "derived_input_count",
     "layer_backward_bytes",
     "layer_saved_bytes",
     "layer_working_set",

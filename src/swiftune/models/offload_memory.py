@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.planner import derived_input_count
+
 GiB = 2**30
 
 #: Size of one pinned host page (a power of two: PyTorch's pinned allocator rounds up to those).
@@ -67,9 +69,10 @@ def split_layers(
     When the host cannot hold the ``L - K`` offloaded inputs either (``allow_derived``), the
     ``D`` missing ones are *derived*: layers ``1, 3, ..., 2D - 1`` store no input at all, and
     backward recomputes it from the stored input of the layer before (one more forward of that
-    layer, without grad, per derived layer; see :mod:`.checkpointing`). At most every second layer is derived. Host pages are
-    ``choose_page_bytes(B, page_bytes)`` bytes. Raises :class:`CheckpointBudgetError` when even
-    that does not fit. A pure function.
+    layer, without grad, per derived layer; see :mod:`.checkpointing`). At most every second
+    layer is derived (:func:`swiftune.memory.planner.derived_input_count`, the planner's rule
+    too). Host pages are ``choose_page_bytes(B, page_bytes)`` bytes. Raises
+    :class:`CheckpointBudgetError` when even that does not fit. A pure function.
     """
     if num_layers < 0 or layer_bytes < 0 or page_bytes < 1:
         raise ValueError("num_layers and layer_bytes must be >= 0 and page_bytes >= 1")
@@ -82,11 +85,9 @@ def split_layers(
     per_layer_host = pages_for(layer_bytes, page_bytes) * page_bytes
     derived: tuple[int, ...] = ()
     if allow_derived and n_off * per_layer_host > host_budget_bytes:
-        host_holds = max(0, int(host_budget_bytes)) // per_layer_host
-        missing = n_off - host_holds
-        if missing <= num_layers // 2:
-            derived = tuple(range(1, 2 * missing, 2))
-            n_off -= missing
+        missing = derived_input_count(num_layers, n_off, max(0, int(host_budget_bytes)) // per_layer_host)
+        derived = tuple(range(1, 2 * missing, 2))
+        n_off -= missing
     host = n_off * per_layer_host
     if host > host_budget_bytes:
         raise CheckpointBudgetError(
