@@ -75,7 +75,7 @@ case "$part" in
     run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
   sft-memory)  # the allocation sites at the peak of a step: why 16K-token batches need more than 19.3 GB
-    run sft_memory 300 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
+    run sft_memory 420 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
   sft-full)
     run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
