@@ -178,17 +178,25 @@ def _plan_kwargs(mode: str, args) -> dict:
 
 
 def predict(name: str, tokens: int, mode: str, gpu_bytes: int | None, args) -> dict:
+    """The planner's figures for one row; offload mode with the host memory the run started with
+    (``args.host_bytes``, when known), so layer inputs the host cannot hold are derived there too."""
     from swiftune.memory import plan_memory
 
     from workload import MODEL_SHAPES
 
     gpu = None if mode == "offload_all" else gpu_bytes
-    plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **_plan_kwargs(mode, args))
+    kw = _plan_kwargs(mode, args)
+    if mode == "offload" and getattr(args, "host_bytes", None) is not None:
+        kw["host_bytes"] = args.host_bytes
+    plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **kw)
     return {"pred_allocated": plan.allocated, "pred_total": plan.total, "pred_kept": plan.kept_layers,
-            "pred_host": plan.host_bytes}
+            "pred_host": plan.host_bytes, "pred_derived": plan.derived_layers}
 
 
-def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer) -> dict:
+def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer, profile: bool = True) -> dict:
+    """One row: ``args.repeats`` steps of ``tokens`` tokens (median time, peak memory, offload
+    stats, the planner's figures). With ``--memory-profile`` (CUDA, ``profile``) the last step also
+    records what is alive at its peak (``row["peak_profile"]``; that step runs slower)."""
     from swiftune.models.checkpointing import CheckpointBudgetError, offload_stats
 
     pin0 = offload_stats(model).get("host_alloc_seconds", 0.0)
@@ -197,15 +205,22 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
     row: dict = {"mode": mode, "tokens": tokens}
     cuda = device.type == "cuda"
     times, times_excl_pin = [], []
+    record_peak = profile and cuda and getattr(args, "memory_profile", False)
     try:
-        for _ in range(args.repeats):
+        for i in range(args.repeats):
             gc.collect()
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             pinned_before = offload_stats(model).get("host_alloc_seconds", 0.0)
             t0 = time.perf_counter()
-            row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
+            if record_peak and i == args.repeats - 1:
+                from memory_profile import peak_profile
+
+                with peak_profile(row):
+                    row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
+            else:
+                row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
@@ -252,6 +267,7 @@ def replan(path: str, args) -> None:
     args.autocast = saved.get("autocast", False)  # results from before swiftune's step ran under autocast
     # results saved before the field existed came from torch 2.11, whose varlen attention expands K/V
     args.kv_expanded = saved.get("kv_expanded", True)
+    args.host_bytes = saved.get("host_bytes")  # results from before it was recorded: unlimited host
     gpu = int(data.get("gpu_bytes") or args.gpu_bytes)
     data["gpu_bytes"] = gpu
     for row in data["rows"]:
@@ -264,6 +280,14 @@ def replan(path: str, args) -> None:
         print_row(row)
     with open(path, "w") as f:
         json.dump(data, f, indent=1, default=str)
+
+
+def print_profile(row: dict) -> None:
+    if "peak_profile" in row:
+        from memory_profile import format_breakdown
+
+        print(f"# memory at the peak: {row['mode']} {row['tokens']:,} tokens\n{format_breakdown(row['peak_profile'])}",
+              flush=True)
 
 
 def print_row(row: dict, header: bool = False) -> None:
@@ -350,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                         "then grows by 5%% while it fits, and bisects (with --bisect)")
     p.add_argument("--no-autocast", dest="autocast", action="store_false",
                    help="run swiftune's step without bf16 autocast (the float32 LoRA matmuls of PEFT's default)")
+    p.add_argument("--memory-profile", action="store_true",
+                   help="CUDA: record what is alive at the peak of each row's last step (by allocation site; "
+                        "that step runs slower, its time is not a figure)")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped")
     p.add_argument("--out", default=None)
     p.add_argument("--replan", nargs="+", default=None, metavar="JSON",
@@ -371,13 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.model != "tiny" and device.type != "cuda":
         print("benchmarks/longctx.py: real shapes need a CUDA device (use --model tiny on CPU)", file=sys.stderr)
         return 2
+    # Host memory the offloaded checkpoints may pin, measured once before anything is pinned: the
+    # pool keeps its pages between steps, so a later reading would count this run's own checkpoints
+    # as taken (the planner's answer printed at the end then shrank with every trial).
+    from swiftune.models.checkpointing import host_available_bytes
+
+    args.host_bytes = host_available_bytes() if device.type == "cuda" else None
     if args.tokens_from_planner:
         if device.type != "cuda" or args.modes != ["offload"]:
             p.error("--tokens-from-planner needs a CUDA device and --modes offload")
-        from swiftune.models.checkpointing import host_available_bytes
-
         args.tokens, args.planner_best = planner_bracket(
-            args.model, "offload", torch.cuda.get_device_properties(device).total_memory, host_available_bytes(), args)
+            args.model, "offload", torch.cuda.get_device_properties(device).total_memory, args.host_bytes, args)
         print(f"# planner: largest fitting row {args.planner_best:,} tokens; trials {args.tokens}", flush=True)
     if args.tokens is None:
         args.tokens = TINY_TOKENS if args.model == "tiny" else DEFAULT_TOKENS
@@ -401,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode in ("ckpt", "offload", "offload_all"):
                 set_checkpointing(model, mode)
             if not warmed:  # compile kernels, allocate optimizer states, once per model
-                measure(model, mode, min(min(args.tokens), 8192), args, device, optimizer)
+                measure(model, mode, min(min(args.tokens), 8192), args, device, optimizer, profile=False)
                 warmed = True
             limit = args.ckpt_max_tokens if mode in ("ckpt", "offload_all") and args.model != "tiny" else None
             for n in args.tokens:
@@ -416,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["time_vs_ckpt"] = row.get("step_s_excl_pin", row["step_s"]) / ref["step_s"]
                 rows.append(row)
                 print_row(row, header=first)
+                print_profile(row)
                 first = False
                 if row["status"].startswith("oom"):
                     break
@@ -448,15 +480,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from workload import MODEL_SHAPES
 
-        from swiftune.models.checkpointing import host_available_bytes
-
         gpu = torch.cuda.get_device_properties(device).total_memory
-        host = host_available_bytes()  # what the offloaded checkpoints may pin on this machine
         for mode in args.modes:
             if mode != "offload_all":
                 kw = _plan_kwargs(mode, args)
                 if mode == "offload":
-                    kw["host_bytes"] = host
+                    kw["host_bytes"] = args.host_bytes  # as the run started (see above)
                 predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **kw)
         print("# planner's largest fitting token count: "
               + ", ".join(f"{m} {n:,}" for m, n in predicted.items()), flush=True)

@@ -82,7 +82,13 @@ def start_recording() -> int:
 
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    # Stacks at allocations only (context="alloc"): the sites come from the alloc events, and with
+    # stacks gathered at frees too ("all") a step whose checkpoint recompute stops early (torch
+    # raises an exception through the recompute to stop it) died inside a custom autograd
+    # Function with "SystemError: ... returned NULL without setting an exception" on torch 2.11
+    # (16K-token SFT step with tiled MLP and offloaded checkpoints); the suspected cause is the
+    # free-time stack capture while that exception unwinds. Not yet confirmed on the GPU.
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     return before
 
 

@@ -8,13 +8,14 @@
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
 #   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
-#   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B (~8 min)
+#   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, to 5% from the planner's answer (~15 min: detached, then longctx-wait)
+#   scripts/gpu_suite.sh longctx-memory [MODEL] # what is alive at the peak of a 131,072-token step (~2 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
 #   scripts/gpu_suite.sh attention    # packed attention backends at 2 x 32K / 1 x 128K: time, memory, kernel (~1 min)
@@ -66,11 +67,11 @@ case "$part" in
   sft-8b)
     run sft_8b 570 python3 benchmarks/sft.py --model qwen3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-8b.json" ;;
-  sft-small)
-    run sft_06b 280 python3 benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
-      --out "$OUT/sft_qwen3-0.6b.json"
-    run sft_17b 280 python3 benchmarks/sft.py --model qwen3-1.7b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
-      --out "$OUT/sft_qwen3-1.7b.json" ;;
+  sft-small)  # the four batch-size modes (all six modes do not fit 280 s per model)
+    for m in 0.6b 1.7b; do
+      run "sft_${m/./}" 280 python3 benchmarks/sft.py --model "qwen3-$m" --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+        --modes hf_padded trl_padding_free trl_liger swiftune --out "$OUT/sft_qwen3-$m.json"
+    done ;;
   sft-llama)
     run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
@@ -138,6 +139,11 @@ case "$part" in
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
       --tokens 65536 131072 262144 --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 \
       --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
+  longctx-memory)  # what is alive at the peak of a long step (the planner reserves ~123 KB a token for the
+    # layer working set where the Llama-3-8B rows imply ~72): 131,072 tokens, every layer input on the GPU
+    model=${2:-llama3-8b}
+    run "longctx_memory_$model" 300 python3 benchmarks/longctx.py --model "$model" --modes offload --tokens 131072 \
+      --doc-tokens 8192 --memory-profile --time-budget 250 --out "$OUT/longctx_memory_$model.json" ;;
   longctx-overhead)
     run longctx_overhead 180 python3 benchmarks/longctx.py --modes ckpt offload_all --tokens 8192 32768 \
       --doc-tokens 8192 --repeats 3 --time-budget 140 --out "$OUT/longctx_overhead.json" ;;

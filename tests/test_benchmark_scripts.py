@@ -320,6 +320,41 @@ def test_longctx_search_from_the_planner_brackets_within_five_percent():
     assert "autocast" not in longctx._plan_kwargs("baseline", args)
 
 
+def test_longctx_plans_offload_rows_with_the_host_memory_the_run_started_with():
+    """The offload rows' planner columns use the host memory measured once at the start (the
+    pinned pool of the run's own trials must not shrink it): layer inputs the host cannot hold
+    are planned as derived, as the runtime derives them; without a host figure, none are."""
+    import argparse
+
+    longctx = load_bench_module("longctx")
+    from swiftune.memory import plan_memory
+
+    from workload import MODEL_SHAPES
+
+    args = argparse.Namespace(kv_expanded=True, tile_projections=True, mlp_tile=None, autocast=True,
+                              host_bytes=int(118.1e9))
+    row = longctx.predict("llama3-8b", 720896, "offload", int(150.1e9), args)
+    ref = plan_memory(dict(MODEL_SHAPES["llama3-8b"]), 720896, 16, gpu_bytes=int(150.1e9),
+                      host_bytes=int(118.1e9), **longctx._plan_kwargs("offload", args))
+    assert (row["pred_kept"], row["pred_derived"], row["pred_host"]) == (ref.kept_layers, ref.derived_layers,
+                                                                         ref.host_bytes)
+    assert row["pred_derived"] > 0 and row["pred_host"] <= args.host_bytes  # the host holds what it can
+    args.host_bytes = None
+    unlimited = longctx.predict("llama3-8b", 720896, "offload", int(150.1e9), args)
+    assert unlimited["pred_derived"] == 0 and unlimited["pred_host"] > int(118.1e9)
+    assert unlimited["pred_kept"] == row["pred_kept"]  # the GPU split does not depend on the host
+
+
+def test_longctx_memory_profile_flag_runs_on_cpu(tmp_path):
+    """--memory-profile is CUDA-only: on CPU the rows are the same rows, without a profile."""
+    out = tmp_path / "longctx_profile.json"
+    run_script("longctx.py", "--model", "tiny", "--tokens", "256", "--modes", "offload", "--memory-profile",
+               "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["args"]["memory_profile"] is True and data["args"]["host_bytes"] is None
+    assert [r["status"] for r in data["rows"]] == ["ok"] and "peak_profile" not in data["rows"][0]
+
+
 def test_longctx_swiftune_step_under_autocast_matches_the_float32_step():
     """The bf16 step (autocast, LoRA input casts off) trains the same loss as the float32 one, to
     bf16 precision, and leaves PEFT's casting switched back on."""
