@@ -75,9 +75,10 @@ def timing_callback(warmup: int, record: dict):
 
 
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
-            full: bool = False, memory_profile: bool = False) -> dict:
+            full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None) -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
-    ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed)."""
+    ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
+    ``logit_chunk_tokens``: swiftune modes' ``SFTConfig.logit_chunk_tokens`` (None: automatic)."""
     import torch
     from peft import LoraConfig
 
@@ -135,6 +136,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}
+        if logit_chunk_tokens is not None:
+            extra["logit_chunk_tokens"] = logit_chunk_tokens
         common.pop("gradient_checkpointing_kwargs")
         common["gradient_checkpointing"] = False  # already enabled by get_peft_model / for_training
         trainer = swiftune.SFTTrainer(
@@ -155,6 +158,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     elapsed = record["t1"] - record["t0"]
     tokens = record["tokens1"] - record["tokens0"]
     return dict(mode=mode, model=model_name, batch=batch, finetune="full" if full else "lora r=16",
+                **({"logit_chunk_tokens": logit_chunk_tokens} if logit_chunk_tokens and mode.startswith("swiftune") else {}),
                 trainable_fraction=trainable / sum(p.numel() for p in params),
                 steps=steps - warmup, tokens_per_s=tokens / elapsed,
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, sec_per_step=elapsed / (steps - warmup),
@@ -186,6 +190,9 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="full fine-tuning (every weight, no LoRA) in every mode")
     p.add_argument("--memory-profile", action="store_true",
                    help="CUDA: the allocation sites alive at the peak of the last warm-up step, per mode")
+    p.add_argument("--logit-chunk-tokens", type=int, default=None,
+                   help="swiftune modes: tokens per chunk of the fused LM head + loss (default: automatic, "
+                        "up to 4,096 as free memory allows)")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     args = p.parse_args(argv)
@@ -193,7 +200,8 @@ def main(argv=None) -> int:
         for batch in args.batch:
             try:
                 row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length,
-                              full=args.full, memory_profile=args.memory_profile)
+                              full=args.full, memory_profile=args.memory_profile,
+                              logit_chunk_tokens=args.logit_chunk_tokens)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -207,7 +215,8 @@ def main(argv=None) -> int:
         cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, batches),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
                "--max_length", str(args.max_length), *(["--full"] if args.full else []),
-               *(["--memory-profile"] if args.memory_profile else [])]
+               *(["--memory-profile"] if args.memory_profile else []),
+               *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = {}
         for line in proc.stdout.splitlines():

@@ -252,10 +252,13 @@ def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):
     out = tmp_path / "sft_full.json"
     modes = ["hf_padded", "swiftune", "swiftune_budget_offload"]
     proc = run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "2", "--warmup", "1", "--full",
-                      "--modes", *modes, "--budget", "256", "--max_length", "128", "--out", str(out))
+                      "--modes", *modes, "--budget", "256", "--max_length", "128", "--logit-chunk-tokens", "64",
+                      "--out", str(out))
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
     assert set(rows) == set(modes) and not any("error" in r for r in rows.values()), proc.stdout[-2000:]
     assert all(r["trainable_fraction"] == 1.0 and r["finetune"] == "full" for r in rows.values())
+    # the loss chunk is swiftune's setting: recorded on its rows, not on the baseline's
+    assert [rows[m].get("logit_chunk_tokens") for m in modes] == [None, 64, 64]
 
 
 def test_longctx_trl_mode_trains_the_same_loss_as_the_baseline(tmp_path):
