@@ -76,7 +76,7 @@ case "$part" in
   sft-llama)
     run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
-  sft-memory)  # the allocation sites at the peak of a step: why 16K-token batches need more than 19.3 GB
+  sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
     run sft_memory 420 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
   sft-chunk)  # peak memory vs speed of the fused loss's chunk on the small shapes (swiftune's peak is above
