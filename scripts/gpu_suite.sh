@@ -146,8 +146,8 @@ case "$part" in
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
       --tokens 65536 131072 262144 --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 \
       --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
-  longctx-memory)  # what is alive at the peak of a long step (the planner reserves ~123 KB a token for the
-    # layer working set where the Llama-3-8B rows imply ~72): 131,072 tokens, every layer input on the GPU
+  longctx-memory)  # what is alive at the peak of a long step (the planner reserves 129 KB a token for the
+    # layer being recomputed where the Llama-3-8B rows imply ~72): 131,072 tokens, every layer input on the GPU
     model=${2:-llama3-8b}
     run "longctx_memory_$model" 300 python3 benchmarks/longctx.py --model "$model" --modes offload --tokens 131072 \
       --doc-tokens 8192 --memory-profile --time-budget 250 --out "$OUT/longctx_memory_$model.json" ;;
