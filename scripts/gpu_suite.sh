@@ -11,7 +11,7 @@
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
-#   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk at 1,024 / 2,048 tokens, Qwen3-0.6B, batch 8-32 (~3 min)
+#   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
@@ -81,9 +81,14 @@ case "$part" in
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
   sft-chunk)  # peak memory vs speed of the fused loss's chunk on the small shapes (swiftune's peak is above
     # TRL's there: its logits block is sized from free memory, up to 4,096 tokens x the vocabulary)
-    for c in 1024 2048; do
-      run "sft_chunk_$c" 280 python3 benchmarks/sft.py --model qwen3-0.6b --batch 8 16 32 --steps 10 --warmup 3 \
-        --modes swiftune --logit-chunk-tokens "$c" --out "$OUT/sft_chunk_$c.json"
+    # (auto = no flag, in the same call); then the same A/B on the Qwen3-8B shape at batch 16
+    for c in auto 1024 2048; do
+      run "sft_chunk_06b_$c" 120 python3 benchmarks/sft.py --model qwen3-0.6b --batch 8 16 32 --steps 10 --warmup 3 \
+        --modes swiftune $([ "$c" != auto ] && echo --logit-chunk-tokens "$c") --out "$OUT/sft_chunk_06b_$c.json"
+    done
+    for c in auto 1024; do
+      run "sft_chunk_8b_$c" 100 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+        --modes swiftune $([ "$c" != auto ] && echo --logit-chunk-tokens "$c") --out "$OUT/sft_chunk_8b_$c.json"
     done ;;
   sft-full)
     run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
