@@ -48,6 +48,7 @@ def summarise(events: Iterable[tuple[str, float, int]], top: int = 12) -> dict:
     share = (lambda us: us / total) if total else (lambda us: 0.0)
     return {
         "device_ms": total / 1e3,
+        "launches": sum(c for _, _, c in events),
         "kinds": [{"kind": k, "ms": us / 1e3, "share": share(us)}
                   for k, us in sorted(kinds.items(), key=lambda kv: -kv[1])],
         "top": [{"kernel": n[:120], "kind": kind_of(n), "ms": us / 1e3, "calls": c, "share": share(us)}
@@ -77,8 +78,38 @@ def device_time_profile(result: dict) -> Iterator[None]:
     result["profile"] = summarise(events)
 
 
+def profile_callback(step: int, record: dict):
+    """A Trainer callback that profiles optimizer step ``step`` (1-based) into ``record["profile"]``
+    (:func:`device_time_profile`), with that step's wall time as ``step_wall_ms``: when the device
+    is busy for a small part of the wall time, the step is bound by the host (Python, launches).
+    The profiler adds its own cost to that wall time; compare with an unprofiled step too."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class DeviceTimeProfile(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:
+                import torch
+
+                torch.cuda.synchronize()
+                record["_profiling"] = contextlib.ExitStack()
+                record["_profiling"].enter_context(device_time_profile(record))
+                record["_t0"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step and "_profiling" in record:
+                record.pop("_profiling").close()  # synchronizes, then summarises
+                record["profile"]["step_wall_ms"] = (time.perf_counter() - record.pop("_t0")) * 1e3
+
+    return DeviceTimeProfile()
+
+
 def format_profile(p: dict, title: str = "") -> str:
-    lines = [f"# device time{(' of ' + title) if title else ''}: {p['device_ms'] / 1e3:.2f} s"]
+    lines = [f"# device time{(' of ' + title) if title else ''}: {p['device_ms'] / 1e3:.2f} s"
+             + (f" in {p['launches']:,} kernels and copies" if "launches" in p else "")
+             + (f"; the step took {p['step_wall_ms'] / 1e3:.2f} s of wall time (device busy "
+                f"{p['device_ms'] / p['step_wall_ms']:.0%})" if p.get("step_wall_ms") else "")]
     lines += [f"  {k['kind']:<38} {k['ms'] / 1e3:8.2f} s  {100 * k['share']:5.1f}%" for k in p["kinds"]]
     lines.append("  top kernels:")
     lines += [f"  {t['ms'] / 1e3:8.2f} s {100 * t['share']:5.1f}% {t['calls']:6d}x  {t['kernel'][:90]}" for t in p["top"]]

@@ -239,13 +239,15 @@ def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path
     out = tmp_path / "sft.json"
     modes = ["hf_padded", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
     proc = run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "3", "--warmup", "1",
-                      "--modes", *modes, "--budget", "256", "--max_length", "128", "--out", str(out))
+                      "--modes", *modes, "--budget", "256", "--max_length", "128", "--time-profile",
+                      "--out", str(out))
     rows = {r["mode"]: r for r in json.loads(out.read_text())}
     assert set(rows) == set(modes) and not any("error" in r for r in rows.values()), proc.stdout[-2000:]
     assert rows["hf_padded"]["padding_fraction"] > 0
     assert all(rows[m]["padding_fraction"] == 0 and rows[m]["tokens_per_s"] > 0 for m in modes[1:])
     assert "x hf_padded" in proc.stdout.splitlines()[-5]  # the table is printed last
     assert all(0 < r["trainable_fraction"] < 0.2 and r["finetune"] == "lora r=16" for r in rows.values())
+    assert not any("time_profile" in r for r in rows.values())  # --time-profile is CUDA's: a no-op here
 
 
 def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):
@@ -494,7 +496,11 @@ def test_time_profile_sums_device_time_by_kind():
     assert [k["ms"] for k in p["kinds"]] == sorted((k["ms"] for k in p["kinds"]), reverse=True)
     assert sum(k["share"] for k in p["kinds"]) == pytest.approx(1.0)
     assert [t["ms"] for t in p["top"]] == sorted((us / 1e3 for _, us, _ in events), reverse=True)[:4]
+    assert p["launches"] == sum(c for _, us, c in events if us > 0)
     assert "attention" in tp.format_profile(p, "x")
+    # against a step's wall time: the share of it the device was busy
+    p["step_wall_ms"] = 4 * p["device_ms"]
+    assert "device busy 25%" in tp.format_profile(p, "x") and f"{p['launches']:,} kernels" in tp.format_profile(p)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
