@@ -17,6 +17,7 @@
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, to 5% from the planner's answer (~15 min: detached, then longctx-wait)
+#   scripts/gpu_suite.sh longctx-single [MODEL] [TOKENS] # one sequence (default Llama-3-8B, 409,600), detached: then longctx-wait
 #   scripts/gpu_suite.sh longctx-memory [MODEL] # what is alive at the peak of a 131,072-token step (~2 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
@@ -108,6 +109,13 @@ case "$part" in
     setsid nohup python3 benchmarks/longctx.py --model "$model" --modes offload --tokens-from-planner \
       --doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 1500 --out /tmp/longctx_bisect.json \
       > /tmp/longctx_bisect.log 2>&1 < /dev/null &
+    for _ in $(seq 56); do [ -f /tmp/longctx_bisect.json ] && break; sleep 10; done
+    tail -12 /tmp/longctx_bisect.log; cp /tmp/longctx_bisect.* "$OUT/" 2>/dev/null ;;
+  longctx-single)  # one causal sequence of TOKENS (default 409,600) with offload, detached (a step is ~8-13 min:
+    # quadratic attention); poll with longctx-wait
+    model=${2:-llama3-8b}; tokens=${3:-409600}
+    setsid nohup python3 benchmarks/longctx.py --model "$model" --modes offload --tokens "$tokens" --doc-tokens 0 \
+      --repeats 1 --time-budget 5000 --out /tmp/longctx_bisect.json > /tmp/longctx_bisect.log 2>&1 < /dev/null &
     for _ in $(seq 56); do [ -f /tmp/longctx_bisect.json ] && break; sleep 10; done
     tail -12 /tmp/longctx_bisect.log; cp /tmp/longctx_bisect.* "$OUT/" 2>/dev/null ;;
   longctx-wait)
