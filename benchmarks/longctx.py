@@ -43,7 +43,8 @@ table is printed last; ``--out`` writes JSON.
     python benchmarks/longctx.py --tokens 409600 --modes offload --doc-tokens 0   # one 400K sequence (attention
                                                                   # dominates: ~8-10 min, over a 10-min call limit?)
     python benchmarks/longctx.py --model tiny                             # CPU smoke test (~1 min)
-    python benchmarks/longctx.py --modes trl_liger --tokens 65536 131072 262144 --bisect trl_liger  # TRL + Liger
+    python benchmarks/longctx.py --modes trl_liger --tokens 32768 65536 --bracket-from-fit --bisect trl_liger \
+        --bisect-tol 0.05 --doc-tokens 0   # TRL + Liger: trials where a line through two rows fills the GPU
     python benchmarks/longctx.py --modes offload --tokens-from-planner --bisect offload --bisect-tol 0.05 \
         --doc-tokens 8192          # the largest row that fits, within 5%, starting at the planner's answer
 """
@@ -51,7 +52,9 @@ table is printed last; ``--out`` writes JSON.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -323,6 +326,58 @@ def planner_bracket(name: str, mode: str, gpu_bytes: int, host_bytes: int, args)
     return [int(best * f) // 1024 * 1024 for f in (0.975, 1.02)], best
 
 
+def fit_bracket(rows: list[dict], mode: str, gpu_bytes: int, margin_bytes: int = 2**30) -> tuple[list[int], int] | None:
+    """Where a line through ``mode``'s two largest fitting rows (reserved memory against tokens)
+    reaches ``gpu_bytes - margin_bytes``, and two sizes around it (2.5% under, 2% over, multiples
+    of 1,024), as :func:`planner_bracket` gives for swiftune: for a mode the planner does not
+    model (TRL + Liger), whose memory is linear in the tokens (flash-style attention, chunked
+    loss). ``None`` without two fitting sizes or with a flat line."""
+    pts = sorted({r["tokens"]: r["peak_reserved"] for r in rows
+                  if r["mode"] == mode and r["status"] == "ok" and r.get("peak_reserved")}.items())[-2:]
+    if len(pts) < 2:
+        return None
+    (t0, p0), (t1, p1) = pts
+    slope = (p1 - p0) / (t1 - t0)
+    if slope <= 0:
+        return None
+    best = int(t1 + (gpu_bytes - margin_bytes - p1) / slope)
+    return [max(1024, int(best * f) // 1024 * 1024) for f in (0.975, 1.02)], best
+
+
+def within_budget(start: float, budget_s: float) -> bool:
+    return time.perf_counter() - start < budget_s
+
+
+def measure_row(rows: list[dict], model, mode: str, args, device, optimizer, tokens: int) -> dict:
+    """:func:`measure` one row, append it to ``rows`` and print it."""
+    rows.append(measure(model, mode, tokens, args, device, optimizer))
+    print_row(rows[-1])
+    return rows[-1]
+
+
+def bracket_search(first: list[int], mode: str, trial: Callable[[int], dict], time_left: Callable[[], bool],
+                   known: list[dict] | None = None) -> list[dict]:
+    """Trials at ``first`` (stopping at the first size that does not fit), then 5% steps out
+    (:func:`next_size_to_bracket` over ``known`` + these trials) until one size fits and one does
+    not, while ``time_left()``. ``trial(n)`` runs one row and returns it. Returns the trials."""
+    search = list(known or [])
+    done: list[dict] = []
+    for n in first:
+        if not time_left():
+            return done
+        done.append(trial(n))
+        search.append(done[-1])
+        if done[-1]["status"].startswith("oom"):
+            break
+    while time_left():
+        n = next_size_to_bracket(search, mode)  # the first sizes were off by more than their bracket
+        if n is None:
+            break
+        done.append(trial(n))
+        search.append(done[-1])
+    return done
+
+
 def next_size_to_bracket(rows: list[dict], mode: str, step: float = 0.05) -> int | None:
     """Until ``mode`` has a size that fitted and one that did not: 5% above the largest fit when
     nothing failed, 5% below the smallest failure when nothing fitted (multiples of 1,024);
@@ -372,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-from-planner", action="store_true",
                    help="offload mode: the sizes are the planner's largest fitting row -2.5%% / +2%%; the mode "
                         "then grows by 5%% while it fits, and bisects (with --bisect)")
+    p.add_argument("--bracket-from-fit", action="store_true",
+                   help="after the --tokens rows of a mode (two at least, all fitting): two trials around where "
+                        "a line through the two largest reaches the GPU's memory, 5%% steps out if both fit or "
+                        "fail, then --bisect (for TRL + Liger, which the planner does not model)")
     p.add_argument("--no-autocast", dest="autocast", action="store_false",
                    help="run swiftune's step without bf16 autocast (the float32 LoRA matmuls of PEFT's default)")
     p.add_argument("--memory-profile", action="store_true",
@@ -451,12 +510,19 @@ def main(argv: list[str] | None = None) -> int:
                 first = False
                 if row["status"].startswith("oom"):
                     break
-            while args.tokens_from_planner and time.perf_counter() - start < args.time_budget:
-                n = next_size_to_bracket(rows, mode)  # the planner was off by more than its bracket
-                if n is None:
-                    break
-                rows.append(measure(model, mode, n, args, device, optimizer))
-                print_row(rows[-1])
+            fit = None
+            if args.bracket_from_fit and device.type == "cuda" and not any(
+                    r["mode"] == mode and r["status"].startswith("oom") for r in rows):
+                fit = fit_bracket(rows, mode, torch.cuda.get_device_properties(device).total_memory)
+            trial = functools.partial(measure_row, rows, model, mode, args, device, optimizer)
+            time_left = functools.partial(within_budget, start, args.time_budget)
+            if fit is not None:
+                print(f"# {mode}: a line through its two largest rows reaches the GPU at {fit[1]:,} tokens; "
+                      f"trials {fit[0]}", flush=True)
+                bracket_search(fit[0], mode, trial, time_left)
+            elif args.tokens_from_planner:  # the planner's two sizes were the grid
+                bracket_search([], mode, trial, time_left, known=[r for r in rows if r["mode"] == mode])
+            del trial  # (it holds the model, freed below)
             if args.bisect is not None and mode in (args.bisect or args.modes):
                 ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
                 bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]

@@ -163,9 +163,10 @@ case "$part" in
       --out "$OUT/grpo_profile_varlen.json" ;;
   longctx-trl)  # TRL + Liger's largest single sequence (quadratic attention: a trial at 256K takes minutes)
     model=${2:-qwen3-8b}
+    # two quick rows, then trials around where the line through them fills the GPU, then bisection to 5%
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
-      --tokens 65536 131072 262144 --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 \
-      --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
+      --tokens 32768 65536 --bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 \
+      --bisect-tol 0.05 --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
   longctx-memory)  # what is alive at the peak of a long step (the planner reserves 129 KB a token for the
     # layer being recomputed where the Llama-3-8B rows imply ~72): 131,072 tokens, every layer input on the GPU
     model=${2:-llama3-8b}

@@ -325,6 +325,53 @@ def test_longctx_search_from_the_planner_brackets_within_five_percent():
     assert "autocast" not in longctx._plan_kwargs("baseline", args)
 
 
+def test_longctx_bracket_from_a_line_through_the_two_largest_rows():
+    """TRL + Liger's search: the line through the two largest fitting rows' reserved memory gives
+    where the GPU fills; two trials around it, 5% steps out when both fit or both fail."""
+    longctx = load_bench_module("longctx")
+    gen = torch.Generator().manual_seed(3)
+    fixed, per_token = 17e9 + float(torch.rand(1, generator=gen)) * 1e9, 3e5 + float(torch.rand(1, generator=gen)) * 2e5
+    rows = [{"mode": "trl_liger", "tokens": t, "status": "ok", "peak_reserved": fixed + per_token * t}
+            for t in (16384, 32768, 65536)]
+    rows.insert(0, {"mode": "trl_liger", "tokens": 8192, "status": "ok", "peak_reserved": 1e12})  # not used: not among the two largest
+    gpu, margin = int(150e9), 2**30
+    (low, high), best = longctx.fit_bracket(rows, "trl_liger", gpu, margin)
+    assert best == pytest.approx((gpu - margin - fixed) / per_token, abs=2)
+    assert low == int(best * 0.975) // 1024 * 1024 and high == int(best * 1.02) // 1024 * 1024
+    assert longctx.fit_bracket(rows[:2], "trl_liger", gpu) is None  # a falling line (8192's outlier): no answer
+    assert longctx.fit_bracket(rows[2:3], "trl_liger", gpu) is None  # one row: no line
+    flat = [dict(r, peak_reserved=20e9) for r in rows]
+    assert longctx.fit_bracket(flat, "trl_liger", gpu) is None and longctx.fit_bracket(rows, "other", gpu) is None
+
+    def searching(limit: int, first: list[int], budget: int = 99):
+        tried = []
+
+        def trial(n):
+            tried.append(n)
+            return {"mode": "m", "tokens": n, "status": "ok" if n <= limit else "oom"}
+        return longctx.bracket_search(first, "m", trial, lambda: len(tried) < budget), tried
+
+    done, tried = searching(150_000, [146_432, 152_576])  # the line was right: two trials
+    assert tried == [146_432, 152_576] and [r["status"] for r in done] == ["ok", "oom"]
+    done, tried = searching(200_000, [146_432, 152_576])  # too low: 5% steps up until one fails
+    assert tried[:2] == [146_432, 152_576] and done[-1]["status"] == "oom" and done[-2]["status"] == "ok"
+    assert all(b == int(a * 1.05) // 1024 * 1024 for a, b in zip(tried[1:], tried[2:]))
+    done, tried = searching(120_000, [146_432, 152_576])  # too high: the second trial is skipped, 5% steps down
+    assert tried[0] == 146_432 and 152_576 not in tried and done[-1]["status"] == "ok"
+    assert all(r["status"] == "oom" for r in done[:-1])
+    done, tried = searching(120_000, [146_432, 152_576], budget=1)  # out of time after one trial
+    assert tried == [146_432]
+    # the planner's path: its two sizes already measured (known), steps out from them
+    known = [{"mode": "m", "tokens": 100_352, "status": "ok"}, {"mode": "m", "tokens": 104_448, "status": "ok"}]
+    done, tried = searching(112_000, [], budget=99)
+    assert tried == [] and done == []  # nothing known, nothing to step from
+    done = longctx.bracket_search([], "m", lambda n: tried.append(n) or {"mode": "m", "tokens": n,
+                                                                        "status": "ok" if n <= 112_000 else "oom"},
+                                  lambda: True, known=known)
+    assert tried == [int(104_448 * 1.05) // 1024 * 1024, int(int(104_448 * 1.05) // 1024 * 1024 * 1.05) // 1024 * 1024]
+    assert [r["status"] for r in done] == ["ok", "oom"]
+
+
 def test_longctx_plans_offload_rows_with_the_host_memory_the_run_started_with():
     """The offload rows' planner columns use the host memory measured once at the start (the
     pinned pool of the run's own trials must not shrink it): layer inputs the host cannot hold
