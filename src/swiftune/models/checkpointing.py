@@ -78,7 +78,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .lora_casting import LORA_CAST_FLAG
+from .lora_casting import lora_inputs_cast
 from .offload_memory import (
     PAGE_BYTES,
     CheckpointBudgetError,
@@ -356,8 +356,7 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
         else:
             full = any(p.requires_grad for p in model.parameters())
         if rank:  # PEFT's per-layer input cast, switched off by the trainers (models.lora_casting)
-            layer = next((m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, LORA_CAST_FLAG)), None)
-            casts = layer is None or bool(getattr(layer, LORA_CAST_FLAG))
+            casts = lora_inputs_cast(model)
     from ..attention.backends import planner_attention_terms
 
     return TrainSetup(

@@ -26,8 +26,20 @@ from torch import nn
 LORA_CAST_FLAG = "cast_input_dtype_enabled"  # peft.tuners.tuners_utils.BaseTunerLayer's attribute
 
 
+def _is_lora_layer(module: nn.Module) -> bool:
+    return hasattr(module, LORA_CAST_FLAG) and hasattr(module, "lora_A")
+
+
 def _lora_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, LORA_CAST_FLAG) and hasattr(m, "lora_A")]
+    return [m for m in model.modules() if _is_lora_layer(m)]
+
+
+def lora_inputs_cast(model: nn.Module) -> bool:
+    """Whether ``model``'s PEFT LoRA layers copy their inputs to the adapter dtype right now
+    (PEFT's default; False inside :func:`lora_input_casting` ``(enabled=False)``). True without
+    LoRA layers. Reads the first layer only: the flag is switched for all of them together."""
+    layer = next((m for m in model.modules() if _is_lora_layer(m)), None)
+    return layer is None or bool(getattr(layer, LORA_CAST_FLAG))
 
 
 @contextlib.contextmanager
@@ -65,4 +77,5 @@ def training_step_lora_casting(model: nn.Module, args: Any) -> contextlib.Abstra
     return contextlib.nullcontext()
 
 
-__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting", "training_step_lora_casting"]
+__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting", "lora_inputs_cast",
+           "training_step_lora_casting"]

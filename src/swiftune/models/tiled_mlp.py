@@ -241,20 +241,25 @@ def _is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj"))
 
 
+def has_tiled_forward(module: nn.Module) -> bool:
+    """Whether :func:`enable_tiled_mlp` bound its tiled forward on this module instance."""
+    return _ORIG in module.__dict__
+
+
 def replace_untiled_forward(module: nn.Module, forward: Callable | None) -> bool:
     """If :func:`enable_tiled_mlp` bound its tiled forward on ``module``, make ``forward`` (a bound
     method; ``None``: the class's) what each tile runs, keeping the tiling, and return True; else
     change nothing and return False. :func:`swiftune.patch_model` patches underneath the tiling
     this way, so patching after tiling (the trainers patch an unpatched model they are given)
     does not silently switch the tiling off."""
-    if _ORIG not in module.__dict__:
+    if not has_tiled_forward(module):
         return False
     module.__dict__[_ORIG] = forward
     return True
 
 
 def _bind_tiled(module: nn.Module, tile_tokens: int | None) -> None:
-    if _ORIG not in module.__dict__:
+    if not has_tiled_forward(module):
         module.__dict__[_ORIG] = module.__dict__.get("forward")  # None: the class forward
     setattr(module, _TILE, tile_tokens)
     module.forward = MethodType(_tiled_forward, module)
@@ -291,7 +296,7 @@ def enable_tiled_mlp(model: nn.Module, tile_tokens: int | None = None, *, projec
 def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     """Restore the forwards :func:`enable_tiled_mlp` replaced."""
     for module in model.modules():
-        if _ORIG in module.__dict__:
+        if has_tiled_forward(module):
             orig = module.__dict__.pop(_ORIG)
             if orig is None:
                 module.__dict__.pop("forward", None)
@@ -301,16 +306,11 @@ def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     return model
 
 
-def has_tiled_forward(module: nn.Module) -> bool:
-    """Whether :func:`enable_tiled_mlp` bound its tiled forward on this module instance."""
-    return _ORIG in module.__dict__
-
-
 def is_tiled(model: nn.Module, projections: bool = False) -> bool:
     """Whether :func:`enable_tiled_mlp` is active on an MLP (or, with ``projections``, on an
     attention projection) of ``model``."""
     for name, m in model.named_modules():
-        if _ORIG in m.__dict__:
+        if has_tiled_forward(m):
             is_proj = name.rsplit(".", 1)[-1] in _PROJECTIONS
             if is_proj == projections:
                 return True
