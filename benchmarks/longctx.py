@@ -165,7 +165,8 @@ def step(model, mode: str, batch: dict, optimizer, autocast: bool = False) -> fl
 
 
 def _plan_kwargs(mode: str, args) -> dict:
-    """The planner's options for a benchmark mode."""
+    """The planner's options for a benchmark mode; offload mode with the host memory the run
+    started with (``args.host_bytes``, when known), so inputs the host cannot hold are derived."""
     kw: dict = dict(kv_expanded=args.kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
     if mode == "baseline":
         kw.update(chunked_loss=False, tiled_mlp=False, tiled_projections=False, gradient_checkpointing=True)
@@ -177,21 +178,19 @@ def _plan_kwargs(mode: str, args) -> dict:
         kw.update(gradient_checkpointing="offload")
     if mode not in TRL_MODES and mode != "baseline" and args.autocast:  # swiftune's step (see step())
         kw.update(autocast=True, lora_input_casts=False)
+    if mode == "offload" and getattr(args, "host_bytes", None) is not None:
+        kw["host_bytes"] = args.host_bytes
     return kw
 
 
 def predict(name: str, tokens: int, mode: str, gpu_bytes: int | None, args) -> dict:
-    """The planner's figures for one row; offload mode with the host memory the run started with
-    (``args.host_bytes``, when known), so layer inputs the host cannot hold are derived there too."""
+    """The planner's figures for one row (:func:`_plan_kwargs`)."""
     from swiftune.memory import plan_memory
 
     from workload import MODEL_SHAPES
 
     gpu = None if mode == "offload_all" else gpu_bytes
-    kw = _plan_kwargs(mode, args)
-    if mode == "offload" and getattr(args, "host_bytes", None) is not None:
-        kw["host_bytes"] = args.host_bytes
-    plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **kw)
+    plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **_plan_kwargs(mode, args))
     return {"pred_allocated": plan.allocated, "pred_total": plan.total, "pred_kept": plan.kept_layers,
             "pred_host": plan.host_bytes, "pred_derived": plan.derived_layers}
 
@@ -312,24 +311,26 @@ def bisect_done(lo: int, hi: int, args) -> bool:
     return hi - lo <= max(args.bisect_granularity, (args.bisect_tol or 0.0) * lo)
 
 
-def planner_bracket(name: str, mode: str, gpu_bytes: int, host_bytes: int, args) -> tuple[list[int], int]:
-    """The planner's largest fitting row for ``mode`` and two sizes around it (2.5% under, 2% over,
-    multiples of 1,024): when the planner is within that, two trials bracket the answer within 5%."""
+def sizes_around(best: int) -> list[int]:
+    """Two trial sizes around an expected largest fit: 2.5% under and 2% over, multiples of 1,024
+    (when the expectation is within that, two trials bracket the answer within 5%)."""
+    return [int(best * f) // 1024 * 1024 for f in (0.975, 1.02)]
+
+
+def planner_bracket(name: str, mode: str, gpu_bytes: int, args) -> tuple[list[int], int]:
+    """The planner's largest fitting row for ``mode`` (:func:`_plan_kwargs`) and :func:`sizes_around` it."""
     from swiftune.memory import max_tokens
 
     from workload import MODEL_SHAPES
 
-    kw = _plan_kwargs(mode, args)
-    if mode == "offload":
-        kw["host_bytes"] = host_bytes
-    best = max_tokens(dict(MODEL_SHAPES[name]), gpu_bytes, 16, **kw)
-    return [int(best * f) // 1024 * 1024 for f in (0.975, 1.02)], best
+    best = max_tokens(dict(MODEL_SHAPES[name]), gpu_bytes, 16, **_plan_kwargs(mode, args))
+    return sizes_around(best), best
 
 
 def fit_bracket(rows: list[dict], mode: str, gpu_bytes: int, margin_bytes: int = 2**30) -> tuple[list[int], int] | None:
     """Where a line through ``mode``'s two largest fitting rows (reserved memory against tokens)
-    reaches ``gpu_bytes - margin_bytes``, and two sizes around it (2.5% under, 2% over, multiples
-    of 1,024), as :func:`planner_bracket` gives for swiftune: for a mode the planner does not
+    reaches ``gpu_bytes - margin_bytes``, and :func:`sizes_around` it (at least 1,024), as
+    :func:`planner_bracket` gives for swiftune: for a mode the planner does not
     model (TRL + Liger), whose memory is linear in the tokens (flash-style attention, chunked
     loss). ``None`` without two fitting sizes or with a flat line."""
     pts = sorted({r["tokens"]: r["peak_reserved"] for r in rows
@@ -341,7 +342,7 @@ def fit_bracket(rows: list[dict], mode: str, gpu_bytes: int, margin_bytes: int =
     if slope <= 0:
         return None
     best = int(t1 + (gpu_bytes - margin_bytes - p1) / slope)
-    return [max(1024, int(best * f) // 1024 * 1024) for f in (0.975, 1.02)], best
+    return [max(1024, n) for n in sizes_around(best)], best
 
 
 def within_budget(start: float, budget_s: float) -> bool:
@@ -378,12 +379,18 @@ def bracket_search(first: list[int], mode: str, trial: Callable[[int], dict], ti
     return done
 
 
+def fitted_and_failed(rows: list[dict], mode: str) -> tuple[list[int], list[int]]:
+    """The token counts of ``mode``'s rows that fitted, and of those that ran out of memory."""
+    ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
+    bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]
+    return ok, bad
+
+
 def next_size_to_bracket(rows: list[dict], mode: str, step: float = 0.05) -> int | None:
     """Until ``mode`` has a size that fitted and one that did not: 5% above the largest fit when
     nothing failed, 5% below the smallest failure when nothing fitted (multiples of 1,024);
     ``None`` once bracketed (or before any trial)."""
-    ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
-    bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]
+    ok, bad = fitted_and_failed(rows, mode)
     if (ok and bad) or not (ok or bad):
         return None
     n = max(ok) * (1 + step) if ok else min(bad) * (1 - step)
@@ -467,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type != "cuda" or args.modes != ["offload"]:
             p.error("--tokens-from-planner needs a CUDA device and --modes offload")
         args.tokens, args.planner_best = planner_bracket(
-            args.model, "offload", torch.cuda.get_device_properties(device).total_memory, args.host_bytes, args)
+            args.model, "offload", torch.cuda.get_device_properties(device).total_memory, args)
         print(f"# planner: largest fitting row {args.planner_best:,} tokens; trials {args.tokens}", flush=True)
     if args.tokens is None:
         args.tokens = TINY_TOKENS if args.model == "tiny" else DEFAULT_TOKENS
@@ -511,8 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                 if row["status"].startswith("oom"):
                     break
             fit = None
-            if args.bracket_from_fit and device.type == "cuda" and not any(
-                    r["mode"] == mode and r["status"].startswith("oom") for r in rows):
+            if args.bracket_from_fit and device.type == "cuda" and not fitted_and_failed(rows, mode)[1]:
                 fit = fit_bracket(rows, mode, torch.cuda.get_device_properties(device).total_memory)
             trial = functools.partial(measure_row, rows, model, mode, args, device, optimizer)
             time_left = functools.partial(within_budget, start, args.time_budget)
@@ -524,8 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 bracket_search([], mode, trial, time_left, known=[r for r in rows if r["mode"] == mode])
             del trial  # (it holds the model, freed below)
             if args.bisect is not None and mode in (args.bisect or args.modes):
-                ok = [r["tokens"] for r in rows if r["mode"] == mode and r["status"] == "ok"]
-                bad = [r["tokens"] for r in rows if r["mode"] == mode and r["status"].startswith("oom")]
+                ok, bad = fitted_and_failed(rows, mode)
                 if ok and bad and time.perf_counter() - start < args.time_budget:
                     best = bisect(model, mode, max(ok), min(bad), args, device, optimizer, rows)
                     rows.append({"mode": mode, "tokens": best, "status": "max_fit"})
@@ -548,11 +553,8 @@ def main(argv: list[str] | None = None) -> int:
 
         gpu = torch.cuda.get_device_properties(device).total_memory
         for mode in args.modes:
-            if mode != "offload_all":
-                kw = _plan_kwargs(mode, args)
-                if mode == "offload":
-                    kw["host_bytes"] = args.host_bytes  # as the run started (see above)
-                predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **kw)
+            if mode != "offload_all":  # (offload: with the host memory as the run started, see above)
+                predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **_plan_kwargs(mode, args))
         print("# planner's largest fitting token count: "
               + ", ".join(f"{m} {n:,}" for m, n in predicted.items()), flush=True)
     if args.out:

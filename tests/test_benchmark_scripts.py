@@ -308,9 +308,10 @@ def test_longctx_search_from_the_planner_brackets_within_five_percent():
 
     args = argparse.Namespace(kv_expanded=True, tile_projections=True, mlp_tile=None, autocast=True,
                               bisect_granularity=1024, bisect_tol=0.05)
-    (low, high), best = longctx.planner_bracket("qwen3-8b", "offload", int(150e9), int(120e9), args)
-    assert best == max_tokens(dict(MODEL_SHAPES["qwen3-8b"]), int(150e9), 16, **longctx._plan_kwargs("offload", args),
-                              host_bytes=int(120e9))
+    args.host_bytes = int(120e9)  # what the run measured at its start
+    (low, high), best = longctx.planner_bracket("qwen3-8b", "offload", int(150e9), args)
+    assert best == max_tokens(dict(MODEL_SHAPES["qwen3-8b"]), int(150e9), 16,
+                              **dict(longctx._plan_kwargs("offload", args), host_bytes=int(120e9)))
     assert low % 1024 == high % 1024 == 0 and low < best < high and longctx.bisect_done(low, high, args)
     assert not longctx.bisect_done(low, int(low * 1.06), args)
     rows = [{"mode": "offload", "tokens": low, "status": "ok"}, {"mode": "offload", "tokens": high, "status": "ok"}]
@@ -387,7 +388,7 @@ def test_longctx_plans_offload_rows_with_the_host_memory_the_run_started_with():
                               host_bytes=int(118.1e9))
     row = longctx.predict("llama3-8b", 720896, "offload", int(150.1e9), args)
     ref = plan_memory(dict(MODEL_SHAPES["llama3-8b"]), 720896, 16, gpu_bytes=int(150.1e9),
-                      host_bytes=int(118.1e9), **longctx._plan_kwargs("offload", args))
+                      **dict(longctx._plan_kwargs("offload", args), host_bytes=int(118.1e9)))
     assert (row["pred_kept"], row["pred_derived"], row["pred_host"]) == (ref.kept_layers, ref.derived_layers,
                                                                          ref.host_bytes)
     assert row["pred_derived"] > 0 and row["pred_host"] <= args.host_bytes  # the host holds what it can
