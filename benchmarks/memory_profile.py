@@ -113,22 +113,6 @@ def peak_profile(record: dict, top: int = 12) -> Iterator[None]:
         record["peak_profile"] = stop_recording(before, top)
 
 
-def peak_profile_callback(step: int, record: dict, top: int = 12):
-    """A Trainer callback that profiles optimizer step ``step`` (1-based) into ``record["peak_profile"]``."""
-    from transformers import TrainerCallback
-
-    class PeakProfile(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step + 1 == step:
-                record["bytes_before"] = start_recording()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == step and "bytes_before" in record:
-                record["peak_profile"] = stop_recording(record["bytes_before"], top)
-
-    return PeakProfile()
-
-
 def format_breakdown(profile: dict) -> str:
     lines = [f"  before the step {profile['before_step_gb']:6.2f} GB; peak of the step "
              f"{profile['step_peak_gb']:6.2f} GB; allocated in the step and alive at its peak:"]

@@ -84,7 +84,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     import torch
     from peft import LoraConfig
 
-    from workload import random_model, random_token_rows, sample_lengths, word_tokenizer
+    from workload import random_model, random_token_rows, sample_lengths, step_context_callback, word_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
     model = random_model(model_name, device, torch.bfloat16)
@@ -152,13 +152,13 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     params = list(trainer.model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     if memory_profile and device == "cuda":  # before the timer: its t0 is taken after the profiled step
-        from memory_profile import peak_profile_callback
+        from memory_profile import peak_profile
 
-        trainer.add_callback(peak_profile_callback(warmup, record))
+        trainer.add_callback(step_context_callback(warmup, lambda: peak_profile(record)))
     elif time_profile and device == "cuda":  # (one profiler at a time)
-        from time_profile import profile_callback
+        from time_profile import timed_device_profile
 
-        trainer.add_callback(profile_callback(warmup, record))
+        trainer.add_callback(step_context_callback(warmup, lambda: timed_device_profile(record)))
     trainer.add_callback(timing_callback(warmup, record))
     trainer.train()
     elapsed = record["t1"] - record["t0"]

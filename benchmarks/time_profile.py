@@ -78,31 +78,21 @@ def device_time_profile(result: dict) -> Iterator[None]:
     result["profile"] = summarise(events)
 
 
-def profile_callback(step: int, record: dict):
-    """A Trainer callback that profiles optimizer step ``step`` (1-based) into ``record["profile"]``
-    (:func:`device_time_profile`), with that step's wall time as ``step_wall_ms``: when the device
-    is busy for a small part of the wall time, the step is bound by the host (Python, launches).
-    The profiler adds its own cost to that wall time; compare with an unprofiled step too."""
+@contextlib.contextmanager
+def timed_device_profile(result: dict) -> Iterator[None]:
+    """:func:`device_time_profile` of the ``with`` body, plus its wall time as
+    ``result["profile"]["step_wall_ms"]``: when the device is busy for a small part of the wall
+    time, the body is bound by the host (Python, launches). The profiler adds its own cost to that
+    wall time; compare with an unprofiled run too."""
     import time
 
-    from transformers import TrainerCallback
+    import torch
 
-    class DeviceTimeProfile(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step + 1 == step:
-                import torch
-
-                torch.cuda.synchronize()
-                record["_profiling"] = contextlib.ExitStack()
-                record["_profiling"].enter_context(device_time_profile(record))
-                record["_t0"] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == step and "_profiling" in record:
-                record.pop("_profiling").close()  # synchronizes, then summarises
-                record["profile"]["step_wall_ms"] = (time.perf_counter() - record.pop("_t0")) * 1e3
-
-    return DeviceTimeProfile()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with device_time_profile(result):  # synchronizes, then summarises
+        yield
+    result["profile"]["step_wall_ms"] = (time.perf_counter() - t0) * 1e3
 
 
 def format_profile(p: dict, title: str = "") -> str:

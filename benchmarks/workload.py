@@ -8,8 +8,10 @@ this repository travels.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
@@ -116,6 +118,27 @@ def pad_to_longest(examples: list[dict]) -> dict:
     labels = ids.masked_fill(att == 0, -100)
     labels[:, 0] = -100
     return {"input_ids": ids, "attention_mask": att, "labels": labels}
+
+
+def step_context_callback(step: int, open_context: Callable[[], contextlib.AbstractContextManager]):
+    """A Trainer callback that runs optimizer step ``step`` (1-based) inside ``open_context()``
+    (a profiler, say): entered as the step begins, exited as it ends."""
+    from transformers import TrainerCallback
+
+    class StepContext(TrainerCallback):
+        stack: contextlib.ExitStack | None = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == step:
+                self.stack = contextlib.ExitStack()
+                self.stack.enter_context(open_context())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == step and self.stack is not None:
+                self.stack.close()
+                self.stack = None
+
+    return StepContext()
 
 
 def word_tokenizer(vocab_size: int):

@@ -551,6 +551,29 @@ def test_time_profile_sums_device_time_by_kind():
     assert "device busy 25%" in tp.format_profile(p, "x") and f"{p['launches']:,} kernels" in tp.format_profile(p)
 
 
+def test_step_context_callback_wraps_exactly_the_chosen_step():
+    """The profilers' Trainer callback: the context is entered as step ``k`` begins and left as it
+    ends (global_step counts finished steps, so step k begins at k - 1), once."""
+    import contextlib
+    from types import SimpleNamespace
+
+    workload = load_bench_module("workload")
+    events = []
+
+    @contextlib.contextmanager
+    def probe():
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    cb = workload.step_context_callback(3, probe)
+    for finished in range(6):  # the Trainer's order: begin at global_step = k - 1, end at k
+        cb.on_step_begin(None, SimpleNamespace(global_step=finished), None)
+        events.append(f"step {finished + 1}")
+        cb.on_step_end(None, SimpleNamespace(global_step=finished + 1), None)
+    assert events == ["step 1", "step 2", "enter", "step 3", "exit", "step 4", "step 5", "step 6"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_time_profile_puts_a_large_matmul_first():
     tp = load_bench_module("time_profile")
