@@ -53,6 +53,18 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
   echo "== $name: exit ${PIPESTATUS[0]}"
 }
 
+detach() {  # detach NAME COMMAND...: run in the background, outliving this call; output in /tmp/NAME.log
+  local name=$1; shift
+  setsid nohup "$@" > "/tmp/$name.log" 2>&1 < /dev/null &
+}
+
+wait_for() {  # wait_for NAME TRIES LINES: until /tmp/NAME.json exists (10 s a try), then the log's last
+  # LINES lines, and NAME's files to $OUT
+  local name=$1 tries=$2 lines=$3
+  for _ in $(seq "$tries"); do [ -f "/tmp/$name.json" ] && break; sleep 10; done
+  tail -"$lines" "/tmp/$name.log"; cp /tmp/"$name".* "$OUT/" 2>/dev/null
+}
+
 part=${1:?"which part? see the header of $0"}
 case "$part" in
   check)
@@ -106,21 +118,17 @@ case "$part" in
   longctx)  # largest fitting row with offload within 5%, from the planner's answer -2.5% / +2%; detached
     # (trials near 900K tokens take 3-4 min each): poll with longctx-wait in the next call
     model=${2:-qwen3-8b}
-    setsid nohup python3 benchmarks/longctx.py --model "$model" --modes offload --tokens-from-planner \
-      --doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 1500 --out /tmp/longctx_bisect.json \
-      > /tmp/longctx_bisect.log 2>&1 < /dev/null &
-    for _ in $(seq 56); do [ -f /tmp/longctx_bisect.json ] && break; sleep 10; done
-    tail -12 /tmp/longctx_bisect.log; cp /tmp/longctx_bisect.* "$OUT/" 2>/dev/null ;;
+    detach longctx_bisect python3 benchmarks/longctx.py --model "$model" --modes offload --tokens-from-planner \
+      --doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 1500 --out /tmp/longctx_bisect.json
+    wait_for longctx_bisect 56 12 ;;
   longctx-single)  # one causal sequence of TOKENS (default 409,600) with offload, detached (a step is ~8-13 min:
     # quadratic attention); poll with longctx-wait
     model=${2:-llama3-8b}; tokens=${3:-409600}
-    setsid nohup python3 benchmarks/longctx.py --model "$model" --modes offload --tokens "$tokens" --doc-tokens 0 \
-      --repeats 1 --time-budget 5000 --out /tmp/longctx_bisect.json > /tmp/longctx_bisect.log 2>&1 < /dev/null &
-    for _ in $(seq 56); do [ -f /tmp/longctx_bisect.json ] && break; sleep 10; done
-    tail -12 /tmp/longctx_bisect.log; cp /tmp/longctx_bisect.* "$OUT/" 2>/dev/null ;;
+    detach longctx_bisect python3 benchmarks/longctx.py --model "$model" --modes offload --tokens "$tokens" \
+      --doc-tokens 0 --repeats 1 --time-budget 5000 --out /tmp/longctx_bisect.json
+    wait_for longctx_bisect 56 12 ;;
   longctx-wait)
-    for _ in $(seq 56); do [ -f /tmp/longctx_bisect.json ] && break; sleep 10; done
-    tail -16 /tmp/longctx_bisect.log; cp /tmp/longctx_bisect.* "$OUT/" 2>/dev/null ;;
+    wait_for longctx_bisect 56 16 ;;
   grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt: sdpa for long completions, flex for short): 2 x 65,536 first, then upwards
     run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 65536 --bisect-start 131072 --time-budget 520 \
@@ -139,13 +147,11 @@ case "$part" in
       --share-prompt --swiftune-checkpointing offload_all --completion-lengths 32768 --fixed-only \
       --profile-completion 32768 --time-budget 120 --out "$OUT/grpo_32k_profile.json" ;;
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
-    setsid nohup python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
-      --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json \
-      > /tmp/grpo_3x.log 2>&1 < /dev/null &
+    detach grpo_3x python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json
     sleep 540; tail -5 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
   grpo-3x-wait)
-    for _ in $(seq 55); do [ -f /tmp/grpo_3x.json ] && break; sleep 10; done
-    tail -12 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
+    wait_for grpo_3x 55 12 ;;
   grpo-memory)  # what is alive at the peak of a GRPO step: every checkpoint on the host at 2 x 65,536, the
     # automatic budget at 2 x 131,072 (the planner overestimated the 2 x 294,912 step by ~25%)
     run grpo_memory_65k 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
