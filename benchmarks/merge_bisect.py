@@ -1,4 +1,4 @@
-"""One figure from several ``benchmarks/grpo.py --bisect-completion`` runs.
+"""One figure from several ``benchmarks/grpo.py --bisect-completion`` or ``benchmarks/longctx.py`` runs.
 
 A long search does not fit one device call, so the modes of figure 3 come from separate runs (the
 baselines' search in one, swiftune's trials in others). This writes one JSON with every chosen mode,
@@ -12,7 +12,13 @@ they were measured in different processes.
         docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all
 
 Each argument is ``FILE:MODE[=NAME][,MODE[=NAME]...]``. Runs of different models, prompt lengths or
-row counts are refused: their lengths do not compare.
+row counts are refused: their lengths do not compare. ``benchmarks/longctx.py`` files (``{"rows": ...}``)
+merge the same way: the chosen modes' rows, each source with its document length (``doc_tokens``: 0 =
+one sequence), which the plot's legend shows:
+
+    python benchmarks/merge_bisect.py --out docs/results/longctx_figure3_llama3-8b_h200.json \
+        docs/results/longctx_trl_llama3-8b_h200.json:trl_liger \
+        docs/results/longctx_bisect_llama3-8b_h200.json:offload
 """
 
 from __future__ import annotations
@@ -63,6 +69,36 @@ def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
     return out
 
 
+#: what a long-context run's mode keeps of its run (from the file's ``args``, then the file itself)
+ROWS_PROVENANCE = ("doc_tokens", "host_bytes", "autocast", "device", "torch", "gpu_bytes")
+
+
+def merge_rows(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
+    """:func:`merge` for ``benchmarks/longctx.py`` files: every chosen mode's rows (renamed), and per
+    mode where they came from. Runs of another model are refused."""
+    if not runs:
+        raise ValueError("nothing to merge")
+    model = (runs[0][1].get("args") or {}).get("model")
+    out: dict = {"args": {"model": model}, "rows": [], "sources": {}}
+    for path, data, pairs in runs:
+        args = data.get("args") or {}
+        if args.get("model") != model:
+            raise ValueError(f"{path}: model = {args.get('model')!r}, the first run has {model!r}")
+        have = {r["mode"] for r in data.get("rows", [])}
+        for mode, new in pairs:
+            if mode not in have:
+                raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(have)})")
+            if new in out["sources"]:
+                raise ValueError(f"two modes named {new!r}: rename one (MODE=NAME)")
+            out["rows"] += [dict(r, mode=new) for r in data["rows"] if r["mode"] == mode]
+            out["sources"][new] = {"file": path, "mode": mode,
+                                   **{k: args.get(k, data.get(k)) for k in ROWS_PROVENANCE
+                                      if k in args or k in data}}
+    devices = {data.get("device") for _, data, _ in runs}
+    out["device"] = devices.pop() if len(devices) == 1 else " / ".join(sorted(str(d) for d in devices))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="FILE:MODES")
@@ -74,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             runs.append((path, json.load(f), pairs))
     try:
-        merged = merge(runs)
+        rows_files = all(isinstance(data.get("rows"), list) for _, data, _ in runs)  # (GRPO's "rows" is a count)
+        merged = merge_rows(runs) if rows_files else merge(runs)
     except ValueError as e:
         print(f"merge_bisect: {e}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ MODE_NAMES = {
     "ckpt": "swiftune, checkpoints on GPU",
     "offload": "swiftune, offload within budget",
     "offload_all": "swiftune, offload all",
+    "offload_one_sequence": "swiftune, offload within budget",
     "hf_full_logits": "transformers + PEFT, full logits",
     "trl_grpo": "TRL GRPOTrainer loss",
     "swiftune_offload_all": "swiftune, every checkpoint on the host",
@@ -69,10 +70,11 @@ def _save(fig, path: str) -> str:
 def colors_for(modes: list[str]) -> dict[str, str]:
     out, i = {}, 0
     for m in modes:
-        if m.startswith("swiftune") or m in ("ckpt", "offload", "offload_all"):
+        if m.startswith(("swiftune", "offload")) or m == "ckpt":
             shade = {"swiftune": SWIFTUNE_COLOR, "swiftune_budget": "#ff7f0e",
                      "swiftune_budget_offload": "#bcbd22", "ckpt": "#ff7f0e",
-                     "offload": SWIFTUNE_COLOR, "offload_all": "#bcbd22", "swiftune_offload_all": "#bcbd22"}
+                     "offload": SWIFTUNE_COLOR, "offload_all": "#bcbd22", "swiftune_offload_all": "#bcbd22",
+                     "offload_one_sequence": "#ff7f0e"}
             out[m] = shade.get(m, SWIFTUNE_COLOR)
         else:
             out[m] = OTHER_COLORS[i % len(OTHER_COLORS)]
@@ -157,6 +159,15 @@ def plot_sft(rows: list[dict], out: str) -> list[str]:
 # -------------------------------------------------------------------------------------- longctx
 
 
+def doc_note(data: dict, mode: str) -> str:
+    """How ``mode``'s rows were cut, where a merged file (``benchmarks/merge_bisect.py``) mixes runs:
+    " (one sequence)" or " (8K-token documents)"; "" for a single run."""
+    doc = ((data.get("sources") or {}).get(mode) or {}).get("doc_tokens")
+    if doc is None:
+        return ""
+    return " (one sequence)" if not doc else f" ({tokens_label(doc)}-token documents)"
+
+
 def plot_longctx(data: dict, out: str) -> list[str]:
     plt = _plt()
     rows = data["rows"]
@@ -170,7 +181,8 @@ def plot_longctx(data: dict, out: str) -> list[str]:
         ok = sorted((r["tokens"], r) for r in rows if r["mode"] == m and r["status"] == "ok" and not r.get("bisect"))
         ok_all = sorted((r["tokens"], r) for r in rows if r["mode"] == m and r["status"] == "ok")
         xs = [t for t, _ in ok_all]
-        kw = dict(marker="o", label=name(m), color=color[m], lw=2.2 if m in ("offload", "swiftune") else 1.4)
+        kw = dict(marker="o", label=name(m) + doc_note(data, m), color=color[m],
+                  lw=2.2 if m in ("offload", "swiftune") else 1.4, ls="-" if len(ok_all) > 1 else "none")
         axes[0].plot(xs, [r.get("peak_allocated", 0) / 1e9 for _, r in ok_all], **kw)
         axes[1].plot([t for t, _ in ok], [r["step_s"] for _, r in ok], **kw)
         pred = [(t, r["pred_allocated"] / 1e9) for t, r in ok_all if r.get("pred_allocated")]
@@ -187,6 +199,9 @@ def plot_longctx(data: dict, out: str) -> list[str]:
     axes[0].set_ylabel("peak GPU memory allocated (GB)")
     axes[1].set_ylabel("step time (s)")
     sizes = sorted({r["tokens"] for r in rows})
+    if len(sizes) > 8 or any(b < 1.1 * a for a, b in zip(sizes, sizes[1:])):  # a search's trials crowd
+        # each other's labels: powers of two instead
+        sizes = [2**k for k in range(sizes[0].bit_length() - 1, sizes[-1].bit_length() + 1)]
     for ax in axes:
         ax.set_xlabel("tokens in the row")
         ax.set_xscale("log", base=2)

@@ -19,7 +19,8 @@ BENCH = os.path.join(ROOT, "benchmarks")
 COMMITTED = [os.path.join(ROOT, "docs", "results", f)
              for f in ("sft_qwen3-8b_b16.json", "sft_qwen3-8b_sweep_h200.json", "longctx_qwen3-8b_32k.json",
                        "longctx_qwen3-8b_sweep_h200.json", "rollout_h200.json", "grpo_step_qwen3-1.7b_h200.json",
-                       "grpo_figure3_qwen3-8b_h200.json")]
+                       "grpo_figure3_qwen3-8b_h200.json", "longctx_figure3_llama3-8b_h200.json",
+                       "longctx_figure3_qwen3-8b_h200.json")]
 LONGCTX_RESULTS = [os.path.join(ROOT, "docs", "results", f"longctx_qwen3-8b_{k}.json")
                    for k in ("sweep_h200", "400k_single_h200", "offload_overhead_h200", "32k")]
 
@@ -233,6 +234,35 @@ def test_merge_bisect_renames_keeps_provenance_and_refuses_other_shapes(tmp_path
     with pytest.raises(ValueError, match="no mode"):
         merge_bisect.merge([("a", data, [("nonexistent", "x")])])
     assert merge_bisect.parse_spec("dir:with/colon.json:a,b=c") == ("dir:with/colon.json", [("a", "a"), ("b", "c")])
+
+
+def test_merge_longctx_runs_keeps_each_modes_rows_and_document_length(tmp_path):
+    merge_bisect = load_bench_module("merge_bisect")
+    plots = load_bench_module("plots")
+    one = {"device": "GPU", "args": {"model": "m", "doc_tokens": 0},
+           "rows": [{"mode": "trl_liger", "tokens": t, "status": s} for t, s in ((1024, "ok"), (2048, "oom"))]}
+    docs = {"device": "GPU", "args": {"model": "m", "doc_tokens": 8192, "host_bytes": 7},
+            "rows": [{"mode": "offload", "tokens": 4096, "status": "ok"}, {"mode": "ckpt", "tokens": 1, "status": "ok"}]}
+    paths = []
+    for i, d in enumerate((one, docs)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    out = tmp_path / "merged.json"
+    run_script("merge_bisect.py", "--out", str(out), f"{paths[0]}:trl_liger", f"{paths[1]}:offload=swiftune")
+    merged = json.loads(out.read_text())
+    assert [(r["mode"], r["tokens"], r["status"]) for r in merged["rows"]] == [
+        ("trl_liger", 1024, "ok"), ("trl_liger", 2048, "oom"), ("swiftune", 4096, "ok")]  # not ckpt
+    assert merged["args"]["model"] == "m" and merged["device"] == "GPU"
+    assert merged["sources"]["swiftune"] == {"file": str(paths[1]), "mode": "offload", "doc_tokens": 8192,
+                                             "host_bytes": 7, "device": "GPU"}
+    assert plots.kind_of(merged) == "longctx"
+    assert plots.doc_note(merged, "trl_liger") == " (one sequence)"
+    assert plots.doc_note(merged, "swiftune") == " (8K-token documents)" and plots.doc_note(docs, "offload") == ""
+    with pytest.raises(ValueError, match="model"):
+        merge_bisect.merge_rows([("a", one, [("trl_liger", "a")]), ("b", dict(docs, args={"model": "n"}),
+                                                                     [("offload", "b")])])
+    with pytest.raises(ValueError, match="no mode"):
+        merge_bisect.merge_rows([("a", one, [("offload", "a")])])
 
 
 def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path):

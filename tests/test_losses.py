@@ -305,25 +305,34 @@ def test_cpu_autocast_matmul_dtype():
     assert rel_err(logp, selective_log_softmax_reference(h.double(), w.double(), lab)) < BF16_TOL
 
 
+def test_planner_plans_the_losses_default_chunk():
+    from swiftune.losses.chunking import MAX_CHUNK_TOKENS
+    from swiftune.memory.planner import DEFAULT_LOGIT_CHUNK
+
+    assert DEFAULT_LOGIT_CHUNK == MAX_CHUNK_TOKENS
+
+
 def test_choose_chunk_tokens():
     qwen = dict(hidden_size=4096, vocab_size=151936)
     per_token = 151936 * 10 + 4096 * 6
-    # 40 GB free -> a quarter of it over ~1.5 MB per token, capped at 4096
-    assert choose_chunk_tokens(1_000_000, free_bytes=40 * 2**30, **qwen) == 4096
+    # 40 GB free -> a quarter of it over ~1.5 MB per token, capped at 1,024 (MAX_CHUNK_TOKENS)
+    assert choose_chunk_tokens(1_000_000, free_bytes=40 * 2**30, **qwen) == 1024
+    assert choose_chunk_tokens(1_000_000, free_bytes=40 * 2**30, max_chunk=4096, **qwen) == 4096
     assert choose_chunk_tokens(1_000_000, free_bytes=4 * 2**30, **qwen) == 640  # 1 GiB / 1.54 MB = 695 -> multiple of 64
     assert choose_chunk_tokens(1_000_000, free_bytes=0, **qwen) == 16  # min_chunk
     assert choose_chunk_tokens(100, free_bytes=40 * 2**30, **qwen) == 100  # never above the tokens
     assert choose_chunk_tokens(5, free_bytes=0, **qwen, min_chunk=16) == 5
     assert choose_chunk_tokens(0, free_bytes=2**30, **qwen) == 1
-    assert choose_chunk_tokens(4097, free_bytes=40 * 2**30, **qwen) == 2112  # balanced: 2 chunks, not 4096 + 1
-    assert choose_chunk_tokens(1_000_000, free_bytes=40 * 2**30, multiplier=2.0, **qwen) == 8192
+    assert choose_chunk_tokens(4097, free_bytes=40 * 2**30, max_chunk=4096, **qwen) == 2112  # 2 chunks, not 4096 + 1
+    assert choose_chunk_tokens(4097, free_bytes=40 * 2**30, **qwen) == 832  # 5 balanced chunks of <= 1,024
+    assert choose_chunk_tokens(1_000_000, free_bytes=40 * 2**30, multiplier=2.0, **qwen) == 2048
     # the fused kernels need only the bf16 block: ~5x the tokens for the same budget
-    assert choose_chunk_tokens(1_000_000, free_bytes=4 * 2**30, logit_bytes=2, **qwen) == 3264
+    assert choose_chunk_tokens(1_000_000, free_bytes=4 * 2**30, logit_bytes=2, max_chunk=8192, **qwen) == 3264
     last = 0
     for free in [0, 1, 2**20, 2**28, 2**30, 3 * 2**30, 2**33, 2**35, 2**37, 2**40]:
         for n in (1, 63, 4096, 10_000, 123_457):
             c = choose_chunk_tokens(n, free_bytes=free, **qwen)
-            assert 1 <= c <= min(n, 4096)
+            assert 1 <= c <= min(n, 1024)
             budget_c = max(16, free // 4 // per_token)
             assert c <= budget_c or c <= 16  # bounded by the memory fraction
         c = choose_chunk_tokens(123_457, free_bytes=free, **qwen)

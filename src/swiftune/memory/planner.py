@@ -58,8 +58,9 @@ def derived_input_count(num_layers: int, offloaded: int, host_holds: int) -> int
 
 
 #: Default token chunk of the fused loss when none is given: the upper clamp of
-#: :func:`swiftune.losses.choose_chunk_tokens` (what it picks whenever a few GB are free).
-DEFAULT_LOGIT_CHUNK = 4096
+#: :func:`swiftune.losses.choose_chunk_tokens` (``losses.chunking.MAX_CHUNK_TOKENS``, what it picks
+#: whenever a few GB are free; kept a literal so that the planner imports no torch).
+DEFAULT_LOGIT_CHUNK = 1024
 
 #: Tokens per tile of the tiled MLP, default: a tile's intermediate buffers are about 1 GiB
 #: (see :func:`swiftune.models.tiled_mlp.auto_tile_tokens`, the same formula).
@@ -392,7 +393,7 @@ def plan_memory(
             layer's saved tensors kept), ``"offload"`` (as many layer inputs on the GPU as
             ``gpu_bytes`` leaves room for, the rest in pinned host memory; with no ``gpu_bytes``
             all are offloaded).
-        logit_chunk_tokens: token chunk of the fused loss (default 4096, the automatic clamp).
+        logit_chunk_tokens: token chunk of the fused loss (default 1024, the automatic clamp).
         gpu_bytes: GPU memory; sets ``fits`` and the offload split.
         host_bytes: pinned host memory available for offloaded checkpoints; sets ``fits``.
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
