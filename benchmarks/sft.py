@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                         "(is the step bound by the GPU or by the host?); not with --memory-profile")
     p.add_argument("--logit-chunk-tokens", type=int, default=None,
                    help="swiftune modes: tokens per chunk of the fused LM head + loss (default: automatic, "
-                        "up to 4,096 as free memory allows)")
+                        "up to 1,024 as free memory allows)")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     args = p.parse_args(argv)

@@ -16,7 +16,7 @@
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
-#   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, to 5% from the planner's answer (~15 min: detached, then longctx-wait)
+#   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, to 5% from the planner's answer (~3-4 min when its two trials bracket it; detached, then longctx-wait)
 #   scripts/gpu_suite.sh longctx-single [MODEL] [TOKENS] # one sequence (default Llama-3-8B, 409,600), detached: then longctx-wait
 #   scripts/gpu_suite.sh longctx-memory [MODEL] # what is alive at the peak of a 131,072-token step (~2 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
@@ -116,10 +116,11 @@ case "$part" in
   loss-curve)
     run loss_curve 380 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
   longctx)  # largest fitting row with offload within 5%, from the planner's answer -2.5% / +2%; detached
-    # (trials near 900K tokens take 3-4 min each): poll with longctx-wait in the next call
+    # (a fitting trial near 900K tokens takes ~2.5-3.5 min; one the host cannot hold fails at once): poll with
+    # longctx-wait in the next call
     model=${2:-qwen3-8b}
     detach longctx_bisect python3 benchmarks/longctx.py --model "$model" --modes offload --tokens-from-planner \
-      --doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 1500 --out /tmp/longctx_bisect.json
+      --doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 900 --out /tmp/longctx_bisect.json
     wait_for longctx_bisect 56 12 ;;
   longctx-single)  # one causal sequence of TOKENS (default 409,600) with offload, detached (a step is ~8-13 min:
     # quadratic attention); poll with longctx-wait
