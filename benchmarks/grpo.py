@@ -746,7 +746,10 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
               lora_input_casts=False)
     for kind in ("sdpa", "flex" if share else "varlen"):
-        tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **planner_attention_terms(kind))
+        # GRPO's rows tell the runtime only "flex" (RowLayout.attention_kernel): their sdpa rows
+        # (gathered prompt copies) are planned as varlen, by the runtime and so here
+        terms = planner_attention_terms("flex" if kind == "flex" else None)
+        tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **terms)
         completion = (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)
         if P + completion >= SDPA_MIN_MEAN_DOC_TOKENS:  # long rows: auto runs sdpa, as planned
             break

@@ -168,6 +168,11 @@ def _plan_kwargs(mode: str, args) -> dict:
     """The planner's options for a benchmark mode; offload mode with the host memory the run
     started with (``args.host_bytes``, when known), so inputs the host cannot hold are derived."""
     kw: dict = dict(kv_expanded=args.kv_expanded, tiled_projections=args.tile_projections, mlp_tile_tokens=args.mlp_tile)
+    kernel = getattr(args, "attention_kernel", None)  # what swiftune's runtime is told (see main)
+    if kernel is not None and mode not in TRL_MODES and mode != "baseline":
+        from swiftune.attention.backends import planner_attention_terms
+
+        kw.update(planner_attention_terms(kernel, args.doc_tokens or None))  # (0: one sequence, the whole row)
     if mode == "baseline":
         kw.update(chunked_loss=False, tiled_mlp=False, tiled_projections=False, gradient_checkpointing=True)
     elif mode in TRL_MODES:  # (approximate: the planner knows swiftune's kernels, not Liger's or sdpa's)
@@ -264,11 +269,13 @@ def replan(path: str, args) -> None:
     with open(path) as f:
         data = json.load(f)
     saved = data.get("args", {})
-    for key in ("model", "tile_projections", "mlp_tile"):
+    for key in ("model", "tile_projections", "mlp_tile", "doc_tokens"):
         setattr(args, key, saved.get(key, getattr(args, key)))
     args.autocast = saved.get("autocast", False)  # results from before swiftune's step ran under autocast
     # results saved before the field existed came from torch 2.11, whose varlen attention expands K/V
     args.kv_expanded = saved.get("kv_expanded", True)
+    # results from before the runtime was told the kernel (session 8) planned every row as varlen
+    args.attention_kernel = saved.get("attention_kernel")
     args.host_bytes = saved.get("host_bytes")  # results from before it was recorded: unlimited host
     gpu = int(data.get("gpu_bytes") or args.gpu_bytes)
     data["gpu_bytes"] = gpu
@@ -470,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     from swiftune.models.checkpointing import host_available_bytes
 
     args.host_bytes = host_available_bytes() if device.type == "cuda" else None
+    # The kernel swiftune's offloaded checkpointing is told by the packed layout, as the planner
+    # must plan it: per-document sdpa under `auto` on CUDA when the documents are long
+    # (`PackedBatch.attention_kernel`; one sequence counts as one long document).
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS
+
+    long_docs = args.doc_tokens == 0 or args.doc_tokens >= SDPA_MIN_MEAN_DOC_TOKENS
+    args.attention_kernel = "sdpa" if device.type == "cuda" and long_docs else None
     if args.tokens_from_planner:
         if device.type != "cuda" or args.modes != ["offload"]:
             p.error("--tokens-from-planner needs a CUDA device and --modes offload")

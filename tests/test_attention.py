@@ -230,6 +230,21 @@ def test_hf_function_decode_step_matches_full_forward():
     assert rel_err(last[0, 0], full[0, -1]) < 1e-6
 
 
+def test_packed_layout_names_the_kernel_offloaded_checkpointing_plans_for():
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, layout_attention_kernel
+
+    n = SDPA_MIN_MEAN_DOC_TOKENS
+    assert layout_attention_kernel("auto", True, 2 * n, 2) == "sdpa"  # long documents on CUDA
+    assert layout_attention_kernel("auto", True, 2 * n - 1, 2) is None  # varlen / flash
+    assert layout_attention_kernel("auto", False, 2 * n, 2) is None  # CPU: the reference path
+    assert layout_attention_kernel("auto", True, 0, 0) is None
+    assert layout_attention_kernel("sdpa", False, 10, 5) == "sdpa"
+    assert layout_attention_kernel("flex", True, 10, 5) == "flex"
+    assert layout_attention_kernel("varlen", True, 2 * n, 1) is None
+    assert build_packed_batch(1, 3 * n, _positions([2 * n, n])).attention_kernel is None  # CPU, auto
+    assert build_packed_batch(1, 9, _positions([5, 4]), backend="sdpa").attention_kernel == "sdpa"
+
+
 def test_registered_with_transformers():
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -336,6 +351,32 @@ def test_gpu_128k_packed_row_matches_documents_alone(backend):
                           (k.grad[sl], kk.grad.transpose(0, 1)), (v.grad[sl], vv.grad.transpose(0, 1))):
             assert rel_err(got, want) < 1e-2, (backend, n)
         start += n
+
+
+@cuda
+@pytest.mark.gpu
+def test_gpu_sdpa_saves_kv_unexpanded_as_the_planner_plans_it():
+    """What per-document sdpa saves for its backward, per token, measured with saved-tensor hooks
+    on a row of 8K-token documents, against the planner's attention term for the kernel the
+    layout names (``PackedBatch.attention_kernel`` = what ``auto`` runs): q, K/V with their own
+    heads, the output and a float32 log-sum-exp (K/V expanded would be 2 (Hq - Hk) D b more)."""
+    from swiftune.attention.backends import planner_attention_terms
+
+    total, hq, hk, d = 65_536, 32, 8, 128
+    q, k, v = _qkv(total, hq=hq, hk=hk, d=d, dtype=torch.bfloat16, device="cuda", grad=True)
+    pb = build_packed_batch(1, total, _positions([8192] * 8, "cuda"))
+    assert pb.attention_kernel == "sdpa" == resolve_backend("auto", q, k, None, None, 0.0, pb)
+    assert planner_attention_terms(pb.attention_kernel)["kv_expanded"] is False
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        packed_attention(q, k, v, pb)
+    seen: dict[int, torch.Tensor] = {}
+    for t in saved:  # each storage once (q/k/v slices of one tensor share it)
+        seen.setdefault(t.untyped_storage().data_ptr(), t)
+    per_token = sum(t.untyped_storage().nbytes() for t in seen.values()) / total
+    dq, dkv, b = hq * d, hk * d, 2
+    planned = (dq + 2 * dkv) * b + dq * b + hq * 4  # the planner's attention term, K/V unexpanded
+    assert 0.9 * planned <= per_token <= planned * 1.02, (per_token, planned)
 
 
 @cuda

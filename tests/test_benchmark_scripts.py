@@ -354,6 +354,14 @@ def test_longctx_search_from_the_planner_brackets_within_five_percent():
     # the swiftune step is planned as it runs: bf16 autocast, LoRA input copies off
     assert longctx._plan_kwargs("offload", args)["lora_input_casts"] is False
     assert "autocast" not in longctx._plan_kwargs("baseline", args)
+    # and with the kernel the runtime is told (per-document sdpa on CUDA): documents or one sequence
+    args.attention_kernel, args.doc_tokens = "sdpa", 8192
+    kw = longctx._plan_kwargs("offload", args)
+    assert (kw["kv_expanded"], kw["float32_dq_tokens"], kw["attention_out_copy"]) == (False, 8192, True)
+    assert longctx.planner_bracket("qwen3-8b", "offload", int(150e9), args)[1] > best
+    args.doc_tokens = 0
+    assert longctx._plan_kwargs("offload", args)["float32_dq_tokens"] is None  # the whole row
+    assert longctx._plan_kwargs("trl_liger", args)["kv_expanded"] is True  # baselines: not swiftune's runtime
 
 
 def test_longctx_bracket_from_a_line_through_the_two_largest_rows():

@@ -245,6 +245,47 @@ def test_reserve_follows_the_attention_kernel_of_the_forward(monkeypatch):
     assert state._reserve(x) - flex == pytest.approx(1.05 * T * dq_accumulator, rel=1e-4)
 
 
+def test_reserve_for_per_document_sdpa_keeps_kv_heads_where_every_layer_runs_it(monkeypatch):
+    """A packed layout of long documents (on CUDA) runs one sdpa call per document, GQA in the
+    kernel: the reserve drops the expanded K/V terms (saved, and their gradients) and keeps the
+    float32 dq, but only when every layer runs sdpa: a patched model without sliding windows or
+    soft-caps, in half precision (directly or under autocast). Otherwise: the defaults."""
+    import swiftune
+    import swiftune.attention.backends as backends
+    from swiftune.models.checkpointing import OffloadState, _setup_of
+
+    monkeypatch.setattr(backends, "varlen_expands_kv", lambda: True)
+    cfg = tiny_model_config("qwen3", vocab_size=320, intermediate_size=32, num_attention_heads=8)
+    hf = AutoModelForCausalLM.from_config(cfg)
+    state = OffloadState(hf, decoder_layers(hf), None, None, 2**26, None)
+    T = 50_000
+    x = torch.zeros(1, T, 128, dtype=torch.bfloat16)
+    assert state._reserve(x, attention_kernel="sdpa") == state._reserve(x)  # unpatched: its layers unknown
+    swiftune.patch_model(hf)
+    default = state._reserve(x)
+    dq, dkv, b = 8 * 32, 2 * 32, 2
+    expand_kv = 2 * (dq - dkv) * b * 2  # K and V widened to dq: saved once, and their gradients
+    out_copy = dq * b  # the documents' outputs concatenated, saved by the output projection
+    assert default - state._reserve(x, attention_kernel="sdpa") == pytest.approx(
+        1.05 * T * (expand_kv - out_copy), rel=1e-4)
+    lean = _setup_of(hf, x, attention_kernel="sdpa")
+    assert not lean.kv_expanded and lean.float32_dq and lean.attention_out_copy and lean.float32_dq_tokens is None
+    # documents of at most 8,192 tokens: the float32 dq of one document at a time
+    docs = state._reserve(x, attention_kernel="sdpa", max_doc_tokens=8192)
+    assert state._reserve(x, attention_kernel="sdpa") - docs == pytest.approx(1.05 * (T - 8192) * dq * 4, rel=1e-4)
+    assert state._reserve(x, attention_kernel="sdpa", max_doc_tokens=10 * T) == state._reserve(x, attention_kernel="sdpa")
+    x32 = x.float()
+    assert state._reserve(x32, attention_kernel="sdpa") == state._reserve(x32)  # float32: may retry expanded
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert state._reserve(x32, attention_kernel="sdpa") < state._reserve(x32)
+    for family in ("gemma2", "gemma3"):  # sliding-window layers (and Gemma 2's soft-cap): another kernel
+        other = AutoModelForCausalLM.from_config(tiny_model_config(family, vocab_size=320))
+        swiftune.patch_model(other)
+        other_state = OffloadState(other, decoder_layers(other), None, None, 2**26, None)
+        xo = torch.zeros(1, T, other.config.hidden_size, dtype=torch.bfloat16)
+        assert other_state._reserve(xo, attention_kernel="sdpa") == other_state._reserve(xo)
+
+
 def test_reserve_drops_the_lora_input_copies_the_trainers_switch_off():
     """Under bf16 autocast with PEFT's input casts switched off (what the trainers do), the reserve
     for the layer being recomputed has no float32 copies of LoRA inputs: the setup the runtime
@@ -280,9 +321,9 @@ def test_layers_see_the_forwards_attention_kernel(monkeypatch):
     seen = []
     real = OffloadState.layer_input
 
-    def spy(self, index, x, attention_kernel=None):
-        seen.append(attention_kernel)
-        return real(self, index, x, attention_kernel)
+    def spy(self, index, x, attention_kernel=None, max_doc_tokens=None):
+        seen.append(attention_kernel if max_doc_tokens is None else (attention_kernel, max_doc_tokens))
+        return real(self, index, x, attention_kernel, max_doc_tokens)
 
     monkeypatch.setattr(OffloadState, "layer_input", spy)
 
@@ -298,6 +339,13 @@ def test_layers_see_the_forwards_attention_kernel(monkeypatch):
     model(input_ids=ids, labels=ids).loss.backward()
     layers = len(decoder_layers(model))
     assert seen == ["flex"] * layers + [None] * layers
+    # a patched model's packed layout says it too (PackedBatch.attention_kernel): here sdpa, asked for
+    import swiftune
+
+    seen.clear()
+    swiftune.patch_model(model, attention="sdpa")
+    model(input_ids=ids, labels=ids, position_ids=torch.cat([torch.arange(9), torch.arange(7)])[None]).loss.backward()
+    assert seen == [("sdpa", 9)] * layers  # and its longest document
 
 
 def test_clear_error_when_budgets_are_short():

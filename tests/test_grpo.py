@@ -256,7 +256,7 @@ def test_policy_forward_tells_offloaded_checkpointing_its_attention_kernel(monke
 
     seen = []
 
-    def spy(self, index, x, attention_kernel=None):
+    def spy(self, index, x, attention_kernel=None, max_doc_tokens=None):
         seen.append((index, attention_kernel))
         raise Planned
 

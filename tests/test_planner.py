@@ -199,6 +199,14 @@ def test_cli_flex_attention_keeps_kv_heads_and_bf16_dq(capsys):
     per_token = 2 * 2 * (4096 - 1024) * 2 + 4096 * 4
     assert default["plan"]["layer_working_set"] - flex["plan"]["layer_working_set"] == 262144 * per_token
     assert flex["max_tokens"] > default["max_tokens"]
+    # --sdpa_attention: K/V keep their heads, the float32 dq stays (one sequence: the whole row),
+    # and the output projection saves the documents' concatenated outputs (dq b) once more
+    assert main_plan(base + ["--sdpa_attention"]) == 0
+    sdpa = json.loads(capsys.readouterr().out)
+    per_token = 2 * 2 * (4096 - 1024) * 2 - 4096 * 2
+    assert default["plan"]["layer_working_set"] - sdpa["plan"]["layer_working_set"] == 262144 * per_token
+    assert flex["max_tokens"] > sdpa["max_tokens"] > default["max_tokens"]
+    assert main_plan(base + ["--sdpa_attention", "--flex_attention"]) == 2
 
 
 @pytest.mark.parametrize("casts", [True, False], ids=["casts", "no_casts"])

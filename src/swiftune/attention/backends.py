@@ -172,6 +172,19 @@ def prefers_sdpa(num_tokens: int, num_docs: int) -> bool:
     return num_docs > 0 and num_tokens >= SDPA_MIN_MEAN_DOC_TOKENS * num_docs
 
 
+def layout_attention_kernel(backend: str, on_cuda: bool, num_tokens: int, num_docs: int) -> str | None:
+    """The kernel a packed layout's attention runs, as far as the layout decides it (for the
+    memory reserve of offloaded checkpointing, see ``PackedBatch.attention_kernel``): ``"sdpa"``
+    or ``"flex"`` when asked for; under ``auto`` on CUDA ``"sdpa"`` for long documents (the first
+    choice of :func:`resolve_backend` there, taken unless a layer's sliding window or soft-cap
+    rules it out); ``None`` otherwise (not known, or a varlen-style kernel)."""
+    if backend in ("sdpa", "flex"):
+        return backend
+    if backend == "auto" and on_cuda and prefers_sdpa(num_tokens, num_docs):
+        return "sdpa"
+    return None
+
+
 def resolve_backend(
     name: str, q: torch.Tensor, k: torch.Tensor, window: int | None, softcap: float | None, dropout: float,
     packed: PackedBatch | None = None,
@@ -297,13 +310,27 @@ def varlen_expands_kv() -> bool:
     return "enable_gqa" not in _VARLEN_PARAMS
 
 
-def planner_attention_terms(kernel: str | None) -> dict[str, bool]:
-    """The memory planner's attention terms (``TrainSetup.kv_expanded``, ``float32_dq``) for the
-    kernel a forward runs: flex keeps the K/V heads and writes dq in the activation dtype; anything
-    else is planned as torch's varlen (K/V expanded where it has no GQA, a float32 dq accumulator),
-    which also covers sdpa's gathered prompt copies and its no-GQA retry."""
-    flex = kernel == "flex"
-    return {"kv_expanded": varlen_expands_kv() and not flex, "float32_dq": not flex}
+def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = None) -> dict[str, Any]:
+    """The memory planner's attention terms (``TrainSetup.kv_expanded``, ``float32_dq``,
+    ``attention_out_copy``, ``float32_dq_tokens``) for the kernel a forward runs:
+
+    * ``"flex"`` keeps the K/V heads and writes dq in the activation dtype;
+    * ``"sdpa"`` (one call per document, :func:`sdpa_packed_attention`: GQA in the kernel) keeps
+      the K/V heads too, and the documents' outputs, concatenated for the output projection, are
+      saved twice (``attention_out_copy``); its float32 dq exists for one document at a time: for
+      ``max_doc_tokens`` tokens when the longest document is known, else for the whole row (one
+      long document's backward took 19 KB a token more than 8K-token documents' on the H200:
+      one sequence of 409,600 tokens, Llama-3-8B shape);
+    * anything else (``None``: not known) is planned as torch's varlen: K/V expanded where it has
+      no GQA, a float32 dq accumulator; this also covers GRPO's shared-prompt sdpa rows (gathered
+      prompt copies) and sdpa's no-GQA retry.
+    """
+    if kernel == "flex":
+        return {"kv_expanded": False, "float32_dq": False}
+    if kernel == "sdpa":
+        return {"kv_expanded": False, "float32_dq": True, "attention_out_copy": True,
+                "float32_dq_tokens": max_doc_tokens}
+    return {"kv_expanded": varlen_expands_kv(), "float32_dq": True}
 
 
 def varlen_packed_attention(

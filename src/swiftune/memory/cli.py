@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "swiftune's switch that off)")
     p.add_argument("--flex_attention", action="store_true",
                    help="attention runs flex (GRPO's shared-prompt rows): K/V keep their heads, dq stays bf16")
+    p.add_argument("--sdpa_attention", action="store_true",
+                   help="attention runs sdpa per document (what `auto` picks on CUDA for documents of 4,096+ "
+                        "tokens, without sliding windows or soft-caps): K/V keep their heads")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -77,8 +80,13 @@ def main_plan(argv: list[str] | None = None) -> int:
         lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
         autocast=args.autocast, lora_input_casts=args.lora_input_casts or not args.autocast,
     )
-    if args.flex_attention:
-        kw.update(kv_expanded=False, float32_dq=False)
+    if args.flex_attention and args.sdpa_attention:
+        print("swiftune plan: choose one of --flex_attention and --sdpa_attention", file=sys.stderr)
+        return 2
+    if args.flex_attention or args.sdpa_attention:
+        from ..attention.backends import planner_attention_terms
+
+        kw.update(planner_attention_terms("flex" if args.flex_attention else "sdpa"))
     try:
         plan = plan_memory(args.model, args.tokens, args.lora_rank, gpu_bytes=gpu, **kw)
         best = max_tokens(args.model, gpu, args.lora_rank, **kw)

@@ -88,6 +88,11 @@ class TrainSetup:
         float32_dq: attention's backward accumulates the query gradient in float32 (flash-attn and
             torch's flash / varlen kernels); ``False`` for flex attention, whose backward writes it
             in the activation dtype.
+        attention_out_copy: the attention output the next projection saves is a copy of the one
+            attention saved (per-document sdpa concatenates its documents' outputs): ``dq b`` more
+            a token.
+        float32_dq_tokens: the float32 dq accumulator covers at most this many tokens at a time
+            (per-document sdpa: the longest document); ``None``: the whole row (varlen, flash).
         chunked_loss: swiftune's fused chunked cross entropy; ``False``: full logits +
             ``F.cross_entropy`` (the transformers baseline).
         logit_chunk_tokens: token chunk of the fused loss (``None``: :data:`DEFAULT_LOGIT_CHUNK`).
@@ -110,6 +115,8 @@ class TrainSetup:
     tiled_projections: bool = False
     kv_expanded: bool = True
     float32_dq: bool = True
+    attention_out_copy: bool = False
+    float32_dq_tokens: int | None = None
     chunked_loss: bool = True
     logit_chunk_tokens: int | None = None
     autocast: bool = False
@@ -162,6 +169,7 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
           q/k/v in   full FT: H b;  LoRA: 3 (cast(H) + r lb)  (tiled: H b)
           q/k norm   (dq + dkv) b + (nq + nkv) 4                          Qwen3 / Gemma 3
           attention  (dq + 2 kv') b + dq b + nq 4                         kv' = dq if K/V expanded
+          out copy   dq b                                                 per-document sdpa's concatenation
           o in       LoRA: cast(dq) + r lb  (tiled / full FT: 0, shares attention's out)
         MLP half
           norm 2     H b + 4                                              the residual it normalises
@@ -185,6 +193,8 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
     if shape.qk_norm:
         attn += (dq + dkv) * b + (shape.heads + shape.kv_heads) * 4
     attn += (dq + 2 * kvx) * b + dq * b + shape.heads * 4
+    if s.attention_out_copy:
+        attn += dq * b
     mlp = H * b + 4 + (shape.norms_per_layer - 2) * (H * b + 4)
     if s.tiled_mlp:
         mlp += H * b
@@ -220,7 +230,8 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
     Attention phase: the attention half of the saved tensors (the MLP half is freed by then),
     the running gradient (``2 H b``), the gradient of the attention output (``dq b``),
     dq/dk/dv (``(dq + 2 kv') b``), flash attention's float32 dq accumulator (``dq 4``; not with
-    flex, ``float32_dq=False``) and ``nq 4`` softmax terms, plus for untiled float32 LoRA the
+    flex, ``float32_dq=False``; for ``float32_dq_tokens`` tokens only with per-document sdpa) and
+    ``nq 4`` softmax terms, plus for untiled float32 LoRA the
     float32 output gradient and input-cast gradient of the widest projection (``(H + dq) 4``).
     """
     H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
@@ -233,8 +244,9 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
         mlp_phase += _mlp_tile(shape, tokens, s) * (3 * I * b + 2 * I * fp32 + 4 * H * fp32)
     else:
         mlp_phase += tokens * (3 * I * b + (I * fp32 if s.lora_copies_input else 0))
-    dq_acc = dq * fp32 if s.float32_dq else 0
-    attn_phase = tokens * (attn_saved + 2 * H * b + dq * b + (dq + 2 * kvx) * b + dq_acc + shape.heads * fp32)
+    attn_phase = tokens * (attn_saved + 2 * H * b + dq * b + (dq + 2 * kvx) * b + shape.heads * fp32)
+    if s.float32_dq:  # for the whole row, or one document at a time
+        attn_phase += dq * fp32 * (tokens if s.float32_dq_tokens is None else min(tokens, s.float32_dq_tokens))
     if not s.tiled_projections and s.lora_copies_input:
         attn_phase += tokens * (H + dq) * fp32
     return max(mlp_phase, attn_phase)

@@ -264,7 +264,8 @@ class OffloadState:
             avail = min(avail, self.host_budget_bytes - self.pool.in_use_bytes)
         return max(0, avail)
 
-    def gpu_budget(self, x: torch.Tensor, attention_kernel: str | None = None) -> int:
+    def gpu_budget(self, x: torch.Tensor, attention_kernel: str | None = None,
+                   max_doc_tokens: int | None = None) -> int:
         if self.gpu_budget_bytes is not None:
             return int(self.gpu_budget_bytes)
         if x.device.type != "cuda":
@@ -273,11 +274,14 @@ class OffloadState:
         from ..memory.planner import offload_margin_bytes
 
         total = torch.cuda.get_device_properties(x.device).total_memory
-        return max(0, free_gpu_bytes(x.device) - self._reserve(x, attention_kernel) - offload_margin_bytes(total))
+        reserve = self._reserve(x, attention_kernel, max_doc_tokens)
+        return max(0, free_gpu_bytes(x.device) - reserve - offload_margin_bytes(total))
 
-    def _reserve(self, x: torch.Tensor, attention_kernel: str | None = None) -> int:
+    def _reserve(self, x: torch.Tensor, attention_kernel: str | None = None, max_doc_tokens: int | None = None) -> int:
         """GPU bytes the rest of the step needs (planner formulas; generous fallback).
-        ``attention_kernel``: the kernel this forward's attention runs, when it says (``"flex"``)."""
+        ``attention_kernel``: the kernel this forward's attention runs, when it says (``"flex"``,
+        ``"sdpa"``); ``max_doc_tokens``: its longest document, when it says (per-document sdpa
+        holds a float32 dq for one document at a time)."""
         tokens = x.numel() // x.shape[-1]
         layer_bytes = x.numel() * x.element_size()
         model = self.model_ref()
@@ -290,17 +294,18 @@ class OffloadState:
 
             if self._shape is None:
                 self._shape = model_shape(self.config)
-            return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel), pending)
+            return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel, max_doc_tokens), pending)
         except Exception:  # an unknown config layout: assume a heavy layer
             return 24 * layer_bytes + pending
 
     # -- per forward
-    def layer_input(self, index: int, x: torch.Tensor, attention_kernel: str | None = None) -> LayerInput:
-        key = (tuple(x.shape), x.dtype, x.device, attention_kernel)
+    def layer_input(self, index: int, x: torch.Tensor, attention_kernel: str | None = None,
+                    max_doc_tokens: int | None = None) -> LayerInput:
+        key = (tuple(x.shape), x.dtype, x.device, attention_kernel, max_doc_tokens)
         if index == 0 or self.plan is None or key != self._plan_key:
             self.generation += 1
             layer_bytes = x.numel() * x.element_size()
-            self.plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, attention_kernel),
+            self.plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, attention_kernel, max_doc_tokens),
                                      self.host_budget(), self.page_bytes)
             self._plan_key = key
             self._handles = {k: v for k, v in self._handles.items() if v() is not None}
@@ -340,10 +345,13 @@ class OffloadState:
             handle.prefetch()
 
 
-def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | None = None):
+def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | None = None,
+              max_doc_tokens: int | None = None):
     """The planner's TrainSetup as far as the model and the step tell: LoRA rank/dtype, tiling,
-    full FT, autocast, and the attention kernel's memory: K/V expanded to the query heads (torch's
-    varlen without GQA) and a float32 dq accumulator (flash), neither of which flex has."""
+    full FT, autocast, and the attention kernel's memory (``planner_attention_terms``): K/V
+    expanded to the query heads (torch's varlen without GQA) and a float32 dq accumulator (flash)
+    by default; flex has neither; per-document sdpa keeps the K/V heads and holds the float32 dq
+    of its longest document (``max_doc_tokens``) only."""
     from ..memory.planner import TrainSetup
     from .tiled_mlp import is_tiled
 
@@ -359,32 +367,51 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
             casts = lora_inputs_cast(model)
     from ..attention.backends import planner_attention_terms
 
+    if attention_kernel == "sdpa" and not _every_layer_runs_sdpa(model, x):
+        attention_kernel = None  # planned as varlen: some layer (or the dtype) takes another kernel
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
         tiled_mlp=model is not None and is_tiled(model),
         tiled_projections=model is not None and is_tiled(model, projections=True),
         autocast=torch.is_autocast_enabled(x.device.type), lora_input_casts=casts,
-        **planner_attention_terms(attention_kernel),
+        **planner_attention_terms(attention_kernel, max_doc_tokens),
     )
+
+
+def _every_layer_runs_sdpa(model: nn.Module | None, x: torch.Tensor) -> bool:
+    """Whether the layout's ``"sdpa"`` holds for every layer: patched attention without sliding
+    windows or soft-caps (:func:`~swiftune.models.patching.attention_is_plain`), in a half
+    precision (directly or under autocast; in float32 the fused kernels may refuse grouped K/V
+    heads and the retry expands them)."""
+    from .patching import attention_is_plain
+
+    half = x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(x.device.type)
+    return model is not None and half and attention_is_plain(model)
 
 
 # ------------------------------------------------------------------------------ the wrapper
 
 
-#: An object passed to the decoder layers as a keyword argument (e.g. GRPO's ``RowLayout``) may
-#: name, through this attribute, the attention kernel this forward runs. ``"flex"``: K and V keep
-#: their own head count (GQA in the kernel, not expanded to the query heads) and the backward
-#: writes dq in the activation dtype (no float32 accumulator), so the GPU budget reserves that
-#: much less for the layer being recomputed. Anything else: the planner's defaults.
+#: An object passed to the decoder layers as a keyword argument (GRPO's ``RowLayout``, the packed
+#: ``PackedBatch``) may name, through this attribute, the attention kernel this forward runs.
+#: ``"flex"``: K and V keep their own head count (GQA in the kernel, not expanded to the query
+#: heads) and the backward writes dq in the activation dtype (no float32 accumulator); ``"sdpa"``
+#: (per-document sdpa): K and V keep their head count; so the GPU budget reserves that much less
+#: for the layer being recomputed (``attention.backends.planner_attention_terms``). Anything
+#: else: the planner's defaults.
 ATTENTION_KERNEL_ATTR = "attention_kernel"
+#: ... and, through this one, its longest document in tokens (``PackedBatch.max_seqlen``).
+MAX_DOC_TOKENS_ATTR = "max_seqlen"
 
 
-def _attention_kernel(kwargs: dict) -> str | None:
+def _attention_hint(kwargs: dict) -> tuple[str | None, int | None]:
+    """(kernel, longest document) named by a keyword argument of the layer, or (None, None)."""
     for value in kwargs.values():
         kernel = getattr(value, ATTENTION_KERNEL_ATTR, None)
         if isinstance(kernel, str):
-            return kernel
-    return None
+            longest = getattr(value, MAX_DOC_TOKENS_ATTR, None)
+            return kernel, (int(longest) if isinstance(longest, int) else None)
+    return None, None
 
 
 #: Decoder layers whose MLP output only feeds the residual add (nothing after the MLP saves a
@@ -433,7 +460,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
             kwargs[k] = None
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    handle = state.layer_input(index, x, _attention_kernel(kwargs))
+    handle = state.layer_input(index, x, *_attention_hint(kwargs))
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
         handle.rerun = partial(_run_on, orig, rest, kwargs)
     try:

@@ -211,6 +211,21 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def attention_is_plain(model: nn.Module) -> bool:
+    """Whether every patched attention layer of ``model`` calls attention without a sliding window
+    or soft-cap (what per-document sdpa cannot run, so ``auto`` takes another kernel for such
+    layers); ``False`` when no attention layer is patched (nothing is known)."""
+    found = False
+    for module in model.modules():
+        spec = getattr(module, "_swiftune_attention_spec", None)
+        if spec is None:
+            continue
+        found = True
+        if spec.window(module) is not None or (spec.softcap and getattr(module, "attn_logit_softcapping", None)):
+            return False
+    return found
+
+
 def is_patched(model: nn.Module) -> bool:
     """Whether :func:`patch_model` has bound swiftune's forwards on ``model``."""
     return any(getattr(m, _PATCHED, False) for m in causal_lm_of(model).modules())
