@@ -286,6 +286,41 @@ def test_reserve_for_per_document_sdpa_keeps_kv_heads_where_every_layer_runs_it(
         assert other_state._reserve(xo, attention_kernel="sdpa") == other_state._reserve(xo)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_long_documents_tell_the_reserve_sdpa_and_their_longest(monkeypatch):
+    """On CUDA a patched bf16 model's row of long documents runs per-document sdpa under ``auto``
+    and its packed layout says so to offloaded checkpointing, with its longest document; the
+    setup its reserve is planned with takes both (K/V with their own heads, the float32 dq of
+    one document)."""
+    import swiftune
+    from swiftune.models.checkpointing import OffloadState, _setup_of
+
+    seen, setups = [], []
+    real = OffloadState.layer_input
+
+    def spy(self, index, x, attention_kernel=None, max_doc_tokens=None):
+        seen.append((attention_kernel, max_doc_tokens))
+        if index == 0:
+            setups.append(_setup_of(self.model_ref(), x, attention_kernel, max_doc_tokens))
+        return real(self, index, x, attention_kernel, max_doc_tokens)
+
+    monkeypatch.setattr(OffloadState, "layer_input", spy)
+    torch.manual_seed(0)
+    cfg = tiny_model_config("qwen3", vocab_size=320, num_attention_heads=8)
+    model = AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).train()
+    swiftune.patch_model(model)
+    enable_offloaded_checkpointing(model)
+    n = 4096
+    ids = torch.randint(0, 320, (1, 2 * n), device="cuda")
+    pos = torch.cat([torch.arange(n), torch.arange(n)]).to("cuda")[None]
+    loss = model(input_ids=ids, labels=ids, position_ids=pos).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert seen == [("sdpa", n)] * len(decoder_layers(model))
+    (setup,) = setups
+    assert (setup.kv_expanded, setup.attention_out_copy, setup.float32_dq_tokens) == (False, True, n)
+
+
 def test_reserve_drops_the_lora_input_copies_the_trainers_switch_off():
     """Under bf16 autocast with PEFT's input casts switched off (what the trainers do), the reserve
     for the layer being recomputed has no float32 copies of LoRA inputs: the setup the runtime
