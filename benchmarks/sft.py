@@ -76,10 +76,11 @@ def timing_callback(warmup: int, record: dict):
 
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
             full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None,
-            time_profile: bool = False) -> dict:
+            time_profile: bool = False, host_profile: bool = False) -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
     ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
     ``time_profile`` (CUDA): device time by kind of kernel over that step, against its wall time;
+    ``host_profile``: the host's own time in that step by library (cProfile; CPU too);
     ``logit_chunk_tokens``: swiftune modes' ``SFTConfig.logit_chunk_tokens`` (None: automatic)."""
     import torch
     from peft import LoraConfig
@@ -159,6 +160,10 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         from time_profile import timed_device_profile
 
         trainer.add_callback(step_context_callback(warmup, lambda: timed_device_profile(record)))
+    elif host_profile:
+        from time_profile import host_time_profile
+
+        trainer.add_callback(step_context_callback(warmup, lambda: host_time_profile(record)))
     trainer.add_callback(timing_callback(warmup, record))
     trainer.train()
     elapsed = record["t1"] - record["t0"]
@@ -170,7 +175,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else 0.0, sec_per_step=elapsed / (steps - warmup),
                 padding_fraction=1 - counter.tokens / max(counter.slots, 1),
                 **({"peak_profile": record["peak_profile"]} if "peak_profile" in record else {}),
-                **({"time_profile": record["profile"]} if "profile" in record else {}))
+                **({"time_profile": record["profile"]} if "profile" in record else {}),
+                **({"host_profile": record["host_profile"]} if "host_profile" in record else {}))
 
 
 def release_gpu_memory() -> None:
@@ -200,20 +206,25 @@ def main(argv=None) -> int:
     p.add_argument("--time-profile", action="store_true",
                    help="CUDA: device time by kind of kernel over the last warm-up step, against its wall time "
                         "(is the step bound by the GPU or by the host?); not with --memory-profile")
+    p.add_argument("--host-profile", action="store_true",
+                   help="the host's own time over the last warm-up step by library and function (cProfile): "
+                        "what a host-bound step (small device-busy share in --time-profile) spends it on")
     p.add_argument("--logit-chunk-tokens", type=int, default=None,
                    help="swiftune modes: tokens per chunk of the fused LM head + loss (default: automatic, "
                         "up to 1,024 as free memory allows)")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     args = p.parse_args(argv)
-    if args.memory_profile and args.time_profile:
-        p.error("--memory-profile and --time-profile both profile the last warm-up step: run one at a time")
+    if args.memory_profile + args.time_profile + args.host_profile > 1:
+        p.error("--memory-profile, --time-profile and --host-profile each profile the last warm-up step: "
+                "run one at a time")
     if args.one:
         for batch in args.batch:
             try:
                 row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length,
                               full=args.full, memory_profile=args.memory_profile,
-                              logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile)
+                              logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile,
+                              host_profile=args.host_profile)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -229,6 +240,7 @@ def main(argv=None) -> int:
                "--max_length", str(args.max_length), *(["--full"] if args.full else []),
                *(["--memory-profile"] if args.memory_profile else []),
                *(["--time-profile"] if args.time_profile else []),
+               *(["--host-profile"] if args.host_profile else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = {}
@@ -250,6 +262,10 @@ def main(argv=None) -> int:
             from time_profile import format_profile
 
             print("\n" + format_profile(r["time_profile"], f"{r['mode']} batch {r['batch']}, one step"))
+        if "host_profile" in r:
+            from time_profile import format_host_profile
+
+            print("\n" + format_host_profile(r["host_profile"], f"{r['mode']} batch {r['batch']}, one step"))
     base = {r["batch"]: r for r in rows if r["mode"] == "hf_padded" and "error" not in r}
     print(f"\n{'mode':<24} {'model':<11} {'batch':>5} {'tok/s':>8} {'x hf_padded':>11} {'peak GB':>8} "
           f"{'s/step':>7} {'padding':>8}")

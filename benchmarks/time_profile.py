@@ -1,4 +1,5 @@
-"""Where the time of one step goes: device time per kernel, summed by kind of work.
+"""Where the time of one step goes: device time per kernel, summed by kind of work; and, for a
+step bound by the host, the host's own time per library (:func:`host_time_profile`).
 
 A missed speed target is reported with what limits it. This wraps one step in
 ``torch.profiler`` (device activity only: kernels and copies, not the Python around them) and sums
@@ -93,6 +94,93 @@ def timed_device_profile(result: dict) -> Iterator[None]:
     with device_time_profile(result):  # synchronizes, then summarises
         yield
     result["profile"]["step_wall_ms"] = (time.perf_counter() - t0) * 1e3
+
+
+# ----------------------------------------------------------------------------------- the host
+
+#: where a Python function's own time is counted, by the first of these path parts in its file
+#: (C functions, "~" in cProfile, are the calls into torch's and Python's built-ins: each torch op's
+#: dispatch and launch, synchronisations, allocations)
+HOST_GROUPS: tuple[tuple[str, str], ...] = (
+    ("swiftune", "/swiftune/"), ("peft", "/peft/"), ("transformers", "/transformers/"),
+    ("accelerate", "/accelerate/"), ("trl / liger", "/trl/"), ("trl / liger", "/liger_kernel/"),
+    ("triton (launchers)", "/triton/"), ("torch (Python)", "/torch/"), ("benchmark", "/benchmarks/"),
+)
+BUILTIN = "built-in calls (torch ops, launches, syncs)"
+HOST_OTHER = "other Python"
+
+
+def host_group_of(filename: str) -> str:
+    if filename == "~" or filename.startswith("<built-in"):
+        return BUILTIN
+    path = filename.replace("\\", "/")
+    for group, part in HOST_GROUPS:
+        if part in path:
+            return group
+    return HOST_OTHER
+
+
+def summarise_host(entries: Iterable[tuple[str, int, str, float, int]], top: int = 15) -> dict:
+    """``entries``: ``(file, line, function, own seconds, calls)`` of each function (cProfile's
+    ``tottime``: time in the function itself, not in what it called). Returns the total in ms, the
+    own time per group of :func:`host_group_of` (largest first) and the ``top`` functions."""
+    entries = [(f, int(ln), fn, float(t), int(c)) for f, ln, fn, t, c in entries]
+    total = sum(t for *_, t, _ in entries)
+    groups: dict[str, float] = {}
+    for f, _, _, t, _ in entries:
+        groups[host_group_of(f)] = groups.get(host_group_of(f), 0.0) + t
+    share = (lambda t: t / total) if total else (lambda t: 0.0)
+    return {
+        "host_ms": total * 1e3,
+        "calls": sum(c for *_, c in entries),
+        "groups": [{"group": g, "ms": t * 1e3, "share": share(t)} for g, t in sorted(groups.items(), key=lambda kv: -kv[1])],
+        "top": [{"function": f"{fn} ({f.rsplit('/', 1)[-1]}:{ln})" if f != "~" else fn, "group": host_group_of(f),
+                 "ms": t * 1e3, "calls": c, "share": share(t)}
+                for f, ln, fn, t, c in sorted(entries, key=lambda e: -e[3])[:top]],
+    }
+
+
+@contextlib.contextmanager
+def host_time_profile(result: dict) -> Iterator[None]:
+    """cProfile over the ``with`` body; on exit ``result["host_profile"]`` holds
+    :func:`summarise_host`'s dict and the body's wall time (``wall_ms``; CUDA synchronised at both
+    ends, so a GPU-bound body shows its wait in a synchronising call). Where
+    :func:`timed_device_profile` says a step is bound by the host, this says by what.
+
+    cProfile sees the calling thread only: on CUDA the autograd engine runs the backward in its
+    own thread, so the Python that runs there (checkpoint recomputes, saved-tensor hooks) is
+    counted inside ``run_backward`` rather than under its own names."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        yield
+    finally:
+        sync()
+        prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # {(file, line, function): (calls, prim calls, tottime, cumtime, callers)}
+    entries = [(f, ln, fn, tt, nc) for (f, ln, fn), (nc, _, tt, _, _) in stats.items()]
+    result["host_profile"] = dict(summarise_host(entries), wall_ms=wall * 1e3)
+
+
+def format_host_profile(p: dict, title: str = "") -> str:
+    lines = [f"# host time{(' of ' + title) if title else ''}: {p['host_ms'] / 1e3:.2f} s in Python and "
+             f"built-in calls ({p['calls']:,} calls)"
+             + (f"; wall time {p['wall_ms'] / 1e3:.2f} s (profiled)" if p.get("wall_ms") else "")]
+    lines += [f"  {g['group']:<44} {g['ms'] / 1e3:8.3f} s  {100 * g['share']:5.1f}%" for g in p["groups"]]
+    lines.append("  top functions by own time:")
+    lines += [f"  {t['ms'] / 1e3:8.3f} s {100 * t['share']:5.1f}% {t['calls']:7d}x  {t['function'][:90]}"
+              for t in p["top"]]
+    return "\n".join(lines)
 
 
 def format_profile(p: dict, title: str = "") -> str:

@@ -12,7 +12,8 @@
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
-#   scripts/gpu_suite.sh sft-overhead # device time vs wall time of one step, Qwen3-0.6B and 8B, batch 16 (~4 min)
+#   scripts/gpu_suite.sh sft-overhead # device time vs wall time of one step, Qwen3-0.6B and 8B, batch 16, and the
+#                                     # 0.6B step's host time by library (~5 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
@@ -109,7 +110,10 @@ case "$part" in
     for m in qwen3-0.6b qwen3-8b; do
       run "sft_overhead_$m" 200 python3 benchmarks/sft.py --model "$m" --batch 16 --steps 6 --warmup 3 --time-profile \
         --modes swiftune trl_liger --out "$OUT/sft_overhead_$m.json"
-    done ;;
+    done
+    # and on what the host spends the 0.6B step (cProfile: own time by library and function)
+    run sft_host_qwen3-0.6b 150 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --steps 6 --warmup 3 \
+      --host-profile --modes swiftune trl_liger --out "$OUT/sft_host_qwen3-0.6b.json" ;;
   sft-full)
     run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;

@@ -280,6 +280,16 @@ def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path
     assert not any("time_profile" in r for r in rows.values())  # --time-profile is CUDA's: a no-op here
 
 
+def test_sft_benchmark_host_profile_of_one_step(tmp_path):
+    out = tmp_path / "sft_host.json"
+    proc = run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "3", "--warmup", "2",
+                      "--modes", "swiftune", "--max_length", "128", "--host-profile", "--out", str(out))
+    (row,) = json.loads(out.read_text())
+    hp = row["host_profile"]
+    assert hp["host_ms"] > 0 and {g["group"] for g in hp["groups"]} >= {"swiftune", "peft"}
+    assert "# host time of swiftune batch 2" in proc.stdout
+
+
 def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):
     out = tmp_path / "sft_full.json"
     modes = ["hf_padded", "swiftune", "swiftune_budget_offload"]
@@ -587,6 +597,41 @@ def test_time_profile_sums_device_time_by_kind():
     # against a step's wall time: the share of it the device was busy
     p["step_wall_ms"] = 4 * p["device_ms"]
     assert "device busy 25%" in tp.format_profile(p, "x") and f"{p['launches']:,} kernels" in tp.format_profile(p)
+
+
+def test_host_profile_sums_own_time_by_library():
+    """Per-group sums and the top list against sums written out over random own times; then the
+    context manager over a real body: its own functions are found, with their call counts."""
+    tp = load_bench_module("time_profile")
+    gen = torch.Generator().manual_seed(2)
+    files = {"swiftune": "/x/src/swiftune/models/forwards.py", "peft": "/v/site-packages/peft/tuners/lora/layer.py",
+             "transformers": "/v/site-packages/transformers/models/qwen3/modeling_qwen3.py",
+             "torch (Python)": "/v/site-packages/torch/utils/checkpoint.py", tp.BUILTIN: "~",
+             "triton (launchers)": "/v/site-packages/triton/runtime/jit.py", tp.HOST_OTHER: "/usr/lib/python3.11/json/encoder.py"}
+    entries, want = [], {}
+    for i, (group, f) in enumerate(files.items()):
+        for j in range(2):
+            t = float(torch.rand(1, generator=gen))
+            entries.append((f, 10 * i + j, f"fn{i}{j}", t, 3 + j))
+            want[group] = want.get(group, 0.0) + t
+        assert tp.host_group_of(f) == group, f
+    p = tp.summarise_host(entries, top=3)
+    assert p["host_ms"] == pytest.approx(1e3 * sum(want.values()))
+    assert {g["group"]: g["ms"] for g in p["groups"]} == pytest.approx({g: 1e3 * t for g, t in want.items()})
+    assert [t["ms"] for t in p["top"]] == sorted((1e3 * e[3] for e in entries), reverse=True)[:3]
+    assert p["calls"] == sum(e[4] for e in entries) and sum(g["share"] for g in p["groups"]) == pytest.approx(1.0)
+
+    def busy(n):
+        return sum(i * i for i in range(n))
+
+    r = {}
+    with tp.host_time_profile(r):
+        for _ in range(7):
+            busy(20_000)
+    hp = r["host_profile"]
+    mine = [t for t in hp["top"] if t["function"].startswith("busy ")]
+    assert mine and mine[0]["calls"] == 7 and 0 < hp["host_ms"] <= hp["wall_ms"] * 1.05
+    assert "top functions" in tp.format_host_profile(hp, "x")
 
 
 def test_step_context_callback_wraps_exactly_the_chosen_step():
