@@ -12,8 +12,8 @@
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
-#   scripts/gpu_suite.sh sft-overhead # device time vs wall time of one step, Qwen3-0.6B and 8B, batch 16, and the
-#                                     # 0.6B step's host time by library (~5 min)
+#   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
+#                                     # time by library in the 8B and 0.6B steps (~6 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
@@ -107,13 +107,14 @@ case "$part" in
     done ;;
   sft-overhead)  # is a step bound by the GPU or by the host? device time by kind vs wall time, batch 16
     # (the Qwen3-0.6B step takes ~0.4 s at every batch size, about what the 8B step takes)
-    for m in qwen3-0.6b qwen3-8b; do
-      run "sft_overhead_$m" 200 python3 benchmarks/sft.py --model "$m" --batch 16 --steps 6 --warmup 3 --time-profile \
-        --modes swiftune trl_liger --out "$OUT/sft_overhead_$m.json"
-    done
-    # and on what the host spends the 0.6B step (cProfile: own time by library and function)
-    run sft_host_qwen3-0.6b 150 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --steps 6 --warmup 3 \
-      --host-profile --modes swiftune trl_liger --out "$OUT/sft_host_qwen3-0.6b.json" ;;
+    # (the 0.6B step's device time was measured in session 8: busy 3%); the 8B step at batch 16 is as
+    # slow as at batch 1 (~0.5 s): device time of the 8B step, then what the host does in each
+    run sft_overhead_qwen3-8b 200 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 6 --warmup 3 \
+      --time-profile --modes swiftune trl_liger --out "$OUT/sft_overhead_qwen3-8b.json"
+    for m in qwen3-8b qwen3-0.6b; do  # cProfile of one step: own time by library and function
+      run "sft_host_$m" 150 python3 benchmarks/sft.py --model "$m" --batch 16 --steps 6 --warmup 3 \
+        --host-profile --modes swiftune trl_liger --out "$OUT/sft_host_$m.json"
+    done ;;
   sft-full)
     run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;
