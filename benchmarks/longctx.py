@@ -221,12 +221,10 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
                 torch.cuda.reset_peak_memory_stats()
             pinned_before = offload_stats(model).get("host_alloc_seconds", 0.0)
             t0 = time.perf_counter()
-            if record_peak and i == args.repeats - 1:
+            profiling = record_peak and i == args.repeats - 1
+            if profiling:
                 from memory_profile import peak_profile
-
-                with peak_profile(row):
-                    row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
-            else:
+            with peak_profile(row) if profiling else contextlib.nullcontext():
                 row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
             if cuda:
                 torch.cuda.synchronize()

@@ -45,7 +45,8 @@ def summarise(events: Iterable[tuple[str, float, int]], top: int = 12) -> dict:
     total = sum(us for _, us, _ in events)
     kinds: dict[str, float] = {}
     for name, us, _ in events:
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us
+        kind = kind_of(name)
+        kinds[kind] = kinds.get(kind, 0.0) + us
     share = (lambda us: us / total) if total else (lambda us: 0.0)
     return {
         "device_ms": total / 1e3,
@@ -128,7 +129,8 @@ def summarise_host(entries: Iterable[tuple[str, int, str, float, int]], top: int
     total = sum(t for *_, t, _ in entries)
     groups: dict[str, float] = {}
     for f, _, _, t, _ in entries:
-        groups[host_group_of(f)] = groups.get(host_group_of(f), 0.0) + t
+        group = host_group_of(f)
+        groups[group] = groups.get(group, 0.0) + t
     share = (lambda t: t / total) if total else (lambda t: 0.0)
     return {
         "host_ms": total * 1e3,

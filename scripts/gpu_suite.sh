@@ -94,9 +94,8 @@ case "$part" in
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
     run sft_memory 420 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
-  sft-chunk)  # peak memory vs speed of the fused loss's chunk on the small shapes (swiftune's peak is above
-    # TRL's there: its logits block is sized from free memory, up to 4,096 tokens x the vocabulary)
-    # (auto = no flag, in the same call); then the same A/B on the Qwen3-8B shape at batch 16
+  sft-chunk)  # peak memory vs speed of the fused loss's chunk on the small shapes (auto = no flag, in the
+    # same call: capped at 1,024 tokens since session 8's A/B, 4,096 before); then the Qwen3-8B shape at batch 16
     for c in auto 1024 2048; do
       run "sft_chunk_06b_$c" 120 python3 benchmarks/sft.py --model qwen3-0.6b --batch 8 16 32 --steps 10 --warmup 3 \
         --modes swiftune $([ "$c" != auto ] && echo --logit-chunk-tokens "$c") --out "$OUT/sft_chunk_06b_$c.json"
@@ -105,10 +104,9 @@ case "$part" in
       run "sft_chunk_8b_$c" 100 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
         --modes swiftune $([ "$c" != auto ] && echo --logit-chunk-tokens "$c") --out "$OUT/sft_chunk_8b_$c.json"
     done ;;
-  sft-overhead)  # is a step bound by the GPU or by the host? device time by kind vs wall time, batch 16
-    # (the Qwen3-0.6B step takes ~0.4 s at every batch size, about what the 8B step takes)
-    # (the 0.6B step's device time was measured in session 8: busy 3%); the 8B step at batch 16 is as
-    # slow as at batch 1 (~0.5 s): device time of the 8B step, then what the host does in each
+  sft-overhead)  # is a step bound by the GPU or by the host? The 8B step at batch 16 is as slow as at
+    # batch 1 (~0.5 s) and the 0.6B step's device was busy 3% of it (session 8): device time by kind vs
+    # wall time of the 8B step, then what the host does in each
     run sft_overhead_qwen3-8b 200 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 6 --warmup 3 \
       --time-profile --modes swiftune trl_liger --out "$OUT/sft_overhead_qwen3-8b.json"
     for m in qwen3-8b qwen3-0.6b; do  # cProfile of one step: own time by library and function
@@ -179,8 +177,8 @@ case "$part" in
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
       --tokens 32768 65536 --bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 \
       --bisect-tol 0.05 --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
-  longctx-memory)  # what is alive at the peak of a long step (the planner reserves 129 KB a token for the
-    # layer being recomputed where the Llama-3-8B rows imply ~72): 131,072 tokens, every layer input on the GPU
+  longctx-memory)  # what is alive at the peak of a long step (131,072 tokens, every layer input on the GPU;
+    # session 8: ~75 KB a token for the layer being recomputed, planned since at ~95 with 8K documents)
     model=${2:-llama3-8b}
     run "longctx_memory_$model" 300 python3 benchmarks/longctx.py --model "$model" --modes offload --tokens 131072 \
       --doc-tokens 8192 --memory-profile --time-budget 250 --out "$OUT/longctx_memory_$model.json" ;;
