@@ -160,7 +160,8 @@ def even_token_reward(prompts, completions, completion_ids=None, **kwargs) -> li
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_bytes: int | None = None):
+def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_bytes: int | None = None,
+                         offload_host_budget_bytes: int | None = None):
     """Random-init model of shape ``name``, patched by swiftune, LoRA r=16 on all linear layers."""
     import torch
 
@@ -170,7 +171,8 @@ def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_by
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     swiftune.patch_model(model)
     return swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=checkpointing,
-                                             offload_gpu_budget_bytes=offload_gpu_budget_bytes)
+                                             offload_gpu_budget_bytes=offload_gpu_budget_bytes,
+                                             offload_host_budget_bytes=offload_host_budget_bytes)
 
 
 # --------------------------------------------------------------------------------------- step
@@ -417,13 +419,24 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
 
 
+def host_budget_bytes(args) -> int | None:
+    """``--host-budget-gb`` in bytes (``None``: the machine's available host memory)."""
+    return None if args.host_budget_gb is None else int(args.host_budget_gb * 1e9)
+
+
 def build_bisect_model(mode: str, name: str, device, args):
     import torch
 
     if mode == "swiftune":
         offload = args.swiftune_checkpointing in ("offload", "offload_all")
         budget = 0 if args.swiftune_checkpointing == "offload_all" else None  # 0: no layer input on the GPU
-        return build_swiftune_model(name, device, "offload" if offload else True, budget)
+        host = host_budget_bytes(args) if offload else None
+        model = build_swiftune_model(name, device, "offload" if offload else True, budget, host)
+        if offload and args.host_margin_gb is not None:  # calling again updates the budgets, margin included
+            from swiftune.models.checkpointing import enable_offloaded_checkpointing
+
+            enable_offloaded_checkpointing(model, budget, host, host_margin_bytes=int(args.host_margin_gb * 1e9))
+        return model
     import peft
 
     from workload import random_model
@@ -644,6 +657,7 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
            "--bisect-tol", str(args.bisect_tol), "--bisect-granularity", str(args.bisect_granularity),
            "--swiftune-checkpointing", args.swiftune_checkpointing, "--trial-repeats", str(args.trial_repeats)]
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
+                        ("--host-budget-gb", args.host_budget_gb), ("--host-margin-gb", args.host_margin_gb),
                         ("--simulate-kill-above", args.simulate_kill_above)):
         if value:
             cmd += [flag, str(value)]
@@ -719,6 +733,7 @@ def run_bisect(args) -> dict:
     return dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=args.prompt_tokens, rows=args.bisect_rows,
                 tolerance=args.bisect_tol, share_prompt=args.share_prompt, offload_logits=args.offload_logits,
                 swiftune_checkpointing=args.swiftune_checkpointing, trial_repeats=args.trial_repeats,
+                host_budget_gb=args.host_budget_gb, host_margin_gb=args.host_margin_gb,
                 simulate_capacity=args.simulate_capacity,
                 simulate_kill_above=args.simulate_kill_above, modes=results, wall_s=time.perf_counter() - start,
                 **versions())
@@ -739,6 +754,8 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
 
     if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else int(149.3e9)
+    if host_bytes is None:
+        host_bytes = host_budget_bytes(args)
     host_bytes = host_available_bytes() if host_bytes is None else host_bytes
     share = args.share_prompt
     P, R = args.prompt_tokens, args.bisect_rows
@@ -843,6 +860,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swiftune-checkpointing", choices=["offload", "offload_all", "gpu"], default="offload",
                    help="offload: as many layer inputs on the GPU as fit, the rest in pinned host memory; "
                         "offload_all: every one on the host (least GPU memory); gpu: plain checkpointing")
+    p.add_argument("--host-budget-gb", type=float, default=None,
+                   help="swiftune's offloaded checkpoints may pin at most this much host memory (GB, 1e9 bytes; "
+                        "default: what the machine has available less a margin). Two trials side by side on a "
+                        "two-GPU host each take the share of a one-GPU machine this way")
+    p.add_argument("--host-margin-gb", type=float, default=None,
+                   help="host memory offloaded checkpoints leave free (GB; default max(4 GiB, 10%% of the machine's)). "
+                        "With two capped trials side by side the default margin of the larger host would cut the "
+                        "second trial's share")
     p.add_argument("--trial-repeats", type=int, default=1,
                    help="bisection: run each fixed-length trial this many times in its process and report the "
                         "last (steady state: allocator, kernels and offload's pinned host pages warm); the "

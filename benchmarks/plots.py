@@ -39,6 +39,7 @@ MODE_NAMES = {
     "offload": "swiftune, offload within budget",
     "offload_all": "swiftune, offload all",
     "offload_one_sequence": "swiftune, offload within budget",
+    "offload_before_reserve_change": "swiftune, offload, the earlier varlen-sized reserve",
     "hf_full_logits": "transformers + PEFT, full logits",
     "trl_grpo": "TRL GRPOTrainer loss",
     "swiftune_offload_all": "swiftune, every checkpoint on the host",
@@ -74,7 +75,7 @@ def colors_for(modes: list[str]) -> dict[str, str]:
             shade = {"swiftune": SWIFTUNE_COLOR, "swiftune_budget": "#ff7f0e",
                      "swiftune_budget_offload": "#bcbd22", "ckpt": "#ff7f0e",
                      "offload": SWIFTUNE_COLOR, "offload_all": "#bcbd22", "swiftune_offload_all": "#bcbd22",
-                     "offload_one_sequence": "#ff7f0e"}
+                     "offload_one_sequence": "#ff7f0e", "offload_before_reserve_change": "#ff9896"}
             out[m] = shade.get(m, SWIFTUNE_COLOR)
         else:
             out[m] = OTHER_COLORS[i % len(OTHER_COLORS)]

@@ -29,6 +29,7 @@
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
+#   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
 #   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune shared-prompt rows (sdpa), unshared rows (~4.5 min)
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
@@ -56,6 +57,7 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
 
 detach() {  # detach NAME COMMAND...: run in the background, outliving this call; output in /tmp/NAME.log
   local name=$1; shift
+  rm -f "/tmp/$name.json"  # a warm machine keeps /tmp: wait_for must not find the previous run's result
   setsid nohup "$@" > "/tmp/$name.log" 2>&1 < /dev/null &
 }
 
@@ -156,6 +158,19 @@ case "$part" in
     sleep 540; tail -5 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
   grpo-3x-wait)
     wait_for grpo_3x 55 12 ;;
+  grpo-pair)  # two GRPO trials side by side on a two-GPU host (kind nvidia-h200-x2), one per GPU, each capped at
+    # the pinned host memory a one-H200 machine offers (119.5 GB, as the 2 x 294,912 trial saw) with a small
+    # margin so that the two fit the larger host together; detached (a trial near 2 x 400K takes ~15-18 min):
+    # poll with grpo-pair-wait. Usage: grpo-pair COMPLETION_GPU0 COMPLETION_GPU1
+    for i in 0 1; do
+      c=${2:?"two completion lengths"}; [ "$i" = 1 ] && c=${3:?"two completion lengths"}
+      detach "grpo_pair_$i" env CUDA_VISIBLE_DEVICES=$i python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
+        --bisect-modes swiftune --share-prompt --completion-lengths "$c" --fixed-only --time-budget 3000 \
+        --host-budget-gb 119.5 --host-margin-gb 4 --out "/tmp/grpo_pair_$i.json"
+    done
+    sleep 60; free -g; nvidia-smi --query-gpu=index,memory.used --format=csv; tail -3 /tmp/grpo_pair_*.log ;;
+  grpo-pair-wait)
+    wait_for grpo_pair_0 54 8; wait_for grpo_pair_1 2 8 ;;
   grpo-memory)  # what is alive at the peak of a GRPO step: every checkpoint on the host at 2 x 65,536, the
     # automatic budget at 2 x 131,072 (the planner overestimated the 2 x 294,912 step by ~25%)
     run grpo_memory_65k 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \

@@ -177,6 +177,24 @@ def test_grpo_bisect_repeats_fixed_trials_and_offloads_every_layer(tmp_path):
     assert t["status"] == "ok" and t["completion"] == 96 and t["first_s"] > 0 and t["s"] > 0
 
 
+def test_grpo_bisect_host_budget_caps_the_offloaded_checkpoints(tmp_path):
+    """--host-budget-gb reaches swiftune's offloaded checkpoints: with every layer input sent to the
+    host, a cap below one input makes the trial fail as out of host memory, a cap above all of them
+    lets it run; the cap and margin are recorded."""
+    results = {}
+    for cap in ("0.000001", "1"):
+        out = tmp_path / f"cap_{cap}.json"
+        run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+                   "--swiftune-checkpointing", "offload_all", "--fixed-only", "--completion-lengths", "96",
+                   "--host-budget-gb", cap, "--host-margin-gb", "0", "--out", str(out))
+        results[cap] = json.loads(out.read_text())
+    (starved,) = results["0.000001"]["modes"]["swiftune"]["trials"]
+    (capped,) = results["1"]["modes"]["swiftune"]["trials"]
+    assert starved["status"] == "oom_host", starved
+    assert capped["status"] == "ok", capped
+    assert results["1"]["host_budget_gb"] == 1.0 and results["1"]["host_margin_gb"] == 0.0
+
+
 def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
     """A trial that kills the process (host memory) counts as not fitting; a new process resumes."""
     out = tmp_path / "killed.json"

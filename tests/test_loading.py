@@ -158,6 +158,44 @@ def test_offload_gpu_budget_reaches_the_layers(tmp_path):
         FastModel.get_peft_model(model, use_gradient_checkpointing="offload", offload_gpu_budget_bytes=-1)
 
 
+def test_offload_host_budget_caps_the_pinned_inputs(tmp_path):
+    """offload_host_budget_bytes caps the host memory of offloaded layer inputs: a cap that holds them
+    gives plain checkpointing's loss and gradients; one that holds none of them (every input sent to
+    the host, no GPU budget) stops the step with CheckpointBudgetError naming the host budget; the
+    option needs "offload" and a non-negative size."""
+    from swiftune.models.checkpointing import offload_stats
+    from swiftune.models.offload_memory import CheckpointBudgetError
+
+    _save(tmp_path, "llama")
+    ids = _ids(12)
+    model, _ = _load(tmp_path, kernel_backend="reference")
+    reference = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing=True).train()
+    ref_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    layer_bytes = ids.numel() * model.config.hidden_size * 4  # float32 layer inputs on CPU
+    n_layers = model.config.num_hidden_layers
+    model, _ = _load(tmp_path, kernel_backend="reference")
+    capped = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="offload", offload_gpu_budget_bytes=0,
+                                      offload_host_budget_bytes=n_layers * layer_bytes * 4).train()
+    loss = capped(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert len(offload_stats(capped)["offload"]) == n_layers
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-6
+    for name, g in ref_grads.items():
+        assert rel_err(dict(capped.named_parameters())[name].grad, g) < 1e-5, name
+    model, _ = _load(tmp_path, kernel_backend="reference")
+    starved = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="offload", offload_gpu_budget_bytes=0,
+                                       offload_host_budget_bytes=layer_bytes // 2).train()
+    with pytest.raises(CheckpointBudgetError, match="host"):
+        starved(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model, _ = _load(tmp_path, kernel_backend="reference")
+    with pytest.raises(ValueError, match="offload_host_budget_bytes needs"):
+        FastModel.get_peft_model(model, use_gradient_checkpointing=True, offload_host_budget_bytes=2**30)
+    with pytest.raises(ValueError, match="offload_host_budget_bytes must be >= 0"):
+        FastModel.get_peft_model(model, use_gradient_checkpointing="offload", offload_host_budget_bytes=-1)
+
+
 def test_full_finetuning_gradients_match_transformers():
     """Every parameter's gradient through the fused kernels (Triton interpreter) vs eager transformers."""
     reference = tiny_model("gemma")

@@ -107,6 +107,7 @@ def _check_causal_lm(config: Any, name: str) -> None:
 
 def enable_gradient_checkpointing(
     model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
+    offload_host_budget_bytes: int | None = None,
 ) -> nn.Module:
     """Turn on non-reentrant gradient checkpointing of every decoder layer.
 
@@ -114,12 +115,16 @@ def enable_gradient_checkpointing(
     asynchronously and brought back just in time in backward, keeping as many layers on the GPU
     as its budget allows (:func:`swiftune.models.checkpointing.enable_offloaded_checkpointing`):
     ``offload_gpu_budget_bytes`` (``None``: what is free at each forward, less the rest of the step;
-    ``0``: every layer input on the host, the least GPU memory).
+    ``0``: every layer input on the host, the least GPU memory) and ``offload_host_budget_bytes``
+    (a cap on the pinned host memory it may take, e.g. on a host shared with other jobs; ``None``:
+    what the machine has available less a margin).
     """
-    if offload_gpu_budget_bytes is not None and mode not in ("offload", "unsloth"):
-        raise ValueError("offload_gpu_budget_bytes needs use_gradient_checkpointing='offload'")
-    if offload_gpu_budget_bytes is not None and offload_gpu_budget_bytes < 0:
-        raise ValueError(f"offload_gpu_budget_bytes must be >= 0, got {offload_gpu_budget_bytes}")
+    for name, value in (("offload_gpu_budget_bytes", offload_gpu_budget_bytes),
+                        ("offload_host_budget_bytes", offload_host_budget_bytes)):
+        if value is not None and mode not in ("offload", "unsloth"):
+            raise ValueError(f"{name} needs use_gradient_checkpointing='offload'")
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     if not mode:
         return model
     if mode not in (True, "offload", "unsloth"):
@@ -135,7 +140,8 @@ def enable_gradient_checkpointing(
         from .checkpointing import enable_offloaded_checkpointing
 
         # takes over from transformers' per-layer flag
-        enable_offloaded_checkpointing(hf_model, gpu_budget_bytes=offload_gpu_budget_bytes)
+        enable_offloaded_checkpointing(hf_model, gpu_budget_bytes=offload_gpu_budget_bytes,
+                                       host_budget_bytes=offload_host_budget_bytes)
     else:
         hf_model._swiftune_offload_checkpointing = False
     return model
@@ -222,6 +228,7 @@ class FastModel:
         use_rslora: bool = False,
         modules_to_save: list[str] | None = None,
         offload_gpu_budget_bytes: int | None = None,
+        offload_host_budget_bytes: int | None = None,
         **lora_kwargs: Any,
     ) -> nn.Module:
         """Add LoRA adapters through PEFT; the result is a normal ``peft.PeftModel``.
@@ -235,6 +242,8 @@ class FastModel:
                 ``False``, or ``"offload"`` (recorded; see :func:`enable_gradient_checkpointing`).
             offload_gpu_budget_bytes: with ``"offload"``, GPU bytes the kept layer inputs may take
                 (``None``: as many as fit; ``0``: all on the host).
+            offload_host_budget_bytes: with ``"offload"``, a cap on the pinned host memory the
+                offloaded inputs may take (``None``: what the machine has available).
             random_state: seed of the adapter initialisation (the global RNG is left untouched).
         """
         from peft import LoraConfig, get_peft_model
@@ -250,7 +259,8 @@ class FastModel:
             task_type="CAUSAL_LM",
             **lora_kwargs,
         )
-        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes)
+        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
+                                      offload_host_budget_bytes=offload_host_budget_bytes)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
@@ -269,5 +279,6 @@ class FastModel:
         """Full fine-tuning: every parameter trainable, gradient checkpointing, train mode."""
         for p in model.parameters():
             p.requires_grad_(True)
-        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes)
+        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
+                                      offload_host_budget_bytes=offload_host_budget_bytes)
         return model.train()
