@@ -282,3 +282,31 @@ def test_training_step_leaves_lora_inputs_in_the_autocast_dtype_under_bf16(token
     trainer.train()
     assert seen and set(seen) == {not bf16}
     assert lora_layer.cast_input_dtype_enabled  # restored after each step
+
+
+def test_floating_point_ops_counts_the_parameters_once(tokenizer, rows, tmp_path, monkeypatch):
+    """SFTTrainer's FLOP estimate equals transformers' own (6 x input tokens x non-embedding
+    parameters, recomputed here from the parameters themselves) while counting the parameters
+    once per model instead of at every step; a new model object is counted afresh."""
+    from transformers import Trainer
+
+    losses, _, trainer = train(tokenizer, rows, tmp_path, "flops", max_steps=3)
+    model = trainer.model
+    non_embedding = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    calls = []
+    base_class = type(model.get_base_model())  # PeftModel hands num_parameters to the transformers model
+    counter = base_class.num_parameters
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return counter(self, *args, **kwargs)
+
+    monkeypatch.setattr(base_class, "num_parameters", counting)
+    for n in (5, 17, 64):
+        inputs = {"input_ids": torch.randint(0, 100, (1, n))}
+        assert trainer.floating_point_ops(inputs) == Trainer.floating_point_ops(trainer, inputs) == 6 * n * non_embedding
+    assert len(calls) == 3  # Trainer's own estimate, each time; swiftune's was counted during training
+    trainer.model = tiny_model(True)  # another model: counted again
+    assert trainer.floating_point_ops({"input_ids": torch.ones(1, 4, dtype=torch.long)}) > 0 and len(calls) == 4
+    assert trainer.floating_point_ops({"labels": torch.ones(1, 4)}) == 0  # no input ids: no estimate
+    assert trainer.state.total_flos > 0

@@ -10,10 +10,35 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
+
+
+class StepFlops:
+    """transformers' ``Trainer.floating_point_ops`` estimate, ``6 x input tokens x non-embedding
+    parameters``, with the parameter count taken once per model.
+
+    The Trainer recounts the parameters at every step, walking the whole module tree (~2,900
+    modules for an 8B model with LoRA on every linear layer): part of the ~9% of the 8B step's host
+    time that the host profile puts in ``Module.named_modules`` (docs/benchmarks.md). The count of
+    a model does not change while it trains; a different model object is counted afresh.
+    """
+
+    def __init__(self) -> None:
+        self._model: weakref.ref | None = None
+        self._count = 0
+
+    def __call__(self, model: Any, inputs: dict[str, Any]) -> int:
+        main_input = getattr(model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(model, "num_parameters"):
+            return 0
+        if self._model is None or self._model() is not model:
+            self._model, self._count = weakref.ref(model), model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self._count
 
 
 @dataclass

@@ -38,7 +38,7 @@ from ..models import FastModel, is_patched, patch_model
 from ..models.heads import hidden_states_and_head
 from ..models.lora_casting import training_step_lora_casting
 from .config import SFTConfig
-from .metrics import MetricsCallback, TokenMeter
+from .metrics import MetricsCallback, StepFlops, TokenMeter
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class SFTTrainer(Trainer):
             data_collator = make_collator(args.batch_mode, max_length=args.max_length,
                                           pad_token_id=processing_class.pad_token_id)
         self.token_meter = TokenMeter()
+        self.step_flops = StepFlops()
         super().__init__(
             model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, data_collator=data_collator, callbacks=callbacks, **kwargs,
@@ -143,6 +144,9 @@ class SFTTrainer(Trainer):
         return self.accelerator.prepare(loader)
 
     # ------------------------------------------------------------------------ loss
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        return self.step_flops(self.model, inputs)  # the Trainer's estimate, parameters counted once
 
     def training_step(self, model, *args, **kwargs):
         # under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight back:
