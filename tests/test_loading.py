@@ -194,6 +194,12 @@ def test_offload_host_budget_caps_the_pinned_inputs(tmp_path):
         FastModel.get_peft_model(model, use_gradient_checkpointing=True, offload_host_budget_bytes=2**30)
     with pytest.raises(ValueError, match="offload_host_budget_bytes must be >= 0"):
         FastModel.get_peft_model(model, use_gradient_checkpointing="offload", offload_host_budget_bytes=-1)
+    with pytest.raises(ValueError, match="offload_host_budget_bytes needs"):  # full fine-tuning: the same checks
+        FastModel.for_training(model, use_gradient_checkpointing=True, offload_host_budget_bytes=2**30)
+    FastModel.for_training(model, use_gradient_checkpointing="offload", offload_host_budget_bytes=2**30)
+    from swiftune.models.checkpointing import _STATE, causal_lm_of
+
+    assert getattr(causal_lm_of(model), _STATE).host_budget_bytes == 2**30
 
 
 def test_full_finetuning_gradients_match_transformers():

@@ -275,8 +275,10 @@ class FastModel:
 
     @staticmethod
     def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True,
-                     offload_gpu_budget_bytes: int | None = None) -> nn.Module:
-        """Full fine-tuning: every parameter trainable, gradient checkpointing, train mode."""
+                     offload_gpu_budget_bytes: int | None = None,
+                     offload_host_budget_bytes: int | None = None) -> nn.Module:
+        """Full fine-tuning: every parameter trainable, gradient checkpointing (budgets as in
+        :meth:`get_peft_model`), train mode."""
         for p in model.parameters():
             p.requires_grad_(True)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
