@@ -155,7 +155,7 @@ case "$part" in
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
     detach grpo_3x python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json
-    sleep 540; tail -5 /tmp/grpo_3x.log; cp /tmp/grpo_3x.* "$OUT/" 2>/dev/null ;;
+    wait_for grpo_3x 54 5 ;;  # done within the call if the trial is; else grpo-3x-wait
   grpo-3x-wait)
     wait_for grpo_3x 55 12 ;;
   grpo-pair)  # two GRPO trials side by side on a two-GPU host (kind nvidia-h200-x2), one per GPU, each capped at
