@@ -19,7 +19,7 @@
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
 #   scripts/gpu_suite.sh longctx [MODEL] # largest row that fits with offload, to 5% from the planner's answer (~3-4 min when its two trials bracket it; detached, then longctx-wait)
 #   scripts/gpu_suite.sh longctx-single [MODEL] [TOKENS] # one sequence (default Llama-3-8B, 409,600), detached: then longctx-wait
-#   scripts/gpu_suite.sh longctx-memory [MODEL] # what is alive at the peak of a 131,072-token step (~2 min)
+#   scripts/gpu_suite.sh longctx-memory [MODEL] [TOKENS] # what is alive at the peak of a step (default 131,072 tokens, ~1 min)
 #   scripts/gpu_suite.sh longctx-overhead # offload cost: GPU vs host checkpoints, 8K/32K, 3 steps (~3 min)
 #   scripts/gpu_suite.sh longctx-sweep    # peak memory 8K..400K: baseline, GPU ckpt, budgeted offload (~7 min)
 #   scripts/gpu_suite.sh attention    # packed attention backends at 2 x 32K / 1 x 128K: time, memory, kernel (~1 min)
@@ -192,11 +192,12 @@ case "$part" in
     run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
       --tokens 32768 65536 --bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 \
       --bisect-tol 0.05 --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
-  longctx-memory)  # what is alive at the peak of a long step (131,072 tokens, every layer input on the GPU;
-    # session 8: ~75 KB a token for the layer being recomputed, planned since at ~95 with 8K documents)
-    model=${2:-llama3-8b}
-    run "longctx_memory_$model" 300 python3 benchmarks/longctx.py --model "$model" --modes offload --tokens 131072 \
-      --doc-tokens 8192 --memory-profile --time-budget 250 --out "$OUT/longctx_memory_$model.json" ;;
+  longctx-memory)  # what is alive at the peak of a long step (default 131,072 tokens: every layer input on the
+    # GPU; sessions 8-9: 60.8 / 65.4 GB for Llama-3-8B / Qwen3-8B, 0.99 / 0.97 of the plan). TOKENS larger
+    # (e.g. 524288: inputs on the host too) for the Qwen3-8B rows the planner over-reserves (0.79 at 890,880)
+    model=${2:-llama3-8b}; tokens=${3:-131072}
+    run "longctx_memory_$model" 420 python3 benchmarks/longctx.py --model "$model" --modes offload --tokens "$tokens" \
+      --doc-tokens 8192 --memory-profile --time-budget 400 --out "$OUT/longctx_memory_$model.json" ;;
   longctx-overhead)
     run longctx_overhead 180 python3 benchmarks/longctx.py --modes ckpt offload_all --tokens 8192 32768 \
       --doc-tokens 8192 --repeats 3 --time-budget 140 --out "$OUT/longctx_overhead.json" ;;
