@@ -168,7 +168,7 @@ case "$part" in
         --bisect-modes swiftune --share-prompt --completion-lengths "$c" --fixed-only --time-budget 3000 \
         --host-budget-gb 119.5 --host-margin-gb 4 --out "/tmp/grpo_pair_$i.json"
     done
-    sleep 60; free -g; nvidia-smi --query-gpu=index,memory.used --format=csv; tail -3 /tmp/grpo_pair_*.log ;;
+    sleep 60; free -g; nvidia-smi --query-gpu=index,memory.used --format=csv; tail -n 3 /tmp/grpo_pair_*.log ;;
   grpo-pair-wait)
     wait_for grpo_pair_0 54 8; wait_for grpo_pair_1 2 8 ;;
   grpo-memory)  # what is alive at the peak of a GRPO step: every checkpoint on the host at 2 x 65,536, the
