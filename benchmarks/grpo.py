@@ -421,7 +421,8 @@ def _is_oom(e: BaseException) -> bool:
 
 def host_budget_bytes(args) -> int | None:
     """``--host-budget-gb`` in bytes (``None``: the machine's available host memory)."""
-    return None if args.host_budget_gb is None else int(args.host_budget_gb * 1e9)
+    gb = getattr(args, "host_budget_gb", None)
+    return None if gb is None else int(gb * 1e9)
 
 
 def build_bisect_model(mode: str, name: str, device, args):
@@ -774,6 +775,15 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
             "attention": kind}
 
 
+def planner_bracket(completion: int, granularity: int) -> list[int]:
+    """The two lengths around the planner's answer that bracket it within 5% when it is right:
+    2% above, then 2.5% below, multiples of ``granularity`` (at least one)."""
+    def down(x: float) -> int:
+        return max(granularity, int(x) // granularity * granularity)
+
+    return [down(completion * 1.02), down(completion * 0.975)]
+
+
 def print_trial(t: dict | None, header: bool = False) -> None:
     if header:
         print(f"{'mode':<15} {'completion':>10} {'tokens':>9} {'status':>10} {'s':>8} {'peak GB':>8} {'host GB':>8}")
@@ -850,6 +860,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bisect-hi", type=int, default=None, help="resume: a completion length known not to fit")
     p.add_argument("--completion-lengths", type=int, nargs="*", default=None,
                    help="fixed completion lengths measured for every mode before the search")
+    p.add_argument("--completion-from-planner", action="store_true",
+                   help="bisection: measure two lengths, 2%% above and 2.5%% below the planner's largest completion for "
+                        "swiftune on this GPU and host (largest first: a row the host cannot hold fails at once), and "
+                        "nothing else; the figure 3 searches of longctx.py bracketed their answers this way")
     p.add_argument("--fixed-only", action="store_true",
                    help="bisection: measure --completion-lengths only, no search (e.g. one size at a target)")
     p.add_argument("--share-prompt", action="store_true",
@@ -908,9 +922,16 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     if args.bisect_completion:
+        plan = None
+        if args.completion_from_planner:  # planned before any trial pins host memory
+            plan = planner_max_completion(args)
+            args.completion_lengths = planner_bracket(plan["completion"], args.bisect_granularity)
+            args.fixed_only = True
+            print(f"# planner: {plan['completion']:,} completion tokens per row fit ({plan['gpu_bytes'] / 1e9:.1f} GB "
+                  f"GPU, {plan['host_bytes'] / 1e9:.1f} GB host); trying {args.completion_lengths}", flush=True)
         result = run_bisect(args)
         if "swiftune" in result["modes"]:
-            result["planner"] = planner_max_completion(args)
+            result["planner"] = plan or planner_max_completion(args)
         print_bisect_table(result)
     else:
         try:

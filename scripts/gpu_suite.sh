@@ -29,6 +29,7 @@
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
+#   scripts/gpu_suite.sh grpo-edge    # GRPO's largest completion: the planner's answer +2% / -2.5%, detached (~20+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
 #   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune shared-prompt rows (sdpa), unshared rows (~4.5 min)
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
@@ -158,6 +159,13 @@ case "$part" in
     wait_for grpo_3x 54 5 ;;  # done within the call if the trial is; else grpo-3x-wait
   grpo-3x-wait)
     wait_for grpo_3x 55 12 ;;
+  grpo-edge)  # GRPO's largest completion per row, bracketed around the planner's answer (+2% first: a row the
+    # host cannot hold fails at once; then -2.5%, ~20 min near 2 x 430K): detached, poll with grpo-edge-wait
+    detach grpo_edge python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      --share-prompt --completion-from-planner --time-budget 2700 --out /tmp/grpo_edge.json
+    wait_for grpo_edge 54 8 ;;
+  grpo-edge-wait)
+    wait_for grpo_edge 56 8 ;;
   grpo-pair)  # two GRPO trials side by side on a two-GPU host (kind nvidia-h200-x2), one per GPU, each capped at
     # the pinned host memory a one-H200 machine offers (119.5 GB, as the 2 x 294,912 trial saw) with a small
     # margin so that the two fit the larger host together; detached (a trial near 2 x 400K takes ~15-18 min):

@@ -195,6 +195,27 @@ def test_grpo_bisect_host_budget_caps_the_offloaded_checkpoints(tmp_path):
     assert results["1"]["host_budget_gb"] == 1.0 and results["1"]["host_margin_gb"] == 0.0
 
 
+def test_grpo_completion_from_planner_tries_both_sides_of_its_answer(tmp_path):
+    """--completion-from-planner measures 2% above and 2.5% below the planner's largest completion
+    (largest first), multiples of the granularity, a bracket within 5% when both land on either side;
+    the plan used is the one recorded (trials fail at once here: --simulate-capacity)."""
+    planner_bracket = load_bench_module("grpo").planner_bracket
+
+    hi, lo = planner_bracket(444_677, 256)
+    assert hi % 256 == 0 and lo % 256 == 0 and lo < 444_677 < hi and hi / lo < 1.05
+    assert abs(hi - 1.02 * 444_677) < 256 and abs(lo - 0.975 * 444_677) < 256
+    assert planner_bracket(10, 16) == [16, 16]  # never below one granule
+    out = tmp_path / "edge.json"
+    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+                      "--completion-from-planner", "--simulate-capacity", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    planned = r["planner"]["completion"]
+    trials = r["modes"]["swiftune"]["trials"]
+    assert [t["completion"] for t in trials] == planner_bracket(planned, 16)
+    assert all(t["status"] == "oom" for t in trials) and r["modes"]["swiftune"]["status"] == "fixed_only"
+    assert f"{planned:,} completion tokens per row fit" in proc.stdout
+
+
 def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
     """A trial that kills the process (host memory) counts as not fitting; a new process resumes."""
     out = tmp_path / "killed.json"
