@@ -46,6 +46,25 @@ def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
     return path, pairs
 
 
+def checked_pairs(path: str, have, pairs: list[tuple[str, str]], taken) -> list[tuple[str, str]]:
+    """``pairs`` once every chosen mode is in the run (``have``) and every new name is unique: not
+    ``taken`` by an earlier run, nor twice among ``pairs``."""
+    names = set(taken)
+    for mode, new in pairs:
+        if mode not in have:
+            raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(have)})")
+        if new in names:
+            raise ValueError(f"two modes named {new!r}: rename one (MODE=NAME)")
+        names.add(new)
+    return pairs
+
+
+def merged_device(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> str:
+    """The runs' device, or all of them joined by " / " when they differ."""
+    devices = {data.get("device") for _, data, _ in runs}
+    return devices.pop() if len(devices) == 1 else " / ".join(sorted(str(d) for d in devices))
+
+
 def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
     """The first run's header, then every chosen mode under its new name with its provenance."""
     if not runs:
@@ -57,15 +76,10 @@ def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
         for k in SAME:
             if data.get(k) != first.get(k):
                 raise ValueError(f"{path}: {k} = {data.get(k)!r}, the first run has {first.get(k)!r}")
-        for mode, new in pairs:
-            if mode not in data.get("modes", {}):
-                raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(data.get('modes', {}))})")
-            if new in out["modes"]:
-                raise ValueError(f"two modes named {new!r}: rename one (MODE=NAME)")
+        for mode, new in checked_pairs(path, data.get("modes", {}), pairs, out["modes"]):
             out["modes"][new] = dict(data["modes"][mode], mode=new)
             out["sources"][new] = {"file": path, "mode": mode, **{k: data.get(k) for k in PROVENANCE if k in data}}
-    devices = {data.get("device") for _, data, _ in runs}
-    out["device"] = devices.pop() if len(devices) == 1 else " / ".join(sorted(str(d) for d in devices))
+    out["device"] = merged_device(runs)
     return out
 
 
@@ -85,17 +99,12 @@ def merge_rows(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
         if args.get("model") != model:
             raise ValueError(f"{path}: model = {args.get('model')!r}, the first run has {model!r}")
         have = {r["mode"] for r in data.get("rows", [])}
-        for mode, new in pairs:
-            if mode not in have:
-                raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(have)})")
-            if new in out["sources"]:
-                raise ValueError(f"two modes named {new!r}: rename one (MODE=NAME)")
+        for mode, new in checked_pairs(path, have, pairs, out["sources"]):
             out["rows"] += [dict(r, mode=new) for r in data["rows"] if r["mode"] == mode]
             out["sources"][new] = {"file": path, "mode": mode,
                                    **{k: args.get(k, data.get(k)) for k in ROWS_PROVENANCE
                                       if k in args or k in data}}
-    devices = {data.get("device") for _, data, _ in runs}
-    out["device"] = devices.pop() if len(devices) == 1 else " / ".join(sorted(str(d) for d in devices))
+    out["device"] = merged_device(runs)
     return out
 
 
