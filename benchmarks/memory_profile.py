@@ -88,8 +88,8 @@ def start_recording() -> int:
     # Function with "SystemError: ... returned NULL without setting an exception" on torch 2.11
     # (16K-token SFT step with tiled MLP and offloaded checkpoints); the suspected cause is the
     # free-time stack capture while that exception unwinds. With "alloc", a 131K-token Llama-3-8B
-    # step (offload mode, tiled MLP under recompute) recorded without error on the H200; the 16K
-    # SFT row itself has not been run again.
+    # step (offload mode, tiled MLP under recompute) recorded without error on the H200, and so did
+    # the 16K SFT row itself (session 9, `gpu_suite.sh sft-memory`).
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     return before
 

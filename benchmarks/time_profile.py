@@ -149,9 +149,11 @@ def host_time_profile(result: dict) -> Iterator[None]:
     ends, so a GPU-bound body shows its wait in a synchronising call). Where
     :func:`timed_device_profile` says a step is bound by the host, this says by what.
 
-    cProfile sees the calling thread only: on CUDA the autograd engine runs the backward in its
-    own thread, so the Python that runs there (checkpoint recomputes, saved-tensor hooks) is
-    counted inside ``run_backward`` rather than under its own names."""
+    Which threads it sees depends on Python: from 3.12 cProfile records through ``sys.monitoring``,
+    process-wide, so the Python the autograd engine runs in its own thread on CUDA (checkpoint
+    recomputes, saved-tensor hooks, custom Functions' backward) is counted under its own names,
+    and ``run_backward``'s own time is the engine's C++ work between them; up to 3.11 it sees the
+    calling thread only (there, that Python hides inside ``run_backward``)."""
     import cProfile
     import pstats
     import time
