@@ -355,9 +355,10 @@ def within_budget(start: float, budget_s: float) -> bool:
 
 
 def measure_row(rows: list[dict], model, mode: str, args, device, optimizer, tokens: int) -> dict:
-    """:func:`measure` one row, append it to ``rows`` and print it."""
+    """:func:`measure` one row, append it to ``rows`` and print it (with its peak profile, if any)."""
     rows.append(measure(model, mode, tokens, args, device, optimizer))
     print_row(rows[-1])
+    print_profile(rows[-1])
     return rows[-1]
 
 
@@ -411,6 +412,7 @@ def bisect(model, mode: str, lo: int, hi: int, args, device, optimizer, rows: li
         row["bisect"] = True
         rows.append(row)
         print_row(row)
+        print_profile(row)
         if row["status"] == "ok":
             lo = mid
         else:
