@@ -582,7 +582,7 @@ def bisect_one_mode(args) -> dict:
             host = type(e).__name__ == "CheckpointBudgetError"  # swiftune's offload: host budget exhausted
             if not (_is_oom(e) or host):
                 raise
-            failure = ("oom_host" if host else "oom", str(e).splitlines()[0][:200])
+            failure = ("oom_host" if host else "oom", str(e).splitlines()[0][:600])
         row["s"] = time.perf_counter() - t0
         model.zero_grad(set_to_none=True)
         if failure is None:

@@ -160,9 +160,11 @@ case "$part" in
   grpo-3x-wait)
     wait_for grpo_3x 55 12 ;;
   grpo-edge)  # GRPO's largest completion per row, bracketed around the planner's answer (+2% first: a row the
-    # host cannot hold fails at once; then -2.5%, ~20 min near 2 x 430K): detached, poll with grpo-edge-wait
+    # host cannot hold fails at once; then -2.5%, ~20 min near 2 x 430K): detached, poll with grpo-edge-wait.
+    # grpo-edge C...: these completion lengths instead of the planner's bracket
+    if [ $# -gt 1 ]; then lengths=(--completion-lengths "${@:2}" --fixed-only); else lengths=(--completion-from-planner); fi
     detach grpo_edge python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
-      --share-prompt --completion-from-planner --time-budget 2700 --out /tmp/grpo_edge.json
+      --share-prompt "${lengths[@]}" --time-budget 2700 --out /tmp/grpo_edge.json
     wait_for grpo_edge 54 8 ;;
   grpo-edge-wait)
     wait_for grpo_edge 56 8 ;;
