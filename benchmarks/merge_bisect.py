@@ -12,7 +12,10 @@ they were measured in different processes.
         docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all
 
 Each argument is ``FILE:MODE[=NAME][,MODE[=NAME]...]``. Runs of different models, prompt lengths or
-row counts are refused: their lengths do not compare. ``benchmarks/longctx.py`` files (``{"rows": ...}``)
+row counts are refused: their lengths do not compare. ``MODE=+NAME`` adds the run's trials of ``MODE``
+to ``NAME``, a mode taken from an earlier file, when one bracket was measured in two runs (the fit in
+one, the first failure in the other): the joined mode's largest fit and first failure come from all
+its trials, and its source lists both files. ``benchmarks/longctx.py`` files (``{"rows": ...}``)
 merge the same way: the chosen modes' rows, each source with its document length (``doc_tokens``: 0 =
 one sequence), which the plot's legend shows:
 
@@ -76,11 +79,36 @@ def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
         for k in SAME:
             if data.get(k) != first.get(k):
                 raise ValueError(f"{path}: {k} = {data.get(k)!r}, the first run has {first.get(k)!r}")
-        for mode, new in checked_pairs(path, data.get("modes", {}), pairs, out["modes"]):
+        joins = [(mode, new[1:]) for mode, new in pairs if new.startswith("+")]
+        for mode, new in checked_pairs(path, data.get("modes", {}), [p for p in pairs if not p[1].startswith("+")],
+                                       out["modes"]):
             out["modes"][new] = dict(data["modes"][mode], mode=new)
             out["sources"][new] = {"file": path, "mode": mode, **{k: data.get(k) for k in PROVENANCE if k in data}}
+        for mode, into in joins:
+            if mode not in data.get("modes", {}):
+                raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(data.get('modes', {}))})")
+            if into not in out["modes"]:
+                raise ValueError(f"{path}: {mode}=+{into} joins a mode of an earlier file, and none is named {into!r}")
+            out["modes"][into] = joined_mode(out["modes"][into], data["modes"][mode])
+            src = out["sources"][into]
+            src["joined"] = [*src.get("joined", []), {"file": path, "mode": mode,
+                                                      **{k: data.get(k) for k in PROVENANCE if k in data}}]
     out["device"] = merged_device(runs)
     return out
+
+
+def joined_mode(first: dict, more: dict) -> dict:
+    """``first`` with ``more``'s trials added: the largest length that fitted in either, the smallest
+    larger one that ran out of memory (GPU or host) in either; status ``joined`` when that brackets
+    the largest fit, else ``first``'s."""
+    trials = [*first.get("trials", []), *more.get("trials", [])]
+    fits = [t["completion"] for t in trials if t.get("status") == "ok"]
+    max_fit = max(fits) if fits else None
+    fails = [t["completion"] for t in trials if str(t.get("status", "")).startswith("oom")
+             and (max_fit is None or t["completion"] > max_fit)]
+    first_fail = min(fails) if fails else None
+    status = "joined" if max_fit is not None and first_fail is not None else first.get("status")
+    return dict(first, trials=trials, max_fit=max_fit, first_fail=first_fail, status=status)
 
 
 #: what a long-context run's mode keeps of its run (from the file's ``args``, then the file itself)

@@ -29,7 +29,7 @@
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
-#   scripts/gpu_suite.sh grpo-edge    # GRPO's largest completion: the planner's answer +2% / -2.5%, detached (~20+ min): then grpo-edge-wait
+#   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
 #   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune shared-prompt rows (sdpa), unshared rows (~4.5 min)
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
@@ -160,7 +160,7 @@ case "$part" in
   grpo-3x-wait)
     wait_for grpo_3x 55 12 ;;
   grpo-edge)  # GRPO's largest completion per row, bracketed around the planner's answer (+2% first: a row the
-    # host cannot hold fails at once; then -2.5%, ~20 min near 2 x 430K): detached, poll with grpo-edge-wait.
+    # host cannot hold fails at once; then -2.5%; 2 x 380,928 took 17 min): detached, poll with grpo-edge-wait.
     # grpo-edge C...: these completion lengths instead of the planner's bracket
     if [ $# -gt 1 ]; then lengths=(--completion-lengths "${@:2}" --fixed-only); else lengths=(--completion-from-planner); fi
     detach grpo_edge python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \

@@ -275,6 +275,39 @@ def test_merge_bisect_renames_keeps_provenance_and_refuses_other_shapes(tmp_path
     assert merge_bisect.parse_spec("dir:with/colon.json:a,b=c") == ("dir:with/colon.json", [("a", "a"), ("b", "c")])
 
 
+def test_merge_bisect_joins_one_modes_trials_from_two_runs(tmp_path, grpo_bisect_json):
+    """``MODE=+NAME``: the fit of one run and the first failure of another make one bracket."""
+    merge_bisect = load_bench_module("merge_bisect")
+    data = json.loads(grpo_bisect_json.read_text())
+    mode = next(iter(data["modes"]))
+
+    def run(*trials):
+        return dict(data, modes={mode: {"mode": mode, "status": "fixed_only", "max_fit": None, "first_fail": None,
+                                        "trials": [{"completion": c, "status": st} for c, st in trials]}})
+
+    fails = run((417, "oom_host"), (398, "oom_host"))
+    fits = run((380, "ok"))
+    paths = [tmp_path / "fails.json", tmp_path / "fits.json"]
+    for path, d in zip(paths, (fails, fits)):
+        path.write_text(json.dumps(d))
+    out = tmp_path / "merged.json"
+    run_script("merge_bisect.py", "--out", str(out), f"{paths[1]}:{mode}=swift", f"{paths[0]}:{mode}=+swift")
+    merged = json.loads(out.read_text())
+    assert list(merged["modes"]) == ["swift"]
+    joined = merged["modes"]["swift"]
+    assert (joined["max_fit"], joined["first_fail"], joined["status"]) == (380, 398, "joined")
+    assert [t["completion"] for t in joined["trials"]] == [380, 417, 398]
+    assert merged["sources"]["swift"]["file"] == str(paths[1])
+    assert [j["file"] for j in merged["sources"]["swift"]["joined"]] == [str(paths[0])]
+    # a failure below the fit does not bound it; without a failure above, the first run's status stays
+    alone = merge_bisect.joined_mode(fits["modes"][mode], run((100, "oom"))["modes"][mode])
+    assert (alone["max_fit"], alone["first_fail"], alone["status"]) == (380, None, "fixed_only")
+    with pytest.raises(ValueError, match="earlier file"):
+        merge_bisect.merge([("a", fits, [(mode, mode)]), ("b", fails, [(mode, "+other")])])
+    with pytest.raises(ValueError, match="no mode"):
+        merge_bisect.merge([("a", fits, [(mode, mode)]), ("b", fails, [("nonexistent", "+" + mode)])])
+
+
 def test_merge_longctx_runs_keeps_each_modes_rows_and_document_length(tmp_path):
     merge_bisect = load_bench_module("merge_bisect")
     plots = load_bench_module("plots")
