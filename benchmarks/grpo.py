@@ -743,8 +743,8 @@ def run_bisect(args) -> dict:
 def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int | None = None) -> dict:
     """The planner's largest completion per row for the swiftune mode, to print beside its search:
     offloaded checkpoints, tiled MLP and projections, bf16 autocast, and the memory of the attention
-    kernel the rows run: per-document sdpa for long rows (``auto``), else flex for shared-prompt rows
-    and torch's varlen for unshared ones. Defaults: this GPU (an H200's 149.3 GB off CUDA) and the
+    kernel the rows run: per-document sdpa for long rows (``auto``; ``longest``: the tokens its
+    float32 dq covers), else flex for shared-prompt rows and torch's varlen for unshared ones. Defaults: this GPU (an H200's 149.3 GB off CUDA) and the
     host memory offloaded checkpoints may pin here."""
     import torch
 
@@ -763,16 +763,48 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     # the swiftune step: bf16 autocast, LoRA input casts off (policy_step), projections tiled
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
               lora_input_casts=False)
+    shape = dict(MODEL_SHAPES[args.model])
+
+    def completion_of(tokens: int) -> int:
+        return (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)
+
     for kind in ("sdpa", "flex" if share else "varlen"):
-        # GRPO's rows tell the runtime only "flex" (RowLayout.attention_kernel): their sdpa rows
-        # (gathered prompt copies) are planned as varlen, by the runtime and so here
-        terms = planner_attention_terms("flex" if kind == "flex" else None)
-        tokens = max_tokens(dict(MODEL_SHAPES[args.model]), gpu_bytes, 16, **kw, **terms)
-        completion = (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)
+        # the rows tell the runtime their kernel (RowLayout.attention_kernel) and, for sdpa, the
+        # longest sequence one call covers, prompt + completion: its float32 dq covers that many
+        # tokens, which grows with the answer (sdpa_rows_max_tokens)
+        longest = None
+        if kind == "sdpa":
+            tokens = sdpa_rows_max_tokens(shape, gpu_bytes, kw, lambda t: P + completion_of(t))
+            longest = P + completion_of(tokens)
+        else:
+            tokens = max_tokens(shape, gpu_bytes, 16, **kw, **planner_attention_terms(None if kind == "varlen" else kind))
+        completion = completion_of(tokens)
         if P + completion >= SDPA_MIN_MEAN_DOC_TOKENS:  # long rows: auto runs sdpa, as planned
             break
     return {"tokens": tokens, "completion": max(0, completion), "gpu_bytes": gpu_bytes, "host_bytes": host_bytes,
-            "attention": kind}
+            "attention": kind, "longest": longest}
+
+
+def sdpa_rows_max_tokens(shape: dict, gpu_bytes: int, kw: dict, longest_of) -> int:
+    """The largest token count whose plan fits with per-sequence sdpa whose longest sequence,
+    ``longest_of(tokens)``, grows with the row: a bisection between the answers for a float32 dq
+    over the whole row (fewer tokens) and over one token (more); the plan is monotone in between."""
+    from swiftune.attention.backends import planner_attention_terms
+    from swiftune.memory import max_tokens, plan_memory
+
+    def fits(t: int) -> bool:
+        terms = planner_attention_terms("sdpa", max(1, longest_of(t)))
+        return bool(plan_memory(shape, t, 16, gpu_bytes=gpu_bytes, **kw, **terms).fits)
+
+    # a dq over the whole row covers any of its sequences: lo fits; a dq of one token is less than any: hi does not
+    lo = max_tokens(shape, gpu_bytes, 16, **kw, **planner_attention_terms("sdpa", None))
+    hi = max_tokens(shape, gpu_bytes, 16, **kw, **planner_attention_terms("sdpa", 1)) + 1
+    if lo == 0:
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def planner_bracket(completion: int, granularity: int) -> list[int]:

@@ -137,11 +137,12 @@ def test_grpo_bisect_prints_the_planners_largest_completion(grpo_bisect_json):
 @pytest.mark.parametrize("gpu", [int(12e9), int(3.5e9)])
 def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
     """At small budgets the answer is a real boundary: the planner fits its token count, not one more,
-    with the memory of the kernel such rows run: sdpa when they are long, else flex (no K/V
-    expansion, bf16 dq) for shared-prompt rows and varlen for unshared ones."""
+    with the memory of the kernel such rows run: sdpa when they are long (K/V unexpanded, a float32 dq
+    for one prompt + completion), else flex (no K/V expansion, bf16 dq) for shared-prompt rows and
+    varlen for unshared ones."""
     import argparse
 
-    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, varlen_expands_kv
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
     from swiftune.memory import plan_memory
 
     grpo = load_bench_module("grpo")
@@ -152,12 +153,16 @@ def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
     plan = grpo.planner_max_completion(args, gpu_bytes=gpu, host_bytes=host)
     long_rows = 256 + plan["completion"] >= SDPA_MIN_MEAN_DOC_TOKENS
     assert plan["attention"] == ("sdpa" if long_rows else "flex" if share else "varlen")
-    flex = plan["attention"] == "flex"
+    sdpa = plan["attention"] == "sdpa"
+    assert plan["longest"] == (256 + plan["completion"] if sdpa else None)  # sdpa: the answer's own sequence
+    kernel = None if plan["attention"] == "varlen" else plan["attention"]
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host, autocast=True,
-              lora_input_casts=False, kv_expanded=not flex and varlen_expands_kv(), float32_dq=not flex)
+              lora_input_casts=False)
 
-    def fits(t):
-        return plan_memory(dict(MODEL_SHAPES["qwen3-0.6b"]), t, 16, gpu_bytes=gpu, **kw).fits
+    def fits(t):  # sdpa: the float32 dq of one prompt + completion of a row of t tokens
+        longest = 256 + ((t - 256) // 2 if share else t // 2 - 256) if sdpa else None
+        return plan_memory(dict(MODEL_SHAPES["qwen3-0.6b"]), t, 16, gpu_bytes=gpu, **kw,
+                           **planner_attention_terms(kernel, longest)).fits
 
     assert fits(plan["tokens"]) and not fits(plan["tokens"] + 1)
     tokens_per_step = 256 + 2 * plan["completion"] if share else 2 * (256 + plan["completion"])

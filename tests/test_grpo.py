@@ -226,9 +226,13 @@ def test_shared_rows_take_sdpa_on_cuda_for_long_completions_only():
     assert long.sequences == [(0, 3, 3, 2 + n), (0, 3, 2 + n, 1 + 2 * n)]
 
 
-def test_row_layout_names_its_attention_kernel_when_it_is_flex():
-    """Offloaded checkpointing reads this to size a recomputed layer: flex rows say so; the
-    reference path and rows whose kernel is chosen per call (auto) do not claim anything."""
+def test_row_layout_names_its_attention_kernel_and_longest_sequence():
+    """Offloaded checkpointing reads these to size a recomputed layer: flex and sdpa rows say so
+    (sdpa with the longest sequence one call covers: prompt + completion in a shared row, the
+    longest document in a plain one); the reference path and varlen-style kernels claim nothing."""
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS
+    from swiftune.rl.attention import flex_attention
+
     prompts, completions = [[5, 6, 7]] * 2, [[8, 9], [10]]
     shared = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0])
     plain = build_policy_row(prompts, completions, share_prompt=False)
@@ -236,13 +240,28 @@ def test_row_layout_names_its_attention_kernel_when_it_is_flex():
     assert shared.layout.attention_kernel is None  # CPU: the shared row runs the reference path
     assert shared.layout.shared_backend(on_cuda=False) == "reference"
     assert plain.layout.attention_kernel is None
+    # a row's inputs end one token before each completion's last (that one is only a target)
+    assert shared.layout.max_seqlen == 3 + 2 - 1 and plain.layout.max_seqlen == 3 + 2 - 1
+    for kernel in ("flex", "sdpa"):
+        for layout in (shared.layout, plain.layout):
+            layout.backend = kernel
+            assert layout.attention_kernel == kernel and layout.attention_kernel_on(True) == kernel
+        assert shared.layout.shared_backend(on_cuda=False) == kernel
+    plain.layout.backend = "varlen"
+    assert plain.layout.attention_kernel_on(True) is None
+    # auto on CUDA: short sequences run flex (where torch has it), long ones sdpa, as the forward picks
+    short_flex = "flex" if flex_attention is not None else None
     for layout in (shared.layout, plain.layout):
-        layout.backend = "flex"
-        assert layout.attention_kernel == "flex" and layout.shared_backend(on_cuda=False) == "flex"
-    shared.layout.backend = "auto"
-    from swiftune.rl.attention import flex_attention
-
-    assert shared.layout.shared_backend(on_cuda=True) == ("flex" if flex_attention is not None else "reference")
+        layout.backend = "auto"
+    assert shared.layout.attention_kernel_on(True) == short_flex and plain.layout.attention_kernel_on(True) is None
+    n = SDPA_MIN_MEAN_DOC_TOKENS
+    long_completions = [list(range(8, 8 + n + 1)), list(range(8, 8 + n - 1))]  # inputs: 3 + n and 3 + n - 2
+    long_shared = build_policy_row(prompts, long_completions, share_prompt=True, group_ids=[0, 0])
+    long_plain = build_policy_row(prompts, long_completions, share_prompt=False)
+    assert long_shared.layout.shared_backend(on_cuda=True) == "sdpa" == long_shared.layout.attention_kernel_on(True)
+    assert long_plain.layout.attention_kernel_on(True) == "sdpa"
+    assert long_shared.layout.max_seqlen == 3 + n == long_plain.layout.max_seqlen
+    assert long_shared.layout.attention_kernel is None  # (still CPU tensors: the reference path)
 
 
 def test_policy_forward_tells_offloaded_checkpointing_its_attention_kernel(monkeypatch):
@@ -257,19 +276,20 @@ def test_policy_forward_tells_offloaded_checkpointing_its_attention_kernel(monke
     seen = []
 
     def spy(self, index, x, attention_kernel=None, max_doc_tokens=None):
-        seen.append((index, attention_kernel))
+        seen.append((index, attention_kernel, max_doc_tokens))
         raise Planned
 
     monkeypatch.setattr(OffloadState, "layer_input", spy)
     model = tiny_model("qwen3").train()
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
     prompts, completions = random_groups(seed=2, group_size=4)
-    for backend, expected in (("flex", "flex"), ("reference", None)):
+    longest = max(len(p) + len(c) - 1 for p, c in zip(prompts, completions))  # the last token: a target only
+    for backend, expected in (("flex", ("flex", longest)), ("sdpa", ("sdpa", longest)), ("reference", (None, None))):
         seen.clear()
         row = build_policy_row(prompts, completions, share_prompt=True, attention_backend=backend)
         with pytest.raises(Planned):
             completion_logprobs(model, row, kernel_backend="reference")
-        assert seen == [(0, expected)], backend
+        assert seen == [(0, *expected)], backend
 
 
 def test_shared_row_layout():

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import PackedBatch, packed_attention, packed_attention_forward, packed_attention_mask
-from ..attention.backends import dense_causal_attention, flex_token_major, prefers_sdpa
+from ..attention.backends import dense_causal_attention, flex_token_major, layout_attention_kernel, prefers_sdpa
 from ..models.patching import causal_lm_of
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
@@ -105,12 +105,35 @@ class RowLayout:
 
     @property
     def attention_kernel(self) -> str | None:
-        """``"flex"`` when this row's attention surely runs flex (GQA in the kernel, dq in the
-        activation dtype), else ``None`` (decided per call). Read by offloaded checkpointing
-        (``checkpointing.ATTENTION_KERNEL_ATTR``) to size the working set of a recomputed layer."""
+        """The kernel this row's attention runs, as far as the row decides it: ``"flex"`` (GQA in
+        the kernel, dq in the activation dtype) or ``"sdpa"`` (one dense causal call per sequence,
+        GQA in the kernel, a float32 dq for one sequence at a time: :attr:`max_seqlen`), else
+        ``None`` (the reference path, or a varlen-style kernel). Read by offloaded checkpointing
+        (``checkpointing.ATTENTION_KERNEL_ATTR``) to size the working set of a recomputed layer;
+        layers with a sliding window or soft-cap run another kernel, which it checks on the model.
+
+        Shared rows' sdpa also copies the prompt's q/k/v into every completion after a group's
+        first (saved for backward: ``(q + 2 kv) x 2`` bytes a token of those completions), which
+        the planner's sdpa terms do not name; they cover it: on the H200 at 2 x 131,072 (Qwen3-8B
+        shape) what a recomputed layer held at the peak, copies included, was 78 KB a token
+        against 93 planned (``docs/benchmarks.md``, GRPO section)."""
+        return self.attention_kernel_on(self.position_ids.is_cuda)
+
+    def attention_kernel_on(self, on_cuda: bool) -> str | None:
+        """:attr:`attention_kernel` for a row on CUDA (``on_cuda``) or off it."""
         if self.shared:
-            return "flex" if self.shared_backend(self.position_ids.is_cuda) == "flex" else None
-        return "flex" if self.backend == "flex" else None
+            kernel = self.shared_backend(on_cuda)
+            return kernel if kernel in ("flex", "sdpa") else None
+        return layout_attention_kernel(self.backend, on_cuda, self.packed.num_tokens, self.packed.num_docs)
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest sequence one attention call covers: prompt + completion in a shared row
+        (its sdpa path), else the longest document. Read with :attr:`attention_kernel`
+        (``checkpointing.MAX_DOC_TOKENS_ATTR``)."""
+        if self.shared and self.sequences:
+            return max(pe - ps + ce - cs for ps, pe, cs, ce in self.sequences)
+        return int(self.packed.max_seqlen)
 
 
 def register_grpo_attention() -> str:
