@@ -18,7 +18,7 @@ from swiftune.memory import (
     param_count,
     plan_memory,
 )
-from swiftune.memory.planner import TrainSetup, layer_saved_bytes
+from swiftune.memory.planner import TrainSetup, layer_saved_bytes, pinned_slot_bytes
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 
@@ -97,7 +97,8 @@ def test_offload_plan_keeps_fewer_layers_as_tokens_grow_and_stays_under_the_gpu(
         plan = plan_memory("qwen3-8b", t, gradient_checkpointing="offload", gpu_bytes=gpu)
         assert plan.fits and plan.total <= gpu
         assert plan.kept_layers + plan.offloaded_layers == 36
-        assert plan.host_bytes == plan.offloaded_layers * t * 4096 * 2
+        assert plan.host_bytes == plan.offloaded_layers * pinned_slot_bytes(t * 4096 * 2)
+        assert t * 4096 * 2 <= pinned_slot_bytes(t * 4096 * 2) < t * 4096 * 2 + 64 * 2**20  # whole 64 MiB pages
         kept.append(plan.kept_layers)
     assert kept == sorted(kept, reverse=True) and kept[0] == 36 and kept[-1] < 36
     # offloading reaches further than keeping every checkpoint on the GPU, which reaches further
@@ -126,7 +127,19 @@ def test_offload_plan_keeps_the_layers_the_runtime_budget_keeps(tokens, tiled):
     budget = free_at_first_layer - step_reserve("qwen3-8b", tokens, setup) - offload_margin_bytes(gpu)
     runtime = split_layers(36, per_layer, budget, host_budget_bytes=2**62)
     assert plan.kept_layers == len(runtime.keep)
-    assert plan.host_bytes == len(runtime.offload) * per_layer
+    assert plan.host_bytes == runtime.host_bytes
+    # a host that holds fewer inputs than are offloaded: the same ones derived, the same pinned bytes,
+    # also where the layer input's bytes would fit one more than its whole pages do
+    offloaded = 36 - plan.kept_layers
+    if offloaded > 1:
+        slot = pinned_slot_bytes(per_layer)
+        for holds in (offloaded - 1, offloaded // 2 + 1):
+            for host in (holds * slot, (holds + 1) * per_layer):
+                p = plan_memory("qwen3-8b", tokens, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=host,
+                                tiled_projections=tiled, kv_expanded=True)
+                r = split_layers(36, per_layer, budget, host_budget_bytes=host)
+                assert (p.kept_layers, p.offloaded_layers, p.derived_layers, p.host_bytes) == (
+                    len(r.keep), len(r.offload), len(r.derived), r.host_bytes), (holds, host)
 
 
 @pytest.mark.parametrize("mode", MODES[:4], ids=str)
@@ -268,12 +281,12 @@ def test_planner_derives_layer_inputs_like_the_runtime_when_the_host_is_short():
     per_layer = tokens * 4096 * 2
     roomy = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=10**12)
     assert roomy.derived_layers == 0
-    host = (roomy.offloaded_layers - 4) * per_layer  # four inputs short
+    host = (roomy.offloaded_layers - 4) * pinned_slot_bytes(per_layer)  # four inputs short (whole pinned pages)
     short = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=host)
     assert short.derived_layers == 4 and short.offloaded_layers == roomy.offloaded_layers - 4
     assert short.kept_layers == roomy.kept_layers and short.host_bytes <= host and short.fits
     assert "recomputed" in short.table()
-    runtime = split_layers(36, per_layer, short.kept_layers * per_layer, host, page_bytes=per_layer)
+    runtime = split_layers(36, per_layer, short.kept_layers * per_layer, host)
     assert len(runtime.derived) == short.derived_layers and len(runtime.offload) == short.offloaded_layers
     # more than every second layer missing: no derivation, the plan does not fit
     none = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=0)

@@ -48,6 +48,30 @@ def offload_margin_bytes(gpu_bytes: int) -> int:
     return int(0.05 * gpu_bytes) + GiB
 
 
+#: Size of one pinned host page of offloaded checkpointing (a power of two: PyTorch's pinned
+#: allocator rounds up to those; :class:`swiftune.models.offload_memory.PagePool` holds them).
+PAGE_BYTES = 64 * 2**20
+
+
+def pages_for(nbytes: int, page_bytes: int) -> int:
+    """Pages of ``page_bytes`` that hold ``nbytes``."""
+    return -(-nbytes // page_bytes) if nbytes > 0 else 0
+
+
+def choose_page_bytes(layer_bytes: int, page_bytes: int = PAGE_BYTES) -> int:
+    """``page_bytes``, or the next power of two of a smaller layer (tiny layers: one small page)."""
+    if layer_bytes <= 0:
+        return page_bytes
+    return min(page_bytes, 1 << max(0, (layer_bytes - 1).bit_length()))
+
+
+def pinned_slot_bytes(layer_bytes: int, page_bytes: int = PAGE_BYTES) -> int:
+    """Pinned host memory one offloaded layer input takes: whole pages (the runtime's
+    ``split_layers`` and the planner count host room in these)."""
+    page = choose_page_bytes(layer_bytes, page_bytes)
+    return pages_for(layer_bytes, page) * page
+
+
 def derived_input_count(num_layers: int, offloaded: int, host_holds: int) -> int:
     """How many of the ``offloaded`` layer inputs are *derived* (stored nowhere, recomputed from
     the layer before in backward) when the host holds only ``host_holds`` of them: the missing
@@ -439,7 +463,7 @@ def plan_memory(
     working = layer_working_set(shape, T, s)
     loss = loss_bytes(shape, T, s)
     transfer = 0
-    derived = 0
+    derived = host = 0
     notes: list[str] = []
     if gradient_checkpointing is False:
         kept, off = L, 0
@@ -464,21 +488,23 @@ def plan_memory(
         if kept == L:
             transfer = 0
         off = L - kept
-        if host_bytes is not None and per_layer and off * per_layer > host_bytes:
+        slot = pinned_slot_bytes(per_layer)  # whole pinned pages, as the runtime counts them
+        if host_bytes is not None and per_layer and off * slot > host_bytes:
             # inputs the host cannot hold either are derived, at most every second layer
-            derived = derived_input_count(L, off, max(0, int(host_bytes)) // per_layer)
+            derived = derived_input_count(L, off, max(0, int(host_bytes)) // slot)
             if derived:
                 off -= derived
                 notes.append(f"{derived} layer inputs are recomputed in backward instead of stored (host memory "
                              f"holds {off} of the offloaded ones): one more forward of {derived} layers")
         checkpoints = kept * per_layer
+        host = off * slot
     if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections and not s.autocast:
         notes.append("LoRA adapters in float32 save a float32 copy of each projection's input; "
                      "tiled_projections=True or bf16 adapters remove most of it")
     plan = MemoryPlan(
         model=str(name), tokens=T, weights=weights, trainable=trainable, gradients=grads, optimizer=optim,
         checkpoints=checkpoints, layer_working_set=working, loss=loss, transfer=transfer, overhead=0,
-        kept_layers=kept, offloaded_layers=off, derived_layers=derived, host_bytes=off * per_layer,
+        kept_layers=kept, offloaded_layers=off, derived_layers=derived, host_bytes=host,
         gradient_checkpointing=gradient_checkpointing, gpu_bytes=gpu_bytes, host_limit=host_bytes,
         params=P, trainable_params=n_train, notes=notes,
     )

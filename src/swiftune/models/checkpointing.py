@@ -78,17 +78,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..memory.planner import PAGE_BYTES, choose_page_bytes, pages_for
 from .lora_casting import lora_inputs_cast
-from .offload_memory import (
-    PAGE_BYTES,
-    CheckpointBudgetError,
-    OffloadPlan,
-    PagePool,
-    choose_page_bytes,
-    host_available_bytes,
-    pages_for,
-    split_layers,
-)
+from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
 from .patching import causal_lm_of
 from .tiled_mlp import ForwardState, has_tiled_forward, recompute_output_unused
 

@@ -6,18 +6,15 @@ allocation may take (:func:`host_available_bytes`), and the pool of fixed-size p
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..memory.planner import derived_input_count
+from ..memory.planner import PAGE_BYTES, choose_page_bytes, derived_input_count, pinned_slot_bytes
 
 GiB = 2**30
 
-#: Size of one pinned host page (a power of two: PyTorch's pinned allocator rounds up to those).
-PAGE_BYTES = 64 * 2**20
 
 
 class CheckpointBudgetError(MemoryError):
@@ -44,18 +41,6 @@ class OffloadPlan:
         return len(self.keep) * self.layer_bytes
 
 
-def pages_for(nbytes: int, page_bytes: int) -> int:
-    """Pages of ``page_bytes`` that hold ``nbytes``."""
-    return math.ceil(nbytes / page_bytes) if nbytes > 0 else 0
-
-
-def choose_page_bytes(layer_bytes: int, page_bytes: int = PAGE_BYTES) -> int:
-    """``page_bytes``, or the next power of two of a smaller layer (tiny layers: one small page)."""
-    if layer_bytes <= 0:
-        return page_bytes
-    return min(page_bytes, 1 << max(0, (layer_bytes - 1).bit_length()))
-
-
 def split_layers(
     num_layers: int,
     layer_bytes: int,
@@ -76,13 +61,13 @@ def split_layers(
     """
     if num_layers < 0 or layer_bytes < 0 or page_bytes < 1:
         raise ValueError("num_layers and layer_bytes must be >= 0 and page_bytes >= 1")
+    per_layer_host = pinned_slot_bytes(layer_bytes, page_bytes)
     page_bytes = choose_page_bytes(layer_bytes, page_bytes)
     if layer_bytes == 0:
         keep_n = num_layers
     else:
         keep_n = max(0, min(num_layers, int(gpu_budget_bytes) // layer_bytes))
     n_off = num_layers - keep_n
-    per_layer_host = pages_for(layer_bytes, page_bytes) * page_bytes
     derived: tuple[int, ...] = ()
     if allow_derived and n_off * per_layer_host > host_budget_bytes:
         missing = derived_input_count(num_layers, n_off, max(0, int(host_budget_bytes)) // per_layer_host)
