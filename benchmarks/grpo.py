@@ -744,8 +744,9 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     """The planner's largest completion per row for the swiftune mode, to print beside its search:
     offloaded checkpoints, tiled MLP and projections, bf16 autocast, and the memory of the attention
     kernel the rows run: per-document sdpa for long rows (``auto``; ``longest``: the tokens its
-    float32 dq covers), else flex for shared-prompt rows and torch's varlen for unshared ones. Defaults: this GPU (an H200's 149.3 GB off CUDA) and the
-    host memory offloaded checkpoints may pin here."""
+    float32 dq covers), else flex for shared-prompt rows and torch's varlen for unshared ones.
+    Defaults: this GPU (an H200's 149.3 GB off CUDA) and the host memory offloaded checkpoints may
+    pin here."""
     import torch
 
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
@@ -777,7 +778,8 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
             tokens = sdpa_rows_max_tokens(shape, gpu_bytes, kw, lambda t: P + completion_of(t))
             longest = P + completion_of(tokens)
         else:
-            tokens = max_tokens(shape, gpu_bytes, 16, **kw, **planner_attention_terms(None if kind == "varlen" else kind))
+            terms = planner_attention_terms(None if kind == "varlen" else kind)
+            tokens = max_tokens(shape, gpu_bytes, 16, **kw, **terms)
         completion = completion_of(tokens)
         if P + completion >= SDPA_MIN_MEAN_DOC_TOKENS:  # long rows: auto runs sdpa, as planned
             break

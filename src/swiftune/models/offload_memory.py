@@ -16,7 +16,6 @@ from ..memory.planner import PAGE_BYTES, choose_page_bytes, derived_input_count,
 GiB = 2**30
 
 
-
 class CheckpointBudgetError(MemoryError):
     """The layer checkpoints of a step fit neither the GPU budget nor the pinned host memory."""
 
