@@ -58,6 +58,7 @@ def full(p: torch.Tensor) -> torch.Tensor:
 
 
 def run(mode: str, batch: int, out_dir: str, loss_type: str):
+    """One training run; returns the trainer (the caller keeps it alive until the process ends)."""
     tokenizer = build_tokenizer()
     model = lora_model(9)
     before = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
@@ -92,6 +93,7 @@ def run(mode: str, batch: int, out_dir: str, loss_type: str):
                     "eval": evaluated},
                    os.path.join(out_dir, "result.pt"))
     finish_process_group()
+    return trainer
 
 
 def fsdp2_loss_gradients(out_dir: str) -> None:
@@ -159,11 +161,17 @@ def main() -> None:
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--out", required=True)
     a = p.parse_args()
+    alive = []  # not to be freed before the process ends (see below)
     if a.mode == "fsdp2_loss":
         fsdp2_loss_gradients(a.out)
     else:
-        run(a.mode, a.batch, a.out, a.loss_type)
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "done": True}))
+        alive.append(run(a.mode, a.batch, a.out, a.loss_type))
+    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "done": True}), flush=True)
+    # Leave without freeing the trainer: freeing DDP's reducer destroys its gloo process group, whose
+    # destructor joins gloo's worker thread while holding the GIL that thread may be waiting for to
+    # drop a tensor (a deadlock seen in CI on torch 2.13's CPU build: rank 1 hung after rank 0 ended).
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
