@@ -49,13 +49,17 @@ def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:
     return path, pairs
 
 
+def require_mode(path: str, have, mode: str) -> None:
+    if mode not in have:
+        raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(have)})")
+
+
 def checked_pairs(path: str, have, pairs: list[tuple[str, str]], taken) -> list[tuple[str, str]]:
     """``pairs`` once every chosen mode is in the run (``have``) and every new name is unique: not
     ``taken`` by an earlier run, nor twice among ``pairs``."""
     names = set(taken)
     for mode, new in pairs:
-        if mode not in have:
-            raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(have)})")
+        require_mode(path, have, mode)
         if new in names:
             raise ValueError(f"two modes named {new!r}: rename one (MODE=NAME)")
         names.add(new)
@@ -83,18 +87,21 @@ def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
         for mode, new in checked_pairs(path, data.get("modes", {}), [p for p in pairs if not p[1].startswith("+")],
                                        out["modes"]):
             out["modes"][new] = dict(data["modes"][mode], mode=new)
-            out["sources"][new] = {"file": path, "mode": mode, **{k: data.get(k) for k in PROVENANCE if k in data}}
+            out["sources"][new] = provenance(path, data, mode)
         for mode, into in joins:
-            if mode not in data.get("modes", {}):
-                raise ValueError(f"{path} has no mode {mode!r} (it has {sorted(data.get('modes', {}))})")
+            require_mode(path, data.get("modes", {}), mode)
             if into not in out["modes"]:
                 raise ValueError(f"{path}: {mode}=+{into} joins a mode of an earlier file, and none is named {into!r}")
             out["modes"][into] = joined_mode(out["modes"][into], data["modes"][mode])
             src = out["sources"][into]
-            src["joined"] = [*src.get("joined", []), {"file": path, "mode": mode,
-                                                      **{k: data.get(k) for k in PROVENANCE if k in data}}]
+            src["joined"] = [*src.get("joined", []), provenance(path, data, mode)]
     out["device"] = merged_device(runs)
     return out
+
+
+def provenance(path: str, data: dict, mode: str) -> dict:
+    """Where a merged mode came from: the file, its name there, and the run's :data:`PROVENANCE`."""
+    return {"file": path, "mode": mode, **{k: data.get(k) for k in PROVENANCE if k in data}}
 
 
 def joined_mode(first: dict, more: dict) -> dict:

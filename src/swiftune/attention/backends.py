@@ -322,8 +322,9 @@ def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = Non
       long document's backward took 19 KB a token more than 8K-token documents' on the H200:
       one sequence of 409,600 tokens, Llama-3-8B shape);
     * anything else (``None``: not known) is planned as torch's varlen: K/V expanded where it has
-      no GQA, a float32 dq accumulator; this also covers GRPO's shared-prompt sdpa rows (gathered
-      prompt copies) and sdpa's no-GQA retry.
+      no GQA, a float32 dq accumulator; this also covers sdpa's no-GQA retry. (GRPO's shared-prompt
+      sdpa rows say ``"sdpa"``: their prompt q/k/v copies are not a term of their own, and were
+      covered where measured, see ``rl.attention.RowLayout.attention_kernel``.)
     """
     if kernel == "flex":
         return {"kv_expanded": False, "float32_dq": False}

@@ -392,7 +392,8 @@ def _every_layer_runs_sdpa(model: nn.Module | None, x: torch.Tensor) -> bool:
 #: for the layer being recomputed (``attention.backends.planner_attention_terms``). Anything
 #: else: the planner's defaults.
 ATTENTION_KERNEL_ATTR = "attention_kernel"
-#: ... and, through this one, its longest document in tokens (``PackedBatch.max_seqlen``).
+#: ... and, through this one, its longest document in tokens (``PackedBatch.max_seqlen``; GRPO's
+#: ``RowLayout.max_seqlen``: the longest prompt + completion one sdpa call covers).
 MAX_DOC_TOKENS_ATTR = "max_seqlen"
 
 
