@@ -17,6 +17,7 @@ from torch import nn
 
 from ..attention import BACKENDS
 from .patching import patch_model
+from .support import require_causal_decoder
 
 # Tokens that real tokenizers ship unused and that make a safe pad token, best first
 # (Llama 3's reserved pad, then the usual spellings). Checked only against the existing
@@ -103,6 +104,7 @@ def _check_causal_lm(config: Any, name: str) -> None:
             f"{name!r} is not a causal language model (model_type {config.model_type!r}, architectures {archs}); "
             "swiftune fine-tunes decoder-only causal LMs (AutoModelForCausalLM)"
         )
+    require_causal_decoder(config, repr(name))  # BERT & co. map to a causal LM class but attend both ways
 
 
 def enable_gradient_checkpointing(

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention import ATTENTION_NAME, PackedBatch
+from ..attention import PackedBatch
 from ..losses import selective_log_softmax
 from ..models.heads import hidden_states_and_head
 from ..models.patching import causal_lm_of
-from .attention import GRPO_ATTENTION_NAME, LAYOUT_KWARG, RowLayout, install_grpo_attention
+from ..models.support import controls_attention
+from .attention import LAYOUT_KWARG, RowLayout, install_grpo_attention
 
 
 @dataclass
@@ -135,6 +136,40 @@ def build_policy_row(
     )
 
 
+def row_sequences(row: PolicyRow) -> list[tuple[int, int, int, int]]:
+    """``(prompt start, prompt end, completion start, completion end)`` of each sample of ``row``, in
+    sample order: sample ``i`` is ``input_ids[ps:pe] + input_ids[cs:ce]`` (its last completion token
+    is a target only). Unshared rows hold each sample whole, as ``(start, end, end, end)``."""
+    if row.layout.sequences is not None:
+        return list(row.layout.sequences)
+    cu = row.layout.packed.cu_seqlens.tolist()
+    return [(cu[d], cu[d + 1], cu[d + 1], cu[d + 1]) for d in range(len(cu) - 1)]
+
+
+def _padded_hidden(model: nn.Module, row: PolicyRow) -> tuple[torch.Tensor, nn.Module, float | None]:
+    """The hidden states that predict ``row``'s completion tokens (``[N, H]``), from one right-padded
+    row per sample with an ``attention_mask``: what a model without swiftune's packed attention
+    computes correctly. Returns them with the LM head and the final soft-cap."""
+    sequences = row_sequences(row)
+    if len(sequences) != row.num_sequences:
+        raise ValueError(f"the row holds {len(sequences)} sequences for {row.num_sequences} samples")
+    ids = row.input_ids[0]
+    samples = [torch.cat([ids[ps:pe], ids[cs:ce]]) for ps, pe, cs, ce in sequences]
+    width = max(len(t) for t in samples)
+    input_ids = torch.zeros((len(samples), width), dtype=torch.long, device=ids.device)
+    attention_mask = torch.zeros_like(input_ids)
+    for r, tokens in enumerate(samples):
+        input_ids[r, :len(tokens)] = tokens
+        attention_mask[r, :len(tokens)] = 1
+    hidden, lm_head, softcap = hidden_states_and_head(model, input_ids=input_ids, attention_mask=attention_mask)
+    # where each predicting row position of the packed row sits in its sample's padded row
+    bounds = torch.tensor(sequences, dtype=torch.long, device=ids.device)[row.seq_index]  # [N, 4]
+    h = row.hidden_index
+    prompt_start, prompt_end, completion_start = bounds[:, 0], bounds[:, 1], bounds[:, 2]
+    offset = torch.where(h < prompt_end, h - prompt_start, prompt_end - prompt_start + h - completion_start)
+    return hidden[row.seq_index, offset], lm_head, softcap
+
+
 def completion_logprobs(
     model: nn.Module,
     row: PolicyRow,
@@ -147,19 +182,20 @@ def completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[N]`` (float32) of the completion tokens of ``row`` under ``model`` (and entropies).
 
-    ``model`` must be patched by :func:`swiftune.patch_model` (packed attention); it may be wrapped
-    (DDP) and/or a PEFT model. Logits are divided by ``temperature`` as in sampling (TRL).
+    ``model`` may be wrapped (DDP) and/or a PEFT model. Patched by :func:`swiftune.patch_model`
+    (packed attention), it runs the packed row; otherwise (an architecture swiftune does not patch,
+    or attention left to transformers) each sample runs as its own right-padded row with an
+    ``attention_mask`` (:func:`_padded_hidden`): the same log-probs, without the packing's savings.
+    Logits are divided by ``temperature`` as in sampling (TRL).
     """
     causal_lm = causal_lm_of(model)
-    if causal_lm.config._attn_implementation not in (ATTENTION_NAME, GRPO_ATTENTION_NAME):
-        raise ValueError(
-            "the policy forward needs swiftune's packed attention: call swiftune.patch_model(model) first "
-            f"(attention implementation is {causal_lm.config._attn_implementation!r})"
-        )
-    install_grpo_attention(causal_lm)
-    hidden, lm_head, softcap = hidden_states_and_head(
-        model, input_ids=row.input_ids, position_ids=row.position_ids, **{LAYOUT_KWARG: row.layout})
-    hidden = hidden[0].index_select(0, row.hidden_index)
+    if controls_attention(causal_lm):
+        install_grpo_attention(causal_lm)
+        hidden, lm_head, softcap = hidden_states_and_head(
+            model, input_ids=row.input_ids, position_ids=row.position_ids, **{LAYOUT_KWARG: row.layout})
+        hidden = hidden[0].index_select(0, row.hidden_index)
+    else:  # the model's own attention would let the row's samples see each other: one padded row each
+        hidden, lm_head, softcap = _padded_hidden(model, row)
     out = selective_log_softmax(
         hidden, lm_head.weight, row.targets, temperature=temperature, logit_softcap=softcap, chunk_tokens=chunk_tokens,
         offload=offload, return_entropy=return_entropy, bias=lm_head.bias,

@@ -42,6 +42,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..data import BatchStats, load_rows
 from ..models import FastModel, causal_lm_of, is_patched, patch_model
 from ..models.lora_casting import lora_input_casting, training_step_lora_casting
+from ..models.support import batch_layout_for
 from ..sft.metrics import MetricsCallback, TokenMeter
 from .advantages import group_advantages
 from .checkpoint import load_rollout_state, save_rollout_state
@@ -192,6 +193,7 @@ class GRPOTrainer(Trainer):
             model = peft.get_peft_model(model, peft_config)
         if not is_patched(model):
             patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+        batch_layout_for(model, "padding_free", trainer="GRPO")  # refuses encoders; warns: padded policy rows
 
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:

@@ -37,6 +37,7 @@ from ..losses import linear_cross_entropy
 from ..models import FastModel, is_patched, patch_model
 from ..models.heads import hidden_states_and_head
 from ..models.lora_casting import training_step_lora_casting
+from ..models.support import batch_layout_for
 from .config import SFTConfig
 from .metrics import MetricsCallback, StepFlops, TokenMeter
 
@@ -88,6 +89,7 @@ class SFTTrainer(Trainer):
             model = peft.get_peft_model(model, peft_config)
         if not is_patched(model):
             patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+        batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
 
         train_dataset = self._tokenize(train_dataset, processing_class, args, "train")
         if eval_dataset is not None:
@@ -96,7 +98,7 @@ class SFTTrainer(Trainer):
             train_dataset = TokenizedDataset(pack_dataset(train_dataset.examples, args.max_length),
                                              train_dataset.stats)
         if data_collator is None:
-            data_collator = make_collator(args.batch_mode, max_length=args.max_length,
+            data_collator = make_collator(batch_mode, max_length=args.max_length,
                                           pad_token_id=processing_class.pad_token_id)
         self.token_meter = TokenMeter()
         self.step_flops = StepFlops()
