@@ -38,6 +38,11 @@ _ACCEPTED_SHAPES = (
 )
 _TOKENIZE_CHUNK = 1024  # rows per fast-tokenizer call: batching is much faster than one by one
 
+# Roles chat templates know: OpenAI's (with developer), the older function role and Llama 3.1's ipython.
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+_ROLE_HINTS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant",
+               "chatgpt": "assistant", "observation": "tool"}
+
 
 class DataFormatError(ValueError):
     """The data cannot be turned into training examples; the message says what to change."""
@@ -120,6 +125,47 @@ def load_rows(data: Any) -> Sequence[Mapping[str, Any]]:
     )
 
 
+def _decode_utf8(path: str, raw: bytes) -> str:
+    """The file's text; not UTF-8: an error naming the file, line and byte. A UTF-8 BOM is dropped."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise DataFormatError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); JSON data files "
+            "must be UTF-8: re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from err
+
+
+def _json_rows(path: str, text: str) -> list[dict]:
+    """Rows of a JSON array, or of JSON lines (one object a line); errors name the file and line."""
+    if text.lstrip().startswith("["):  # a .json file holding one array of rows
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataFormatError(
+                f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); the file holds a JSON array of "
+                "rows, so the whole file must parse (or write one JSON object a line, JSON lines)"
+            ) from err
+        where = [f"{path}: element {i} of the JSON array" for i in range(len(rows))]
+    else:
+        rows, where = [], []
+        for line_number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(f"{path}:{line_number}: not valid JSON ({err.msg})") from err
+                where.append(f"{path}:{line_number}")
+    for row, at in zip(rows, where):
+        if not isinstance(row, dict):
+            raise DataFormatError(
+                f"{at} is a JSON {type(row).__name__}, not an object; each row must be an object such as "
+                '{"prompt": ..., "completion": ...}'
+            )
+    return rows
+
+
 def _read_file(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise DataFormatError(f"dataset file {path!r} does not exist")
@@ -133,18 +179,8 @@ def _read_file(path: str) -> list[dict]:
             ) from err
         return pq.read_table(path).to_pylist()
     if suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        if text.lstrip().startswith("["):  # a .json file holding one array of rows
-            return json.loads(text)
-        rows = []
-        for line_number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise DataFormatError(f"{path}:{line_number}: not valid JSON ({err.msg})") from err
-        return rows
+        with open(path, "rb") as f:
+            return _json_rows(path, _decode_utf8(path, f.read()))
     raise DataFormatError(
         f"unsupported dataset file type {suffix!r} ({path}); use .jsonl, .json or .parquet"
     )
@@ -200,6 +236,45 @@ def _column(rows: Sequence[Mapping], name: str, kind: type | tuple[type, ...] = 
             )
         values.append(value)
     return values
+
+
+def check_messages(messages: Any, where: str) -> None:
+    """Raise :class:`DataFormatError` naming ``where`` (e.g. ``"row 3: 'messages'"``) and the message
+    unless ``messages`` is a list of ``{"role", "content"}`` dicts with known roles
+    (:data:`KNOWN_ROLES`) and string (or content-part list) contents; ``content`` may be null only
+    on an assistant message with ``tool_calls``."""
+    if not isinstance(messages, list):
+        raise DataFormatError(f"{where} must be a list of messages, got {type(messages).__name__}")
+    for k, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise DataFormatError(
+                f"{where}: message {k} is {type(message).__name__}, not a {{'role': ..., 'content': ...}} dict")
+        role = message.get("role")
+        if role not in KNOWN_ROLES:
+            hint = f"; {role!r} is written {_ROLE_HINTS[role]!r}" if isinstance(role, str) and role in _ROLE_HINTS \
+                else ""
+            what = "has no 'role'" if role is None else f"has the unknown role {role!r}"
+            raise DataFormatError(
+                f"{where}: message {k} {what}; roles are {', '.join(KNOWN_ROLES)}{hint} (ShareGPT data: map "
+                "'from'/'value' with human -> user, gpt -> assistant)"
+            )
+        content = message.get("content")
+        if content is None and not message.get("tool_calls"):
+            state = "null" if "content" in message else "missing"
+            raise DataFormatError(
+                f"{where}: message {k} ({role}) has content {state}; give every message a string content "
+                "(\"\" if it is empty; rows whose completion / assistant turns are all empty are dropped)"
+            )
+        if content is not None and not isinstance(content, (str, list)):
+            raise DataFormatError(
+                f"{where}: message {k} ({role}) has content of type {type(content).__name__}; it must be a string "
+                "(or a list of content parts)"
+            )
+
+
+def _is_empty_turn(message: Mapping) -> bool:
+    """A message with nothing in it: empty content and no tool calls."""
+    return message.get("content") in ("", []) and not message.get("tool_calls")
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -261,6 +336,9 @@ def _prompt_completion_examples(
     kind = list if isinstance(rows[0].get("prompt"), list) else str
     prompt_texts, completion_texts = _column(rows, "prompt", kind), _column(rows, "completion", kind)
     if kind is list:
+        for index, (p, c) in enumerate(zip(prompt_texts, completion_texts)):
+            check_messages(p, f"row {index}: 'prompt'")
+            check_messages(c, f"row {index}: 'completion'")
         return [
             _conversational_prompt_completion(tokenizer, p, c, r.get("tools"), completion_only)
             for p, c, r in zip(prompt_texts, completion_texts, rows)
@@ -272,8 +350,10 @@ def _prompt_completion_examples(
     completions = _tokenize_texts(tokenizer, completion_texts, add_special_tokens=False)
     out = []
     for prompt_ids, completion_ids in zip(prompts, completions):
+        # an empty completion has nothing to learn but the EOS appended to it: no trained token (dropped)
+        trained = 1 if completion_ids or not completion_only else 0
         completion_ids = _with_eos(completion_ids, eos)
-        mask = [0 if completion_only else 1] * len(prompt_ids) + [1] * len(completion_ids)
+        mask = [0 if completion_only else 1] * len(prompt_ids) + [trained] * len(completion_ids)
         out.append((prompt_ids + completion_ids, mask))
     return out
 
@@ -291,7 +371,8 @@ def _conversational_prompt_completion(
             "(add_generation_prompt=True) is a prefix of the full conversation"
         )
     n = len(prompt_ids)
-    return ids, [0 if completion_only else 1] * n + [1] * (len(ids) - n)
+    trained = 0 if completion_only and all(_is_empty_turn(m) for m in completion) else 1  # empty: dropped
+    return ids, [0 if completion_only else 1] * n + [trained] * (len(ids) - n)
 
 
 def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_markers: bool) -> tuple[list[int], list[int]]:
@@ -302,8 +383,12 @@ def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_ma
         return ids, [1] * len(ids)
     if use_markers:
         out = _render_chat(tokenizer, messages, tools=tools, return_assistant_tokens_mask=True)
-        return out["input_ids"], out["assistant_masks"]
-    return _assistant_mask_by_prefixes(tokenizer, messages, tools)
+        ids, mask = out["input_ids"], out["assistant_masks"]
+    else:
+        ids, mask = _assistant_mask_by_prefixes(tokenizer, messages, tools)
+    if all(_is_empty_turn(m) for m in messages if m.get("role") == "assistant"):
+        mask = [0] * len(ids)  # only empty assistant turns (their end-of-turn tokens are not content): dropped
+    return ids, mask
 
 
 def _assistant_mask_by_prefixes(tokenizer: Any, messages: list, tools: Any) -> tuple[list[int], list[int]]:
@@ -384,7 +469,8 @@ def prepare_dataset(
         _require_chat_template(tokenizer, "'messages' rows")
         assistant_only = assistant_only_loss is not False
         use_markers = _has_generation_markers(tokenizer)
-        _column(rows, "messages", list)
+        for index, messages in enumerate(_column(rows, "messages", list)):
+            check_messages(messages, f"row {index}: 'messages'")
         pairs = [_messages_example(tokenizer, r, assistant_only, use_markers) for r in rows]
 
     stats = FormattingStats(data_shape=shape, num_rows=len(rows))

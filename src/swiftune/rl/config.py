@@ -131,6 +131,11 @@ class GRPOConfig(TrainingArguments):
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "One weight per reward function (None: all 1.0)."}
     )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={"help": "Seconds each reward function may take per generation; past it training stops with an "
+                          "error naming the function (the functions then run in a worker thread). None: no limit."},
+    )
     # ----------------------------------------------------------------------- swiftune
     share_prompt: bool | None = field(
         default=None,

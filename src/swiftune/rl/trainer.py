@@ -394,7 +394,7 @@ class GRPOTrainer(Trainer):
         columns = {k: [row[k] for row in prompt_rows for _ in range(G)] for k in prompt_rows[0] if k != "prompt"}
         rewards, per_func = compute_rewards(
             self.reward_funcs, [p for p in prompts for _ in range(G)], completions, completion_ids, columns,
-            self.reward_weights, group_size=G, trainer_state=self.state,
+            self.reward_weights, group_size=G, timeout=args.reward_timeout, trainer_state=self.state,
         )
         finished = torch.tensor(rollouts.finished, dtype=torch.bool)
         return SampledGroups(prompts, prompt_ids, completion_ids, texts, finished, rewards, per_func, gen_time)
