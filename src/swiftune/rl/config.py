@@ -17,14 +17,19 @@ Batch vocabulary (TRL's):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from transformers import TrainingArguments
 
+from ..sft.config import (KERNEL_BACKENDS, check_attention_backend, check_training_arguments, fail, require_choice,
+                          require_int, require_number)
+
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+ROLLOUT_ENGINES = ("auto", "fast", "transformers")
 
 
 @dataclass
@@ -39,6 +44,12 @@ class GRPOConfig(TrainingArguments):
     replaced by the sequence's geometric-mean ratio for ``importance_sampling_level="sequence"``
     (GSPO), and ``l_it = -min(r_it, epsilon_high).detach() A_i log pi_it`` for ``cispo``. The
     normalisation of ``sum l_it`` depends on ``loss_type`` (see :func:`swiftune.rl.loss.grpo_loss`).
+
+    Every length, count and coefficient is checked at construction, before any model or data is
+    loaded (a ``ValueError`` names the field, the value and what to set instead): among them
+    ``num_generations >= 2`` (as TRL: a group of one has no advantage), ``temperature > 0``,
+    ``max_prompt_length`` a positive number of tokens or ``None`` for no limit, ``epsilon``,
+    ``epsilon_high`` and ``beta`` >= 0.
     """
 
     # ----------------------------------------------------------------------- generation
@@ -46,7 +57,8 @@ class GRPOConfig(TrainingArguments):
         default=8, metadata={"help": "Completions sampled per prompt (the group size G of the advantages)."}
     )
     max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Longest prompt in tokens; longer prompts keep their last tokens."}
+        default=512, metadata={"help": "Longest prompt in tokens; longer prompts keep their last tokens "
+                                       "(None: no limit)."}
     )
     max_completion_length: int = field(default=256, metadata={"help": "Most tokens sampled per completion."})
     temperature: float = field(
@@ -187,57 +199,88 @@ class GRPOConfig(TrainingArguments):
         if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = "group" if self.scale_rewards.lower() == "true" else "none"
         super().__post_init__()
+        check_training_arguments(self)
+        self._check_fields()
         if self.generation_batch_size is not None:
             if self.steps_per_generation is not None:
-                raise ValueError("generation_batch_size and steps_per_generation are alternatives: set one")
+                raise ValueError("GRPOConfig: generation_batch_size and steps_per_generation are alternatives; "
+                                 "set only one of them")
             per_step = self.per_device_train_batch_size * max(1, self.world_size)
             if self.generation_batch_size % per_step:
-                raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
-                                 f"per_device_train_batch_size x processes ({per_step})")
+                raise ValueError(f"GRPOConfig: generation_batch_size ({self.generation_batch_size}) must be a "
+                                 f"multiple of per_device_train_batch_size x processes ({per_step}); set it to "
+                                 f"{max(1, round(self.generation_batch_size / per_step)) * per_step}")
             self.steps_per_generation = self.generation_batch_size // per_step
         if self.steps_per_generation is None:
             self.steps_per_generation = self.gradient_accumulation_steps
         if self.epsilon_high is None:
             # cispo's epsilon_high caps the IS weight itself: TRL recommends 5.0, which is our default there
             self.epsilon_high = 5.0 if self.loss_type == "cispo" else self.epsilon
+        if self.loss_type == "cispo" and self.epsilon_high == 0:
+            fail(self, "epsilon_high", self.epsilon_high, "caps cispo's importance weight at 0 (no gradient at all)",
+                 "set epsilon_high to the cap, e.g. 5.0 (or None for 5.0)")
         if self.share_prompt is None:
             self.share_prompt = self.num_generations > 1
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                             f"got {self.importance_sampling_level!r}")
-        if self.scale_rewards not in SCALE_REWARDS:
-            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS} (or true/false), "
-                             f"got {self.scale_rewards!r}")
-        if self.num_generations < 1:
-            raise ValueError(f"num_generations must be at least 1, got {self.num_generations}")
-        if self.num_generations == 1 and self.scale_rewards != "none":
-            # a group of one has advantage 0 whatever the reward: nothing would be learned
-            raise ValueError("num_generations=1 gives every completion a zero group advantage; "
-                             "use num_generations >= 2")
-        if self.num_iterations < 1 or self.steps_per_generation < 1:
-            raise ValueError("num_iterations and steps_per_generation must be at least 1")
         per_generation = self.per_device_train_batch_size * self.steps_per_generation
         if per_generation % self.num_generations:
             raise ValueError(
-                f"per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size} * "
-                f"{self.steps_per_generation} = {per_generation} completions per generation must be a multiple of "
-                f"num_generations={self.num_generations} (whole groups on every process)"
+                f"GRPOConfig: per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size}"
+                f" * {self.steps_per_generation} = {per_generation} completions per generation must be a multiple "
+                f"of num_generations={self.num_generations} (whole groups on every process); change "
+                f"per_device_train_batch_size, gradient_accumulation_steps / steps_per_generation or num_generations"
             )
-        if self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be positive, got {self.max_completion_length}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if self.temperature == 0 and self.num_generations > 1:
-            raise ValueError("temperature=0 (greedy) makes every completion of a group identical; "
-                             "use a temperature > 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.delta is not None and self.delta <= 1 + self.epsilon_high and self.loss_type != "cispo":
-            raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.epsilon_high})")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
+            raise ValueError(f"GRPOConfig: delta={self.delta!r} must exceed 1 + epsilon_high "
+                             f"({1 + self.epsilon_high}); set delta higher (e.g. {1 + self.epsilon_high + 0.8:g}) "
+                             "or None (off)")
+
+    def _check_fields(self) -> None:
+        """Each GRPO field on its own (before the derived ones are filled in)."""
+        require_choice(self, "loss_type", LOSS_TYPES)
+        require_choice(self, "importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS)
+        if self.scale_rewards not in SCALE_REWARDS:
+            fail(self, "scale_rewards", self.scale_rewards, f"is not one of {', '.join(SCALE_REWARDS)} (or true/false)",
+                 "set scale_rewards to one of them")
+        require_choice(self, "rollout_engine", ROLLOUT_ENGINES)
+        require_choice(self, "kernel_backend", KERNEL_BACKENDS)
+        check_attention_backend(self)
+        require_int(self, "num_generations", 2, "the completions sampled per prompt, e.g. 8 (GRPO's advantage "
+                    "compares the completions of one prompt: a group of 1 learns nothing)")
+        require_int(self, "max_prompt_length", 1, "the longest prompt in tokens (e.g. 512), or None for no limit",
+                    allow_none=True)
+        require_int(self, "max_completion_length", 1, "the most tokens sampled per completion, e.g. 256")
+        require_number(self, "temperature", "a sampling temperature > 0, e.g. 1.0 (a group needs different "
+                       "completions; greedy decoding makes them identical)", low=0, low_open=True)
+        require_number(self, "top_p", "a value in (0, 1], 1.0 for off", low=0, high=1, low_open=True)
+        require_int(self, "top_k", 0, "the tokens kept, or 0 / None for off", allow_none=True)
+        require_number(self, "min_p", "a value in [0, 1], or None for off", low=0, high=1, allow_none=True)
+        require_int(self, "steps_per_generation", 1, "the micro-batches per generation, or None for "
+                    "gradient_accumulation_steps", allow_none=True)
+        require_int(self, "generation_batch_size", 1, "the completions per generation over all processes, or None",
+                    allow_none=True)
+        require_int(self, "max_rollout_batch_size", 1, "the most completions decoded at once, or None for a whole "
+                    "generation", allow_none=True)
+        if self.stop_token_ids is not None and not (
+                isinstance(self.stop_token_ids, (list, tuple))
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)):
+            fail(self, "stop_token_ids", self.stop_token_ids, "must be a list of token ids (integers >= 0)",
+                 "set stop_token_ids to e.g. [151645], or None")
+        require_number(self, "beta", "0.0 (no KL term, no reference pass) or a positive KL weight, e.g. 0.04", low=0)
+        require_number(self, "epsilon", "the lower clipping range, e.g. 0.2 (the ratio is clipped at 1 - epsilon)",
+                       low=0)
+        require_number(self, "epsilon_high", "the upper clipping range, e.g. 0.28, or None for epsilon", low=0,
+                       allow_none=True)
+        require_number(self, "delta", "the cap of the unclipped ratio (> 1 + epsilon_high), or None for off", low=1,
+                       low_open=True, allow_none=True)
+        require_int(self, "num_iterations", 1, "the optimisation passes per generation, e.g. 1")
+        if self.reward_weights is not None and not (
+                isinstance(self.reward_weights, (list, tuple))
+                and all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                        for w in self.reward_weights)):
+            fail(self, "reward_weights", self.reward_weights, "must be a list of finite numbers",
+                 "set one weight per reward function, e.g. [1.0, 0.5], or None for all 1.0")
+        require_int(self, "logit_chunk_tokens", 1, "tokens per chunk of the fused LM head, or None to choose it "
+                    "from free memory", allow_none=True)
 
     @property
     def completions_per_generation(self) -> int:
