@@ -281,6 +281,8 @@ class GRPOConfig(TrainingArguments):
                  "set one weight per reward function, e.g. [1.0, 0.5], or None for all 1.0")
         require_int(self, "logit_chunk_tokens", 1, "tokens per chunk of the fused LM head, or None to choose it "
                     "from free memory", allow_none=True)
+        require_number(self, "reward_timeout", "the seconds a reward function may take, or None for no limit",
+                       low=0, low_open=True, allow_none=True)
 
     @property
     def completions_per_generation(self) -> int:
