@@ -4,14 +4,17 @@
     swiftune grpo [CONFIG.yaml] [--key value ...]   reinforcement learning (GRPO and its variants)
     swiftune generate --model PATH --prompt "..."   sample through a rollout engine (quick checks)
     swiftune plan --model qwen3-8b --tokens 65536   predicted peak GPU memory and the largest context
-    swiftune check                                  kernels vs their references on this machine
+    swiftune check                                  Triton kernels vs their references on this machine
+                                                    (the Triton interpreter on a CPU)
 
 With no arguments ``swiftune sft`` trains a tiny built-in model on the built-in instruction
 dataset (no download), on the GPU when there is one, else on the CPU in about a minute;
 ``swiftune grpo`` runs a built-in toy task (a short SFT warm-up, then GRPO on reversing words).
 Options are the fields of :class:`swiftune.SFTConfig` / :class:`swiftune.GRPOConfig`
 (transformers' ``TrainingArguments`` plus swiftune's) and of the commands' model arguments
-(``--help`` lists them all); a YAML file gives the same keys, and command-line options override it.
+(``--help`` lists them all); a YAML file gives the same keys (lists as YAML lists), and command-line
+options override it. A mistyped option, a value out of range or a local path that does not exist
+ends in one line naming it (exit status 2); add ``--traceback`` to see where an error came from.
 """
 
 from __future__ import annotations
@@ -44,32 +47,126 @@ def run_plan(argv: list[str]) -> int:
     return main_plan(argv)
 
 
-def run_check(argv: list[str]) -> int:
-    """Each kernel against its reference on this machine's device (compiled on CUDA)."""
+CHECK_DOC = """swiftune check: each fused Triton kernel, forward and backward, against its plain-PyTorch
+reference evaluated in float64, on this machine.
+
+On a CUDA device the kernels are the compiled ones. On a CPU the Triton kernels run through the
+Triton interpreter: TRITON_INTERPRET=1 must be set before triton is imported, so when it was not,
+the check runs itself again in a subprocess with it set. Nothing is ever compared with itself: every
+kernel is called with backend='triton', which raises rather than fall back to the reference."""
+
+
+def _triton_runs_on_cpu() -> bool:
+    """Whether the Triton kernels run on CPU tensors here (decorated under TRITON_INTERPRET=1)."""
     import torch
 
-    from .kernels import geglu, geglu_reference, rms_norm, rms_norm_reference, rope_qk, rope_qk_reference, swiglu
-    from .kernels import swiglu_reference
+    from .kernels import swiglu
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    g, u = torch.randn(64, 1000, device=device), torch.randn(64, 1000, device=device)
-    x, w = torch.randn(64, 1000, device=device), torch.randn(1000, device=device)
-    q, k = torch.randn(2, 8, 16, 64, device=device), torch.randn(2, 2, 16, 64, device=device)
-    cos, sin = torch.randn(2, 16, 64, device=device), torch.randn(2, 16, 64, device=device)
-    rows = [
-        ("swiglu", swiglu(g, u), swiglu_reference(g, u)),
-        ("geglu", geglu(g, u, "tanh"), geglu_reference(g, u, "tanh")),
-        ("rms_norm", rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6)),
-        ("rope_qk", torch.cat([t.flatten() for t in rope_qk(q.clone(), k.clone(), cos, sin)]),
-         torch.cat([t.flatten() for t in rope_qk_reference(q, k, cos, sin)])),
+    try:
+        swiglu(torch.zeros(1, 2), torch.zeros(1, 2), backend="triton")
+    except ValueError:
+        return False
+    return True
+
+
+def _check_rows(device: str) -> list[tuple[str, float, float]]:
+    """``(kernel, forward rel err, backward rel err)`` of every kernel vs its float64 reference."""
+    import torch
+
+    from . import kernels as K
+
+    big = device == "cuda"
+    rows_, cols = (64, 1000) if big else (16, 200)
+    heads, kv_heads, seq, dim = (8, 2, 64, 64) if big else (4, 2, 8, 32)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    def rel(got, want):
+        got, want = got.detach().double(), want.detach().double()
+        return float((got - want).norm() / want.norm().clamp_min(1e-300))
+
+    def compare(run, reference, inputs):
+        """forward and backward of ``run`` (float32, Triton) vs ``reference`` (float64)."""
+        xs = [t.clone().requires_grad_(True) for t in inputs]
+        out = run(*xs)
+        outs = out if isinstance(out, tuple) else (out,)
+        grads_out = [rand(*o.shape) for o in outs]
+        torch.autograd.backward(outs, grads_out)
+        ref_xs = [t.detach().double().requires_grad_(True) for t in inputs]
+        ref = reference(*ref_xs)
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        torch.autograd.backward(refs, [g.double() for g in grads_out])
+        forward = rel(torch.cat([o.flatten() for o in outs]), torch.cat([r.flatten() for r in refs]))
+        backward = rel(torch.cat([x.grad.flatten() for x in xs]), torch.cat([x.grad.flatten() for x in ref_xs]))
+        return forward, backward
+
+    g, u = rand(rows_, cols), rand(rows_, cols)
+    x, w = rand(rows_, cols), rand(cols)
+    q, k = rand(2, heads, seq, dim), rand(2, kv_heads, seq, dim)
+    angles = rand(2, seq, dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    triton = {"backend": "triton"}
+    cases = [
+        ("swiglu", lambda a, b: K.swiglu(a, b, **triton), K.swiglu_reference, [g, u]),
+        ("geglu", lambda a, b: K.geglu(a, b, "none", **triton), lambda a, b: K.geglu_reference(a, b, "none"), [g, u]),
+        ("geglu_tanh", lambda a, b: K.geglu(a, b, "tanh", **triton), lambda a, b: K.geglu_reference(a, b, "tanh"),
+         [g, u]),
+        ("rms_norm", lambda a, b: K.rms_norm(a, b, 1e-6, **triton), lambda a, b: K.rms_norm_reference(a, b, 1e-6),
+         [x, w]),
+        ("rms_norm_1+w", lambda a, b: K.rms_norm(a, b, 1e-6, 1.0, **triton),
+         lambda a, b: K.rms_norm_reference(a, b, 1e-6, 1.0), [x, w]),
+        ("rope_qk", lambda a, b: K.rope_qk(a * 1, b * 1, cos, sin, **triton),
+         lambda a, b: K.rope_qk_reference(a, b, cos.double(), sin.double()), [q, k]),
     ]
+    return [(name, *compare(run, reference, inputs)) for name, run, reference, inputs in cases]
+
+
+def run_check(argv: list[str]) -> int:
+    """Each kernel, forward and backward, against its reference on this machine (see CHECK_DOC)."""
+    import argparse
+    import os
+    import subprocess
+
+    parser = argparse.ArgumentParser(prog="swiftune check", description=CHECK_DOC,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest relative error (norm of the difference / norm of the reference) that passes")
+    parser.add_argument("--under-interpreter", action="store_true", help=argparse.SUPPRESS)  # the re-run
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .kernels._launch import HAS_TRITON
+
+    if not HAS_TRITON:
+        print("swiftune check: triton is not installed, so there is no Triton kernel to check (swiftune runs "
+              "its plain-PyTorch references); install triton to check the kernels", file=sys.stderr)
+        return 1
+    if _triton_runs_on_cpu():
+        device, what = "cpu", "run by the Triton interpreter on the CPU, TRITON_INTERPRET=1"
+    elif torch.cuda.is_available():
+        device, what = "cuda", f"compiled for {torch.cuda.get_device_name()}"
+    elif args.under_interpreter:
+        print("swiftune check: TRITON_INTERPRET=1 was set, yet the Triton kernels do not run on CPU tensors; "
+              "nothing was checked", file=sys.stderr)
+        return 1
+    else:
+        print("swiftune check: no CUDA device; running the Triton kernels through the Triton interpreter "
+              "(TRITON_INTERPRET=1 must be set before triton is imported: checking in a subprocess)", flush=True)
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        return subprocess.call([sys.executable, "-m", "swiftune.cli", "check", "--under-interpreter", *argv], env=env)
+
+    print(f"swiftune check: Triton kernels ({what}), float32, vs their plain-PyTorch references in float64")
+    print(f"{'kernel':14s} {'forward':>10s} {'backward':>10s}")
     ok = True
-    for name, got, want in rows:
-        err = float((got.double() - want.double()).norm() / want.double().norm())
-        ok &= err < 1e-5
-        print(f"{name:9s} rel err {err:.2e} {'ok' if err < 1e-5 else 'FAIL'}")
-    print(f"device {device}: {'all kernels match their references' if ok else 'MISMATCH'}")
+    for name, forward, backward in _check_rows(device):
+        good = forward < args.tolerance and backward < args.tolerance  # NaN fails
+        ok &= good
+        print(f"{name:14s} {forward:10.2e} {backward:10.2e}  {'ok' if good else 'FAIL'}")
+    verdict = "every kernel matches its reference" if ok else "MISMATCH: a kernel differs from its reference"
+    print(f"{verdict} (relative error tolerance {args.tolerance:g}; Triton kernels {what})")
     return 0 if ok else 1
 
 
@@ -77,14 +174,43 @@ COMMANDS = {"sft": run_sft, "grpo": run_grpo, "generate": run_generate, "plan": 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``swiftune`` command. A mistake in the command line or config ends in one line naming it
+    and exit status 2; a ``ValueError`` or ``OSError`` (a bad file, dataset or model) raised while
+    running ends in one line and status 1 (``--traceback`` shows the whole traceback instead)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            import difflib
+
+            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            print(f"swiftune: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}){hint}", file=sys.stderr)
+            return 2
         print(__doc__)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
+    command, rest = argv[0], argv[1:]
+    show_traceback = "--traceback" in rest
+    rest = [a for a in rest if a != "--traceback"]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "accelerate", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        return COMMANDS[command](rest)
+    except (ValueError, OSError, ImportError) as e:
+        if show_traceback:
+            raise
+        # CommandLineError lives with the trainer commands; not imported here, so that `swiftune check`
+        # and `swiftune plan` stay light: when that module was never loaded, this is not one
+        commands = sys.modules.get("swiftune.sft.command")
+        if commands is not None and isinstance(e, commands.CommandLineError):
+            print(f"swiftune {command}: error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        print(f"swiftune {command}: error: {_one_line(e)} (add --traceback for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

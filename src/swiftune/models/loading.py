@@ -184,6 +184,9 @@ class FastModel:
         """
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        from ..local_paths import resolve_local_path
+
+        model_name_or_path = resolve_local_path(model_name_or_path, "model")  # a missing local path: no Hub lookup
         shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
         config = hf_kwargs.pop("config", None) or AutoConfig.from_pretrained(model_name_or_path, **shared)
         _check_causal_lm(config, model_name_or_path)

@@ -1,0 +1,215 @@
+"""The command line's mistakes end in one line that names them (issue 21, items 7 and 9): unknown
+options with the closest valid names, local paths that do not exist (no Hub lookup), YAML lists,
+and `swiftune check` saying what it compared (the Triton interpreter on a CPU)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from swiftune.cli import main
+from swiftune.local_paths import looks_local, resolve_local_path
+from swiftune.sft.command import CommandLineError, lora_targets, parse_sft_args, read_yaml_config
+
+ENV_WITHOUT_INTERPRETER = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "Traceback" not in err[0]
+    return err[0]
+
+
+# ----------------------------------------------------------------------------- unknown options
+
+
+def test_unknown_option_names_the_closest_ones(capsys):
+    assert main(["sft", "--lerning_rate", "1e-4"]) == 2
+    line = one_line_error(capsys)
+    assert "--lerning_rate" in line and "--learning_rate" in line
+
+
+def test_abbreviations_are_not_silently_expanded(capsys):
+    assert main(["sft", "--learning", "1e-4"]) == 2
+    assert "unknown option --learning" in one_line_error(capsys)
+
+
+def test_unknown_option_from_the_real_entry_point_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "swiftune.cli", "sft", "--lerning_rate", "1e-4"],
+                          env=ENV_WITHOUT_INTERPRETER, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--learning_rate" in lines[0], proc.stderr[-2000:]
+
+
+def test_bad_values_and_config_fields_end_in_one_line(capsys):
+    assert main(["grpo", "--max_prompt_length", "0"]) == 2
+    assert "max_prompt_length=0" in one_line_error(capsys)
+    assert main(["sft", "--per_device_train_batch_size", "abc"]) == 2  # argparse's own message, one line
+    assert "per_device_train_batch_size" in one_line_error(capsys)
+    assert main(["sft", "--max_length", "5", "6"]) == 2
+    assert "takes one value" in one_line_error(capsys)
+    assert main(["sft", "stray"]) == 2
+    assert "unexpected argument 'stray'" in one_line_error(capsys)
+
+
+def test_none_means_no_limit_on_the_command_line():
+    from swiftune.rl.builtin import parse_grpo_args
+
+    _, config, _ = parse_grpo_args(["--max_prompt_length", "none"])
+    assert config.max_prompt_length is None
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+def test_yaml_lists_and_nulls(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("lora_target_modules: [q_proj, v_proj]\nuse_lora: true\nmax_length: 128\n"
+                    "max_tokens_per_batch: null\nreport_to: [none]\nlearning_rate: 1e-4\n")
+    model_args, config, builtin = parse_sft_args([str(path), "--max_length", "64"])
+    assert lora_targets(model_args.lora_target_modules) == ["q_proj", "v_proj"]
+    assert config.max_length == 64  # the command line overrides the file
+    assert config.max_tokens_per_batch is None and config.report_to == [] and config.learning_rate == 1e-4
+    assert builtin
+
+
+def test_list_options_take_commas_on_the_command_line():
+    from swiftune.rl.builtin import parse_grpo_args
+
+    model_args, _, _ = parse_sft_args(["--lora_target_modules", "q_proj,k_proj", "o_proj"])
+    assert lora_targets(model_args.lora_target_modules) == ["q_proj", "k_proj", "o_proj"]
+    assert lora_targets(parse_sft_args([])[0].lora_target_modules) == "all-linear"
+    _, config, _ = parse_grpo_args(["--stop_token_ids", "1,2", "--reward_weights=1,0.5"])
+    assert config.stop_token_ids == [1, 2] and config.reward_weights == [1.0, 0.5]
+
+
+def test_yaml_grpo_lists(tmp_path):
+    from swiftune.rl.builtin import parse_grpo_args
+
+    path = tmp_path / "grpo.yaml"
+    path.write_text("reward_funcs: [reverse, exact_match]\nreward_weights: [1.0, 0.5]\nmax_prompt_length: null\n")
+    model_args, config, _ = parse_grpo_args([str(path)])
+    assert model_args.reward_funcs == "reverse,exact_match"
+    assert config.reward_weights == [1.0, 0.5] and config.max_prompt_length is None
+
+
+def test_yaml_unknown_key_names_the_file(tmp_path, capsys):
+    path = tmp_path / "typo.yaml"
+    path.write_text("lerning_rate: 1e-4\n")
+    assert main(["sft", str(path)]) == 2
+    line = one_line_error(capsys)
+    assert "--lerning_rate" in line and str(path) in line and "--learning_rate" in line
+
+
+def test_yaml_is_read_safely(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "evil.yaml"
+    path.write_text(f'learning_rate: !!python/object/apply:os.system ["touch {marker}"]\n')
+    with pytest.raises(CommandLineError, match="not valid YAML"):
+        read_yaml_config(str(path))
+    assert not marker.exists()
+    with pytest.raises(CommandLineError, match="does not exist"):
+        read_yaml_config(str(tmp_path / "missing.yaml"))
+
+
+# ----------------------------------------------------------------------------- local paths
+
+
+@pytest.mark.parametrize("name, local", [
+    ("./data.jsonl", True), ("/abs/model", True), ("~/models/qwen", True), ("train.parquet", True),
+    ("rows.csv", True), ("runs/qwen/final", True), ("..", True),
+    ("Qwen/Qwen3-0.6B", False), ("gpt2", False), ("HuggingFaceH4/ultrachat_200k", False),
+])
+def test_looks_local(name, local):
+    assert looks_local(name) is local
+
+
+def test_missing_local_dataset_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys):
+    from swiftune.sft.command import load_rows
+
+    class NoHub:
+        def load_dataset(self, *a, **k):
+            raise AssertionError("a local-looking path went to the Hub")
+
+    monkeypatch.setitem(sys.modules, "datasets", NoHub())
+    missing = str(tmp_path / "train.jsonl")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_rows(missing, "train", list)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_rows("./nope/rows", "train", list)
+    # the command says so before it builds any model
+    assert main(["sft", "--dataset", missing]) == 2
+    line = one_line_error(capsys)
+    assert "does not exist" in line and missing in line
+
+
+def test_missing_local_model_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    from swiftune.models import FastModel
+
+    seen = []
+
+    def fake_config(name, *a, **k):
+        seen.append(name)
+        raise OSError("reached the Hub")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", fake_config)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        FastModel.from_pretrained(str(tmp_path / "no" / "model"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        FastModel.from_pretrained("./no-such-model")
+    assert seen == []
+    with pytest.raises(OSError, match="reached the Hub"):  # a Hub id is still looked up
+        FastModel.from_pretrained("org/name")
+    assert seen == ["org/name"]
+    # ~ is expanded (transformers would take "~/m" for a malformed Hub id)
+    (tmp_path / "m").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_local_path("~/m", "model") == str(tmp_path / "m")
+    assert main(["sft", "--model_name_or_path", "./no-such-model"]) == 2
+    assert "does not exist" in one_line_error(capsys)
+
+
+def test_missing_checkpoint_folder_before_training(tmp_path, capsys):
+    assert main(["sft", "--resume_from_checkpoint", str(tmp_path / "checkpoint-9")]) == 2
+    assert "no such checkpoint folder" in one_line_error(capsys)
+
+
+# ----------------------------------------------------------------------------- swiftune check
+
+
+def test_check_under_the_interpreter_compares_triton_with_the_reference(capsys):
+    """The tests run with TRITON_INTERPRET=1 (conftest): the kernels themselves run, forward and backward."""
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert "Triton interpreter" in out and "float64" in out
+    for name in ("swiglu", "geglu", "geglu_tanh", "rms_norm", "rms_norm_1+w", "rope_qk"):
+        assert any(line.startswith(name + " ") and line.rstrip().endswith("ok") for line in out.splitlines()), name
+
+
+def test_check_finds_a_kernel_that_differs(monkeypatch, capsys):
+    """What `check` compares is not the reference with itself: a perturbed reference fails."""
+    import swiftune.kernels as kernels
+
+    true_reference = kernels.swiglu_reference
+    monkeypatch.setattr(kernels, "swiglu_reference", lambda g, u: true_reference(g, u) * 1.001)
+    assert main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert any(line.startswith("swiglu ") and "FAIL" in line for line in out.splitlines())
+    assert "MISMATCH" in out
+
+
+def test_check_on_a_cpu_without_interpreter_runs_the_interpreter():
+    """A fresh process on a CPU without TRITON_INTERPRET: `swiftune check` re-runs itself under the
+    interpreter and says so, instead of comparing the reference with itself."""
+    proc = subprocess.run([sys.executable, "-m", "swiftune.cli", "check"], env=ENV_WITHOUT_INTERPRETER,
+                          capture_output=True, text=True, timeout=300)
+    if "cuda" in proc.stdout.lower() and "compiled for" in proc.stdout:
+        pytest.skip("a CUDA machine checks the compiled kernels")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Triton interpreter" in proc.stdout and "subprocess" in proc.stdout
+    assert "every kernel matches its reference" in proc.stdout
