@@ -20,7 +20,7 @@ from swiftune.kernels import (
     swiglu,
     swiglu_reference,
 )
-from swiftune.kernels._launch import choose_backend, needs_int64
+from swiftune.kernels._launch import autograd_owner, choose_backend, needs_int64
 from tests.helpers import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -153,6 +153,68 @@ def test_rope_in_place_and_autograd_through_views(device):
         eq, ek = rope_qk_reference(qc, kc, cos, sin)
         oq, ok = rope_qk(qc, kc, cos, sin, backend="triton")
         assert oq.data_ptr() == qc.data_ptr() and rel_err(oq, eq) < 1e-6 and rel_err(ok, ek) < 1e-6
+
+
+class _ViewOutput(torch.autograd.Function):
+    """A custom Function returning a view of a buffer made inside forward (as RMSNorm once did)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return (x * 1.0).reshape(-1).view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_autograd_owner_refuses_owners_outside_the_graph():
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    plain = x * 2.0
+    assert autograd_owner(plain.transpose(0, 1)) is plain  # an ordinary differentiable view
+    assert autograd_owner(plain) is plain
+    assert autograd_owner(x) is None and autograd_owner(x.view(-1)) is None  # a leaf that requires grad
+    custom = _ViewOutput.apply(x)
+    assert custom._is_view() and autograd_owner(custom) is None  # its _base is outside the graph
+    assert autograd_owner(custom.transpose(0, 1)) is None
+    with torch.no_grad():
+        made_without_grad = plain.view(-1)
+    assert autograd_owner(made_without_grad) is None  # owner requires grad, the view does not
+    with torch.no_grad():  # inference: nothing is tracked, every owner may be written
+        y = torch.randn(2, 3, 4)
+        assert autograd_owner(y.transpose(0, 1)) is y
+
+
+@pytest.mark.parametrize("producer", ["rms_norm", "custom_view"])
+def test_rope_after_a_custom_function_keeps_q_and_k_in_the_graph(device, producer):
+    """The Qwen3 / Gemma 3 chain: per-head norm of the projection, then in-place RoPE of the
+    transposed result. q and k must keep their history and get the reference's gradients."""
+    torch.manual_seed(3)
+    B, S, Hq, Hk, D = 1, 10, 4, 2, 16
+    cos, sin = (t.float().to(device) for t in rope_tables(torch.arange(S).expand(B, S), D))
+    xq = torch.randn(B, S, Hq, D, device=device, requires_grad=True)
+    xk = torch.randn(B, S, Hk, D, device=device, requires_grad=True)
+    w = torch.randn(D, device=device, requires_grad=True)
+
+    def norm(x, fused):
+        if producer == "custom_view":
+            return _ViewOutput.apply(x * 1.0) if fused else x * 1.0
+        return rms_norm(x * 1.0, w, 1e-6) if fused else rms_norm_reference(x * 1.0, w, 1e-6)
+
+    def run(fused):
+        q, k = norm(xq, fused).transpose(1, 2), norm(xk, fused).transpose(1, 2)
+        rope = (lambda q, k: rope_qk(q, k, cos, sin, backend="triton")) if fused else (
+            lambda q, k: rope_qk_reference(q, k, cos, sin))
+        oq, ok = rope(q, k)
+        assert oq.grad_fn is not None and ok.grad_fn is not None
+        wanted = (xq, xk, w) if producer == "rms_norm" else (xq, xk)
+        return oq, torch.autograd.grad((oq * oq.detach().cos()).sum() + (ok ** 3).sum(), wanted), q
+
+    (oq, grads, q), (eq, expected, _) = run(True), run(False)
+    assert rel_err(oq, eq) < 1e-6
+    for g, e in zip(grads, expected):
+        assert g.abs().max() > 0 and rel_err(g, e) < 1e-5
+    if producer == "rms_norm":  # RMSNorm's output is its own tensor: RoPE still rotates it in place
+        assert oq.data_ptr() == q.data_ptr()
 
 
 def test_rope_broadcast_tables_and_int64_flag(device):

@@ -19,36 +19,9 @@ import transformers
 from swiftune.attention import ATTENTION_NAME, has_packed_context
 from swiftune.data.builtin import tiny_model_config
 from swiftune.models import FastModel, is_patched, patch_model, unpatch_model
-from tests.helpers import rel_err
+from tests.helpers import VOCAB, WINDOW, rel_err, tiny_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
-WINDOW = 8
-VOCAB = 300
-
-# Tiny sizes (the kernels run through the Triton interpreter): hidden 64, 2 layers, 4 q heads and
-# 2 kv heads of 16. Gemma 2 gets a small attention soft-cap so that tanh actually bends the scores.
-_SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-_EXTRAS = {
-    "gemma": dict(),
-    "gemma2": dict(query_pre_attn_scalar=16, attn_logit_softcapping=1.0, final_logit_softcapping=5.0),
-    "gemma3": dict(query_pre_attn_scalar=16),
-}
-_SLIDING = ["sliding_attention", "full_attention"]
-
-
-def tiny_model(family: str, window: bool = False, seed: int = 0) -> transformers.PreTrainedModel:
-    """Random fp32 model with transformers' eager attention (the ground truth)."""
-    extra = dict(_SIZES, **_EXTRAS.get(family, {}))
-    if family in ("gemma2", "gemma3"):
-        extra.update(sliding_window=WINDOW if window else 4096, layer_types=_SLIDING)
-    elif family == "mistral":
-        extra.update(sliding_window=WINDOW if window else None)
-    elif family in ("qwen2", "qwen3") and window:
-        extra.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, layer_types=_SLIDING)
-    config = tiny_model_config(family, vocab_size=VOCAB, **extra)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    return model.eval()
 
 
 def _docs(seed: int, count: int | None = None, low: int = 3, high: int = 15) -> list[torch.Tensor]:

@@ -101,5 +101,43 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a floating tensor (fp16, bf16, fp32 or fp64), got {t.dtype}")
 
 
+def autograd_owner(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor that owns ``t``'s memory *as autograd tracks it*, or ``None`` when an in-place
+    kernel must not write it.
+
+    An in-place kernel wrapped in an ``autograd.Function`` may write a view's owner only when a
+    write to the owner is replayed onto the view's history. That holds for a view made in grad
+    mode by an ordinary differentiable op (``view``, ``transpose``, ...: creation meta
+    ``DEFAULT``) of an owner that requires grad exactly when the view does. It does not hold for
+    a view returned by a custom Function (its ``_base`` is a tensor made inside ``forward``,
+    outside the graph: writing it would cut the view's gradient off), nor for views made under
+    ``no_grad`` of tensors that require grad. Leaves that require grad are never written.
+    Tensors outside autograd (``no_grad`` decoding) are their own owners when not a view.
+    """
+    needs_grad = torch.is_grad_enabled() and t.requires_grad
+    if t.is_leaf and t.requires_grad:
+        return None
+    if not t._is_view():
+        return t
+    base = t._base
+    if base.is_leaf and base.requires_grad:
+        return None
+    if base.requires_grad != t.requires_grad:
+        return None
+    if needs_grad:
+        if base.grad_fn is None or _creation_meta(t) != "DEFAULT":
+            return None
+    return base
+
+
+def _creation_meta(t: torch.Tensor) -> str:
+    """Autograd's record of how view ``t`` was made (``DEFAULT`` for ordinary differentiable
+    views); ``"UNKNOWN"`` where this torch has no such query, which callers treat as unsafe."""
+    query = getattr(torch._C._autograd, "_get_creation_meta", None)
+    if query is None:  # pragma: no cover - present in every supported torch (2.11-2.14)
+        return "UNKNOWN"
+    return str(query(t)).rsplit(".", 1)[-1]
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

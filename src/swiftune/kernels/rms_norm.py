@@ -138,17 +138,21 @@ class RMSNormFunction(torch.autograd.Function):
         shape = x.shape
         x2 = _as_rows(x, shape[-1])
         n_rows, n_cols = x2.shape
-        y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+        # The output is allocated in x's shape and returned as itself, not as a view of a 2-D
+        # buffer: a custom Function's view output has an owner outside the graph, which would
+        # keep the next op (the in-place RoPE on Qwen3 / Gemma 3's normalised q/k) from writing it.
+        y = torch.empty(shape, dtype=x.dtype, device=x.device)
+        y2 = y.view(n_rows, n_cols)
         r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = next_pow2(n_cols)
         int64 = force_int64 or needs_int64(x2)
         _rms_fwd_kernel[(n_rows,)](
-            x2, weight, y, r, n_cols, x2.stride(0), y.stride(0), eps, offset,
+            x2, weight, y2, r, n_cols, x2.stride(0), y2.stride(0), eps, offset,
             BLOCK=block, INT64=int64, num_warps=_num_warps(block),
         )
-        ctx.save_for_backward(x2, weight, r)
+        ctx.save_for_backward(x2, weight, r)  # not y: an in-place op may rewrite y afterwards
         ctx.offset, ctx.int64, ctx.shape = offset, int64, shape
-        return y.view(shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
+from ._launch import Backend, autograd_owner, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
 
 def rope_qk_reference(
@@ -199,13 +199,15 @@ def _from_bhsd(t: torch.Tensor, src_shape: torch.Size, geom: Geometry) -> torch.
 def _in_place_source(t: torch.Tensor) -> tuple[torch.Tensor, Geometry] | None:
     """The tensor owning t's memory and how t sits on it, when t can be rotated in place.
 
+    The owner is :func:`autograd_owner`'s: the tensor autograd tracks, so that the rotation
+    written into it is recorded in t's history (never a custom Function's internal buffer).
     In-place is used only when t covers all of its owner's memory in the ``[B, H, S, D]`` or
-    ``[B, S, H, D]``-transposed layout, and the owner is not a leaf that requires grad.
-    Anything else (slices of a fused qkv buffer, leaves) takes the out-of-place path.
-    Overwriting a tensor some other op saved is caught by autograd's version counter.
+    ``[B, S, H, D]``-transposed layout. Anything else (slices of a fused qkv buffer, leaves,
+    views whose owner autograd does not track) takes the out-of-place path. Overwriting a
+    tensor some other op saved is caught by autograd's version counter.
     """
-    src = t._base if t._is_view() else t
-    if (t.is_leaf and t.requires_grad) or (src.is_leaf and src.requires_grad):
+    src = autograd_owner(t)
+    if src is None:
         return None
     if not src.is_contiguous() or src.numel() != t.numel() or src.storage_offset() != t.storage_offset():
         return None
@@ -281,5 +283,17 @@ def rope_qk(
             q_out, k_out = RopeQKInPlaceFunction.apply(
                 q_src[0], k_src[0], cos, sin, q_src[1], k_src[1], _force_int64
             )
-            return _as_bhsd(q_out, q_src[1]), _as_bhsd(k_out, k_src[1])
+            q_out, k_out = _as_bhsd(q_out, q_src[1]), _as_bhsd(k_out, k_src[1])
+            _check_still_tracked(q, k, q_out, k_out)
+            return q_out, k_out
     return RopeQKFunction.apply(q, k, cos, sin, _force_int64)
+
+
+def _check_still_tracked(q, k, q_out, k_out) -> None:
+    # The in-place path must never take a tensor out of the graph (a silent loss of q/k
+    # gradients); autograd_owner makes this impossible, and this guard keeps it so.
+    if torch.is_grad_enabled() and (
+        (q.requires_grad and q_out.grad_fn is None) or (k.requires_grad and k_out.grad_fn is None)
+    ):
+        raise RuntimeError("rope_qk's in-place path lost the autograd history of q or k; "
+                           "call rope_qk(..., inplace=False) and report this as a swiftune bug")
