@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -93,6 +94,64 @@ def ensure_pad_token(tokenizer: Any, model: nn.Module | None = None) -> None:
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             gen.pad_token_id = tokenizer.pad_token_id
+
+
+def first_nonfinite_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """``(name, what)`` of the first floating-point tensor holding NaN or inf, else ``None``;
+    ``what`` counts them (``"3 NaN, 1 inf of 4096 values"``).
+
+    Each tensor is screened with one float32 sum (no temporary of its size: NaN or inf anywhere
+    makes the sum non-finite), all screens in one device sync; only a tensor that fails the screen
+    is checked element-wise (a finite tensor whose sum overflows passes that check).
+    Integer and quantised (packed ``uint8``) tensors, tensors on the ``meta`` device and dtypes
+    without a sum kernel on their device are skipped.
+    """
+    candidates: list[tuple[str, torch.Tensor]] = []
+    screens: list[torch.Tensor] = []
+    for name, tensor in named_tensors:
+        t = tensor.detach()
+        if hasattr(t, "to_local"):  # a DTensor shard (FSDP2): this process's part
+            t = t.to_local()
+        if not t.is_floating_point() or t.is_meta or t.numel() == 0:
+            continue
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        try:
+            screen = torch.sum(t, dtype=acc).reshape(1)
+        except (RuntimeError, TypeError, NotImplementedError):  # a dtype without a sum kernel here
+            continue
+        candidates.append((name, t))
+        screens.append(screen)
+    if not candidates:
+        return None
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(screens):
+        by_device.setdefault(s.device, []).append(i)
+    suspects: list[int] = []
+    for idx in by_device.values():
+        finite = torch.isfinite(torch.cat([screens[i] for i in idx])).tolist()
+        suspects += [i for i, ok in zip(idx, finite) if not ok]
+    for i in sorted(suspects):
+        name, t = candidates[i]
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
+            return name, f"{', '.join(p for p in parts if p)} of {t.numel()} values"
+    return None
+
+
+def _refuse_nonfinite_weights(model: nn.Module, source: str, dtype: torch.dtype) -> None:
+    """A ValueError naming the first parameter or buffer of ``model`` that holds NaN or inf."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    bad = first_nonfinite_tensor(tensors)
+    if bad is None:
+        return
+    name, what = bad
+    raise ValueError(
+        f"{source!r}: the weight {name} holds non-finite values ({what}) after loading in {dtype}; swiftune "
+        "does not train from NaN/inf weights (every loss and gradient would be NaN). Load an earlier, finite "
+        "checkpoint; if the file is fine in its own dtype, the conversion overflowed: load with "
+        "dtype=torch.bfloat16 or torch.float32 instead of float16."
+    )
 
 
 def _check_causal_lm(config: Any, name: str) -> None:
@@ -200,6 +259,7 @@ class FastModel:
         model = AutoModelForCausalLM.from_pretrained(
             model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
         )
+        _refuse_nonfinite_weights(model, model_name_or_path, model.dtype)
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **shared)
         ensure_pad_token(tokenizer, model)
 
