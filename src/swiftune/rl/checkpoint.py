@@ -5,19 +5,46 @@ generation serves several optimizer steps, and a checkpoint can fall between the
 (packed rows, advantages, masks, old and reference log-probs) were built from the policy as it was
 at generation time; regenerating after a resume would sample from, and take old log-probs under,
 a later policy. So every checkpoint also stores, per process, the micro-step counter and the
-buffer (``rollouts-rank{r}.pt``, CPU tensors, caches dropped), and resuming puts them back.
+buffer, and resuming puts them back.
+
+The file (``rollouts-rank{r}.safetensors``) holds the tensors, and in its metadata a JSON tree of
+the rest: numbers, strings, lists, tuples, ``None`` and the dataclasses the caller allows
+(:data:`ROLLOUT_TYPES` plus the trainer's micro-batch class), fields by name, tensors by key.
+Nothing in it is executed on loading: a checkpoint from someone else cannot run code. (Until this
+format, the buffer was a pickle, ``rollouts-rank{r}.pt``, read with ``torch.load(weights_only=False)``,
+which runs whatever the file holds; such files are refused.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..attention import PackedBatch
+from .attention import RowLayout
+from .policy import PolicyRow
+
+ROLLOUT_TYPES: tuple[type, ...] = (PolicyRow, RowLayout, PackedBatch)
+FORMAT = "swiftune-rollouts-1"
+_META_KEY = "swiftune_rollout_state"
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file swiftune will not read (a pickle that could run code) or cannot understand."""
 
 
 def rollout_state_path(checkpoint_dir: str, rank: int) -> str:
+    return os.path.join(checkpoint_dir, f"rollouts-rank{rank}.safetensors")
+
+
+def legacy_rollout_state_path(checkpoint_dir: str, rank: int) -> str:
     return os.path.join(checkpoint_dir, f"rollouts-rank{rank}.pt")
 
 
@@ -34,17 +61,107 @@ def _to(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
+def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON-able tree of ``obj``; its tensors go into ``tensors`` (CPU, contiguous, unshared)."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().to("cpu").contiguous().clone()
+        return {"tensor": key}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, tuple):
+        return {"tuple": [_encode(x, tensors) for x in obj]}
+    if isinstance(obj, list):
+        return [_encode(x, tensors) for x in obj]
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("rollout state dicts need string keys")
+        return {"dict": {k: _encode(v, tensors) for k, v in obj.items()}}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: ({"dict": {}} if f.name == "cache" else _encode(getattr(obj, f.name), tensors))
+                  for f in dataclasses.fields(obj) if f.init}
+        return {"dataclass": type(obj).__qualname__, "fields": fields}
+    raise TypeError(f"cannot store a {type(obj).__name__} in the rollout state")
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], types: dict[str, type], path: str) -> Any:
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [_decode(x, tensors, types, path) for x in node]
+    if not isinstance(node, dict) or len(node) not in (1, 2):
+        raise UnsafeCheckpointError(f"{path}: unexpected entry {str(node)[:80]!r} in the rollout state")
+    if "tensor" in node:
+        key = node["tensor"]
+        if key not in tensors:
+            raise UnsafeCheckpointError(f"{path}: the rollout state names a tensor {key!r} it does not hold")
+        return tensors[key]
+    if "tuple" in node and isinstance(node["tuple"], list):
+        return tuple(_decode(x, tensors, types, path) for x in node["tuple"])
+    if "dict" in node and isinstance(node["dict"], dict):
+        return {str(k): _decode(v, tensors, types, path) for k, v in node["dict"].items()}
+    if "dataclass" in node and isinstance(node.get("fields"), dict):
+        cls = types.get(node["dataclass"])
+        if cls is None:
+            raise UnsafeCheckpointError(f"{path}: the rollout state holds a {node['dataclass']!r}, not one of the "
+                                        f"types it may hold ({', '.join(sorted(types))})")
+        allowed = {f.name for f in dataclasses.fields(cls) if f.init}
+        fields = node["fields"]
+        unknown = set(fields) - allowed
+        if unknown:
+            raise UnsafeCheckpointError(f"{path}: {cls.__name__} has no fields {sorted(unknown)}")
+        return cls(**{k: _decode(v, tensors, types, path) for k, v in fields.items()})
+    raise UnsafeCheckpointError(f"{path}: unexpected entry {str(node)[:80]!r} in the rollout state")
+
+
 def save_rollout_state(checkpoint_dir: str, rank: int, micro_step: int, buffer: list | None) -> None:
     os.makedirs(checkpoint_dir, exist_ok=True)
-    torch.save({"micro_step": micro_step, "buffer": _to(buffer, "cpu") if buffer is not None else None},
-               rollout_state_path(checkpoint_dir, rank))
+    tensors: dict[str, torch.Tensor] = {}
+    tree = {"format": FORMAT, "micro_step": int(micro_step), "buffer": _encode(buffer, tensors)}
+    save_file(tensors, rollout_state_path(checkpoint_dir, rank), metadata={_META_KEY: json.dumps(tree)})
 
 
-def load_rollout_state(checkpoint_dir: str, rank: int, device: torch.device) -> tuple[int, list | None] | None:
-    """``(micro_step, buffer)`` saved with the checkpoint, or None (a checkpoint from before this existed)."""
+def _refuse_legacy(path: str) -> None:
+    """A pickled buffer of an older swiftune: read with ``weights_only=True`` (which cannot run code),
+    whose unpickler refuses the dataclasses it holds: an error saying what to do."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError and friends: refused, nothing ran
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    else:
+        reason = "not a swiftune rollout state"
+    raise UnsafeCheckpointError(
+        f"{path}: a pickled rollout buffer, which swiftune no longer reads (unpickling can run any code the "
+        f"file holds; it was refused: {reason}). Delete the file to resume from this checkpoint without its "
+        "unfinished generation (the next one is sampled again), or resume from a checkpoint written by this "
+        "version (rollouts-rank*.safetensors).")
+
+
+def load_rollout_state(checkpoint_dir: str, rank: int, device: torch.device | str,
+                       types: Iterable[type] = ()) -> tuple[int, list | None] | None:
+    """``(micro_step, buffer)`` saved with the checkpoint, or None (a checkpoint without one).
+
+    ``types``: the dataclasses the buffer may hold besides :data:`ROLLOUT_TYPES` (the trainer's
+    micro-batch); anything else in the file is an :class:`UnsafeCheckpointError`.
+    """
     path = rollout_state_path(checkpoint_dir, rank)
     if not os.path.exists(path):
+        legacy = legacy_rollout_state_path(checkpoint_dir, rank)
+        if os.path.exists(legacy):
+            _refuse_legacy(legacy)
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own dataclasses of tensors
-    buffer = state["buffer"]
-    return int(state["micro_step"]), (_to(buffer, device) if buffer is not None else None)
+    allowed = {cls.__qualname__: cls for cls in (*ROLLOUT_TYPES, *types)}
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = (f.metadata() or {}).get(_META_KEY)
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as e:
+        raise UnsafeCheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+    try:
+        tree = json.loads(meta) if meta is not None else None
+    except ValueError as e:
+        raise UnsafeCheckpointError(f"{path}: its rollout metadata is not JSON ({e})") from e
+    if not isinstance(tree, dict) or tree.get("format") != FORMAT or not isinstance(tree.get("micro_step"), int):
+        raise UnsafeCheckpointError(f"{path}: not a swiftune rollout state ({FORMAT})")
+    buffer = _decode(tree.get("buffer"), tensors, allowed, path)
+    return tree["micro_step"], (_to(buffer, device) if buffer is not None else None)

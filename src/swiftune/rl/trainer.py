@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -37,13 +36,13 @@ import torch
 from torch import nn
 from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..data import BatchStats, load_rows
 from ..models import FastModel, causal_lm_of, is_patched, patch_model
 from ..models.lora_casting import lora_input_casting, training_step_lora_casting
 from ..models.support import batch_layout_for
-from ..sft.metrics import MetricsCallback, TokenMeter
+from ..training import MetricsCallback, RunSafetyMixin, TokenMeter
+from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
 from .checkpoint import load_rollout_state, save_rollout_state
 from .evaluation import evaluate_rewards
@@ -145,8 +144,11 @@ def _as_list(x: Any) -> list[int]:
     return [int(v) for v in x] if isinstance(x, (list, tuple, set)) else [int(x)]
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(RunSafetyMixin, Trainer):
     """GRPO (and DAPO, Dr. GRPO, GSPO, CISPO) with packed rollouts and a chunked log-prob loss.
+
+    Runs are guarded as SFT's are (:class:`swiftune.training.RunSafetyMixin`: NaN/inf stops, complete
+    checkpoints, resume from the newest complete one, one run per output_dir, Ctrl-C saves).
 
     Args:
         model: a transformers causal LM, a PEFT model, or a path (loaded with
@@ -322,14 +324,20 @@ class GRPOTrainer(Trainer):
 
     # ------------------------------------------------------------------------ generation
 
-    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        save_rollout_state(folder, self.accelerator.process_index, self._micro_step, self._buffer)
+    trainer_kind = "grpo"
+    settings_keys = COMMON_SETTINGS_KEYS + (
+        "num_generations", "max_prompt_length", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
+        "steps_per_generation", "beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
+        "scale_rewards", "mask_truncated_completions", "num_iterations", "reward_weights", "share_prompt",
+    )
+
+    def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+        save_rollout_state(checkpoint_dir, self.accelerator.process_index, self._micro_step, self._buffer)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        state = load_rollout_state(resume_from_checkpoint, self.accelerator.process_index, self.args.device)
+        state = load_rollout_state(resume_from_checkpoint, self.accelerator.process_index, self.args.device,
+                                   types=(GRPOMicroBatch,))
         if state is not None:
             self._micro_step, self._buffer = state
 

@@ -1,7 +1,9 @@
 """``SFTTrainer``: supervised fine-tuning on transformers' ``Trainer``.
 
 What swiftune changes, and nothing else (checkpointing, resume, schedules, logging
-integrations and ``torchrun``/``accelerate`` launch are transformers'):
+integrations and ``torchrun``/``accelerate`` launch are transformers', guarded by
+:class:`swiftune.training.RunSafetyMixin`: NaN/inf stops, complete checkpoints, one run per
+output_dir, Ctrl-C saves):
 
 * data: any of the shapes of :func:`swiftune.data.prepare_dataset`, tokenized once, with
   completion-only labels;
@@ -39,12 +41,13 @@ from ..models.heads import hidden_states_and_head
 from ..models.lora_casting import training_step_lora_casting
 from ..models.support import batch_layout_for
 from .config import SFTConfig
-from .metrics import MetricsCallback, StepFlops, TokenMeter
+from ..training import MetricsCallback, RunSafetyMixin, StepFlops, TokenMeter
+from ..training.safety import COMMON_SETTINGS_KEYS
 
 logger = logging.getLogger(__name__)
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(RunSafetyMixin, Trainer):
     """Supervised fine-tuning with fused kernels, padding-free batches and a chunked loss.
 
     Args:
@@ -57,6 +60,12 @@ class SFTTrainer(Trainer):
         processing_class: the tokenizer (loaded with the model when ``model`` is a path).
         peft_config: a ``peft.LoraConfig`` to wrap a plain model with adapters.
     """
+
+    trainer_kind = "sft"
+    settings_keys = COMMON_SETTINGS_KEYS + (
+        "max_length", "packing", "padding_free", "completion_only_loss", "assistant_only_loss",
+        "max_tokens_per_batch", "dataset_text_field", "truncation",
+    )
 
     def __init__(
         self,

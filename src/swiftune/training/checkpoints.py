@@ -1,0 +1,315 @@
+"""Checkpoints that are complete before they are visible, and resuming from the newest complete one.
+
+transformers writes ``checkpoint-N`` in place, file after file: a run killed while saving (or a
+full disk) leaves a ``checkpoint-N`` that looks like the newest and fails on resume. Here the
+Trainer writes into a hidden sibling, ``.saving-checkpoint-N/checkpoint-N`` (no ``checkpoint-*``
+glob or ``get_last_checkpoint`` sees it), the trainer adds its own files, a completion marker
+(``swiftune_checkpoint.json``: the step and the run's key settings) goes in last, and one rename
+makes the folder ``checkpoint-N``. The previous checkpoints are untouched until then, so a failed
+save leaves them usable.
+
+Resuming (``resume_from_checkpoint=True``) takes the newest ``checkpoint-N`` that is complete:
+it has the marker, or, written by plain transformers or an older swiftune, a readable
+``trainer_state.json`` (the Trainer writes it after the weights, optimizer and RNG states). Others
+are skipped with a warning. When the checkpoint's recorded settings differ from the run's (another
+run's folder, or changed options), a warning lists the differences.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
+MARKER_NAME = "swiftune_checkpoint.json"
+TRAINER_STATE_NAME = "trainer_state.json"
+STAGING_PREFIX = ".saving-"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (full disk, lost mount, permissions); the previous ones are intact."""
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}-{step}"
+
+
+def staging_run_dir(run_dir: str, step: int) -> str:
+    """The hidden folder the Trainer writes ``checkpoint-{step}`` into (as if it were ``run_dir``)."""
+    return os.path.join(run_dir, f"{STAGING_PREFIX}{checkpoint_name(step)}")
+
+
+def prepare_staging(run_dir: str, step: int) -> str:
+    """An empty staging folder for ``step`` (the leftovers of an earlier, interrupted save removed)."""
+    staging = staging_run_dir(run_dir, step)
+    if os.path.exists(staging):
+        shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging, exist_ok=True)
+    return staging
+
+
+def remove_stale_staging(run_dir: str) -> list[str]:
+    """Remove the staging folders of saves that never finished (a run killed while saving)."""
+    removed = []
+    if not os.path.isdir(run_dir):
+        return removed
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if name.startswith(STAGING_PREFIX) and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        logger.info("swiftune: removed %d unfinished checkpoint save(s) in %s (a run stopped while saving): %s",
+                    len(removed), run_dir, ", ".join(os.path.basename(p) for p in removed))
+    return removed
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """``path`` holds ``data`` as JSON or keeps what it held: written beside it, synced, renamed."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_marker(folder: str, step: int, settings: dict[str, Any]) -> None:
+    write_json_atomic(os.path.join(folder, MARKER_NAME),
+                      {"complete": True, "step": step, "time": time.time(), "settings": settings})
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(staged: str, final: str) -> None:
+    """Make the complete ``staged`` folder ``final`` with one rename (an existing ``final``, e.g. of
+    another run in a reused output_dir, is moved aside first and removed after)."""
+    aside = None
+    if os.path.exists(final):
+        aside = os.path.join(os.path.dirname(final), f"{STAGING_PREFIX}replaced-{os.path.basename(final)}")
+        if os.path.exists(aside):
+            shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    try:
+        os.replace(staged, final)
+    except OSError:
+        if aside is not None:
+            os.replace(aside, final)
+        raise
+    _fsync_dir(os.path.dirname(final))
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    root = os.path.dirname(staged)
+    if os.path.basename(root).startswith(STAGING_PREFIX):
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_WRITE_FAILURE_TEXT = ("unexpected pos", "pytorchstreamwriter", "file write failed", "no space left",
+                       "disk quota", "write failed")
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """An error of writing files: any OSError, and torch's serializer failures (a full disk makes
+    ``torch.save`` fail with ``RuntimeError: ... unexpected pos 601792 vs 601680``)."""
+    if isinstance(error, OSError):
+        return True
+    return isinstance(error, RuntimeError) and any(t in str(error).lower() for t in _WRITE_FAILURE_TEXT)
+
+
+def _free_bytes(path: str) -> int | None:
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path or ".").free
+    except OSError:
+        return None
+
+
+def save_failure(error: BaseException, run_dir: str, step: int) -> CheckpointSaveError:
+    """The error to raise when writing ``checkpoint-{step}`` into ``run_dir`` failed: what failed,
+    whether the disk is full, which checkpoint is still usable and how to go on."""
+    free = _free_bytes(run_dir)
+    code = getattr(error, "errno", None)
+    full = code in (errno.ENOSPC, errno.EDQUOT) or "no space left" in str(error).lower() or (
+        free is not None and free < 64 * 2**20)
+    target = os.path.join(run_dir, checkpoint_name(step))
+    if full:
+        what = (f"the disk is full: writing {target} failed ({error}); "
+                f"{free / 2**20:.0f} MiB left on the filesystem of {run_dir}" if free is not None else
+                f"the disk is full: writing {target} failed ({error})")
+    else:
+        what = f"writing {target} failed: {error}"
+    previous, _ = newest_complete_checkpoint(run_dir)
+    keep = (f"The previous checkpoint {previous} is complete and untouched: free space (or lower "
+            "save_total_limit, or choose an output_dir on a larger disk) and resume from it with "
+            "resume_from_checkpoint=True." if previous else
+            "No earlier checkpoint exists; free space or choose an output_dir on a larger disk and start again.")
+    out = CheckpointSaveError(code if code is not None else (errno.ENOSPC if full else errno.EIO),
+                              f"{what}. The unfinished save was removed. {keep}")
+    out.filename = target
+    return out
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of every ``checkpoint-N`` folder in ``run_dir``, newest (highest step) first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        match = _CHECKPOINT_RE.match(name)
+        path = os.path.join(run_dir, name)
+        if match and os.path.isdir(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def read_marker(folder: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(folder, MARKER_NAME)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def checkpoint_problem(folder: str) -> str | None:
+    """Why ``folder`` cannot be resumed from, or None when it is complete."""
+    if not os.path.isdir(folder):
+        return "no such folder"
+    marker = read_marker(folder)
+    if marker is not None:
+        return None if marker.get("complete") else "its completion marker says it is incomplete"
+    if os.path.exists(os.path.join(folder, MARKER_NAME)):
+        return f"its completion marker {MARKER_NAME} is unreadable"
+    try:
+        with open(os.path.join(folder, TRAINER_STATE_NAME)) as f:
+            json.load(f)
+    except FileNotFoundError:
+        return f"it has no {TRAINER_STATE_NAME} (the save was cut short)"
+    except (OSError, ValueError):
+        return f"its {TRAINER_STATE_NAME} is unreadable (the save was cut short)"
+    return None
+
+
+def newest_complete_checkpoint(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint of ``run_dir`` (or None) and the newer ones skipped, with why."""
+    skipped = []
+    for _, path in list_checkpoints(run_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def resolve_resume(resume: str | bool | None, run_dir: str) -> str | None:
+    """The checkpoint folder to resume from: ``True`` = the newest complete one in ``run_dir``
+    (skipping incomplete ones with a warning); a path must be a complete checkpoint."""
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        path, skipped = newest_complete_checkpoint(run_dir)
+        for bad, why in skipped:
+            logger.warning("swiftune: skipping %s for resuming: %s", bad, why)
+        if path is None:
+            found = f" ({len(skipped)} incomplete: {', '.join(os.path.basename(p) for p, _ in skipped)})" \
+                if skipped else ""
+            raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in output_dir {run_dir}{found}; "
+                             "start without resume_from_checkpoint, or give a checkpoint folder")
+        if skipped:
+            logger.warning("swiftune: resuming from %s, the newest complete checkpoint", path)
+        return path
+    path = str(resume)
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        parent = os.path.dirname(os.path.abspath(path))
+        newest, _ = newest_complete_checkpoint(parent)
+        hint = f"; the newest complete checkpoint beside it is {newest}" if newest else ""
+        raise ValueError(f"resume_from_checkpoint={path!r} cannot be resumed from: {problem}{hint}")
+    return path
+
+
+# ------------------------------------------------------------------------------------ settings
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return str(value)
+
+
+def run_settings(trainer_kind: str, args: Any, keys: tuple[str, ...], model: Any = None,
+                 num_processes: int = 1) -> dict[str, Any]:
+    """The settings of a run that a checkpoint records and a resume compares: the trainer, the
+    ``keys`` fields of ``args`` that exist, the number of processes and the model's shape."""
+    missing = object()
+    settings: dict[str, Any] = {"trainer": trainer_kind, "num_processes": num_processes}
+    for key in keys:
+        value = getattr(args, key, missing)
+        if value is not missing:
+            settings[key] = _plain(value)
+    if model is not None:
+        config = getattr(model, "config", None)
+        for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
+            value = getattr(config, key, None)
+            if value is not None:
+                settings[f"model.{key}"] = _plain(value)
+        settings["model.lora"] = hasattr(model, "peft_config")
+        settings["model.trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return settings
+
+
+def settings_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``"key: checkpoint X, this run Y"`` for every recorded setting that differs."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if key in saved and key in current and saved[key] != current[key]:
+            out.append(f"{key}: checkpoint {saved[key]!r}, this run {current[key]!r}")
+    return out
+
+
+def warn_on_changed_settings(folder: str, current: dict[str, Any]) -> list[str]:
+    """Warn (once, listing them) when ``folder``'s recorded settings differ from ``current``."""
+    marker = read_marker(folder)
+    saved = marker.get("settings") if marker else None
+    if not isinstance(saved, dict):
+        return []
+    diffs = settings_differences(saved, current)
+    if diffs:
+        logger.warning("swiftune: resuming from %s, written with other settings than this run's (another run's "
+                       "output_dir, or changed options): %s. Resuming anyway; to start a separate run, choose "
+                       "another output_dir.", folder, "; ".join(diffs))
+    return diffs

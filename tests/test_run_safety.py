@@ -1,0 +1,451 @@
+"""Faults end in a clear error and finished work is safe (issue 21), for both trainers:
+
+* NaN/inf: non-finite weights are refused at load and before training; the first non-finite
+  loss or gradient stops the run naming its step; non-finite weights are never saved;
+* checkpoints appear complete or not at all: resume skips an incomplete newer one, warns about
+  changed settings, and metrics.jsonl holds each step once after a resume;
+* a full disk says so, and the previous checkpoint stays usable;
+* one run per output_dir (lock file);
+* Ctrl-C saves the finished step and stops with the resume instructions;
+* the GRPO rollout buffer is stored as tensors + JSON; a crafted pickle is refused unexecuted.
+
+Tiny random models with the plain-PyTorch kernels and attention, as in test_sft.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, TrainerCallback
+
+from swiftune.data import build_tokenizer, builtin_instruction_dataset, tiny_model_config
+from swiftune.models import FastModel
+from swiftune.models.loading import first_nonfinite_tensor
+from swiftune.rl import GRPOConfig, GRPOTrainer, build_policy_row
+from swiftune.rl.checkpoint import UnsafeCheckpointError, load_rollout_state, save_rollout_state
+from swiftune.rl.trainer import GRPOMicroBatch
+from swiftune.sft import SFTConfig, SFTTrainer
+from swiftune.training import (
+    CheckpointSaveError,
+    NonFiniteError,
+    RunLock,
+    RunLockedError,
+    TrainingInterrupted,
+    newest_complete_checkpoint,
+    resolve_resume,
+)
+from swiftune.training.checkpoints import MARKER_NAME, STAGING_PREFIX, checkpoint_problem
+from swiftune.training.run_lock import LOCK_NAME
+from tests.helpers import rel_err
+
+FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
+            logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True, plot_loss=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return builtin_instruction_dataset(num_rows=24, seed=3)
+
+
+def tiny_model(lora: bool = True, lora_seed: int = 1):
+    """The same random base model every time (the pretrained weights); LoRA from ``lora_seed``."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)
+    if lora:
+        torch.manual_seed(lora_seed)
+        model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+    return model
+
+
+def sft_trainer(out, rows, tokenizer, model=None, callbacks=(), **overrides):
+    settings = dict(max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3, max_length=128, **FAST)
+    args = SFTConfig(output_dir=str(out), **{**settings, **overrides})
+    return SFTTrainer(model=model if model is not None else tiny_model(), args=args, train_dataset=rows,
+                      processing_class=tokenizer, callbacks=list(callbacks))
+
+
+def steps_in(path):
+    return [json.loads(line)["step"] for line in open(path) if "loss" in json.loads(line)]
+
+
+def checkpoint_folders(out):
+    return sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))
+
+
+def assert_finite_checkpoints(out):
+    for name in checkpoint_folders(out):
+        for file in os.listdir(out / name):
+            if file.endswith(".safetensors") and not file.startswith("rollouts"):
+                for key, t in load_file(str(out / name / file)).items():
+                    assert torch.isfinite(t).all(), (name, file, key)
+
+
+class AtStep(TrainerCallback):
+    """Calls ``fn(model)`` at the beginning (or end) of optimizer step ``step``."""
+
+    def __init__(self, step, fn, when="begin"):
+        self.step, self.fn, self.when = step, fn, when
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.when == "begin" and state.global_step + 1 == self.step:
+            self.fn(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.when == "end" and state.global_step == self.step:
+            self.fn(model)
+
+
+def poison(model, value=float("nan")):
+    """Write ``value`` into the first trainable weight of ``model``; returns its name."""
+    name, p = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        p.view(-1)[0] = value
+    return name
+
+
+# ------------------------------------------------------------------------------------ NaN / inf
+
+
+def test_first_nonfinite_tensor_names_and_counts():
+    ok = torch.ones(10)
+    huge = torch.full((4,), 3e38)  # finite, though its sum overflows float32: must pass
+    bad = torch.ones(8)
+    bad[2], bad[5], bad[6] = float("nan"), float("inf"), float("nan")
+    assert first_nonfinite_tensor([("a", ok), ("huge", huge), ("ints", torch.arange(3))]) is None
+    assert first_nonfinite_tensor([("a", ok), ("b", bad), ("c", bad)]) == ("b", "2 NaN, 1 inf of 8 values")
+    assert first_nonfinite_tensor([("h", torch.tensor([float("-inf")], dtype=torch.bfloat16))])[0] == "h"
+
+
+def test_model_with_nan_weights_is_refused_at_load(tmp_path, tokenizer):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 4] = float("nan")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight holds non-finite values "
+                                         r"\(1 NaN of \d+ values\)"):
+        FastModel.from_pretrained(str(tmp_path), dtype=torch.float32, device_map="cpu", patch=False)
+
+
+def test_model_with_nan_weights_is_refused_before_training(tmp_path, rows, tokenizer):
+    model = tiny_model()
+    name = poison(model, float("inf"))
+    trainer = sft_trainer(tmp_path / "run", rows, tokenizer, model=model)
+    with pytest.raises(NonFiniteError, match=rf"non-finite weights before the first step: {name} \(1 inf"):
+        trainer.train()
+
+
+def test_nan_loss_at_step_k_stops_naming_the_step_and_saves_nothing_non_finite(tmp_path, rows, tokenizer):
+    """The weights go NaN before step 3 (as a diverging run's would): the run stops at step 3 with
+    an error, checkpoints 1 and 2 are there and finite, and no checkpoint-3 exists."""
+    out = tmp_path / "run"
+    trainer = sft_trainer(out, rows, tokenizer, callbacks=[AtStep(3, poison)], max_steps=5,
+                          save_strategy="steps", save_steps=1)
+    with pytest.raises(NonFiniteError, match=r"step 3: the training loss is nan") as info:
+        trainer.train()
+    assert info.value.step == 3 and "checkpoint-2" in str(info.value)
+    assert checkpoint_folders(out) == ["checkpoint-1", "checkpoint-2"]
+    assert_finite_checkpoints(out)
+    assert steps_in(out / "metrics.jsonl") == [1, 2]  # no step logged with a filtered-out NaN loss
+
+
+def test_nan_gradient_stops_before_the_optimizer_step(tmp_path, rows, tokenizer):
+    """A finite loss whose gradient is NaN (step 2): stopped before the weights change."""
+    model = tiny_model()
+    name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
+
+    def nan_grads(model):
+        param.register_hook(lambda g: torch.full_like(g, float("nan")))
+
+    before = {}
+    trainer = sft_trainer(tmp_path / "run", rows, tokenizer, model=model,
+                          callbacks=[AtStep(2, nan_grads), AtStep(1, lambda m: before.update(
+                              {n: p.detach().clone() for n, p in m.named_parameters()}), when="end")])
+    with pytest.raises(NonFiniteError, match=r"step 2: the gradient norm is nan \(the loss was finite\)"):
+        trainer.train()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, rows, tokenizer):
+    """Weights that turn inf in the optimizer step of step 2 (a finite loss before): the save of
+    checkpoint-2 is refused naming the weight, and checkpoint-1 is untouched."""
+    out = tmp_path / "run"
+    names = []
+    trainer = sft_trainer(out, rows, tokenizer, save_strategy="steps", save_steps=1,
+                          callbacks=[AtStep(2, lambda m: names.append(poison(m, float("inf"))), when="end")])
+    with pytest.raises(NonFiniteError, match=r"step 2: the weight .* holds non-finite values \(1 inf") as info:
+        trainer.train()
+    assert names[0] in str(info.value) and "checkpoint-2" in str(info.value)
+    assert checkpoint_folders(out) == ["checkpoint-1"] and checkpoint_problem(str(out / "checkpoint-1")) is None
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+    with pytest.raises(NonFiniteError, match="refused saving the model"):
+        trainer.save_model(str(tmp_path / "final"))
+    assert not (tmp_path / "final").exists()
+
+
+# ------------------------------------------------------------------------------------ GRPO
+
+
+def grpo_trainer(out, tokenizer, model=None, callbacks=(), **overrides):
+    from tests.test_grpo import PROMPT_ROWS, FixedEngine, length_reward
+
+    settings = dict(max_steps=3, per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+                    learning_rate=1e-2, kernel_backend="reference", attention_backend="reference", report_to="none",
+                    save_strategy="no", logging_steps=1, seed=1, dataloader_pin_memory=False, disable_tqdm=True,
+                    plot_rewards=False)
+    args = GRPOConfig(output_dir=str(out), **{**settings, **overrides})
+    return GRPOTrainer(model if model is not None else tiny_model(), [length_reward], args=args,
+                       train_dataset=PROMPT_ROWS, processing_class=tokenizer, rollout_engine=FixedEngine(),
+                       callbacks=list(callbacks))
+
+
+def test_grpo_stops_at_a_nan_loss_and_stores_rollouts_without_pickle(tmp_path, tokenizer):
+    out = tmp_path / "grpo"
+    trainer = grpo_trainer(out, tokenizer, callbacks=[AtStep(3, poison)], save_strategy="steps", save_steps=1,
+                           num_iterations=2)
+    with pytest.raises(NonFiniteError, match=r"step 3: the training loss is nan"):
+        trainer.train()
+    assert checkpoint_folders(out) == ["checkpoint-1", "checkpoint-2"]
+    assert_finite_checkpoints(out)
+    files = os.listdir(out / "checkpoint-1")
+    assert "rollouts-rank0.safetensors" in files and MARKER_NAME in files
+    assert not [f for f in files if f.startswith("rollouts") and f.endswith(".pt")]
+    # checkpoint-1 falls mid-way through a reused generation: its buffer comes back whole
+    state = load_rollout_state(str(out / "checkpoint-1"), 0, "cpu", types=(GRPOMicroBatch,))
+    assert state is not None and state[0] == 1 and len(state[1]) == 1
+    assert isinstance(state[1][0], GRPOMicroBatch) and state[1][0].old_logps is not None
+    # resumed there, step 2 reuses that generation (no fresh reward to log): each step once in the metrics
+    resumed = grpo_trainer(out, tokenizer, num_iterations=2)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert resumed.state.global_step == 3
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_rollout_state_round_trips_through_tensors_and_json(tmp_path):
+    prompts = [[1, 2, 3], [1, 2, 3], [7, 8]]
+    completions = [[4, 5], [6], [9, 10, 11]]
+    row = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0, 1], attention_backend="reference")
+    mb = GRPOMicroBatch(row, torch.tensor([0.5, -0.5, 1.0]), torch.ones(6), torch.randn(6), None, 12.0)
+    save_rollout_state(str(tmp_path), 0, 7, [mb])
+    micro_step, (back,) = load_rollout_state(str(tmp_path), 0, "cpu", types=(GRPOMicroBatch,))
+    assert micro_step == 7 and back.ref_logps is None and back.num_items_in_batch == 12.0
+    assert torch.equal(back.row.input_ids, row.input_ids) and torch.equal(back.old_logps, mb.old_logps)
+    assert back.row.layout.sequences == row.layout.sequences and torch.equal(back.row.layout.seg, row.layout.seg)
+    assert torch.equal(back.row.layout.packed.cu_seqlens, row.layout.packed.cu_seqlens)
+    with pytest.raises(UnsafeCheckpointError, match="not one of the types"):
+        load_rollout_state(str(tmp_path), 0, "cpu")  # GRPOMicroBatch not allowed here
+
+
+class _Crafted:
+    """What a hostile checkpoint could hold: unpickling it creates a file (any code could run)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_crafted_pickle_in_a_checkpoint_is_refused_without_running(tmp_path):
+    ran = tmp_path / "code_ran"
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    torch.save({"micro_step": 1, "buffer": _Crafted(str(ran))}, folder / "rollouts-rank0.pt")
+    with pytest.raises(UnsafeCheckpointError, match="pickled rollout buffer.*refused"):
+        load_rollout_state(str(folder), 0, "cpu")
+    assert not ran.exists()
+    # a crafted safetensors file can only name data and the allowed dataclasses
+    tree = {"format": "swiftune-rollouts-1", "micro_step": 1,
+            "buffer": [{"dataclass": "Popen", "fields": {"args": "touch " + str(ran)}}]}
+    save_file({}, str(folder / "rollouts-rank0.safetensors"), metadata={"swiftune_rollout_state": json.dumps(tree)})
+    with pytest.raises(UnsafeCheckpointError, match="'Popen', not one of the types"):
+        load_rollout_state(str(folder), 0, "cpu")
+    assert not ran.exists()
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def test_resume_skips_incomplete_checkpoint_warns_on_changed_settings_and_logs_each_step_once(
+        tmp_path, rows, tokenizer, caplog):
+    out = tmp_path / "run"
+    kill = AtStep(6, lambda m: (_ for _ in ()).throw(KeyboardInterrupt("killed")))  # after step 5 was logged
+    trainer = sft_trainer(out, rows, tokenizer, callbacks=[kill], max_steps=6, save_strategy="steps",
+                          save_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert checkpoint_folders(out) == ["checkpoint-2", "checkpoint-4"]
+    for name in checkpoint_folders(out):
+        marker = json.load(open(out / name / MARKER_NAME))
+        assert marker["complete"] and marker["settings"]["learning_rate"] == 1e-3
+    assert steps_in(out / "metrics.jsonl") == [1, 2, 3, 4, 5]
+    # a newer checkpoint cut short while saving (no trainer_state.json; e.g. an older version's)
+    (out / "checkpoint-6").mkdir()
+    (out / "checkpoint-6" / "adapter_config.json").write_text("{}")
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        resumed = sft_trainer(out, rows, tokenizer, max_steps=6, save_strategy="steps", save_steps=2,
+                              learning_rate=2e-3)
+        resumed.train(resume_from_checkpoint=True)
+    assert "skipping" in caplog.text and "checkpoint-6" in caplog.text and "no trainer_state.json" in caplog.text
+    assert "learning_rate: checkpoint 0.001, this run 0.002" in caplog.text
+    assert resumed.state.global_step == 6
+    assert steps_in(out / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert checkpoint_problem(str(out / "checkpoint-6")) is None  # replaced by the complete one
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+
+
+def test_resume_from_an_incomplete_folder_says_which_one_to_use(tmp_path):
+    good, bad = tmp_path / "checkpoint-2", tmp_path / "checkpoint-4"
+    good.mkdir()
+    (good / "trainer_state.json").write_text("{}")
+    bad.mkdir()
+    (bad / MARKER_NAME).write_text('{"complete": false}')
+    assert resolve_resume(True, str(tmp_path)) == str(good)
+    with pytest.raises(ValueError, match=r"checkpoint-4.*incomplete.*newest complete checkpoint beside it is .*"
+                                         r"checkpoint-2"):
+        resolve_resume(str(bad), str(tmp_path))
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_resume(True, str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize("failure", ["enospc", "torch-writer"])
+def test_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, rows, tokenizer,
+                                                                           monkeypatch, failure):
+    out = tmp_path / "run"
+    trainer = sft_trainer(out, rows, tokenizer, save_strategy="steps", save_steps=2)
+    original = trainer._save_optimizer_and_scheduler
+
+    def failing_save(output_dir):
+        if trainer.state.global_step == 4:
+            if failure == "enospc":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 601792 vs 601680")
+        original(output_dir)
+
+    monkeypatch.setattr(trainer, "_save_optimizer_and_scheduler", failing_save)
+    with pytest.raises(CheckpointSaveError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert str(out / "checkpoint-4") in message and str(out / "checkpoint-2") in message
+    assert ("the disk is full" in message) if failure == "enospc" else ("unexpected pos" in message)
+    assert checkpoint_folders(out) == ["checkpoint-2"]
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]  # the partial save is gone
+    assert newest_complete_checkpoint(str(out))[0] == str(out / "checkpoint-2")
+    if failure == "enospc":  # the previous checkpoint resumes
+        resumed = sft_trainer(out, rows, tokenizer)
+        resumed.train(resume_from_checkpoint=True)
+        assert resumed.state.global_step == 4
+
+
+# ------------------------------------------------------------------------------------ lock
+
+
+def _write_lock(out, pid):
+    out.mkdir(parents=True, exist_ok=True)
+    import socket
+
+    (out / LOCK_NAME).write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "earlier"}))
+
+
+def test_second_run_into_the_same_output_dir_is_refused(tmp_path, rows, tokenizer):
+    out = tmp_path / "run"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write_lock(out, other.pid)
+        (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+        trainer = sft_trainer(out, rows, tokenizer)
+        with pytest.raises(RunLockedError, match=rf"another run \(pid {other.pid} on .*Choose another output_dir"):
+            trainer.train()
+        assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'  # nothing touched
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_lock_is_exclusive_across_processes_and_a_dead_owners_lock_is_taken_over(tmp_path, rows, tokenizer,
+                                                                                caplog):
+    out = tmp_path / "run"
+    module = os.path.join(os.path.dirname(__file__), "..", "src", "swiftune", "training", "run_lock.py")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import importlib.util, sys, time\n"
+         f"spec = importlib.util.spec_from_file_location('run_lock', {module!r})\n"
+         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+         f"m.RunLock({str(out)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunLockedError, match=f"pid {holder.pid}"):
+            RunLock(str(out)).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without releasing: the next run takes the lock over, and frees it at the end
+    seen = []
+    trainer = sft_trainer(out, rows, tokenizer, max_steps=1, callbacks=[AtStep(
+        1, lambda m: seen.append(json.load(open(out / LOCK_NAME))["pid"]))])
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        trainer.train()
+    assert "stale lock" in caplog.text and f"pid {holder.pid}" in caplog.text
+    assert seen == [os.getpid()] and not (out / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------------------------ Ctrl-C
+
+
+def ctrl_c(times=1):
+    def send(model):
+        for _ in range(times):
+            os.kill(os.getpid(), signal.SIGINT)
+    return send
+
+
+def test_ctrl_c_saves_the_step_and_resumes_to_the_same_weights(tmp_path, rows, tokenizer):
+    full = tiny_model()
+    sft_trainer(tmp_path / "full", rows, tokenizer, model=full, max_steps=5).train()
+
+    out = tmp_path / "run"
+    trainer = sft_trainer(out, rows, tokenizer, max_steps=5, callbacks=[AtStep(3, ctrl_c())])
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterrupted, match=r"Ctrl-C after step 3 of 5: saved .*checkpoint-3\. Resume with "
+                                                  r"trainer\.train\(resume_from_checkpoint=True\)") as info:
+        trainer.train()
+    assert info.value.checkpoint == str(out / "checkpoint-3") and isinstance(info.value, KeyboardInterrupt)
+    assert checkpoint_folders(out) == ["checkpoint-3"]  # saved although save_strategy="no"
+    assert signal.getsignal(signal.SIGINT) is handler  # the SIGINT handler given back
+
+    model = tiny_model(lora_seed=5)  # other adapters: the trained state must come from the checkpoint
+    sft_trainer(out, rows, tokenizer, model=model, max_steps=5).train(resume_from_checkpoint=True)
+    want = dict(full.named_parameters())
+    for n, p in model.named_parameters():
+        assert rel_err(p, want[n]) < 1e-5, n
+    assert steps_in(out / "metrics.jsonl") == [1, 2, 3, 4, 5]
+
+
+def test_second_ctrl_c_stops_at_once_without_saving(tmp_path, rows, tokenizer):
+    out = tmp_path / "run"
+    trainer = sft_trainer(out, rows, tokenizer, callbacks=[AtStep(2, ctrl_c(times=2))])
+    with pytest.raises(KeyboardInterrupt) as info:
+        trainer.train()
+    assert not isinstance(info.value, TrainingInterrupted)
+    assert not [n for n in os.listdir(out) if n.startswith(("checkpoint-", STAGING_PREFIX))]
+    assert not (out / LOCK_NAME).exists()
