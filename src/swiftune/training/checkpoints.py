@@ -161,6 +161,9 @@ def save_failure(error: BaseException, run_dir: str, step: int) -> CheckpointSav
         what = (f"the disk is full: writing {target} failed ({error}); "
                 f"{free / 2**20:.0f} MiB left on the filesystem of {run_dir}" if free is not None else
                 f"the disk is full: writing {target} failed ({error})")
+    elif isinstance(error, RuntimeError):
+        what = (f"writing {target} failed: {error} (torch's file writer fails like this when the disk fills up "
+                "or the folder's filesystem goes away: check its free space)")
     else:
         what = f"writing {target} failed: {error}"
     previous, _ = newest_complete_checkpoint(run_dir)
@@ -168,9 +171,8 @@ def save_failure(error: BaseException, run_dir: str, step: int) -> CheckpointSav
             "save_total_limit, or choose an output_dir on a larger disk) and resume from it with "
             "resume_from_checkpoint=True." if previous else
             "No earlier checkpoint exists; free space or choose an output_dir on a larger disk and start again.")
-    out = CheckpointSaveError(code if code is not None else (errno.ENOSPC if full else errno.EIO),
-                              f"{what}. The unfinished save was removed. {keep}")
-    out.filename = target
+    out = CheckpointSaveError(f"{what}. The unfinished save was removed. {keep}")
+    out.errno = code if code is not None else (errno.ENOSPC if full else errno.EIO)
     return out
 
 
