@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the test suite on CUDA (compiled kernels), then benchmarks.
+# One call on the GPU machine: the test suite on CUDA (compiled kernels), both no-argument main jobs
+# (`swiftune sft`, `swiftune grpo` on their built-in defaults), then benchmarks.
 # Prints a short table last and writes logs/JSON under $OUT.
 #
 #   scripts/gpu_check.sh                      # everything
@@ -38,6 +39,15 @@ if [ "${tests[0]}" != "none" ]; then
   python3 -m pytest "${tests[@]}" -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
   summary+=("pytest: $(tail -1 "$OUT/pytest.log")")
 fi
+# The README's main jobs, exactly as a user runs them with no arguments, each in a fresh folder.
+for job in sft grpo; do
+  dir=$(mktemp -d)
+  start=$(date +%s)
+  (cd "$dir" && timeout 300 python3 -m swiftune.cli "$job") > "$OUT/main_$job.log" 2>&1
+  rc=$?
+  summary+=("swiftune $job (no arguments): exit $rc in $(( $(date +%s) - start )) s; $(grep -c . "$dir"/swiftune_output/"$job"/metrics.jsonl 2>/dev/null || echo 0) metric rows")
+  [ $rc != 0 ] && tail -25 "$OUT/main_$job.log"
+done
 for b in "${benches[@]}"; do
   timeout 420 python3 "benchmarks/$b.py" --out "$OUT/$b.json" 2>&1 | tee "$OUT/bench_$b.txt" | tail -60
   summary+=("bench $b: exit ${PIPESTATUS[0]}")
