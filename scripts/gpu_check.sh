@@ -36,7 +36,7 @@ PY
 
 summary=()
 if [ "${tests[0]}" != "none" ]; then
-  python3 -m pytest "${tests[@]}" -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
+  python3 -m pytest "${tests[@]}" -q --maxfail=10 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -40
   summary+=("pytest: $(tail -1 "$OUT/pytest.log")")
 fi
 # The README's main jobs, exactly as a user runs them with no arguments, each in a fresh folder.
