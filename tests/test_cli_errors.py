@@ -213,3 +213,16 @@ def test_check_on_a_cpu_without_interpreter_runs_the_interpreter():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Triton interpreter" in proc.stdout and "subprocess" in proc.stdout
     assert "every kernel matches its reference" in proc.stdout
+
+
+def test_ctrl_c_ends_in_one_line_and_status_130(monkeypatch, capsys):
+    import swiftune.cli as cli
+    from swiftune.training import TrainingInterrupted
+
+    def interrupted(argv):
+        raise TrainingInterrupted("saved checkpoint-3 in out/; resume with --resume_from_checkpoint true", 3, "out/checkpoint-3")
+
+    monkeypatch.setitem(cli.COMMANDS, "sft", interrupted)
+    assert cli.main(["sft"]) == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("swiftune sft: interrupted: saved checkpoint-3") and "\n" not in err

@@ -176,7 +176,8 @@ COMMANDS = {"sft": run_sft, "grpo": run_grpo, "generate": run_generate, "plan": 
 def main(argv: list[str] | None = None) -> int:
     """The ``swiftune`` command. A mistake in the command line or config ends in one line naming it
     and exit status 2; a ``ValueError`` or ``OSError`` (a bad file, dataset or model) raised while
-    running ends in one line and status 1 (``--traceback`` shows the whole traceback instead)."""
+    running ends in one line and status 1; Ctrl-C ends in one line (where the checkpoint went) and
+status 130 (``--traceback`` shows the whole traceback instead)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
@@ -196,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return COMMANDS[command](rest)
+    except KeyboardInterrupt as e:
+        if show_traceback:
+            raise
+        # Ctrl-C: the trainers save a checkpoint of the last finished step and say where (their
+        # TrainingInterrupted message); a plain KeyboardInterrupt came before training started
+        print(f"swiftune {command}: interrupted: {_one_line(e) if str(e) else 'stopped before training'}",
+              file=sys.stderr)
+        return 130
     except (ValueError, OSError, ImportError) as e:
         if show_traceback:
             raise
