@@ -39,7 +39,7 @@ _EXTRAS = {
     "gemma2": dict(query_pre_attn_scalar=16, attn_logit_softcapping=1.0, final_logit_softcapping=5.0),
     "gemma3": dict(query_pre_attn_scalar=16),
 }
-_SLIDING = ["sliding_attention", "full_attention"]
+SLIDING_LAYERS = ["sliding_attention", "full_attention"]
 
 
 def tiny_model(family: str, window: bool = False, seed: int = 0, **sizes) -> transformers.PreTrainedModel:
@@ -48,11 +48,11 @@ def tiny_model(family: str, window: bool = False, seed: int = 0, **sizes) -> tra
     extra = dict(_SIZES, **_EXTRAS.get(family, {}))
     extra.update(sizes)
     if family in ("gemma2", "gemma3"):
-        extra.update(sliding_window=WINDOW if window else 4096, layer_types=_SLIDING)
+        extra.update(sliding_window=WINDOW if window else 4096, layer_types=SLIDING_LAYERS)
     elif family == "mistral":
         extra.update(sliding_window=WINDOW if window else None)
     elif family in ("qwen2", "qwen3") and window:
-        extra.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, layer_types=_SLIDING)
+        extra.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0, layer_types=SLIDING_LAYERS)
     config = tiny_model_config(family, vocab_size=VOCAB, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)

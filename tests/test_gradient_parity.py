@@ -41,10 +41,11 @@ TOL = 1e-5
 
 
 def _examples(seed: int = 0) -> list[dict]:
-    """Five documents of 4..13 tokens; the first third of each is an untrained prompt."""
+    """Five documents of 3..10 tokens (the longest beyond the sliding window of 8); the first third
+    of each is an untrained prompt."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for n in (13, 5, 9, 4, 11):
+    for n in (10, 4, 7, 3, 6):
         ids = torch.randint(0, VOCAB - 1, (n,), generator=g).tolist()
         prompt = max(1, n // 3)
         out.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (n - prompt)})
@@ -146,11 +147,13 @@ def references() -> dict:
     return get
 
 
-# The Triton kernels (what runs on a GPU) through the interpreter: every family, full and LoRA, and the
-# checkpointing modes (which recompute through the kernels' autograd Functions) on the q/k-norm families.
+# The Triton kernels (what runs on a GPU) through the interpreter: every family, full and LoRA (on
+# Qwen3 and Gemma 3 these are the regression cases: q_proj, k_proj, q_norm, k_norm and their adapters
+# had no gradient), and the checkpointing modes, which recompute through the kernels' autograd
+# Functions, on the q/k-norm families.
 TRITON_CASES = [(f, lora, "padding_free", "off") for f in FAMILIES for lora in (False, True)] + [
-    (f, True, "packed", mode) for f in ("qwen3", "gemma3") for mode in ("on", "offload", "tiled_mlp")
-]
+    ("qwen3", True, "packed", mode) for mode in ("on", "offload", "tiled_mlp")
+] + [("gemma3", True, "packed", "offload")]
 # Every other combination of the matrix runs the same forwards with the kernels' PyTorch references
 # (the interpreter costs ~10 s a case; the references a fraction of that). The attention, packing,
 # checkpointing and loss paths are the same in both.
@@ -181,27 +184,6 @@ def _check_case(references, family: str, lora: bool, layout: str, checkpointing:
     model = _swiftune_model(base, reference, lora, checkpointing, kernel_backend)
     assert _trainable(model) == _trainable(reference)
     _assert_parity(expected, _swiftune_step(model, _examples(), layout), _trainable(reference))
-
-
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_q_k_projections_and_norms_get_gradients(family):
-    """The regression itself: on families with per-head q/k norms, q_proj, k_proj, q_norm, k_norm
-    (and their adapters) got no gradient on the default kernel path."""
-    base = tiny_model(family).train()
-    reference = _lora_reference(base)
-    model = _swiftune_model(base, reference, lora=True, checkpointing="off")
-    _, grads = _swiftune_step(model, _examples(), "padding_free")
-    for layer in range(base.config.num_hidden_layers):
-        for proj in ("q_proj", "k_proj"):
-            for ab in ("lora_A", "lora_B"):
-                name = f"base_model.model.model.layers.{layer}.self_attn.{proj}.{ab}.default.weight"
-                assert name in grads and grads[name].abs().max() > 0, name
-    full = FastModel.for_training(patch_model(copy.deepcopy(base)), use_gradient_checkpointing=False)
-    _, grads = _swiftune_step(full, _examples(), "padding_free")
-    for layer in range(base.config.num_hidden_layers):
-        for part in ("q_proj", "k_proj", "q_norm", "k_norm"):
-            name = f"model.layers.{layer}.self_attn.{part}.weight"
-            assert name in grads and grads[name].abs().max() > 0, name
 
 
 def test_negative_control_parity_catches_a_detached_projection(references, monkeypatch):

@@ -1,8 +1,7 @@
 """patch_model on tiny random models of every supported family (fp32, Triton interpreter on CPU).
 
 * patched vs unpatched (transformers' eager attention): logits and loss;
-* a packed row of several documents vs each document alone: logits and LoRA gradients, with
-  and without sliding windows, GQA everywhere (4 query heads, 2 key/value heads);
+* (packed rows vs each document alone, every gradient: tests/test_gradient_parity.py);
 * a padded 2-D-mask batch vs the same rows packed;
 * a negative control, idempotence, unknown architectures, generation with a KV cache.
 """
@@ -19,7 +18,7 @@ import transformers
 from swiftune.attention import ATTENTION_NAME, has_packed_context
 from swiftune.data.builtin import tiny_model_config
 from swiftune.models import FastModel, is_patched, patch_model, unpatch_model
-from tests.helpers import VOCAB, WINDOW, rel_err, tiny_model
+from tests.helpers import SLIDING_LAYERS, VOCAB, rel_err, tiny_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 
@@ -75,42 +74,8 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-# The fused kernels are checked against transformers above; here the subject is attention, so
-# most cases run the kernels' PyTorch references (the Triton interpreter is slow on RoPE) and
-# one (3 short documents) runs the Triton kernels end to end.
-_PACKED_CASES = [(f, False, "reference") for f in FAMILIES] + [
-    ("mistral", True, "reference"),
-    ("qwen2", True, "reference"),
-    ("gemma2", True, "reference"),
-    ("gemma3", True, "reference"),
-    ("qwen3", True, "auto"),
-]
-
-
-@pytest.mark.parametrize("family,window,kernel_backend", _PACKED_CASES)
-def test_packed_row_equals_documents_alone(family, window, kernel_backend):
-    model = _lora(patch_model(tiny_model(family, window=window), kernel_backend=kernel_backend))
-    count = 3 if kernel_backend == "auto" else None
-    docs = _docs(seed=FAMILIES.index(family) + 10 * window, count=count, low=4 + 5 * window, high=12 + 3 * window)
-    ids, pos = _pack(docs)
-
-    logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-    pieces = torch.split(logits, [len(d) for d in docs])
-    sum(_sum_ce(p, d) for p, d in zip(pieces, docs)).backward()
-    packed_grads = _lora_grads(model)
-
-    alone_logits, loss = [], 0.0
-    for d in docs:
-        out = model(input_ids=d[None], use_cache=False).logits[0]
-        alone_logits.append(out.detach())
-        loss = loss + _sum_ce(out, d)
-    loss.backward()
-    alone_grads = _lora_grads(model)
-
-    assert rel_err(logits, torch.cat(alone_logits)) < 1e-5
-    assert packed_grads.keys() == alone_grads.keys() and len(packed_grads) > 0
-    for name in packed_grads:
-        assert rel_err(packed_grads[name], alone_grads[name]) < 1e-5, name
+# Packed rows against each document alone, with every gradient, are tests/test_gradient_parity.py's
+# subject (against the unpatched model); here: a negative control for the boundaries.
 
 
 def test_negative_control_boundaries_removed():
@@ -245,7 +210,7 @@ def test_gpu_model_packed_row_matches_documents_alone(family, backend):
         pytest.skip(f"{backend} not available")
     extra = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
     if family == "gemma2":  # sliding window + soft-capping (auto: flex, or flash_attn when installed)
-        extra.update(query_pre_attn_scalar=64, sliding_window=512, layer_types=_SLIDING, attn_logit_softcapping=5.0)
+        extra.update(query_pre_attn_scalar=64, sliding_window=512, layer_types=SLIDING_LAYERS, attn_logit_softcapping=5.0)
     config = tiny_model_config(family, vocab_size=VOCAB, max_position_embeddings=8192, **extra)
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").cuda().eval()
