@@ -45,7 +45,7 @@ from swiftune.training import (
 )
 from swiftune.training.checkpoints import MARKER_NAME, STAGING_PREFIX, checkpoint_problem
 from swiftune.training.run_lock import LOCK_NAME
-from tests.helpers import rel_err
+from tests.helpers import builtin_qwen3, rel_err
 
 FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
             logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True, plot_loss=False)
@@ -62,17 +62,7 @@ def rows():
 
 
 def tiny_model(lora: bool = True, lora_seed: int = 1):
-    """The same random base model every time (the pretrained weights); LoRA from ``lora_seed``."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)
-    if lora:
-        torch.manual_seed(lora_seed)
-        model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02)
-    return model
+    return builtin_qwen3(lora, lora_seed, r=4)
 
 
 def sft_trainer(out, rows, tokenizer, model=None, callbacks=(), **overrides):

@@ -18,9 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swiftune.data import build_tokenizer, builtin_instruction_dataset, make_collator, tiny_model_config
-from swiftune.models import FastModel
 from swiftune.sft import SFTConfig, SFTTrainer
-from tests.helpers import KillAt, rel_err
+from tests.helpers import KillAt, builtin_qwen3, rel_err
 
 FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
             logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True)
@@ -37,18 +36,7 @@ def rows():
 
 
 def tiny_model(lora: bool, lora_seed: int = 1):
-    """The same random base model every time (it plays the pretrained weights); LoRA from lora_seed."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)
-    if lora:
-        torch.manual_seed(lora_seed)
-        model = FastModel.get_peft_model(model, r=8, lora_alpha=16, use_gradient_checkpointing=False)
-        # PEFT starts B at zero; give it values so that the gradients of A are not all zero
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0, 0.02)
-    return model
+    return builtin_qwen3(lora, lora_seed, r=8)
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
