@@ -8,8 +8,8 @@ for backward beyond its inputs and output (what a recomputed layer holds: K/V ex
 query heads shows here), the extra peak of the backward, and the kernel that did most of the work
 (from the profiler). Ratios are against torch's varlen kernel measured in the same run.
 
-    python benchmarks/attention_backends.py                                  # 2 x 32K and 1 x 128K documents
-    python benchmarks/attention_backends.py --doc-tokens 65536 --docs 2 --out attention.json
+    python -m benchmarks.attention_backends                                  # 2 x 32K and 1 x 128K documents
+    python -m benchmarks.attention_backends --doc-tokens 65536 --docs 2 --out attention.json
 
 The memory columns are what ``swiftune.memory`` plans with (``kv_expanded``, ``float32_dq``).
 """
@@ -21,14 +21,11 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-import torch  # noqa: E402
+import torch
 
-from kernels import bench  # noqa: E402
-from time_profile import device_time_profile  # noqa: E402
+from benchmarks.kernels import bench
+from benchmarks.time_profile import device_time_profile
 
 
 def attention_flops(doc_tokens: int, docs: int, heads: int, head_dim: int) -> float:

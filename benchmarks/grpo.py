@@ -1,6 +1,6 @@
 """GRPO on the GPU: one full step timed per phase, and the longest completion that fits.
 
-**Step** (default; issue 6 "on the GPU"). One step of ``swiftune.GRPOTrainer`` on a random-init
+**Step** (default). One step of ``swiftune.GRPOTrainer`` on a random-init
 model (bf16 weights, LoRA r=16 on all linear layers, gradient checkpointing), rollouts included:
 ``--generations`` (G, default 8) completions of one prompt of ``--prompt-tokens`` (256) random token
 ids, sampled by the built-in engine the trainer picks (``--engine``: ``FastRolloutEngine`` on CUDA,
@@ -15,12 +15,12 @@ log-probs), ``policy_forward`` (packed, shared-prompt row + chunked log-prob los
 untimed warm-up compiles the kernels on the same row shape (policy forward + backward, a no-grad
 forward, a 16-token generation).
 
-**Bisection** (``--bisect-completion``; issue 7, figure 3, GRPO part). The largest completion
+**Bisection** (``--bisect-completion``; the GRPO part of the "largest step" figure). The largest completion
 length per row that fits one GPU for the policy loss + backward of ``--bisect-rows`` (G=2) rows,
 each the same 256-token prompt + its own completion (``--share-prompt``: swiftune encodes the
 prompt once), generation skipped (random completion ids), no optimizer step; found by doubling
 then bisection until the bracket is within ``--bisect-tol`` (5%). Every trial reports its time and
-peak memory (``--completion-lengths 65536`` measures a fixed size in every mode first: the issue's
+peak memory (``--completion-lengths 65536`` measures a fixed size in every mode first: the
 "2 x 65,536" comparison). Modes, each in its own process (no patching leaks between them),
 baselines first:
 
@@ -47,17 +47,17 @@ shapes one trial at 2 x 256K tokens takes minutes (attention is quadratic per ro
 swiftune search spans several 10-minute calls. The table is printed last; ``--out`` writes JSON
 (``benchmarks/plots.py`` draws it).
 
-    python benchmarks/grpo.py --out grpo.json                       # step, Qwen3-1.7B shape: ~3-5 min on an H200
-    python benchmarks/grpo.py --model tiny                          # CPU smoke test (~15 s)
-    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes hf_full_logits trl_grpo trl_liger \\
+    python -m benchmarks.grpo --out grpo.json                       # step, Qwen3-1.7B shape: ~3-5 min on an H200
+    python -m benchmarks.grpo --model tiny                          # CPU smoke test (~15 s)
+    python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes hf_full_logits trl_grpo trl_liger \\
         --completion-lengths 65536 --out grpo_bisect_base.json      # baselines: ~8 min
-    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \\
+    python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \\
         --completion-lengths 65536 --bisect-start 131072 --out grpo_bisect_swiftune.json
-    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \\
+    python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \\
         --bisect-lo 262144 --bisect-hi 524288 --out grpo_bisect_swiftune2.json   # resume from the printed bracket
-    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune --fixed-only \\
+    python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune --fixed-only \\
         --completion-lengths 296960 --out grpo_3x_trl.json          # one size only: 3x TRL's 2 x 98,304
-    python benchmarks/grpo.py --bisect-completion --model tiny --simulate-capacity 1500   # CPU smoke
+    python -m benchmarks.grpo --bisect-completion --model tiny --simulate-capacity 1500   # CPU smoke
 """
 
 from __future__ import annotations
@@ -73,13 +73,12 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+from benchmarks import child_env, module_command
 
-from memory_profile import format_breakdown, peak_profile  # noqa: E402
-from time_profile import device_time_profile, format_profile  # noqa: E402
-from workload import host_rss, word_tokenizer  # noqa: E402
+
+from benchmarks.memory_profile import format_breakdown, peak_profile
+from benchmarks.time_profile import device_time_profile, format_profile
+from benchmarks.workload import host_rss, word_tokenizer
 
 BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_liger", "trl_selective"]
 TRL_HEAD_MODES = ("trl_grpo", "trl_liger")  # TRL's fused LM head
@@ -166,7 +165,7 @@ def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_by
     import torch
 
     import swiftune
-    from workload import random_model
+    from benchmarks.workload import random_model
 
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     swiftune.patch_model(model)
@@ -440,12 +439,12 @@ def build_bisect_model(mode: str, name: str, device, args):
         return model
     import peft
 
-    from workload import random_model
+    from benchmarks.workload import random_model
 
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.config.use_cache = False
     if mode == "trl_liger":
-        from workload import apply_liger_like_trl
+        from benchmarks.workload import apply_liger_like_trl
 
         apply_liger_like_trl(model)
     if mode in TRL_HEAD_MODES:
@@ -652,7 +651,7 @@ def bracket_from_trials(trials: list[dict], lo: int | None = None,
 
 def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, fixed: list[int]):
     """One child process for ``mode``; returns (trials, result or None, killed length or None, output tail)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--one-bisect", mode, "--time-budget", f"{budget:.0f}",
+    cmd = [*module_command("grpo", "--one-bisect", mode), "--time-budget", f"{budget:.0f}",
            "--model", args.model, "--prompt-tokens", str(args.prompt_tokens), "--bisect-rows", str(args.bisect_rows),
            "--bisect-start", str(args.bisect_start), "--bisect-max", str(args.bisect_max),
            "--bisect-tol", str(args.bisect_tol), "--bisect-granularity", str(args.bisect_granularity),
@@ -674,7 +673,7 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         cmd += ["--memory-profile-completion", str(args.memory_profile_completion)]
     if not args.offload_logits:
         cmd.append("--no-offload-logits")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
     trials, result, tail, started = [], None, [], None
     for line in proc.stdout:
         if line.startswith("START "):
@@ -752,7 +751,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
     from swiftune.memory import max_tokens
     from swiftune.models.checkpointing import host_available_bytes
-    from workload import MODEL_SHAPES
+    from benchmarks.workload import MODEL_SHAPES
 
     if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else int(149.3e9)

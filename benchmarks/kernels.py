@@ -8,8 +8,8 @@ Baselines measured in the same process on the same tensors:
 Achieved bandwidth counts the bytes each kernel must move at minimum (inputs read once,
 outputs written once) and is compared with a device-to-device copy measured here too.
 
-    python benchmarks/kernels.py                 # sizes of several GB, prints a table
-    python benchmarks/kernels.py --out k.json    # also writes the rows as JSON
+    python -m benchmarks.kernels                 # sizes of several GB, prints a table
+    python -m benchmarks.kernels --out k.json    # also writes the rows as JSON
 """
 
 from __future__ import annotations

@@ -39,13 +39,13 @@ with position_ids restarting, transformers builds a ``T x T`` packed-sequence ma
 one sequence has the memory of flash-attn's varlen path and the time of full attention.  The
 table is printed last; ``--out`` writes JSON.
 
-    python benchmarks/longctx.py --out longctx.json                       # default: ~5-7 min on an H200
-    python benchmarks/longctx.py --tokens 409600 --modes offload --doc-tokens 0   # one 400K sequence (attention
+    python -m benchmarks.longctx --out longctx.json                       # default: ~5-7 min on an H200
+    python -m benchmarks.longctx --tokens 409600 --modes offload --doc-tokens 0   # one 400K sequence (attention
                                                                   # dominates: ~8-10 min, over a 10-min call limit?)
-    python benchmarks/longctx.py --model tiny                             # CPU smoke test (~1 min)
-    python benchmarks/longctx.py --modes trl_liger --tokens 32768 65536 --bracket-from-fit --bisect trl_liger \
+    python -m benchmarks.longctx --model tiny                             # CPU smoke test (~1 min)
+    python -m benchmarks.longctx --modes trl_liger --tokens 32768 65536 --bracket-from-fit --bisect trl_liger \
         --bisect-tol 0.05 --doc-tokens 0   # TRL + Liger: trials where a line through two rows fills the GPU
-    python benchmarks/longctx.py --modes offload --tokens-from-planner --bisect offload --bisect-tol 0.05 \
+    python -m benchmarks.longctx --modes offload --tokens-from-planner --bisect offload --bisect-tol 0.05 \
         --doc-tokens 8192          # the largest row that fits, within 5%, starting at the planner's answer
 """
 
@@ -62,13 +62,10 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from workload import apply_liger_like_trl, host_rss  # noqa: E402
+import torch
+import torch.nn.functional as F
+from benchmarks.workload import apply_liger_like_trl, host_rss
 
 DEFAULT_MODES = ["baseline", "ckpt", "offload", "offload_all"]
 ALL_MODES = ["baseline", "trl", "trl_liger", "ckpt", "offload", "offload_all"]
@@ -84,7 +81,7 @@ def build_model(name: str, mode: str, device: torch.device, mlp_tile: int | None
     """A random-init model of shape ``name`` set up for ``mode`` (LoRA r=16 all-linear)."""
     from peft import LoraConfig, get_peft_model
 
-    from workload import random_model
+    from benchmarks.workload import random_model
 
     model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.config.use_cache = False
@@ -192,7 +189,7 @@ def predict(name: str, tokens: int, mode: str, gpu_bytes: int | None, args) -> d
     """The planner's figures for one row (:func:`_plan_kwargs`)."""
     from swiftune.memory import plan_memory
 
-    from workload import MODEL_SHAPES
+    from benchmarks.workload import MODEL_SHAPES
 
     gpu = None if mode == "offload_all" else gpu_bytes
     plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **_plan_kwargs(mode, args))
@@ -223,7 +220,7 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
             t0 = time.perf_counter()
             profiling = record_peak and i == args.repeats - 1
             if profiling:
-                from memory_profile import peak_profile
+                from benchmarks.memory_profile import peak_profile
             with peak_profile(row) if profiling else contextlib.nullcontext():
                 row["loss"] = step(model, mode, batch, optimizer, autocast=args.autocast)
             if cuda:
@@ -272,7 +269,7 @@ def replan(path: str, args) -> None:
     args.autocast = saved.get("autocast", False)  # results from before swiftune's step ran under autocast
     # results saved before the field existed came from torch 2.11, whose varlen attention expands K/V
     args.kv_expanded = saved.get("kv_expanded", True)
-    # results from before the runtime was told the kernel (session 8) planned every row as varlen
+    # results from before the runtime was told the kernel planned every row as varlen
     args.attention_kernel = saved.get("attention_kernel")
     args.host_bytes = saved.get("host_bytes")  # results from before it was recorded: unlimited host
     gpu = int(data.get("gpu_bytes") or args.gpu_bytes)
@@ -291,7 +288,7 @@ def replan(path: str, args) -> None:
 
 def print_profile(row: dict) -> None:
     if "peak_profile" in row:
-        from memory_profile import format_breakdown
+        from benchmarks.memory_profile import format_breakdown
 
         print(f"# memory at the peak: {row['mode']} {row['tokens']:,} tokens\n{format_breakdown(row['peak_profile'])}",
               flush=True)
@@ -312,7 +309,7 @@ def print_row(row: dict, header: bool = False) -> None:
 
 def bisect_done(lo: int, hi: int, args) -> bool:
     """The bracket is narrow enough: ``hi - lo`` within the granularity, or within ``--bisect-tol``
-    of ``lo`` (the issue's "within 5%")."""
+    of ``lo`` ("within 5%")."""
     return hi - lo <= max(args.bisect_granularity, (args.bisect_tol or 0.0) * lo)
 
 
@@ -326,7 +323,7 @@ def planner_bracket(name: str, mode: str, gpu_bytes: int, args) -> tuple[list[in
     """The planner's largest fitting row for ``mode`` (:func:`_plan_kwargs`) and :func:`sizes_around` it."""
     from swiftune.memory import max_tokens
 
-    from workload import MODEL_SHAPES
+    from benchmarks.workload import MODEL_SHAPES
 
     best = max_tokens(dict(MODEL_SHAPES[name]), gpu_bytes, 16, **_plan_kwargs(mode, args))
     return sizes_around(best), best
@@ -563,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         from swiftune.memory import max_tokens
 
-        from workload import MODEL_SHAPES
+        from benchmarks.workload import MODEL_SHAPES
 
         gpu = torch.cuda.get_device_properties(device).total_memory
         for mode in args.modes:

@@ -1,6 +1,6 @@
 """SFT loss curves, step by step: swiftune (packed rows) against plain transformers + PEFT (padded).
 
-Issue 7, figure 2. Both modes train the same random-init model (same base weights, same LoRA r=16
+The loss-curve figure. Both modes train the same random-init model (same base weights, same LoRA r=16
 initialisation on all linear layers, checked by a checksum) on the same examples in the same
 order (a fixed, pre-shuffled sequence read sequentially; each step's examples are fingerprinted
 and compared), with the same optimizer (AdamW, constant learning rate), each in its own process:
@@ -22,9 +22,9 @@ over a sub-vocabulary (4 successors per token), so the loss actually falls durin
 each row, as the loss never predicts it (this keeps transformers' token count equal to the number
 of loss terms in every version).
 
-    python benchmarks/loss_curve.py --out loss_curve.json   # + .png; qwen3-0.6b, b8, 200 steps: ~2-3 min (H200)
-    python benchmarks/loss_curve.py --model tiny --steps 10                       # CPU smoke test (~20 s)
-    python benchmarks/loss_curve.py --one swiftune_packed --model tiny --steps 3  # one mode, JSON on stdout
+    python -m benchmarks.loss_curve --out loss_curve.json   # + .png; qwen3-0.6b, b8, 200 steps: ~2-3 min (H200)
+    python -m benchmarks.loss_curve --model tiny --steps 10                       # CPU smoke test (~20 s)
+    python -m benchmarks.loss_curve --one swiftune_packed --model tiny --steps 3  # one mode, JSON on stdout
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "src"))
+from benchmarks import child_env, module_command
+
 
 MODES = ["hf_padded", "swiftune_packed"]
 LORA_SEED = 1234
@@ -49,7 +48,7 @@ def bigram_rows(n: int, vocab_size: int, seed: int = 0, max_length: int = 1024) 
     """``n`` pre-tokenized rows of the reference lengths following a fixed random bigram chain."""
     import numpy as np
 
-    from workload import sample_lengths
+    from benchmarks.workload import sample_lengths
 
     rng = np.random.default_rng(seed + 7)
     sub = min(1024, vocab_size // 2)
@@ -85,7 +84,7 @@ def build_model(name: str, dtype, device):
     import peft
     import torch
 
-    from workload import random_model
+    from benchmarks.workload import random_model
 
     model = random_model(name, device, dtype)
     lora = peft.LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
@@ -133,7 +132,7 @@ def run_one(mode: str, args) -> dict:
         model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
 
-        from workload import pad_to_longest as pad_collate
+        from benchmarks.workload import pad_to_longest as pad_collate
 
         collator = RecordingCollator(pad_collate)
         init = checksum(model)
@@ -150,7 +149,7 @@ def run_one(mode: str, args) -> dict:
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         collator = RecordingCollator(make_collator("packed", max_length=args.max_length, pad_token_id=0))
         init = checksum(model)
-        from workload import word_tokenizer
+        from benchmarks.workload import word_tokenizer
 
         trainer = sequential(swiftune.SFTTrainer)(
             model=model, args=swiftune.SFTConfig(max_length=args.max_length, metrics_file=None, plot_loss=False,
@@ -233,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     runs: dict[str, dict] = {}
     for mode in MODES:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", mode, "--model", args.model, "--batch",
+        cmd = [*module_command("loss_curve", "--one", mode), "--model", args.model, "--batch",
                str(args.batch), "--steps", str(args.steps), "--lr", str(args.lr), "--max_length", str(args.max_length),
                "--seed", str(args.seed), "--dtype", args.dtype]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if not found:
             err = (proc.stderr or proc.stdout).strip().splitlines()[-5:]

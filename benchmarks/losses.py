@@ -17,7 +17,7 @@ loss keeps alive between forward and backward (saved tensors; for the fused cros
 gradients it computed in forward): in a whole model that sits on top of every activation.  Rows that run out of
 memory are reported as OOM and skipped.
 
-    python benchmarks/losses.py --tokens 8192 65536 --out losses.json
+    python -m benchmarks.losses --tokens 8192 65536 --out losses.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ allocated them (the innermost frame outside torch itself: a swiftune kernel, a P
 Trainer's optimizer step...). Blocks allocated before the step began (weights, optimizer states)
 are one line, ``before the step``.
 
-    python benchmarks/sft.py --model qwen3-8b --batch 16 --modes swiftune_budget_offload --memory-profile
+    python -m benchmarks.sft --model qwen3-8b --batch 16 --modes swiftune_budget_offload --memory-profile
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def start_recording() -> int:
     # (16K-token SFT step with tiled MLP and offloaded checkpoints); the suspected cause is the
     # free-time stack capture while that exception unwinds. With "alloc", a 131K-token Llama-3-8B
     # step (offload mode, tiled MLP under recompute) recorded without error on the H200, and so did
-    # the 16K SFT row itself (session 9, `gpu_suite.sh sft-memory`).
+    # the 16K SFT row itself (`gpu_suite.sh sft-memory`).
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
     return before
 

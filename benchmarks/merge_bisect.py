@@ -6,7 +6,7 @@ each under the name given to it, and records for each where it came from (file, 
 checkpointing, planner line), so ``benchmarks/plots.py`` draws them side by side without hiding that
 they were measured in different processes.
 
-    python benchmarks/merge_bisect.py --out docs/results/grpo_figure3_qwen3-8b_h200.json \\
+    python -m benchmarks.merge_bisect --out docs/results/grpo_figure3_qwen3-8b_h200.json \\
         docs/results/grpo_bisect_qwen3-8b_h200.json:hf_full_logits,trl_grpo,trl_liger \\
         docs/results/grpo_3x_qwen3-8b_h200.json:swiftune \\
         docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all
@@ -19,7 +19,7 @@ its trials, and its source lists both files. ``benchmarks/longctx.py`` files (``
 merge the same way: the chosen modes' rows, each source with its document length (``doc_tokens``: 0 =
 one sequence), which the plot's legend shows:
 
-    python benchmarks/merge_bisect.py --out docs/results/longctx_figure3_llama3-8b_h200.json \
+    python -m benchmarks.merge_bisect --out docs/results/longctx_figure3_llama3-8b_h200.json \
         docs/results/longctx_trl_llama3-8b_h200.json:trl_liger \
         docs/results/longctx_bisect_llama3-8b_h200.json:offload
 """

@@ -14,7 +14,7 @@ Recognised files (by their content, not their names):
 Each input ``NAME.json`` gives ``OUTDIR/NAME.png`` (``NAME_<model>.png`` when an SFT file holds
 several models). Files of another shape are skipped with a message.
 
-    python benchmarks/plots.py docs/results/*.json --outdir docs/plots
+    python -m benchmarks.plots docs/results/*.json --outdir docs/plots
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 
 MODE_NAMES = {
     "hf_padded": "transformers + PEFT, padded",
@@ -337,7 +335,7 @@ def plot_grpo_bisect(data: dict, out: str) -> list[str]:
 
 
 def plot_loss_curve(data: dict, out: str) -> list[str]:
-    from loss_curve import plot
+    from benchmarks.loss_curve import plot
 
     return [out] if plot(data, out) else []
 

@@ -19,9 +19,9 @@ counting read + write). Before the timings, checks on the first shape: the engin
 with CUDA graphs equal its eager tokens (64 steps, exact), and their agreement with transformers'
 greedy ``generate`` (bf16: reported, near-ties may diverge).
 
-    python benchmarks/rollout.py --out rollout.json        # GPU: Qwen3-1.7B + 8B, G 8/64, N 1024/8192 (~6-8 min)
-    python benchmarks/rollout.py --model tiny              # CPU smoke test (seconds)
-    python benchmarks/rollout.py --from-log a.txt b.txt --out rollout.json   # JSON from printed logs
+    python -m benchmarks.rollout --out rollout.json        # GPU: Qwen3-1.7B + 8B, G 8/64, N 1024/8192 (~6-8 min)
+    python -m benchmarks.rollout --model tiny              # CPU smoke test (seconds)
+    python -m benchmarks.rollout --from-log a.txt b.txt --out rollout.json   # JSON from printed logs
 
 The JSON is rewritten after every run, so a run stopped by a time limit keeps what it measured;
 ``--from-log`` rebuilds the same rows from the lines the script prints (for logs of killed runs).
@@ -39,11 +39,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from workload import random_model  # noqa: E402
+from benchmarks.workload import random_model
 
-from swiftune.rl.engine import kv_bytes_per_token  # noqa: E402
+from swiftune.rl.engine import kv_bytes_per_token
 
 
 def sync() -> None:

@@ -15,12 +15,12 @@ Modes:
   swiftune_budget_offload
                     the same with every layer checkpoint in pinned host memory and the LoRA
                     projections tiled (use_gradient_checkpointing="offload", GPU budget 0): the
-                    least GPU memory (offloading costs 0.1-0.5% of a step, docs/benchmarks.md)
+                    least GPU memory (its cost: docs/benchmarks.md)
 
-    python benchmarks/sft.py --model qwen3-8b --batch 16 --modes hf_padded swiftune swiftune_budget
-    python benchmarks/sft.py --model qwen3-0.6b --batch 1 2 4 8 16 32        # the batch sweep
-    python benchmarks/sft.py --model qwen3-0.6b --batch 16 --full             # full fine-tuning row
-    python benchmarks/sft.py --one swiftune --model qwen3-0.6b --batch 8     # one mode, JSON on stdout
+    python -m benchmarks.sft --model qwen3-8b --batch 16 --modes hf_padded swiftune swiftune_budget
+    python -m benchmarks.sft --model qwen3-0.6b --batch 1 2 4 8 16 32        # the batch sweep
+    python -m benchmarks.sft --model qwen3-0.6b --batch 16 --full             # full fine-tuning row
+    python -m benchmarks.sft --one swiftune --model qwen3-0.6b --batch 8     # one mode, JSON on stdout
 
 The token-budget modes take micro-batches of ``--budget`` tokens whatever the batch size, so they
 run once, reported beside batch 16 (or the largest batch of the sweep). One process per mode runs
@@ -38,8 +38,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from benchmarks import child_env, module_command
+
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 
@@ -85,7 +85,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     import torch
     from peft import LoraConfig
 
-    from workload import random_model, random_token_rows, sample_lengths, step_context_callback, word_tokenizer
+    from benchmarks.workload import random_model, random_token_rows, sample_lengths, step_context_callback, word_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
     model = random_model(model_name, device, torch.bfloat16)
@@ -108,7 +108,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
             model = peft.get_peft_model(model, lora)
             model.enable_input_require_grads()
 
-        from workload import pad_to_longest as pad_collate
+        from benchmarks.workload import pad_to_longest as pad_collate
 
         counter = CountingCollator(pad_collate, 0)
         trainer = Trainer(model=model, args=TrainingArguments(remove_unused_columns=False, **common),
@@ -153,15 +153,15 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     params = list(trainer.model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     if memory_profile and device == "cuda":  # before the timer: its t0 is taken after the profiled step
-        from memory_profile import peak_profile
+        from benchmarks.memory_profile import peak_profile
 
         trainer.add_callback(step_context_callback(warmup, lambda: peak_profile(record)))
     elif time_profile and device == "cuda":  # (one profiler at a time)
-        from time_profile import timed_device_profile
+        from benchmarks.time_profile import timed_device_profile
 
         trainer.add_callback(step_context_callback(warmup, lambda: timed_device_profile(record)))
     elif host_profile:
-        from time_profile import host_time_profile
+        from benchmarks.time_profile import host_time_profile
 
         trainer.add_callback(step_context_callback(warmup, lambda: host_time_profile(record)))
     trainer.add_callback(timing_callback(warmup, record))
@@ -235,14 +235,14 @@ def main(argv=None) -> int:
     for mode in args.modes:
         # a token-budget micro-batch ignores the row count: measure it once, beside batch 16
         batches = [16 if 16 in args.batch else max(args.batch)] if mode.startswith("swiftune_budget") else args.batch
-        cmd = [sys.executable, __file__, "--one", mode, "--model", args.model, "--batch", *map(str, batches),
+        cmd = [*module_command("sft", "--one", mode), "--model", args.model, "--batch", *map(str, batches),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--budget", str(args.budget),
                "--max_length", str(args.max_length), *(["--full"] if args.full else []),
                *(["--memory-profile"] if args.memory_profile else []),
                *(["--time-profile"] if args.time_profile else []),
                *(["--host-profile"] if args.host_profile else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         found = {}
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):
@@ -255,15 +255,15 @@ def main(argv=None) -> int:
     rows.sort(key=lambda r: (r["batch"], args.modes.index(r["mode"])))
     for r in rows:  # (before the table, which comes last)
         if "peak_profile" in r:
-            from memory_profile import format_breakdown
+            from benchmarks.memory_profile import format_breakdown
 
             print(f"\nmemory at the peak: {r['mode']} batch {r['batch']}\n{format_breakdown(r['peak_profile'])}")
         if "time_profile" in r:
-            from time_profile import format_profile
+            from benchmarks.time_profile import format_profile
 
             print("\n" + format_profile(r["time_profile"], f"{r['mode']} batch {r['batch']}, one step"))
         if "host_profile" in r:
-            from time_profile import format_host_profile
+            from benchmarks.time_profile import format_host_profile
 
             print("\n" + format_host_profile(r["host_profile"], f"{r['mode']} batch {r['batch']}, one step"))
     base = {r["batch"]: r for r in rows if r["mode"] == "hf_padded" and "error" not in r}

@@ -6,7 +6,7 @@ A missed speed target is reported with what limits it. This wraps one step in
 each kernel's own device time into a few kinds (attention, matrix multiplies, host<->device copies,
 Triton kernels, the rest), plus the top kernels by name:
 
-    python benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune trl_grpo \
+    python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune trl_grpo \
         --completion-lengths 32768 --fixed-only --profile-completion 32768
 """
 

@@ -1,6 +1,6 @@
 """Launch-parameter sweep for the kernels (development aid; the chosen values live in the kernels).
 
-    python benchmarks/tune_kernels.py
+    python -m benchmarks.tune_kernels
 """
 
 import torch

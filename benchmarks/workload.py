@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))  # this checkout's swiftune
-from swiftune.memory.shapes import KNOWN_MODELS  # noqa: E402
+from swiftune.memory.shapes import KNOWN_MODELS
 
 # The benchmarks' model shapes: swiftune's table of real architectures (what the planner reads,
 # swiftune.memory.KNOWN_MODELS) plus the RoPE base and context length of each model's config, and
