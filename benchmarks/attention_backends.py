@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 
 import torch
 
+from benchmarks import results
 from benchmarks.kernels import bench
 from benchmarks.time_profile import device_time_profile
 
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HK", "D"))
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/attention_backends.py needs a CUDA device", file=sys.stderr)
@@ -121,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"benchmark": "attention", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "heads": [hq, hk, d], "rows": rows}, f, indent=1)
+    results.save("attention_backends", argv, {"benchmark": "attention", "heads": [hq, hk, d], "rows": rows},
+                 args.out, args.rows)
     return 0
 
 

@@ -73,7 +73,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import child_env, module_command
+from benchmarks import child_env, module_command, results
 
 
 from benchmarks.memory_profile import format_breakdown, peak_profile
@@ -934,6 +934,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
     p.add_argument("--one-bisect", choices=ALL_BISECT_MODES, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the JSON here")
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     args = p.parse_args(argv)
     tiny = args.model == "tiny"
     if args.completion_tokens is None:
@@ -980,6 +982,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=str)
+    if "error" not in result:
+        results.save("grpo", argv, json.loads(json.dumps(result, default=str)), args.out, args.rows)
     return 0 if "error" not in result else 1
 
 

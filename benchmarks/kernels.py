@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from benchmarks import results
 from swiftune.kernels import add_rms_norm, decode_qkv, decode_qkv_reference, geglu, rms_norm, rope_qk, swiglu
 
 
@@ -181,6 +182,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the token counts (1.0 = several GB)")
     p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -213,6 +216,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    results.save("kernels", argv, dict(meta=meta, rows=rows), args.out, args.rows)
     assert all(math.isfinite(r["ours_ms"]) for r in rows)
     return 0
 

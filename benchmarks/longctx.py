@@ -57,7 +57,6 @@ import contextlib
 import functools
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -65,6 +64,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from benchmarks import results
 from benchmarks.workload import apply_liger_like_trl, host_rss
 
 DEFAULT_MODES = ["baseline", "ckpt", "offload", "offload_all"]
@@ -449,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                         "that step runs slower, its time is not a figure)")
     p.add_argument("--time-budget", type=float, default=420.0, help="seconds; later rows are skipped")
     p.add_argument("--out", default=None)
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     p.add_argument("--replan", nargs="+", default=None, metavar="JSON",
                    help="no run: recompute the planner columns of saved results with the current planner "
                         "(rewritten in place; see --gpu-bytes)")
@@ -568,12 +570,13 @@ def main(argv: list[str] | None = None) -> int:
                 predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **_plan_kwargs(mode, args))
         print("# planner's largest fitting token count: "
               + ", ".join(f"{m} {n:,}" for m, n in predicted.items()), flush=True)
+    data = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "gpu_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
+            "torch": torch.__version__, "args": vars(args), "rows": rows, "predicted_max_tokens": predicted}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                       "gpu_bytes": torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None,
-                       "torch": torch.__version__, "args": vars(args), "rows": rows,
-                       "predicted_max_tokens": predicted}, f, indent=1, default=str)
+            json.dump(data, f, indent=1, default=str)
+    results.save("longctx", argv, json.loads(json.dumps(data, default=str)), args.out, args.rows)
     print(f"# wall {time.perf_counter() - start:.0f} s", flush=True)
     return 0
 

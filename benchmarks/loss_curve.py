@@ -37,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks import child_env, module_command
+from benchmarks import child_env, module_command, results
 
 
 MODES = ["hf_padded", "swiftune_packed"]
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["auto", "float32"], default="auto", help="auto: bf16 on CUDA, float32 on CPU")
     p.add_argument("--one", choices=MODES, help="run a single mode in this process and print its JSON")
     p.add_argument("--out", default=None, help="write the JSON here")
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     p.add_argument("--png", default=None, help="write the plot here (default: next to --out)")
     args = p.parse_args(argv)
     if args.one:
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    results.save("loss_curve", argv, result, args.out, args.rows)
     return 0
 
 

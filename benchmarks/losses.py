@@ -32,6 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks import results
 from swiftune.losses import linear_cross_entropy, selective_log_softmax
 
 
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/losses.py needs a CUDA device", file=sys.stderr)
@@ -201,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
                        "rows": rows}, f, indent=1)
+    results.save("losses", argv, {"benchmark": "losses", "rows": rows}, args.out, args.rows)
     return 0
 
 

@@ -30,6 +30,8 @@ import argparse
 import json
 import sys
 
+from benchmarks import results
+
 #: what must agree between the merged runs for their trials to be comparable
 SAME = ("benchmark", "model", "prompt_tokens", "rows")
 #: what each mode keeps of the run it came from
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", metavar="FILE:MODES")
     p.add_argument("--out", required=True)
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     args = p.parse_args(argv)
     runs = []
     for spec in args.runs:
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(args.out, "w") as f:
         json.dump(merged, f, indent=1)
+    results.save("merge_bisect", argv, merged, args.out, args.rows)
     for new, src in merged["sources"].items():
         print(f"{new:<24} <- {src['file']} ({src['mode']})")
     return 0

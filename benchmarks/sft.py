@@ -33,12 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 
-from benchmarks import child_env, module_command
+from benchmarks import child_env, module_command, results
 
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
@@ -214,6 +213,8 @@ def main(argv=None) -> int:
                         "up to 1,024 as free memory allows)")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
+    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the --out path with .rows.jsonl)")
     args = p.parse_args(argv)
     if args.memory_profile + args.time_profile + args.host_profile > 1:
         p.error("--memory-profile, --time-profile and --host-profile each profile the last warm-up step: "
@@ -279,6 +280,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+    results.save("sft", argv, rows, args.out, args.rows, warmup=args.warmup, max_length=args.max_length)
     return 0
 
 

@@ -9,8 +9,6 @@ this repository travels.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Callable
 
 import numpy as np
