@@ -1,0 +1,106 @@
+"""The published figures: which raw JSON under ``docs/results/`` each comes from, the command that
+measured it (as ``python -m benchmarks.NAME``), its date and the versions of the machine.
+
+``python -m benchmarks.results import`` turns this list into ``docs/results/results.jsonl``;
+``python -m benchmarks.report`` renders that file's tables into ``docs/benchmarks.md``. A new
+figure is a new entry here (or a replaced ``file``/``command``/``date``) and a line in CHANGELOG.md.
+
+``before_qk_fix``: measured before the fix that gave Qwen3 / Gemma 3 ``q_proj``, ``k_proj``,
+``q_norm`` and ``k_norm`` their gradients, and not measured again: swiftune's rows of such a figure
+carry ``settings["before_qk_fix"]`` and are marked in the tables (an upper bound on speed).
+"""
+
+from __future__ import annotations
+
+BASE = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "triton": "3.6.0", "peft": "0.21.0"}
+WITH_TRL = {**BASE, "trl": "1.16.0", "liger": "0.8.5"}
+
+SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
+
+
+def _modes(*modes):
+    return lambda row: row.mode in modes
+
+
+FIGURES: list[dict] = [
+    dict(figure="kernels", file="kernels_h200.json", date="2026-11-30", versions=BASE,
+         command="python -m benchmarks.kernels --out kernels.json"),
+    dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_after_qk_fix_h200.json", date="2026-12-01",
+         versions=WITH_TRL, keep=_modes("swiftune", "swiftune_budget", "trl_liger"),
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_budget trl_liger "
+                 "--out sft_qwen3-8b_b16.json"),
+    dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_after_qk_fix_h200.json", date="2026-12-01",
+         versions=WITH_TRL, keep=_modes("hf_padded"),
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes hf_padded --out sft_hf.json"),
+    dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_16k_offload_after_qk_fix_h200.json",
+         date="2026-12-01", versions=WITH_TRL,
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune_budget_offload --out sft_16k.json"),
+    dict(figure="sft_sweep_qwen3-8b", file="sft_qwen3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
+         before_qk_fix=True, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
+    dict(figure="sft_sweep_llama3-8b", file="sft_llama3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
+         command=f"{SFT} --model llama3-8b --batch 1 2 4 8 16 32 --out sft_llama3-8b.json"),
+    dict(figure="sft_sweep_qwen3-1.7b", file="sft_qwen3-1.7b_sweep_h200.json", date="2026-11-30",
+         versions=WITH_TRL, before_qk_fix=True,
+         command=f"{SFT} --model qwen3-1.7b --batch 1 2 4 8 16 32 --modes hf_padded trl_padding_free trl_liger "
+                 "swiftune --out sft_qwen3-1.7b.json"),
+    dict(figure="sft_sweep_qwen3-0.6b", file="sft_qwen3-0.6b_sweep_h200.json", date="2026-11-30",
+         versions=WITH_TRL, before_qk_fix=True,
+         command=f"{SFT} --model qwen3-0.6b --batch 1 2 4 8 16 32 --modes hf_padded trl_padding_free trl_liger "
+                 "swiftune --out sft_qwen3-0.6b.json"),
+    dict(figure="sft_full_qwen3-0.6b", file="sft_qwen3-0.6b_full_h200.json", date="2026-11-30", versions=WITH_TRL,
+         before_qk_fix=True, command=f"{SFT} --model qwen3-0.6b --batch 16 --full --out sft_qwen3-0.6b_full.json"),
+    dict(figure="loss_curve", file="2026-12-01/loss_curve_after_qk_fix_h200.json", date="2026-12-01", versions=BASE,
+         command="python -m benchmarks.loss_curve --out loss_curve.json"),
+    dict(figure="grpo_65k", file="grpo_65k_trl_h200.json", date="2026-11-30", versions=WITH_TRL,
+         command="python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes trl_grpo "
+                 "--completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out grpo_65k_trl.json"),
+    dict(figure="grpo_65k", file="2026-12-01/grpo_65k_swiftune_after_qk_fix_h200.json", date="2026-12-01",
+         versions=BASE,
+         command="python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune --share-prompt "
+                 "--swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only --trial-repeats 2 "
+                 "--time-budget 480 --out grpo_65k_swiftune.json"),
+    dict(figure="grpo_largest", file="grpo_figure3_qwen3-8b_h200.json", date="2026-11-30", versions=WITH_TRL,
+         before_qk_fix=True, keep=_modes("hf_full_logits", "trl_grpo", "trl_liger", "swiftune"),
+         command="python -m benchmarks.merge_bisect --out docs/results/grpo_figure3_qwen3-8b_h200.json "
+                 "docs/results/grpo_bisect_qwen3-8b_h200.json:hf_full_logits,trl_grpo,trl_liger "
+                 "docs/results/grpo_edge_qwen3-8b_h200.json:swiftune "
+                 "docs/results/grpo_edge_planner_qwen3-8b_h200.json:swiftune=+swiftune "
+                 "docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all"),
+    dict(figure="grpo_step", file="2026-12-01/grpo_step_after_qk_fix_h200.json", date="2026-12-01", versions=BASE,
+         command="python -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out grpo.json"),
+    dict(figure="longctx_sweep_qwen3-8b", file="longctx_qwen3-8b_sweep_h200.json", date="2026-11-29",
+         versions=BASE, before_qk_fix=True,
+         command="python -m benchmarks.longctx --modes baseline ckpt offload --tokens 8192 32768 65536 131072 "
+                 "262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 --time-budget 470 --out longctx_sweep.json"),
+    dict(figure="longctx_sweep_qwen3-8b", file="longctx_qwen3-8b_400k_single_h200.json", date="2026-11-29",
+         versions=BASE, before_qk_fix=True, settings={"run": "one sequence"},
+         command="python -m benchmarks.longctx --modes offload --tokens 409600 --doc-tokens 0 --repeats 1 "
+                 "--time-budget 5000 --out single.json"),
+    dict(figure="longctx_largest", file="longctx_trl_llama3-8b_h200.json", date="2026-11-30", versions=WITH_TRL,
+         command="python -m benchmarks.longctx --model llama3-8b --modes trl_liger --tokens 32768 65536 "
+                 "--bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 "
+                 "--time-budget 520 --out longctx_trl_llama3-8b.json"),
+    dict(figure="longctx_largest", file="longctx_bisect_llama3-8b_sdpa_h200.json", date="2026-11-30", versions=BASE,
+         command="python -m benchmarks.longctx --model llama3-8b --modes offload --tokens-from-planner "
+                 "--doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 900 --out longctx_bisect.json"),
+    dict(figure="longctx_largest", file="longctx_llama3-8b_400k_single_h200.json", date="2026-11-30", versions=BASE,
+         command="python -m benchmarks.longctx --model llama3-8b --modes offload --tokens 409600 --doc-tokens 0 "
+                 "--repeats 1 --time-budget 5000 --out longctx_llama3-8b_400k_single.json"),
+    dict(figure="longctx_largest", file="longctx_trl_qwen3-8b_h200.json", date="2026-11-30", versions=WITH_TRL,
+         command="python -m benchmarks.longctx --model qwen3-8b --modes trl_liger --tokens 32768 65536 "
+                 "--bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 "
+                 "--time-budget 520 --out longctx_trl_qwen3-8b.json"),
+    dict(figure="longctx_largest", file="2026-12-01/longctx_bisect_qwen3-8b_h200.json", date="2026-12-01",
+         versions=BASE,
+         command="python -m benchmarks.longctx --model qwen3-8b --modes offload --tokens-from-planner "
+                 "--doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 520 --out longctx_bisect.json"),
+    dict(figure="longctx_largest", file="longctx_qwen3-8b_400k_single_h200.json", date="2026-11-29", versions=BASE,
+         before_qk_fix=True,
+         command="python -m benchmarks.longctx --modes offload --tokens 409600 --doc-tokens 0 --repeats 1 "
+                 "--time-budget 5000 --out single.json"),
+    dict(figure="rollout", file="rollout_h200.json", date="2026-11-30", versions=BASE,
+         command="python -m benchmarks.rollout --merge docs/results/rollout_1024_h200.json "
+                 "docs/results/rollout_8192_h200.json --out docs/results/rollout_h200.json"),
+    dict(figure="attention_backends", file="attention_backends_h200.json", date="2026-11-30", versions=BASE,
+         command="python -m benchmarks.attention_backends --out attention.json"),
+]

@@ -1,0 +1,334 @@
+"""The tables of docs/benchmarks.md, rendered from the published rows (docs/results/results.jsonl).
+
+Each table sits between ``<!-- table:FIGURE -->`` and ``<!-- /table:FIGURE -->`` in the page;
+this script rewrites what lies between, and leaves the prose around them alone.
+
+    python -m benchmarks.report            # rewrite the tables of docs/benchmarks.md
+    python -m benchmarks.report --check    # exit 1 if the page's tables differ from the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+
+from benchmarks.results import read_rows
+
+MARK = "†"  # a swiftune figure measured before the q/k gradient fix
+LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, padding_free",
+          "trl_liger": "TRL + Liger", "swiftune": "**swiftune**", "swiftune_budget": "swiftune, 16K-token budget",
+          "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
+          "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
+          "baseline": "transformers + PEFT", "ckpt": "swiftune, checkpoints on the GPU",
+          "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
+MODELS = {"qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
+MODE_ORDER = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
+
+
+class Figure:
+    """The rows of one figure, indexed by (mode, model, settings without the figure) -> metric -> value."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.by = defaultdict(dict)
+        self.status = {}
+        for r in rows:
+            # a trial's status sits on its "fits" row only: not part of the key
+            s = {k: v for k, v in r.settings.items() if k not in ("figure", "before_qk_fix", "status")}
+            key = (r.mode, r.model, tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in s.items())))
+            self.by[key][r.metric] = r
+            if "status" in r.settings:
+                self.status[key] = r.settings["status"]
+        self.before = {(r.mode, r.model) for r in rows if r.settings.get("before_qk_fix")}
+
+    def groups(self):
+        for (mode, model, s), metrics in self.by.items():
+            yield mode, model, dict(s), metrics
+
+    def label(self, mode: str, model: str | None = None) -> str:
+        text = LABELS.get(mode, mode)
+        return text + (f" {MARK}" if (mode, model) in self.before or any(m == mode for m, _ in self.before)
+                       and model is None else "")
+
+
+def fmt(v, digits=2, thousands=False) -> str:
+    if v is None:
+        return ""
+    if thousands:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}f}"
+
+
+def val(metrics: dict, metric: str):
+    r = metrics.get(metric)
+    return r.value if r is not None else None
+
+
+def table(header: list[str], rows: list[list[str]], right: set[int]) -> str:
+    out = ["| " + " | ".join(header) + " |",
+           "| " + " | ".join("---:" if i in right else "---" for i in range(len(header))) + " |"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def marked(metrics: dict, text: str) -> str:
+    """``text``, marked where the figure's rows were measured before the q/k gradient fix."""
+    return text + (f" {MARK}" if any(r.settings.get("before_qk_fix") for r in metrics.values()) else "")
+
+
+# ---------------------------------------------------------------------------------- renderers
+
+
+def sft(fig: Figure) -> str:
+    cells = {}
+    for mode, model, s, m in fig.groups():
+        cells[(s["batch"], MODE_ORDER.index(mode) if mode in MODE_ORDER else 99, mode, model)] = m
+    by_batch = defaultdict(dict)
+    for (batch, _, mode, _), m in cells.items():
+        by_batch[batch][mode] = val(m, "tokens_per_s")
+    out = []
+    for (batch, _, mode, model), m in sorted(cells.items()):
+        tps = val(m, "tokens_per_s")
+        ref = by_batch[batch]
+        budget = mode.startswith("swiftune_budget")
+        out.append([marked(m, LABELS.get(mode, mode)), "(~16K tok)" if budget else str(batch),
+                    fmt(tps, thousands=True),
+                    fmt(tps / ref["hf_padded"]) if ref.get("hf_padded") else "",
+                    fmt(tps / ref["trl_liger"]) if ref.get("trl_liger") else "",
+                    fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s")), f"{100 * val(m, 'padding_fraction'):.1f}%"])
+    return table(["mode", "batch", "tok/s", "x padded", "x TRL + Liger", "peak GB", "s / step", "padding"], out,
+                 {1, 2, 3, 4, 5, 6, 7})
+
+
+def kernels(fig: Figure) -> str:
+    per = defaultdict(dict)
+    for r in fig.rows:  # three tools per kernel: by tool, not by mode
+        per[(r.mode, r.settings["shape"])][(r.tool, r.metric)] = r.value
+    out = []
+    for (kernel, shape), v in per.items():
+        ours, eager, comp = v.get(("swiftune", "ms")), v.get(("torch", "ms")), v.get(("torch.compile", "ms"))
+        big = v.get(("swiftune", "gb_moved"), 0) >= 0.01
+        out.append([kernel, shape, fmt(v.get(("swiftune", "gb_moved"))), fmt(ours, 3), fmt(eager, 3), fmt(comp, 3),
+                    fmt(eager / ours), fmt(comp / ours), fmt(v.get(("swiftune", "tb_per_s"))) if big else "-",
+                    f"{100 * v[('swiftune', 'copy_fraction')]:.0f}%" if big else "-"])
+    return table(["kernel", "shape", "GB moved", "swiftune ms", "eager ms", "compile ms", "x eager", "x compile",
+                  "TB/s", "% of copy"], out, set(range(2, 10)))
+
+
+def _largest(fig: Figure, fit: str, fail: str) -> dict:
+    best = {}
+    for mode, model, s, m in fig.groups():
+        if fit in m:
+            best[(model, mode)] = (s, val(m, fit), val(m, fail), m)
+    return best
+
+
+def longctx_largest(fig: Figure) -> str:
+    best = _largest(fig, "max_fit_tokens", "first_fail_tokens")
+    trl = {model: n for (model, mode), (_, n, _, _) in best.items() if mode == "trl_liger"}
+    out = []
+    singles = [(mode, model, s, m) for mode, model, s, m in fig.groups()
+               if s.get("doc_tokens") == 0 and mode == "offload" and "step_s" in m]
+    order = sorted({model for model, _ in best} | {model for _, model, _, _ in singles})
+    for model in order:
+        for mode in ("trl_liger", "offload"):
+            if (model, mode) not in best:
+                continue
+            s, n, first, fit_rows = best[(model, mode)]
+            at = next((m for md, mo, ss, m in fig.groups() if md == mode and mo == model
+                       and ss.get("tokens") == n and "step_s" in m), {})
+            fail = next((fig.status.get((md, mo, k)) for (md, mo, k) in fig.by if md == mode and mo == model
+                         and dict(k).get("tokens") == first), None)
+            doc = "one sequence" if not s.get("doc_tokens") else f"{s['doc_tokens'] // 1024}K-token documents"
+            name = "TRL + Liger" if mode == "trl_liger" else "**swiftune**"
+            out.append([MODELS.get(model, model), marked(fit_rows, f"{name}, {doc}"), f"{n:,}",
+                        f"{first:,} ({'host' if fail == 'oom_host' else 'GPU'})" if first else "",
+                        f"{100 * (first / n - 1):.1f}%" if first else "", fmt(val(at, "step_s")),
+                        fmt(val(at, "peak_gb")), fmt(val(at, "host_pinned_gb") or 0),
+                        fmt(n / trl[model]) if model in trl else ""])
+        for mode, mo, s, m in singles:
+            if mo == model:
+                n = s["tokens"]
+                out.append([MODELS.get(model, model), marked(m, "swiftune, one sequence"),
+                            f">= {n:,} (one trial)", "", "", fmt(val(m, "step_s")), fmt(val(m, "peak_gb")),
+                            fmt(val(m, "host_pinned_gb") or 0), f">= {n / trl[model]:.2f}" if model in trl else ""])
+    return table(["shape", "tool, rows", "largest that fits", "first that fails", "bracket", "s / step",
+                  "GPU GB (allocated)", "pinned host GB", "x TRL + Liger"], out, set(range(2, 9)))
+
+
+def longctx_sweep(fig: Figure) -> str:
+    out = []
+    trials = [g for g in fig.groups() if "tokens" in g[2]]
+    for mode, model, s, m in sorted(trials, key=lambda g: (["baseline", "ckpt", "offload"].index(g[0]),
+                                                                 g[2].get("doc_tokens") == 0, g[2]["tokens"])):
+        if "fits" not in m and "step_s" not in m:
+            continue
+        rows = f"{s['tokens']:,}" + (", one sequence" if s.get("doc_tokens") == 0 else "")
+        if "step_s" not in m:
+            out.append([marked(m, LABELS.get(mode, mode)), rows, "out of memory", "", "", "", "", ""])
+            continue
+        pk, plan = val(m, "peak_gb"), val(m, "planned_gb")
+        kept = val(m, "layers_on_gpu")
+        out.append([marked(m, LABELS.get(mode, mode)), rows, fmt(val(m, "step_s")), fmt(pk),
+                    fmt(plan), fmt(pk / plan) if plan else "", "all" if kept is None else str(int(kept)),
+                    fmt(val(m, "host_pinned_gb") or 0)])
+    return table(["mode", "tokens", "s / step", "peak allocated GB", "planner GB", "measured / planner",
+                  "layers on GPU", "pinned host GB"], out, set(range(1, 8)))
+
+
+def grpo_65k(fig: Figure) -> str:
+    at = {mode: m for mode, model, s, m in fig.groups() if s.get("completion") == 65536 and "step_s" in m}
+    trl = at.get("trl_grpo")
+    out = []
+    for mode, m in at.items():
+        out.append([marked(m, LABELS.get(mode, mode)), fmt(val(m, "step_s")),
+                    fmt(val(m, "first_step_s")), fmt(val(m, "peak_gb"), 1), fmt(val(m, "host_rss_gb"), 1),
+                    fmt(val(m, "step_s") / val(trl, "step_s")) if trl else "",
+                    fmt(val(m, "peak_gb") / val(trl, "peak_gb")) if trl else ""])
+    return table(["mode", "s / step (2nd)", "first step s", "peak GPU GB", "host RSS GB", "x TRL time",
+                  "x TRL memory"], out, set(range(1, 7)))
+
+
+def grpo_largest(fig: Figure) -> str:
+    best = _largest(fig, "max_fit_completion", "first_fail_completion")
+    out = []
+    for (model, mode), (s, n, first, fit_rows) in best.items():
+        search = s.get("search")
+        fits = (">= " if search == "out_of_time" and not first else "") + f"{n:,}"
+        fits += " (search out of time)" if search == "out_of_time" and not first else ""
+        tokens = next((dict(k)["tokens"] for (md, mo, k) in fig.by if md == mode and mo == model
+                       and dict(k).get("completion") == n and dict(k).get("tokens")), None)
+        out.append([marked(fit_rows, LABELS.get(mode, mode)), fits, f"{first:,}" if first else "",
+                    f"{tokens:,}" if tokens else ""])
+    return table(["mode", "largest completion / row that fitted", "first that failed", "tokens / step"], out,
+                 {1, 2, 3})
+
+
+def grpo_step(fig: Figure) -> str:
+    phases, total = [], None
+    for mode, model, s, m in fig.groups():
+        if "phase" in s and "phase_s" in m:
+            phases.append((s["phase"], val(m, "phase_s"), val(m, "peak_gb")))
+        elif "phase" not in s:
+            total = (val(m, "step_s"), val(m, "peak_gb"), model)
+    step = total[0]
+    out = [[p, fmt(t), f"{100 * t / step:.1f}%", fmt(pk, 1) if pk else "-"] for p, t, pk in phases]
+    out.append(["**step**", f"**{fmt(step)}**", "100%", f"**{fmt(total[1], 1)}**"])
+    return table(["phase", "s", "share", "peak GB"], out, {1, 2, 3})
+
+
+def loss_curve(fig: Figure) -> str:
+    out = []
+    for mode, model, s, m in fig.groups():
+        for metric, r in m.items():
+            out.append([LABELS.get(mode, mode) + (" vs padded" if "against" in s else ""), metric, f"{r.value:.6g}"])
+    return table(["mode", "metric", "value"], out, {2})
+
+
+def rollout(fig: Figure) -> str:
+    gen = {}
+    for mode, model, s, m in fig.groups():
+        if mode.startswith("generate_"):
+            gen[(model, s["rows"], s["new_tokens"], mode)] = val(m, "tokens_per_s")
+    out = []
+    for mode, model, s, m in fig.groups():
+        if mode != "fast_engine" or "hbm_floor_ms" not in m:
+            continue
+        key = (model, s["rows"], s["new_tokens"])
+        tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
+        st, dy = gen.get((*key, "generate_static")), gen.get((*key, "generate_dynamic"))
+        out.append([MODELS.get(model, model), str(s["rows"]), f"{s['new_tokens']:,}",
+                    "fused layers" if s.get("fused_layers") else "layers' own forward", fmt(tps, thousands=True),
+                    fmt(ms), fmt(floor), fmt(ms / floor), fmt(st, thousands=True) if st else "-",
+                    fmt(tps / st) if st else "-", fmt(dy, thousands=True) if dy else "-",
+                    fmt(tps / dy, 1) if dy else "-"])
+    for mode, model, s, m in fig.groups():
+        if s.get("ab") and s.get("fused_layers"):
+            out.insert(0, [MODELS.get(model, model), str(s["rows"]), f"{s['new_tokens']:,}", "fused layers (A/B)",
+                           fmt(val(m, "tokens_per_s"), thousands=True), fmt(val(m, "step_ms")), "", "", "", "", "", ""])
+    return table(["shape", "G", "N", "engine", "engine tok/s", "step ms", "HBM floor ms", "x floor",
+                  "generate static tok/s", "x static", "generate dynamic tok/s", "x dynamic"], out, set(range(1, 12)) - {3})
+
+
+def attention(fig: Figure) -> str:
+    out, ref = [], {}
+    groups = list(fig.groups())
+    for mode, model, s, m in groups:
+        if s["backend"] == "varlen":
+            ref[(s["docs"], s["doc_tokens"])] = val(m, "ms")
+    for mode, model, s, m in groups:
+        v = ref.get((s["docs"], s["doc_tokens"]))
+        out.append([s["backend"], f"{s['docs']} x {s['doc_tokens']:,}", fmt(val(m, "ms"), 1),
+                    fmt(v / val(m, "ms")) if v else "", fmt(val(m, "tflop_per_s"), 0),
+                    fmt(val(m, "saved_bytes_per_token"), 0), fmt(val(m, "backward_bytes_per_token"), 0)])
+    return table(["backend", "docs x tokens", "ms", "x varlen", "TFLOP/s", "saved B / token", "bwd B / token"], out,
+                 set(range(1, 7)))
+
+
+RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
+          "sft_sweep_qwen3-1.7b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
+          "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
+          "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
+          "attention_backends": attention}
+
+
+def commands(rows) -> str:
+    seen = list(dict.fromkeys(r.command for r in rows))
+    dates = sorted({r.date for r in rows})
+    gpus = sorted({r.gpu for r in rows})
+    versions = sorted({", ".join(f"{k} {v}" for k, v in r.versions.items()) for r in rows}, key=len)[-1]
+    head = f"Measured {' and '.join(dates)} on {', '.join(gpus)} ({versions})."
+    return head + "\n\n```bash\n" + "\n".join(seen) + "\n```"
+
+
+def render_tables(rows) -> dict[str, str]:
+    """figure -> the Markdown between its markers: the table, the marks' note, the commands."""
+    by = defaultdict(list)
+    for r in rows:
+        by[r.settings.get("figure")].append(r)
+    out = {}
+    for name, fig_rows in by.items():
+        fig = Figure(fig_rows)
+        text = RENDER[name](fig)
+        if fig.before:
+            text += (f"\n\n{MARK} measured before the q/k gradient fix and not measured again: an upper bound on "
+                     "speed (see CHANGELOG.md).")
+        out[name] = text + "\n\n" + commands(fig_rows)
+    return out
+
+
+BLOCK = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(\n<!-- /table:(?P=name) -->)", re.S)
+
+
+def rewrite(page: str, tables: dict[str, str]) -> str:
+    missing = set(tables) - set(m.group("name") for m in BLOCK.finditer(page))
+    if missing:
+        raise ValueError(f"no markers in the page for {sorted(missing)}")
+    return BLOCK.sub(lambda m: m.group(1) + tables[m.group("name")] + m.group(4), page)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="docs/results/results.jsonl")
+    p.add_argument("--page", default="docs/benchmarks.md")
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 when the page is out of date")
+    args = p.parse_args(argv)
+    with open(args.page) as f:
+        page = f.read()
+    new = rewrite(page, render_tables(read_rows(args.rows)))
+    if args.check:
+        if new != page:
+            print(f"{args.page}: tables differ from {args.rows}: run python -m benchmarks.report", file=sys.stderr)
+            return 1
+        print(f"{args.page}: tables match {args.rows}")
+        return 0
+    with open(args.page, "w") as f:
+        f.write(new)
+    print(f"{args.page}: tables rewritten from {args.rows}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
