@@ -49,7 +49,7 @@ for job in sft grpo; do
   [ $rc != 0 ] && tail -25 "$OUT/main_$job.log"
 done
 for b in "${benches[@]}"; do
-  timeout 420 python3 "benchmarks/$b.py" --out "$OUT/$b.json" 2>&1 | tee "$OUT/bench_$b.txt" | tail -60
+  timeout 420 python3 -m "benchmarks.$b" --out "$OUT/$b.json" 2>&1 | tee "$OUT/bench_$b.txt" | tail -60
   summary+=("bench $b: exit ${PIPESTATUS[0]}")
 done
 echo "==================== summary"

@@ -37,7 +37,7 @@
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #
-# Each part writes JSON and logs under $OUT and prints its table last; `benchmarks/plots.py` turns
+# Each part writes JSON and logs under $OUT and prints its table last; `python -m benchmarks.plots` turns
 # the JSON into the PNGs of docs/plots.
 set -uo pipefail
 OUT=${OUT:-/tmp/swiftune_out}
@@ -78,9 +78,9 @@ case "$part" in
       set -x
       OUT=/tmp/pf scripts/gpu_check.sh tests/test_gradient_parity.py tests/test_training_parity.py tests/test_kernels.py -k "gpu or cuda or thirty" \
         -- > /tmp/pf_check.log 2>&1
-      timeout 400 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      timeout 400 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
         --modes swiftune swiftune_budget trl_liger --out /tmp/pf/sft_qwen3-8b_b16.json > /tmp/pf_sft.log 2>&1
-      timeout 300 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+      timeout 300 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
         --share-prompt --swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only --trial-repeats 2 \
         --time-budget 280 --out /tmp/pf/grpo_65k_swiftune.json > /tmp/pf_grpo.log 2>&1
       echo "{}" > /tmp/parity_figures.json'
@@ -94,85 +94,85 @@ case "$part" in
       tests/test_checkpointing.py -k "cuda or gpu or flex or auto or add_rms or decode_qkv or derived or skips" \
       -p no:cacheprovider ;;
   rollout)
-    run rollout 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 1024 --ab-fused-rows 8 \
+    run rollout 560 python3 -m benchmarks.rollout --model qwen3-1.7b qwen3-8b --new-tokens 1024 --ab-fused-rows 8 \
       --time-budget 500 --out "$OUT/rollout.json" ;;
   rollout-long)
-    run rollout_long 560 python3 benchmarks/rollout.py --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
+    run rollout_long 560 python3 -m benchmarks.rollout --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
       --no-baselines --no-checks --lora-rows --time-budget 500 --out "$OUT/rollout_long.json" ;;
   grpo-step)
-    run grpo_step 400 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
+    run grpo_step 400 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   sft-8b)
-    run sft_8b 570 python3 benchmarks/sft.py --model qwen3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+    run sft_8b 570 python3 -m benchmarks.sft --model qwen3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-8b.json" ;;
   sft-small)  # the four batch-size modes (all six modes do not fit 280 s per model)
     for m in 0.6b 1.7b; do
-      run "sft_${m/./}" 280 python3 benchmarks/sft.py --model "qwen3-$m" --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+      run "sft_${m/./}" 280 python3 -m benchmarks.sft --model "qwen3-$m" --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
         --modes hf_padded trl_padding_free trl_liger swiftune --out "$OUT/sft_qwen3-$m.json"
     done ;;
   sft-llama)
-    run sft_llama 570 python3 benchmarks/sft.py --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
+    run sft_llama 570 python3 -m benchmarks.sft --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
-    run sft_memory 420 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
+    run sft_memory 420 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
   sft-chunk)  # peak memory vs speed of the fused loss's chunk on the small shapes (auto = no flag, in the
-    # same call: capped at 1,024 tokens since session 8's A/B, 4,096 before); then the Qwen3-8B shape at batch 16
+    # same call: capped at 1,024 tokens); then the Qwen3-8B shape at batch 16
     for c in auto 1024 2048; do
-      run "sft_chunk_06b_$c" 120 python3 benchmarks/sft.py --model qwen3-0.6b --batch 8 16 32 --steps 10 --warmup 3 \
+      run "sft_chunk_06b_$c" 120 python3 -m benchmarks.sft --model qwen3-0.6b --batch 8 16 32 --steps 10 --warmup 3 \
         --modes swiftune $([ "$c" != auto ] && echo --logit-chunk-tokens "$c") --out "$OUT/sft_chunk_06b_$c.json"
     done
     for c in auto 1024; do
-      run "sft_chunk_8b_$c" 100 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      run "sft_chunk_8b_$c" 100 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
         --modes swiftune $([ "$c" != auto ] && echo --logit-chunk-tokens "$c") --out "$OUT/sft_chunk_8b_$c.json"
     done ;;
   sft-overhead)  # is a step bound by the GPU or by the host? The 8B step at batch 16 is as slow as at
-    # batch 1 (~0.5 s) and the 0.6B step's device was busy 3% of it (session 8): device time by kind vs
+    # batch 1: device time by kind vs
     # wall time of the 8B step, then what the host does in each
-    run sft_overhead_qwen3-8b 200 python3 benchmarks/sft.py --model qwen3-8b --batch 16 --steps 6 --warmup 3 \
+    run sft_overhead_qwen3-8b 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 3 \
       --time-profile --modes swiftune trl_liger --out "$OUT/sft_overhead_qwen3-8b.json"
     for m in qwen3-8b qwen3-0.6b; do  # cProfile of one step: own time by library and function
-      run "sft_host_$m" 150 python3 benchmarks/sft.py --model "$m" --batch 16 --steps 6 --warmup 3 \
+      run "sft_host_$m" 150 python3 -m benchmarks.sft --model "$m" --batch 16 --steps 6 --warmup 3 \
         --host-profile --modes swiftune trl_liger --out "$OUT/sft_host_$m.json"
     done ;;
   sft-full)
-    run sft_full 200 python3 benchmarks/sft.py --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
+    run sft_full 200 python3 -m benchmarks.sft --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;
   loss-curve)
-    run loss_curve 380 python3 benchmarks/loss_curve.py --out "$OUT/loss_curve.json" ;;
+    run loss_curve 380 python3 -m benchmarks.loss_curve --out "$OUT/loss_curve.json" ;;
   longctx)  # largest fitting row with offload within 5%, from the planner's answer -2.5% / +2%; detached
     # (a fitting trial near 900K tokens takes ~2.5-3.5 min; one the host cannot hold fails at once): poll with
     # longctx-wait in the next call
     model=${2:-qwen3-8b}
-    detach longctx_bisect python3 benchmarks/longctx.py --model "$model" --modes offload --tokens-from-planner \
+    detach longctx_bisect python3 -m benchmarks.longctx --model "$model" --modes offload --tokens-from-planner \
       --doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 900 --out /tmp/longctx_bisect.json
     wait_for longctx_bisect 56 12 ;;
   longctx-single)  # one causal sequence of TOKENS (default 409,600) with offload, detached (a step is ~8-13 min:
     # quadratic attention); poll with longctx-wait
     model=${2:-llama3-8b}; tokens=${3:-409600}
-    detach longctx_bisect python3 benchmarks/longctx.py --model "$model" --modes offload --tokens "$tokens" \
+    detach longctx_bisect python3 -m benchmarks.longctx --model "$model" --modes offload --tokens "$tokens" \
       --doc-tokens 0 --repeats 1 --time-budget 5000 --out /tmp/longctx_bisect.json
     wait_for longctx_bisect 56 12 ;;
   longctx-wait)
     wait_for longctx_bisect 56 16 ;;
   grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt: sdpa for long completions, flex for short): 2 x 65,536 first, then upwards
-    run grpo_bisect 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    run grpo_bisect 570 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 65536 --bisect-start 131072 --time-budget 520 \
       --out "$OUT/grpo_bisect.json" ;;
   grpo-bisect-base)  # the baselines: transformers full logits, TRL 1.16's loss path, TRL + Liger
-    run grpo_bisect_base 570 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
+    run grpo_bisect_base 570 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b \
       --bisect-modes hf_full_logits trl_grpo trl_liger --completion-lengths 65536 --time-budget 520 \
       --out "$OUT/grpo_bisect_base.json" ;;
   grpo-65k)  # the half-memory / 1.1x-time targets: steady-state steps (the 2nd of 2), TRL's loss path first
-    run grpo_65k_trl 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
+    run grpo_65k_trl 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
       --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_trl.json"
-    run grpo_65k_swiftune 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    run grpo_65k_swiftune 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only --trial-repeats 2 \
       --time-budget 190 --out "$OUT/grpo_65k_swiftune.json"
-    run grpo_32k_profile 130 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    run grpo_32k_profile 130 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --swiftune-checkpointing offload_all --completion-lengths 32768 --fixed-only \
       --profile-completion 32768 --time-budget 120 --out "$OUT/grpo_32k_profile.json" ;;
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
-    detach grpo_3x python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    detach grpo_3x python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json
     wait_for grpo_3x 54 5 ;;  # done within the call if the trial is; else grpo-3x-wait
   grpo-3x-wait)
@@ -181,7 +181,7 @@ case "$part" in
     # host cannot hold fails at once; then -2.5%; 2 x 380,928 took 17 min): detached, poll with grpo-edge-wait.
     # grpo-edge C...: these completion lengths instead of the planner's bracket
     if [ $# -gt 1 ]; then lengths=(--completion-lengths "${@:2}" --fixed-only); else lengths=(--completion-from-planner); fi
-    detach grpo_edge python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    detach grpo_edge python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt "${lengths[@]}" --time-budget 2700 --out /tmp/grpo_edge.json
     wait_for grpo_edge 54 8 ;;
   grpo-edge-wait)
@@ -192,7 +192,7 @@ case "$part" in
     # poll with grpo-pair-wait. Usage: grpo-pair COMPLETION_GPU0 COMPLETION_GPU1
     for i in 0 1; do
       c=${2:?"two completion lengths"}; [ "$i" = 1 ] && c=${3:?"two completion lengths"}
-      detach "grpo_pair_$i" env CUDA_VISIBLE_DEVICES=$i python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b \
+      detach "grpo_pair_$i" env CUDA_VISIBLE_DEVICES=$i python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b \
         --bisect-modes swiftune --share-prompt --completion-lengths "$c" --fixed-only --time-budget 3000 \
         --host-budget-gb 119.5 --host-margin-gb 4 --out "/tmp/grpo_pair_$i.json"
     done
@@ -201,50 +201,49 @@ case "$part" in
     wait_for grpo_pair_0 54 8; wait_for grpo_pair_1 2 8 ;;
   grpo-memory)  # what is alive at the peak of a GRPO step: every checkpoint on the host at 2 x 65,536, the
     # automatic budget at 2 x 131,072 (the planner overestimated the 2 x 294,912 step by ~25%)
-    run grpo_memory_65k 200 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    run grpo_memory_65k 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only \
       --memory-profile-completion 65536 --time-budget 190 --out "$OUT/grpo_memory_65k.json"
-    run grpo_memory_131k 300 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    run grpo_memory_131k 300 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 131072 --fixed-only --memory-profile-completion 131072 \
       --time-budget 290 --out "$OUT/grpo_memory_131k.json" ;;
   grpo-profile)  # where the time of one policy step goes: TRL's loss path vs swiftune's (shared-prompt and unshared rows)
-    run grpo_profile 170 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
+    run grpo_profile 170 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes trl_grpo \
       swiftune --share-prompt --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 150 \
       --out "$OUT/grpo_profile.json"
-    run grpo_profile_varlen 100 python3 benchmarks/grpo.py --bisect-completion --model qwen3-8b --bisect-modes \
+    run grpo_profile_varlen 100 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
       swiftune --completion-lengths 32768 --fixed-only --profile-completion 32768 --time-budget 85 \
       --out "$OUT/grpo_profile_varlen.json" ;;
   longctx-trl)  # TRL + Liger's largest single sequence (quadratic attention: a trial at 256K takes minutes)
     model=${2:-qwen3-8b}
     # two quick rows, then trials around where the line through them fills the GPU, then bisection to 5%
-    run "longctx_trl_$model" 570 python3 benchmarks/longctx.py --model "$model" --modes trl_liger \
+    run "longctx_trl_$model" 570 python3 -m benchmarks.longctx --model "$model" --modes trl_liger \
       --tokens 32768 65536 --bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 \
       --bisect-tol 0.05 --time-budget 520 --out "$OUT/longctx_trl_$model.json" ;;
   longctx-memory)  # what is alive at the peak of a long step (default 131,072 tokens: every layer input on the
-    # GPU; sessions 8-9: 60.8 / 65.4 GB for Llama-3-8B / Qwen3-8B, 0.99 / 0.97 of the plan). TOKENS larger
-    # (e.g. 524288: inputs on the host too) for the Qwen3-8B rows the planner over-reserves (0.79 at 890,880)
+    # GPU). TOKENS larger (e.g. 524288: inputs on the host too) for the rows where the planner over-reserves
     model=${2:-llama3-8b}; tokens=${3:-131072}
-    run "longctx_memory_$model" 420 python3 benchmarks/longctx.py --model "$model" --modes offload --tokens "$tokens" \
+    run "longctx_memory_$model" 420 python3 -m benchmarks.longctx --model "$model" --modes offload --tokens "$tokens" \
       --doc-tokens 8192 --memory-profile --time-budget 400 --out "$OUT/longctx_memory_$model.json" ;;
   longctx-overhead)
-    run longctx_overhead 180 python3 benchmarks/longctx.py --modes ckpt offload_all --tokens 8192 32768 \
+    run longctx_overhead 180 python3 -m benchmarks.longctx --modes ckpt offload_all --tokens 8192 32768 \
       --doc-tokens 8192 --repeats 3 --time-budget 140 --out "$OUT/longctx_overhead.json" ;;
   longctx-sweep)
-    run longctx_sweep 560 python3 benchmarks/longctx.py --modes baseline ckpt offload \
+    run longctx_sweep 560 python3 -m benchmarks.longctx --modes baseline ckpt offload \
       --tokens 8192 32768 65536 131072 262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 \
       --time-budget 470 --out "$OUT/longctx_sweep.json" ;;
   attention)
-    run attention 150 python3 benchmarks/attention_backends.py --out "$OUT/attention.json" ;;
+    run attention 150 python3 -m benchmarks.attention_backends --out "$OUT/attention.json" ;;
   kernels)
-    run kernels 120 python3 benchmarks/kernels.py --out "$OUT/kernels.json" ;;
+    run kernels 120 python3 -m benchmarks.kernels --out "$OUT/kernels.json" ;;
   small-rows)  # the two small-model figures in one call
     "$0" loss-curve
     "$0" sft-full ;;
   verify)  # CUDA tests, kernel table, the GRPO step with and without the engine's fused layers
     "$0" check
     "$0" kernels
-    run grpo_step_unfused 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --no-fused-layers \
+    run grpo_step_unfused 120 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --no-fused-layers \
       --out "$OUT/grpo_step_unfused.json"
-    run grpo_step 120 python3 benchmarks/grpo.py --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
+    run grpo_step 120 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
