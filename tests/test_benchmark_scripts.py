@@ -1,13 +1,17 @@
-"""Smoke tests of the benchmark scripts: each one's tiny mode runs end to end in a subprocess and
-writes the JSON keys the docs and benchmarks/plots.py read; plots.py draws the committed results.
+"""Smoke tests of the benchmark scripts: each one's tiny mode runs end to end in a subprocess
+(``python -m benchmarks.NAME``) and writes the JSON keys the docs and benchmarks.plots read, and its
+figures as result rows that validate against benchmarks.results' schema; plots draws the committed
+results; the committed rows reproduce the published rows and docs/benchmarks.md's tables.
 
 The scripts run without ``TRITON_INTERPRET`` (removed from their environment), so on a machine
 without CUDA the kernels use their plain-PyTorch references, as a user's CPU run would.
 """
 
+import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +19,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
 COMMITTED = [os.path.join(ROOT, "docs", "results", f)
              for f in ("sft_qwen3-8b_b16.json", "sft_qwen3-8b_sweep_h200.json", "longctx_qwen3-8b_32k.json",
                        "longctx_qwen3-8b_sweep_h200.json", "rollout_h200.json", "grpo_step_qwen3-1.7b_h200.json",
@@ -26,20 +29,32 @@ LONGCTX_RESULTS = [os.path.join(ROOT, "docs", "results", f"longctx_qwen3-8b_{k}.
 
 
 def run_script(name: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.<name> ARGS`` from the repository root (``name`` may end in .py)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(ROOT, "src") + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, name), *args], capture_output=True, text=True,
+    module = "benchmarks." + name.removesuffix(".py")
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{name} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
 def load_bench_module(name: str):
-    """A benchmark script imported as a module (``bench_<name>``), for its functions."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A benchmark module (``benchmarks.<name>``), for its functions."""
+    return importlib.import_module(f"benchmarks.{name}")
+
+
+def assert_rows(out, module: str, metrics: set[str] = frozenset()) -> list:
+    """The rows a run wrote beside ``out`` (``<out>.rows.jsonl``): valid, recording the run's own
+    ``python -m benchmarks.<module>`` command, carrying at least ``metrics``."""
+    from benchmarks.results import read_rows
+
+    path = os.path.splitext(str(out))[0] + ".rows.jsonl"
+    rows = read_rows(path)  # validates every row
+    assert rows, path
+    assert all(r.command.startswith(f"python -m benchmarks.{module} ") and str(out) in r.command for r in rows)
+    assert metrics <= {r.metric for r in rows}, (metrics, {r.metric for r in rows})
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +92,7 @@ def test_grpo_step_tiny(grpo_step_json):
     assert r["all_full_length"] and r["completion_lengths"] == [r["max_completion_length"]] * r["generations"]
     assert r["reward_std"] > 0  # the reward gives non-zero advantages
     assert all(v["s"] >= 0 for k, v in r["phases"].items() if k != "other")
+    assert_rows(grpo_step_json, "grpo", {"step_s", "peak_gb", "phase_s"})
 
 
 def test_search_max_fit_brackets_within_tolerance():
@@ -122,6 +138,8 @@ def test_grpo_bisect_tiny(grpo_bisect_json):
         lengths = [t["completion"] for t in res["trials"]]
         assert lengths[0] == 96  # the fixed length first, then the search
         assert all({"completion", "tokens", "status", "s"} <= set(t) for t in res["trials"])
+    rows = assert_rows(grpo_bisect_json, "grpo", {"fits", "max_fit_completion", "first_fail_completion", "step_s"})
+    assert {r.tool for r in rows} >= {"swiftune"} and all(r.settings["rows"] == 2 for r in rows)
 
 
 def test_grpo_bisect_prints_the_planners_largest_completion(grpo_bisect_json):
@@ -146,7 +164,7 @@ def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
     from swiftune.memory import plan_memory
 
     grpo = load_bench_module("grpo")
-    from workload import MODEL_SHAPES
+    from benchmarks.workload import MODEL_SHAPES
 
     args = argparse.Namespace(model="qwen3-0.6b", share_prompt=share, prompt_tokens=256, bisect_rows=2)
     host = int(8e9)
@@ -242,6 +260,7 @@ def test_loss_curve_tiny_curves_coincide(loss_curve_json):
     base, ours = r["modes"]["hf_padded"]["losses"], r["modes"]["swiftune_packed"]["losses"]
     assert len(base) == len(ours) == 10
     assert r["dtype"] == "float32"
+    assert_rows(loss_curve_json, "loss_curve", {"max_abs_diff", "mean_abs_diff", "final_loss", "train_s"})
     assert r["max_rel_diff"] < (1e-3 if torch.cuda.is_available() else 1e-4), r["max_rel_diff"]
     if importlib.util.find_spec("matplotlib"):
         assert os.path.getsize(r["png"]) > 10_000
@@ -299,6 +318,7 @@ def test_merge_bisect_joins_one_modes_trials_from_two_runs(tmp_path, grpo_bisect
     run_script("merge_bisect.py", "--out", str(out), f"{paths[1]}:{mode}=swift", f"{paths[0]}:{mode}=+swift")
     merged = json.loads(out.read_text())
     assert list(merged["modes"]) == ["swift"]
+    assert_rows(out, "merge_bisect", {"max_fit_completion", "first_fail_completion"})
     joined = merged["modes"]["swift"]
     assert (joined["max_fit"], joined["first_fail"], joined["status"]) == (380, 398, "joined")
     assert [t["completion"] for t in joined["trials"]] == [380, 417, 398]
@@ -355,6 +375,11 @@ def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path
     assert "x hf_padded" in proc.stdout.splitlines()[-5]  # the table is printed last
     assert all(0 < r["trainable_fraction"] < 0.2 and r["finetune"] == "lora r=16" for r in rows.values())
     assert not any("time_profile" in r for r in rows.values())  # --time-profile is CUDA's: a no-op here
+    result_rows = assert_rows(out, "sft", {"tokens_per_s", "peak_gb", "step_s", "padding_fraction"})
+    assert {r.mode for r in result_rows} == set(modes)
+    assert {r.tool for r in result_rows} == {"transformers+peft", "swiftune"}
+    tps = {r.mode: r.value for r in result_rows if r.metric == "tokens_per_s"}
+    assert tps == pytest.approx({m: rows[m]["tokens_per_s"] for m in modes})  # the JSON's figures, unchanged
 
 
 def test_sft_benchmark_host_profile_of_one_step(tmp_path):
@@ -401,6 +426,8 @@ def test_longctx_tiny_rows_and_replan(tmp_path):
                for t in (256, 1024))
     assert rows[("offload_all", 1024)]["kept"] == 0 and rows[("offload", 1024)]["offloaded"] == 0
     assert "time_vs_ckpt" in rows[("offload_all", 1024)] and "pred_allocated" in rows[("ckpt", 1024)]
+    result_rows = assert_rows(out, "longctx", {"fits", "step_s", "peak_gb", "planned_gb"})
+    assert {(r.mode, r.settings["tokens"]) for r in result_rows if r.metric == "step_s"} == set(rows)
     # --replan rewrites only the planner's columns
     before = json.loads(out.read_text())
     for r in before["rows"]:
@@ -421,7 +448,7 @@ def test_longctx_search_from_the_planner_brackets_within_five_percent():
     longctx = load_bench_module("longctx")
     from swiftune.memory import max_tokens
 
-    from workload import MODEL_SHAPES
+    from benchmarks.workload import MODEL_SHAPES
 
     args = argparse.Namespace(kv_expanded=True, tile_projections=True, mlp_tile=None, autocast=True,
                               bisect_granularity=1024, bisect_tol=0.05)
@@ -507,7 +534,7 @@ def test_longctx_plans_offload_rows_with_the_host_memory_the_run_started_with():
     longctx = load_bench_module("longctx")
     from swiftune.memory import plan_memory
 
-    from workload import MODEL_SHAPES
+    from benchmarks.workload import MODEL_SHAPES
 
     args = argparse.Namespace(kv_expanded=True, tile_projections=True, mlp_tile=None, autocast=True,
                               host_bytes=int(118.1e9))
@@ -588,6 +615,8 @@ def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
     m = json.loads(merged.read_text())
     assert len(m["runs"]) == len(r["runs"]) + len(b["runs"]) and len(m["fused_ab"]) == 4
     assert all(x["fast"]["fused_layers"] for x in r["runs"])  # the engine's default
+    assert_rows(out, "rollout", {"tokens_per_s", "step_ms"})
+    assert_rows(merged, "rollout", {"tokens_per_s", "step_ms"})
     b["device"] = "another GPU"
     again.write_text(json.dumps(b))
     with pytest.raises(AssertionError, match="differs"):
@@ -768,6 +797,115 @@ def test_attention_benchmark_flop_count_and_cpu_refusal():
     # 2 documents of 1024 tokens, 4 heads of 64: forward 2 * 4 * 1024^2 * 64 * 4 / 2, backward 2.5x
     assert ab.attention_flops(1024, 2, 4, 64) == 3.5 * (2 * 4 * 1024**2 * 64 * 4 / 2)
     if not torch.cuda.is_available():
-        proc = subprocess.run([sys.executable, os.path.join(BENCH, "attention_backends.py")], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.attention_backends"], capture_output=True, cwd=ROOT,
                               text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
         assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ results as data
+
+
+def _row(**kw):
+    from benchmarks.results import Row
+
+    base = dict(tool="swiftune", mode="swiftune", model="qwen3-8b", settings={"batch": 16}, metric="tokens_per_s",
+                value=1.0, unit="tok/s", gpu="NVIDIA H200", versions={"torch": "2.11.0"}, date="2026-12-01",
+                command="python -m benchmarks.sft --out x.json")
+    return Row(**{**base, **kw})
+
+
+@pytest.mark.parametrize("bad", [dict(unit="GB"), dict(value=float("nan")), dict(value="7"), dict(tool="mine"),
+                                 dict(versions={"transformers": "5"}), dict(versions={"torch": "2", "jax": "0"}),
+                                 dict(date="01/12/2026"), dict(command="python3 benchmarks/sft.py"),
+                                 dict(metric="speed", unit="tok/s"), dict(settings=[16]), dict(model="")],
+                         ids=lambda d: next(iter(d)))
+def test_results_schema_refuses_a_row_that_breaks_it(tmp_path, bad):
+    from benchmarks.results import read_rows, validate, write_rows
+
+    validate(_row())
+    with pytest.raises(ValueError):
+        validate(_row(**bad))
+    with pytest.raises(ValueError):
+        write_rows(str(tmp_path / "bad.jsonl"), [_row(), _row(**bad)])
+    good = tmp_path / "good.jsonl"
+    write_rows(str(good), [_row(), _row(metric="peak_gb", unit="GB", value=19.4)])
+    assert read_rows(str(good)) == [_row(), _row(metric="peak_gb", unit="GB", value=19.4)]
+    good.write_text(good.read_text().replace('"unit": "GB"', '"unit": "GB", "extra": 1'))
+    with pytest.raises(ValueError, match="fields"):
+        read_rows(str(good))
+
+
+def test_cuda_only_scripts_json_converts_to_valid_rows():
+    """kernels, attention_backends, losses and tune_kernels need CUDA: their converters run on the
+    committed JSON (or one written out here) instead, through the same path the scripts take."""
+    from benchmarks import results
+
+    ctx = results.Context(command="python -m benchmarks.kernels --out k.json", date="2026-12-01", gpu="NVIDIA H200",
+                          versions={"torch": "2.11.0", "trl": "1.16.0"})
+    for name in ("kernels_h200.json", "attention_backends_h200.json"):
+        with open(os.path.join(ROOT, "docs", "results", name)) as f:
+            rows = results.rows_from(json.load(f), ctx)
+        assert rows and all(results.validate(r) is None for r in rows)
+        assert all("trl" not in r.versions for r in rows)  # only where the tool used it
+    losses = {"benchmark": "losses", "rows": [
+        {"tokens": 8192, "loss": "ce", "method": "plain", "status": "ok", "ms": 42.5, "peak_bytes": 13.9e9},
+        {"tokens": 131072, "loss": "ce", "method": "plain", "status": "oom"},
+        {"tokens": 8192, "loss": "ce", "method": "swiftune", "status": "ok", "ms": 31.2, "peak_bytes": 1.35e9}]}
+    rows = results.rows_from(losses, ctx)
+    assert {(r.tool, r.metric, r.value) for r in rows} >= {("transformers+peft", "fits", 0), ("swiftune", "ms", 31.2)}
+    tune = {"benchmark": "tune_kernels", "rows": [{"kernel": "glu_fwd", "settings": {"block": 1024}, "tb_per_s": 4.3}]}
+    assert [r.value for r in results.rows_from(tune, ctx)] == [4.3]
+    with pytest.raises(ValueError):
+        results.rows_from({"something": "else"}, ctx)
+
+
+def test_every_script_with_figures_writes_rows():
+    """Each script that measures figures hands them to benchmarks.results (the smoke runs above
+    check the rows of the ones that run on CPU)."""
+    bench = os.path.join(ROOT, "benchmarks")
+    for name in ("sft", "grpo", "longctx", "rollout", "kernels", "losses", "attention_backends", "loss_curve",
+                 "tune_kernels", "merge_bisect"):
+        with open(os.path.join(bench, f"{name}.py")) as f:
+            text = f.read()
+        assert f'save("{name}", argv' in text, name
+        assert "sys.path" not in text and "issue" not in text.lower(), name
+
+
+def test_published_rows_are_the_committed_raw_results():
+    """docs/results/results.jsonl is what the importer makes of the raw JSON today: neither can
+    change without the other (after a change: python -m benchmarks.results import)."""
+    from benchmarks.results import import_published, read_rows
+
+    committed = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
+    assert import_published(ROOT) == committed
+    for r in committed:
+        assert r.command.startswith("python -m benchmarks."), r.command
+    # the figure measured without the q/k fix and not again is marked; its re-measurement is not
+    marked = {(r.settings["figure"], r.mode) for r in committed if r.settings.get("before_qk_fix")}
+    assert ("sft_sweep_qwen3-8b", "swiftune") in marked and ("sft_qwen3-8b_b16", "swiftune") not in marked
+    assert not any(r.settings.get("before_qk_fix") for r in committed if r.model == "llama3-8b")
+    new = [r for r in committed if r.settings["figure"] == "longctx_largest" and r.model == "qwen3-8b"
+           and r.tool == "swiftune" and r.metric == "max_fit_tokens"]
+    assert [(r.value, r.date) for r in new] == [(893952, "2026-12-01")]
+
+
+def test_docs_tables_are_generated_from_the_committed_rows():
+    """docs/benchmarks.md's tables are what benchmarks.report renders from the committed rows."""
+    from benchmarks import report
+    from benchmarks.results import read_rows
+
+    page_path = os.path.join(ROOT, "docs", "benchmarks.md")
+    with open(page_path) as f:
+        page = f.read()
+    tables = report.render_tables(read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl")))
+    assert report.rewrite(page, tables) == page, "run python -m benchmarks.report"
+    assert {m.group("name") for m in report.BLOCK.finditer(page)} == set(tables)
+    assert "| **swiftune** | 16 | 6,721 | 2.81 | 2.13 | 19.4 |" in tables["sft_qwen3-8b_b16"]
+    # a changed row changes the page
+    rows = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
+    rows[0].value *= 2
+    assert report.rewrite(page, report.render_tables(rows)) != page
+    for stale in ("session", "/tmp/site", "python3 benchmarks/", "issue "):
+        assert stale not in page.lower(), stale
+    for png in set(re.findall(r"\(plots/([^)]+\.png)\)", page)):
+        assert os.path.exists(os.path.join(ROOT, "docs", "plots", png)), png
