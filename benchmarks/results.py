@@ -188,7 +188,7 @@ def save(module: str, argv, data, out: str | None, rows: str | None, **settings)
     path = rows_path(rows, out)
     if path:
         n = write_rows(path, rows_from(data, run_context(module, argv, **settings)))
-        print(f"# {n} result rows: {path}", flush=True)
+        print(f"# {n} result rows: {path}", file=sys.stderr, flush=True)  # stdout ends with the table
     return path
 
 

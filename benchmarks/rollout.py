@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the plain runs of the first shape: the engine with fused_layers=True and =False "
                         "at these G and the shortest N (the A/B of the engine's fused layer loop)")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
-    p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
-                   "(default: the JSON path with .rows.jsonl)")
+    p.add_argument("--result-rows", default=None, help="write the figures as result rows (JSON Lines) here "
+                   "(default: the JSON path with .rows.jsonl; --rows is the rollout's G)")
     p.add_argument("--from-log", nargs="+", default=None, help="build the JSON from printed logs instead of running")
     p.add_argument("--merge", nargs="+", default=None,
                    help="write one JSON with the rows of these saved results (e.g. the N=1024 and N=8192 runs)")
@@ -258,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         if out:
             with open(out, "w") as f:
                 json.dump(results, f, indent=2)
-        if out or a.rows:
-            result_rows.save("rollout", argv, results, out, a.rows)
+        if out or a.result_rows:
+            result_rows.save("rollout", argv, results, out, a.result_rows)
 
     if a.merge:
         results = merge_results(a.merge)

@@ -426,7 +426,7 @@ def test_longctx_tiny_rows_and_replan(tmp_path):
                for t in (256, 1024))
     assert rows[("offload_all", 1024)]["kept"] == 0 and rows[("offload", 1024)]["offloaded"] == 0
     assert "time_vs_ckpt" in rows[("offload_all", 1024)] and "pred_allocated" in rows[("ckpt", 1024)]
-    result_rows = assert_rows(out, "longctx", {"fits", "step_s", "peak_gb", "planned_gb"})
+    result_rows = assert_rows(out, "longctx", {"fits", "step_s", "planned_gb"})  # no peak_gb on CPU
     assert {(r.mode, r.settings["tokens"]) for r in result_rows if r.metric == "step_s"} == set(rows)
     # --replan rewrites only the planner's columns
     before = json.loads(out.read_text())
