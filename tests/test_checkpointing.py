@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from swiftune.data import tiny_model_config
-from swiftune.models.checkpointing import (
+from swiftune.training.checkpointing import (
     CheckpointBudgetError,
     choose_page_bytes,
     decoder_layers,
@@ -203,7 +203,7 @@ def test_retain_graph_restores_again():
 
 
 def test_host_budget_and_gpu_reserve_helpers():
-    from swiftune.models.checkpointing import OffloadState, host_available_bytes
+    from swiftune.training.checkpointing import OffloadState, host_available_bytes
 
     assert host_available_bytes(margin_bytes=0) >= host_available_bytes() >= 0
     model = _model("qwen3", lora=True)
@@ -223,7 +223,7 @@ def test_reserve_follows_the_attention_kernel_of_the_forward(monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     import swiftune.attention.backends as backends
-    from swiftune.models.checkpointing import OffloadState, _setup_of
+    from swiftune.training.checkpointing import OffloadState, _setup_of
 
     cfg = tiny_model_config("qwen3", vocab_size=320, intermediate_size=32, num_attention_heads=8)
     hf = AutoModelForCausalLM.from_config(cfg)
@@ -252,7 +252,7 @@ def test_reserve_for_per_document_sdpa_keeps_kv_heads_where_every_layer_runs_it(
     soft-caps, in half precision (directly or under autocast). Otherwise: the defaults."""
     import swiftune
     import swiftune.attention.backends as backends
-    from swiftune.models.checkpointing import OffloadState, _setup_of
+    from swiftune.training.checkpointing import OffloadState, _setup_of
 
     monkeypatch.setattr(backends, "varlen_expands_kv", lambda: True)
     cfg = tiny_model_config("qwen3", vocab_size=320, intermediate_size=32, num_attention_heads=8)
@@ -293,7 +293,7 @@ def test_cuda_long_documents_tell_the_reserve_sdpa_and_their_longest(monkeypatch
     setup its reserve is planned with takes both (K/V with their own heads, the float32 dq of
     one document)."""
     import swiftune
-    from swiftune.models.checkpointing import OffloadState, _setup_of
+    from swiftune.training.checkpointing import OffloadState, _setup_of
 
     seen, setups = [], []
     real = OffloadState.layer_input
@@ -328,8 +328,8 @@ def test_reserve_drops_the_lora_input_copies_the_trainers_switch_off():
     from peft import LoraConfig, get_peft_model
 
     from swiftune.memory.planner import TrainSetup, layer_working_set, model_shape
-    from swiftune.models.checkpointing import OffloadState, _setup_of
-    from swiftune.models.lora_casting import lora_input_casting
+    from swiftune.training.checkpointing import OffloadState, _setup_of
+    from swiftune.training.lora_casting import lora_input_casting
 
     cfg = tiny_model_config("qwen3", vocab_size=320)
     hf = AutoModelForCausalLM.from_config(cfg)
@@ -351,7 +351,7 @@ def test_reserve_drops_the_lora_input_copies_the_trainers_switch_off():
 def test_layers_see_the_forwards_attention_kernel(monkeypatch):
     """The kernel travels from a keyword argument of the model's forward (GRPO's RowLayout) to the
     plan of every layer input; without it the plan uses the defaults."""
-    from swiftune.models.checkpointing import ATTENTION_KERNEL_ATTR, OffloadState
+    from swiftune.training.checkpointing import ATTENTION_KERNEL_ATTR, OffloadState
 
     seen = []
     real = OffloadState.layer_input
@@ -595,7 +595,7 @@ def test_lora_inputs_left_in_the_autocast_dtype_change_no_number():
 
     from peft import LoraConfig, get_peft_model
 
-    from swiftune.models.lora_casting import can_skip_lora_input_casts, lora_input_casting
+    from swiftune.training.lora_casting import can_skip_lora_input_casts, lora_input_casting
 
     torch.manual_seed(0)
     cfg = tiny_model_config("qwen3", vocab_size=320, attn_implementation="eager")
@@ -627,7 +627,7 @@ def test_lora_inputs_left_in_the_autocast_dtype_change_no_number():
 def test_recompute_skip_keeps_lora_dropout_masks(monkeypatch):
     """With LoRA dropout, the skipped recompute leaves the RNG where the tiles' backward expects it:
     the same gradients as the full recompute (the skip switched off), same seed."""
-    import swiftune.models.checkpointing as ckpt
+    import swiftune.training.checkpointing as ckpt
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)

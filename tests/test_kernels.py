@@ -20,7 +20,9 @@ from swiftune.kernels import (
     swiglu,
     swiglu_reference,
 )
-from swiftune.kernels._launch import autograd_owner, choose_backend, needs_int64
+from swiftune.kernels.launch import autograd_owner, choose_backend, needs_int64
+from swiftune.kernels.logit_grad import logit_block_grad_, logit_block_grad_reference
+from swiftune.kernels.logit_stats import logit_block_stats, logit_block_stats_reference
 from tests.helpers import rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -443,6 +445,31 @@ def test_rms_norm_errors():
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
     with pytest.raises(ValueError, match="eps"):
         rms_norm(torch.randn(2, 8), torch.randn(8), 0.0)
+
+
+# ------------------------------------------------------------------------ logit blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale,softcap,temperature,entropy", [
+    (None, None, 1.0, False), (0.5, None, 0.7, True), (None, 30.0, 1.0, False), (1.5, 10.0, 0.8, True),
+])
+def test_logit_block_kernels_match_the_reference(device, dtype, scale, softcap, temperature, entropy):
+    """Both phases on one block of vocabulary columns [v0, v0 + 70): labels inside and outside it
+    (outside: no target logit, no one-hot in the gradient), tiles that do not divide the width."""
+    torch.manual_seed(3)
+    rows, width, v0 = 9, 70, 100
+    z = (torch.randn(rows, width) * 4).to(device=device, dtype=dtype)
+    labels = torch.randint(v0 - 20, v0 + width + 20, (rows,), device=device)
+    lse, tgt, ent = logit_block_stats(z, labels, v0, scale, softcap, temperature, entropy)
+    lse_r, tgt_r, ent_r = logit_block_stats_reference(z, labels, v0, scale, softcap, temperature, entropy)
+    assert rel_err(lse, lse_r) < 1e-5 and rel_err(tgt, tgt_r) < 1e-5
+    assert (ent is None) == (not entropy) and (ent is None or rel_err(ent, ent_r) < 1e-5)
+    g_ce = torch.rand(rows, device=device)
+    g_ent = torch.randn(rows, device=device) if entropy else None
+    expected = logit_block_grad_reference(z, labels, v0, lse_r, g_ce, g_ent, ent_r, scale, softcap, temperature)
+    got = logit_block_grad_(z.clone(), labels, v0, lse, g_ce, g_ent, ent, scale, softcap, temperature)
+    assert got.dtype == dtype and rel_err(got, expected) < TOL[dtype]
 
 
 # ------------------------------------------------------------------------------ dispatch

@@ -11,7 +11,8 @@ import transformers
 
 from swiftune.attention import ATTENTION_NAME
 from swiftune.data.builtin import EOS_TOKEN, PAD_TOKEN, build_tokenizer
-from swiftune.models import FastModel, is_patched
+from swiftune.models import is_patched
+from swiftune.training import FastModel
 from tests.helpers import rel_err
 from tests.test_patching import VOCAB, tiny_model
 
@@ -131,7 +132,7 @@ def test_lora_dropout_bias_and_offload_flag(tmp_path):
 def test_offload_gpu_budget_reaches_the_layers(tmp_path):
     """offload_gpu_budget_bytes=0 puts every layer input in host memory (the least GPU memory); the
     loss and gradients equal those of plain checkpointing; the option needs "offload"."""
-    from swiftune.models.checkpointing import offload_stats
+    from swiftune.training.checkpointing import offload_stats
 
     _save(tmp_path, "qwen2")
     ids = _ids(12)
@@ -163,8 +164,8 @@ def test_offload_host_budget_caps_the_pinned_inputs(tmp_path):
     gives plain checkpointing's loss and gradients; one that holds none of them (every input sent to
     the host, no GPU budget) stops the step with CheckpointBudgetError naming the host budget; the
     option needs "offload" and a non-negative size."""
-    from swiftune.models.checkpointing import offload_stats
-    from swiftune.models.offload_memory import CheckpointBudgetError
+    from swiftune.training.checkpointing import offload_stats
+    from swiftune.training.offload_memory import CheckpointBudgetError
 
     _save(tmp_path, "llama")
     ids = _ids(12)
@@ -197,7 +198,7 @@ def test_offload_host_budget_caps_the_pinned_inputs(tmp_path):
     with pytest.raises(ValueError, match="offload_host_budget_bytes needs"):  # full fine-tuning: the same checks
         FastModel.for_training(model, use_gradient_checkpointing=True, offload_host_budget_bytes=2**30)
     FastModel.for_training(model, use_gradient_checkpointing="offload", offload_host_budget_bytes=2**30)
-    from swiftune.models.checkpointing import _STATE, causal_lm_of
+    from swiftune.training.checkpointing import _STATE, causal_lm_of
 
     assert getattr(causal_lm_of(model), _STATE).host_budget_bytes == 2**30
 

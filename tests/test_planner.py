@@ -9,10 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swiftune.data import tiny_model_config
+from swiftune.cli.plan import main_plan
 from swiftune.memory import (
     KNOWN_MODELS,
     lora_param_count,
-    main_plan,
     max_tokens,
     model_shape,
     param_count,
@@ -115,7 +115,7 @@ def test_offload_plan_keeps_the_layers_the_runtime_budget_keeps(tokens, tiled):
     """The planner's offload split and the runtime's (models/checkpointing.py: free memory at the
     first layer, minus step_reserve, minus offload_margin_bytes, then split_layers) agree."""
     from swiftune.memory.planner import CUDA_CONTEXT_BYTES, offload_margin_bytes, step_reserve
-    from swiftune.models.checkpointing import split_layers
+    from swiftune.training.checkpointing import split_layers
 
     gpu = int(149.3e9)
     plan = plan_memory("qwen3-8b", tokens, gradient_checkpointing="offload", gpu_bytes=gpu,
@@ -232,7 +232,7 @@ def test_lora_saved_bytes_match_autograd(autocast, lora_dtype, casts):
     from peft import LoraConfig, get_peft_model
 
     from swiftune.memory.planner import _lora_input_bytes
-    from swiftune.models.lora_casting import lora_input_casting
+    from swiftune.training.lora_casting import lora_input_casting
 
     H, out, r, T = 48, 80, 8, 37
 
@@ -275,7 +275,7 @@ def test_planner_derives_layer_inputs_like_the_runtime_when_the_host_is_short():
     """Offload with too little host memory: the planner recomputes the inputs the host cannot hold
     (at most every second layer), as split_layers does at run time, and fits where it did not."""
     from swiftune.memory import plan_memory
-    from swiftune.models.offload_memory import split_layers
+    from swiftune.training.offload_memory import split_layers
 
     tokens, gpu = 400_000, 150 * 10**9
     per_layer = tokens * 4096 * 2

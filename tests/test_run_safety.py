@@ -28,8 +28,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from swiftune.data import build_tokenizer, builtin_instruction_dataset, tiny_model_config
-from swiftune.models import FastModel
-from swiftune.models.loading import first_nonfinite_tensor
+from swiftune.training import FastModel
+from swiftune.training.loading import first_nonfinite_tensor
 from swiftune.rl import GRPOConfig, GRPOTrainer, build_policy_row
 from swiftune.rl.checkpoint import UnsafeCheckpointError, load_rollout_state, save_rollout_state
 from swiftune.rl.trainer import GRPOMicroBatch

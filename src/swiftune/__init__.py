@@ -17,7 +17,7 @@ from . import kernels, losses  # noqa: E402,F401  (the light base layers)
 
 # Heavier entry points (transformers' Trainer, PEFT) load on first use.
 _LAZY = {
-    "FastModel": "swiftune.models",
+    "FastModel": "swiftune.training",
     "patch_model": "swiftune.models",
     "unpatch_model": "swiftune.models",
     "SFTConfig": "swiftune.sft",
@@ -32,6 +32,7 @@ _LAZY = {
     "models": "swiftune.models",
     "data": "swiftune.data",
     "sft": "swiftune.sft",
+    "training": "swiftune.training",
 }
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import Backend, choose_backend, next_pow2, tl, triton
+from .launch import Backend, choose_backend, next_pow2, tl, triton
 from .rms_norm import rms_norm_reference, rms_row
 from .rope import rope_qk_reference
 

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ._launch import Backend, check_float, choose_backend, needs_int64, tl, triton
+from .launch import Backend, check_float, choose_backend, needs_int64, tl, triton
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
 _BLOCK = 1024

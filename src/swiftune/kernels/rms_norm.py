@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
+from .launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

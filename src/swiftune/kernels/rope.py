@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import Backend, autograd_owner, check_float, choose_backend, needs_int64, next_pow2, tl, triton
+from .launch import Backend, autograd_owner, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
 
 def rope_qk_reference(

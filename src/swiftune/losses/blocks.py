@@ -1,8 +1,9 @@
 """The per-block math shared by swiftune's losses, in two interchangeable forms.
 
-* fused Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``): one pass over the raw matmul
-  output ``z`` for the statistics, one pass that writes ``dL/dz`` over ``z`` in place.  A block
-  costs ``vocab_chunk * dtype_bytes`` per token and the elementwise work is ~2 reads + 1 write;
+* fused Triton kernels (CUDA; CPU under ``TRITON_INTERPRET=1``; in :mod:`swiftune.kernels.logit_stats`
+  and :mod:`swiftune.kernels.logit_grad`): one pass over the raw matmul output ``z`` for the
+  statistics, one pass that writes ``dL/dz`` over ``z`` in place.  A block costs
+  ``vocab_chunk * dtype_bytes`` per token and the elementwise work is ~2 reads + 1 write;
 * plain PyTorch ("reference" backend, and float64): an upcast float32 copy, ``log_softmax`` and
   in-place ops, about ``vocab_chunk * (4 + 4 + dtype_bytes)`` bytes per token.
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels._launch import next_pow2, tl, triton
+from ..kernels.logit_grad import logit_block_grad_
+from ..kernels.logit_stats import logit_block_stats, logit_stats_kernel
 
 # ----------------------------------------------------------------------------------------------
 # Per-block math.  Notation (per token row, vocabulary column j):
@@ -210,120 +212,17 @@ def backprop_block(
 
 
 # ----------------------------------------------------------------------------------------------
-# Fused Triton path: the same per-block math in two passes over the raw matmul output ``z`` (in
-# its own dtype), one program per token row, tiles of BLOCK columns:
-#   stats:  online max / sum-exp (and sum p*y' for the entropy) -> lse, H, target y'
-#   grad:   dL/dz written over z in place (so the block needs no float32 copy at all)
-# tanh is written as 2*sigmoid(2x) - 1 (portable across Triton versions and the interpreter).
+# Fused path: the same per-block math as Triton kernels over the raw matmul output ``z`` (in its
+# own dtype): one pass for the statistics (swiftune.kernels.logit_stats), one that writes dL/dz
+# over z in place (swiftune.kernels.logit_grad), so the block needs no float32 copy at all.
 # ----------------------------------------------------------------------------------------------
-
-if triton is not None:
-
-    @triton.jit
-    def _block_stats_kernel(
-        z_ptr, lab_ptr, lse_ptr, tgt_ptr, ent_ptr, n_cols, stride_z, v0, a, b,
-        SOFTCAP: tl.constexpr, WANT_ENT: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)  # rows x columns of one block can pass 2^31
-        base = z_ptr + row * stride_z
-        label = tl.load(lab_ptr + row) - v0
-        m = float("-inf")
-        d = 0.0
-        t = 0.0
-        tgt = 0.0
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                y = (2.0 * tl.sigmoid(2.0 * a * z) - 1.0) * b
-            else:
-                y = z * a
-            y = tl.where(mask, y, float("-inf"))
-            m_new = tl.maximum(m, tl.max(y, axis=0))
-            alpha = tl.exp(m - m_new)
-            e = tl.exp(y - m_new)
-            d = d * alpha + tl.sum(e, axis=0)
-            if WANT_ENT:
-                t = t * alpha + tl.sum(e * tl.where(mask, y, 0.0), axis=0)  # 0 * -inf would be NaN
-            tgt += tl.sum(tl.where((cols == label) & mask, y, 0.0), axis=0)
-            m = m_new
-        lse = m + tl.log(d)
-        tl.store(lse_ptr + row, lse)
-        tl.store(tgt_ptr + row, tgt)
-        if WANT_ENT:
-            tl.store(ent_ptr + row, lse - t / d)
-
-    @triton.jit
-    def _block_grad_kernel(
-        z_ptr, lab_ptr, lse_ptr, gce_ptr, gent_ptr, ent_ptr, n_cols, stride_z, v0, a, b, k,
-        SOFTCAP: tl.constexpr, HAS_ENT: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        base = z_ptr + row * stride_z
-        label = tl.load(lab_ptr + row) - v0
-        lse = tl.load(lse_ptr + row)
-        gce = tl.load(gce_ptr + row)
-        gent = 0.0
-        ent = 0.0
-        if HAS_ENT:
-            gent = tl.load(gent_ptr + row)
-            ent = tl.load(ent_ptr + row)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            if SOFTCAP:
-                th = 2.0 * tl.sigmoid(2.0 * a * z) - 1.0
-                y = th * b
-            else:
-                y = z * a
-            logp = y - lse
-            p = tl.exp(logp)
-            g = gce * (p - tl.where(cols == label, 1.0, 0.0))
-            if HAS_ENT:
-                g -= gent * p * (logp + ent)
-            if SOFTCAP:
-                g = g * (1.0 - th * th)
-            tl.store(base + cols, (g * k).to(z_ptr.dtype.element_ty), mask=mask)
-
-else:  # pragma: no cover
-    _block_stats_kernel = None
-    _block_grad_kernel = None
-
-
-def _launch_args(z: torch.Tensor, tf: LogitTransform) -> tuple[float, float, dict]:
-    s = 1.0 if tf.scale is None else float(tf.scale)
-    if tf.softcap is not None:
-        a, b = s / float(tf.softcap), float(tf.softcap) / tf.temperature
-    else:
-        a, b = s / tf.temperature, 1.0
-    if z.is_cuda:
-        block = min(4096, next_pow2(z.shape[1]))
-        meta = {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
-    else:  # interpreter: small tiles keep tests quick and exercise the tile loop
-        meta = {"BLOCK": min(32, next_pow2(z.shape[1]))}
-    return a, b, meta
-
-
-def _rowvec(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()  # per-row inputs may be expanded (stride 0) views
 
 
 def fused_block_stats(
     z: torch.Tensor, labels: torch.Tensor, v0: int, tf: LogitTransform, want_entropy: bool
 ) -> BlockStats:
     """:class:`BlockStats` of raw block ``z`` (matmul dtype, row-contiguous) in one Triton pass."""
-    rows = z.shape[0]
-    lse = torch.empty(rows, dtype=torch.float32, device=z.device)
-    tgt = torch.empty_like(lse)
-    ent = torch.empty_like(lse) if want_entropy else None
-    if rows:
-        a, b, meta = _launch_args(z, tf)
-        _block_stats_kernel[(rows,)](
-            z, labels.contiguous(), lse, tgt, lse if ent is None else ent, z.shape[1], z.stride(0), v0, a, b,
-            SOFTCAP=tf.softcap is not None, WANT_ENT=want_entropy, **meta,
-        )
+    lse, tgt, ent = logit_block_stats(z, labels, v0, tf.scale, tf.softcap, tf.temperature, want_entropy)
     return BlockStats(lse, ent, tgt)
 
 
@@ -338,16 +237,7 @@ def fused_block_grad_(
     tf: LogitTransform,
 ) -> torch.Tensor:
     """``dL/dz`` (formula of :func:`grad_from_logp_`) written over ``z`` in place; returns ``z``."""
-    if z.shape[0]:
-        a, b, meta = _launch_args(z, tf)
-        gce = _rowvec(g_ce)
-        _block_grad_kernel[(z.shape[0],)](
-            z, labels.contiguous(), _rowvec(lse), gce,
-            gce if g_ent is None else _rowvec(g_ent), gce if ent is None else _rowvec(ent),
-            z.shape[1], z.stride(0), v0, a, b, tf.chain_const(),
-            SOFTCAP=tf.softcap is not None, HAS_ENT=g_ent is not None, **meta,
-        )
-    return z
+    return logit_block_grad_(z, labels, v0, lse, g_ce, g_ent, ent, tf.scale, tf.softcap, tf.temperature)
 
 
 def matmul_block(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, v0: int, v1: int) -> torch.Tensor:
@@ -357,8 +247,8 @@ def matmul_block(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, v0: i
 
 
 def fused_kernel() -> object:
-    """The kernel object :func:`swiftune.kernels._launch.choose_backend` inspects."""
-    return _block_stats_kernel
+    """The kernel object :func:`swiftune.kernels.launch.choose_backend` inspects."""
+    return logit_stats_kernel
 
 
 def block_stats(

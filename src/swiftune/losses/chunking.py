@@ -32,10 +32,9 @@ MAX_VOCAB_CHUNK = 2**18
 #: Budget used when the tensors live on the CPU (there is no free-memory query worth trusting).
 CPU_BUDGET_BYTES = 4 * 2**30
 
-#: Most tokens in one chunk by default.  Measured on the H200 (docs/benchmarks.md, "The fused
-#: loss's chunk"): 1,024 instead of 4,096 took 0.6-0.8 GB off the Qwen3-0.6B steps at batch 8-32
-#: (a 4,096 x 151,936 bf16 block is 1.2 GB) and 0.12 GB off the Qwen3-8B step at batch 16, with no
-#: loss of throughput on either (the logits matmul of 1,024 rows still fills the GPU).
+#: Most tokens in one chunk by default: the logits matmul of this many rows still fills a GPU, and
+#: a larger chunk only makes the ``[chunk_tokens, vocab]`` block bigger, which raises the step's
+#: peak without making it faster (docs/benchmarks.md has the measurement).
 MAX_CHUNK_TOKENS = 1024
 
 #: Fraction of free GPU memory one ``[chunk_tokens, vocab_chunk]`` block may use.

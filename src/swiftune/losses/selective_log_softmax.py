@@ -17,9 +17,9 @@ vocabulary in blocks of at most ``vocab_chunk`` columns with an online log-sum-e
 token only ``lse`` (and ``H``) in float32.  Backward **recomputes** each chunk's logits from the
 saved ``hidden``/``weight``: one extra logits matmul instead of holding ``tokens x vocab`` floats,
 so the extra peak memory is about ``chunk_tokens x vocab x 2`` bytes with the fused Triton block
-kernels (``x (4 + 4 + 2)`` with the PyTorch block math) at any context length.  On an H200 with a
-Qwen3-8B head (bf16, frozen), forward + backward at 65,536 tokens took 0.93x the time of the
-materialising ``log_softmax(...).gather`` and 2% of its extra memory.  The entropy output is differentiable (its gradient costs nothing extra unless it is used).
+kernels (``x (4 + 4 + 2)`` with the PyTorch block math) at any context length (figures against
+the materialising ``log_softmax(...).gather``: docs/benchmarks.md).  The entropy output is
+differentiable (its gradient costs nothing extra unless it is used).
 
 ``offload=True`` (CUDA only; a no-op on CPU tensors) copies the saved hidden states to pinned CPU
 memory on a side stream while the forward chunks compute, frees the GPU copy as soon as the caller
@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..kernels._launch import Backend, choose_backend
+from ..kernels.launch import Backend, choose_backend
 from .blocks import (
     BlockStats,
     LogitTransform,
@@ -95,7 +95,9 @@ class _Offloaded:
 
 
 @dataclass(frozen=True)
-class _Cfg:
+class LogProbConfig:
+    """What :class:`ChunkedLogProb` runs with, fixed for one call (a frozen argument of ``apply``)."""
+
     tf: LogitTransform
     chunk_tokens: int | None
     multiplier: float
@@ -127,7 +129,7 @@ class ChunkedLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, rows, cfg: _Cfg):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, labels, rows, cfg: LogProbConfig):  # type: ignore[override]
         ctx.set_materialize_grads(False)
         H, V = hidden.shape[-1], weight.shape[0]
         h2 = hidden.reshape(-1, H)
@@ -165,7 +167,7 @@ class ChunkedLogProb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logp, g_ent=None):  # type: ignore[override]
         hidden, weight, bias, labels, rows, lse, ent = ctx.saved_tensors
-        cfg: _Cfg = ctx.cfg
+        cfg: LogProbConfig = ctx.cfg
         if ctx.offload_released:
             raise RuntimeError("a second backward through an offloaded selective_log_softmax is not supported")
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -223,7 +225,7 @@ class ChunkedLogProb(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-def _acc_for(param: torch.Tensor, cfg: _Cfg) -> torch.dtype:
+def _acc_for(param: torch.Tensor, cfg: LogProbConfig) -> torch.dtype:
     """Accumulate parameter grads in float32 (float64 when computing in float64)."""
     return cfg.acc if param.dtype != torch.float64 else torch.float64
 
@@ -286,7 +288,7 @@ def selective_log_softmax(
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    cfg = _Cfg(
+    cfg = LogProbConfig(
         LogitTransform(logit_scale, logit_softcap, float(temperature)),
         chunk_tokens, chunk_multiplier, vocab_chunk, bool(offload and grads), return_entropy, cd, acc,
         use_fused(backend, hidden, weight, acc),

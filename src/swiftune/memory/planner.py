@@ -17,7 +17,7 @@ parameters::
     overhead      = context + 5% of activations
 
 The checkpointing module uses :func:`layer_working_set` and :func:`step_reserve` to decide how
-many layer inputs it may keep on the GPU (``swiftune.models.checkpointing``).
+many layer inputs it may keep on the GPU (``swiftune.training.checkpointing``).
 
 Layering: pure Python, nothing from swiftune outside this package and no torch, so every layer
 may use it.
@@ -49,7 +49,7 @@ def offload_margin_bytes(gpu_bytes: int) -> int:
 
 
 #: Size of one pinned host page of offloaded checkpointing (a power of two: PyTorch's pinned
-#: allocator rounds up to those; :class:`swiftune.models.offload_memory.PagePool` holds them).
+#: allocator rounds up to those; :class:`swiftune.training.offload_memory.PagePool` holds them).
 PAGE_BYTES = 64 * 2**20
 
 
@@ -76,7 +76,7 @@ def derived_input_count(num_layers: int, offloaded: int, host_holds: int) -> int
     """How many of the ``offloaded`` layer inputs are *derived* (stored nowhere, recomputed from
     the layer before in backward) when the host holds only ``host_holds`` of them: the missing
     ones, if that is at most every second layer; else 0 (the step does not fit). The runtime
-    (:func:`swiftune.models.offload_memory.split_layers`) and the planner use this one rule."""
+    (:func:`swiftune.training.offload_memory.split_layers`) and the planner use this one rule."""
     missing = offloaded - max(0, host_holds)
     return missing if 0 < missing <= num_layers // 2 else 0
 
@@ -126,7 +126,7 @@ class TrainSetup:
             rank-``r`` intermediate in that dtype too), not a float32 one.
         lora_input_casts: PEFT copies each LoRA input to the adapters' dtype (its default).  The
             swiftune trainers switch that off for bf16/fp16 training steps
-            (:mod:`swiftune.models.lora_casting`); without autocast the copy is what the float32
+            (:mod:`swiftune.training.lora_casting`); without autocast the copy is what the float32
             matmul reads, so it stays.
     """
 

@@ -1,81 +1,9 @@
-"""LoRA inputs left in the activation dtype while training under autocast.
+"""Deprecated alias of swiftune.training.lora_casting; removed after the next release."""
 
-PEFT keeps LoRA adapters in float32 (``autocast_adapter_dtype=True``) and casts every input of a
-LoRA layer to the adapters' dtype before the adapter matmuls. Under bf16/fp16 autocast those
-matmuls run in the half dtype anyway: autocast casts the float32 copy straight back. So every LoRA
-call of every pass (forward, checkpoint recompute, tiled-MLP recompute) writes and reads two full
-copies of its input for nothing: on Qwen3-8B ~440 KB a token a layer a pass, a few percent of an
-SFT step, and a float32 ``[tokens, 12288]`` transient at ``down_proj``. A bf16 -> fp32 -> bf16 round
-trip is exact, so skipping it changes no number.
-
-:func:`lora_input_casting` switches PEFT's own per-layer flag (``cast_input_dtype_enabled``, what
-``peft.helpers.disable_input_dtype_casting`` sets) for a ``with`` block; the trainers wrap each
-training step in it when :func:`can_skip_lora_input_casts` says autocast covers the step (decided
-from the arguments and the PEFT config, without walking the model). GRPO's generation runs inside a
-training step without autocast, so it switches casting back on around it.
-"""
-
-from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
-from torch import nn
-
-LORA_CAST_FLAG = "cast_input_dtype_enabled"  # peft.tuners.tuners_utils.BaseTunerLayer's attribute
-
-
-def _is_lora_layer(module: nn.Module) -> bool:
-    return hasattr(module, LORA_CAST_FLAG) and hasattr(module, "lora_A")
-
-
-def _lora_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if _is_lora_layer(m)]
-
-
-def lora_inputs_cast(model: nn.Module) -> bool:
-    """Whether ``model``'s PEFT LoRA layers copy their inputs to the adapter dtype right now
-    (PEFT's default; False inside :func:`lora_input_casting` ``(enabled=False)``). True without
-    LoRA layers. Reads the first layer only: the flag is switched for all of them together."""
-    layer = next((m for m in model.modules() if _is_lora_layer(m)), None)
-    return layer is None or bool(getattr(layer, LORA_CAST_FLAG))
-
-
-@contextlib.contextmanager
-def lora_input_casting(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Within the block, PEFT LoRA layers of ``model`` cast their inputs to the adapter dtype
-    (``enabled=True``, PEFT's default) or leave them as they come (``False``); restored after."""
-    layers = _lora_layers(model)
-    before = [getattr(m, LORA_CAST_FLAG) for m in layers]
-    for m in layers:
-        setattr(m, LORA_CAST_FLAG, enabled)
-    try:
-        yield
-    finally:
-        for m, value in zip(layers, before):
-            setattr(m, LORA_CAST_FLAG, value)
-
-
-def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
-    """Whether a training step under these ``TrainingArguments`` runs under half-precision autocast
-    (``bf16`` or ``fp16``) and ``model`` has PEFT LoRA layers without DoRA (whose magnitude step
-    computes in the adapter dtype outside autocast's matmuls)."""
-    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
-        return False
-    configs = getattr(model, "peft_config", None) or getattr(getattr(model, "module", None), "peft_config", None) or {}
-    return bool(configs) and all(getattr(c, "peft_type", None) == "LORA" and not getattr(c, "use_dora", False)
-                                 for c in configs.values())
-
-
-def training_step_lora_casting(model: nn.Module, args: Any) -> contextlib.AbstractContextManager:
-    """What the trainers wrap each ``training_step`` in: casting switched off when
-    :func:`can_skip_lora_input_casts` allows it (forward and every recompute of the backward; the
-    same numbers), else nothing."""
-    if can_skip_lora_input_casts(model, args):
-        return lora_input_casting(model, enabled=False)
-    return contextlib.nullcontext()
-
-
-__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting", "lora_inputs_cast",
-           "training_step_lora_casting"]
+from ..training.lora_casting import (  # noqa: F401
+    LORA_CAST_FLAG,
+    can_skip_lora_input_casts,
+    lora_input_casting,
+    lora_inputs_cast,
+    training_step_lora_casting,
+)

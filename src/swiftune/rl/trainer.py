@@ -34,14 +34,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
 from ..data import BatchStats, load_rows
-from ..models import FastModel, causal_lm_of, is_patched, patch_model
-from ..models.lora_casting import lora_input_casting, training_step_lora_casting
+from ..models import causal_lm_of
 from ..models.support import batch_layout_for
-from ..training import MetricsCallback, RunSafetyMixin, TokenMeter
+from ..training import MetricsCallback, SwiftuneTrainer, TokenMeter
+from ..training.lora_casting import lora_input_casting
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
 from .checkpoint import load_rollout_state, save_rollout_state
@@ -144,11 +141,12 @@ def _as_list(x: Any) -> list[int]:
     return [int(v) for v in x] if isinstance(x, (list, tuple, set)) else [int(x)]
 
 
-class GRPOTrainer(RunSafetyMixin, Trainer):
+class GRPOTrainer(SwiftuneTrainer):
     """GRPO (and DAPO, Dr. GRPO, GSPO, CISPO) with packed rollouts and a chunked log-prob loss.
 
     Runs are guarded as SFT's are (:class:`swiftune.training.RunSafetyMixin`: NaN/inf stops, complete
-    checkpoints, resume from the newest complete one, one run per output_dir, Ctrl-C saves).
+    checkpoints, resume from the newest complete one, one run per output_dir, Ctrl-C saves) and
+    start as SFT's do (:class:`swiftune.training.SwiftuneTrainer`: loading, adapters, patching).
 
     Args:
         model: a transformers causal LM, a PEFT model, or a path (loaded with
@@ -164,6 +162,9 @@ class GRPOTrainer(RunSafetyMixin, Trainer):
             :class:`~swiftune.rl.rollout.TransformersRolloutEngine` on the training model).
     """
 
+    config_class = GRPOConfig
+    default_output_dir = "swiftune_output/grpo"
+
     def __init__(
         self,
         model: nn.Module | str,
@@ -178,23 +179,12 @@ class GRPOTrainer(RunSafetyMixin, Trainer):
         rollout_engine: RolloutEngine | None = None,
         **kwargs: Any,
     ):
-        args = args or GRPOConfig(output_dir="swiftune_output/grpo")
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a swiftune.GRPOConfig, got {type(args).__name__}")
-        if isinstance(model, str):
-            model, loaded_tokenizer = FastModel.from_pretrained(
-                model, attn_implementation=args.attention_backend, kernel_backend=args.kernel_backend)
-            processing_class = processing_class or loaded_tokenizer
-        if processing_class is None:
-            raise ValueError("GRPOTrainer needs the tokenizer: pass processing_class=tokenizer")
-        if train_dataset is None:
-            raise ValueError("GRPOTrainer needs a train_dataset of rows with a 'prompt'")
-        if peft_config is not None:
-            import peft
-
-            model = peft.get_peft_model(model, peft_config)
-        if not is_patched(model):
-            patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+        args = self.resolve_args(args)
+        model, processing_class = self.prepare_model(
+            model, args, processing_class, train_dataset, peft_config,
+            missing_tokenizer="GRPOTrainer needs the tokenizer: pass processing_class=tokenizer",
+            missing_dataset="GRPOTrainer needs a train_dataset of rows with a 'prompt'",
+        )
         batch_layout_for(model, "padding_free", trainer="GRPO")  # refuses encoders; warns: padded policy rows
 
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -237,12 +227,10 @@ class GRPOTrainer(RunSafetyMixin, Trainer):
         # compute_loss returns losses that transformers divides by the accumulation steps (see there)
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = False
-        self.remove_callback(ProgressCallback)
-        self.remove_callback(PrinterCallback)
         metrics_cb = MetricsCallback(self.token_meter, args, plot_key="reward", plot_name="reward.png")
         if not args.plot_rewards:
             metrics_cb.plot = None
-        self.add_callback(metrics_cb)
+        self.use_metrics_callback(metrics_cb)
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
 
@@ -340,12 +328,6 @@ class GRPOTrainer(RunSafetyMixin, Trainer):
                                    types=(GRPOMicroBatch,))
         if state is not None:
             self._micro_step, self._buffer = state
-
-    def training_step(self, model, *args, **kwargs):
-        # as SFTTrainer.training_step: LoRA inputs stay in the autocast dtype (generation, which
-        # runs inside the step without autocast, switches PEFT's casting back on: _prepare_inputs)
-        with training_step_lora_casting(model, self.args):
-            return super().training_step(model, *args, **kwargs)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]
         args = self.args

@@ -1,4 +1,4 @@
-"""Moved to :mod:`swiftune.training.metrics` (shared by both trainers); kept so imports keep working."""
+"""Deprecated alias of swiftune.training.metrics; removed after the next release."""
 
 from ..training.metrics import (  # noqa: F401
     MetricsCallback,

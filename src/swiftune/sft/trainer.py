@@ -3,7 +3,8 @@
 What swiftune changes, and nothing else (checkpointing, resume, schedules, logging
 integrations and ``torchrun``/``accelerate`` launch are transformers', guarded by
 :class:`swiftune.training.RunSafetyMixin`: NaN/inf stops, complete checkpoints, one run per
-output_dir, Ctrl-C saves):
+output_dir, Ctrl-C saves; model loading, adapters and patching are the start-up both trainers
+share, :class:`swiftune.training.SwiftuneTrainer`):
 
 * data: any of the shapes of :func:`swiftune.data.prepare_dataset`, tokenized once, with
   completion-only labels;
@@ -22,9 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Trainer
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
 from ..data import (
     BATCH_STAT_KEYS,
     IGNORE_INDEX,
@@ -36,18 +34,16 @@ from ..data import (
     prepare_dataset,
 )
 from ..losses import linear_cross_entropy
-from ..models import FastModel, is_patched, patch_model
 from ..models.heads import hidden_states_and_head
-from ..models.lora_casting import training_step_lora_casting
 from ..models.support import batch_layout_for
-from .config import SFTConfig
-from ..training import MetricsCallback, RunSafetyMixin, StepFlops, TokenMeter
+from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter
 from ..training.safety import COMMON_SETTINGS_KEYS
+from .config import SFTConfig
 
 logger = logging.getLogger(__name__)
 
 
-class SFTTrainer(RunSafetyMixin, Trainer):
+class SFTTrainer(SwiftuneTrainer):
     """Supervised fine-tuning with fused kernels, padding-free batches and a chunked loss.
 
     Args:
@@ -62,6 +58,8 @@ class SFTTrainer(RunSafetyMixin, Trainer):
     """
 
     trainer_kind = "sft"
+    config_class = SFTConfig
+    default_output_dir = "swiftune_output/sft"
     settings_keys = COMMON_SETTINGS_KEYS + (
         "max_length", "packing", "padding_free", "completion_only_loss", "assistant_only_loss",
         "max_tokens_per_batch", "dataset_text_field", "truncation",
@@ -79,25 +77,12 @@ class SFTTrainer(RunSafetyMixin, Trainer):
         callbacks: list | None = None,
         **kwargs: Any,
     ):
-        args = args or SFTConfig(output_dir="swiftune_output/sft")
-        if not isinstance(args, SFTConfig):
-            raise TypeError(f"args must be a swiftune.SFTConfig, got {type(args).__name__}")
-        if isinstance(model, str):
-            model, loaded_tokenizer = FastModel.from_pretrained(
-                model, max_seq_length=args.max_length, attn_implementation=args.attention_backend,
-                kernel_backend=args.kernel_backend,
-            )
-            processing_class = processing_class or loaded_tokenizer
-        if processing_class is None:
-            raise ValueError("SFTTrainer needs the tokenizer: pass processing_class=tokenizer")
-        if train_dataset is None:
-            raise ValueError("SFTTrainer needs a train_dataset")
-        if peft_config is not None:
-            import peft
-
-            model = peft.get_peft_model(model, peft_config)
-        if not is_patched(model):
-            patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+        args = self.resolve_args(args)
+        model, processing_class = self.prepare_model(
+            model, args, processing_class, train_dataset, peft_config, max_seq_length=args.max_length,
+            missing_tokenizer="SFTTrainer needs the tokenizer: pass processing_class=tokenizer",
+            missing_dataset="SFTTrainer needs a train_dataset",
+        )
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
 
         train_dataset = self._tokenize(train_dataset, processing_class, args, "train")
@@ -118,9 +103,7 @@ class SFTTrainer(RunSafetyMixin, Trainer):
         # compute_loss normalises by num_items_in_batch itself: tell the Trainer not to divide
         # by the accumulation steps again, and to count the trained tokens of every micro-batch.
         self.model_accepts_loss_kwargs = True
-        self.remove_callback(ProgressCallback)
-        self.remove_callback(PrinterCallback)
-        self.add_callback(MetricsCallback(self.token_meter, args))
+        self.use_metrics_callback(MetricsCallback(self.token_meter, args))
 
     # ------------------------------------------------------------------------ data
 
@@ -158,12 +141,6 @@ class SFTTrainer(RunSafetyMixin, Trainer):
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         return self.step_flops(self.model, inputs)  # the Trainer's estimate, parameters counted once
-
-    def training_step(self, model, *args, **kwargs):
-        # under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight back:
-        # skip both copies in the forward and in every recompute of the backward (same numbers)
-        with training_step_lora_casting(model, self.args):
-            return super().training_step(model, *args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if all(key in inputs for key in BATCH_STAT_KEYS):

@@ -1,29 +1,50 @@
 """Training runtime shared by the trainers (:mod:`swiftune.sft`, :mod:`swiftune.rl`), which never
-import each other: metrics, checkpoints that are complete before they are visible and resuming
-from them, the output_dir lock, Ctrl-C handling and the NaN/inf guards (:class:`RunSafetyMixin`).
+import each other: model loading and LoRA adapters (:class:`FastModel`), offloaded gradient
+checkpointing and its host page pool, LoRA input casting under autocast, the trainers' common
+start-up (:class:`SwiftuneTrainer`), metrics, checkpoints that are complete before they are
+visible and resuming from them, the output_dir lock, Ctrl-C handling and the NaN/inf guards
+(:class:`RunSafetyMixin`).
 
 Imports only from the layers below it (models, data, losses, attention, kernels, memory).
 """
 
+from .base import SwiftuneTrainer
+from .checkpointing import (
+    CheckpointBudgetError,
+    disable_offloaded_checkpointing,
+    enable_offloaded_checkpointing,
+    offload_stats,
+    release_host_memory,
+)
 from .checkpoints import CheckpointSaveError, newest_complete_checkpoint, resolve_resume
 from .guards import NonFiniteError
 from .interrupt import TrainingInterrupted
+from .loading import FastModel, enable_gradient_checkpointing, ensure_pad_token
 from .metrics import MetricsCallback, StepFlops, TokenMeter, read_metrics, truncate_metrics
 from .run_lock import RunLock, RunLockedError
 from .safety import RunSafetyMixin
 
 __all__ = [
+    "CheckpointBudgetError",
     "CheckpointSaveError",
+    "FastModel",
     "MetricsCallback",
     "NonFiniteError",
     "RunLock",
     "RunLockedError",
     "RunSafetyMixin",
     "StepFlops",
+    "SwiftuneTrainer",
     "TokenMeter",
     "TrainingInterrupted",
+    "disable_offloaded_checkpointing",
+    "enable_gradient_checkpointing",
+    "enable_offloaded_checkpointing",
+    "ensure_pad_token",
     "newest_complete_checkpoint",
+    "offload_stats",
     "read_metrics",
+    "release_host_memory",
     "resolve_resume",
     "truncate_metrics",
 ]

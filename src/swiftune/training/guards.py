@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..models.loading import first_nonfinite_tensor
+from .loading import first_nonfinite_tensor
 
 
 class NonFiniteError(FloatingPointError, ValueError):

@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers.trainer_utils import rotate_checkpoints
 
-from ..models.loading import first_nonfinite_tensor
+from .loading import first_nonfinite_tensor
 from .checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_name,

@@ -1,4 +1,4 @@
-"""Budgets and host pages of the offloaded checkpointing (:mod:`swiftune.models.checkpointing`):
+"""Budgets and host pages of the offloaded checkpointing (:mod:`swiftune.training.checkpointing`):
 which layer inputs stay on the GPU (:func:`split_layers`), how much host memory a new pinned
 allocation may take (:func:`host_available_bytes`), and the pool of fixed-size pinned pages
 (:class:`PagePool`) that holds the offloaded ones across steps.
@@ -101,7 +101,7 @@ def host_available_bytes(margin_bytes: int | None = None) -> int:
 
         vm = psutil.virtual_memory()
         avail, total = int(vm.available), int(vm.total)
-    except Exception:
+    except (ImportError, OSError):  # psutil missing, or it cannot read this system's counters
         try:
             with open("/proc/meminfo") as f:
                 info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ":" in ln}

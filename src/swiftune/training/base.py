@@ -1,0 +1,97 @@
+"""What both trainers do the same way on transformers' ``Trainer`` (:class:`SwiftuneTrainer`).
+
+:class:`~swiftune.sft.SFTTrainer` and :class:`~swiftune.rl.GRPOTrainer` are siblings: neither
+imports the other, so the start-up they share lives here, one layer below them:
+
+* the arguments: ``None`` becomes the trainer's config with its default ``output_dir``, anything
+  but that config class is refused (:meth:`SwiftuneTrainer.resolve_args`);
+* the model: a path or hub name is loaded with :meth:`FastModel.from_pretrained`, its tokenizer
+  taken when none is given; a ``peft_config`` wraps the model with adapters; a model that is not
+  patched yet is (:meth:`SwiftuneTrainer.prepare_model`);
+* the progress display: transformers' progress bar and printer give way to the trainer's
+  :class:`~swiftune.training.metrics.MetricsCallback` (:meth:`SwiftuneTrainer.use_metrics_callback`);
+* every training step runs with PEFT's LoRA input casts switched off where autocast makes them
+  no-ops (:func:`~swiftune.training.lora_casting.training_step_lora_casting`).
+
+The NaN/inf guards, complete checkpoints, the run lock and Ctrl-C handling come with
+:class:`~swiftune.training.safety.RunSafetyMixin`, which this class mixes in before ``Trainer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+from transformers import Trainer
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from ..models import is_patched, patch_model
+from .loading import FastModel
+from .lora_casting import training_step_lora_casting
+from .metrics import MetricsCallback
+from .safety import RunSafetyMixin
+
+
+class SwiftuneTrainer(RunSafetyMixin, Trainer):
+    """A ``transformers.Trainer`` with swiftune's run safety and the start-up of the module doc.
+
+    A subclass sets :attr:`config_class` and :attr:`default_output_dir`, and calls
+    :meth:`resolve_args` and :meth:`prepare_model` before ``Trainer.__init__``, then
+    :meth:`use_metrics_callback` after it.
+    """
+
+    config_class: ClassVar[type]
+    default_output_dir: ClassVar[str]
+
+    @classmethod
+    def resolve_args(cls, args: Any) -> Any:
+        """``args``, or the trainer's config with its default ``output_dir`` when ``None``; a
+        ``TypeError`` for any other class (a plain ``TrainingArguments`` lacks swiftune's fields)."""
+        args = args or cls.config_class(output_dir=cls.default_output_dir)
+        if not isinstance(args, cls.config_class):
+            raise TypeError(f"args must be a swiftune.{cls.config_class.__name__}, got {type(args).__name__}")
+        return args
+
+    @staticmethod
+    def prepare_model(
+        model: nn.Module | str, args: Any, processing_class: Any, train_dataset: Any, peft_config: Any, *,
+        missing_tokenizer: str, missing_dataset: str, **load_kwargs: Any,
+    ) -> tuple[nn.Module, Any]:
+        """``(model, tokenizer)`` ready for training, in this order: a path or hub name loaded
+        (``load_kwargs`` go to :meth:`FastModel.from_pretrained`, with the config's attention and
+        kernel backends), the tokenizer and the dataset required (``ValueError`` with the given
+        messages), adapters added from ``peft_config``, the model patched if it is not."""
+        if isinstance(model, str):
+            model, loaded_tokenizer = FastModel.from_pretrained(
+                model, attn_implementation=args.attention_backend, kernel_backend=args.kernel_backend,
+                **load_kwargs,
+            )
+            processing_class = processing_class or loaded_tokenizer
+        if processing_class is None:
+            raise ValueError(missing_tokenizer)
+        if train_dataset is None:
+            raise ValueError(missing_dataset)
+        if peft_config is not None:
+            import peft  # only when asked for: PEFT is slow to import
+
+            model = peft.get_peft_model(model, peft_config)
+        if not is_patched(model):
+            patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+        return model, processing_class
+
+    def use_metrics_callback(self, callback: MetricsCallback) -> None:
+        """Replace transformers' progress bar and log printer with ``callback`` (which shows both)."""
+        self.remove_callback(ProgressCallback)
+        self.remove_callback(PrinterCallback)
+        self.add_callback(callback)
+
+    def training_step(self, model, *args, **kwargs):
+        # Under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight
+        # back: skip both copies in the forward and in every recompute of the backward (the same
+        # numbers). GRPO's generation, which runs inside the step without autocast, switches the
+        # casting back on around itself.
+        with training_step_lora_casting(model, self.args):
+            return super().training_step(model, *args, **kwargs)
+
+
+__all__ = ["SwiftuneTrainer"]

@@ -1,0 +1,348 @@
+"""``FastModel``: load a causal LM and its tokenizer, patch it, add LoRA adapters.
+
+Everything goes through transformers' and PEFT's real entry points
+(``AutoModelForCausalLM.from_pretrained``, ``AutoTokenizer.from_pretrained``,
+``peft.get_peft_model``), so what comes out is a normal transformers model / ``PeftModel`` whose
+checkpoints and adapters load anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import BACKENDS
+from ..local_paths import resolve_local_path
+from ..models.patching import patch_model
+from ..models.support import require_causal_decoder
+from ..models.tiled_mlp import enable_tiled_mlp
+from .checkpointing import enable_offloaded_checkpointing
+
+# Tokens that real tokenizers ship unused and that make a safe pad token, best first
+# (Llama 3's reserved pad, then the usual spellings). Checked only against the existing
+# vocabulary: swiftune never adds tokens (that would need resizing the embeddings).
+_PAD_CANDIDATES = (
+    "<|finetune_right_pad_id|>",
+    "<|pad|>",
+    "<pad>",
+    "[PAD]",
+    "<|padding|>",
+    "<|endoftext|>",
+    "<unk>",
+)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+# Keyword arguments that matter to both the model and the tokenizer loaders.
+_SHARED_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code", "subfolder")
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 on a CUDA device that supports it, else float32."""
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _local_cuda_device() -> int:
+    """This process's GPU: ``LOCAL_RANK`` under torchrun/accelerate launch (each rank loads onto
+    its own GPU before the Trainer sets the device), else the current device."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and local_rank.isdigit() and int(local_rank) < torch.cuda.device_count():
+        return int(local_rank)
+    return torch.cuda.current_device()
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be a torch.dtype, None or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def ensure_pad_token(tokenizer: Any, model: nn.Module | None = None) -> None:
+    """Give ``tokenizer`` a pad token when it has none, and say which one (a warning).
+
+    Prefers an existing unused special token (e.g. Llama 3's ``<|finetune_right_pad_id|>``),
+    else the eos token. Also sets ``pad_token_id`` on the model's config and generation config.
+    """
+    if tokenizer.pad_token is None:
+        vocab = tokenizer.get_vocab()
+        choice = next((t for t in _PAD_CANDIDATES if t in vocab and t != tokenizer.eos_token), None)
+        if choice is None:
+            choice = tokenizer.eos_token
+        if choice is None:
+            raise ValueError("the tokenizer has neither a pad token nor an eos token; set tokenizer.pad_token first")
+        tokenizer.pad_token = choice
+        note = (
+            " (the eos token: mask padding out of the labels by position, not by token id)"
+            if choice == tokenizer.eos_token
+            else ""
+        )
+        warnings.warn(
+            f"swiftune: the tokenizer has no pad token; using {choice!r} (id {tokenizer.pad_token_id}){note}",
+            stacklevel=3,
+        )
+    if model is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:
+            gen.pad_token_id = tokenizer.pad_token_id
+
+
+def first_nonfinite_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[str, str] | None:
+    """``(name, what)`` of the first floating-point tensor holding NaN or inf, else ``None``;
+    ``what`` counts them (``"3 NaN, 1 inf of 4096 values"``).
+
+    Each tensor is screened with one float32 sum (no temporary of its size: NaN or inf anywhere
+    makes the sum non-finite), all screens in one device sync; only a tensor that fails the screen
+    is checked element-wise (a finite tensor whose sum overflows passes that check).
+    Integer and quantised (packed ``uint8``) tensors, tensors on the ``meta`` device and dtypes
+    without a sum kernel on their device are skipped.
+    """
+    candidates: list[tuple[str, torch.Tensor]] = []
+    screens: list[torch.Tensor] = []
+    for name, tensor in named_tensors:
+        t = tensor.detach()
+        if hasattr(t, "to_local"):  # a DTensor shard (FSDP2): this process's part
+            t = t.to_local()
+        if not t.is_floating_point() or t.is_meta or t.numel() == 0:
+            continue
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        try:
+            screen = torch.sum(t, dtype=acc).reshape(1)
+        except (RuntimeError, TypeError, NotImplementedError):  # a dtype without a sum kernel here
+            continue
+        candidates.append((name, t))
+        screens.append(screen)
+    if not candidates:
+        return None
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(screens):
+        by_device.setdefault(s.device, []).append(i)
+    suspects: list[int] = []
+    for idx in by_device.values():
+        finite = torch.isfinite(torch.cat([screens[i] for i in idx])).tolist()
+        suspects += [i for i, ok in zip(idx, finite) if not ok]
+    for i in sorted(suspects):
+        name, t = candidates[i]
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        if nan or inf:
+            parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
+            return name, f"{', '.join(p for p in parts if p)} of {t.numel()} values"
+    return None
+
+
+def _refuse_nonfinite_weights(model: nn.Module, source: str, dtype: torch.dtype) -> None:
+    """A ValueError naming the first parameter or buffer of ``model`` that holds NaN or inf."""
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    bad = first_nonfinite_tensor(tensors)
+    if bad is None:
+        return
+    name, what = bad
+    raise ValueError(
+        f"{source!r}: the weight {name} holds non-finite values ({what}) after loading in {dtype}; swiftune "
+        "does not train from NaN/inf weights (every loss and gradient would be NaN). Load an earlier, finite "
+        "checkpoint; if the file is fine in its own dtype, the conversion overflowed: load with "
+        "dtype=torch.bfloat16 or torch.float32 instead of float16."
+    )
+
+
+def _check_causal_lm(config: Any, name: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        archs = getattr(config, "architectures", None) or []
+        raise ValueError(
+            f"{name!r} is not a causal language model (model_type {config.model_type!r}, architectures {archs}); "
+            "swiftune fine-tunes decoder-only causal LMs (AutoModelForCausalLM)"
+        )
+    require_causal_decoder(config, repr(name))  # BERT & co. map to a causal LM class but attend both ways
+
+
+def enable_gradient_checkpointing(
+    model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
+    offload_host_budget_bytes: int | None = None,
+) -> nn.Module:
+    """Turn on non-reentrant gradient checkpointing of every decoder layer.
+
+    ``mode="offload"`` checkpoints each layer with its saved input in pinned CPU memory, copied
+    asynchronously and brought back just in time in backward, keeping as many layers on the GPU
+    as its budget allows (:func:`swiftune.training.checkpointing.enable_offloaded_checkpointing`):
+    ``offload_gpu_budget_bytes`` (``None``: what is free at each forward, less the rest of the step;
+    ``0``: every layer input on the host, the least GPU memory) and ``offload_host_budget_bytes``
+    (a cap on the pinned host memory it may take, e.g. on a host shared with other jobs; ``None``:
+    what the machine has available less a margin).
+    """
+    for name, value in (("offload_gpu_budget_bytes", offload_gpu_budget_bytes),
+                        ("offload_host_budget_bytes", offload_host_budget_bytes)):
+        if value is not None and mode not in ("offload", "unsloth"):
+            raise ValueError(f"{name} needs use_gradient_checkpointing='offload'")
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if not mode:
+        return model
+    if mode not in (True, "offload", "unsloth"):
+        raise ValueError(f"use_gradient_checkpointing must be True, False or 'offload', got {mode!r}")
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.2x (old name deprecated)
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    hf_model.config.use_cache = False  # a KV cache is useless in training and conflicts with checkpointing
+    if mode in ("offload", "unsloth"):
+        # takes over from transformers' per-layer flag
+        enable_offloaded_checkpointing(hf_model, gpu_budget_bytes=offload_gpu_budget_bytes,
+                                       host_budget_bytes=offload_host_budget_bytes)
+    else:
+        hf_model._swiftune_offload_checkpointing = False
+    return model
+
+
+class FastModel:
+    """Entry points: :meth:`from_pretrained` and :meth:`get_peft_model`."""
+
+    @staticmethod
+    def from_pretrained(
+        model_name_or_path: str,
+        max_seq_length: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        attn_implementation: str = "auto",
+        patch: bool = True,
+        kernel_backend: str = "auto",
+        **hf_kwargs: Any,
+    ) -> tuple[nn.Module, Any]:
+        """Load a causal LM and its tokenizer through transformers, then patch the model.
+
+        Args:
+            model_name_or_path: local directory or hub name.
+            max_seq_length: longest sequence you will train on; recorded as
+                ``model.max_seq_length`` and ``tokenizer.model_max_length`` (default: the
+                config's ``max_position_embeddings``).
+            dtype: ``None`` = bf16 on a CUDA device that supports it, else float32.
+            attn_implementation: ``"auto"`` (swiftune's packed attention, backend chosen per
+                layer), a packed backend name (``varlen``, ``flash_attn``, ``flex``,
+                ``reference``), or a transformers implementation (``"sdpa"``, ``"eager"``, ...)
+                to keep it.
+            patch: apply :func:`swiftune.patch_model` (fused kernels + packed attention).
+            kernel_backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the fused kernels.
+            **hf_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (``device_map``,
+                ``revision``, ``token``, ...; the shared ones also to the tokenizer).
+
+        Returns:
+            ``(model, tokenizer)``; the tokenizer always has a pad token.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        model_name_or_path = resolve_local_path(model_name_or_path, "model")  # a missing local path: no Hub lookup
+        shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
+        config = hf_kwargs.pop("config", None) or AutoConfig.from_pretrained(model_name_or_path, **shared)
+        _check_causal_lm(config, model_name_or_path)
+
+        packed = attn_implementation == "auto" or attn_implementation in BACKENDS
+        # Packed attention replaces the implementation right after loading, so load with "eager",
+        # which every model supports (Gemma 2 has no sdpa); unpatched, transformers' default.
+        load_attn = ("eager" if patch else None) if packed else attn_implementation
+        if "device_map" not in hf_kwargs and torch.cuda.is_available():
+            hf_kwargs["device_map"] = {"": _local_cuda_device()}
+        model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
+        )
+        _refuse_nonfinite_weights(model, model_name_or_path, model.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **shared)
+        ensure_pad_token(tokenizer, model)
+
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if max_seq_length is None:
+            max_seq_length = limit
+        elif limit is not None and max_seq_length > limit:
+            warnings.warn(
+                f"swiftune: max_seq_length={max_seq_length} exceeds the model's max_position_embeddings={limit}; "
+                "quality past it depends on the model's RoPE scaling",
+                stacklevel=2,
+            )
+        model.max_seq_length = max_seq_length
+        if max_seq_length is not None:
+            tokenizer.model_max_length = max_seq_length
+
+        if patch:
+            patch_model(model, attention=attn_implementation if packed else None, kernel_backend=kernel_backend)
+        return model, tokenizer
+
+    @staticmethod
+    def get_peft_model(
+        model: nn.Module,
+        r: int = 16,
+        lora_alpha: int = 16,
+        target_modules: str | list[str] = "all-linear",
+        lora_dropout: float = 0.0,
+        bias: str = "none",
+        use_gradient_checkpointing: bool | str = True,
+        random_state: int = 3407,
+        use_rslora: bool = False,
+        modules_to_save: list[str] | None = None,
+        offload_gpu_budget_bytes: int | None = None,
+        offload_host_budget_bytes: int | None = None,
+        **lora_kwargs: Any,
+    ) -> nn.Module:
+        """Add LoRA adapters through PEFT; the result is a normal ``peft.PeftModel``.
+
+        Args:
+            model: a (patched) transformers causal LM.
+            r, lora_alpha, target_modules, lora_dropout, bias, use_rslora, modules_to_save,
+                **lora_kwargs: ``peft.LoraConfig`` fields (``"all-linear"`` = every linear layer
+                but the output head).
+            use_gradient_checkpointing: ``True`` (non-reentrant checkpointing of every layer),
+                ``False``, or ``"offload"`` (recorded; see :func:`enable_gradient_checkpointing`).
+            offload_gpu_budget_bytes: with ``"offload"``, GPU bytes the kept layer inputs may take
+                (``None``: as many as fit; ``0``: all on the host).
+            offload_host_budget_bytes: with ``"offload"``, a cap on the pinned host memory the
+                offloaded inputs may take (``None``: what the machine has available).
+            random_state: seed of the adapter initialisation (the global RNG is left untouched).
+        """
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(
+            r=r,
+            lora_alpha=lora_alpha,
+            target_modules=target_modules,
+            lora_dropout=lora_dropout,
+            bias=bias,
+            use_rslora=use_rslora,
+            modules_to_save=modules_to_save,
+            task_type="CAUSAL_LM",
+            **lora_kwargs,
+        )
+        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
+                                      offload_host_budget_bytes=offload_host_budget_bytes)
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(random_state)
+            peft_model = get_peft_model(model, config)
+        if use_gradient_checkpointing in ("offload", "unsloth"):
+            # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
+            # runs in tiles along the sequence so one layer's temporaries stay a few GB.
+            enable_tiled_mlp(peft_model, projections=True)
+        return peft_model
+
+    @staticmethod
+    def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True,
+                     offload_gpu_budget_bytes: int | None = None,
+                     offload_host_budget_bytes: int | None = None) -> nn.Module:
+        """Full fine-tuning: every parameter trainable, gradient checkpointing (budgets as in
+        :meth:`get_peft_model`), train mode."""
+        for p in model.parameters():
+            p.requires_grad_(True)
+        enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
+                                      offload_host_budget_bytes=offload_host_budget_bytes)
+        return model.train()
