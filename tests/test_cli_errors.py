@@ -1,6 +1,6 @@
-"""The command line's mistakes end in one line that names them (issue 21, items 7 and 9): unknown
-options with the closest valid names, local paths that do not exist (no Hub lookup), YAML lists,
-and `swiftune check` saying what it compared (the Triton interpreter on a CPU)."""
+"""The command line's mistakes end in one line that names them: unknown options with the closest
+valid names, local paths that do not exist (no Hub lookup), YAML lists, and `swiftune check`
+saying what it compared (the Triton interpreter on a CPU)."""
 
 import os
 import subprocess
@@ -10,7 +10,8 @@ import pytest
 
 from swiftune.cli import main
 from swiftune.local_paths import looks_local, resolve_local_path
-from swiftune.sft.command import CommandLineError, lora_targets, parse_sft_args, read_yaml_config
+from swiftune.cli.arguments import CommandLineError, lora_targets, read_yaml_config
+from swiftune.cli.sft import parse_sft_args
 
 ENV_WITHOUT_INTERPRETER = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
@@ -56,7 +57,7 @@ def test_bad_values_and_config_fields_end_in_one_line(capsys):
 
 
 def test_none_means_no_limit_on_the_command_line():
-    from swiftune.rl.builtin import parse_grpo_args
+    from swiftune.cli.grpo import parse_grpo_args
 
     _, config, _ = parse_grpo_args(["--max_prompt_length", "none"])
     assert config.max_prompt_length is None
@@ -77,7 +78,7 @@ def test_yaml_lists_and_nulls(tmp_path):
 
 
 def test_list_options_take_commas_on_the_command_line():
-    from swiftune.rl.builtin import parse_grpo_args
+    from swiftune.cli.grpo import parse_grpo_args
 
     model_args, _, _ = parse_sft_args(["--lora_target_modules", "q_proj,k_proj", "o_proj"])
     assert lora_targets(model_args.lora_target_modules) == ["q_proj", "k_proj", "o_proj"]
@@ -87,7 +88,7 @@ def test_list_options_take_commas_on_the_command_line():
 
 
 def test_yaml_grpo_lists(tmp_path):
-    from swiftune.rl.builtin import parse_grpo_args
+    from swiftune.cli.grpo import parse_grpo_args
 
     path = tmp_path / "grpo.yaml"
     path.write_text("reward_funcs: [reverse, exact_match]\nreward_weights: [1.0, 0.5]\nmax_prompt_length: null\n")
@@ -128,7 +129,7 @@ def test_looks_local(name, local):
 
 
 def test_missing_local_dataset_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys):
-    from swiftune.sft.command import load_rows
+    from swiftune.cli.runs import load_rows
 
     class NoHub:
         def load_dataset(self, *a, **k):

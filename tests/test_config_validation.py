@@ -1,6 +1,5 @@
-"""SFTConfig / GRPOConfig refuse bad lengths, counts and coefficients at construction (issue 21,
-item 2): before any model or data is loaded, with a message that names the field, the value and
-what to set instead."""
+"""SFTConfig / GRPOConfig refuse bad lengths, counts and coefficients at construction: before any
+model or data is loaded, with a message that names the field, the value and what to set instead."""
 
 import dataclasses
 import math

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swiftune.data import build_tokenizer, tiny_model_config
-from swiftune.rl.generate import main_generate
+from swiftune.cli.generate import main_generate
 
 
 def run(capsys, *argv) -> list[dict]:

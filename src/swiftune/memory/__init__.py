@@ -1,11 +1,11 @@
-"""Memory: predict what fits before training (:func:`plan_memory`, :func:`max_tokens`, ``swiftune plan``).
+"""Memory: predict what fits before training (:func:`plan_memory`, :func:`max_tokens`).
 
-The planner is pure Python over a model's config; the offloaded checkpointing and tiled MLP that
-it models live in :mod:`swiftune.models.checkpointing` and :mod:`swiftune.models.tiled_mlp`.
-See docs/memory.md for the formulas.
+The planner is pure Python over a model's config: it imports neither torch nor any other part of
+swiftune, so that any layer may ask it what fits (the offloaded checkpointing and the tiled MLP
+that it models import it, not the other way round). Its command line is ``swiftune plan``
+(:mod:`swiftune.cli.plan`). See docs/memory.md for the formulas.
 """
 
-from .cli import main_plan
 from .planner import (
     MemoryPlan,
     TrainSetup,
@@ -25,7 +25,6 @@ __all__ = [
     "auto_tile_tokens",
     "layer_working_set",
     "lora_param_count",
-    "main_plan",
     "max_tokens",
     "model_shape",
     "param_count",

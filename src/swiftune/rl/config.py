@@ -23,8 +23,9 @@ from typing import Literal
 
 from transformers import TrainingArguments
 
-from ..sft.config import (KERNEL_BACKENDS, check_attention_backend, check_training_arguments, fail, require_choice,
-                          require_int, require_number)
+from ..errors import ConfigError
+from ..training.config_checks import (KERNEL_BACKENDS, check_attention_backend, check_training_arguments, fail,
+                                      require_choice, require_int, require_number)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -46,7 +47,8 @@ class GRPOConfig(TrainingArguments):
     normalisation of ``sum l_it`` depends on ``loss_type`` (see :func:`swiftune.rl.loss.grpo_loss`).
 
     Every length, count and coefficient is checked at construction, before any model or data is
-    loaded (a ``ValueError`` names the field, the value and what to set instead): among them
+    loaded (a :class:`swiftune.errors.ConfigError`, a ``ValueError``, names the field, the value and
+    what to set instead): among them
     ``num_generations >= 2`` (as TRL: a group of one has no advantage), ``temperature > 0``,
     ``max_prompt_length`` a positive number of tokens or ``None`` for no limit, ``epsilon``,
     ``epsilon_high`` and ``beta`` >= 0.
@@ -203,11 +205,11 @@ class GRPOConfig(TrainingArguments):
         self._check_fields()
         if self.generation_batch_size is not None:
             if self.steps_per_generation is not None:
-                raise ValueError("GRPOConfig: generation_batch_size and steps_per_generation are alternatives; "
+                raise ConfigError("GRPOConfig: generation_batch_size and steps_per_generation are alternatives; "
                                  "set only one of them")
             per_step = self.per_device_train_batch_size * max(1, self.world_size)
             if self.generation_batch_size % per_step:
-                raise ValueError(f"GRPOConfig: generation_batch_size ({self.generation_batch_size}) must be a "
+                raise ConfigError(f"GRPOConfig: generation_batch_size ({self.generation_batch_size}) must be a "
                                  f"multiple of per_device_train_batch_size x processes ({per_step}); set it to "
                                  f"{max(1, round(self.generation_batch_size / per_step)) * per_step}")
             self.steps_per_generation = self.generation_batch_size // per_step
@@ -223,14 +225,14 @@ class GRPOConfig(TrainingArguments):
             self.share_prompt = self.num_generations > 1
         per_generation = self.per_device_train_batch_size * self.steps_per_generation
         if per_generation % self.num_generations:
-            raise ValueError(
+            raise ConfigError(
                 f"GRPOConfig: per_device_train_batch_size * steps_per_generation = {self.per_device_train_batch_size}"
                 f" * {self.steps_per_generation} = {per_generation} completions per generation must be a multiple "
                 f"of num_generations={self.num_generations} (whole groups on every process); change "
                 f"per_device_train_batch_size, gradient_accumulation_steps / steps_per_generation or num_generations"
             )
         if self.delta is not None and self.delta <= 1 + self.epsilon_high and self.loss_type != "cispo":
-            raise ValueError(f"GRPOConfig: delta={self.delta!r} must exceed 1 + epsilon_high "
+            raise ConfigError(f"GRPOConfig: delta={self.delta!r} must exceed 1 + epsilon_high "
                              f"({1 + self.epsilon_high}); set delta higher (e.g. {1 + self.epsilon_high + 0.8:g}) "
                              "or None (off)")
 

@@ -13,8 +13,11 @@ import argparse
 import json
 import time
 
+from ..errors import ConfigError
+
 
 def build_parser() -> argparse.ArgumentParser:
+    """The options of ``swiftune generate``."""
     p = argparse.ArgumentParser(prog="swiftune generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="local path or hub name (default: the built-in tiny model)")
@@ -38,13 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main_generate(argv: list[str] | None = None) -> int:
+    """``swiftune generate``: sample the prompts and print each completion (see the module docstring).
+    Options that need the fast engine without ``--engine fast`` raise :class:`ConfigError`."""
     import torch
 
     from ..data import build_tokenizer, tiny_model_config
-    from ..models import FastModel
-    from .rollout import SamplingParams, TransformersRolloutEngine
+    from ..rl.rollout import SamplingParams, TransformersRolloutEngine
+    from ..training import FastModel
 
     args = build_parser().parse_args(argv)
+    if args.engine != "fast" and (args.stop or not args.fused_layers):
+        # checked before the model loads: only the fast engine matches stop strings and has a fused loop
+        raise ConfigError("--stop strings and --no_fused_layers need --engine fast; add --engine fast or drop them")
     if args.model is None:
         from transformers import AutoModelForCausalLM
 
@@ -77,14 +85,12 @@ def main_generate(argv: list[str] | None = None) -> int:
                      top_p=args.top_p, top_k=1 if greedy else args.top_k, min_p=args.min_p, stop_token_ids=stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if args.engine == "fast":
-        from .engine import FastRolloutEngine, FastSamplingParams
+        from ..rl.engine import FastRolloutEngine, FastSamplingParams
 
         engine = FastRolloutEngine(model, pad_token_id=pad, seed=args.seed, tokenizer=tokenizer,
                                    fused_layers=args.fused_layers)
         params = FastSamplingParams(stop=tuple(args.stop), **params_kw)
     else:
-        if args.stop or not args.fused_layers:
-            raise SystemExit("--stop strings and --no_fused_layers need --engine fast")
         engine = TransformersRolloutEngine(model, pad_token_id=pad, seed=args.seed)
         params = SamplingParams(**params_kw)
     start = time.perf_counter()

@@ -1,51 +1,9 @@
-"""The ``swiftune`` command.
-
-    swiftune sft [CONFIG.yaml] [--key value ...]    supervised fine-tuning
-    swiftune grpo [CONFIG.yaml] [--key value ...]   reinforcement learning (GRPO and its variants)
-    swiftune generate --model PATH --prompt "..."   sample through a rollout engine (quick checks)
-    swiftune plan --model qwen3-8b --tokens 65536   predicted peak GPU memory and the largest context
-    swiftune check                                  Triton kernels vs their references on this machine
-                                                    (the Triton interpreter on a CPU)
-
-With no arguments ``swiftune sft`` trains a tiny built-in model on the built-in instruction
-dataset (no download), on the GPU when there is one, else on the CPU in about a minute;
-``swiftune grpo`` runs a built-in toy task (a short SFT warm-up, then GRPO on reversing words).
-Options are the fields of :class:`swiftune.SFTConfig` / :class:`swiftune.GRPOConfig`
-(transformers' ``TrainingArguments`` plus swiftune's) and of the commands' model arguments
-(``--help`` lists them all); a YAML file gives the same keys (lists as YAML lists), and command-line
-options override it. A mistyped option, a value out of range or a local path that does not exist
-ends in one line naming it (exit status 2); add ``--traceback`` to see where an error came from.
-"""
+"""``swiftune check``: each fused Triton kernel, forward and backward, against its plain-PyTorch
+reference evaluated in float64, on this machine (the Triton interpreter on a CPU)."""
 
 from __future__ import annotations
 
-import logging
 import sys
-
-
-def run_sft(argv: list[str]) -> int:
-    from .sft.command import run_sft as run
-
-    return run(argv)
-
-
-def run_grpo(argv: list[str]) -> int:
-    from .rl.builtin import run_grpo as run
-
-    return run(argv)
-
-
-def run_generate(argv: list[str]) -> int:
-    from .rl.generate import main_generate
-
-    return main_generate(argv)
-
-
-def run_plan(argv: list[str]) -> int:
-    from .memory import main_plan
-
-    return main_plan(argv)
-
 
 CHECK_DOC = """swiftune check: each fused Triton kernel, forward and backward, against its plain-PyTorch
 reference evaluated in float64, on this machine.
@@ -56,11 +14,11 @@ the check runs itself again in a subprocess with it set. Nothing is ever compare
 kernel is called with backend='triton', which raises rather than fall back to the reference."""
 
 
-def _triton_runs_on_cpu() -> bool:
+def triton_runs_on_cpu() -> bool:
     """Whether the Triton kernels run on CPU tensors here (decorated under TRITON_INTERPRET=1)."""
     import torch
 
-    from .kernels import swiglu
+    from ..kernels import swiglu
 
     try:
         swiglu(torch.zeros(1, 2), torch.zeros(1, 2), backend="triton")
@@ -69,11 +27,11 @@ def _triton_runs_on_cpu() -> bool:
     return True
 
 
-def _check_rows(device: str) -> list[tuple[str, float, float]]:
+def check_rows(device: str) -> list[tuple[str, float, float]]:
     """``(kernel, forward rel err, backward rel err)`` of every kernel vs its float64 reference."""
     import torch
 
-    from . import kernels as K
+    from .. import kernels as K
 
     big = device == "cuda"
     rows_, cols = (64, 1000) if big else (16, 200)
@@ -138,13 +96,13 @@ def run_check(argv: list[str]) -> int:
 
     import torch
 
-    from .kernels._launch import HAS_TRITON
+    from ..kernels.launch import HAS_TRITON
 
     if not HAS_TRITON:
         print("swiftune check: triton is not installed, so there is no Triton kernel to check (swiftune runs "
               "its plain-PyTorch references); install triton to check the kernels", file=sys.stderr)
         return 1
-    if _triton_runs_on_cpu():
+    if triton_runs_on_cpu():
         device, what = "cpu", "run by the Triton interpreter on the CPU, TRITON_INTERPRET=1"
     elif torch.cuda.is_available():
         device, what = "cuda", f"compiled for {torch.cuda.get_device_name()}"
@@ -161,67 +119,10 @@ def run_check(argv: list[str]) -> int:
     print(f"swiftune check: Triton kernels ({what}), float32, vs their plain-PyTorch references in float64")
     print(f"{'kernel':14s} {'forward':>10s} {'backward':>10s}")
     ok = True
-    for name, forward, backward in _check_rows(device):
+    for name, forward, backward in check_rows(device):
         good = forward < args.tolerance and backward < args.tolerance  # NaN fails
         ok &= good
         print(f"{name:14s} {forward:10.2e} {backward:10.2e}  {'ok' if good else 'FAIL'}")
     verdict = "every kernel matches its reference" if ok else "MISMATCH: a kernel differs from its reference"
     print(f"{verdict} (relative error tolerance {args.tolerance:g}; Triton kernels {what})")
     return 0 if ok else 1
-
-
-COMMANDS = {"sft": run_sft, "grpo": run_grpo, "generate": run_generate, "plan": run_plan, "check": run_check}
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The ``swiftune`` command. A mistake in the command line or config ends in one line naming it
-    and exit status 2; a ``ValueError`` or ``OSError`` (a bad file, dataset or model) raised while
-    running ends in one line and status 1; Ctrl-C ends in one line (where the checkpoint went) and
-status 130 (``--traceback`` shows the whole traceback instead)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        if argv and argv[0] not in ("-h", "--help"):
-            import difflib
-
-            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            print(f"swiftune: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}){hint}", file=sys.stderr)
-            return 2
-        print(__doc__)
-        return 0
-    command, rest = argv[0], argv[1:]
-    show_traceback = "--traceback" in rest
-    rest = [a for a in rest if a != "--traceback"]
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "accelerate", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        return COMMANDS[command](rest)
-    except KeyboardInterrupt as e:
-        if show_traceback:
-            raise
-        # Ctrl-C: the trainers save a checkpoint of the last finished step and say where (their
-        # TrainingInterrupted message); a plain KeyboardInterrupt came before training started
-        print(f"swiftune {command}: interrupted: {_one_line(e) if str(e) else 'stopped before training'}",
-              file=sys.stderr)
-        return 130
-    except (ValueError, OSError, ImportError) as e:
-        if show_traceback:
-            raise
-        # CommandLineError lives with the trainer commands; not imported here, so that `swiftune check`
-        # and `swiftune plan` stay light: when that module was never loaded, this is not one
-        commands = sys.modules.get("swiftune.sft.command")
-        if commands is not None and isinstance(e, commands.CommandLineError):
-            print(f"swiftune {command}: error: {_one_line(e)}", file=sys.stderr)
-            return 2
-        print(f"swiftune {command}: error: {_one_line(e)} (add --traceback for the traceback)", file=sys.stderr)
-        return 1
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-

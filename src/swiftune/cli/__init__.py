@@ -1,0 +1,114 @@
+"""The ``swiftune`` command.
+
+    swiftune sft [CONFIG.yaml] [--key value ...]    supervised fine-tuning
+    swiftune grpo [CONFIG.yaml] [--key value ...]   reinforcement learning (GRPO and its variants)
+    swiftune generate --model PATH --prompt "..."   sample through a rollout engine (quick checks)
+    swiftune plan --model qwen3-8b --tokens 65536   predicted peak GPU memory and the largest context
+    swiftune check                                  Triton kernels vs their references on this machine
+                                                    (the Triton interpreter on a CPU)
+
+With no arguments ``swiftune sft`` trains a tiny built-in model on the built-in instruction
+dataset (no download), on the GPU when there is one, else on the CPU (a short run);
+``swiftune grpo`` runs a built-in toy task (a short SFT warm-up, then GRPO on reversing words).
+Options are the fields of :class:`swiftune.SFTConfig` / :class:`swiftune.GRPOConfig`
+(transformers' ``TrainingArguments`` plus swiftune's) and of the commands' model arguments
+(``--help`` lists them all); a YAML file gives the same keys (lists as YAML lists), and command-line
+options override it. A mistyped option, a value out of range or a local path that does not exist
+ends in one line naming it (exit status 2); add ``--traceback`` to see where an error came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from ..errors import ConfigError
+
+
+def run_sft(argv: list[str]) -> int:
+    from .sft import run_sft as run
+
+    return run(argv)
+
+
+def run_grpo(argv: list[str]) -> int:
+    from .grpo import run_grpo as run
+
+    return run(argv)
+
+
+def run_generate(argv: list[str]) -> int:
+    from .generate import main_generate
+
+    return main_generate(argv)
+
+
+def run_plan(argv: list[str]) -> int:
+    from .plan import main_plan
+
+    return main_plan(argv)
+
+
+def run_check(argv: list[str]) -> int:
+    from .check import run_check as run
+
+    return run(argv)
+
+
+# Each command's module is imported only when that command runs, so that `swiftune plan` and
+# `swiftune --help` do not pay for importing torch and transformers.
+COMMANDS = {"sft": run_sft, "grpo": run_grpo, "generate": run_generate, "plan": run_plan, "check": run_check}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``swiftune`` command; returns its exit status.
+
+    A mistake in the command line or config (a :class:`swiftune.errors.ConfigError`) ends in one
+    line naming it and exit status 2; a ``ValueError``, ``OSError`` or ``ImportError`` (a bad file,
+    dataset or model) raised while running ends in one line and status 1; Ctrl-C ends in one line
+    (where the checkpoint went) and status 130. ``--traceback`` shows the whole traceback instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            import difflib
+
+            close = difflib.get_close_matches(argv[0], list(COMMANDS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            print(f"swiftune: unknown command {argv[0]!r} (commands: {', '.join(COMMANDS)}){hint}", file=sys.stderr)
+            return 2
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    show_traceback = "--traceback" in rest
+    rest = [a for a in rest if a != "--traceback"]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("transformers", "accelerate", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return COMMANDS[command](rest)
+    except KeyboardInterrupt as e:
+        if show_traceback:
+            raise
+        # Ctrl-C: the trainers save a checkpoint of the last finished step and say where (their
+        # TrainingInterrupted message); a plain KeyboardInterrupt came before training started
+        print(f"swiftune {command}: interrupted: {_one_line(e) if str(e) else 'stopped before training'}",
+              file=sys.stderr)
+        return 130
+    except ConfigError as e:
+        if show_traceback:
+            raise
+        # a setting to change (an option, a YAML key, a config field): the message says which and
+        # how, so no traceback hint
+        print(f"swiftune {command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError, ImportError) as e:
+        if show_traceback:
+            raise
+        print(f"swiftune {command}: error: {_one_line(e)} (add --traceback for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+

@@ -1,0 +1,361 @@
+"""The options of the training commands (``swiftune sft``, ``swiftune grpo``) and how they are read.
+
+A command's options are the fields of dataclasses: :class:`ModelArguments` (what to train, on what
+data, LoRA) and the trainer's config (``SFTConfig`` / ``GRPOConfig``, transformers'
+``TrainingArguments`` plus the trainer's fields). transformers' ``HfArgumentParser`` turns the
+fields into ``--key value`` options and their ``help`` metadata into ``--help``; a YAML file gives
+the same keys. This module adds what a user needs on top: exact option names (no silent
+abbreviations), list options taking space- or comma-separated values, ``none`` for optional
+numbers, YAML lists and nulls, and every mistake as one :class:`CommandLineError` naming the
+option and the fix, raised before any model or data loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError
+
+
+@dataclass
+class ModelArguments:
+    """What to train and on what data."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Local path or hub name of a causal LM; none: the built-in tiny model."}
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata={"help": "JSONL/JSON/Parquet path, or a hub dataset name (needs `datasets`); none: built-in data."},
+    )
+    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
+    eval_dataset: str | None = field(
+        default=None,
+        metadata={"help": "Held-out rows (same formats as --dataset), evaluated every --eval_steps with "
+                          "--eval_strategy steps; SFT reports eval_loss, GRPO eval_reward."},
+    )
+    eval_dataset_split: str = field(default="test", metadata={"help": "Split of a hub eval dataset."})
+    dtype: str = field(default="auto", metadata={"help": "Model weights dtype: auto (bf16 on GPU), bf16, fp16, fp32."})
+    use_lora: bool | None = field(
+        default=None, metadata={"help": "Train LoRA adapters (default for real models) or the full model (false; "
+                                        "default for the built-in tiny model)."}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Module names to adapt (space- or comma-separated; a list in YAML), or all-linear."},
+    )
+    use_gradient_checkpointing: str = field(
+        default="true", metadata={"help": "true, false, or offload (saved layer inputs in CPU memory)."}
+    )
+    offload_gpu_budget_gb: float | None = field(
+        default=None, metadata={"help": "With --use_gradient_checkpointing offload: GB of GPU memory the kept "
+                                        "layer inputs may take (default: as many as fit; 0: every one on the host, "
+                                        "the least GPU memory)."}
+    )
+
+
+class CommandLineError(ConfigError):
+    """A command line or YAML config the command cannot run; the message names the option and the fix.
+    ``swiftune`` prints it as one line and exits with status 2."""
+
+
+def read_yaml_config(path: str) -> dict[str, Any]:
+    """The option mapping of a YAML config file (``yaml.safe_load``: plain data only)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise CommandLineError(f"config file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        raise CommandLineError(f"config file {path}{at}: not valid YAML: {getattr(e, 'problem', None) or e}") from e
+    except UnicodeDecodeError as e:
+        raise CommandLineError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise CommandLineError(f"config file {path}: expected a mapping of option names to values, "
+                               f"got a {type(config).__name__}")
+    return config
+
+
+@dataclass
+class _Option:
+    """What the parser knows about one destination (a dataclass field)."""
+
+    action: argparse.Action
+    allows_none: bool = False
+    takes_str: bool = False
+    list_typed: bool = False
+    dict_typed: bool = False
+
+    @property
+    def multi(self) -> bool:  # argparse takes several values (a list[...] field)
+        return self.action.nargs in ("+", "*")
+
+
+def _field_options(parser: argparse.ArgumentParser, classes: tuple) -> tuple[dict[str, str], dict[str, _Option]]:
+    """``(option string -> dest, dest -> _Option)``, from the parser and the dataclasses' type hints."""
+    import types
+    import typing
+
+    by_string = {opt: a.dest for a in parser._actions for opt in a.option_strings}
+    options = {a.dest: _Option(a) for a in parser._actions if a.option_strings and a.dest != "help"}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name not in options or f.name not in hints:
+                continue
+            hint = hints[f.name]
+            union = typing.get_origin(hint) is typing.Union or isinstance(hint, types.UnionType)
+            parts = typing.get_args(hint) if union else (hint,)
+            origins = [typing.get_origin(t) or t for t in parts]
+            opt = options[f.name]
+            opt.allows_none = type(None) in parts
+            opt.takes_str = str in parts
+            opt.list_typed = any(o in (list, tuple) for o in origins)
+            opt.dict_typed = any(o is dict for o in origins)
+    return by_string, options
+
+
+def _unknown_option(name: str, valid: list[str], where: str = "") -> CommandLineError:
+    import difflib
+
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    hint = ("; did you mean " + " or ".join(f"--{c}" for c in close) + "?") if close else "; --help lists the options"
+    return CommandLineError(f"unknown option --{name}{where}{hint}")
+
+
+def _split_commas(values: list[str]) -> list[str]:
+    return [part.strip() for v in values for part in v.split(",") if part.strip()]
+
+
+def _normalise_argv(argv: list[str], by_string: dict[str, str], options: dict[str, _Option],
+                    valid: list[str]) -> tuple[list[str], dict[str, Any], set[str]]:
+    """``(argv, none_values, given)``: each option checked against the parser (exact names, no
+    abbreviations), list options' comma-separated values split, ``none``/``null`` for an optional
+    non-text option recorded as None, and the set of destinations given."""
+    out: list[str] = []
+    nones: dict[str, Any] = {}
+    given: set[str] = set()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if not token.startswith("-") or _is_number(token):
+            after = f" (after {argv[i - 1]})" if i else ""
+            raise CommandLineError(f"unexpected argument {token!r}{after}: options are --key value; a list option "
+                                   "takes its values space- or comma-separated; a YAML config file comes first")
+        key, eq, inline = token.partition("=")
+        if key not in by_string:
+            raise _unknown_option(key.lstrip("-").replace("-", "_"), valid)
+        dest = by_string[key]
+        option = options.get(dest)
+        values = [inline] if eq else []
+        i += 1
+        while not eq and i < len(argv) and (not argv[i].startswith("-") or _is_number(argv[i])):
+            values.append(argv[i])
+            i += 1
+        given.add(dest)
+        if option is not None and len(values) == 1 and values[0].strip().lower() in ("none", "null") \
+                and option.allows_none and not option.takes_str:
+            nones[dest] = None
+            continue
+        if option is not None and option.multi:
+            values = _split_commas(values)
+        elif option is not None and len(values) > 1:
+            raise CommandLineError(f"{key} takes one value, got {len(values)}: {' '.join(values)}")
+        out.append(key)
+        out.extend(values)
+    return out, nones, given
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _yaml_items(config: dict[str, Any], path: str, by_string: dict[str, str], options: dict[str, _Option],
+                valid: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """``(argv, direct)``: YAML values as command-line tokens (so that argparse converts and checks
+    them as it does the command line), and the values that have no command-line spelling (None, a
+    list or mapping for a field typed so) to set directly."""
+    argv: list[str] = []
+    direct: dict[str, Any] = {}
+    for key, value in config.items():
+        name = str(key).lstrip("-")
+        dest = by_string.get(f"--{name}")
+        if dest is None:
+            raise _unknown_option(name.replace("-", "_"), valid, f" (in {path})")
+        option = options[dest]
+        if value is None:
+            if not option.allows_none:
+                raise CommandLineError(f"{path}: {name}: null is not a value for this option; give one or remove "
+                                       "the line to keep the default")
+            direct[dest] = None
+        elif isinstance(value, (list, tuple)):
+            if option.multi:
+                argv += [f"--{dest}", *(_scalar(v, path, name) for v in value)]
+            elif option.list_typed:
+                direct[dest] = list(value)
+            else:  # a comma-separated option (lora_target_modules of old configs, reward_funcs)
+                argv += [f"--{dest}={','.join(_scalar(v, path, name) for v in value)}"]
+        elif isinstance(value, dict):
+            if option.dict_typed:
+                direct[dest] = value
+            else:
+                argv += [f"--{dest}={json.dumps(value)}"]
+        else:
+            argv += [f"--{dest}={_scalar(value, path, name)}"]
+    return argv, direct
+
+
+def _scalar(value: Any, path: str, name: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (dict, list, tuple)):
+        raise CommandLineError(f"{path}: {name}: expected plain values, got a nested {type(value).__name__}")
+    return str(value)
+
+
+def parse_command_args(argv: list[str], classes: tuple, prog: str, description: str,
+                       builtin_defaults: dict[str, Any], default_output_dir: str):
+    """``(model_args, config, builtin)`` from ``[CONFIG.yaml] [--key value ...]``.
+
+    Command-line options override the YAML file. Without ``--model_name_or_path`` the command
+    runs its built-in task, with ``builtin_defaults`` for every option the user did not give.
+    Every mistake (an unknown option, a bad value, a config field out of range, a local model,
+    dataset or checkpoint path that does not exist) raises :class:`CommandLineError` before any
+    model or data is loaded.
+    """
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(classes, prog=prog, description=description)
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+
+    def error(message: str):  # argparse would print the whole usage (hundreds of options) and exit
+        raise CommandLineError(message)
+
+    parser.error = error
+    by_string, options = _field_options(parser, classes)
+    valid = sorted(options)
+    yaml_argv: list[str] = []
+    direct: dict[str, Any] = {}
+    if argv and not argv[0].startswith("-") and argv[0].lower().endswith((".yaml", ".yml")):
+        path = argv[0]
+        yaml_argv, direct = _yaml_items(read_yaml_config(path), path, by_string, options, valid)
+        argv = argv[1:]
+    if any(a in ("-h", "--help") for a in argv):
+        parser.parse_args(["--help"])  # prints the help and exits 0
+    yaml_argv, yaml_nones, yaml_given = _normalise_argv(yaml_argv, by_string, options, valid)
+    cli_argv, cli_nones, cli_given = _normalise_argv(argv, by_string, options, valid)
+    direct = {k: v for k, v in {**direct, **yaml_nones}.items() if k not in cli_given}
+    direct.update(cli_nones)
+    given = yaml_given | cli_given | set(direct)
+    builtin = "model_name_or_path" not in given
+    prefix: list[str] = []
+    if builtin:
+        prefix = [f"--{k}={v}" for k, v in builtin_defaults.items() if k not in given]
+    elif "output_dir" not in given:
+        prefix = [f"--output_dir={default_output_dir}"]
+    namespace, remaining = parser.parse_known_args(args=prefix + yaml_argv + cli_argv)
+    if remaining:
+        raise CommandLineError(f"unexpected arguments: {' '.join(remaining)}")
+    for dest, value in direct.items():
+        setattr(namespace, dest, value)
+    outputs = []
+    for cls in classes:
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        try:
+            outputs.append(cls(**{k: v for k, v in vars(namespace).items() if k in names}))
+        except (ValueError, TypeError) as e:
+            raise CommandLineError(str(e)) from e
+    model_args, config = outputs
+    try:
+        check_model_args(model_args)
+    except ConfigError as e:
+        raise CommandLineError(str(e)) from e
+    check_paths(model_args, config)
+    return model_args, config, builtin
+
+
+def check_model_args(model_args: ModelArguments) -> None:
+    """The model arguments' values (:class:`ConfigError` naming the option), before anything loads."""
+    gc = gradient_checkpointing_mode(model_args)
+    budget = model_args.offload_gpu_budget_gb
+    if budget is not None and gc != "offload":
+        raise ConfigError("--offload_gpu_budget_gb needs --use_gradient_checkpointing offload")
+    if budget is not None and not budget >= 0:
+        raise ConfigError(f"--offload_gpu_budget_gb {budget}: must be >= 0 (0: every layer input on the host)")
+    if not model_args.lora_r >= 1:
+        raise ConfigError(f"--lora_r {model_args.lora_r}: the LoRA rank must be >= 1, e.g. 16")
+    if not model_args.lora_alpha > 0:
+        raise ConfigError(f"--lora_alpha {model_args.lora_alpha}: must be > 0 (the scale is alpha / r), e.g. 16")
+    if not 0 <= model_args.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout {model_args.lora_dropout}: must be in [0, 1), e.g. 0.0")
+    lora_targets(model_args.lora_target_modules)
+
+
+def check_paths(model_args: ModelArguments, config: Any) -> None:
+    """Local-looking model, dataset and checkpoint paths that do not exist, before anything loads."""
+    from ..local_paths import resolve_local_path
+
+    try:
+        for name in ("model_name_or_path", "dataset", "eval_dataset"):
+            value = getattr(model_args, name, None)
+            if value:
+                setattr(model_args, name, resolve_local_path(value, f"--{name}"))
+        resume_target(getattr(config, "resume_from_checkpoint", None))
+    except FileNotFoundError as e:
+        raise CommandLineError(str(e)) from e
+
+
+def gradient_checkpointing_mode(model_args: ModelArguments) -> bool | str:
+    """``--use_gradient_checkpointing`` as the model set-up takes it: True, False or ``"offload"``."""
+    value = model_args.use_gradient_checkpointing
+    gc = {"true": True, "false": False, "offload": "offload"}.get(str(value).lower())
+    if gc is None:
+        raise ConfigError(f"--use_gradient_checkpointing {value!r}: must be true, false or offload")
+    return gc
+
+
+def lora_targets(value: str | list[str]) -> str | list[str]:
+    """``--lora_target_modules`` as PEFT takes it: ``"all-linear"`` or a list of module names."""
+    names = _split_commas([value] if isinstance(value, str) else list(value))
+    if not names:
+        raise ConfigError("--lora_target_modules names no module; give module names or all-linear")
+    if "all-linear" in names:
+        if len(names) > 1:
+            raise ConfigError(f"--lora_target_modules {','.join(names)}: all-linear already takes every linear "
+                             "layer; give it alone or list module names")
+        return "all-linear"
+    return names
+
+
+def resume_target(value: str | bool | None) -> str | bool | None:
+    """``--resume_from_checkpoint`` as the Trainer takes it: ``true``/``last`` = the newest checkpoint
+    in ``output_dir``, ``false``/empty = start fresh, anything else a checkpoint folder."""
+    if value is None or isinstance(value, bool):
+        return value
+    text = str(value).strip()
+    if text.lower() in ("true", "yes", "1", "last", "latest"):
+        return True
+    if text.lower() in ("", "false", "no", "0", "none"):
+        return None
+    if not os.path.isdir(text):
+        raise FileNotFoundError(f"--resume_from_checkpoint {text!r}: no such checkpoint folder "
+                                "(give a checkpoint-N folder, or true for the newest one in output_dir)")
+    return text

@@ -1,0 +1,101 @@
+"""What the training commands do around their trainer: the model (a model path, or the built-in
+tiny one) with LoRA or full fine-tuning set up, the training and evaluation rows, and the summary
+printed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .arguments import ModelArguments, check_model_args, gradient_checkpointing_mode, lora_targets
+
+
+def load_rows(spec: str | None, split: str, builtin_rows: Callable[[], Any]):
+    """The training rows: built-in ones, a local file path (read later), or a hub dataset.
+
+    A name that looks like a local path (``./x``, ``/x``, ``~/x``, ``x.jsonl``, ``a/b/c``) and does
+    not exist raises ``FileNotFoundError`` instead of a Hub lookup."""
+    from ..local_paths import resolve_local_path
+
+    if spec is None:
+        return builtin_rows()
+    spec = resolve_local_path(spec, "--dataset")
+    if os.path.exists(spec):
+        return spec  # prepare_dataset / the GRPO trainer read JSONL/JSON/Parquet paths themselves
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"--dataset {spec!r} is not a file, and loading hub datasets needs "
+                          "`pip install datasets`") from e
+    return datasets.load_dataset(spec, split=split)
+
+
+def load_eval_rows(model_args: ModelArguments):
+    """The ``--eval_dataset`` rows (a file path or hub dataset), or None without one."""
+    if not model_args.eval_dataset:
+        return None
+    return load_rows(model_args.eval_dataset, model_args.eval_dataset_split, list)
+
+
+def build_model(model_args: ModelArguments, config, builtin: bool,
+                prepare_builtin: Callable[[Any, Any], None] | None = None):
+    """``(model, tokenizer, use_lora)``: the built-in tiny model (random init, on the GPU when there
+    is one) or ``FastModel.from_pretrained``; then LoRA adapters or full fine-tuning set-up.
+    ``prepare_builtin(model, tokenizer)`` runs on the built-in model before adapters are added.
+
+    Model arguments that cannot run raise :class:`swiftune.errors.ConfigError` before anything
+    loads (the command has checked them already; a caller from Python may not have)."""
+    import torch
+
+    from ..data import build_tokenizer, tiny_model_config
+    from ..training import FastModel
+
+    check_model_args(model_args)
+    gc = gradient_checkpointing_mode(model_args)
+    budget = model_args.offload_gpu_budget_gb
+    budget_bytes = None if budget is None else int(budget * 1e9)
+    if builtin:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(config.seed)
+        tokenizer = build_tokenizer()
+        model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"))
+        if torch.cuda.is_available():
+            model = model.to("cuda")
+        if prepare_builtin is not None:
+            prepare_builtin(model, tokenizer)
+        use_lora = bool(model_args.use_lora)
+    else:
+        model, tokenizer = FastModel.from_pretrained(
+            model_args.model_name_or_path, max_seq_length=getattr(config, "max_length", None),
+            dtype=model_args.dtype, attn_implementation=config.attention_backend,
+            kernel_backend=config.kernel_backend,
+        )
+        use_lora = model_args.use_lora is not False
+    if use_lora:
+        model = FastModel.get_peft_model(
+            model, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+            target_modules=lora_targets(model_args.lora_target_modules), use_gradient_checkpointing=gc,
+            offload_gpu_budget_bytes=budget_bytes,
+        )
+    elif gc:
+        FastModel.for_training(model, use_gradient_checkpointing=gc, offload_gpu_budget_bytes=budget_bytes)
+    return model, tokenizer, use_lora
+
+
+def first_and_last_fifth(metrics_path: str, key: str) -> tuple[float, float] | None:
+    """Mean of ``key`` over the first and the last fifth of the logged steps."""
+    from ..training.metrics import read_metrics
+
+    rows = [r for r in read_metrics(metrics_path) if key in r] if os.path.exists(metrics_path) else []
+    if not rows:
+        return None
+    k = max(1, len(rows) // 5)
+    return sum(r[key] for r in rows[:k]) / k, sum(r[key] for r in rows[-k:]) / k
+
+
+def describe_training(use_lora: bool, lora_r: int) -> str:
+    """``LoRA r=16`` or ``full fine-tuning``, for the line a command prints before training."""
+    return f"LoRA r={lora_r}" if use_lora else "full fine-tuning"
