@@ -152,39 +152,58 @@ def register_packed_attention() -> str:
 _NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
-def _packed_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of the decoder stack: compute the PackedBatch once for all layers."""
-    if getattr(module.config, "_attn_implementation", None) != ATTENTION_NAME:
-        return None
-    named = dict(zip(_NAMED_INPUTS, args))
-    named.update({k: kwargs[k] for k in _NAMED_INPUTS if k in kwargs})
-    ids = named.get("input_ids")
-    embeds = kwargs.get("inputs_embeds")
-    ref = ids if ids is not None else embeds
-    if ref is None or ref.dim() < 2:
-        return None
-    bsz, seq_len = ref.shape[0], ref.shape[1]
-    mask = named.get("attention_mask")
-    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (bsz, seq_len)):
-        return None  # a 4-D / per-layer-type mask, or decoding against a longer cache: layers fall back
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        return None  # decoding: queries attend to cached keys, not a packed layout
-    backend = getattr(module, "_swiftune_attention_backend", "auto")
-    packed = build_packed_batch(bsz, seq_len, named.get("position_ids"), mask, device=ref.device, backend=backend)
-    kwargs = dict(kwargs)
-    kwargs[PACKED_KWARG] = packed
-    return args, kwargs
+class PackedContextHook:
+    """Forward pre-hook of the decoder stack: compute the PackedBatch once for all layers.
+
+    It carries the model's attention backend itself (``install_packed_context`` updates it), so
+    nothing is stamped on the transformers module.
+    """
+
+    def __init__(self, backend: str = "auto") -> None:
+        self.backend = backend
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        if getattr(module.config, "_attn_implementation", None) != ATTENTION_NAME:
+            return None
+        named = dict(zip(_NAMED_INPUTS, args))
+        named.update({k: kwargs[k] for k in _NAMED_INPUTS if k in kwargs})
+        ids = named.get("input_ids")
+        embeds = kwargs.get("inputs_embeds")
+        ref = ids if ids is not None else embeds
+        if ref is None or ref.dim() < 2:
+            return None
+        bsz, seq_len = ref.shape[0], ref.shape[1]
+        mask = named.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (bsz, seq_len)):
+            return None  # a 4-D / per-layer-type mask, or decoding against a longer cache: layers fall back
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            return None  # decoding: queries attend to cached keys, not a packed layout
+        packed = build_packed_batch(bsz, seq_len, named.get("position_ids"), mask, device=ref.device,
+                                    backend=self.backend)
+        kwargs = dict(kwargs)
+        kwargs[PACKED_KWARG] = packed
+        return args, kwargs
+
+
+def packed_context_hook(decoder: nn.Module) -> PackedContextHook | None:
+    """The hook :func:`install_packed_context` registered on ``decoder``, or ``None``."""
+    for hook in decoder._forward_pre_hooks.values():
+        if isinstance(hook, PackedContextHook):
+            return hook
+    return None
 
 
 def install_packed_context(decoder: nn.Module, backend: str = "auto") -> None:
     """Make ``decoder`` (the model's layer stack, e.g. ``LlamaModel``) compute the packed layout
     once per forward and hand it to every layer; calling it again only updates ``backend``."""
-    decoder._swiftune_attention_backend = backend
-    if not has_packed_context(decoder):
-        decoder.register_forward_pre_hook(_packed_pre_hook, with_kwargs=True)
+    hook = packed_context_hook(decoder)
+    if hook is None:
+        decoder.register_forward_pre_hook(PackedContextHook(backend), with_kwargs=True)
+    else:
+        hook.backend = backend
 
 
 def has_packed_context(decoder: nn.Module) -> bool:
     """Whether :func:`install_packed_context` was applied to ``decoder``."""
-    return any(hook is _packed_pre_hook for hook in decoder._forward_pre_hooks.values())
+    return packed_context_hook(decoder) is not None

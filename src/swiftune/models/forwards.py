@@ -8,30 +8,21 @@ fused kernels of :mod:`swiftune.kernels` in place of the unfused PyTorch ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from ..kernels import geglu, rms_norm, rope_qk, swiglu
+from .state import AttentionSpec, PatchState, patch_state
+
+__all__ = ["AttentionSpec", "fused_attention_forward", "fused_mlp_forward", "fused_rms_norm_forward"]
 
 
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What a family's attention forward passes to the attention function besides q, k, v.
-
-    Attributes:
-        window: the layer's sliding window (``None`` = full attention), read from the module.
-        softcap: whether the family passes ``attn_logit_softcapping`` (Gemma 2 does; Gemma 3
-            has the attribute but does not pass it, so neither do we).
-        eager: the modeling file's own ``eager_attention_forward``, used when the configured
-            implementation is ``"eager"`` (transformers' registry has no entry for it).
-    """
-
-    window: Callable[[nn.Module], int | None]
-    softcap: bool
-    eager: Callable
+def _state(module: nn.Module) -> PatchState:
+    state = patch_state(module)
+    if state is None:  # bound by hand, not by patch_model: nothing says which kernels to run
+        raise RuntimeError(f"{type(module).__name__} runs a swiftune forward without a patch state; "
+                           "use swiftune.patch_model")
+    return state
 
 
 def fused_attention_forward(
@@ -48,8 +39,9 @@ def fused_attention_forward(
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    spec: AttentionSpec = self._swiftune_attention_spec
-    backend = self._swiftune_kernel_backend
+    state = _state(self)
+    spec: AttentionSpec = state.attention
+    backend = state.kernel_backend
     # transformers < 5.2x names the cache ``past_key_values``, later ``cache``: accept both.
     cache = kwargs.pop("cache", None)
     legacy_cache = kwargs.pop("past_key_values", None)
@@ -99,14 +91,14 @@ def fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Gated MLP ``down(act(gate(x)) * up(x))`` with the activation and product fused."""
     gate = self.gate_proj(x)
     up = self.up_proj(x)
-    kind, approximate = self._swiftune_glu
-    backend = self._swiftune_kernel_backend
+    state = _state(self)
+    activation, backend = state.activation, state.kernel_backend
     if gate.dtype != up.dtype:  # unusual mixed setups: keep transformers' own arithmetic
         return type(self).forward(self, x)
-    if kind == "swiglu":
+    if activation.kernel == "swiglu":
         hidden = swiglu(gate, up, backend=backend)
     else:
-        hidden = geglu(gate, up, approximate=approximate, backend=backend)
+        hidden = geglu(gate, up, approximate=activation.approximate, backend=backend)
     return self.down_proj(hidden)
 
 
@@ -117,4 +109,5 @@ def fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # (Llama promotes, Gemma keeps x's dtype): keep its own forward for such setups.
         return type(self).forward(self, x)
     eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-    return rms_norm(x, self.weight, eps, self._swiftune_norm_offset, backend=self._swiftune_kernel_backend)
+    state = _state(self)
+    return rms_norm(x, self.weight, eps, state.norm_offset, backend=state.kernel_backend)

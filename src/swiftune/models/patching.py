@@ -22,59 +22,31 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import MethodType
 
 from torch import nn
 
 from ..attention import BACKENDS, install_packed_context, register_packed_attention
-from .forwards import AttentionSpec, fused_attention_forward, fused_mlp_forward, fused_rms_norm_forward
+from .families import FAMILIES, Family, family_of, supported_model_types
+from .forwards import fused_attention_forward, fused_mlp_forward, fused_rms_norm_forward
+from .state import (
+    AttentionSpec,
+    GatedActivation,
+    ModelPatch,
+    PatchState,
+    is_bound,
+    mark_unbound,
+    patch_state,
+    set_model_patch,
+    set_patch_state,
+)
 from .tiled_mlp import replace_untiled_forward
 
-_PATCHED = "_swiftune_patched"  # attribute set on every module whose forward swiftune replaced
+__all__ = ["FAMILIES", "attention_is_plain", "causal_lm_of", "is_patched", "patch_model", "unpatch_model"]
 
-
-def _layer_window(module: nn.Module) -> int | None:
-    """Sliding window of a layer that knows its own type (Qwen2/3, Gemma 2/3: layer_types)."""
-    return getattr(module, "sliding_window", None)
-
-
-def _config_window(module: nn.Module) -> int | None:
-    """Mistral: one window for every layer, from the config."""
-    return getattr(module.config, "sliding_window", None)
-
-
-def _no_window(module: nn.Module) -> None:
-    return None
-
-
-@dataclass(frozen=True)
-class Family:
-    """How swiftune patches one architecture family.
-
-    Attributes:
-        prefix: class-name prefix of the family's modules (``Qwen3`` -> ``Qwen3Attention``,
-            ``Qwen3MLP``, ``Qwen3RMSNorm``).
-        window: reads a layer's sliding window the way the family's own forward does.
-        softcap: whether the attention call passes ``attn_logit_softcapping``.
-        norm_offset: 1.0 for Gemma's ``(1 + w)`` RMSNorm.
-    """
-
-    prefix: str
-    window: Callable[[nn.Module], int | None] = _no_window
-    softcap: bool = False
-    norm_offset: float = 0.0
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama"),
-    "mistral": Family("Mistral", window=_config_window),
-    "qwen2": Family("Qwen2", window=_layer_window),
-    "qwen3": Family("Qwen3", window=_layer_window),
-    "gemma": Family("Gemma", norm_offset=1.0),
-    "gemma2": Family("Gemma2", window=_layer_window, softcap=True, norm_offset=1.0),
-    "gemma3_text": Family("Gemma3", window=_layer_window, norm_offset=1.0),
-}
+# Old attribute names, still set because modules above this one read them until they use
+# models.state: ``_swiftune_kernel_backend`` is read by tests/test_sft.py.
+LEGACY_KERNEL_BACKEND_ATTR = "_swiftune_kernel_backend"
 
 _ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
 _MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -82,13 +54,13 @@ _MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 # Activation module class -> (fused kernel, GELU approximation). Matching the module actually in
 # the MLP (rather than config strings, whose attribute name differs between families) keeps the
 # fused op equal to what transformers would run.
-_GLU_KINDS: dict[str, tuple[str, str | None]] = {
-    "SiLU": ("swiglu", None),
-    "SiLUActivation": ("swiglu", None),
-    "GELUActivation": ("geglu", "none"),
-    "GELUTanh": ("geglu", "tanh"),
-    "PytorchGELUTanh": ("geglu", "tanh"),
-    "NewGELUActivation": ("geglu", "tanh"),
+_GLU_KINDS: dict[str, GatedActivation] = {
+    "SiLU": GatedActivation("swiglu"),
+    "SiLUActivation": GatedActivation("swiglu"),
+    "GELUActivation": GatedActivation("geglu", "none"),
+    "GELUTanh": GatedActivation("geglu", "tanh"),
+    "PytorchGELUTanh": GatedActivation("geglu", "tanh"),
+    "NewGELUActivation": GatedActivation("geglu", "tanh"),
 }
 
 
@@ -100,12 +72,13 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else inner
 
 
-def _bind(module: nn.Module, forward: Callable, kernel_backend: str) -> None:
+def _bind(module: nn.Module, forward: Callable, state: PatchState) -> None:
     bound = MethodType(forward, module)
     if not replace_untiled_forward(module, bound):  # a tiled MLP keeps its tiling, fused underneath
         module.forward = bound
-    module._swiftune_kernel_backend = kernel_backend
-    setattr(module, _PATCHED, True)
+    set_patch_state(module, state)
+    # read by tests/test_sft.py until it uses models.state
+    setattr(module, LEGACY_KERNEL_BACKEND_ATTR, state.kernel_backend)
 
 
 def _patch_kernels(model: nn.Module, family: Family, kernel_backend: str) -> list[str]:
@@ -114,26 +87,24 @@ def _patch_kernels(model: nn.Module, family: Family, kernel_backend: str) -> lis
     missing: list[str] = []
     for name, module in model.named_modules():
         cls = type(module).__name__
-        if cls == f"{family.prefix}Attention":
+        if cls == family.attention_class:
             if not all(hasattr(module, a) for a in _ATTENTION_ATTRS) or eager is None:
                 missing.append(f"RoPE in {name} ({cls} lacks the expected attributes)")
                 continue
-            module._swiftune_attention_spec = AttentionSpec(family.window, family.softcap, eager)
-            _bind(module, fused_attention_forward, kernel_backend)
-        elif cls == f"{family.prefix}MLP":
+            spec = AttentionSpec(family.window, family.softcap, eager)
+            _bind(module, fused_attention_forward, PatchState(kernel_backend, attention=spec))
+        elif cls == family.mlp_class:
             kind = _GLU_KINDS.get(type(getattr(module, "act_fn", None)).__name__)
             if kind is None or not all(hasattr(module, a) for a in _MLP_ATTRS):
                 missing.append(f"MLP {name} (activation {type(getattr(module, 'act_fn', None)).__name__})")
                 continue
-            module._swiftune_glu = kind
-            _bind(module, fused_mlp_forward, kernel_backend)
-        elif cls == f"{family.prefix}RMSNorm":
+            _bind(module, fused_mlp_forward, PatchState(kernel_backend, activation=kind))
+        elif cls == family.norm_class:
             has_eps = hasattr(module, "variance_epsilon") or hasattr(module, "eps")
             if getattr(module, "weight", None) is None or not has_eps:
                 missing.append(f"RMSNorm {name}")
                 continue
-            module._swiftune_norm_offset = family.norm_offset
-            _bind(module, fused_rms_norm_forward, kernel_backend)
+            _bind(module, fused_rms_norm_forward, PatchState(kernel_backend, norm_offset=family.norm_offset))
     return missing
 
 
@@ -173,11 +144,11 @@ def patch_model(
     hf_model = causal_lm_of(model)
     config = getattr(hf_model, "config", None)
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(model_type)
+    family = family_of(config)
     if family is None:
         warnings.warn(
             f"swiftune.patch_model: {type(hf_model).__name__} (model_type {model_type!r}) is not a supported "
-            f"family ({', '.join(sorted(FAMILIES))}); fused RoPE, fused MLP, fused RMSNorm and packed "
+            f"family ({supported_model_types()}); fused RoPE, fused MLP, fused RMSNorm and packed "
             "attention stay unpatched: it runs as plain transformers.",
             stacklevel=2,
         )
@@ -197,17 +168,17 @@ def patch_model(
             )
     if attention is not None:
         _set_attention(hf_model, attention)
-    hf_model._swiftune_patch = {"kernels": kernels, "attention": attention, "kernel_backend": kernel_backend}
+    set_model_patch(hf_model, ModelPatch(kernels=kernels, attention=attention, kernel_backend=kernel_backend))
     return model
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
     """Undo the kernel forwards of :func:`patch_model` (the attention implementation is kept)."""
     for module in causal_lm_of(model).modules():
-        if getattr(module, _PATCHED, False):
+        if is_bound(module):
             if not replace_untiled_forward(module, None):
                 del module.forward  # the instance attribute: the class's forward applies again
-            delattr(module, _PATCHED)
+            mark_unbound(module)
     return model
 
 
@@ -217,7 +188,8 @@ def attention_is_plain(model: nn.Module) -> bool:
     layers); ``False`` when no attention layer is patched (nothing is known)."""
     found = False
     for module in model.modules():
-        spec = getattr(module, "_swiftune_attention_spec", None)
+        state = patch_state(module)
+        spec = state.attention if state is not None else None
         if spec is None:
             continue
         found = True
@@ -228,4 +200,4 @@ def attention_is_plain(model: nn.Module) -> bool:
 
 def is_patched(model: nn.Module) -> bool:
     """Whether :func:`patch_model` has bound swiftune's forwards on ``model``."""
-    return any(getattr(m, _PATCHED, False) for m in causal_lm_of(model).modules())
+    return any(is_bound(m) for m in causal_lm_of(model).modules())

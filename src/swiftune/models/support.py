@@ -3,7 +3,7 @@ own attention runs.
 
 Padding-free and packed rows put several examples in one row and rely on the attention layers to
 keep them apart (documents found from ``position_ids``). Only swiftune's packed attention does
-that for every architecture it patches (:data:`swiftune.models.patching.FAMILIES`); an
+that for every architecture it patches (:data:`swiftune.models.families.FAMILIES`); an
 architecture it does not patch (GPT-2, say) runs transformers' own attention, which may let every
 token attend to the previous examples of the row: the loss is then silently wrong. So:
 
@@ -23,7 +23,8 @@ from typing import Any
 from torch import nn
 
 from ..attention import ATTENTION_NAME, has_packed_context
-from .patching import FAMILIES, causal_lm_of
+from .families import family_of, supported_model_types
+from .patching import causal_lm_of
 
 # Attention implementations that keep packed documents apart: patch_model's, and GRPO's
 # (swiftune.rl.attention.GRPO_ATTENTION_NAME, installed on a patched model by the policy forward;
@@ -39,17 +40,12 @@ def _describe(hf_model: nn.Module) -> str:
     return f"{type(hf_model).__name__} (model_type {model_type!r})"
 
 
-def _supported() -> str:
-    return ", ".join(sorted(FAMILIES))
-
-
 def attention_problem(model: nn.Module) -> str | None:
     """Why swiftune's packed attention does not run in ``model`` (``None`` when it does)."""
     hf_model = causal_lm_of(model)
     config = getattr(hf_model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        return f"swiftune does not patch this architecture (supported families: {_supported()})"
+    if family_of(config) is None:
+        return f"swiftune does not patch this architecture (supported families: {supported_model_types()})"
     impl = getattr(config, "_attn_implementation", None)
     base = getattr(hf_model, "base_model", hf_model)
     if impl not in PACKED_ATTENTION_IMPLEMENTATIONS or not has_packed_context(base):
@@ -96,7 +92,7 @@ def require_causal_decoder(model_or_config: Any, name: str | None = None) -> Non
     if problem is not None:
         raise ValueError(
             f"{what} is not a causal language model: {problem}. swiftune trains causal decoders "
-            f"(decoder-only LMs such as {_supported()}); use a decoder-only checkpoint"
+            f"(decoder-only LMs such as {supported_model_types()}); use a decoder-only checkpoint"
         )
 
 

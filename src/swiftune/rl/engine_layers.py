@@ -27,9 +27,11 @@ import torch
 from torch import nn
 
 from ..kernels import add_rms_norm, decode_qkv, rms_norm
+from ..models.families import FAMILIES
+from ..models.state import is_bound, patch_state
 
 #: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
-PRE_NORM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+PRE_NORM_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.pre_norm)
 
 
 def _eps(norm: nn.Module) -> float:
@@ -38,20 +40,21 @@ def _eps(norm: nn.Module) -> float:
 
 def fused_prenorm_supported(decoder: nn.Module, model_type: str, dtype: torch.dtype) -> bool:
     """Whether :func:`prenorm_layers` can replace the layers' forwards for this model."""
-    if model_type not in PRE_NORM_FAMILIES:
+    family = FAMILIES.get(model_type)
+    if family is None or not family.pre_norm:
         return False
     norms = [decoder.norm]
     for layer in decoder.layers[: decoder.config.num_hidden_layers]:
         if not all(hasattr(layer, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
             return False
         attn = layer.self_attn
-        if not getattr(attn, "_swiftune_patched", False):  # decode_attention follows swiftune's attention forward
+        if not is_bound(attn):  # decode_attention follows swiftune's attention forward
             return False
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
     # norms patched by swiftune (so the fused kernel computes what the layer's own norm does, bit
     # for bit), plain RMSNorm, weights in the activation dtype
-    return all(getattr(n, "_swiftune_patched", False) and getattr(n, "_swiftune_norm_offset", None) == 0.0
+    return all(is_bound(n) and patch_state(n).norm_offset == 0.0
                and getattr(n, "weight", None) is not None
                and n.weight.dtype == dtype and (hasattr(n, "variance_epsilon") or hasattr(n, "eps"))
                for n in norms)
@@ -64,7 +67,8 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
     the keyword ``ctx_kwarg`` in prefill."""
     layers = decoder.layers[: decoder.config.num_hidden_layers]
     first = layers[0].input_layernorm
-    backend = getattr(first, "_swiftune_kernel_backend", "auto")
+    state = patch_state(first)
+    backend = state.kernel_backend if state is not None else "auto"
     residual = h
     x = rms_norm(h, first.weight, _eps(first), backend=backend)
     for i, layer in enumerate(layers):
@@ -101,5 +105,6 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     q = decode_qkv(q, k, v, q_norm.weight if q_norm is not None else None,
                    k_norm.weight if k_norm is not None else None, _eps(q_norm) if q_norm is not None else 1e-6,
                    cos[:, 0], sin[:, 0], ws.k[attn.layer_idx], ws.v[attn.layer_idx], ws.cur, backend=backend)
-    out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, attn._swiftune_attention_spec.window(attn))
+    window = patch_state(attn).attention.window(attn)
+    out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window)
     return attn.o_proj(out.reshape(rows, 1, heads * dim))

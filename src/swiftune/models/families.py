@@ -1,0 +1,119 @@
+"""One record per supported architecture family: everything swiftune needs to know about it.
+
+Patching, the batch-layout decision, the fast rollout engine and offloaded checkpointing all
+read these records instead of keeping tables of their own, so supporting another family is one
+:class:`Family` entry in :data:`FAMILIES` (keyed by ``config.model_type``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+def layer_window(module: nn.Module) -> int | None:
+    """Sliding window of an attention layer that knows its own type (Qwen2/3, Gemma 2/3: layer_types)."""
+    return getattr(module, "sliding_window", None)
+
+
+def config_window(module: nn.Module) -> int | None:
+    """Mistral: one window for every layer, from the config."""
+    return getattr(module.config, "sliding_window", None)
+
+
+def no_window(module: nn.Module) -> None:
+    """Families whose attention is never windowed."""
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """What swiftune knows about one architecture family.
+
+    Attributes:
+        model_type: ``config.model_type`` of the family's text decoder (the key of :data:`FAMILIES`).
+        prefix: class-name prefix of the family's modules (``Qwen3`` -> ``Qwen3Attention``,
+            ``Qwen3MLP``, ``Qwen3RMSNorm``, ``Qwen3DecoderLayer``).
+        window: reads an attention layer's sliding window the way the family's own forward does.
+        softcap: whether the attention call passes ``attn_logit_softcapping`` (Gemma 2 does;
+            Gemma 3 has the attribute but does not pass it).
+        norm_offset: 1.0 for Gemma's ``(1 + w)`` RMSNorm, else 0.0.
+        embed_scale: whether the decoder multiplies the embeddings by ``sqrt(hidden_size)``
+            (Gemma); newer transformers do it inside the embedding module (``embed_scale``),
+            older ones in the decoder's forward, which the rollout engine does not run.
+        pre_norm: whether every decoder layer is exactly ``h + attn(norm_1(h))`` then
+            ``h + mlp(norm_2(h))`` (no norms after attention or MLP), which lets the rollout
+            engine fold each residual add into the next norm.
+        mlp_output_feeds_only_residual: whether the MLP's output feeds nothing but the residual
+            add (no norm after the MLP saving it for backward), so a checkpoint recompute may skip
+            computing a tiled MLP's output.
+        fast_rollout: whether the fast rollout engine can run the family's decoder.
+    """
+
+    model_type: str
+    prefix: str
+    window: Callable[[nn.Module], int | None] = no_window
+    softcap: bool = False
+    norm_offset: float = 0.0
+    embed_scale: bool = False
+    pre_norm: bool = False
+    mlp_output_feeds_only_residual: bool = False
+    fast_rollout: bool = True
+
+    @property
+    def attention_class(self) -> str:
+        return f"{self.prefix}Attention"
+
+    @property
+    def mlp_class(self) -> str:
+        return f"{self.prefix}MLP"
+
+    @property
+    def norm_class(self) -> str:
+        return f"{self.prefix}RMSNorm"
+
+    @property
+    def decoder_layer_class(self) -> str:
+        return f"{self.prefix}DecoderLayer"
+
+
+def _plain(model_type: str, prefix: str, window: Callable[[nn.Module], int | None] = no_window) -> Family:
+    """A Llama-style family: pre-norm layers, plain RMSNorm, no embedding scale."""
+    return Family(model_type, prefix, window=window, pre_norm=True, mlp_output_feeds_only_residual=True)
+
+
+def _gemma(model_type: str, prefix: str, window: Callable[[nn.Module], int | None] = no_window,
+           softcap: bool = False) -> Family:
+    """A Gemma family: ``(1 + w)`` norms, scaled embeddings; Gemma 2/3 add norms after attention and MLP."""
+    return Family(model_type, prefix, window=window, softcap=softcap, norm_offset=1.0, embed_scale=True)
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _plain("llama", "Llama"),
+        _plain("mistral", "Mistral", window=config_window),
+        _plain("qwen2", "Qwen2", window=layer_window),
+        _plain("qwen3", "Qwen3", window=layer_window),
+        _gemma("gemma", "Gemma"),
+        _gemma("gemma2", "Gemma2", window=layer_window, softcap=True),
+        _gemma("gemma3_text", "Gemma3", window=layer_window),
+    )
+}
+
+
+def family_of(config: object) -> Family | None:
+    """The record of ``config``'s family (a model config, or anything with ``model_type``), or ``None``."""
+    return FAMILIES.get(getattr(config, "model_type", None))
+
+
+def supported_model_types() -> str:
+    """The supported ``model_type`` values, sorted and comma-separated (for messages)."""
+    return ", ".join(sorted(FAMILIES))
+
+
+def decoder_layers_whose_mlp_feeds_only_the_residual() -> frozenset[str]:
+    """Decoder-layer class names of the families with :attr:`Family.mlp_output_feeds_only_residual`."""
+    return frozenset(f.decoder_layer_class for f in FAMILIES.values() if f.mlp_output_feeds_only_residual)
