@@ -1,7 +1,7 @@
 """Data layer: built-in tiny assets, dataset formatting, packing and batch collators.
 
-Layer rule: ``data`` imports from ``kernels``/``losses``/``attention``/``models`` only, never from
-the trainers. ``datasets`` is never imported (a ``datasets.Dataset`` is used through its own
+Layer rule: ``data`` sits below the training runtime and the trainers and imports none of them
+(today it needs no other part of swiftune at all). ``datasets`` is never imported (a ``datasets.Dataset`` is used through its own
 methods; Parquet files are read with ``pyarrow``), so the library works where it is missing.
 """
 

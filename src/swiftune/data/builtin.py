@@ -9,8 +9,8 @@ and the no-argument ``swiftune sft`` run work on a machine without network acces
   ``<|im_end|>`` and optionally ``<|pad|>``, plus a Qwen-style ChatML chat template whose
   assistant turns are wrapped in ``{% generation %}`` so ``return_assistant_tokens_mask`` works.
 * :func:`tiny_model_config`: random-init configs of a few families, sized for CPU tests.
-* :func:`builtin_instruction_dataset`: a few hundred templated instruction rows that a tiny
-  model visibly learns (its loss falls) on CPU in about a minute.
+* :func:`builtin_instruction_dataset`: a few hundred templated instruction rows, simple enough
+  that a tiny model visibly learns them (its loss falls) in a short CPU run.
 """
 
 from __future__ import annotations

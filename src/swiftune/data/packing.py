@@ -4,13 +4,13 @@ Best-fit decreasing (BFD)
 -------------------------
 Examples are taken longest first; each goes into the open row whose free space is the smallest
 that still fits it, and opens a new row when none fits. BFD uses at most 11/9 OPT + 6/9 rows
-(Dósa 2007) and on instruction-length workloads fills rows to ~99%.
+(Dósa 2007); with many examples much shorter than a row, the rows come out nearly full.
 
 Complexity: sorting is O(n log n). Free spaces are integers in ``[0, max_length]``, so rows are
 kept in buckets by free space, with a sorted list of the distinct free spaces that have a row;
 "smallest free space >= length" is one ``bisect`` (O(log max_length)), and inserting/removing a
-distinct free space moves at most ``max_length`` list slots (a memmove, microseconds). Total
-O(n log n + n log max_length); 100K examples pack in a fraction of a second.
+distinct free space moves at most ``max_length`` list slots (one memmove). Total
+O(n log n + n log max_length), so packing a whole dataset up front is cheap next to tokenizing it.
 """
 
 from __future__ import annotations
