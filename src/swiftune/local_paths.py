@@ -2,7 +2,7 @@
 
 A name that can only be a local path (``./data.jsonl``, ``/models/qwen``, ``~/runs/sft``,
 ``train.parquet``, ``runs/qwen/final``) but does not exist is a mistyped path: saying so at once
-beats a Hub lookup that retries for half a minute and then reports that the Hub is unreachable.
+beats a Hub lookup that retries and then reports that the Hub is unreachable.
 Hub ids are ``name`` or ``org/name`` (one slash, no file extension of a data or config file).
 
 A torch-free leaf: any layer may import it.
