@@ -83,6 +83,7 @@ from ..attention.backends import planner_attention_terms
 from ..losses.chunking import free_gpu_bytes
 from ..memory import model_shape, step_reserve
 from ..memory.planner import PAGE_BYTES, TrainSetup, choose_page_bytes, offload_margin_bytes, pages_for
+from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
 from .lora_casting import lora_inputs_cast
@@ -412,9 +413,9 @@ def _attention_hint(kwargs: dict) -> tuple[str | None, int | None]:
 
 #: Decoder layers whose MLP output only feeds the residual add (nothing after the MLP saves a
 #: tensor), so a recompute may skip computing a tiled MLP's output (``recompute_output_unused``).
-#: Gemma's post-feed-forward norm, for one, saves the MLP output: not listed.
-MLP_OUTPUT_FEEDS_ONLY_THE_RESIDUAL = frozenset(
-    {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+#: Read from the family records (``Family.mlp_output_feeds_only_residual``): Gemma's
+#: post-feed-forward norm, for one, saves the MLP output.
+MLP_OUTPUT_FEEDS_ONLY_THE_RESIDUAL = decoder_layers_whose_mlp_feeds_only_the_residual()
 
 
 def _mlp_to_skip_in_recompute(layer: nn.Module) -> nn.Module | None:
