@@ -47,7 +47,8 @@ from .config import GRPOConfig
 from .loss import grpo_loss
 from .policy import PolicyRow, build_policy_row, completion_logprobs
 from .rewards import RewardFunc, compute_rewards, reward_func_name
-from .rollout import RolloutEngine, SamplingParams, TransformersRolloutEngine
+from .rollout import FastRolloutEngine, RolloutEngine, SamplingParams, TransformersRolloutEngine
+from .rollout.fast import SUPPORTED
 
 logger = logging.getLogger(__name__)
 
@@ -249,8 +250,6 @@ class GRPOTrainer(SwiftuneTrainer):
 
 
     def _builtin_engine(self, pad_token_id: int) -> RolloutEngine:
-        from .engine import SUPPORTED, FastRolloutEngine
-
         seed = self.args.seed + self.accelerator.process_index
         choice = self.args.rollout_engine
         if choice not in ("auto", "fast", "transformers"):
