@@ -85,7 +85,7 @@ def main_generate(argv: list[str] | None = None) -> int:
                      top_p=args.top_p, top_k=1 if greedy else args.top_k, min_p=args.min_p, stop_token_ids=stop_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if args.engine == "fast":
-        from ..rl.engine import FastRolloutEngine, FastSamplingParams
+        from ..rl.rollout import FastRolloutEngine, FastSamplingParams
 
         engine = FastRolloutEngine(model, pad_token_id=pad, seed=args.seed, tokenizer=tokenizer,
                                    fused_layers=args.fused_layers)
