@@ -385,7 +385,7 @@ def test_gpu_sdpa_one_400k_sequence_equals_varlen_and_auto_picks_sdpa():
     """One 409,600-token document (the long-context target) through the per-document sdpa path and
     through torch's varlen kernel: same outputs and gradients in bf16, O(T) memory; ``auto`` picks
     sdpa for it and keeps varlen for a row of short documents."""
-    from swiftune.attention.backends import _IMPLS
+    from swiftune.attention.backends import BACKEND_FUNCTIONS
 
     total, hq, hk, d = 409_600, 8, 2, 128
     q, k, v = _qkv(total, hq=hq, hk=hk, d=d, dtype=torch.bfloat16, device="cuda", grad=True)
@@ -402,7 +402,7 @@ def test_gpu_sdpa_one_400k_sequence_equals_varlen_and_auto_picks_sdpa():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        out = _IMPLS[name](qq, kk, vv, pb, scale=d**-0.5)
+        out = BACKEND_FUNCTIONS[name](qq, kk, vv, pb, scale=d**-0.5)
         out.backward(dout)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base

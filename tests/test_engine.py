@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
 from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
-from swiftune.rl.engine import FastRolloutEngine, FastSamplingParams, sample_tokens
+from swiftune.rl.rollout import FastRolloutEngine, FastSamplingParams, sample_tokens
 from swiftune.rl.rollout import RolloutEngine, SamplingParams
 from tests.helpers import rel_err
 
@@ -112,7 +112,7 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
     """The engine's pre-norm loop (residual adds folded into the norms; q/k norms, RoPE and cache
     writes fused in decode steps) gives the same tokens and log-probs as calling each decoder
     layer, sampled, with a LoRA adapter running as PEFT layers."""
-    import swiftune.rl.engine as engine_module
+    import swiftune.rl.rollout.fast as engine_module
 
     torch.manual_seed(2)
     # Mistral with a window shorter than prompt + completion: the fused decode path must apply it
@@ -140,7 +140,7 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
 
 
 def test_fused_residual_norm_only_on_patched_pre_norm_models():
-    from swiftune.rl.engine_layers import fused_prenorm_supported
+    from swiftune.rl.rollout.layers import fused_prenorm_supported
 
     for family, patch, expected in [("qwen3", True, True), ("llama", True, True), ("qwen3", False, False),
                                     ("gemma2", True, False), ("gemma3", True, False)]:

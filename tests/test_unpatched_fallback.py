@@ -120,7 +120,7 @@ def test_layout_decision(tokenizer):
 
 
 def test_grpo_attention_name_is_known():
-    from swiftune.rl.attention import GRPO_ATTENTION_NAME
+    from swiftune.attention import GRPO_ATTENTION_NAME
 
     assert GRPO_ATTENTION_NAME in PACKED_ATTENTION_IMPLEMENTATIONS
 

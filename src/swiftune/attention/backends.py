@@ -14,10 +14,10 @@ convention of transformers' masks: a token sees itself and the ``W - 1`` before 
 * ``flex``: ``flex_attention`` with a document (+ window) block mask and a soft-cap score_mod;
   compiled on CUDA, where it costs O(T) memory plus an O((T/128)^2) block table.
 * ``sdpa``: each document separately through ``F.scaled_dot_product_attention(is_causal=True)``,
-  GQA in the kernel. On Hopper PyTorch has cuDNN's attention behind it, measured 1.7x faster than
-  torch's varlen (FlashAttention-2) and 1.45x faster than flex at 2 x 32K tokens on an H200
-  (docs/benchmarks.md, GRPO section); one call per document, so ``auto`` takes it only for long
-  documents (:func:`prefers_sdpa`). No sliding window, no soft-capping.
+  GQA in the kernel. On Hopper PyTorch has cuDNN's attention behind it, faster than torch's
+  varlen (FlashAttention-2) and flex on long documents (the figures are in docs/benchmarks.md);
+  one call per document, so ``auto`` takes it only for long documents (:func:`prefers_sdpa`).
+  No sliding window, no soft-capping.
 * ``reference``: each document separately with eager softmax attention; for CPU and tests.
 """
 
@@ -34,15 +34,28 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .kernel_choice import SDPA_MIN_MEAN_DOC_TOKENS, layout_attention_kernel, prefers_sdpa
 from .packing import PackedBatch
 
 _SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
 
 BACKENDS = ("varlen", "flash_attn", "flex", "sdpa", "reference")
 
-# ``auto`` runs documents through ``sdpa`` one call each when they average at least this many
-# tokens: the per-call overhead (~0.1 ms) is then under 1% of a document's attention.
-SDPA_MIN_MEAN_DOC_TOKENS = 4096
+__all__ = [
+    "BACKENDS",
+    "BACKEND_FUNCTIONS",
+    "SDPA_MIN_MEAN_DOC_TOKENS",
+    "backend_available",
+    "dense_causal_attention",
+    "flex_token_major",
+    "layout_attention_kernel",
+    "packed_attention",
+    "planner_attention_terms",
+    "prefers_sdpa",
+    "resolve_backend",
+    "unsupported_reason",
+    "varlen_expands_kv",
+]
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -169,26 +182,6 @@ def unsupported_reason(
             return "flex attention has no attention dropout"
         if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return "flex attention has no backward off CUDA"
-    return None
-
-
-def prefers_sdpa(num_tokens: int, num_docs: int) -> bool:
-    """Whether ``auto`` runs this layout as one dense causal sdpa call per document: on average
-    long documents (GRPO's long completions, long-context SFT), where the fastest dense kernel
-    (cuDNN's on Hopper) beats the varlen kernels and the calls cost nothing in comparison."""
-    return num_docs > 0 and num_tokens >= SDPA_MIN_MEAN_DOC_TOKENS * num_docs
-
-
-def layout_attention_kernel(backend: str, on_cuda: bool, num_tokens: int, num_docs: int) -> str | None:
-    """The kernel a packed layout's attention runs, as far as the layout decides it (for the
-    memory reserve of offloaded checkpointing, see ``PackedBatch.attention_kernel``): ``"sdpa"``
-    or ``"flex"`` when asked for; under ``auto`` on CUDA ``"sdpa"`` for long documents (the first
-    choice of :func:`resolve_backend` there, taken unless a layer's sliding window or soft-cap
-    rules it out); ``None`` otherwise (not known, or a varlen-style kernel)."""
-    if backend in ("sdpa", "flex"):
-        return backend
-    if backend == "auto" and on_cuda and prefers_sdpa(num_tokens, num_docs):
-        return "sdpa"
     return None
 
 
@@ -326,12 +319,11 @@ def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = Non
       the K/V heads too, and the documents' outputs, concatenated for the output projection, are
       saved twice (``attention_out_copy``); its float32 dq exists for one document at a time: for
       ``max_doc_tokens`` tokens when the longest document is known, else for the whole row (one
-      long document's backward took 19 KB a token more than 8K-token documents' on the H200:
-      one sequence of 409,600 tokens, Llama-3-8B shape);
+      long document's backward holds it for all of its tokens at once);
     * anything else (``None``: not known) is planned as torch's varlen: K/V expanded where it has
       no GQA, a float32 dq accumulator; this also covers sdpa's no-GQA retry. (GRPO's shared-prompt
       sdpa rows say ``"sdpa"``: their prompt q/k/v copies are not a term of their own, and were
-      covered where measured, see ``rl.attention.RowLayout.attention_kernel``.)
+      covered by the sdpa terms, see ``attention.shared_prompt.RowLayout.attention_kernel``.)
     """
     if kernel == "flex":
         return {"kv_expanded": False, "float32_dq": False}
@@ -458,7 +450,7 @@ def sdpa_packed_attention(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
+BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
     "varlen": varlen_packed_attention,
     "flash_attn": flash_attn_packed_attention,
     "flex": flex_packed_attention,
@@ -503,4 +495,4 @@ def packed_attention(
     window = int(window) if window else None
     softcap = float(softcap) if softcap else None
     name = resolve_backend(backend, q, k, window, softcap, dropout, packed)
-    return _IMPLS[name](q, k, v, packed, scale=scale, window=window, softcap=softcap, dropout=dropout)
+    return BACKEND_FUNCTIONS[name](q, k, v, packed, scale=scale, window=window, softcap=softcap, dropout=dropout)

@@ -1,6 +1,7 @@
 """Packed attention inside transformers models, through transformers' public registries.
 
-Three pieces, none of which edits a model's source:
+Three pieces, none of which edits a model's source (:mod:`swiftune.attention.registry` registers
+the first two):
 
 * :func:`packed_attention_forward` is registered in ``AttentionInterface`` as ``"swiftune_packed"``;
   a model whose ``config._attn_implementation`` names it calls it from every attention layer with
@@ -134,19 +135,6 @@ def packed_attention_forward(
         q, k, v, packed, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, backend=packed.backend
     )
     return packed.pad(out), None
-
-
-def register_packed_attention() -> str:
-    """Register swiftune's attention and mask functions with transformers (idempotent).
-
-    Returns the name to set as ``attn_implementation``.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTENTION_NAME, packed_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, packed_attention_mask)
-    return ATTENTION_NAME
 
 
 _NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")

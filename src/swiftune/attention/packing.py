@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .kernel_choice import layout_attention_kernel
+
 
 def _doc_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """Bool ``[B, S]``: True where a token starts a document (row start or position jump)."""
@@ -87,13 +89,11 @@ class PackedBatch:
     @property
     def attention_kernel(self) -> str | None:
         """The kernel this layout's attention runs, as far as the layout decides it: ``"sdpa"``
-        for long documents on CUDA under ``auto`` (:func:`~swiftune.attention.backends.prefers_sdpa`)
+        for long documents on CUDA under ``auto`` (:func:`~swiftune.attention.kernel_choice.prefers_sdpa`)
         or when asked for, ``"flex"`` when asked for, else ``None``. Read by offloaded
         checkpointing (``checkpointing.ATTENTION_KERNEL_ATTR``, from the layers' keyword
         arguments) to size its reserve for the layer being recomputed; layers with a sliding
         window or soft-cap run another kernel, which the checkpointing checks on the model."""
-        from .backends import layout_attention_kernel
-
         return layout_attention_kernel(self.backend, self.cu_seqlens.is_cuda, self.num_tokens, self.num_docs)
 
     def doc_ids(self) -> torch.Tensor:

@@ -22,15 +22,9 @@ from typing import Any
 
 from torch import nn
 
-from ..attention import ATTENTION_NAME, has_packed_context
+from ..attention import PACKED_ATTENTION_IMPLEMENTATIONS, has_packed_context
 from .families import family_of, supported_model_types
 from .patching import causal_lm_of
-
-# Attention implementations that keep packed documents apart: patch_model's, and GRPO's
-# (swiftune.rl.attention.GRPO_ATTENTION_NAME, installed on a patched model by the policy forward;
-# without its row layout it is the packed attention unchanged). rl sits above this layer, so the
-# name is repeated here; tests/test_unpatched_fallback.py checks that the two agree.
-PACKED_ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = (ATTENTION_NAME, "swiftune_grpo")
 
 BATCH_LAYOUTS = ("padding_free", "packed", "padded")
 

@@ -4,7 +4,8 @@
 * :mod:`~swiftune.rl.rewards` - reward functions (TRL's signature), weights, async.
 * :mod:`~swiftune.rl.advantages` - group advantages.
 * :mod:`~swiftune.rl.loss` - the policy loss of every ``loss_type`` and GSPO.
-* :mod:`~swiftune.rl.rollout` - the :class:`RolloutEngine` interface and the built-in engine.
+* :mod:`~swiftune.rl.rollout` - the :class:`RolloutEngine` interface and both built-in engines
+  (:class:`TransformersRolloutEngine`, :class:`FastRolloutEngine`).
 * :mod:`~swiftune.rl.policy` - completion log-probs on packed, optionally shared-prompt rows.
 * :mod:`~swiftune.rl.builtin` - ``swiftune grpo`` (:func:`run_grpo`) and its built-in task.
 """
@@ -14,7 +15,7 @@ from .config import GRPOConfig
 from .loss import LossOutput, grpo_loss, k3_kl
 from .policy import PolicyRow, build_policy_row, completion_logprobs
 from .rewards import RewardFunctionError, compute_rewards
-from .rollout import RolloutEngine, Rollouts, SamplingParams, TransformersRolloutEngine
+from .rollout import FastRolloutEngine, FastSamplingParams, RolloutEngine, Rollouts, SamplingParams, TransformersRolloutEngine
 from .trainer import GRPOTrainer
 
 
@@ -26,6 +27,8 @@ def run_grpo(argv: list[str]) -> int:
 
 
 __all__ = [
+    "FastRolloutEngine",
+    "FastSamplingParams",
     "GRPOConfig",
     "GRPOTrainer",
     "LossOutput",

@@ -27,8 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..attention import PackedBatch
-from .attention import RowLayout
+from ..attention import PackedBatch, RowLayout
 from .policy import PolicyRow
 
 ROLLOUT_TYPES: tuple[type, ...] = (PolicyRow, RowLayout, PackedBatch)

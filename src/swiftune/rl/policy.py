@@ -6,7 +6,7 @@ A micro-batch of rollouts becomes **one row** ``[1, T]`` with no padding:
   at 0 for every sample (each sample its own document of the packed attention);
 * shared prompt (``share_prompt=True``): ``prompt_g | completion_g1 | completion_g2 | ...`` for
   each group ``g`` of consecutive samples with the same prompt, the completions' positions all
-  continuing from the prompt, and the attention rule of :mod:`swiftune.rl.attention` (each
+  continuing from the prompt, and the attention rule of :mod:`swiftune.attention.shared_prompt` (each
   completion sees the prompt and itself, not its siblings). Exactly the unshared log-probs and
   gradients, with the prompt encoded once per group instead of ``G`` times.
 
@@ -25,12 +25,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..attention import PackedBatch
+from ..attention import LAYOUT_KWARG, PackedBatch, RowLayout, register_grpo_attention
 from ..losses import selective_log_softmax
 from ..models.heads import hidden_states_and_head
 from ..models.patching import causal_lm_of
 from ..models.support import controls_attention
-from .attention import LAYOUT_KWARG, RowLayout, install_grpo_attention
+
+
+def install_grpo_attention(model: nn.Module) -> None:
+    """Make ``model`` (patched by :func:`swiftune.patch_model`) call GRPO's row attention
+    (:func:`swiftune.attention.grpo_attention_forward`)."""
+    name = register_grpo_attention()
+    hf_model = causal_lm_of(model)
+    if hf_model.config._attn_implementation == name:
+        return
+    try:
+        hf_model.set_attn_implementation(name)
+    except (AttributeError, ValueError):  # older API: the config attribute is the switch
+        hf_model.config._attn_implementation = name
 
 
 @dataclass

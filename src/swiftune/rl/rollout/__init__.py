@@ -1,11 +1,15 @@
-"""Rollout engines: prompt token ids in, sampled completion ids and their sampling log-probs out.
+"""Rollouts: prompt token ids in, sampled completion ids and their sampling log-probs out.
 
-:class:`RolloutEngine` is the interface the trainer uses (a ``typing.Protocol``): anything with a
-``generate(prompt_ids, num_generations, params)`` method returning a :class:`Rollouts`, plus a
-``load_weights(model)`` hook called after every optimizer step that changed the policy (a
-no-op for an engine that samples from the training model itself; an engine holding its own copy
-of the weights, such as a vLLM server, pushes them there). docs/grpo.md says what a vLLM
-engine needs.
+The package holds the interface and both engines that implement it:
+
+* :mod:`.protocol`: :class:`RolloutEngine` (what the trainer calls), :class:`SamplingParams`,
+  :class:`Rollouts`;
+* :mod:`.sampling`: filtering and drawing the next token, shared by the engines;
+* this module: :class:`TransformersRolloutEngine`, sampling through transformers' own forward and
+  KV cache (any causal LM);
+* :mod:`.fast`: :class:`~swiftune.rl.rollout.fast.FastRolloutEngine`, a static KV cache and the
+  decode step as CUDA graphs, for the supported families; its cache and per-call state in
+  :mod:`.kv_cache`, its fused layer loop in :mod:`.layers`, its CUDA graphs in :mod:`.cuda_graphs`.
 
 :class:`TransformersRolloutEngine` samples from the training model itself (same weights in
 memory, LoRA adapters applied by the PEFT forward) with transformers' KV cache:
@@ -14,10 +18,7 @@ memory, LoRA adapters applied by the PEFT forward) with transformers' KV cache:
   ``num_generations`` times (``DynamicCache.batch_repeat_interleave``);
 * decoding is batched; a finished row (stop token emitted) leaves the batch
   (``DynamicCache.batch_select_indices``), so long tails do not keep computing finished rows;
-* sampling: temperature, then top-k, top-p and min-p filtering, then a draw from the
-  renormalised distribution with a seeded ``torch.Generator``; the log-probability recorded for
-  each token is under exactly that filtered, temperature-scaled distribution (temperature 0 =
-  greedy, log-probs at temperature 1);
+* sampling (:func:`~swiftune.rl.rollout.sampling.sample_next`) with a seeded ``torch.Generator``;
 * it runs under ``torch.no_grad()`` with the model in eval mode (no dropout; gradient
   checkpointing is inactive in eval mode) and restores the training mode afterwards, so no
   autograd graph or training activation is kept; the KV cache is freed when it returns.
@@ -27,98 +28,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from ..models.patching import causal_lm_of
-
-
-@dataclass
-class SamplingParams:
-    """How to sample (the fields vLLM's ``SamplingParams`` calls the same)."""
-
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    min_p: float | None = None
-    stop_token_ids: Sequence[int] = ()
-
-
-@dataclass
-class Rollouts:
-    """Completions of ``P`` prompts x ``G`` generations, prompt-major (``i = p * G + g``).
-
-    Attributes:
-        completion_ids: token ids of each completion, the stop token included when one was emitted.
-        logprobs: the sampling log-probability of each emitted token (float32 tensors).
-        finished: whether the completion ended with a stop token (False: cut at ``max_tokens``).
-    """
-
-    completion_ids: list[list[int]]
-    logprobs: list[torch.Tensor]
-    finished: list[bool]
-    num_generations: int = 1
-    stats: dict[str, float] = field(default_factory=dict)
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What :class:`swiftune.GRPOTrainer` needs from a generation backend."""
-
-    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
-        """Sample ``num_generations`` completions of every prompt (prompt-major order)."""
-        ...
-
-    def load_weights(self, model: nn.Module) -> None:
-        """Make the engine sample from ``model``'s current weights (called after optimizer steps)."""
-        ...
-
-
-def filter_logits(
-    logits: torch.Tensor, top_k: int | None = None, top_p: float = 1.0, min_p: float | None = None
-) -> torch.Tensor:
-    """Set to ``-inf`` the logits outside top-k, outside the top-p nucleus, or below ``min_p`` x max prob.
-
-    ``logits`` ``[B, V]`` float (already divided by the temperature); returns a new tensor. The
-    most likely token always survives.
-    """
-    out = logits.clone()
-    vocab = out.shape[-1]
-    if top_k is not None and 0 < top_k < vocab:
-        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
-        out.masked_fill_(out < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
-        drop_sorted = before >= top_p  # keep the smallest prefix whose mass reaches top_p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        out.masked_fill_(drop, float("-inf"))
-    if min_p is not None and min_p > 0:
-        probs = torch.softmax(out, dim=-1)
-        out.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    return out
-
-
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits [B, V]``; returns ``(tokens [B], logprobs [B])`` (float32)."""
-    logits = logits.float()
-    if params.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-    else:
-        scaled = filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-        logp = torch.log_softmax(scaled, dim=-1)
-        tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
-
+from ...models.patching import causal_lm_of
+from .protocol import RolloutEngine, Rollouts, SamplingParams
+from .sampling import filter_logits, sample_next, sample_tokens
 
 def cache_kwarg(model: nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
@@ -131,7 +47,8 @@ def cache_supports(cache, method: str) -> bool:
     return callable(getattr(cache, method, None))
 
 
-def _new_cache(model: nn.Module):
+def new_cache(model: nn.Module):
+    """An empty transformers ``DynamicCache`` for ``model``."""
     from transformers import DynamicCache
 
     try:
@@ -212,7 +129,7 @@ class TransformersRolloutEngine:
             ids[r, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long, device=device)
             mask[r, width - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = _new_cache(self.model)
+        cache = new_cache(self.model)
         if n > 1 and not cache_supports(cache, "batch_repeat_interleave"):  # older cache API: prefill every copy
             ids, mask, pos = (t.repeat_interleave(n, dim=0) for t in (ids, mask, pos))
             n_after = 1
@@ -264,3 +181,23 @@ class TransformersRolloutEngine:
         return ([toks[r, :lengths_l[r]].tolist() for r in range(rows)],
                 [lps[r, :lengths_l[r]].clone() for r in range(rows)],
                 finished.cpu().tolist(), steps)
+
+
+# The fast engine imports the protocol and sampling modules, not this one, so importing it last
+# is safe; it is re-exported so that ``swiftune.rl.rollout`` names every engine.
+from .fast import FastRolloutEngine, FastSamplingParams  # noqa: E402
+
+__all__ = [
+    "FastRolloutEngine",
+    "FastSamplingParams",
+    "RolloutEngine",
+    "Rollouts",
+    "SamplingParams",
+    "TransformersRolloutEngine",
+    "cache_kwarg",
+    "cache_supports",
+    "filter_logits",
+    "new_cache",
+    "sample_next",
+    "sample_tokens",
+]

@@ -1,0 +1,110 @@
+"""The decoder-layer loop of :class:`~swiftune.rl.rollout.fast.FastRolloutEngine` for pre-norm families.
+
+A Llama / Mistral / Qwen2 / Qwen3 decoder layer computes::
+
+    h = h + attn(norm_1(h));   h = h + mlp(norm_2(h))
+
+and the model ends with ``norm(h)``. Run as written, every norm is preceded by a separate residual
+add: two elementwise kernels per layer that, during decoding at a few rows, cost about as much as
+a small matmul each (the step is bound by kernel count, not bytes). This loop runs the layer's
+own projections (LoRA layers included) and MLP module, but folds each residual
+add into the following norm with :func:`swiftune.kernels.add_rms_norm`, the last one into the
+final norm, and in decode steps runs the q/k norms, RoPE and the two K/V cache writes as one
+kernel (:func:`swiftune.kernels.decode_qkv`) before the engine's attention. The roundings are those
+of the unfused layer (the kernel rounds the sum to the activation dtype before normalising it).
+
+It runs only on models patched by :func:`swiftune.patch_model`, whose norms already compute with
+swiftune's RMSNorm kernel, so the fused path equals the layers' own forward exactly. Gemma
+families (extra norms around attention and MLP, ``(1 + w)`` weights, embedding scale) and
+unpatched models keep transformers' own layer forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...kernels import add_rms_norm, decode_qkv, rms_norm
+from ...models.families import FAMILIES
+from ...models.state import is_bound, patch_state
+
+#: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
+PRE_NORM_FAMILIES = tuple(t for t, f in FAMILIES.items() if f.pre_norm)
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def fused_prenorm_supported(decoder: nn.Module, model_type: str, dtype: torch.dtype) -> bool:
+    """Whether :func:`prenorm_layers` can replace the layers' forwards for this model."""
+    family = FAMILIES.get(model_type)
+    if family is None or not family.pre_norm:
+        return False
+    norms = [decoder.norm]
+    for layer in decoder.layers[: decoder.config.num_hidden_layers]:
+        if not all(hasattr(layer, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
+            return False
+        attn = layer.self_attn
+        if not is_bound(attn):  # decode_attention follows swiftune's attention forward
+            return False
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n is not None]
+    # norms patched by swiftune (so the fused kernel computes what the layer's own norm does, bit
+    # for bit), plain RMSNorm, weights in the activation dtype
+    return all(is_bound(n) and patch_state(n).norm_offset == 0.0
+               and getattr(n, "weight", None) is not None
+               and n.weight.dtype == dtype and (hasattr(n, "variance_epsilon") or hasattr(n, "eps"))
+               for n in norms)
+
+
+def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tensor,
+                   position_embeddings: Any, ctx: Any, ctx_kwarg: str) -> torch.Tensor:
+    """All decoder layers and the final norm on the embedded input ``h`` (no grad); ``ctx`` is the
+    engine's :class:`~swiftune.rl.rollout.kv_cache.DecodeContext`, passed to the attention modules as
+    the keyword ``ctx_kwarg`` in prefill."""
+    layers = decoder.layers[: decoder.config.num_hidden_layers]
+    first = layers[0].input_layernorm
+    state = patch_state(first)
+    backend = state.kernel_backend if state is not None else "auto"
+    residual = h
+    x = rms_norm(h, first.weight, _eps(first), backend=backend)
+    for i, layer in enumerate(layers):
+        if ctx.mode == "decode":
+            out = decode_attention(layer.self_attn, x, position_embeddings, ctx, backend)
+        else:  # the packed prefill: the module's own forward, the engine's attention function
+            out = layer.self_attn(hidden_states=x, attention_mask=None, position_ids=position_ids,
+                                  position_embeddings=position_embeddings, **{ctx_kwarg: ctx})
+            out = out[0] if isinstance(out, tuple) else out
+        post = layer.post_attention_layernorm
+        x, residual = add_rms_norm(out, residual, post.weight, _eps(post), backend=backend)
+        out = layer.mlp(x)
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
+        x, residual = add_rms_norm(out, residual, nxt.weight, _eps(nxt), backend=backend)
+    return x
+
+
+def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any, ctx: Any, backend: str) -> torch.Tensor:
+    """One decode step of a patched attention module (``x [B, 1, hidden]``): its own projections
+    and o_proj; q/k norms, RoPE and the K/V cache writes in one kernel (:func:`decode_qkv`); then
+    the engine's attention over the cache. Computes what ``fused_attention_forward`` with the
+    ``swiftune_rollout`` attention function computes, with one launch where there were five (Qwen3:
+    two norms, RoPE, two cache writes) or three (no q/k norms)."""
+    rows = x.shape[0]
+    heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
+    q = attn.q_proj(x).view(rows, heads, dim)
+    k = attn.k_proj(x).view(rows, kv_heads, dim)
+    v = attn.v_proj(x).view(rows, kv_heads, dim)
+    cos, sin = position_embeddings  # [B, 1, D]
+    if cos.dtype != q.dtype:  # as the attention forward does (e.g. under autocast)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    ws = ctx.ws
+    q = decode_qkv(q, k, v, q_norm.weight if q_norm is not None else None,
+                   k_norm.weight if k_norm is not None else None, _eps(q_norm) if q_norm is not None else 1e-6,
+                   cos[:, 0], sin[:, 0], ws.k[attn.layer_idx], ws.v[attn.layer_idx], ws.cur, backend=backend)
+    window = patch_state(attn).attention.window(attn)
+    out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window)
+    return attn.o_proj(out.reshape(rows, 1, heads * dim))

@@ -1,0 +1,42 @@
+"""Merging LoRA adapters into the base weights for the duration of a fast-rollout call.
+
+A decode step at a few rows is bound by kernel launches, and PEFT's layers add a low-rank
+matmul pair to every adapted projection; merged, the step runs the plain weights. Merging
+must not change training: ``(W + dW) - dW`` is not ``W`` in floating point, so the base
+weights are saved before the merge and copied back, bit for bit, after the unmerge.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Merge ``model``'s active adapters (``mode`` ``"merge"``, or ``"auto"`` when the saved copy
+    fits a quarter of free CUDA memory); returns the (weight, saved copy) pairs for
+    :func:`unmerge_lora`, or ``None`` when nothing was merged (``"runtime"``, no adapters,
+    adapters disabled, as for the reference policy, or already merged)."""
+    if mode == "runtime" or not hasattr(model, "merge_adapter"):
+        return None
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    if not layers or any(getattr(m, "disable_adapters", False) or getattr(m, "merged", False) for m in layers):
+        return None
+    if mode == "auto":
+        weight = layers[0].get_base_layer().weight
+        if weight.device.type != "cuda":
+            return None
+        copy_bytes = sum(m.get_base_layer().weight.numel() for m in layers) * weight.element_size()
+        if copy_bytes > torch.cuda.mem_get_info(weight.device)[0] // 4:
+            return None
+    saved = [(m.get_base_layer().weight, m.get_base_layer().weight.detach().clone()) for m in layers]
+    model.merge_adapter()
+    return saved
+
+
+def unmerge_lora(model: nn.Module, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Undo :func:`merge_lora`: unmerge, then restore the saved base weights exactly."""
+    model.unmerge_adapter()
+    with torch.no_grad():
+        for weight, copy in saved:
+            weight.data.copy_(copy)
