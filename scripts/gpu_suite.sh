@@ -3,8 +3,9 @@
 # (the minutes below are estimates from the runs so far; every part stops itself before 10 min).
 # Run from the repository root on the GPU machine (with .whl/ carried for the TRL / Liger baselines):
 #
-#   scripts/gpu_suite.sh parity-figures # detached: CUDA parity tests, both no-argument jobs, SFT batch 16 / 16K rows
-#                                     # (swiftune vs TRL + Liger) and GRPO 2 x 65,536 (~12 min); poll with parity-figures-wait
+#   scripts/gpu_suite.sh parity-figures # detached: CUDA tests (parity, kernels, engine, attention, GRPO, checkpointing),
+#                                     # both no-argument jobs, the kernel table, SFT batch 16 / 16K rows (swiftune vs
+#                                     # TRL + Liger) and GRPO 2 x 65,536 (~14 min); poll with parity-figures-wait
 #   scripts/gpu_suite.sh check        # CUDA tests: engine, attention, GRPO, kernels, checkpointing (~4.5 min)
 #   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-layers A/B (~7 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
@@ -76,8 +77,9 @@ case "$part" in
   parity-figures)
     detach parity_figures bash -c '
       set -x
-      OUT=/tmp/pf scripts/gpu_check.sh tests/test_gradient_parity.py tests/test_training_parity.py tests/test_kernels.py -k "gpu or cuda or thirty" \
-        -- > /tmp/pf_check.log 2>&1
+      OUT=/tmp/pf scripts/gpu_check.sh tests/test_gradient_parity.py tests/test_training_parity.py tests/test_kernels.py \
+        tests/test_engine.py tests/test_attention.py tests/test_grpo.py tests/test_checkpointing.py tests/test_grpo_parity.py \
+        -k "gpu or cuda or thirty or flex or add_rms or decode_qkv or derived or skips" -- kernels > /tmp/pf_check.log 2>&1
       timeout 400 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
         --modes swiftune swiftune_budget trl_liger --out /tmp/pf/sft_qwen3-8b_b16.json > /tmp/pf_sft.log 2>&1
       timeout 300 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \

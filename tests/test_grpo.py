@@ -555,7 +555,7 @@ def test_builtin_swiftune_grpo_run_learns(tmp_path):
 
 def test_command_on_a_saved_model_with_lora_and_jsonl(tokenizer, tmp_path):
     """`swiftune grpo --model_name_or_path DIR --dataset FILE.jsonl`: the real-model path, in process."""
-    from swiftune.rl import run_grpo
+    from swiftune.cli.grpo import run_grpo
 
     model_dir = tmp_path / "model"
     tiny_model(seed=11, patch=False).save_pretrained(model_dir)
@@ -718,7 +718,8 @@ def test_evaluate_scores_fresh_completions_of_held_out_prompts(tokenizer, tmp_pa
 
 
 def test_reward_functions_by_name_module_or_file(tmp_path):
-    from swiftune.rl.builtin import BUILTIN_REWARDS, resolve_reward_funcs
+    from swiftune.cli.grpo import BUILTIN_REWARDS, resolve_reward_funcs
+    from swiftune.errors import ConfigError
 
     path = tmp_path / "my_rewards.py"
     path.write_text("def brevity(prompts, completions, **kw):\n    return [-len(c) / 10 for c in completions]\n")
@@ -727,7 +728,7 @@ def test_reward_functions_by_name_module_or_file(tmp_path):
     assert funcs[2](None, ["abcd", ""]) == [-0.4, 0.0]
     for spec, message in ((f"{path}:nope", "has no function"), (f"{tmp_path}/missing.py:f", "no file"),
                           ("no_such_module_xyz:f", "cannot import"), ("nonsense", "unknown reward")):
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ConfigError, match=message):
             resolve_reward_funcs(spec)
 
 

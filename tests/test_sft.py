@@ -195,7 +195,7 @@ def test_builtin_swiftune_sft_run_learns(tmp_path):
 def test_command_resumes_from_the_newest_checkpoint(tmp_path):
     """`swiftune sft ... --resume_from_checkpoint true` continues from checkpoint-N of output_dir."""
     from swiftune.cli import main
-    from swiftune.sft.command import resume_target
+    from swiftune.cli.arguments import resume_target
 
     out = tmp_path / "run"
     common = ["sft", "--output_dir", str(out), "--per_device_train_batch_size", "4", "--save_steps", "2",
@@ -247,12 +247,14 @@ def test_model_path_uses_the_configs_kernel_backend(tokenizer, rows, tmp_path, b
 def test_cli_offload_gpu_budget_checks():
     """--offload_gpu_budget_gb needs offloaded checkpointing and a non-negative size (checked before
     any model is built)."""
-    from swiftune.sft.command import ModelArguments, build_model
+    from swiftune.cli.arguments import ModelArguments
+    from swiftune.cli.runs import build_model
+    from swiftune.errors import ConfigError
 
     for gc, budget, message in (("true", 0.0, "needs --use_gradient_checkpointing offload"),
                                 ("offload", -1.0, "must be >= 0")):
         args = ModelArguments(use_gradient_checkpointing=gc, offload_gpu_budget_gb=budget)
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(ConfigError, match=message):
             build_model(args, config=None, builtin=True)
 
 
