@@ -185,7 +185,7 @@ def run_step(args) -> dict:
 
     from swiftune import GRPOConfig, GRPOTrainer
     from swiftune.rl import SamplingParams, TransformersRolloutEngine, build_policy_row, completion_logprobs
-    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout.fast import FastRolloutEngine
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
@@ -433,7 +433,7 @@ def build_bisect_model(mode: str, name: str, device, args):
         host = host_budget_bytes(args) if offload else None
         model = build_swiftune_model(name, device, "offload" if offload else True, budget, host)
         if offload and args.host_margin_gb is not None:  # calling again updates the budgets, margin included
-            from swiftune.models.checkpointing import enable_offloaded_checkpointing
+            from swiftune.training.checkpointing import enable_offloaded_checkpointing
 
             enable_offloaded_checkpointing(model, budget, host, host_margin_bytes=int(args.host_margin_gb * 1e9))
         return model
@@ -480,7 +480,7 @@ def dapo_loss(logps, adv_per_token):
 def policy_step(model, mode: str, L: int, args, device) -> None:
     """Policy forward + loss + backward of ``rows`` completions of length ``L`` on a shared prompt.
     swiftune's step, as ``GRPOTrainer.training_step`` under bf16, leaves LoRA inputs in bf16."""
-    from swiftune.models.lora_casting import lora_input_casting
+    from swiftune.training.lora_casting import lora_input_casting
 
     skip_casts = mode == "swiftune" and device.type == "cuda"
     with lora_input_casting(model, enabled=False) if skip_casts else contextlib.nullcontext():
@@ -750,7 +750,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
 
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
     from swiftune.memory import max_tokens
-    from swiftune.models.checkpointing import host_available_bytes
+    from swiftune.training.checkpointing import host_available_bytes
     from benchmarks.workload import MODEL_SHAPES
 
     if gpu_bytes is None:

@@ -109,7 +109,7 @@ def build_model(name: str, mode: str, device: torch.device, mlp_tile: int | None
 
 def set_checkpointing(model, mode: str) -> None:
     """Switch a swiftune model between GPU checkpointing and the two offload settings."""
-    from swiftune.models.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+    from swiftune.training.checkpointing import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 
     hf = model.get_base_model()
     disable_offloaded_checkpointing(model)
@@ -135,7 +135,7 @@ def make_batch(tokens: int, vocab: int, doc_tokens: int, device: torch.device) -
 def step(model, mode: str, batch: dict, optimizer, autocast: bool = False) -> float:
     """One training step. ``autocast``: swiftune's step as ``swiftune.SFTTrainer`` runs it with
     ``bf16=True`` (bf16 autocast, LoRA inputs left in bf16 through forward and backward)."""
-    from swiftune.models.lora_casting import lora_input_casting
+    from swiftune.training.lora_casting import lora_input_casting
 
     ids = batch["input_ids"]
     swiftune_bf16 = autocast and mode not in TRL_MODES and mode != "baseline"
@@ -201,7 +201,7 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
     """One row: ``args.repeats`` steps of ``tokens`` tokens (median time, peak memory, offload
     stats, the planner's figures). With ``--memory-profile`` (CUDA, ``profile``) the last step also
     records what is alive at its peak (``row["peak_profile"]``; that step runs slower)."""
-    from swiftune.models.checkpointing import CheckpointBudgetError, offload_stats
+    from swiftune.training.checkpointing import CheckpointBudgetError, offload_stats
 
     pin0 = offload_stats(model).get("host_alloc_seconds", 0.0)
     vocab = model.config.vocab_size
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     # Host memory the offloaded checkpoints may pin, measured once before anything is pinned: the
     # pool keeps its pages between steps, so a later reading would count this run's own checkpoints
     # as taken (the planner's answer printed at the end then shrank with every trial).
-    from swiftune.models.checkpointing import host_available_bytes
+    from swiftune.training.checkpointing import host_available_bytes
 
     args.host_bytes = host_available_bytes() if device.type == "cuda" else None
     # The kernel swiftune's offloaded checkpointing is told by the packed layout, as the planner

@@ -141,7 +141,7 @@ def run_one(mode: str, args) -> dict:
     else:
         import swiftune
         from swiftune.data import FormattingStats, TokenizedDataset, make_collator
-        from swiftune.models.loading import enable_gradient_checkpointing
+        from swiftune.training.loading import enable_gradient_checkpointing
 
         swiftune.patch_model(model)
         enable_gradient_checkpointing(model, True)

@@ -9,7 +9,7 @@ every row runs to the forced length) and each number of new tokens N:
   64: at ~60-80 ms a step a full 8,192-token baseline would take 10 minutes; the per-step time of
   generate does not fall with length, so its tokens/s over 64 steps is an upper bound of its
   tokens/s at N);
-* ``fast``: ``swiftune.rl.engine.FastRolloutEngine`` on the same model after ``swiftune.patch_model``
+* ``fast``: ``swiftune.rl.rollout.FastRolloutEngine`` on the same model after ``swiftune.patch_model``
   (CUDA graphs on), the full N tokens; decode-step time = decode wall time / steps (graph capture
   reported apart, prefill included in tokens/s).
 
@@ -41,7 +41,7 @@ import torch
 from benchmarks import results as result_rows
 from benchmarks.workload import random_model
 
-from swiftune.rl.engine import kv_bytes_per_token
+from swiftune.rl.rollout.fast import kv_bytes_per_token
 
 
 def sync() -> None:
@@ -97,7 +97,7 @@ def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool)
 
 def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int, lora: str = "runtime",
               **engine_options) -> dict:
-    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout.fast import FastRolloutEngine
     from swiftune.rl.rollout import SamplingParams
 
     engine = FastRolloutEngine(model, seed=0, keep_cache=False, kv_bucket=kv_bucket, check_every=64, lora=lora,
@@ -120,7 +120,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
 
 def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, kv_bucket: int) -> list[dict]:
     """The engine on a PEFT LoRA model (r=16, all linear layers): adapters run as PEFT layers vs merged."""
-    from swiftune.models import FastModel
+    from swiftune.training import FastModel
 
     peft_model = FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
     runs = []
@@ -136,7 +136,7 @@ def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, k
 
 def checks(model, prompt: list[int], steps: int) -> dict:
     """Graph replay == eager (exact), and greedy agreement with transformers generate."""
-    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout.fast import FastRolloutEngine
     from swiftune.rl.rollout import SamplingParams
 
     greedy = SamplingParams(max_tokens=steps, temperature=0)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from swiftune.data import build_tokenizer, builtin_instruction_dataset, tiny_model_config  # noqa: E402
-from swiftune.models import FastModel  # noqa: E402
+from swiftune.training import FastModel  # noqa: E402
 
 COMMON = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
               logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True, optim="sgd",

@@ -80,7 +80,7 @@ def builtin_qwen3(lora: bool, lora_seed: int = 1, r: int = 8) -> torch.nn.Module
     """The built-in tokenizer's tiny Qwen3, the same random base weights every time (they play the
     pretrained weights); LoRA (alpha = 2r) from ``lora_seed``, with B drawn too (PEFT starts it at
     zero) so that the gradients of A are not all zero."""
-    from swiftune.models import FastModel
+    from swiftune.training import FastModel
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)

@@ -150,7 +150,7 @@ def test_missing_local_dataset_is_not_looked_up_on_the_hub(tmp_path, monkeypatch
 def test_missing_local_model_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, capsys):
     import transformers
 
-    from swiftune.models import FastModel
+    from swiftune.training import FastModel
 
     seen = []
 

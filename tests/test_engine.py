@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
-from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
+from swiftune.models import patch_model
+from swiftune.training import FastModel, enable_gradient_checkpointing
 from swiftune.rl.rollout import FastRolloutEngine, FastSamplingParams, sample_tokens
 from swiftune.rl.rollout import RolloutEngine, SamplingParams
 from tests.helpers import rel_err

@@ -25,7 +25,8 @@ import pytest
 import torch
 
 from swiftune.data import make_collator
-from swiftune.models import FastModel, patch_model
+from swiftune.models import patch_model
+from swiftune.training import FastModel
 from swiftune.models.tiled_mlp import enable_tiled_mlp
 from swiftune.sft.trainer import sft_loss
 from tests.helpers import VOCAB, assert_gradients_match, rel_err, tiny_model

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from swiftune.data import EOS_TOKEN_ID, build_tokenizer, tiny_model_config
-from swiftune.models import FastModel, enable_gradient_checkpointing, patch_model
+from swiftune.models import patch_model
+from swiftune.training import FastModel, enable_gradient_checkpointing
 from swiftune.rl import (
     GRPOConfig,
     GRPOTrainer,
@@ -181,7 +182,7 @@ def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
     """The sdpa path of shared rows (each completion as dense prompt + completion, later ones
     gathered) against the masked eager reference in float64: outputs and q/k/v gradients, with
     groups of one, several and empty-input completions."""
-    from swiftune.rl.attention import shared_prompt_reference, shared_prompt_sdpa
+    from swiftune.attention.shared_prompt import shared_prompt_reference, shared_prompt_sdpa
 
     prompts, completions = random_groups(seed=5, prompt_lengths=(6, 9, 4), group_size=3)
     completions[3] = completions[3][:1]  # a group whose first completion has no input token
@@ -213,7 +214,7 @@ def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
 
 def test_shared_rows_take_sdpa_on_cuda_for_long_completions_only():
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS as n
-    from swiftune.rl.attention import flex_attention
+    from swiftune.attention.shared_prompt import flex_attention
 
     short = build_policy_row([[1, 2, 3]] * 2, [[4, 5], [6]], share_prompt=True, group_ids=[0, 0]).layout
     long = build_policy_row([[1, 2, 3]] * 2, [[4] * n, [5] * n], share_prompt=True, group_ids=[0, 0]).layout
@@ -231,7 +232,7 @@ def test_row_layout_names_its_attention_kernel_and_longest_sequence():
     (sdpa with the longest sequence one call covers: prompt + completion in a shared row, the
     longest document in a plain one); the reference path and varlen-style kernels claim nothing."""
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS
-    from swiftune.rl.attention import flex_attention
+    from swiftune.attention.shared_prompt import flex_attention
 
     prompts, completions = [[5, 6, 7]] * 2, [[8, 9], [10]]
     shared = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0])
@@ -268,7 +269,7 @@ def test_policy_forward_tells_offloaded_checkpointing_its_attention_kernel(monke
     """The RowLayout keyword of a policy forward reaches the offloaded layers' plan: flex rows plan
     for flex's memory, reference rows for the defaults. (CPU flex cannot run with grad, so the spy
     stops the forward at the first layer's plan, which is where the hint is read.)"""
-    from swiftune.models.checkpointing import OffloadState, enable_offloaded_checkpointing
+    from swiftune.training.checkpointing import OffloadState, enable_offloaded_checkpointing
 
     class Planned(Exception):
         pass
@@ -585,7 +586,7 @@ def test_command_on_a_saved_model_with_lora_and_jsonl(tokenizer, tmp_path):
 
 def test_trainer_runs_on_the_fast_rollout_engine(tokenizer, tmp_path):
     """rollout_engine="fast": the trainer samples through FastRolloutEngine (eager on CPU)."""
-    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout.fast import FastRolloutEngine
 
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, rollout_engine="fast", **FAST)
@@ -603,8 +604,8 @@ def test_trainer_runs_on_the_fast_rollout_engine(tokenizer, tmp_path):
 def test_training_on_the_fused_layer_engine_equals_the_plain_engine(tokenizer, tmp_path, monkeypatch):
     """GRPO with LoRA on FastRolloutEngine(fused_layers=True) trains to the same weights and logs as
     with the engine calling the decoder layers (same seed: the same completions, bit for bit)."""
-    import swiftune.rl.engine as engine_module
-    from swiftune.rl.engine import FastRolloutEngine
+    import swiftune.rl.rollout.fast as engine_module
+    from swiftune.rl.rollout.fast import FastRolloutEngine
 
     calls = []
     real = engine_module.prenorm_layers
@@ -631,7 +632,7 @@ def test_training_on_the_fused_layer_engine_equals_the_plain_engine(tokenizer, t
 
 def test_rollout_engine_auto_picks_by_device(tokenizer, tmp_path):
     """The default ("auto"): the fast engine on CUDA, transformers' generate elsewhere."""
-    from swiftune.rl.engine import FastRolloutEngine
+    from swiftune.rl.rollout.fast import FastRolloutEngine
     from swiftune.rl.rollout import TransformersRolloutEngine
 
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,

@@ -44,7 +44,8 @@ import torch
 
 from swiftune.data import EOS_TOKEN_ID, build_tokenizer
 from swiftune.losses import blocks
-from swiftune.models import FastModel, causal_lm_of, is_patched, patch_model
+from swiftune.models import causal_lm_of, is_patched, patch_model
+from swiftune.training import FastModel
 from swiftune.models.support import controls_attention
 from swiftune.rl import GRPOConfig, GRPOTrainer, Rollouts
 from tests.helpers import assert_gradients_match, tiny_model

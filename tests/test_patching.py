@@ -17,7 +17,8 @@ import transformers
 
 from swiftune.attention import ATTENTION_NAME, has_packed_context
 from swiftune.data.builtin import tiny_model_config
-from swiftune.models import FastModel, is_patched, patch_model, unpatch_model
+from swiftune.models import is_patched, patch_model, unpatch_model
+from swiftune.training import FastModel
 from tests.helpers import SLIDING_LAYERS, VOCAB, rel_err, tiny_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")

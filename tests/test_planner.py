@@ -112,7 +112,7 @@ def test_offload_plan_keeps_fewer_layers_as_tokens_grow_and_stays_under_the_gpu(
 @pytest.mark.parametrize("tokens", [65_536, 300_000, 409_600, 600_000])
 @pytest.mark.parametrize("tiled", [True, False])
 def test_offload_plan_keeps_the_layers_the_runtime_budget_keeps(tokens, tiled):
-    """The planner's offload split and the runtime's (models/checkpointing.py: free memory at the
+    """The planner's offload split and the runtime's (training/checkpointing.py: free memory at the
     first layer, minus step_reserve, minus offload_margin_bytes, then split_layers) agree."""
     from swiftune.memory.planner import CUDA_CONTEXT_BYTES, offload_margin_bytes, step_reserve
     from swiftune.training.checkpointing import split_layers

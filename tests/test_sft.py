@@ -239,7 +239,9 @@ def test_model_path_uses_the_configs_kernel_backend(tokenizer, rows, tmp_path, b
     args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
                      max_length=64, **{**FAST, "kernel_backend": backend})
     trainer = SFTTrainer(model=str(path), args=args, train_dataset=rows[:4])
-    backends = {getattr(m, "_swiftune_kernel_backend", None) for m in trainer.model.modules()} - {None}
+    from swiftune.models.state import patch_state
+
+    backends = {patch_state(m).kernel_backend for m in trainer.model.modules() if patch_state(m)}
     assert backends == {backend}
     trainer.train()
 

@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel, GPT2Config
 
 from swiftune.data import IGNORE_INDEX, build_tokenizer, builtin_instruction_dataset, prepare_dataset, tiny_model_config
-from swiftune.models import FastModel, patch_model
+from swiftune.models import patch_model
+from swiftune.training import FastModel
 from swiftune.models.support import PACKED_ATTENTION_IMPLEMENTATIONS, batch_layout_for, require_causal_decoder
 from swiftune.rl import GRPOConfig, GRPOTrainer, build_policy_row, completion_logprobs
 from swiftune.sft import SFTConfig, SFTTrainer

@@ -478,7 +478,7 @@ def plan_memory(
         if gpu_bytes is None:
             kept = 0
         else:
-            # the runtime's rule (models/checkpointing.py, gpu_budget): what is free once the
+            # the runtime's rule (training/checkpointing.py, gpu_budget): what is free once the
             # parameters, optimizer states and the first layer's input exist, minus step_reserve,
             # minus the same margin
             resident = weights + trainable + grads + optim + per_layer

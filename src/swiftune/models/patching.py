@@ -44,9 +44,6 @@ from .tiled_mlp import replace_untiled_forward
 
 __all__ = ["FAMILIES", "attention_is_plain", "causal_lm_of", "is_patched", "patch_model", "unpatch_model"]
 
-# Old attribute names, still set because modules above this one read them until they use
-# models.state: ``_swiftune_kernel_backend`` is read by tests/test_sft.py.
-LEGACY_KERNEL_BACKEND_ATTR = "_swiftune_kernel_backend"
 
 _ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
 _MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -77,8 +74,6 @@ def _bind(module: nn.Module, forward: Callable, state: PatchState) -> None:
     if not replace_untiled_forward(module, bound):  # a tiled MLP keeps its tiling, fused underneath
         module.forward = bound
     set_patch_state(module, state)
-    # read by tests/test_sft.py until it uses models.state
-    setattr(module, LEGACY_KERNEL_BACKEND_ATTR, state.kernel_backend)
 
 
 def _patch_kernels(model: nn.Module, family: Family, kernel_backend: str) -> list[str]:

@@ -7,7 +7,6 @@
 * :mod:`~swiftune.rl.rollout` - the :class:`RolloutEngine` interface and both built-in engines
   (:class:`TransformersRolloutEngine`, :class:`FastRolloutEngine`).
 * :mod:`~swiftune.rl.policy` - completion log-probs on packed, optionally shared-prompt rows.
-* :mod:`~swiftune.rl.builtin` - ``swiftune grpo`` (:func:`run_grpo`) and its built-in task.
 """
 
 from .advantages import group_advantages
@@ -18,12 +17,6 @@ from .rewards import RewardFunctionError, compute_rewards
 from .rollout import FastRolloutEngine, FastSamplingParams, RolloutEngine, Rollouts, SamplingParams, TransformersRolloutEngine
 from .trainer import GRPOTrainer
 
-
-def run_grpo(argv: list[str]) -> int:
-    """``swiftune grpo [CONFIG.yaml] [--key value ...]`` (see :mod:`swiftune.rl.builtin`)."""
-    from .builtin import run_grpo as _run
-
-    return _run(argv)
 
 
 __all__ = [
@@ -44,5 +37,4 @@ __all__ = [
     "grpo_loss",
     "group_advantages",
     "k3_kl",
-    "run_grpo",
 ]
