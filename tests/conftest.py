@@ -20,3 +20,13 @@ DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 def device(request) -> str:
     """CPU (Triton interpreter) on a development machine, CUDA (compiled kernels) on the GPU machine."""
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compile_cache():
+    """On CUDA the tests compile flex attention for many head counts, masks, windows and dtypes.
+    One process running every module passes dynamo's recompile limit, after which flex runs its
+    eager math (a 128K-token row then asks for a terabyte). Each module starts from a clean cache."""
+    if torch.cuda.is_available():
+        torch._dynamo.reset()
+    yield
