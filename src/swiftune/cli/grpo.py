@@ -31,8 +31,8 @@ from ..errors import ConfigError
 
 # The command sits above both trainers: it is the one place that uses them together (the SFT
 # warm-up before GRPO), which keeps the trainers themselves from importing each other.
-from .arguments import ModelArguments, parse_command_args, resume_target
-from .runs import build_model, describe_training, first_and_last_fifth, load_eval_rows, load_rows
+from .arguments import ModelArguments, parse_command_args
+from .runs import build_model, describe_training, load_eval_rows, load_rows, train_save_and_report
 
 _ALPHABET = "abcdefgh"
 
@@ -225,14 +225,6 @@ def run_grpo(argv: list[str]) -> int:
           f"{config.prompts_per_generation} prompts per generation, loss {config.loss_type}"
           f"{' (GSPO)' if config.importance_sampling_level == 'sequence' else ''}, beta {config.beta}, "
           f"{describe_training(use_lora, model_args.lora_r)}; device {trainer.args.device}")
-    trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
-    tokenizer.save_pretrained(config.output_dir)
-    if config.metrics_file and trainer.is_world_process_zero():
-        fifths = first_and_last_fifth(os.path.join(config.output_dir, config.metrics_file), "reward")
-        if fifths:
-            first, last = fifths
-            print(f"reward: first fifth {first:.3f} -> last fifth {last:.3f} (margin {last - first:+.3f}); wrote "
-                  f"{config.output_dir}/{{model, {config.metrics_file}, reward.png}}")
+    train_save_and_report(trainer, config, tokenizer, "reward", "reward.png")
     return 0
 

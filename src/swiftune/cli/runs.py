@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .arguments import ModelArguments, check_model_args, gradient_checkpointing_mode, lora_targets
+from .arguments import ModelArguments, check_model_args, gradient_checkpointing_mode, lora_targets, resume_target
 
 
 def load_rows(spec: str | None, split: str, builtin_rows: Callable[[], Any]):
@@ -99,3 +99,19 @@ def first_and_last_fifth(metrics_path: str, key: str) -> tuple[float, float] | N
 def describe_training(use_lora: bool, lora_r: int) -> str:
     """``LoRA r=16`` or ``full fine-tuning``, for the line a command prints before training."""
     return f"LoRA r={lora_r}" if use_lora else "full fine-tuning"
+
+
+def train_save_and_report(trainer, config, tokenizer, metric: str, plot: str) -> None:
+    """Train (resuming if asked), save the model and tokenizer, then print how ``metric`` moved
+    from the first fifth of the run to the last, so that a user sees at once whether it learned."""
+    trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
+    trainer.save_model(config.output_dir)
+    tokenizer.save_pretrained(config.output_dir)
+    if not (config.metrics_file and trainer.is_world_process_zero()):
+        return
+    fifths = first_and_last_fifth(os.path.join(config.output_dir, config.metrics_file), metric)
+    if fifths:
+        first, last = fifths
+        margin = f" (margin {last - first:+.3f})" if metric == "reward" else ""
+        print(f"{metric}: first fifth {first:.3f} -> last fifth {last:.3f}{margin}; wrote "
+              f"{config.output_dir}/{{model, {config.metrics_file}, {plot}}}")

@@ -10,10 +10,9 @@ option not given: a run small enough for a CPU whose loss visibly falls.
 
 from __future__ import annotations
 
-import os
 
-from .arguments import ModelArguments, parse_command_args, resume_target
-from .runs import build_model, describe_training, first_and_last_fifth, load_eval_rows, load_rows
+from .arguments import ModelArguments, parse_command_args
+from .runs import build_model, describe_training, load_eval_rows, load_rows, train_save_and_report
 
 # Settings of the built-in run: chosen so that a random tiny model learns the built-in tasks in a
 # short CPU run (a high learning rate, short rows, one checkpoint kept).
@@ -45,12 +44,5 @@ def run_sft(argv: list[str]) -> int:
     print(f"swiftune sft: {stats.num_examples} examples ({stats.data_shape}), {stats.num_tokens} tokens, "
           f"{stats.num_truncated} truncated; batches: {config.batch_mode}; "
           f"{describe_training(use_lora, model_args.lora_r)}; device {trainer.args.device}")
-    trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
-    tokenizer.save_pretrained(config.output_dir)
-    if config.metrics_file and trainer.is_world_process_zero():
-        fifths = first_and_last_fifth(os.path.join(config.output_dir, config.metrics_file), "loss")
-        if fifths:
-            print(f"loss: first fifth {fifths[0]:.3f} -> last fifth {fifths[1]:.3f}; wrote {config.output_dir}/"
-                  f"{{model, {config.metrics_file}, loss.png}}")
+    train_save_and_report(trainer, config, tokenizer, "loss", "loss.png")
     return 0

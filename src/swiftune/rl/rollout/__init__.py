@@ -34,7 +34,7 @@ from torch import nn
 
 from ...models.patching import causal_lm_of
 from .protocol import RolloutEngine, Rollouts, SamplingParams
-from .sampling import filter_logits, sample_next, sample_tokens
+from .sampling import filter_logits, sample_next, sample_tokens, seeded_generator
 
 def cache_kwarg(model: nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
@@ -83,10 +83,7 @@ class TransformersRolloutEngine:
         return next(self.model.parameters()).device
 
     def generator(self) -> torch.Generator:
-        device = self._device()
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
+        self._generator = seeded_generator(self._generator, self._device(), self.seed)
         return self._generator
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:

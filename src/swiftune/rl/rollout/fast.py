@@ -81,7 +81,7 @@ from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
 from .protocol import Rollouts, SamplingParams
-from .sampling import sample_tokens
+from .sampling import sample_tokens, seeded_generator
 
 #: model types the engine runs (the families whose record says it can)
 SUPPORTED = tuple(t for t, f in FAMILIES.items() if f.fast_rollout)
@@ -209,9 +209,7 @@ class FastRolloutEngine:
         self._drop_workspace()
 
     def generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
+        self._generator = seeded_generator(self._generator, device, self.seed)
         return self._generator
 
     # ------------------------------------------------------------------ generate

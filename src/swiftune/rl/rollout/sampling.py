@@ -15,6 +15,16 @@ import torch
 from .protocol import SamplingParams
 
 
+def seeded_generator(current: torch.Generator | None, device: torch.device, seed: int) -> torch.Generator:
+    """``current`` if it already lives on ``device``, else a new generator there seeded with ``seed``:
+    an engine keeps one random stream per device, so that the same seed samples the same rollouts."""
+    if current is not None and current.device == device:
+        return current
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: int | None = None, top_p: float = 1.0, min_p: float | None = None
 ) -> torch.Tensor:
