@@ -24,10 +24,10 @@ class StepFlops:
     """transformers' ``Trainer.floating_point_ops`` estimate, ``6 x input tokens x non-embedding
     parameters``, with the parameter count taken once per model.
 
-    The Trainer recounts the parameters at every step, walking the whole module tree (~2,900
-    modules for an 8B model with LoRA on every linear layer): part of the ~9% of the 8B step's host
-    time that the host profile puts in ``Module.named_modules`` (docs/benchmarks.md). The count of
-    a model does not change while it trains; a different model object is counted afresh.
+    The Trainer recounts the parameters at every step, walking the whole module tree (thousands of
+    modules for an 8B model with LoRA on every linear layer), which the host profile of a step shows
+    in ``Module.named_modules``. The count of a model does not change while it trains; a different
+    model object is counted afresh.
     """
 
     def __init__(self) -> None:
