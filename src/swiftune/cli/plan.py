@@ -12,6 +12,7 @@ import json
 import sys
 
 from ..memory import KNOWN_MODELS, max_tokens, plan_memory
+from ..memory.planner import OPTIMIZER_STATE_BYTES
 
 
 def _bool_or_offload(text: str) -> bool | str:
@@ -39,9 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_gb", type=float, default=None, help="GPU memory in GB (1e9 bytes); default: this GPU's, or 80")
     p.add_argument("--host_gb", type=float, default=None, help="pinned host memory for offloaded checkpoints, GB")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
-    # the planner checks the name and lists the optimizers it knows when it does not know this one
-    p.add_argument("--optimizer", default="adamw", help="optimizer whose state the plan counts, e.g. adamw, "
-                   "adamw_8bit, sgd")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES),
+                   help="optimizer whose state the plan counts")
     p.add_argument("--gradient_checkpointing", type=_bool_or_offload, default=True, help="true, false or offload")
     p.add_argument("--logit_chunk_tokens", type=int, default=None)
     p.add_argument("--no_tiled_mlp", action="store_true")

@@ -399,7 +399,8 @@ def _setup(lora_rank: int, full_finetune: bool, dtype_bytes: int, logit_chunk_to
                       logit_chunk_tokens=logit_chunk_tokens, **overrides)
 
 
-_OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 0, "sgd_momentum": 4}
+#: Bytes of optimizer state per trainable parameter, by optimizer name.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 0, "sgd_momentum": 4}
 
 
 def plan_memory(
@@ -439,14 +440,14 @@ def plan_memory(
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     if gradient_checkpointing not in (True, False, "offload"):
         raise ValueError(f"gradient_checkpointing must be True, False or 'offload', got {gradient_checkpointing!r}")
-    if optimizer not in _OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
     shape = model_shape(model_config)
     s = _setup(lora_rank, full_finetune, dtype_bytes, logit_chunk_tokens, setup)
     name = model_config if isinstance(model_config, str) else shape.model_type
     P = param_count(shape)
     weights = P * dtype_bytes
-    opt = _OPTIMIZER_STATE_BYTES[optimizer]
+    opt = OPTIMIZER_STATE_BYTES[optimizer]
     if s.lora:
         n_train = lora_param_count(shape, s.lora_rank)
         trainable = n_train * s.lora_dtype_bytes
