@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ...models.patching import causal_lm_of
-from .protocol import RolloutEngine, Rollouts, SamplingParams
+from .protocol import RolloutEngine, Rollouts, SamplingParams, check_prompts
 from .sampling import filter_logits, sample_next, sample_tokens, seeded_generator
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -89,8 +89,7 @@ class TransformersRolloutEngine:
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
         if not prompt_ids:
             return Rollouts([], [], [], num_generations)
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompt_ids)
         per_chunk = len(prompt_ids) if self.max_batch_size is None else max(1, self.max_batch_size // num_generations)
         out = Rollouts([], [], [], num_generations)
         was_training = self.model.training

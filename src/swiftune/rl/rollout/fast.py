@@ -80,7 +80,7 @@ from ...models.patching import causal_lm_of
 from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
-from .protocol import Rollouts, SamplingParams
+from .protocol import Rollouts, SamplingParams, check_prompts
 from .sampling import sample_tokens, seeded_generator
 
 #: model types the engine runs (the families whose record says it can)
@@ -216,8 +216,7 @@ class FastRolloutEngine:
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
         if not prompt_ids:
             return Rollouts([], [], [], num_generations)
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        check_prompts(prompt_ids)
         stops = tuple(self.stop_strings) + tuple(getattr(params, "stop", ()) or ())
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need FastRolloutEngine(tokenizer=...)")

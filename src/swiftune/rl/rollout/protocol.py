@@ -47,6 +47,12 @@ class Rollouts:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+def check_prompts(prompt_ids: Sequence[Sequence[int]]) -> None:
+    """Refuse an empty prompt: sampling needs at least one token to condition on."""
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What :class:`swiftune.GRPOTrainer` needs from a generation backend."""
