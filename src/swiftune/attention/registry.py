@@ -28,24 +28,25 @@ from .shared_prompt import GRPO_ATTENTION_NAME, grpo_attention_forward
 PACKED_ATTENTION_IMPLEMENTATIONS: tuple[str, ...] = (ATTENTION_NAME, GRPO_ATTENTION_NAME)
 
 
-def register_packed_attention() -> str:
-    """Register ``"swiftune_packed"`` with transformers' attention and mask registries."""
+def _register_with_padding_mask(name: str, forward) -> str:
+    """Register ``forward`` under ``name`` with the attention registry, and the mask function that
+    hands the 2-D padding mask through unchanged with the mask registry."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, packed_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, packed_attention_mask)
-    return ATTENTION_NAME
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, packed_attention_mask)
+    return name
+
+
+def register_packed_attention() -> str:
+    """Register ``"swiftune_packed"`` with transformers' attention and mask registries."""
+    return _register_with_padding_mask(ATTENTION_NAME, packed_attention_forward)
 
 
 def register_grpo_attention() -> str:
     """Register ``"swiftune_grpo"`` with transformers' attention and mask registries."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(GRPO_ATTENTION_NAME, grpo_attention_forward)
-    AttentionMaskInterface.register(GRPO_ATTENTION_NAME, packed_attention_mask)
-    return GRPO_ATTENTION_NAME
+    return _register_with_padding_mask(GRPO_ATTENTION_NAME, grpo_attention_forward)
 
 
 def register_rollout_attention() -> str:
