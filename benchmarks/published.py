@@ -68,8 +68,8 @@ FIGURES: list[dict] = [
                  "docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all"),
     dict(figure="grpo_step", file="2026-12-01/grpo_step_after_qk_fix_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out grpo.json"),
-    dict(figure="longctx_sweep_qwen3-8b", file="longctx_qwen3-8b_sweep_h200.json", date="2026-11-29",
-         versions=BASE, before_qk_fix=True,
+    dict(figure="longctx_sweep_qwen3-8b", file="2026-12-01/longctx_qwen3-8b_sweep_after_qk_fix_h200.json",
+         date="2026-12-01", versions=BASE,
          command="python -m benchmarks.longctx --modes baseline ckpt offload --tokens 8192 32768 65536 131072 "
                  "262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 --time-budget 470 --out longctx_sweep.json"),
     dict(figure="longctx_sweep_qwen3-8b", file="longctx_qwen3-8b_400k_single_h200.json", date="2026-11-29",
