@@ -8,6 +8,8 @@ What changes, per supported family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2
   the process, so it is left alone);
 * each gated MLP's ``forward`` fuses activation and product (SwiGLU or GeGLU);
 * each RMSNorm's ``forward`` runs the fused RMSNorm kernel (Gemma's ``(1 + w)`` form too);
+* each PEFT LoRA linear already there runs as one autograd node
+  (:func:`swiftune.models.lora_linear.fuse_lora_linears`; PEFT's arithmetic in fewer calls);
 * the model's attention implementation becomes ``"swiftune_packed"`` (registered with
   transformers' ``AttentionInterface``), and the decoder stack computes the packed document
   layout once per forward.
@@ -36,13 +38,16 @@ from .state import (
     PatchState,
     is_bound,
     mark_unbound,
+    model_patch,
     patch_state,
     set_model_patch,
     set_patch_state,
 )
+from .lora_linear import fuse_lora_linears, unfuse_lora_linears
 from .tiled_mlp import replace_untiled_forward
 
-__all__ = ["FAMILIES", "attention_is_plain", "causal_lm_of", "is_patched", "patch_model", "unpatch_model"]
+__all__ = ["FAMILIES", "attention_is_plain", "causal_lm_of", "fuse_lora_if_patched", "is_patched", "patch_model",
+           "unpatch_model"]
 
 
 _ATTENTION_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx", "config")
@@ -164,11 +169,26 @@ def patch_model(
     if attention is not None:
         _set_attention(hf_model, attention)
     set_model_patch(hf_model, ModelPatch(kernels=kernels, attention=attention, kernel_backend=kernel_backend))
+    fuse_lora_if_patched(model)  # adapters PEFT added before patching (added later: get_peft_model, trainers)
     return model
 
 
+def fuse_lora_if_patched(model: nn.Module) -> int:
+    """Fuse ``model``'s PEFT LoRA linears (:func:`~swiftune.models.lora_linear.fuse_lora_linears`)
+    when :func:`patch_model` last ran on it with kernels other than ``"reference"`` (which keeps
+    PEFT's own forwards too, and undoes an earlier fusion); return how many are fused."""
+    hf_model = causal_lm_of(model)
+    record = model_patch(hf_model)
+    if record is None or not record.kernels or record.kernel_backend == "reference":
+        unfuse_lora_linears(hf_model)
+        return 0
+    return fuse_lora_linears(hf_model)
+
+
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo the kernel forwards of :func:`patch_model` (the attention implementation is kept)."""
+    """Undo the kernel forwards of :func:`patch_model` and the fused LoRA linears (the attention
+    implementation is kept)."""
+    unfuse_lora_linears(causal_lm_of(model))
     for module in causal_lm_of(model).modules():
         if is_bound(module):
             if not replace_untiled_forward(module, None):

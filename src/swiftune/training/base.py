@@ -26,6 +26,7 @@ from transformers import Trainer
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..models import is_patched, patch_model
+from ..models.patching import fuse_lora_if_patched
 from .loading import FastModel
 from .lora_casting import training_step_lora_casting
 from .metrics import MetricsCallback
@@ -77,6 +78,8 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
             model = peft.get_peft_model(model, peft_config)
         if not is_patched(model):
             patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
+        else:
+            fuse_lora_if_patched(model)  # adapters added after patching, by the caller's own PEFT
         return model, processing_class
 
     def use_metrics_callback(self, callback: MetricsCallback) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..attention import BACKENDS
 from ..local_paths import resolve_local_path
-from ..models.patching import patch_model
+from ..models.patching import fuse_lora_if_patched, patch_model
 from ..models.support import require_causal_decoder
 from ..models.tiled_mlp import enable_tiled_mlp
 from .checkpointing import enable_offloaded_checkpointing
@@ -333,6 +333,7 @@ class FastModel:
             # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
             enable_tiled_mlp(peft_model, projections=True)
+        fuse_lora_if_patched(peft_model)  # one autograd node per LoRA linear (after the tiling: underneath it)
         return peft_model
 
     @staticmethod

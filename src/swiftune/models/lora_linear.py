@@ -1,0 +1,185 @@
+"""One autograd node per LoRA linear: ``y = x W^T + b + s (x A^T) B^T`` forward and backward.
+
+PEFT's ``lora.Linear.forward`` runs the base ``nn.Linear``, then three more modules (dropout,
+``lora_A``, ``lora_B``), a scaling multiply and an add: four module calls, five autograd nodes and
+about six kernel launches per projection, on every forward and every checkpoint recompute. At
+batch sizes where the step is bound by the host (an 8B model at a few thousand tokens), that
+per-call Python and autograd work, times seven projections, times every layer, is most of the step.
+:class:`LoRALinearFunction` computes the same thing as one node.
+
+Derivation (``x``: ``[N, k]``, ``W``: ``[n, k]``, ``A``: ``[r, k]``, ``B``: ``[n, r]``, scaling
+``s``, upstream gradient ``g = dL/dy``: ``[N, n]``; ``h = x A^T`` is the only intermediate saved):
+
+    y  = x W^T + b + s h B^T
+    dB = s g^T h                      ([n, r])
+    dh = s g B                        ([N, r])
+    dA = dh^T x                       ([r, k])
+    dx = g W + dh A                   ([N, k])
+    dW = g^T x,  db = sum_N g         (only when the base layer is trained)
+
+Which dtype: under autocast (what the trainers run with ``bf16``/``fp16``) everything computes in
+the autocast dtype, exactly where PEFT's matmuls run (autocast casts PEFT's float32 adapter inputs
+straight back); without autocast, as PEFT does, the base product in the input's dtype and the
+adapter product in the adapters' (float32 adapters on a bf16 model: ``x`` cast to float32, the sum
+in float32, the output cast back). Every other case (dropout that is active, DoRA and other
+LoRA variants, several active adapters, adapters disabled or merged, a LoRA bias, Conv1D-style
+``fan_in_fan_out``, mixed dtypes without autocast) runs PEFT's own forward unchanged, so the fused
+path is never a different model: it is PEFT's arithmetic in fewer calls.
+
+:func:`fuse_lora_linears` binds :func:`fused_lora_forward` on each PEFT ``lora.Linear`` instance
+(under a tiled forward's tiling if one is there); :func:`unfuse_lora_linears` restores PEFT's.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .tiled_mlp import replace_untiled_forward
+
+__all__ = ["LoRALinearFunction", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora", "unfuse_lora_linears"]
+
+_FUSED = "_swiftune_fused_lora"  # instance-dict marker: fused_lora_forward is bound (or under the tiling)
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """``y = x W^T + b + scaling (x A^T) B^T``: the base product in ``base_dtype``, the adapter
+    product in ``lora_dtype`` (their sum in ``lora_dtype``, returned in ``base_dtype``, as PEFT
+    adds a float32 adapter output to a half-precision base output); see the module doc."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float,  # type: ignore[override]
+                base_dtype: torch.dtype, lora_dtype: torch.dtype):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xb, xl = x2.to(base_dtype), x2.to(lora_dtype)
+        w, a, b = weight.to(base_dtype), lora_a.to(lora_dtype), lora_b.to(lora_dtype)
+        h = torch.mm(xl, a.t())
+        y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
+        if lora_dtype == base_dtype:
+            y.addmm_(h, b.t(), alpha=scaling)
+        else:
+            y = torch.addmm(y.to(lora_dtype), h, b.t(), alpha=scaling).to(base_dtype)
+        ctx.save_for_backward(xb, xl, h, w, a, b)
+        ctx.scaling = scaling
+        ctx.shape = shape
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_a.dtype, lora_b.dtype)
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        xb, xl, h, w, a, b = ctx.saved_tensors
+        x_dtype, w_dtype, bias_dtype, a_dtype, b_dtype = ctx.dtypes
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        s = ctx.scaling
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(w.dtype)
+        gl = g.to(a.dtype)
+        dx = dw = dbias = da = db = None
+        if need_x or need_a:
+            dh = torch.mm(gl, b).mul_(s)
+            if need_a:
+                da = torch.mm(dh.t(), xl).to(a_dtype)
+            if need_x:
+                dx = torch.mm(g, w)
+                if a.dtype == w.dtype:
+                    dx.addmm_(dh, a)
+                else:
+                    dx.add_(torch.mm(dh, a).to(dx.dtype))
+                dx = dx.to(x_dtype).view(ctx.shape)
+        if need_b:
+            db = torch.mm(gl.t(), h).mul_(s).to(b_dtype)
+        if need_w:
+            dw = torch.mm(g.t(), xb).to(w_dtype)
+        if need_bias:
+            dbias = g.sum(0).to(bias_dtype)
+        return dx, dw, dbias, da, db, None, None, None
+
+
+def _plain_dropout(dropout: nn.Module) -> bool:
+    if isinstance(dropout, nn.Identity):
+        return True
+    return isinstance(dropout, nn.Dropout) and (dropout.p == 0 or not dropout.training)
+
+
+def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype, torch.dtype] | None:
+    """``(adapter, base dtype, adapter dtype)`` when the fused node computes what PEFT's forward
+    would, else None."""
+    if layer.disable_adapters or layer.merged or getattr(layer, "fan_in_fan_out", False):
+        return None
+    active = layer.active_adapters
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
+        return None
+    base, lora_a, lora_b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    if type(base) is not nn.Linear or lora_b.bias is not None or not _plain_dropout(layer.lora_dropout[name]):
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return name, dtype, dtype
+    # without autocast PEFT multiplies x by the base weight as it is and casts x to the adapters'
+    # dtype (unless its input casting is off, when the dtypes must agree already)
+    adapter = lora_a.weight.dtype
+    if base.weight.dtype != x.dtype or lora_b.weight.dtype != adapter:
+        return None
+    if adapter != x.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
+        return None
+    return name, x.dtype, adapter
+
+
+def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """PEFT ``lora.Linear.forward`` as one :class:`LoRALinearFunction` node where that is the same
+    arithmetic (see the module doc); PEFT's own forward otherwise."""
+    operands = None if (args or kwargs) else _fused_operands(self, x)
+    if operands is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    name, base_dtype, lora_dtype = operands
+    base = self.base_layer
+    return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
+                                    float(self.scaling[name]), base_dtype, lora_dtype)
+
+
+def _is_peft_lora_linear(module: nn.Module) -> bool:
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # PEFT absent: nothing to fuse
+        return False
+    return type(module) is Linear  # not its subclasses (bitsandbytes, etc.): their forwards differ
+
+
+def is_fused_lora(module: nn.Module) -> bool:
+    """Whether :func:`fuse_lora_linears` bound the fused forward on this module."""
+    return module.__dict__.get(_FUSED, False)
+
+
+def fuse_lora_linears(model: nn.Module) -> int:
+    """Bind :func:`fused_lora_forward` on every PEFT ``lora.Linear`` of ``model``; return how many
+    are fused. Idempotent; a tiled projection keeps its tiling and runs the fused forward per tile."""
+    n = 0
+    for module in model.modules():
+        if not _is_peft_lora_linear(module):
+            continue
+        n += 1
+        if is_fused_lora(module):
+            continue
+        bound = MethodType(fused_lora_forward, module)
+        if not replace_untiled_forward(module, bound):
+            module.forward = bound
+        module.__dict__[_FUSED] = True
+    return n
+
+
+def unfuse_lora_linears(model: nn.Module) -> nn.Module:
+    """Restore PEFT's own forward on every layer :func:`fuse_lora_linears` fused."""
+    for module in model.modules():
+        if not is_fused_lora(module):
+            continue
+        if not replace_untiled_forward(module, None):
+            module.__dict__.pop("forward", None)
+        del module.__dict__[_FUSED]
+    return model
