@@ -25,8 +25,16 @@ def _modes(*modes):
 FIGURES: list[dict] = [
     dict(figure="kernels", file="kernels_h200.json", date="2026-11-30", versions=BASE,
          command="python -m benchmarks.kernels --out kernels.json"),
+    dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_fused_lora_h200.json", date="2026-12-01",
+         versions=WITH_TRL,
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_peft_lora trl_liger "
+                 "--out sft_b16.json"),
+    dict(figure="sft_qwen3-8b_b16", file="2026-12-01/unsloth_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
+         versions={**BASE, "unsloth": "2026.10.9"},
+         command="python -m benchmarks.unsloth_sft --shared .shared --site /tmp/site-unsloth --model qwen3-8b "
+                 "--batch 16 --out unsloth_sft.json"),
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_after_qk_fix_h200.json", date="2026-12-01",
-         versions=WITH_TRL, keep=_modes("swiftune", "swiftune_budget", "trl_liger"),
+         versions=WITH_TRL, keep=_modes("swiftune_budget"),
          command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_budget trl_liger "
                  "--out sft_qwen3-8b_b16.json"),
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_after_qk_fix_h200.json", date="2026-12-01",
@@ -39,16 +47,16 @@ FIGURES: list[dict] = [
          before_qk_fix=True, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
     dict(figure="sft_sweep_llama3-8b", file="sft_llama3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
          command=f"{SFT} --model llama3-8b --batch 1 2 4 8 16 32 --out sft_llama3-8b.json"),
-    dict(figure="sft_sweep_qwen3-1.7b", file="sft_qwen3-1.7b_sweep_h200.json", date="2026-11-30",
-         versions=WITH_TRL, before_qk_fix=True,
+    dict(figure="sft_sweep_qwen3-1.7b", file="2026-12-01/sft_qwen3-1.7b_sweep_h200.json", date="2026-12-01",
+         versions=WITH_TRL,
          command=f"{SFT} --model qwen3-1.7b --batch 1 2 4 8 16 32 --modes hf_padded trl_padding_free trl_liger "
                  "swiftune --out sft_qwen3-1.7b.json"),
-    dict(figure="sft_sweep_qwen3-0.6b", file="sft_qwen3-0.6b_sweep_h200.json", date="2026-11-30",
-         versions=WITH_TRL, before_qk_fix=True,
+    dict(figure="sft_sweep_qwen3-0.6b", file="2026-12-01/sft_qwen3-0.6b_sweep_h200.json", date="2026-12-01",
+         versions=WITH_TRL,
          command=f"{SFT} --model qwen3-0.6b --batch 1 2 4 8 16 32 --modes hf_padded trl_padding_free trl_liger "
                  "swiftune --out sft_qwen3-0.6b.json"),
-    dict(figure="sft_full_qwen3-0.6b", file="sft_qwen3-0.6b_full_h200.json", date="2026-11-30", versions=WITH_TRL,
-         before_qk_fix=True, command=f"{SFT} --model qwen3-0.6b --batch 16 --full --out sft_qwen3-0.6b_full.json"),
+    dict(figure="sft_full_qwen3-0.6b", file="2026-12-01/sft_qwen3-0.6b_full_h200.json", date="2026-12-01",
+         versions=WITH_TRL, command=f"{SFT} --model qwen3-0.6b --batch 16 --full --out sft_qwen3-0.6b_full.json"),
     dict(figure="loss_curve", file="2026-12-01/loss_curve_after_qk_fix_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.loss_curve --out loss_curve.json"),
     dict(figure="grpo_65k", file="grpo_65k_trl_h200.json", date="2026-11-30", versions=WITH_TRL,

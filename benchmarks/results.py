@@ -203,6 +203,8 @@ def tool_of(mode: str) -> str:
         return "trl+liger"
     if mode.startswith("trl"):
         return "trl"
+    if mode.startswith("unsloth"):
+        return "unsloth"
     if mode == "eager":
         return "torch"
     if mode == "compile":

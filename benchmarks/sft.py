@@ -11,6 +11,9 @@ Modes:
   trl_padding_free  TRL SFTTrainer, padding_free=True (its own collator and loss)
   trl_liger         the same with use_liger_kernel=True
   swiftune          swiftune SFTTrainer, padding-free (default)
+  swiftune_peft_lora
+                    swiftune SFTTrainer, padding-free, with PEFT's own LoRA forwards (the fused LoRA
+                    linear of swiftune.models.lora_linear switched off: its A/B)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
   swiftune_budget_offload
                     the same with every layer checkpoint in pinned host memory and the LoRA
@@ -41,6 +44,8 @@ from benchmarks import child_env, module_command, results
 
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
+# A/B modes, run only when named in --modes
+EXTRA_MODES = ["swiftune_peft_lora"]
 
 
 class CountingCollator:
@@ -146,6 +151,10 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
             model=model, args=swiftune.SFTConfig(max_length=max_length, **extra, **common),
             train_dataset=data, processing_class=word_tokenizer(256),
         )
+        if mode == "swiftune_peft_lora":
+            from swiftune.models.lora_linear import unfuse_lora_linears
+
+            unfuse_lora_linears(trainer.model)
         counter = CountingCollator(trainer.data_collator, 0)
         trainer.data_collator = counter
     record["counter"] = counter

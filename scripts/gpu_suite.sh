@@ -13,6 +13,7 @@
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
+#   scripts/gpu_suite.sh sft-unsloth  # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
@@ -114,6 +115,17 @@ case "$part" in
   sft-llama)
     run sft_llama 570 python3 -m benchmarks.sft --model llama3-8b --batch 1 2 4 8 16 32 --steps 10 --warmup 3 \
       --out "$OUT/sft_llama3-8b.json" ;;
+  sft-unsloth)  # SFT Qwen3-8B batch 16 side by side in one call: swiftune (fused LoRA linears, and PEFT's LoRA
+    # forwards as its A/B), TRL + Liger, Unsloth padding-free and packed (carry .shared: a copy of the shared
+    # folder with Unsloth's wheels), then the device-busy share of swiftune's step
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-unsloth \
+      .shared/wheels/unsloth/*.whl > "$OUT/pip_unsloth.txt" 2>&1 || tail -5 "$OUT/pip_unsloth.txt"
+    run sft_b16 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      --modes swiftune swiftune_peft_lora trl_liger --out "$OUT/sft_b16.json"
+    run unsloth_sft 330 python3 -m benchmarks.unsloth_sft --shared .shared --site /tmp/site-unsloth --model qwen3-8b \
+      --batch 16 --out "$OUT/unsloth_sft.json"
+    run sft_busy 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 3 --time-profile \
+      --modes swiftune --out "$OUT/sft_busy.json" ;;
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
     run sft_memory 420 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;

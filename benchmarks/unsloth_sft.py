@@ -1,0 +1,116 @@
+"""Unsloth's SFT figures beside swiftune's, as rows of the same schema (``benchmarks.sft``'s JSON).
+
+Unsloth patches transformers, PEFT and TRL when it is imported, so it never shares a process with
+the other tools: this script runs the workplace's Unsloth anchor (``anchors/unsloth_anchor.py`` of
+a copy of the shared folder, the same model shapes, LoRA r16 on all seven projections, rows of
+``data/lengths.py``, the same timed window) in child processes with Unsloth's wheels on their
+``PYTHONPATH``, and writes what they measured as ``benchmarks.sft`` rows (``mode`` ``unsloth``:
+padding-free as Unsloth decides it; ``unsloth_packed``: its BFD packing of ``--max-length`` rows).
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site-unsloth .shared/wheels/unsloth/*.whl
+    python -m benchmarks.unsloth_sft --shared .shared --site /tmp/site-unsloth --model qwen3-8b \
+        --batch 16 --modes unsloth unsloth_packed --out unsloth_sft.json
+
+The anchor's checkpoint of the random-init model is written once (``--model-dir``, a plain
+transformers child that never imports Unsloth) and reused by each mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks import results
+
+GIB = 2**30
+MODES = {"unsloth": [], "unsloth_packed": ["--packing"]}
+
+
+def anchor_env(site: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def run_anchor(shared: str, site: str, args: list[str], timeout: float) -> list[dict]:
+    """The ``RESULT`` records of one anchor run (its stderr tail in an ``error`` record if none)."""
+    cmd = [sys.executable, os.path.join("anchors", "unsloth_anchor.py"), *args]
+    try:
+        proc = subprocess.run(cmd, cwd=shared, env=anchor_env(site), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{"status": "error", "error": f"timed out after {timeout:.0f} s"}]
+    found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        found = [{"status": "error", "error": f"exit {proc.returncode}: " + " | ".join(tail)[-300:]}]
+    return found
+
+
+def sft_row(mode: str, model: str, batch: int, record: dict) -> dict:
+    """An anchor SFT record as a ``benchmarks.sft`` row (GiB -> GB)."""
+    metrics = record.get("metrics") or {}
+    if record.get("status") != "ok" or not metrics.get("tokens_per_s"):
+        return dict(mode=mode, model=model, batch=batch, error=str(record.get("error", record.get("status")))[:300])
+    versions = (record.get("versions") or record.get("env", {}).get("versions") or {})
+    return dict(mode=mode, model=model, batch=batch, finetune="lora r=16", steps=metrics.get("timed_steps"),
+                tokens_per_s=metrics["tokens_per_s"], peak_gb=metrics["peak_mem_gib"] * GIB / 1e9,
+                sec_per_step=metrics["step_time_ms"] / 1000, padding_fraction=metrics.get("padding_fraction") or 0.0,
+                unsloth_version=versions.get("unsloth"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shared", required=True, help="a copy of the workplace's shared folder (anchors/, data/)")
+    p.add_argument("--site", required=True, help="folder with Unsloth's wheels installed (pip --target)")
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--num-examples", type=int, default=2000)
+    p.add_argument("--model-dir", default="/tmp/unsloth_anchor_ckpt")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per anchor run")
+    p.add_argument("--out", help="write the rows as JSON here")
+    p.add_argument("--rows", default=None, help="result rows (JSON Lines); default: the --out path with .rows.jsonl")
+    args = p.parse_args(argv)
+    shared = os.path.abspath(args.shared)
+    saved = run_anchor(shared, args.site, ["--save-model-only", "--model", args.model, "--model-dir", args.model_dir],
+                       args.timeout)
+    if not os.path.exists(os.path.join(args.model_dir, "unsloth_anchor_model.json")):
+        print(f"no checkpoint in {args.model_dir}: {saved[-1].get('error', saved[-1])}", file=sys.stderr)
+        return 1
+    rows = []
+    for mode in args.modes:
+        records = run_anchor(shared, args.site, ["--mode", "sft", "--model", args.model, "--model-dir", args.model_dir,
+                                                 "--batch-size", str(args.batch), "--steps", str(args.steps),
+                                                 "--warmup", str(args.warmup), "--num-examples", str(args.num_examples),
+                                                 *MODES[mode]], args.timeout)
+        rows.append(sft_row(mode, args.model, args.batch, records[-1]))
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'mode':<16} {'model':<11} {'batch':>5} {'tok/s':>8} {'peak GB':>8} {'s/step':>7} {'padding':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:<16} {r['model']:<11} {r['batch']:>5}  FAILED: {r['error'][:150]}")
+        else:
+            print(f"{r['mode']:<16} {r['model']:<11} {r['batch']:>5} {r['tokens_per_s']:8.0f} {r['peak_gb']:8.1f} "
+                  f"{r['sec_per_step']:7.2f} {r['padding_fraction']:8.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    path = results.rows_path(args.rows, args.out)
+    measured = [r for r in rows if "error" not in r]
+    if path and measured:
+        ctx = results.run_context("unsloth_sft", argv, warmup=args.warmup)
+        ctx.versions["unsloth"] = measured[0].get("unsloth_version") or "unknown"  # installed for the children only
+        n = results.write_rows(path, results.rows_from(rows, ctx))
+        print(f"# {n} result rows: {path}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
