@@ -31,8 +31,7 @@ FIGURES: list[dict] = [
                  "--out sft_b16.json"),
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/unsloth_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
          versions={**BASE, "unsloth": "2026.10.9"},
-         command="python -m benchmarks.unsloth_sft --shared .shared --site /tmp/site-unsloth --model qwen3-8b "
-                 "--batch 16 --out unsloth_sft.json"),
+         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --out unsloth_sft.json"),
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_after_qk_fix_h200.json", date="2026-12-01",
          versions=WITH_TRL, keep=_modes("swiftune_budget"),
          command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_budget trl_liger "

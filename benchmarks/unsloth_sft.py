@@ -7,9 +7,10 @@ a copy of the shared folder, the same model shapes, LoRA r16 on all seven projec
 ``PYTHONPATH``, and writes what they measured as ``benchmarks.sft`` rows (``mode`` ``unsloth``:
 padding-free as Unsloth decides it; ``unsloth_packed``: its BFD packing of ``--max-length`` rows).
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site-unsloth .shared/wheels/unsloth/*.whl
-    python -m benchmarks.unsloth_sft --shared .shared --site /tmp/site-unsloth --model qwen3-8b \
-        --batch 16 --modes unsloth unsloth_packed --out unsloth_sft.json
+    python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --out unsloth_sft.json
+
+Without ``--site`` the wheels of ``<shared>/wheels/unsloth`` are installed (``pip --target``, no
+index) into a temporary folder first; ``--site DIR`` reuses a folder where they are installed.
 
 The anchor's checkpoint of the random-init model is written once (``--model-dir``, a plain
 transformers child that never imports Unsloth) and reused by each mode.
@@ -35,6 +36,21 @@ def anchor_env(site: str) -> dict:
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", UNSLOTH_DISABLE_STATISTICS="1",
                PYTHONUNBUFFERED="1")
     return env
+
+
+def install_wheels(folder: str) -> str:
+    """Install every wheel of ``folder`` (no index, no dependencies resolved) into a new temporary
+    folder; return it."""
+    import glob
+    import tempfile
+
+    wheels = sorted(glob.glob(os.path.join(folder, "*.whl")))
+    if not wheels:
+        raise SystemExit(f"no wheels in {folder}: pass --site, or --shared with wheels/unsloth/")
+    site = tempfile.mkdtemp(prefix="unsloth-site-")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", site, *wheels], check=True)
+    return site
 
 
 def run_anchor(shared: str, site: str, args: list[str], timeout: float) -> list[dict]:
@@ -66,7 +82,8 @@ def sft_row(mode: str, model: str, batch: int, record: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shared", required=True, help="a copy of the workplace's shared folder (anchors/, data/)")
-    p.add_argument("--site", required=True, help="folder with Unsloth's wheels installed (pip --target)")
+    p.add_argument("--site", default=None, help="folder with Unsloth's wheels installed (pip --target); "
+                   "default: install <shared>/wheels/unsloth into a temporary folder")
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
@@ -79,14 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=None, help="result rows (JSON Lines); default: the --out path with .rows.jsonl")
     args = p.parse_args(argv)
     shared = os.path.abspath(args.shared)
-    saved = run_anchor(shared, args.site, ["--save-model-only", "--model", args.model, "--model-dir", args.model_dir],
+    site = args.site or install_wheels(os.path.join(shared, "wheels", "unsloth"))
+    saved = run_anchor(shared, site, ["--save-model-only", "--model", args.model, "--model-dir", args.model_dir],
                        args.timeout)
     if not os.path.exists(os.path.join(args.model_dir, "unsloth_anchor_model.json")):
         print(f"no checkpoint in {args.model_dir}: {saved[-1].get('error', saved[-1])}", file=sys.stderr)
         return 1
     rows = []
     for mode in args.modes:
-        records = run_anchor(shared, args.site, ["--mode", "sft", "--model", args.model, "--model-dir", args.model_dir,
+        records = run_anchor(shared, site, ["--mode", "sft", "--model", args.model, "--model-dir", args.model_dir,
                                                  "--batch-size", str(args.batch), "--steps", str(args.steps),
                                                  "--warmup", str(args.warmup), "--num-examples", str(args.num_examples),
                                                  *MODES[mode]], args.timeout)

@@ -118,12 +118,10 @@ case "$part" in
   sft-unsloth)  # SFT Qwen3-8B batch 16 side by side in one call: swiftune (fused LoRA linears, and PEFT's LoRA
     # forwards as its A/B), TRL + Liger, Unsloth padding-free and packed (carry .shared: a copy of the shared
     # folder with Unsloth's wheels), then the device-busy share of swiftune's step
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-unsloth \
-      .shared/wheels/unsloth/*.whl > "$OUT/pip_unsloth.txt" 2>&1 || tail -5 "$OUT/pip_unsloth.txt"
     run sft_b16 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
       --modes swiftune swiftune_peft_lora trl_liger --out "$OUT/sft_b16.json"
-    run unsloth_sft 330 python3 -m benchmarks.unsloth_sft --shared .shared --site /tmp/site-unsloth --model qwen3-8b \
-      --batch 16 --out "$OUT/unsloth_sft.json"
+    run unsloth_sft 330 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 \
+      --out "$OUT/unsloth_sft.json"
     run sft_busy 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 3 --time-profile \
       --modes swiftune --out "$OUT/sft_busy.json" ;;
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)

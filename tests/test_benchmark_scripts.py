@@ -900,7 +900,7 @@ def test_docs_tables_are_generated_from_the_committed_rows():
     tables = report.render_tables(read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl")))
     assert report.rewrite(page, tables) == page, "run python -m benchmarks.report"
     assert {m.group("name") for m in report.BLOCK.finditer(page)} == set(tables)
-    assert "| **swiftune** | 16 | 6,721 | 2.81 | 2.13 | 19.4 |" in tables["sft_qwen3-8b_b16"]
+    assert "| **swiftune** | 16 | 7,672 | 3.20 | 2.43 | 19.4 |" in tables["sft_qwen3-8b_b16"]
     # a changed row changes the page
     rows = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
     rows[0].value *= 2
@@ -909,3 +909,42 @@ def test_docs_tables_are_generated_from_the_committed_rows():
         assert stale not in page.lower(), stale
     for png in set(re.findall(r"\(plots/([^)]+\.png)\)", page)):
         assert os.path.exists(os.path.join(ROOT, "docs", "plots", png)), png
+
+
+def test_unsloth_sft_turns_the_anchors_records_into_sft_rows(tmp_path):
+    """benchmarks.unsloth_sft runs the anchor in child processes (here a stand-in printing the
+    anchor's RESULT records) and writes benchmarks.sft rows of tool ``unsloth``."""
+    from benchmarks import unsloth_sft
+    from benchmarks.results import read_rows
+
+    shared = tmp_path / "shared"
+    (shared / "anchors").mkdir(parents=True)
+    (shared / "anchors" / "unsloth_anchor.py").write_text(
+        "import json, os, sys\n"
+        "args = sys.argv[1:]\n"
+        "if '--save-model-only' in args:\n"
+        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
+        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
+        "else:\n"
+        "    packed = '--packing' in args\n"
+        "    m = dict(tokens_per_s=6000.0 if packed else 2500.0, peak_mem_gib=20.0, step_time_ms=1500.0,\n"
+        "             padding_fraction=0.0, timed_steps=16)\n"
+        "    print('RESULT ' + json.dumps(dict(status='ok', metrics=m, versions=dict(unsloth='2026.10.9'))))\n")
+    out = tmp_path / "u.json"
+    assert unsloth_sft.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
+                             "--out", str(out)]) == 0
+    rows = json.load(open(out))
+    assert [r["mode"] for r in rows] == ["unsloth", "unsloth_packed"]
+    assert rows[1]["tokens_per_s"] == 6000.0 and abs(rows[0]["peak_gb"] - 20.0 * 2**30 / 1e9) < 1e-9
+    result_rows = read_rows(str(tmp_path / "u.rows.jsonl"))
+    assert {r.tool for r in result_rows} == {"unsloth"} and all(r.versions["unsloth"] == "2026.10.9" for r in result_rows)
+    # an anchor that prints nothing: an error row, not a crash
+    (shared / "anchors" / "unsloth_anchor.py").write_text(
+        "import os, sys\nargs = sys.argv[1:]\n"
+        "if '--save-model-only' in args:\n"
+        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
+        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
+        "else:\n    sys.exit('CUDA out of memory')\n")
+    assert unsloth_sft.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
+                             "--modes", "unsloth", "--out", str(out)]) == 0
+    assert "out of memory" in json.load(open(out))[0]["error"]

@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("transformers", "accelerate", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # bitsandbytes (imported by PEFT when installed) warns at every import on CPUs with AVX512-BF16
+    # that an optional Hub kernel is missing, then runs its own CPU kernel: not this command's business
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         return COMMANDS[command](rest)
     except KeyboardInterrupt as e:

@@ -41,6 +41,10 @@ class ModelArguments:
     )
     eval_dataset_split: str = field(default="test", metadata={"help": "Split of a hub eval dataset."})
     dtype: str = field(default="auto", metadata={"help": "Model weights dtype: auto (bf16 on GPU), bf16, fp16, fp32."})
+    load_in_4bit: bool = field(
+        default=False, metadata={"help": "QLoRA: load the decoder's linear weights in 4-bit NF4 (bitsandbytes: "
+                                         "pip install 'swiftune[qlora]'); LoRA adapters train on top."}
+    )
     use_lora: bool | None = field(
         default=None, metadata={"help": "Train LoRA adapters (default for real models) or the full model (false; "
                                         "default for the built-in tiny model)."}
@@ -307,6 +311,13 @@ def check_model_args(model_args: ModelArguments) -> None:
     if not 0 <= model_args.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout {model_args.lora_dropout}: must be in [0, 1), e.g. 0.0")
     lora_targets(model_args.lora_target_modules)
+    if getattr(model_args, "load_in_4bit", False):
+        if model_args.use_lora is False:
+            raise ConfigError("--load_in_4bit true with --use_lora false: a 4-bit model cannot be fully fine-tuned "
+                              "(its NF4 weights take no gradient steps); drop --use_lora false to train LoRA adapters")
+        if not model_args.model_name_or_path:
+            raise ConfigError("--load_in_4bit true needs --model_name_or_path (the built-in tiny model is not "
+                              "quantised)")
 
 
 def check_paths(model_args: ModelArguments, config: Any) -> None:

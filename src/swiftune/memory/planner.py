@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .shapes import KNOWN_MODELS, ModelShape, lora_param_count, model_shape, param_count
+from .shapes import KNOWN_MODELS, ModelShape, linear_weight_count, lora_param_count, model_shape, param_count
 
 GiB = 2**30
 
@@ -401,6 +401,10 @@ def _setup(lora_rank: int, full_finetune: bool, dtype_bytes: int, logit_chunk_to
 
 #: Bytes of optimizer state per trainable parameter, by optimizer name.
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 0, "sgd_momentum": 4}
+# bytes per quantised weight, quantisation constants included: bitsandbytes NF4 packs two weights a
+# byte with one float32 absmax per 64 weights; double quantisation stores those absmax as 8-bit
+# codes with one float32 scale per 256 of them
+QUANTIZED_WEIGHT_BYTES = {"nf4": (4 + 32 / 64) / 8, "nf4_double_quant": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
 
 
 def plan_memory(
@@ -415,6 +419,7 @@ def plan_memory(
     logit_chunk_tokens: int | None = None,
     gpu_bytes: int | None = None,
     host_bytes: int | None = None,
+    weight_quantization: str | None = None,
     **setup: Any,
 ) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
@@ -433,6 +438,9 @@ def plan_memory(
         logit_chunk_tokens: token chunk of the fused loss (default 1024, the automatic clamp).
         gpu_bytes: GPU memory; sets ``fits`` and the offload split.
         host_bytes: pinned host memory available for offloaded checkpoints; sets ``fits``.
+        weight_quantization: the decoder's linear weights quantised (QLoRA): ``"nf4_double_quant"``
+            (what ``load_in_4bit=True`` loads) or ``"nf4"``; LoRA only. Adds the largest projection
+            dequantised for its matmul to the working set.
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -447,6 +455,14 @@ def plan_memory(
     name = model_config if isinstance(model_config, str) else shape.model_type
     P = param_count(shape)
     weights = P * dtype_bytes
+    if weight_quantization is not None:
+        if weight_quantization not in QUANTIZED_WEIGHT_BYTES:
+            raise ValueError(f"weight_quantization must be one of {sorted(QUANTIZED_WEIGHT_BYTES)} or None, "
+                             f"got {weight_quantization!r}")
+        if full_finetune:
+            raise ValueError("weight_quantization needs LoRA: quantised weights are not trained")
+        linear = linear_weight_count(shape)
+        weights = (P - linear) * dtype_bytes + int(linear * QUANTIZED_WEIGHT_BYTES[weight_quantization])
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if s.lora:
         n_train = lora_param_count(shape, s.lora_rank)
@@ -462,6 +478,8 @@ def plan_memory(
     T, L = int(tokens), shape.layers
     per_layer = T * shape.hidden * dtype_bytes  # one saved layer input
     working = layer_working_set(shape, T, s)
+    if weight_quantization is not None:  # bitsandbytes dequantises each weight for its matmul
+        working += shape.hidden * max(shape.intermediate, shape.q_dim) * dtype_bytes
     loss = loss_bytes(shape, T, s)
     transfer = 0
     derived = host = 0
@@ -554,6 +572,7 @@ def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: in
 
 
 __all__ = [
+    "QUANTIZED_WEIGHT_BYTES",
     "CUDA_CONTEXT_BYTES",
     "FRAGMENTATION",
     "KNOWN_MODELS",

@@ -171,6 +171,13 @@ def param_count(shape: ModelShape) -> int:
     return embed + shape.layers * layer + H
 
 
+def linear_weight_count(shape: ModelShape) -> int:
+    """Weights of the decoder's linear projections (what 4-bit loading quantises; biases, norms,
+    embeddings and the LM head stay in the load dtype): ``L * (H*dq + 2*H*dkv + dq*H + 3*H*I)``."""
+    H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
+    return shape.layers * (H * dq + 2 * H * dkv + dq * H + 3 * H * I)
+
+
 def lora_param_count(shape: ModelShape, rank: int) -> int:
     """LoRA parameters on every linear layer of the decoder (PEFT ``"all-linear"``: not the LM head).
 

@@ -30,6 +30,7 @@ from ..models.patching import fuse_lora_if_patched
 from .loading import FastModel
 from .lora_casting import training_step_lora_casting
 from .metrics import MetricsCallback
+from .quantization import refuse_full_finetuning_of_4bit
 from .safety import RunSafetyMixin
 
 
@@ -76,6 +77,8 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
             import peft  # only when asked for: PEFT is slow to import
 
             model = peft.get_peft_model(model, peft_config)
+        if getattr(model, "peft_config", None) is None:
+            refuse_full_finetuning_of_4bit(model, "the trainer's model")
         if not is_patched(model):
             patch_model(model, attention=args.attention_backend, kernel_backend=args.kernel_backend)
         else:

@@ -22,6 +22,7 @@ from ..models.patching import fuse_lora_if_patched, patch_model
 from ..models.support import require_causal_decoder
 from ..models.tiled_mlp import enable_tiled_mlp
 from .checkpointing import enable_offloaded_checkpointing
+from .quantization import refuse_full_finetuning_of_4bit, resolve_quantization
 
 # Tokens that real tokenizers ship unused and that make a safe pad token, best first
 # (Llama 3's reserved pad, then the usual spellings). Checked only against the existing
@@ -220,6 +221,9 @@ class FastModel:
         attn_implementation: str = "auto",
         patch: bool = True,
         kernel_backend: str = "auto",
+        load_in_4bit: bool = False,
+        load_in_8bit: bool = False,
+        quantization_config: Any = None,
         **hf_kwargs: Any,
     ) -> tuple[nn.Module, Any]:
         """Load a causal LM and its tokenizer through transformers, then patch the model.
@@ -236,6 +240,11 @@ class FastModel:
                 to keep it.
             patch: apply :func:`swiftune.patch_model` (fused kernels + packed attention).
             kernel_backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the fused kernels.
+            load_in_4bit: QLoRA: the decoder's linear weights in bitsandbytes NF4 (double
+                quantisation, matmuls in ``dtype``); needs ``pip install 'swiftune[qlora]'``.
+            load_in_8bit: refused (swiftune trains on 4-bit or unquantised bases).
+            quantization_config: a transformers ``BitsAndBytesConfig`` with ``load_in_4bit=True``
+                (or its dict), for settings other than :func:`~swiftune.training.quantization.nf4_config`.
             **hf_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (``device_map``,
                 ``revision``, ``token``, ...; the shared ones also to the tokenizer).
 
@@ -245,6 +254,10 @@ class FastModel:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         model_name_or_path = resolve_local_path(model_name_or_path, "model")  # a missing local path: no Hub lookup
+        # checked before any file is read: a bad combination or a missing bitsandbytes says so first
+        quantization = resolve_quantization(load_in_4bit, load_in_8bit, quantization_config, _resolve_dtype(dtype))
+        if quantization is not None:
+            hf_kwargs["quantization_config"] = quantization
         shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
         config = hf_kwargs.pop("config", None) or AutoConfig.from_pretrained(model_name_or_path, **shared)
         _check_causal_lm(config, model_name_or_path)
@@ -341,7 +354,8 @@ class FastModel:
                      offload_gpu_budget_bytes: int | None = None,
                      offload_host_budget_bytes: int | None = None) -> nn.Module:
         """Full fine-tuning: every parameter trainable, gradient checkpointing (budgets as in
-        :meth:`get_peft_model`), train mode."""
+        :meth:`get_peft_model`), train mode. A 4-bit model is refused (add LoRA adapters instead)."""
+        refuse_full_finetuning_of_4bit(model, "FastModel.for_training")
         for p in model.parameters():
             p.requires_grad_(True)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,

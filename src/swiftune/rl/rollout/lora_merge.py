@@ -22,6 +22,12 @@ def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Te
     layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
     if not layers or any(getattr(m, "disable_adapters", False) or getattr(m, "merged", False) for m in layers):
         return None
+    if any(not m.get_base_layer().weight.is_floating_point() for m in layers):
+        # 4-bit (or other packed) base weights: a merge re-quantises them, which no saved copy undoes
+        if mode == "merge":
+            raise ValueError("lora='merge' cannot merge adapters into quantised (4-bit) base weights exactly: "
+                             "use lora='runtime' (or 'auto', which does)")
+        return None
     if mode == "auto":
         weight = layers[0].get_base_layer().weight
         if weight.device.type != "cuda":

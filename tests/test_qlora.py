@@ -1,0 +1,242 @@
+"""QLoRA: 4-bit NF4 base weights (bitsandbytes, its CPU backend here) under swiftune's fast paths.
+
+Reference: the plain libraries, unpatched: transformers' ``from_pretrained`` with a bitsandbytes
+``BitsAndBytesConfig`` (eager attention) and PEFT's own LoRA on top, run on each document alone.
+Both sides quantise the same float32 checkpoint, so they hold the same NF4 weights; compared: the
+loss and every LoRA tensor's gradient (non-zero where the reference's is), for padded,
+padding-free and packed batches, with gradient checkpointing off, on and offloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from swiftune.data.builtin import build_tokenizer  # noqa: E402
+from swiftune.errors import ConfigError  # noqa: E402
+from swiftune.memory.planner import QUANTIZED_WEIGHT_BYTES, plan_memory  # noqa: E402
+from swiftune.training import FastModel  # noqa: E402
+from swiftune.training.quantization import is_quantized_4bit, nf4_config  # noqa: E402
+from tests.helpers import assert_gradients_match, rel_err, tiny_model  # noqa: E402
+from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    out = {}
+    for family in ("llama", "qwen3"):
+        path = tmp_path_factory.mktemp(family)
+        tiny_model(family).save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+def _lora_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _reference(path: str, dtype: torch.dtype = torch.float32):
+    """transformers + bitsandbytes + PEFT, unpatched (eager attention)."""
+    base = AutoModelForCausalLM.from_pretrained(path, quantization_config=nf4_config(dtype), dtype=dtype,
+                                                attn_implementation="eager", device_map="cpu")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(base, config)
+
+
+def _swiftune(path: str, reference, checkpointing, dtype: torch.dtype = torch.float32):
+    model, _ = FastModel.from_pretrained(path, load_in_4bit=True, dtype=dtype, device_map="cpu")
+    budget = {"offload_gpu_budget_bytes": 0} if checkpointing == "offload" else {}
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
+                                     use_gradient_checkpointing=checkpointing, init_lora_weights=False, **budget)
+    want = _lora_tensors(reference)
+    got = _lora_tensors(model)
+    assert got.keys() == want.keys() and got
+    with torch.no_grad():  # the same adapters on both sides
+        for name, p in got.items():
+            p.copy_(want[name])
+    return model.train()
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict:
+    """Per family and compute dtype: the reference model and its loss and gradients (computed once)."""
+    cache: dict = {}
+
+    def get(family: str, dtype: torch.dtype = torch.float32):
+        if (family, dtype) not in cache:
+            reference = _reference(checkpoints[family], dtype)
+            assert is_quantized_4bit(reference)
+            cache[family, dtype] = (reference, *_reference_step(reference.train(), _examples()))
+        return cache[family, dtype]
+
+    return get
+
+
+# every layout and every checkpointing mode, each family, without the full product
+CASES = [("padded", False), ("padding_free", True), ("packed", "offload"), ("packed", True)]
+
+
+@pytest.mark.parametrize("layout,checkpointing", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_qlora_gradients_equal_peft_bitsandbytes(checkpoints, references, family, layout, checkpointing):
+    reference, ref_loss, ref_grads = references(family)
+    model = _swiftune(checkpoints[family], reference, checkpointing)
+    assert is_quantized_4bit(model)
+    for (n1, p1), (n2, p2) in zip(reference.named_parameters(), model.named_parameters()):
+        if type(p1).__name__ == "Params4bit":  # the same checkpoint quantised the same way
+            assert n1 == n2 and torch.equal(p1.data, p2.data), n1
+    loss, grads = _swiftune_step(model, _examples(), layout)
+    assert rel_err(loss, ref_loss) < 1e-5, (float(loss), float(ref_loss))
+    assert_gradients_match(ref_grads, grads, _trainable(reference), 1e-4)
+    assert set(ref_grads) == set(_trainable(reference)), "every adapter gets a gradient"
+
+
+def test_qlora_bf16_compute_gradients_equal_peft_bitsandbytes(checkpoints, references):
+    """bf16 compute against the float32 truth (the same NF4 checkpoint): within the plain libraries'
+    own bf16 error on each tensor (three times it, at least 2e-2)."""
+    _, want_loss, want = references("qwen3")
+    _, plain_loss, plain = references("qwen3", torch.bfloat16)
+    reference = references("qwen3", torch.bfloat16)[0]
+    model = _swiftune(checkpoints["qwen3"], reference, True, torch.bfloat16)
+    loss, grads = _swiftune_step(model, _examples(), "packed")
+    assert rel_err(loss, want_loss) < max(2e-2, 3 * rel_err(plain_loss, want_loss))
+    allowed = {name: max(2e-2, 3 * rel_err(plain[name], g)) for name, g in want.items()}
+    assert_gradients_match(want, grads, _trainable(reference), allowed)
+
+
+def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(checkpoints, tmp_path):
+    import swiftune
+
+    model, tokenizer = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=True, dtype=torch.float32,
+                                                 device_map="cpu")
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    frozen = {n: p.data.clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    before = {n: p.detach().clone() for n, p in _lora_tensors(model).items()}
+    rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")]
+    args = swiftune.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                              learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True)
+    trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    after = _lora_tensors(model)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters trained"
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(frozen[n], p.data), f"{n}: a 4-bit weight changed"
+
+    model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([tokenizer("Reverse: abc\n")["input_ids"]])
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    # plain PEFT on the 4-bit base: the same model
+    base4 = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], quantization_config=nf4_config(torch.float32),
+                                                 dtype=torch.float32, device_map="cpu")
+    loaded4 = peft.PeftModel.from_pretrained(base4, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert rel_err(loaded4(input_ids=ids).logits, want) < 1e-5
+    # plain PEFT on the unquantised base: the same adapters, the base without its NF4 rounding
+    base16 = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.bfloat16)
+    loaded16 = peft.PeftModel.from_pretrained(base16, tmp_path / "adapter")
+    for name, p in _lora_tensors(loaded16).items():
+        assert torch.allclose(p.float(), after[name].detach().float(), atol=1e-2, rtol=1e-2), name
+
+
+def test_rollout_engine_generates_from_4bit_weights(checkpoints):
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+
+    model, tokenizer = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=True, dtype=torch.float32,
+                                                 device_map="cpu")
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
+    out = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3).generate(
+        prompts, 1, SamplingParams(max_tokens=10, temperature=0))
+    for prompt, got in zip(prompts, out.completion_ids):
+        ref = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=10, pad_token_id=tokenizer.pad_token_id)
+        assert got == ref[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match="runtime"):
+        FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, lora="merge").generate(
+            prompts, 1, SamplingParams(max_tokens=2, temperature=0))
+
+
+def test_bad_quantization_requests_are_refused_before_loading(tmp_path, checkpoints):
+    empty = tmp_path / "empty"
+    empty.mkdir()  # no config.json: any attempt to load would fail differently
+    with pytest.raises(ConfigError, match="exclusive"):
+        FastModel.from_pretrained(str(empty), load_in_4bit=True, load_in_8bit=True)
+    with pytest.raises(ConfigError, match="8-bit base weights are not supported"):
+        FastModel.from_pretrained(str(empty), load_in_8bit=True)
+    with pytest.raises(ConfigError, match="load_in_4bit=True"):
+        from transformers import BitsAndBytesConfig
+
+        FastModel.from_pretrained(str(empty), quantization_config=BitsAndBytesConfig(load_in_4bit=False))
+    model, _ = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=True, dtype=torch.float32, device_map="cpu")
+    with pytest.raises(ConfigError, match="full fine-tuning of a 4-bit model"):
+        FastModel.for_training(model)
+    import swiftune
+
+    with pytest.raises(ConfigError, match="full fine-tuning of a 4-bit model"):
+        swiftune.SFTTrainer(model=model, args=swiftune.SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True),
+                            train_dataset=[{"prompt": "a", "completion": "b"}], processing_class=build_tokenizer())
+
+
+def test_missing_bitsandbytes_says_what_to_install(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_bitsandbytes(name, *args, **kwargs):
+        if name == "bitsandbytes" or name.startswith("bitsandbytes."):
+            raise ImportError("No module named 'bitsandbytes'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bitsandbytes)
+    with pytest.raises(ConfigError, match=r"pip install 'swiftune\[qlora\]'"):
+        FastModel.from_pretrained(str(tmp_path), load_in_4bit=True)
+
+
+def test_a_gpu_bitsandbytes_cannot_use_is_refused(tmp_path, monkeypatch):
+    from bitsandbytes import cextension
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (6, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla P100")
+    monkeypatch.setattr(cextension, "lib", object())  # the CPU library, not a CUDA one
+    with pytest.raises(ConfigError, match="no CUDA library for this GPU"):
+        FastModel.from_pretrained(str(tmp_path), load_in_4bit=True, dtype=torch.bfloat16)
+
+
+def test_cli_refuses_4bit_full_finetuning():
+    from swiftune.cli.arguments import ModelArguments, check_model_args
+
+    with pytest.raises(ConfigError, match="cannot be fully fine-tuned"):
+        check_model_args(ModelArguments(model_name_or_path="some/model", load_in_4bit=True, use_lora=False))
+    with pytest.raises(ConfigError, match="needs --model_name_or_path"):
+        check_model_args(ModelArguments(load_in_4bit=True))
+
+
+def test_planner_counts_4bit_weights():
+    full = plan_memory("qwen3-8b", 4096)
+    q = plan_memory("qwen3-8b", 4096, weight_quantization="nf4_double_quant")
+    # embeddings and LM head stay bf16: 2 x 151,936 x 4,096 x 2 bytes; the projections ~0.516 bytes each
+    embed = 2 * 151936 * 4096 * 2
+    linear = 36 * (4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 12288)
+    assert abs(q.weights - (embed + linear * QUANTIZED_WEIGHT_BYTES["nf4_double_quant"])) < 1e7
+    assert q.weights < 0.4 * full.weights
+    assert q.allocated < full.allocated
+    with pytest.raises(ValueError, match="needs LoRA"):
+        plan_memory("qwen3-8b", 4096, full_finetune=True, weight_quantization="nf4")
