@@ -33,6 +33,7 @@ MODE_NAMES = {
     "swiftune_budget": "swiftune, 16K-token budget",
     "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
     "swiftune_peft_lora": "swiftune, PEFT's LoRA forwards",
+    "swiftune_offload": "swiftune, checkpoints on host",
     "unsloth": "Unsloth",
     "unsloth_packed": "Unsloth, packed",
     "baseline": "transformers + PEFT (full logits)",

@@ -20,13 +20,14 @@ MARK = "†"  # a swiftune figure measured before the q/k gradient fix
 LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, padding_free",
           "trl_liger": "TRL + Liger", "swiftune": "**swiftune**", "swiftune_budget": "swiftune, 16K-token budget",
           "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
-          "swiftune_peft_lora": "swiftune, PEFT's LoRA forwards", "unsloth": "Unsloth", "unsloth_packed": "Unsloth, packed",
+          "swiftune_peft_lora": "swiftune, PEFT's LoRA forwards",
+          "swiftune_offload": "swiftune, checkpoints on host", "unsloth": "Unsloth", "unsloth_packed": "Unsloth, packed",
           "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
           "baseline": "transformers + PEFT", "ckpt": "swiftune, checkpoints on the GPU",
           "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
 MODELS = {"qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
 MODE_ORDER = ["hf_padded", "trl_padding_free", "trl_liger", "unsloth", "unsloth_packed", "swiftune_peft_lora", "swiftune",
-              "swiftune_budget", "swiftune_budget_offload"]
+              "swiftune_offload", "swiftune_budget", "swiftune_budget_offload"]
 
 
 class Figure:

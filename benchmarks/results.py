@@ -249,6 +249,8 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
         s = {"batch": r["batch"], "finetune": r.get("finetune", "lora r=16"), "timed_steps": r.get("steps")}
         if r.get("logit_chunk_tokens"):
             s["logit_chunk_tokens"] = r["logit_chunk_tokens"]
+        if r.get("gpu_budget_gb") is not None:
+            s["gpu_budget_gb"] = r["gpu_budget_gb"]
         s = {k: v for k, v in s.items() if v is not None}
         one = lambda metric, value: out.append(ctx.row(tool_of(r["mode"]), r["mode"], r["model"], s, metric, value))  # noqa: E731
         one("tokens_per_s", r["tokens_per_s"])

@@ -14,6 +14,8 @@ Modes:
   swiftune_peft_lora
                     swiftune SFTTrainer, padding-free, with PEFT's own LoRA forwards (the fused LoRA
                     linear of swiftune.models.lora_linear switched off: its A/B)
+  swiftune_offload  swiftune SFTTrainer, padding-free batches, every layer checkpoint in pinned host
+                    memory (the least GPU memory at a batch size; an A/B mode)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
   swiftune_budget_offload
                     the same with every layer checkpoint in pinned host memory and the LoRA
@@ -45,7 +47,7 @@ from benchmarks import child_env, module_command, results
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 # A/B modes, run only when named in --modes
-EXTRA_MODES = ["swiftune_peft_lora"]
+EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload"]
 
 
 class CountingCollator:
@@ -80,19 +82,29 @@ def timing_callback(warmup: int, record: dict):
 
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
             full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None,
-            time_profile: bool = False, host_profile: bool = False) -> dict:
+            time_profile: bool = False, host_profile: bool = False, load_in_4bit: bool = False,
+            gpu_budget_gb: float | None = None) -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
     ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
     ``time_profile`` (CUDA): device time by kind of kernel over that step, against its wall time;
     ``host_profile``: the host's own time in that step by library (cProfile; CPU too);
-    ``logit_chunk_tokens``: swiftune modes' ``SFTConfig.logit_chunk_tokens`` (None: automatic)."""
+    ``logit_chunk_tokens``: swiftune modes' ``SFTConfig.logit_chunk_tokens`` (None: automatic);
+    ``load_in_4bit``: QLoRA, the decoder's linear weights in NF4 in every mode (LoRA only);
+    ``gpu_budget_gb`` (CUDA): a smaller GPU emulated (``torch.cuda.set_per_process_memory_fraction``)."""
     import torch
     from peft import LoraConfig
 
     from benchmarks.workload import random_model, random_token_rows, sample_lengths, step_context_callback, word_tokenizer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
+    if gpu_budget_gb is not None and device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget_gb * 1e9 / total))
     model = random_model(model_name, device, torch.bfloat16)
+    if load_in_4bit:
+        from benchmarks.workload import quantize_linears_4bit
+
+        quantize_linears_4bit(model, torch.bfloat16 if device == "cuda" else torch.float32)
     config = model.config
     n_rows = max(steps * batch * 2, 512)
     rows = random_token_rows(sample_lengths(n_rows, max_length=max_length), config.vocab_size)
@@ -132,7 +144,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         import swiftune
         from swiftune.data import FormattingStats, TokenizedDataset
 
-        offload = mode == "swiftune_budget_offload"
+        offload = mode in ("swiftune_budget_offload", "swiftune_offload")
         gc_mode = "offload" if offload else True
         budget_0 = 0 if offload else None  # every layer input to the host, not only those the GPU cannot hold
         if full:
@@ -176,7 +188,9 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     trainer.train()
     elapsed = record["t1"] - record["t0"]
     tokens = record["tokens1"] - record["tokens0"]
-    return dict(mode=mode, model=model_name, batch=batch, finetune="full" if full else "lora r=16",
+    return dict(mode=mode, model=model_name, batch=batch,
+                finetune="full" if full else ("qlora r=16" if load_in_4bit else "lora r=16"),
+                **({"gpu_budget_gb": gpu_budget_gb} if gpu_budget_gb is not None else {}),
                 **({"logit_chunk_tokens": logit_chunk_tokens} if logit_chunk_tokens and mode.startswith("swiftune") else {}),
                 trainable_fraction=trainable / sum(p.numel() for p in params),
                 steps=steps - warmup, tokens_per_s=tokens / elapsed,
@@ -220,6 +234,10 @@ def main(argv=None) -> int:
     p.add_argument("--logit-chunk-tokens", type=int, default=None,
                    help="swiftune modes: tokens per chunk of the fused LM head + loss (default: automatic, "
                         "up to 1,024 as free memory allows)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: the decoder's linear weights in bitsandbytes NF4 (double quantisation) in every mode")
+    p.add_argument("--gpu-budget-gb", type=float, default=None,
+                   help="CUDA: emulate a GPU of this many GB (1e9 bytes) in every mode")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
@@ -228,13 +246,16 @@ def main(argv=None) -> int:
     if args.memory_profile + args.time_profile + args.host_profile > 1:
         p.error("--memory-profile, --time-profile and --host-profile each profile the last warm-up step: "
                 "run one at a time")
+    if args.load_in_4bit and args.full:
+        p.error("--load-in-4bit trains LoRA adapters: not with --full")
     if args.one:
         for batch in args.batch:
             try:
                 row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length,
                               full=args.full, memory_profile=args.memory_profile,
                               logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile,
-                              host_profile=args.host_profile)
+                              host_profile=args.host_profile, load_in_4bit=args.load_in_4bit,
+                              gpu_budget_gb=args.gpu_budget_gb)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -251,6 +272,8 @@ def main(argv=None) -> int:
                *(["--memory-profile"] if args.memory_profile else []),
                *(["--time-profile"] if args.time_profile else []),
                *(["--host-profile"] if args.host_profile else []),
+               *(["--load-in-4bit"] if args.load_in_4bit else []),
+               *(["--gpu-budget-gb", str(args.gpu_budget_gb)] if args.gpu_budget_gb is not None else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         found = {}

@@ -67,13 +67,13 @@ def run_anchor(shared: str, site: str, args: list[str], timeout: float) -> list[
     return found
 
 
-def sft_row(mode: str, model: str, batch: int, record: dict) -> dict:
+def sft_row(mode: str, model: str, batch: int, record: dict, finetune: str = "lora r=16") -> dict:
     """An anchor SFT record as a ``benchmarks.sft`` row (GiB -> GB)."""
     metrics = record.get("metrics") or {}
     if record.get("status") != "ok" or not metrics.get("tokens_per_s"):
         return dict(mode=mode, model=model, batch=batch, error=str(record.get("error", record.get("status")))[:300])
     versions = (record.get("versions") or record.get("env", {}).get("versions") or {})
-    return dict(mode=mode, model=model, batch=batch, finetune="lora r=16", steps=metrics.get("timed_steps"),
+    return dict(mode=mode, model=model, batch=batch, finetune=finetune, steps=metrics.get("timed_steps"),
                 tokens_per_s=metrics["tokens_per_s"], peak_gb=metrics["peak_mem_gib"] * GIB / 1e9,
                 sec_per_step=metrics["step_time_ms"] / 1000, padding_fraction=metrics.get("padding_fraction") or 0.0,
                 unsloth_version=versions.get("unsloth"))
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--num-examples", type=int, default=2000)
+    p.add_argument("--4bit", dest="load_in_4bit", action="store_true",
+                   help="QLoRA: Unsloth's load_in_4bit (bitsandbytes NF4); rows say finetune 'qlora r=16'")
     p.add_argument("--model-dir", default="/tmp/unsloth_anchor_ckpt")
     p.add_argument("--timeout", type=float, default=300, help="seconds per anchor run")
     p.add_argument("--out", help="write the rows as JSON here")
@@ -107,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         records = run_anchor(shared, site, ["--mode", "sft", "--model", args.model, "--model-dir", args.model_dir,
                                                  "--batch-size", str(args.batch), "--steps", str(args.steps),
                                                  "--warmup", str(args.warmup), "--num-examples", str(args.num_examples),
-                                                 *MODES[mode]], args.timeout)
-        rows.append(sft_row(mode, args.model, args.batch, records[-1]))
+                                                 *MODES[mode], *(["--4bit"] if args.load_in_4bit else [])],
+                             args.timeout)
+        rows.append(sft_row(mode, args.model, args.batch, records[-1], "qlora r=16" if args.load_in_4bit else "lora r=16"))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'mode':<16} {'model':<11} {'batch':>5} {'tok/s':>8} {'peak GB':>8} {'s/step':>7} {'padding':>8}")
     for r in rows:

@@ -67,6 +67,36 @@ def random_model(name: str, device, dtype):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def quantize_linears_4bit(model, compute_dtype) -> None:
+    """QLoRA's base in memory: every linear layer of the decoder (not the LM head) replaced by a
+    bitsandbytes NF4 ``Linear4bit`` with double quantisation, as ``load_in_4bit=True`` would load a
+    saved checkpoint of these weights (without writing 16 GB to disk first). Layer by layer, so the
+    bf16 copy of one projection at a time is what is alive next to the 4-bit ones."""
+    import bitsandbytes as bnb
+    import torch
+    from torch import nn
+
+    device = next(model.parameters()).device
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for module in list(decoder.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                         quant_type="nf4")
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(module, name, q.to(device))
+            del child
+    model.is_loaded_in_4bit = True  # what PEFT and the Trainer read from a model loaded in 4-bit
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def apply_liger_like_trl(model) -> None:
     """Liger-Kernel's layer kernels (RMSNorm, RoPE, SwiGLU) on ``model``, as TRL 1.16 applies them for
     ``use_liger_kernel=True``: without Liger's fused linear cross entropy, which TRL switches off

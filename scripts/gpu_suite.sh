@@ -14,6 +14,7 @@
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-unsloth  # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
+#   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
@@ -119,11 +120,19 @@ case "$part" in
     # forwards as its A/B), TRL + Liger, Unsloth padding-free and packed (carry .shared: a copy of the shared
     # folder with Unsloth's wheels), then the device-busy share of swiftune's step
     run sft_b16 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
-      --modes swiftune swiftune_peft_lora trl_liger --out "$OUT/sft_b16.json"
+      --modes swiftune swiftune_peft_lora swiftune_offload trl_liger --out "$OUT/sft_b16.json"
     run unsloth_sft 330 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 \
       --out "$OUT/unsloth_sft.json"
     run sft_busy 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 3 --time-profile \
       --modes swiftune --out "$OUT/sft_busy.json" ;;
+  qlora-sft)  # QLoRA (NF4 base) SFT Qwen3-8B side by side: swiftune batch 16 and 16K-token micro-batches, TRL +
+    # Liger, Unsloth --4bit; then the 16K-token step on a 24 GB budget (carry .shared)
+    run qlora_sft 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-4bit \
+      --modes swiftune swiftune_budget trl_liger --out "$OUT/qlora_sft.json"
+    run unsloth_qlora 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
+      --out "$OUT/unsloth_qlora_sft.json"
+    run qlora_24gb 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 2 --load-in-4bit \
+      --gpu-budget-gb 24 --modes swiftune_budget swiftune_budget_offload --out "$OUT/qlora_sft_24gb.json" ;;
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
     run sft_memory 420 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
