@@ -240,3 +240,19 @@ def test_planner_counts_4bit_weights():
     assert q.allocated < full.allocated
     with pytest.raises(ValueError, match="needs LoRA"):
         plan_memory("qwen3-8b", 4096, full_finetune=True, weight_quantization="nf4")
+
+
+def test_qlora_layers_run_the_fused_lora_node(checkpoints, references, monkeypatch):
+    """The QLoRA projections train through the fused LoRA linear (W dequantised in forward and
+    backward), and what it computes is PEFT + bitsandbytes' own (the parity tests above)."""
+    from swiftune.models.lora_linear import LoRALinearFunction, is_fused_lora
+
+    reference = references("qwen3")[0]
+    model = _swiftune(checkpoints["qwen3"], reference, False)
+    lora_layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert lora_layers and all(is_fused_lora(m) for m in lora_layers)
+    calls = []
+    apply = LoRALinearFunction.apply
+    monkeypatch.setattr(LoRALinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    _swiftune_step(model, _examples(), "packed")
+    assert len(calls) == len(lora_layers)

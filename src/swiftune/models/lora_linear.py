@@ -26,12 +26,19 @@ LoRA variants, several active adapters, adapters disabled or merged, a LoRA bias
 ``fan_in_fan_out``, mixed dtypes without autocast) runs PEFT's own forward unchanged, so the fused
 path is never a different model: it is PEFT's arithmetic in fewer calls.
 
-:func:`fuse_lora_linears` binds :func:`fused_lora_forward` on each PEFT ``lora.Linear`` instance
-(under a tiled forward's tiling if one is there); :func:`unfuse_lora_linears` restores PEFT's.
+QLoRA (PEFT's ``lora.Linear4bit`` over a bitsandbytes NF4 ``Linear4bit``): the same node, with
+``W`` dequantised (bitsandbytes' ``dequantize_4bit``) in the forward and again in the backward
+instead of being kept at full size, as bitsandbytes' own matmul does; while training only (under
+autocast, or with one dtype throughout), so generation keeps bitsandbytes' inference kernels.
+
+:func:`fuse_lora_linears` binds :func:`fused_lora_forward` on each PEFT ``lora.Linear`` /
+``lora.Linear4bit`` instance (under a tiled forward's tiling if one is there);
+:func:`unfuse_lora_linears` restores PEFT's.
 """
 
 from __future__ import annotations
 
+import sys
 from types import MethodType
 from typing import Any
 
@@ -53,18 +60,21 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float,  # type: ignore[override]
-                base_dtype: torch.dtype, lora_dtype: torch.dtype):
+                base_dtype: torch.dtype, lora_dtype: torch.dtype, quant_state=None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xb, xl = x2.to(base_dtype), x2.to(lora_dtype)
-        w, a, b = weight.to(base_dtype), lora_a.to(lora_dtype), lora_b.to(lora_dtype)
+        w = _base_weight(weight, quant_state, base_dtype)
+        a, b = lora_a.to(lora_dtype), lora_b.to(lora_dtype)
         h = torch.mm(xl, a.t())
         y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
         if lora_dtype == base_dtype:
             y.addmm_(h, b.t(), alpha=scaling)
         else:
             y = torch.addmm(y.to(lora_dtype), h, b.t(), alpha=scaling).to(base_dtype)
-        ctx.save_for_backward(xb, xl, h, w, a, b)
+        # a 4-bit weight is dequantised again in backward rather than kept at full size
+        ctx.save_for_backward(xb, xl, h, weight if quant_state is not None else w, a, b)
+        ctx.quant_state, ctx.base_dtype = quant_state, base_dtype
         ctx.scaling = scaling
         ctx.shape = shape
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype, lora_a.dtype, lora_b.dtype)
@@ -76,7 +86,9 @@ class LoRALinearFunction(torch.autograd.Function):
         x_dtype, w_dtype, bias_dtype, a_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         s = ctx.scaling
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(w.dtype)
+        if ctx.quant_state is not None and need_x:
+            w = _base_weight(w, ctx.quant_state, ctx.base_dtype)
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.base_dtype)
         gl = g.to(a.dtype)
         dx = dw = dbias = da = db = None
         if need_x or need_a:
@@ -85,7 +97,7 @@ class LoRALinearFunction(torch.autograd.Function):
                 da = torch.mm(dh.t(), xl).to(a_dtype)
             if need_x:
                 dx = torch.mm(g, w)
-                if a.dtype == w.dtype:
+                if a.dtype == dx.dtype:
                     dx.addmm_(dh, a)
                 else:
                     dx.add_(torch.mm(dh, a).to(dx.dtype))
@@ -96,7 +108,16 @@ class LoRALinearFunction(torch.autograd.Function):
             dw = torch.mm(g.t(), xb).to(w_dtype)
         if need_bias:
             dbias = g.sum(0).to(bias_dtype)
-        return dx, dw, dbias, da, db, None, None, None
+        return dx, dw, dbias, da, db, None, None, None, None
+
+
+def _base_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+    """The base weight ``[out, in]`` in ``dtype``; a bitsandbytes 4-bit one dequantised."""
+    if quant_state is None:
+        return weight.to(dtype)
+    import bitsandbytes.functional as bnb_functional
+
+    return bnb_functional.dequantize_4bit(weight, quant_state).to(dtype)
 
 
 def _plain_dropout(dropout: nn.Module) -> bool:
@@ -117,8 +138,10 @@ def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype
     if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
         return None
     base, lora_a, lora_b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
-    if type(base) is not nn.Linear or lora_b.bias is not None or not _plain_dropout(layer.lora_dropout[name]):
+    if lora_b.bias is not None or not _plain_dropout(layer.lora_dropout[name]):
         return None
+    if type(base) is not nn.Linear:
+        return _fused_4bit_operands(layer, base, name, x)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         return name, dtype, dtype
@@ -132,6 +155,26 @@ def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype
     return name, x.dtype, adapter
 
 
+def _fused_4bit_operands(layer: nn.Module, base: nn.Module, name: str, x: torch.Tensor):
+    """PEFT's QLoRA layer (``lora.Linear4bit`` over ``bnb.nn.Linear4bit``) while training: under
+    autocast, or with input, compute and adapter dtypes all equal (PEFT casts the adapter output
+    to the result dtype before the sum otherwise, another rounding). Inference (no grad) keeps
+    bitsandbytes' own kernels, which also repack weights for the CPU."""
+    if type(base).__name__ != "Linear4bit" or not torch.is_grad_enabled():
+        return None
+    state = getattr(base.weight, "quant_state", None)
+    if state is None or getattr(state, "packing_format_for_cpu", False):
+        return None
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return name, dtype, dtype
+    dtype = x.dtype
+    compute = base.compute_dtype or dtype
+    if compute == dtype and layer.lora_A[name].weight.dtype == dtype and layer.lora_B[name].weight.dtype == dtype:
+        return name, dtype, dtype
+    return None
+
+
 def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """PEFT ``lora.Linear.forward`` as one :class:`LoRALinearFunction` node where that is the same
     arithmetic (see the module doc); PEFT's own forward otherwise."""
@@ -140,16 +183,34 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
         return type(self).forward(self, x, *args, **kwargs)
     name, base_dtype, lora_dtype = operands
     base = self.base_layer
+    quant_state = getattr(base.weight, "quant_state", None) if type(base) is not nn.Linear else None
     return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                    float(self.scaling[name]), base_dtype, lora_dtype)
+                                    float(self.scaling[name]), base_dtype, lora_dtype, quant_state)
 
 
 def _is_peft_lora_linear(module: nn.Module) -> bool:
+    """PEFT's ``lora.Linear`` or its QLoRA ``lora.Linear4bit``, exactly (not other subclasses:
+    their forwards differ)."""
+    if not hasattr(module, "lora_A"):
+        return False
     try:
         from peft.tuners.lora.layer import Linear
     except ImportError:  # PEFT absent: nothing to fuse
         return False
-    return type(module) is Linear  # not its subclasses (bitsandbytes, etc.): their forwards differ
+    if type(module) is Linear:
+        return True
+    linear_4bit = _peft_lora_4bit_class()
+    return linear_4bit is not None and type(module) is linear_4bit
+
+
+def _peft_lora_4bit_class() -> type | None:
+    if "bitsandbytes" not in sys.modules:  # a model with 4-bit layers has imported it
+        return None
+    try:
+        from peft.tuners.lora import bnb as peft_bnb
+    except ImportError:
+        return None
+    return getattr(peft_bnb, "Linear4bit", None)  # defined only where bitsandbytes has 4-bit support
 
 
 def is_fused_lora(module: nn.Module) -> bool:
