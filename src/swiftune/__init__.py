@@ -4,6 +4,8 @@
     model, tokenizer = swiftune.FastModel.from_pretrained(path, max_seq_length=4096)
     model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16)
     swiftune.SFTTrainer(model=model, args=swiftune.SFTConfig(...), train_dataset=..., processing_class=tokenizer)
+
+An Unsloth script switches with ``from swiftune import FastLanguageModel`` (Unsloth's loader names).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from . import kernels, losses  # noqa: E402,F401  (the light base layers)
 # Heavier entry points (transformers' Trainer, PEFT) load on first use.
 _LAZY = {
     "FastModel": "swiftune.training",
+    "FastLanguageModel": "swiftune.training",
     "patch_model": "swiftune.models",
     "unpatch_model": "swiftune.models",
     "SFTConfig": "swiftune.sft",
@@ -43,5 +46,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'swiftune' has no attribute {name!r}")
 
 
-__all__ = ["FastModel", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "kernels", "losses", "patch_model", "plan_memory",
-           "unpatch_model"]
+__all__ = ["FastLanguageModel", "FastModel", "GRPOConfig", "GRPOTrainer", "SFTConfig", "SFTTrainer", "kernels", "losses",
+           "patch_model", "plan_memory", "unpatch_model"]

@@ -1,9 +1,9 @@
 """Training runtime shared by the trainers (:mod:`swiftune.sft`, :mod:`swiftune.rl`), which never
-import each other: model loading and LoRA adapters (:class:`FastModel`), offloaded gradient
-checkpointing and its host page pool, LoRA input casting under autocast, the trainers' common
-start-up (:class:`SwiftuneTrainer`), metrics, checkpoints that are complete before they are
-visible and resuming from them, the output_dir lock, Ctrl-C handling and the NaN/inf guards
-(:class:`RunSafetyMixin`).
+import each other: model loading and LoRA adapters (:class:`FastModel`; :class:`FastLanguageModel`
+under Unsloth's names), offloaded gradient checkpointing and its host page pool, LoRA input casting
+under autocast, the trainers' common start-up (:class:`SwiftuneTrainer`), metrics, checkpoints that
+are complete before they are visible and resuming from them, the output_dir lock, Ctrl-C handling
+and the NaN/inf guards (:class:`RunSafetyMixin`).
 
 Imports only from the layers below it (models, data, losses, attention, kernels, memory).
 """
@@ -19,7 +19,7 @@ from .checkpointing import (
 from .checkpoints import CheckpointSaveError, newest_complete_checkpoint, resolve_resume
 from .guards import NonFiniteError
 from .interrupt import TrainingInterrupted
-from .loading import FastModel, enable_gradient_checkpointing, ensure_pad_token
+from .loading import FastLanguageModel, FastModel, enable_gradient_checkpointing, ensure_pad_token
 from .metrics import MetricsCallback, StepFlops, TokenMeter, read_metrics, truncate_metrics
 from .run_lock import RunLock, RunLockedError
 from .safety import RunSafetyMixin
@@ -27,6 +27,7 @@ from .safety import RunSafetyMixin
 __all__ = [
     "CheckpointBudgetError",
     "CheckpointSaveError",
+    "FastLanguageModel",
     "FastModel",
     "MetricsCallback",
     "NonFiniteError",
