@@ -1,10 +1,16 @@
-"""`swiftune generate`: both engines, greedy, agree with transformers' generate on the built-in model."""
+"""`swiftune generate`: both engines, greedy, agree with transformers' generate on the built-in model;
+a LoRA adapter folder (``--model ADAPTER_DIR`` or ``--model BASE --adapter ADAPTER_DIR``) generates
+what PEFT's own model generates, and adapter folders that cannot work end in one line."""
 
 import json
+import os
+import shutil
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from swiftune.cli import main
 from swiftune.data import build_tokenizer, tiny_model_config
 from swiftune.cli.generate import main_generate
 
@@ -40,3 +46,135 @@ def test_generate_fused_layers_gives_the_same_samples(capsys):
     # the same samples; log-probs within float32 rounding (the fused run also patches the model's kernels)
     assert len(fused) == 3 and [r["completion"] for r in fused] == [r["completion"] for r in plain]
     assert all(abs(a["mean_logprob"] - b["mean_logprob"]) < 1e-5 for a, b in zip(fused, plain))
+
+
+# ----------------------------------------------------------------------------- LoRA adapter folders
+
+PROMPTS = ["Reverse: abc\n", "Sort: cab\n"]
+GREEDY = ["--temperature", "0", "--max_tokens", "5", "--json", "--seed", "0",
+          "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]]
+
+
+def save_tiny_base(path, seed: int = 0, **sizes) -> None:
+    """A tiny Qwen3 (random weights from ``seed``; ``sizes`` override the config) and the built-in
+    tokenizer, saved as a model folder."""
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(tiny_model_config("qwen3", **sizes)).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def lora_folders(tmp_path_factory):
+    """``(base_dir, adapter_dir)``: a saved tiny base and a PEFT LoRA adapter of it (B drawn, not
+    PEFT's zeros, so that the adapter changes the output), as a LoRA training run leaves them."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("lora")
+    base_dir, adapter_dir = str(root / "base"), str(root / "adapter")
+    save_tiny_base(base_dir)
+    # loaded from its folder, as a training run loads it: the adapter records base_dir as its base
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(adapter_dir)
+    return base_dir, adapter_dir
+
+
+def peft_greedy(base_dir: str, adapter_dir: str | None) -> list[str]:
+    """The reference: plain transformers (+ PEFT) greedy generate of PROMPTS, 5 new tokens."""
+    from peft import PeftModel
+
+    tok = build_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])
+        gen = model.generate(input_ids=ids, do_sample=False, max_new_tokens=5, min_new_tokens=5,
+                             pad_token_id=tok.pad_token_id)
+        out.append(tok.decode(gen[0, ids.shape[1]:]))
+    return out
+
+
+def test_generate_applies_a_lora_adapter_folder_as_peft_does(capsys, lora_folders):
+    base_dir, adapter_dir = lora_folders
+    expected = peft_greedy(base_dir, adapter_dir)
+    assert expected != peft_greedy(base_dir, None)  # the adapter changes what greedy decoding picks
+    by_folder = run(capsys, *GREEDY, "--model", adapter_dir)  # on the base it records
+    explicit = run(capsys, *GREEDY, "--model", base_dir, "--adapter", adapter_dir)
+    fast = run(capsys, *GREEDY, "--model", adapter_dir, "--engine", "fast")  # PEFT layers in the fast engine
+    for rows in (by_folder, explicit, fast):
+        assert [r["completion"] for r in rows] == expected
+        assert all(r["tokens"] == 5 for r in rows)
+    plain = run(capsys, *GREEDY, "--model", base_dir)
+    assert [r["completion"] for r in plain] == peft_greedy(base_dir, None) != expected
+
+
+def copy_adapter(adapter_dir: str, dest, **config_changes) -> str:
+    """A copy of the adapter folder with ``adapter_config.json`` fields changed."""
+    shutil.copytree(adapter_dir, dest)
+    path = os.path.join(dest, "adapter_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(config_changes)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return str(dest)
+
+
+def one_line_error(capsys, *argv) -> str:
+    """Run ``swiftune generate ARGV``, which must end in one error line and exit status 2 (after
+    transformers' loading progress bars, when a model loaded before the mistake showed)."""
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.startswith("swiftune generate:")]
+    assert len(lines) == 1 and err.strip().endswith(lines[0]) and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_an_adapter_whose_recorded_base_is_not_here_takes_base_model(capsys, lora_folders, tmp_path):
+    base_dir, adapter_dir = lora_folders
+    moved = copy_adapter(adapter_dir, tmp_path / "moved", base_model_name_or_path=str(tmp_path / "gone" / "base"))
+    line = one_line_error(capsys, *GREEDY, "--model", moved)
+    assert "gone" in line and "--base_model" in line
+    builtin = copy_adapter(adapter_dir, tmp_path / "builtin", base_model_name_or_path=None)
+    assert "--base_model" in one_line_error(capsys, *GREEDY, "--model", builtin)
+    rows = run(capsys, *GREEDY, "--model", moved, "--base_model", base_dir)
+    assert [r["completion"] for r in rows] == peft_greedy(base_dir, adapter_dir)
+
+
+def test_incomplete_or_mismatched_adapters_end_in_one_line(capsys, lora_folders, tmp_path):
+    base_dir, adapter_dir = lora_folders
+    incomplete = copy_adapter(adapter_dir, tmp_path / "incomplete")
+    os.remove(os.path.join(incomplete, "adapter_model.safetensors"))
+    assert "incomplete" in one_line_error(capsys, "--model", incomplete)
+    # an adapter of another architecture: its target modules are not in the base
+    other = copy_adapter(adapter_dir, tmp_path / "other", target_modules=["qkv_proj", "v_proj"])
+    line = one_line_error(capsys, "--model", other)
+    assert "(qkv_proj)" in line and "--base_model" in line
+    # a shallower base of the same family: layer 1's tensors would be dropped
+    shallow = str(tmp_path / "shallow")
+    save_tiny_base(shallow, num_hidden_layers=1)
+    line = one_line_error(capsys, "--model", shallow, "--adapter", adapter_dir)
+    assert "no place" in line and "layers.1." in line
+    # a wider base: other shapes
+    wide = str(tmp_path / "wide")
+    save_tiny_base(wide, hidden_size=64, intermediate_size=96)
+    assert "other shapes" in one_line_error(capsys, "--model", wide, "--adapter", adapter_dir)
+
+
+def test_adapter_options_are_checked_before_loading(capsys, lora_folders, tmp_path):
+    base_dir, adapter_dir = lora_folders
+    assert "not a PEFT adapter folder" in one_line_error(capsys, "--model", base_dir, "--adapter", base_dir)
+    assert "does not exist" in one_line_error(capsys, "--adapter", str(tmp_path / "nope"))
+    assert "both name the base" in one_line_error(capsys, "--model", base_dir, "--base_model", base_dir,
+                                                  "--adapter", adapter_dir)
+    assert "--base_model is the base of an adapter" in one_line_error(capsys, "--model", base_dir,
+                                                                     "--base_model", base_dir)
+    assert "is an adapter folder too" in one_line_error(capsys, "--model", adapter_dir, "--adapter", adapter_dir)

@@ -2,6 +2,16 @@
 
     swiftune generate --model PATH --prompt "Reverse: abc" --num_generations 4 --engine fast
     swiftune generate --prompt "Reverse: abc"        # the built-in tiny model (random weights)
+    swiftune generate --model ADAPTER_DIR            # a LoRA adapter folder on the base it records
+    swiftune generate --model BASE --adapter ADAPTER_DIR
+
+A LoRA run of ``swiftune sft`` / ``swiftune grpo`` writes a PEFT adapter folder
+(``adapter_config.json`` + ``adapter_model.safetensors``). Given as ``--model``, its base model
+(``base_model_name_or_path`` in ``adapter_config.json``, or ``--base_model PATH`` when that one is
+not available here) loads first, then PEFT's ``PeftModel.from_pretrained`` applies the adapter;
+``--adapter`` names the adapter folder explicitly and ``--model`` the base. An adapter that does
+not fit the base (target modules the base lacks, other shapes, tensors with no place in it) is
+refused instead of generating from a half-applied adapter.
 
 Prints each completion with its length, whether it stopped, its mean sampling log-probability
 and the engine's tokens/s; ``--json`` prints one JSON object per completion instead.
@@ -11,16 +21,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from typing import Any
 
 from ..errors import ConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"
+# the adapter weights PEFT writes (safetensors by default, a torch pickle with safe_serialization=False)
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``swiftune generate``."""
     p = argparse.ArgumentParser(prog="swiftune generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local path or hub name (default: the built-in tiny model)")
+    p.add_argument("--model", default=None,
+                   help="local path or hub name of a model, or a PEFT adapter folder (its base loads first); "
+                        "with --adapter: the base model (default: the built-in tiny model)")
+    p.add_argument("--adapter", default=None,
+                   help="a PEFT adapter folder (what a LoRA run of swiftune sft/grpo writes) to apply on --model "
+                        "(default base: the one recorded in its adapter_config.json)")
+    p.add_argument("--base_model", default=None,
+                   help="the base model of the adapter folder, when the one recorded in its adapter_config.json "
+                        "is not available here")
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     p.add_argument("--num_generations", type=int, default=1, help="completions per prompt (G)")
@@ -47,13 +71,13 @@ def main_generate(argv: list[str] | None = None) -> int:
 
     from ..data import build_tokenizer, tiny_model_config
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
-    from ..training import FastModel
 
     args = build_parser().parse_args(argv)
+    base, adapter = model_and_adapter(args.model, args.adapter, args.base_model)
     if args.engine != "fast" and (args.stop or not args.fused_layers):
         # checked before the model loads: only the fast engine matches stop strings and has a fused loop
         raise ConfigError("--stop strings and --no_fused_layers need --engine fast; add --engine fast or drop them")
-    if args.model is None:
+    if base is None and adapter is None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(args.seed)
@@ -67,7 +91,7 @@ def main_generate(argv: list[str] | None = None) -> int:
 
             patch_model(model)
     else:
-        model, tokenizer = FastModel.from_pretrained(args.model, dtype=args.dtype)
+        model, tokenizer = load_model(base, adapter, args.dtype)
     model.eval()
     prompts = args.prompt or ["Reverse: abc\n"]
     if args.chat:
@@ -109,3 +133,165 @@ def main_generate(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"{args.engine} engine: {tokens} tokens in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s)")
     return 0
+
+
+# ----------------------------------------------------------------------------- adapter folders
+
+
+def is_adapter_folder(path: str | None) -> bool:
+    """Whether ``path`` is a local folder holding a PEFT ``adapter_config.json``."""
+    return bool(path) and os.path.isfile(os.path.join(os.path.expanduser(path), ADAPTER_CONFIG))
+
+
+def model_and_adapter(model: str | None, adapter: str | None, base_model: str | None) -> tuple[str | None, str | None]:
+    """``(base, adapter_folder)`` from ``--model``, ``--adapter`` and ``--base_model``, checked
+    before anything loads (:class:`ConfigError` naming the option to change).
+
+    ``--model ADAPTER_DIR`` means that adapter on its base: ``--base_model`` when given, else the
+    one recorded in ``adapter_config.json``. ``--adapter`` names the adapter folder and ``--model``
+    (or ``--base_model``, or the recorded one) its base. Without an adapter ``base`` is ``--model``
+    (``None``: the built-in tiny model) and ``adapter_folder`` is ``None``."""
+    from ..local_paths import resolve_local_path
+
+    try:
+        model = resolve_local_path(model, "--model") if model else model
+        base_model = resolve_local_path(base_model, "--base_model") if base_model else base_model
+        adapter = resolve_local_path(adapter, "--adapter") if adapter else adapter
+    except FileNotFoundError as e:  # a mistyped local path: the option to fix, not a Hub lookup
+        raise ConfigError(str(e)) from e
+    if adapter is not None:
+        if not os.path.isdir(adapter):
+            raise ConfigError(f"--adapter {adapter!r}: not a folder; give the adapter folder a LoRA run wrote "
+                              f"(it holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS[0]})")
+        if not is_adapter_folder(adapter):
+            raise ConfigError(f"--adapter {adapter!r} is not a PEFT adapter folder (no {ADAPTER_CONFIG}); "
+                              "a full model folder goes to --model alone")
+        if is_adapter_folder(model):
+            raise ConfigError(f"--model {model!r} is an adapter folder too; with --adapter, --model names the "
+                              "base model")
+        if model is not None and base_model is not None:
+            raise ConfigError("--model and --base_model both name the base of --adapter; give one of them")
+        return model if model is not None else base_model, adapter
+    if is_adapter_folder(model):
+        return base_model, model
+    if base_model is not None:
+        raise ConfigError("--base_model is the base of an adapter folder; give the adapter as --model or "
+                          "--adapter, or drop --base_model and load the model as --model")
+    return model, None
+
+
+def read_adapter_config(adapter: str) -> dict[str, Any]:
+    """The adapter folder's ``adapter_config.json``, with its weights file checked to be there
+    (:class:`ConfigError` when the folder is incomplete or the file is not PEFT's)."""
+    path = os.path.join(adapter, ADAPTER_CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"adapter folder {adapter}: {ADAPTER_CONFIG} is not valid JSON ({e}); copy the folder "
+                          "the training run wrote again") from e
+    if not isinstance(config, dict) or not config.get("peft_type"):
+        raise ConfigError(f"adapter folder {adapter}: {ADAPTER_CONFIG} has no peft_type, so it is not a PEFT "
+                          "adapter config; give the folder a LoRA run wrote")
+    if not any(os.path.isfile(os.path.join(adapter, name)) for name in ADAPTER_WEIGHTS):
+        raise ConfigError(f"adapter folder {adapter} is incomplete: {ADAPTER_CONFIG} but no "
+                          f"{' or '.join(ADAPTER_WEIGHTS)}; copy the whole folder the training run wrote")
+    return config
+
+
+def recorded_base(adapter: str, config: dict[str, Any]) -> str:
+    """The base model an adapter records (``base_model_name_or_path``), when it can be loaded from
+    here: an existing local path or a Hub id; else :class:`ConfigError` saying to pass ``--base_model``."""
+    from ..local_paths import looks_local
+
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"adapter folder {adapter} records no base model (base_model_name_or_path is empty in "
+                          f"its {ADAPTER_CONFIG}; an adapter of the built-in tiny model has none): pass "
+                          "--base_model PATH, the model it was trained on")
+    if not os.path.exists(os.path.expanduser(base)) and looks_local(base):
+        raise ConfigError(f"adapter folder {adapter} records base model {base!r}, which is not here: pass "
+                          "--base_model PATH, the model it was trained on")
+    return base
+
+
+def load_model(base: str | None, adapter: str | None, dtype: str) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for :func:`model_and_adapter`'s ``(base, adapter_folder)``:
+    ``FastModel.from_pretrained`` of the base (with an adapter and no base: the one the adapter
+    records), then the adapter through PEFT's ``PeftModel.from_pretrained``, checked to fit the
+    base (:func:`check_adapter_targets`, :func:`check_adapter_loaded`)."""
+    from ..training import FastModel
+
+    if adapter is None:
+        return FastModel.from_pretrained(base, dtype=dtype)
+    config = read_adapter_config(adapter)
+    if base is None:
+        base = recorded_base(adapter, config)
+        try:
+            model, tokenizer = FastModel.from_pretrained(base, dtype=dtype)
+        except OSError as e:  # a recorded Hub id that is neither cached here nor reachable
+            raise ConfigError(f"adapter folder {adapter} records base model {base!r}, which could not be loaded "
+                              f"({' '.join(str(e).split())[:200]}): pass --base_model PATH, the model it was "
+                              "trained on") from e
+    else:
+        model, tokenizer = FastModel.from_pretrained(base, dtype=dtype)
+    check_adapter_targets(model, config, adapter, base)
+    from peft import PeftModel
+
+    try:
+        model = PeftModel.from_pretrained(model, adapter)
+    except RuntimeError as e:  # load_state_dict: "size mismatch for ...": another model's shapes
+        if "size mismatch" not in str(e):
+            raise
+        raise ConfigError(f"adapter folder {adapter} does not fit base model {base!r} (other shapes: "
+                          f"{' '.join(str(e).split())[:300]}); pass the model it was trained on as "
+                          "--base_model (or --model with --adapter)") from e
+    check_adapter_loaded(model, adapter, base)
+    return model, tokenizer
+
+
+def check_adapter_targets(model: Any, config: dict[str, Any], adapter: str, base: str) -> None:
+    """Refuse an adapter whose listed target modules name no module of the base (an adapter of
+    another architecture): PEFT would add fresh, untrained layers for the names it finds and drop
+    the rest. A regular-expression ``target_modules`` (a string) is left to :func:`check_adapter_loaded`."""
+    targets = config.get("target_modules")
+    if not isinstance(targets, list):
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = sorted(t for t in targets if not any(n == t or n.endswith("." + t) for n in names))
+    if missing:
+        raise ConfigError(f"adapter folder {adapter} targets modules the base model {base!r} does not have "
+                          f"({', '.join(missing)}): it was trained on another model; pass that one as "
+                          "--base_model (or --model with --adapter)")
+
+
+def check_adapter_loaded(model: Any, adapter: str, base: str) -> None:
+    """Refuse an adapter whose saved tensors did not all find a place in the base (PEFT loads the
+    rest and warns): e.g. an adapter of a deeper model of the same family."""
+    from peft import get_peft_model_state_dict
+
+    saved = set(saved_adapter_keys(adapter))
+    # the adapter tensors as PEFT saves them (save_embedding_layers=False: "auto" would ask the Hub
+    # about the base's vocabulary), and every model tensor, for saved embedding / modules_to_save weights
+    placed = set(get_peft_model_state_dict(model, save_embedding_layers=False))
+    for name in model.state_dict():
+        placed.update((name, name.replace(".base_layer.", ".")))
+    dropped = sorted(saved - placed)
+    if dropped:
+        raise ConfigError(f"adapter folder {adapter} does not fit base model {base!r}: {len(dropped)} of its "
+                          f"{len(saved)} tensors have no place in it (e.g. {dropped[0]}); pass the model it was "
+                          "trained on as --base_model (or --model with --adapter)")
+
+
+def saved_adapter_keys(adapter: str) -> list[str]:
+    """The tensor names in the adapter folder's weights file (read without loading the tensors
+    from a safetensors file)."""
+    safetensors_path = os.path.join(adapter, ADAPTER_WEIGHTS[0])
+    if os.path.isfile(safetensors_path):
+        from safetensors import safe_open
+
+        with safe_open(safetensors_path, framework="pt") as f:
+            return list(f.keys())
+    import torch
+
+    return list(torch.load(os.path.join(adapter, ADAPTER_WEIGHTS[1]), map_location="cpu", weights_only=True))
