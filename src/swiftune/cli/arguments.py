@@ -8,6 +8,12 @@ the same keys. This module adds what a user needs on top: exact option names (no
 abbreviations), list options taking space- or comma-separated values, ``none`` for optional
 numbers, YAML lists and nulls, and every mistake as one :class:`CommandLineError` naming the
 option and the fix, raised before any model or data loads.
+
+TRL's ``trl sft`` / ``trl grpo`` option names are accepted where swiftune spells the same option
+differently (``--dataset_name`` for ``--dataset``, ``--use_peft`` for ``--use_lora``, ...: the
+``aliases`` of :class:`ModelArguments`' fields, listed in ``--help`` next to the option), so that a
+TRL command line or YAML runs as it is; giving an alias and its swiftune name together is an error,
+and a TRL name with no swiftune equivalent (:data:`TRL_UNSUPPORTED`) says what to do instead.
 """
 
 from __future__ import annotations
@@ -22,6 +28,20 @@ from typing import Any
 from ..errors import ConfigError
 
 
+def trl_alias(name: str) -> list[str]:
+    """The option strings of TRL's name for a swiftune option (``--name`` and ``--name-with-hyphens``,
+    as transformers' parser spells every field), for a field's ``aliases`` metadata."""
+    return [f"--{name}", f"--{name.replace('_', '-')}"]
+
+
+# TRL options that swiftune has no equivalent for: the message says what to do instead.
+TRL_UNSUPPORTED: dict[str, str] = {
+    "dataset_config": "swiftune loads a hub dataset without a configuration name; load that configuration "
+                      "with datasets.load_dataset(name, config), save it with .to_json('rows.jsonl') and pass "
+                      "--dataset rows.jsonl",
+}
+
+
 @dataclass
 class ModelArguments:
     """What to train and on what data."""
@@ -31,23 +51,30 @@ class ModelArguments:
     )
     dataset: str | None = field(
         default=None,
-        metadata={"help": "JSONL/JSON/Parquet path, or a hub dataset name (needs `datasets`); none: built-in data."},
+        metadata={"help": "JSONL/JSON/Parquet path, or a hub dataset name (needs `datasets`); none: built-in data.",
+                  "aliases": trl_alias("dataset_name")},
     )
-    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset."})
+    dataset_split: str = field(default="train", metadata={"help": "Split of a hub dataset.",
+                                                          "aliases": trl_alias("dataset_train_split")})
     eval_dataset: str | None = field(
         default=None,
         metadata={"help": "Held-out rows (same formats as --dataset), evaluated every --eval_steps with "
                           "--eval_strategy steps; SFT reports eval_loss, GRPO eval_reward."},
     )
-    eval_dataset_split: str = field(default="test", metadata={"help": "Split of a hub eval dataset."})
-    dtype: str = field(default="auto", metadata={"help": "Model weights dtype: auto (bf16 on GPU), bf16, fp16, fp32."})
+    eval_dataset_split: str = field(default="test", metadata={"help": "Split of a hub eval dataset.",
+                                                              "aliases": trl_alias("dataset_test_split")})
+    dtype: str = field(default="auto", metadata={"help": "Model weights dtype: auto (bf16 on GPU), bf16 (bfloat16), "
+                                                         "fp16 (float16), fp32 (float32).",
+                                                 "aliases": trl_alias("torch_dtype")})
     load_in_4bit: bool = field(
         default=False, metadata={"help": "QLoRA: load the decoder's linear weights in 4-bit NF4 (bitsandbytes: "
                                          "pip install 'swiftune[qlora]'); LoRA adapters train on top."}
     )
     use_lora: bool | None = field(
+        # nargs "?" and const: a bare --use_lora (or TRL's --use_peft) means true
         default=None, metadata={"help": "Train LoRA adapters (default for real models) or the full model (false; "
-                                        "default for the built-in tiny model)."}
+                                        "default for the built-in tiny model).",
+                                "aliases": trl_alias("use_peft"), "nargs": "?", "const": True}
     )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)."})
@@ -136,9 +163,26 @@ def _field_options(parser: argparse.ArgumentParser, classes: tuple) -> tuple[dic
 def _unknown_option(name: str, valid: list[str], where: str = "") -> CommandLineError:
     import difflib
 
+    if name in TRL_UNSUPPORTED:
+        return CommandLineError(f"--{name}{where} (a TRL option) has no swiftune equivalent: {TRL_UNSUPPORTED[name]}")
     close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
     hint = ("; did you mean " + " or ".join(f"--{c}" for c in close) + "?") if close else "; --help lists the options"
     return CommandLineError(f"unknown option --{name}{where}{hint}")
+
+
+def _aliases(classes: tuple) -> dict[str, str]:
+    """``alias option string -> dest``: the ``aliases`` metadata of the dataclasses' fields (TRL's names)."""
+    return {alias: f.name for cls in classes for f in dataclasses.fields(cls) for alias in f.metadata.get("aliases", ())}
+
+
+def _one_spelling(spelled: dict[str, str], dest: str, key: str, aliases: dict[str, str], where: str = "") -> None:
+    """Refuse an option given under two names of which one is an alias (``--dataset_name`` and
+    ``--dataset``): which value was meant is not clear. ``spelled`` maps each dest to its first spelling."""
+    first = spelled.setdefault(dest, key)
+    if first != key and (first in aliases or key in aliases):
+        alias = key if key in aliases else first
+        raise CommandLineError(f"{first} and {key}{where} both set --{dest} ({alias} is TRL's name for it); "
+                               "give one of them")
 
 
 def _split_commas(values: list[str]) -> list[str]:
@@ -146,13 +190,14 @@ def _split_commas(values: list[str]) -> list[str]:
 
 
 def _normalise_argv(argv: list[str], by_string: dict[str, str], options: dict[str, _Option],
-                    valid: list[str]) -> tuple[list[str], dict[str, Any], set[str]]:
+                    valid: list[str], aliases: dict[str, str]) -> tuple[list[str], dict[str, Any], set[str]]:
     """``(argv, none_values, given)``: each option checked against the parser (exact names, no
-    abbreviations), list options' comma-separated values split, ``none``/``null`` for an optional
-    non-text option recorded as None, and the set of destinations given."""
+    abbreviations; an alias and its option not both), list options' comma-separated values split,
+    ``none``/``null`` for an optional non-text option recorded as None, and the set of destinations given."""
     out: list[str] = []
     nones: dict[str, Any] = {}
     given: set[str] = set()
+    spelled: dict[str, str] = {}
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -164,6 +209,7 @@ def _normalise_argv(argv: list[str], by_string: dict[str, str], options: dict[st
         if key not in by_string:
             raise _unknown_option(key.lstrip("-").replace("-", "_"), valid)
         dest = by_string[key]
+        _one_spelling(spelled, dest, key, aliases)
         option = options.get(dest)
         values = [inline] if eq else []
         i += 1
@@ -193,17 +239,19 @@ def _is_number(token: str) -> bool:
 
 
 def _yaml_items(config: dict[str, Any], path: str, by_string: dict[str, str], options: dict[str, _Option],
-                valid: list[str]) -> tuple[list[str], dict[str, Any]]:
+                valid: list[str], aliases: dict[str, str]) -> tuple[list[str], dict[str, Any]]:
     """``(argv, direct)``: YAML values as command-line tokens (so that argparse converts and checks
-    them as it does the command line), and the values that have no command-line spelling (None, a
-    list or mapping for a field typed so) to set directly."""
+    them as it does the command line; a TRL alias becomes its swiftune name), and the values that
+    have no command-line spelling (None, a list or mapping for a field typed so) to set directly."""
     argv: list[str] = []
     direct: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     for key, value in config.items():
         name = str(key).lstrip("-")
         dest = by_string.get(f"--{name}")
         if dest is None:
             raise _unknown_option(name.replace("-", "_"), valid, f" (in {path})")
+        _one_spelling(spelled, dest, f"--{name}", aliases, f" (in {path})")
         option = options[dest]
         if value is None:
             if not option.allows_none:
@@ -255,17 +303,19 @@ def parse_command_args(argv: list[str], classes: tuple, prog: str, description: 
 
     parser.error = error
     by_string, options = _field_options(parser, classes)
-    valid = sorted(options)
+    aliases = _aliases(classes)
+    # typo suggestions know TRL's names too (--use_pef: did you mean --use_peft?)
+    valid = sorted(set(options) | {a.lstrip("-").replace("-", "_") for a in aliases})
     yaml_argv: list[str] = []
     direct: dict[str, Any] = {}
     if argv and not argv[0].startswith("-") and argv[0].lower().endswith((".yaml", ".yml")):
         path = argv[0]
-        yaml_argv, direct = _yaml_items(read_yaml_config(path), path, by_string, options, valid)
+        yaml_argv, direct = _yaml_items(read_yaml_config(path), path, by_string, options, valid, aliases)
         argv = argv[1:]
     if any(a in ("-h", "--help") for a in argv):
         parser.parse_args(["--help"])  # prints the help and exits 0
-    yaml_argv, yaml_nones, yaml_given = _normalise_argv(yaml_argv, by_string, options, valid)
-    cli_argv, cli_nones, cli_given = _normalise_argv(argv, by_string, options, valid)
+    yaml_argv, yaml_nones, yaml_given = _normalise_argv(yaml_argv, by_string, options, valid, aliases)
+    cli_argv, cli_nones, cli_given = _normalise_argv(argv, by_string, options, valid, aliases)
     direct = {k: v for k, v in {**direct, **yaml_nones}.items() if k not in cli_given}
     direct.update(cli_nones)
     given = yaml_given | cli_given | set(direct)
