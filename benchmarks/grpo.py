@@ -159,15 +159,26 @@ def even_token_reward(prompts, completions, completion_ids=None, **kwargs) -> li
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_bytes: int | None = None,
-                         offload_host_budget_bytes: int | None = None):
-    """Random-init model of shape ``name``, patched by swiftune, LoRA r=16 on all linear layers."""
+def base_model(name: str, device, load_in_4bit: bool = False):
+    """Random-init model of shape ``name`` (bf16 on CUDA), its decoder's linear weights in NF4 with
+    ``load_in_4bit`` (QLoRA)."""
     import torch
 
-    import swiftune
-    from benchmarks.workload import random_model
+    from benchmarks.workload import quantize_linears_4bit, random_model
 
-    model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(name, device, dtype)
+    if load_in_4bit:
+        quantize_linears_4bit(model, dtype)
+    return model
+
+
+def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_bytes: int | None = None,
+                         offload_host_budget_bytes: int | None = None, load_in_4bit: bool = False):
+    """Random-init model of shape ``name``, patched by swiftune, LoRA r=16 on all linear layers."""
+    import swiftune
+
+    model = base_model(name, device, load_in_4bit)
     swiftune.patch_model(model)
     return swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=checkpointing,
                                              offload_gpu_budget_bytes=offload_gpu_budget_bytes,
@@ -425,13 +436,11 @@ def host_budget_bytes(args) -> int | None:
 
 
 def build_bisect_model(mode: str, name: str, device, args):
-    import torch
-
     if mode == "swiftune":
         offload = args.swiftune_checkpointing in ("offload", "offload_all")
         budget = 0 if args.swiftune_checkpointing == "offload_all" else None  # 0: no layer input on the GPU
         host = host_budget_bytes(args) if offload else None
-        model = build_swiftune_model(name, device, "offload" if offload else True, budget, host)
+        model = build_swiftune_model(name, device, "offload" if offload else True, budget, host, args.load_in_4bit)
         if offload and args.host_margin_gb is not None:  # calling again updates the budgets, margin included
             from swiftune.training.checkpointing import enable_offloaded_checkpointing
 
@@ -439,9 +448,7 @@ def build_bisect_model(mode: str, name: str, device, args):
         return model
     import peft
 
-    from benchmarks.workload import random_model
-
-    model = random_model(name, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = base_model(name, device, args.load_in_4bit)
     model.config.use_cache = False
     if mode == "trl_liger":
         from benchmarks.workload import apply_liger_like_trl
@@ -537,6 +544,9 @@ def bisect_one_mode(args) -> dict:
     mode = args.one_bisect
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
+    if cuda and args.gpu_budget_gb is not None:  # a smaller GPU, emulated
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
     start = time.perf_counter()
     model = build_bisect_model(mode, args.model, device, args)
     trials: list[dict] = []
@@ -658,13 +668,15 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
            "--swiftune-checkpointing", args.swiftune_checkpointing, "--trial-repeats", str(args.trial_repeats)]
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
                         ("--host-budget-gb", args.host_budget_gb), ("--host-margin-gb", args.host_margin_gb),
-                        ("--simulate-kill-above", args.simulate_kill_above)):
+                        ("--simulate-kill-above", args.simulate_kill_above), ("--gpu-budget-gb", args.gpu_budget_gb)):
         if value:
             cmd += [flag, str(value)]
     if fixed:
         cmd += ["--completion-lengths", *map(str, fixed)]
     if args.share_prompt:
         cmd.append("--share-prompt")
+    if args.load_in_4bit:
+        cmd.append("--load-in-4bit")
     if args.fixed_only:
         cmd.append("--fixed-only")
     if args.profile_completion:
@@ -753,6 +765,8 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     from swiftune.training.checkpointing import host_available_bytes
     from benchmarks.workload import MODEL_SHAPES
 
+    if gpu_bytes is None and args.gpu_budget_gb is not None:  # the emulated GPU
+        gpu_bytes = int(args.gpu_budget_gb * 1e9)
     if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else int(149.3e9)
     if host_bytes is None:
@@ -762,7 +776,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     P, R = args.prompt_tokens, args.bisect_rows
     # the swiftune step: bf16 autocast, LoRA input casts off (policy_step), projections tiled
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
-              lora_input_casts=False)
+              lora_input_casts=False, weight_quantization="nf4_double_quant" if args.load_in_4bit else None)
     shape = dict(MODEL_SHAPES[args.model])
 
     def completion_of(tokens: int) -> int:
@@ -863,7 +877,7 @@ def print_bisect_table(r: dict) -> None:
 # ------------------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-1.7b", help="a shape of benchmarks/workload.py (tiny: CPU smoke test)")
     p.add_argument("--generations", type=int, default=8, help="G of the step")
@@ -932,11 +946,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="smoke tests: trials above this many tokens count as out of memory")
     p.add_argument("--simulate-kill-above", type=int, default=None,
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA: the decoder's linear weights in bitsandbytes NF4 (double quantisation), every mode")
+    p.add_argument("--gpu-budget-gb", type=float, default=None,
+                   help="bisection: emulate a GPU of this many GB (1e9 bytes; set_per_process_memory_fraction)")
     p.add_argument("--one-bisect", choices=ALL_BISECT_MODES, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
                    "(default: the --out path with .rows.jsonl)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     tiny = args.model == "tiny"
     if args.completion_tokens is None:
         args.completion_tokens = 32 if tiny else 4096

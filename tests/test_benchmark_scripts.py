@@ -948,3 +948,28 @@ def test_unsloth_sft_turns_the_anchors_records_into_sft_rows(tmp_path):
     assert unsloth_sft.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                              "--modes", "unsloth", "--out", str(out)]) == 0
     assert "out of memory" in json.load(open(out))[0]["error"]
+
+
+def test_qlora_benchmark_flags_quantise_every_mode_they_run(tmp_path):
+    """--load-in-4bit: the SFT rows say qlora and the model the step ran on held NF4 weights; the
+    GRPO bisection runs a QLoRA trial and its planner line counts 4-bit weights (fewer bytes: a
+    larger answer than without)."""
+    pytest.importorskip("bitsandbytes")
+    from benchmarks import grpo, sft
+
+    row = sft.run_one("swiftune", "tiny", 4, 3, 1, 4096, 64, load_in_4bit=True)
+    assert row["finetune"] == "qlora r=16" and row["tokens_per_s"] > 0
+    import torch
+
+    from benchmarks.workload import quantize_linears_4bit, random_model
+
+    model = random_model("tiny", "cpu", torch.float32)
+    quantize_linears_4bit(model, torch.float32)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "Linear4bit" in kinds and type(model.lm_head).__name__ == "Linear"
+    args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "qwen3-8b", "--share-prompt",
+                                           "--gpu-budget-gb", "80"])
+    plain = grpo.planner_max_completion(args, host_bytes=int(200e9))
+    args.load_in_4bit = True
+    quantised = grpo.planner_max_completion(args, host_bytes=int(200e9))
+    assert plain["gpu_bytes"] == int(80e9) and quantised["completion"] > plain["completion"]
