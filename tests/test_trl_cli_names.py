@@ -114,3 +114,12 @@ def test_help_lists_the_trl_name_next_to_the_option(capsys):
                       ("--eval_dataset_split", "--dataset_test_split"), ("--use_lora", "--use_peft"),
                       ("--dtype", "--torch_dtype")]:
         assert any(line.strip().startswith(ours + " ") and trl + " " in line for line in lines), (ours, trl)
+
+
+def test_unsloth_checkpointing_name_is_offload_and_the_error_lists_it():
+    from swiftune.cli.arguments import ModelArguments, gradient_checkpointing_mode
+    from swiftune.errors import ConfigError
+
+    assert gradient_checkpointing_mode(ModelArguments(use_gradient_checkpointing="unsloth")) == "offload"
+    with pytest.raises(ConfigError, match="true, false, offload or unsloth"):
+        gradient_checkpointing_mode(ModelArguments(use_gradient_checkpointing="sometimes"))

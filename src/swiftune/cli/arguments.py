@@ -84,7 +84,7 @@ class ModelArguments:
         metadata={"help": "Module names to adapt (space- or comma-separated; a list in YAML), or all-linear."},
     )
     use_gradient_checkpointing: str = field(
-        default="true", metadata={"help": "true, false, or offload (saved layer inputs in CPU memory)."}
+        default="true", metadata={"help": "true, false, or offload (saved layer inputs in CPU memory; unsloth is the same)."}
     )
     offload_gpu_budget_gb: float | None = field(
         default=None, metadata={"help": "With --use_gradient_checkpointing offload: GB of GPU memory the kept "
@@ -385,11 +385,13 @@ def check_paths(model_args: ModelArguments, config: Any) -> None:
 
 
 def gradient_checkpointing_mode(model_args: ModelArguments) -> bool | str:
-    """``--use_gradient_checkpointing`` as the model set-up takes it: True, False or ``"offload"``."""
+    """``--use_gradient_checkpointing`` as the model set-up takes it: True, False or ``"offload"``
+    (``unsloth``, Unsloth's name for it, too)."""
     value = model_args.use_gradient_checkpointing
-    gc = {"true": True, "false": False, "offload": "offload"}.get(str(value).lower())
+    gc = {"true": True, "false": False, "offload": "offload", "unsloth": "offload"}.get(str(value).lower())
     if gc is None:
-        raise ConfigError(f"--use_gradient_checkpointing {value!r}: must be true, false or offload")
+        raise ConfigError(f"--use_gradient_checkpointing {value!r}: must be true, false, offload or unsloth "
+                          "(Unsloth's name for offload)")
     return gc
 
 

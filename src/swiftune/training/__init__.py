@@ -19,10 +19,11 @@ from .checkpointing import (
 from .checkpoints import CheckpointSaveError, newest_complete_checkpoint, resolve_resume
 from .guards import NonFiniteError
 from .interrupt import TrainingInterrupted
-from .loading import FastLanguageModel, FastModel, enable_gradient_checkpointing, ensure_pad_token
+from .loading import FastModel, enable_gradient_checkpointing, ensure_pad_token
 from .metrics import MetricsCallback, StepFlops, TokenMeter, read_metrics, truncate_metrics
 from .run_lock import RunLock, RunLockedError
 from .safety import RunSafetyMixin
+from .unsloth_names import FastLanguageModel
 
 __all__ = [
     "CheckpointBudgetError",
