@@ -440,7 +440,8 @@ def build_bisect_model(mode: str, name: str, device, args):
         offload = args.swiftune_checkpointing in ("offload", "offload_all")
         budget = 0 if args.swiftune_checkpointing == "offload_all" else None  # 0: no layer input on the GPU
         host = host_budget_bytes(args) if offload else None
-        model = build_swiftune_model(name, device, "offload" if offload else True, budget, host, args.load_in_4bit)
+        model = build_swiftune_model(name, device, "offload" if offload else True, budget, host,
+                                     getattr(args, "load_in_4bit", False))
         if offload and args.host_margin_gb is not None:  # calling again updates the budgets, margin included
             from swiftune.training.checkpointing import enable_offloaded_checkpointing
 
@@ -448,7 +449,7 @@ def build_bisect_model(mode: str, name: str, device, args):
         return model
     import peft
 
-    model = base_model(name, device, args.load_in_4bit)
+    model = base_model(name, device, getattr(args, "load_in_4bit", False))
     model.config.use_cache = False
     if mode == "trl_liger":
         from benchmarks.workload import apply_liger_like_trl
@@ -544,7 +545,7 @@ def bisect_one_mode(args) -> dict:
     mode = args.one_bisect
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
-    if cuda and args.gpu_budget_gb is not None:  # a smaller GPU, emulated
+    if cuda and getattr(args, "gpu_budget_gb", None) is not None:  # a smaller GPU, emulated
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
     start = time.perf_counter()
@@ -668,14 +669,15 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
            "--swiftune-checkpointing", args.swiftune_checkpointing, "--trial-repeats", str(args.trial_repeats)]
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
                         ("--host-budget-gb", args.host_budget_gb), ("--host-margin-gb", args.host_margin_gb),
-                        ("--simulate-kill-above", args.simulate_kill_above), ("--gpu-budget-gb", args.gpu_budget_gb)):
+                        ("--simulate-kill-above", args.simulate_kill_above),
+                        ("--gpu-budget-gb", getattr(args, "gpu_budget_gb", None))):
         if value:
             cmd += [flag, str(value)]
     if fixed:
         cmd += ["--completion-lengths", *map(str, fixed)]
     if args.share_prompt:
         cmd.append("--share-prompt")
-    if args.load_in_4bit:
+    if getattr(args, "load_in_4bit", False):
         cmd.append("--load-in-4bit")
     if args.fixed_only:
         cmd.append("--fixed-only")
@@ -765,8 +767,9 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     from swiftune.training.checkpointing import host_available_bytes
     from benchmarks.workload import MODEL_SHAPES
 
-    if gpu_bytes is None and args.gpu_budget_gb is not None:  # the emulated GPU
-        gpu_bytes = int(args.gpu_budget_gb * 1e9)
+    budget_gb = getattr(args, "gpu_budget_gb", None)
+    if gpu_bytes is None and budget_gb is not None:  # the emulated GPU
+        gpu_bytes = int(budget_gb * 1e9)
     if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else int(149.3e9)
     if host_bytes is None:
@@ -776,7 +779,8 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     P, R = args.prompt_tokens, args.bisect_rows
     # the swiftune step: bf16 autocast, LoRA input casts off (policy_step), projections tiled
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
-              lora_input_casts=False, weight_quantization="nf4_double_quant" if args.load_in_4bit else None)
+              lora_input_casts=False,
+              weight_quantization="nf4_double_quant" if getattr(args, "load_in_4bit", False) else None)
     shape = dict(MODEL_SHAPES[args.model])
 
     def completion_of(tokens: int) -> int:
