@@ -955,9 +955,11 @@ def test_qlora_benchmark_flags_quantise_every_mode_they_run(tmp_path):
     GRPO bisection runs a QLoRA trial and its planner line counts 4-bit weights (fewer bytes: a
     larger answer than without)."""
     pytest.importorskip("bitsandbytes")
-    from benchmarks import grpo, sft
+    from benchmarks import grpo
 
-    row = sft.run_one("swiftune", "tiny", 4, 3, 1, 4096, 64, load_in_4bit=True)
+    proc = run_script("sft", "--one", "swiftune", "--model", "tiny", "--batch", "4", "--steps", "3", "--warmup", "1",
+                      "--load-in-4bit")
+    row = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert row["finetune"] == "qlora r=16" and row["tokens_per_s"] > 0
     import torch
 
@@ -967,9 +969,9 @@ def test_qlora_benchmark_flags_quantise_every_mode_they_run(tmp_path):
     quantize_linears_4bit(model, torch.float32)
     kinds = {type(m).__name__ for m in model.modules()}
     assert "Linear4bit" in kinds and type(model.lm_head).__name__ == "Linear"
-    args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "qwen3-8b", "--share-prompt",
-                                           "--gpu-budget-gb", "80"])
-    plain = grpo.planner_max_completion(args, host_bytes=int(200e9))
+    args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "qwen3-0.6b", "--share-prompt",
+                                           "--gpu-budget-gb", "3.5"])
+    plain = grpo.planner_max_completion(args, host_bytes=int(3e9))
     args.load_in_4bit = True
-    quantised = grpo.planner_max_completion(args, host_bytes=int(200e9))
-    assert plain["gpu_bytes"] == int(80e9) and quantised["completion"] > plain["completion"]
+    quantised = grpo.planner_max_completion(args, host_bytes=int(3e9))
+    assert plain["gpu_bytes"] == int(3.5e9) and quantised["completion"] > plain["completion"]

@@ -46,6 +46,7 @@ from swiftune.data import EOS_TOKEN_ID, build_tokenizer
 from swiftune.losses import blocks
 from swiftune.models import causal_lm_of, is_patched, patch_model
 from swiftune.training import FastModel
+from swiftune.models.lora_linear import LoRALinearFunction
 from swiftune.models.support import controls_attention
 from swiftune.rl import GRPOConfig, GRPOTrainer, Rollouts
 from tests.helpers import assert_gradients_match, tiny_model
@@ -384,8 +385,15 @@ def test_negative_control_parity_catches_a_dropped_lora_gradient(layouts, monkey
     reference, ours = layouts("qwen3-shared")
     expected = reference.step(objective)
     lora_a = ours.model.base_model.model.model.layers[0].self_attn.k_proj.lora_A["default"]
+    # cut on both paths a LoRA layer can take: PEFT's own forward (lora_A's module) and the fused node
     forward = lora_a.forward
     monkeypatch.setattr(lora_a, "forward", lambda x: forward(x).detach())
+    apply = LoRALinearFunction.apply
+
+    def cut(x, weight, bias, a, *rest):
+        return apply(x, weight, bias, a.detach() if a is lora_a.weight else a, *rest)
+
+    monkeypatch.setattr(LoRALinearFunction, "apply", cut)
     got = ours.step(objective)
     dropped = "base_model.model.model.layers.0.self_attn.k_proj.lora_A.default.weight"
     assert dropped not in got[1] and set(expected[1]) - set(got[1]) == {dropped}
