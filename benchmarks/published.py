@@ -42,8 +42,20 @@ FIGURES: list[dict] = [
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_16k_offload_after_qk_fix_h200.json",
          date="2026-12-01", versions=WITH_TRL,
          command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune_budget_offload --out sft_16k.json"),
-    dict(figure="sft_sweep_qwen3-8b", file="sft_qwen3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
-         before_qk_fix=True, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
+    dict(figure="sft_sweep_qwen3-8b", file="2026-12-01/sft_qwen3-8b_sweep_h200.json", date="2026-12-01",
+         versions=WITH_TRL, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
+    dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/qlora_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
+         versions=WITH_TRL,
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune swiftune_budget trl_liger "
+                 "--out qlora_sft.json"),
+    dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/unsloth_qlora_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
+         versions={**BASE, "unsloth": "2026.10.9"},
+         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit "
+                 "--out unsloth_qlora_sft.json"),
+    dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/qlora_sft_qwen3-8b_16k_24gb_h200.json", date="2026-12-01",
+         versions=BASE,
+         command="python -m benchmarks.sft --steps 6 --warmup 2 --model qwen3-8b --batch 16 --load-in-4bit "
+                 "--gpu-budget-gb 24 --modes swiftune_budget swiftune_budget_offload --out qlora_sft_24gb.json"),
     dict(figure="sft_sweep_llama3-8b", file="sft_llama3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
          command=f"{SFT} --model llama3-8b --batch 1 2 4 8 16 32 --out sft_llama3-8b.json"),
     dict(figure="sft_sweep_qwen3-1.7b", file="2026-12-01/sft_qwen3-1.7b_sweep_h200.json", date="2026-12-01",
@@ -108,6 +120,6 @@ FIGURES: list[dict] = [
     dict(figure="rollout", file="rollout_h200.json", date="2026-11-30", versions=BASE,
          command="python -m benchmarks.rollout --merge docs/results/rollout_1024_h200.json "
                  "docs/results/rollout_8192_h200.json --out docs/results/rollout_h200.json"),
-    dict(figure="attention_backends", file="attention_backends_h200.json", date="2026-11-30", versions=BASE,
+    dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

@@ -85,24 +85,37 @@ def marked(metrics: dict, text: str) -> str:
 
 
 def sft(fig: Figure) -> str:
+    """One row per (batch, mode); ratios against the padded Trainer, TRL + Liger and, where the figure has
+    Unsloth's rows, Unsloth (a 16K-token budget row against Unsloth's packed row, the rest against its
+    padding-free one). Rows on an emulated smaller GPU say so in the batch column."""
     cells = {}
     for mode, model, s, m in fig.groups():
-        cells[(s["batch"], MODE_ORDER.index(mode) if mode in MODE_ORDER else 99, mode, model)] = m
+        order = MODE_ORDER.index(mode) if mode in MODE_ORDER else 99
+        cells[(s["batch"], s.get("gpu_budget_gb", 0), order, mode, model)] = m
     by_batch = defaultdict(dict)
-    for (batch, _, mode, _), m in cells.items():
-        by_batch[batch][mode] = val(m, "tokens_per_s")
+    for (batch, budget_gb, _, mode, _), m in cells.items():
+        if not budget_gb:
+            by_batch[batch][mode] = val(m, "tokens_per_s")
+    with_unsloth = any(mode.startswith("unsloth") for _, _, _, mode, _ in cells)
     out = []
-    for (batch, _, mode, model), m in sorted(cells.items()):
+    for (batch, budget_gb, _, mode, model), m in sorted(cells.items()):
         tps = val(m, "tokens_per_s")
         ref = by_batch[batch]
         budget = mode.startswith("swiftune_budget")
-        out.append([marked(m, LABELS.get(mode, mode)), "(~16K tok)" if budget else str(batch),
-                    fmt(tps, thousands=True),
-                    fmt(tps / ref["hf_padded"]) if ref.get("hf_padded") else "",
-                    fmt(tps / ref["trl_liger"]) if ref.get("trl_liger") else "",
-                    fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s")), f"{100 * val(m, 'padding_fraction'):.1f}%"])
-    return table(["mode", "batch", "tok/s", "x padded", "x TRL + Liger", "peak GB", "s / step", "padding"], out,
-                 {1, 2, 3, 4, 5, 6, 7})
+        size = "(~16K tok)" if budget else str(batch)
+        if budget_gb:
+            size += f", {budget_gb:g} GB GPU"
+        row = [marked(m, LABELS.get(mode, mode)), size, fmt(tps, thousands=True),
+               fmt(tps / ref["hf_padded"]) if ref.get("hf_padded") else "",
+               fmt(tps / ref["trl_liger"]) if ref.get("trl_liger") else ""]
+        if with_unsloth:
+            unsloth = ref.get("unsloth_packed" if budget else "unsloth")
+            row.append(fmt(tps / unsloth) if unsloth and not mode.startswith("unsloth") else "")
+        out.append(row + [fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s")),
+                          f"{100 * val(m, 'padding_fraction'):.1f}%"])
+    header = ["mode", "batch", "tok/s", "x padded", "x TRL + Liger"] + (["x Unsloth"] if with_unsloth else [])
+    header += ["peak GB", "s / step", "padding"]
+    return table(header, out, set(range(1, len(header))))
 
 
 def kernels(fig: Figure) -> str:
@@ -271,7 +284,7 @@ def attention(fig: Figure) -> str:
 
 
 RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
-          "sft_sweep_qwen3-1.7b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
+          "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "attention_backends": attention}
