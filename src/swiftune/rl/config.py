@@ -26,15 +26,16 @@ from transformers import TrainingArguments
 from ..errors import ConfigError
 from ..training.config_checks import (KERNEL_BACKENDS, check_attention_backend, check_training_arguments, fail,
                                       require_choice, require_int, require_number)
+from .trl_fields import TRLGRPOFields, check_trl_fields
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ROLLOUT_ENGINES = ("auto", "fast", "transformers")
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(TrainingArguments, TRLGRPOFields):
     """Configuration of :class:`swiftune.GRPOTrainer` (TRL's names and meanings).
 
     Objective (per completion ``i`` of a group of ``G``, token ``t``; ``r = pi / pi_old``)::
@@ -59,10 +60,11 @@ class GRPOConfig(TrainingArguments):
         default=8, metadata={"help": "Completions sampled per prompt (the group size G of the advantages)."}
     )
     max_prompt_length: int | None = field(
-        default=512, metadata={"help": "Longest prompt in tokens; longer prompts keep their last tokens "
-                                       "(None: no limit)."}
+        default=None, metadata={"help": "Longest prompt in tokens; longer prompts keep their last tokens "
+                                        "(None: no limit, as TRL 1.16, which has no such field)."}
     )
-    max_completion_length: int = field(default=256, metadata={"help": "Most tokens sampled per completion."})
+    max_completion_length: int = field(default=512, metadata={"help": "Most tokens sampled per completion "
+                                                                      "(TRL 1.16's default, 512)."})
     temperature: float = field(
         default=1.0,
         metadata={"help": "Sampling temperature; the policy log-probs use the same temperature (as TRL)."},
@@ -116,11 +118,13 @@ class GRPOConfig(TrainingArguments):
         metadata={"help": "Two-sided clipping: cap the ratio of the unclipped term at delta (> 1 + epsilon), "
                           "INTELLECT-2 / TRL; None: off."},
     )
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = field(
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = field(
         default="dapo",
         metadata={"help": "Normalisation / objective: grpo (per-sequence mean, then batch mean), bnpo (tokens of "
                           "the micro-batch), dr_grpo (batch x max_completion_length), dapo (tokens of the whole "
-                          "accumulated global batch), cispo (clipped IS weight x log-prob, dapo normalisation)."},
+                          "accumulated global batch), cispo (clipped IS weight x log-prob, dapo normalisation), sapo (soft "
+                          "sigmoid gate, grpo normalisation), luspo (per-sequence sums), vespo (gamma-weighted "
+                          "log-prob, dapo normalisation); formulas in swiftune.rl.loss."},
     )
     importance_sampling_level: Literal["token", "sequence"] = field(
         default="token",
@@ -182,7 +186,8 @@ class GRPOConfig(TrainingArguments):
     )
     plot_rewards: bool = field(default=True, metadata={"help": "Write reward.png to output_dir at the end."})
     log_completions: bool = field(
-        default=False, metadata={"help": "Log one prompt / completion / reward sample at every logging step."}
+        default=False, metadata={"help": "Print a table of the last generation's prompts, completions, rewards "
+                                         "and advantages at every logging step (num_completions_to_print rows)."}
     )
 
     # TRL-like defaults for TrainingArguments fields
@@ -202,6 +207,7 @@ class GRPOConfig(TrainingArguments):
             self.scale_rewards = "group" if self.scale_rewards.lower() == "true" else "none"
         super().__post_init__()
         check_training_arguments(self)
+        check_trl_fields(self)
         self._check_fields()
         if self.generation_batch_size is not None:
             if self.steps_per_generation is not None:
