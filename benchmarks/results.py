@@ -221,8 +221,8 @@ def kind_of(data) -> str | None:
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data) and {"mode", "batch"} <= set(data[0]):
         return "sft"
     if isinstance(data, dict):
-        if data.get("benchmark") in ("grpo_step", "grpo_bisect", "loss_curve", "rollout", "attention", "losses",
-                                     "tune_kernels"):
+        if data.get("benchmark") in ("grpo_step", "grpo_bisect", "grpo_e2e", "loss_curve", "rollout", "attention",
+                                     "losses", "tune_kernels"):
             return data["benchmark"]
         if {"meta", "rows"} <= set(data):
             return "kernels"
@@ -440,7 +440,25 @@ def rows_from_tune_kernels(data: dict, ctx: Context) -> list[Row]:
     return [ctx.row("swiftune", r["kernel"], "-", r["settings"], "tb_per_s", r["tb_per_s"]) for r in data["rows"]]
 
 
-CONVERTERS = {"sft": rows_from_sft, "longctx": rows_from_longctx, "grpo_bisect": rows_from_grpo_bisect,
+def rows_from_grpo_e2e(data: dict, ctx: Context) -> list[Row]:
+    """One whole GRPO step per tool (``benchmarks.grpo_e2e``): its time, peak memory and each phase's
+    time; the versions are those the tool's own process had (Unsloth brings its own TRL)."""
+    out = []
+    for r in data["rows"]:
+        if "error" in r or not _num(r.get("step_s")):
+            continue
+        tool = tool_of(r["mode"])
+        here = dataclasses.replace(ctx, versions={**ctx.versions, **r.get("versions", {})})
+        s = {k: r.get(k) for k in ("prompts", "generations", "prompt_tokens", "max_completion_length", "micro_batch")}
+        s["all_full_length"] = r.get("all_full_length")
+        out.append(here.row(tool, r["mode"], r["model"], s, "step_s", r["step_s"]))
+        out.append(here.row(tool, r["mode"], r["model"], s, "peak_gb", r["peak_gb"]))
+        for phase, seconds in r["phases"].items():
+            out.append(here.row(tool, r["mode"], r["model"], {**s, "phase": phase}, "phase_s", seconds))
+    return out
+
+
+CONVERTERS = {"sft": rows_from_sft, "grpo_e2e": rows_from_grpo_e2e, "longctx": rows_from_longctx, "grpo_bisect": rows_from_grpo_bisect,
               "grpo_step": rows_from_grpo_step, "loss_curve": rows_from_loss_curve, "rollout": rows_from_rollout,
               "kernels": rows_from_kernels, "attention": rows_from_attention, "losses": rows_from_losses,
               "tune_kernels": rows_from_tune_kernels}

@@ -864,7 +864,7 @@ def test_every_script_with_figures_writes_rows():
     check the rows of the ones that run on CPU)."""
     bench = os.path.join(ROOT, "benchmarks")
     for name in ("sft", "grpo", "longctx", "rollout", "kernels", "losses", "attention_backends", "loss_curve",
-                 "tune_kernels", "merge_bisect"):
+                 "tune_kernels", "merge_bisect", "grpo_e2e"):
         with open(os.path.join(bench, f"{name}.py")) as f:
             text = f.read()
         assert f'save("{name}", argv' in text, name
@@ -975,3 +975,42 @@ def test_qlora_benchmark_flags_quantise_every_mode_they_run(tmp_path):
     args.load_in_4bit = True
     quantised = grpo.planner_max_completion(args, host_bytes=int(3e9))
     assert plain["gpu_bytes"] == int(3.5e9) and quantised["completion"] > plain["completion"]
+
+
+def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
+    """benchmarks.grpo_e2e: swiftune's whole GRPOTrainer step (generation to optimizer step) on the
+    tiny shape, every completion full length, the phases adding up to the step; TRL's where TRL is
+    installed; a tool whose process fails gives an error record, not a crash; the Unsloth mode's
+    checkpoint is a plain transformers model + tokenizer that loads back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks import grpo_e2e
+
+    out = tmp_path / "e2e.json"
+    modes = ["swiftune"] + (["trl"] if importlib.util.find_spec("trl") else [])
+    run_script("grpo_e2e", "--model", "tiny", "--prompts", "2", "--generations", "2", "--prompt-tokens", "8",
+               "--completion-tokens", "12", "--micro-batch", "2", "--modes", *modes, "--out", str(out))
+    records = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in records] == modes
+    for r in records:
+        assert "error" not in r, r
+        assert r["completions"] == 4 and r["generated_tokens"] == 4 * 12 and r["all_full_length"]
+        assert r["phases"]["generation"] > 0 and r["phases"]["policy"] > 0
+        assert abs(sum(r["phases"].values()) - r["step_s"]) < 1e-6
+    rows = assert_rows(out, "grpo_e2e", {"step_s", "peak_gb", "phase_s"})
+    assert {r.settings["phase"] for r in rows if r.metric == "phase_s"} == {"generation", "scoring", "policy", "other"}
+
+    ck = tmp_path / "ck"
+    assert grpo_e2e.main(["--save-checkpoint", str(ck), "--model", "tiny"]) == 0
+    tok = AutoTokenizer.from_pretrained(str(ck))
+    assert tok.eos_token == "t1" and tok("t5 t7")["input_ids"] == [5, 7]
+    assert AutoModelForCausalLM.from_pretrained(str(ck)).config.vocab_size == tok.vocab_size
+
+    site = tmp_path / "site"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text("raise ImportError('Unsloth needs a GPU')\n")
+    out = tmp_path / "u.json"
+    assert grpo_e2e.main(["--model", "tiny", "--modes", "unsloth", "--site", str(site), "--model-dir", str(ck),
+                          "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["rows"]
+    assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
