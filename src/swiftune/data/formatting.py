@@ -10,6 +10,9 @@ Row shapes (TRL's names):
   Completion-only loss by default (``completion_only_loss=None`` means on).
 * ``messages``: a conversation rendered with the chat template; only assistant turns trained by
   default (``assistant_only_loss=None`` means on).
+* ``input_ids`` (pre-tokenized, optionally ``labels`` / ``assistant_masks`` / ``completion_mask``):
+  TRL's rules, :mod:`swiftune.data.row_formats`, which also applies ``formatting_func`` and the
+  chat template kwargs. Files are read by :mod:`swiftune.data.row_files`.
 
 Output: :class:`TokenizedDataset`, a torch ``Dataset`` of ``{"input_ids": list[int],
 "completion_mask": list[int]}`` (1 = the token is a training target) plus
@@ -18,23 +21,32 @@ Output: :class:`TokenizedDataset`, a torch ``Dataset`` of ``{"input_ids": list[i
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 
+from swiftune.data.row_files import load_rows
+from swiftune.data.row_formats import (
+    TOKENIZED_COLUMN,
+    DataFormatError,
+    apply_formatting_func,
+    as_is_examples,
+    row_template_kwargs,
+    tokenized_examples,
+)
+
 logger = logging.getLogger(__name__)
 
-DataShape = Literal["text", "prompt_completion", "messages"]
+DataShape = Literal["text", "prompt_completion", "messages", "tokenized"]
+TruncationMode = Literal["keep_start", "keep_end"]
 Truncation = Literal["truncate", "error", "drop"]
 
 _ACCEPTED_SHAPES = (
     "'{text}' (plain text), 'prompt' + 'completion' (strings or lists of messages), "
-    "or 'messages' (a list of {{'role', 'content'}} dicts)"
+    "'messages' (a list of {{'role', 'content'}} dicts), or pre-tokenized 'input_ids'"
 )
 _TOKENIZE_CHUNK = 1024  # rows per fast-tokenizer call: batching is much faster than one by one
 
@@ -42,10 +54,6 @@ _TOKENIZE_CHUNK = 1024  # rows per fast-tokenizer call: batching is much faster 
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
 _ROLE_HINTS = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "ai": "assistant",
                "chatgpt": "assistant", "observation": "tool"}
-
-
-class DataFormatError(ValueError):
-    """The data cannot be turned into training examples; the message says what to change."""
 
 
 @dataclass
@@ -84,116 +92,17 @@ class TokenizedDataset(torch.utils.data.Dataset):
         return [len(e["input_ids"]) for e in self.examples]
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-def load_rows(data: Any) -> Sequence[Mapping[str, Any]]:
-    """Rows of ``data`` as a sequence of mappings, without copying a ``datasets.Dataset``.
-
-    ``datasets`` itself is never imported here: a Dataset is recognised by its
-    ``column_names``; Parquet files are read with ``pyarrow`` (which ``datasets`` installs).
-    """
-    if isinstance(data, (str, os.PathLike)):
-        return _read_file(os.fspath(data))
-    if hasattr(data, "column_names") and isinstance(data.column_names, dict):
-        raise DataFormatError(
-            f"got a DatasetDict with splits {sorted(data.column_names)}; pass one split, "
-            "e.g. dataset['train']"
-        )
-    if hasattr(data, "column_names"):
-        if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-            return data  # datasets.Dataset: indexable, yields dict rows, no copy
-        return list(data)  # datasets.IterableDataset: read it once
-    if isinstance(data, Mapping):
-        columns = list(data)
-        if columns and all(isinstance(data[c], Sequence) and not isinstance(data[c], str) for c in columns):
-            n = len(data[columns[0]])
-            return [{c: data[c][i] for c in columns} for i in range(n)]
-        raise DataFormatError("a dict dataset must map column names to equal-length lists")
-    if isinstance(data, Iterable):
-        rows = data if isinstance(data, Sequence) else list(data)
-        for row in rows[:1]:
-            if not isinstance(row, Mapping):
-                raise DataFormatError(
-                    f"dataset rows must be dicts, got {type(row).__name__}; "
-                    "e.g. [{'prompt': ..., 'completion': ...}]"
-                )
-        return rows
-    raise DataFormatError(
-        f"cannot read a dataset from {type(data).__name__}; pass a datasets.Dataset, a list of "
-        "dicts, or a path to a .jsonl / .json / .parquet file"
-    )
-
-
-def _decode_utf8(path: str, raw: bytes) -> str:
-    """The file's text; not UTF-8: an error naming the file, line and byte. A UTF-8 BOM is dropped."""
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = raw.count(b"\n", 0, err.start) + 1
-        raise DataFormatError(
-            f"{path}:{line}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); JSON data files "
-            "must be UTF-8: re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-        ) from err
-
-
-def _json_rows(path: str, text: str) -> list[dict]:
-    """Rows of a JSON array, or of JSON lines (one object a line); errors name the file and line."""
-    if text.lstrip().startswith("["):  # a .json file holding one array of rows
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise DataFormatError(
-                f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); the file holds a JSON array of "
-                "rows, so the whole file must parse (or write one JSON object a line, JSON lines)"
-            ) from err
-        where = [f"{path}: element {i} of the JSON array" for i in range(len(rows))]
-    else:
-        rows, where = [], []
-        for line_number, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise DataFormatError(f"{path}:{line_number}: not valid JSON ({err.msg})") from err
-                where.append(f"{path}:{line_number}")
-    for row, at in zip(rows, where):
-        if not isinstance(row, dict):
-            raise DataFormatError(
-                f"{at} is a JSON {type(row).__name__}, not an object; each row must be an object such as "
-                '{"prompt": ..., "completion": ...}'
-            )
-    return rows
-
-
-def _read_file(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        raise DataFormatError(f"dataset file {path!r} does not exist")
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq  # lazy: only Parquet input needs it
-        except ImportError as err:
-            raise DataFormatError(
-                f"reading {path!r} needs pyarrow: pip install pyarrow (or datasets)"
-            ) from err
-        return pq.read_table(path).to_pylist()
-    if suffix in (".jsonl", ".json"):
-        with open(path, "rb") as f:
-            return _json_rows(path, _decode_utf8(path, f.read()))
-    raise DataFormatError(
-        f"unsupported dataset file type {suffix!r} ({path}); use .jsonl, .json or .parquet"
-    )
-
-
 def _column_names(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     names = getattr(rows, "column_names", None) if not isinstance(rows, list) else None
     return list(names) if names is not None else list(rows[0])
 
 
 def detect_shape(columns: Iterable[str], text_field: str = "text") -> DataShape:
-    """Which row shape the columns describe; ``messages`` wins over ``prompt``/``completion``."""
+    """Which row shape the columns describe: ``input_ids`` (pre-tokenized, as TRL checks it first),
+    then ``messages``, which wins over ``prompt``/``completion``."""
     columns = list(columns)
+    if TOKENIZED_COLUMN in columns:
+        return "tokenized"
     if "messages" in columns:
         return "messages"
     if "prompt" in columns and "completion" in columns:
@@ -312,6 +221,11 @@ def _render_chat(tokenizer: Any, messages: list, **kwargs: Any) -> dict[str, lis
     return {k: list(v) for k, v in out.items()}
 
 
+def _chat_kwargs(row: Mapping, template_kwargs: Mapping[str, Any] | None, index: int) -> dict[str, Any]:
+    """``apply_chat_template`` keywords of one row: its ``tools`` and the chat template kwargs."""
+    return {"tools": row.get("tools"), **row_template_kwargs(row, template_kwargs, index)}
+
+
 def _has_generation_markers(tokenizer: Any) -> bool:
     template = tokenizer.chat_template
     if isinstance(template, dict):
@@ -330,7 +244,7 @@ def _text_examples(rows: Sequence[Mapping], tokenizer: Any, text_field: str) -> 
 
 
 def _prompt_completion_examples(
-    rows: Sequence[Mapping], tokenizer: Any, completion_only: bool
+    rows: Sequence[Mapping], tokenizer: Any, completion_only: bool, template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[tuple[list[int], list[int]]]:
     # The first row decides between plain strings and conversational lists, for every row.
     kind = list if isinstance(rows[0].get("prompt"), list) else str
@@ -340,8 +254,8 @@ def _prompt_completion_examples(
             check_messages(p, f"row {index}: 'prompt'")
             check_messages(c, f"row {index}: 'completion'")
         return [
-            _conversational_prompt_completion(tokenizer, p, c, r.get("tools"), completion_only)
-            for p, c, r in zip(prompt_texts, completion_texts, rows)
+            _conversational_prompt_completion(tokenizer, p, c, _chat_kwargs(r, template_kwargs, i), completion_only)
+            for i, (p, c, r) in enumerate(zip(prompt_texts, completion_texts, rows))
         ]
     eos = _require_eos(tokenizer)
     # Prompt and completion are tokenized apart and concatenated: the boundary is exact and the
@@ -359,11 +273,11 @@ def _prompt_completion_examples(
 
 
 def _conversational_prompt_completion(
-    tokenizer: Any, prompt: list, completion: list, tools: Any, completion_only: bool
+    tokenizer: Any, prompt: list, completion: list, chat: dict, completion_only: bool
 ) -> tuple[list[int], list[int]]:
     _require_chat_template(tokenizer, "conversational prompt/completion rows")
-    prompt_ids = _render_chat(tokenizer, prompt, add_generation_prompt=True, tools=tools)["input_ids"]
-    ids = _render_chat(tokenizer, list(prompt) + list(completion), tools=tools)["input_ids"]
+    prompt_ids = _render_chat(tokenizer, prompt, add_generation_prompt=True, **chat)["input_ids"]
+    ids = _render_chat(tokenizer, list(prompt) + list(completion), **chat)["input_ids"]
     if ids[: len(prompt_ids)] != prompt_ids:
         raise DataFormatError(
             "the chat template renders the prompt differently once the completion is appended, so "
@@ -375,23 +289,23 @@ def _conversational_prompt_completion(
     return ids, [0 if completion_only else 1] * n + [trained] * (len(ids) - n)
 
 
-def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_markers: bool) -> tuple[list[int], list[int]]:
+def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_markers: bool,
+                      chat: dict) -> tuple[list[int], list[int]]:
     messages = row["messages"]
-    tools = row.get("tools")
     if not assistant_only:
-        ids = _render_chat(tokenizer, messages, tools=tools)["input_ids"]
+        ids = _render_chat(tokenizer, messages, **chat)["input_ids"]
         return ids, [1] * len(ids)
     if use_markers:
-        out = _render_chat(tokenizer, messages, tools=tools, return_assistant_tokens_mask=True)
+        out = _render_chat(tokenizer, messages, return_assistant_tokens_mask=True, **chat)
         ids, mask = out["input_ids"], out["assistant_masks"]
     else:
-        ids, mask = _assistant_mask_by_prefixes(tokenizer, messages, tools)
+        ids, mask = _assistant_mask_by_prefixes(tokenizer, messages, chat)
     if all(_is_empty_turn(m) for m in messages if m.get("role") == "assistant"):
         mask = [0] * len(ids)  # only empty assistant turns (their end-of-turn tokens are not content): dropped
     return ids, mask
 
 
-def _assistant_mask_by_prefixes(tokenizer: Any, messages: list, tools: Any) -> tuple[list[int], list[int]]:
+def _assistant_mask_by_prefixes(tokenizer: Any, messages: list, chat: dict) -> tuple[list[int], list[int]]:
     """Assistant-turn mask for templates without ``{% generation %}`` markers.
 
     For assistant turn ``i``: the tokens between the rendering of ``messages[:i]`` with the
@@ -399,13 +313,13 @@ def _assistant_mask_by_prefixes(tokenizer: Any, messages: list, tools: Any) -> t
     template to be prefix-stable (rendering more messages only appends), which ChatML, Llama 3
     and most templates are; when it is not, the error says what to do.
     """
-    ids = _render_chat(tokenizer, messages, tools=tools)["input_ids"]
+    ids = _render_chat(tokenizer, messages, **chat)["input_ids"]
     mask = [0] * len(ids)
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        start_ids = _render_chat(tokenizer, messages[:i], tools=tools, add_generation_prompt=True)["input_ids"]
-        end_ids = _render_chat(tokenizer, messages[: i + 1], tools=tools)["input_ids"]
+        start_ids = _render_chat(tokenizer, messages[:i], add_generation_prompt=True, **chat)["input_ids"]
+        end_ids = _render_chat(tokenizer, messages[: i + 1], **chat)["input_ids"]
         if ids[: len(start_ids)] != start_ids or ids[: len(end_ids)] != end_ids:
             raise DataFormatError(
                 "cannot locate assistant turns: the chat template is not prefix-stable and has no "
@@ -417,6 +331,8 @@ def _assistant_mask_by_prefixes(tokenizer: Any, messages: list, tools: Any) -> t
 
 
 def _check_flags(shape: DataShape, completion_only_loss: bool | None, assistant_only_loss: bool | None) -> None:
+    if shape == "tokenized":  # the mask columns decide: row_formats.tokenized_examples checks them
+        return
     if completion_only_loss and shape != "prompt_completion":
         logger.warning("completion_only_loss applies to prompt/completion data; ignored for %r data", shape)
     if assistant_only_loss and shape != "messages":
@@ -432,6 +348,10 @@ def prepare_dataset(
     assistant_only_loss: bool | None = None,
     truncation: Truncation = "truncate",
     text_field: str = "text",
+    truncation_mode: TruncationMode = "keep_start",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    formatting_func: Callable | None = None,
+    skip_prepare: bool = False,
 ) -> TokenizedDataset:
     """Tokenize ``data`` into examples ``{"input_ids", "completion_mask"}`` ready for a collator.
 
@@ -441,37 +361,66 @@ def prepare_dataset(
         tokenizer: a transformers tokenizer (a chat template is needed for conversational data).
         max_length: longest example in tokens; ``None`` keeps every example whole.
         completion_only_loss: train only completion tokens of prompt/completion rows
-            (``None``: yes).
+            (``None``: yes); on pre-tokenized rows, apply their ``completion_mask`` (``None``: no, as TRL).
         assistant_only_loss: train only assistant turns of ``messages`` rows (``None``: yes).
             Uses the template's ``{% generation %}`` markers when present, else prefix renderings.
-        truncation: for examples longer than ``max_length``: ``"truncate"`` keeps the first
+        truncation: for examples longer than ``max_length``: ``"truncate"`` cuts them to
             ``max_length`` tokens (counted, warned), ``"error"`` raises, ``"drop"`` skips them.
         text_field: the column of plain-text rows (TRL's ``dataset_text_field``).
+        truncation_mode: which tokens ``"truncate"`` keeps: the first (``"keep_start"``) or the last
+            (``"keep_end"``) ``max_length``, TRL's ``truncation_mode``.
+        chat_template_kwargs: keywords for ``apply_chat_template`` (e.g. ``enable_thinking``); a
+            row's own ``chat_template_kwargs`` column updates them.
+        formatting_func: TRL's: a function of one row returning its text (or the batched form);
+            the rows become plain text. Ignored, with a warning, on pre-tokenized rows (as TRL).
+        skip_prepare: TRL's ``skip_prepare_dataset``: the rows are trainer-ready (``input_ids``,
+            optional ``labels``) and are taken as they are, untruncated.
 
+    Pre-tokenized rows (an ``input_ids`` column) follow TRL's rules (:mod:`.row_formats`).
     Examples left with no trained token (besides the first, which has no context) are dropped
     with a warning; all of them dropped is an error.
     """
     if truncation not in ("truncate", "error", "drop"):
         raise ValueError(f"truncation must be 'truncate', 'error' or 'drop', got {truncation!r}")
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}")
     rows = load_rows(data)
     if len(rows) == 0:
         raise DataFormatError(
             "the dataset is empty (0 rows); check the path, split or filter that produced it"
         )
-    shape = detect_shape(_column_names(rows), text_field)
+    columns = _column_names(rows)
+    if skip_prepare:
+        examples = as_is_examples(rows, columns)
+        stats = FormattingStats(data_shape="tokenized", num_rows=len(rows), num_examples=len(examples),
+                                num_tokens=sum(len(e["input_ids"]) for e in examples),
+                                num_trained_tokens=sum(sum(e["completion_mask"][1:]) for e in examples))
+        return TokenizedDataset(examples, stats)
+    if formatting_func is not None:
+        if TOKENIZED_COLUMN in columns:
+            logger.warning("the dataset is already tokenized (it has 'input_ids'): formatting_func is ignored, as TRL "
+                           "does; remove formatting_func or pass rows that are not tokenized")
+        else:
+            rows, text_field = apply_formatting_func(rows, formatting_func), "text"
+            columns = ["text"]
+    shape = detect_shape(columns, text_field)
     _check_flags(shape, completion_only_loss, assistant_only_loss)
 
-    if shape == "text":
+    if shape == "tokenized":
+        pairs = tokenized_examples(rows, columns, completion_only_loss=completion_only_loss,
+                                   assistant_only_loss=assistant_only_loss, vocab_size=len(tokenizer))
+    elif shape == "text":
         pairs = _text_examples(rows, tokenizer, text_field)
     elif shape == "prompt_completion":
-        pairs = _prompt_completion_examples(rows, tokenizer, completion_only_loss is not False)
+        pairs = _prompt_completion_examples(rows, tokenizer, completion_only_loss is not False, chat_template_kwargs)
     else:
         _require_chat_template(tokenizer, "'messages' rows")
         assistant_only = assistant_only_loss is not False
         use_markers = _has_generation_markers(tokenizer)
         for index, messages in enumerate(_column(rows, "messages", list)):
             check_messages(messages, f"row {index}: 'messages'")
-        pairs = [_messages_example(tokenizer, r, assistant_only, use_markers) for r in rows]
+        pairs = [_messages_example(tokenizer, r, assistant_only, use_markers, _chat_kwargs(r, chat_template_kwargs, i))
+                 for i, r in enumerate(rows)]
 
     stats = FormattingStats(data_shape=shape, num_rows=len(rows))
     examples: list[dict[str, list[int]]] = []
@@ -485,7 +434,8 @@ def prepare_dataset(
             if truncation == "drop":
                 stats.num_dropped_too_long += 1
                 continue
-            ids, mask = ids[:max_length], mask[:max_length]
+            cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            ids, mask = ids[cut], mask[cut]
             stats.num_truncated += 1
         # The first token is never a target (nothing precedes it), so it does not count.
         trained = sum(mask[1:])
