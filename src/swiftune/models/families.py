@@ -50,6 +50,8 @@ class Family:
             add (no norm after the MLP saving it for backward), so a checkpoint recompute may skip
             computing a tiled MLP's output.
         fast_rollout: whether the fast rollout engine can run the family's decoder.
+        moe: whether the decoder's feed-forward blocks are (mostly) sparse mixture-of-experts blocks
+            with a router (``output_router_logits``, the load-balancing auxiliary loss).
     """
 
     model_type: str
@@ -61,6 +63,7 @@ class Family:
     pre_norm: bool = False
     mlp_output_feeds_only_residual: bool = False
     fast_rollout: bool = True
+    moe: bool = False
 
     @property
     def attention_class(self) -> str:
@@ -73,6 +76,11 @@ class Family:
     @property
     def norm_class(self) -> str:
         return f"{self.prefix}RMSNorm"
+
+    @property
+    def router_class(self) -> str:
+        """The MoE router module (its forward returns the router logits first)."""
+        return f"{self.prefix}TopKRouter"
 
     @property
     def decoder_layer_class(self) -> str:
@@ -90,6 +98,19 @@ def _gemma(model_type: str, prefix: str, window: Callable[[nn.Module], int | Non
     return Family(model_type, prefix, window=window, softcap=softcap, norm_offset=1.0, embed_scale=True)
 
 
+def _qwen3_moe() -> Family:
+    """Qwen3-MoE: Qwen3's attention (q/k norm) and norms; the sparse MoE block (router + fused 3-D
+    experts) stays transformers' module (:mod:`swiftune.models.moe` fuses nothing in it yet), and
+    layers listed in ``mlp_only_layers`` keep a dense ``Qwen3MoeMLP``, which is fused as usual.
+
+    Not ``mlp_output_feeds_only_residual``: the offloaded-checkpoint recompute may skip a tiled MLP's
+    output only where the MLP is a dense MLP, and this family's ``mlp`` is mostly the MoE block.
+    Not ``fast_rollout``: the fast engine's decode step has no expert routing yet, so rollouts of
+    this family go through transformers' generation.
+    """
+    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, fast_rollout=False)
+
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -100,6 +121,7 @@ FAMILIES: dict[str, Family] = {
         _gemma("gemma", "Gemma"),
         _gemma("gemma2", "Gemma2", window=layer_window, softcap=True),
         _gemma("gemma3_text", "Gemma3", window=layer_window),
+        _qwen3_moe(),
     )
 }
 
