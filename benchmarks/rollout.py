@@ -39,7 +39,7 @@ import time
 import torch
 
 from benchmarks import results as result_rows
-from benchmarks.workload import random_model
+from benchmarks.workload import quantize_linears_4bit, random_model
 
 from swiftune.rl.rollout.fast import kv_bytes_per_token
 
@@ -65,14 +65,32 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - t)
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype):
-    return random_model(name, device, dtype).eval()
+def build_model(name: str, device: torch.device, dtype: torch.dtype, load_in_4bit: bool = False):
+    """Random-init model of shape ``name``; with ``load_in_4bit`` its decoder's linear weights in NF4
+    (bitsandbytes, double quantisation), as QLoRA's rollouts read them."""
+    model = random_model(name, device, dtype)
+    if load_in_4bit:
+        quantize_linears_4bit(model, dtype)
+    return model.eval()
+
+
+def quant_state_bytes(p) -> int:
+    """Bytes of a bitsandbytes 4-bit weight's quantisation state read with it (its absmax, and with
+    double quantisation the absmax's own absmax and code); 0 for a plain parameter."""
+    state = getattr(p, "quant_state", None)
+    total = 0
+    while state is not None:
+        total += sum(t.numel() * t.element_size() for t in (state.absmax, getattr(state, "code", None))
+                     if isinstance(t, torch.Tensor))
+        state = getattr(state, "state2", None)
+    return total
 
 
 def weight_bytes(model) -> int:
-    """Bytes read per decode step: every parameter except the input embedding (only G rows of it are read)."""
+    """Bytes read per decode step: every parameter except the input embedding (only G rows of it are read);
+    NF4 weights count their packed bytes and their quantisation state."""
     emb = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = sum(p.numel() * p.element_size() + quant_state_bytes(p) for p in model.parameters())
     tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     return total if tied else total - emb.numel() * emb.element_size()
 
@@ -122,10 +140,14 @@ def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, k
     """The engine on a PEFT LoRA model (r=16, all linear layers): adapters run as PEFT layers vs merged."""
     from swiftune.training import FastModel
 
+    from swiftune.training.quantization import is_quantized_4bit
+
     peft_model = FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
     runs = []
+    # adapters cannot be merged exactly into NF4 weights (the engine refuses): QLoRA runs them as layers
+    modes = ("runtime",) if is_quantized_4bit(model) else ("runtime", "merge")
     for rows in rows_list:
-        for lora in ("runtime", "merge"):
+        for lora in modes:
             r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora)
             runs.append({"rows": rows, "new_tokens": new_tokens, "lora": lora, "fast": r})
             print(f"LoRA r=16 {lora:<8} G={rows} N={new_tokens}: {r['tokens_per_s']:.0f} tok/s, "
@@ -245,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-fused-rows", type=int, nargs="*", default=None,
                    help="after the plain runs of the first shape: the engine with fused_layers=True and =False "
                         "at these G and the shortest N (the A/B of the engine's fused layer loop)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="the decoder's linear weights in NF4 (bitsandbytes): rollouts from QLoRA's base; the HBM "
+                        "floor counts the 4-bit bytes")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--result-rows", default=None, help="write the figures as result rows (JSON Lines) here "
                    "(default: the JSON path with .rows.jsonl; --rows is the rollout's G)")
@@ -285,10 +310,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"benchmark": "rollout",
                      "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "copy_bandwidth_gbs": bw / 1e9, "prompt_tokens": prompt_tokens, "baseline_steps": base_steps,
+                     "weights": "nf4" if a.load_in_4bit else str(dtype).removeprefix("torch."),
                      "runs": [], "checks": {}, "skipped": []}
     t_start = time.perf_counter()
     for name in models:
-        model = build_model(name, device, dtype)
+        model = build_model(name, device, dtype, a.load_in_4bit)
         cfg = model.config
         gen = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist()

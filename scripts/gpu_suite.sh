@@ -16,6 +16,7 @@
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-unsloth  # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
+#   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -214,6 +215,9 @@ case "$part" in
     detach grpo_edge python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt "${lengths[@]}" --time-budget 2700 --out /tmp/grpo_edge.json
     wait_for grpo_edge 54 8 ;;
+  qlora-rollout)  # decode step against the HBM floor of the 4-bit weights + KV cache (bitsandbytes' kernels)
+    run qlora_rollout 560 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --new-tokens 1024 \
+      --no-checks --lora-rows 8 --time-budget 480 --out "$OUT/rollout_nf4.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \

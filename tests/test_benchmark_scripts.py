@@ -1014,3 +1014,29 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
                           "--out", str(out)]) == 0
     (record,) = json.loads(out.read_text())["rows"]
     assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
+
+
+def test_rollout_benchmark_counts_nf4_weight_bytes_for_the_hbm_floor():
+    """benchmarks.rollout --load-in-4bit: the floor reads each NF4 weight's packed half-bytes and its
+    quantisation state (absmax, and the double quantisation's own), not the bf16 bytes; the rows say nf4."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from benchmarks import results, rollout
+
+    model = rollout.build_model("tiny", torch.device("cpu"), torch.float32)
+    plain = rollout.weight_bytes(model)
+    decoder_linear = sum(m.weight.numel() for m in model.model.modules() if isinstance(m, torch.nn.Linear))
+    others = plain - 4 * decoder_linear
+    q = rollout.build_model("tiny", torch.device("cpu"), torch.float32, load_in_4bit=True)
+    states = sum(rollout.quant_state_bytes(p) for p in q.parameters())
+    assert states > 0
+    assert rollout.weight_bytes(q) == others + decoder_linear // 2 + states
+    ctx = results.Context(command="python -m benchmarks.rollout --load-in-4bit --out r.json", date="2026-12-01",
+                          gpu="NVIDIA H200", versions={"torch": "2.11.0"})
+    run = {"model": "qwen3-8b", "rows": 8, "new_tokens": 1024, "hbm_floor_ms": 3.0,
+           "fast": {"tokens_per_s": 900.0, "step_ms": 8.0, "fused_layers": True}}
+    rows = results.rows_from({"benchmark": "rollout", "weights": "nf4", "prompt_tokens": 256, "runs": [run]}, ctx)
+    assert rows and all(r.settings["weights"] == "nf4" for r in rows)
+    rows = results.rows_from({"benchmark": "rollout", "weights": "bfloat16", "prompt_tokens": 256, "runs": [run]}, ctx)
+    assert all("weights" not in r.settings for r in rows)
