@@ -146,6 +146,7 @@ def grpo_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    kl_bias_correction: bool = False,
 ) -> LossOutput:
     """The policy loss of one micro-batch (formulas and normalisations: the module docstring).
 
@@ -168,6 +169,8 @@ def grpo_loss(
         entropy_mask: ``[N]`` 0/1, the tokens whose policy term counts (``top_entropy_quantile``).
         sapo_temperature_pos, sapo_temperature_neg: sapo's gate temperatures (TRL's defaults).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: vespo's gamma shape (TRL's defaults).
+        kl_bias_correction: multiply the k3 KL by the importance ratio ``r_it`` (with its gradient;
+            TRL's ``use_bias_correction_kl``): an unbiased KL estimate on reused (off-policy) rollouts.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -213,6 +216,8 @@ def grpo_loss(
         if ref_logps is None:
             raise ValueError("beta != 0 needs ref_logps")
         per_token_kl = k3_kl(logps, ref_logps)
+        if kl_bias_correction:
+            per_token_kl = per_token_kl * coef1
         per_token = per_token + beta * per_token_kl
     else:
         per_token_kl = None
@@ -286,3 +291,17 @@ def _diagnostics(loss, per_token, per_token_kl, w, advantages, adv, m, seq_index
             kl_mean = totals["kl"][0] / total_tokens.clamp(min=1.0)
     return LossOutput(loss, per_token, kl_mean, low, high, region, total_tokens.detach(), seq_low, seq_high, phi_mean,
                       totals)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float,
+                      values: torch.Tensor | None = None) -> torch.Tensor:
+    """TRL's ``top_entropy_quantile``: 1 for the (masked-in) tokens whose entropy is at least the
+    ``1 - top_quantile`` quantile of ``values`` (default: the masked-in tokens' entropies; a trainer
+    passes every process's), 0 elsewhere. ``top_quantile=0.2`` keeps the 20% most uncertain tokens."""
+    with torch.no_grad():
+        keep = mask > 0
+        values = entropy[keep].float() if values is None else values.float()
+        if values.numel() == 0:
+            return torch.zeros_like(mask, dtype=entropy.dtype)
+        threshold = torch.quantile(values, 1.0 - top_quantile)
+        return ((entropy.float() >= threshold) & keep).to(entropy.dtype)

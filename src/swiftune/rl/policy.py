@@ -191,6 +191,7 @@ def completion_logprobs(
     offload: bool = False,
     return_entropy: bool = False,
     kernel_backend: str = "auto",
+    fp32_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs ``[N]`` (float32) of the completion tokens of ``row`` under ``model`` (and entropies).
 
@@ -198,7 +199,9 @@ def completion_logprobs(
     (packed attention), it runs the packed row; otherwise (an architecture swiftune does not patch,
     or attention left to transformers) each sample runs as its own right-padded row with an
     ``attention_mask`` (:func:`_padded_hidden`): the same log-probs, without the packing's savings.
-    Logits are divided by ``temperature`` as in sampling (TRL).
+    Logits are divided by ``temperature`` as in sampling (TRL). ``fp32_head`` (TRL's
+    ``cast_lm_head_to_fp32``) upcasts the hidden states and the head's weight before the product, so
+    the logits themselves are computed in float32, not only the softmax over them.
     """
     causal_lm = causal_lm_of(model)
     if controls_attention(causal_lm):
@@ -208,9 +211,13 @@ def completion_logprobs(
         hidden = hidden[0].index_select(0, row.hidden_index)
     else:  # the model's own attention would let the row's samples see each other: one padded row each
         hidden, lm_head, softcap = _padded_hidden(model, row)
+    weight, bias = lm_head.weight, lm_head.bias
+    if fp32_head:
+        hidden, weight = hidden.float(), weight.float()
+        bias = bias.float() if bias is not None else None
     out = selective_log_softmax(
-        hidden, lm_head.weight, row.targets, temperature=temperature, logit_softcap=softcap, chunk_tokens=chunk_tokens,
-        offload=offload, return_entropy=return_entropy, bias=lm_head.bias,
+        hidden, weight, row.targets, temperature=temperature, logit_softcap=softcap, chunk_tokens=chunk_tokens,
+        offload=offload, return_entropy=return_entropy, bias=bias,
         backend=kernel_backend if kernel_backend in ("auto", "triton", "reference") else "auto",
     )
     if return_entropy:

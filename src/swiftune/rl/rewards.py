@@ -8,7 +8,8 @@ called once per generation with one entry per completion: ``prompts[i]`` (the pr
 the dataset: a string or a list of messages, repeated for each completion of its group),
 ``completions[i]`` (the decoded text; for conversational prompts
 ``[{"role": "assistant", "content": text}]``), ``completion_ids[i]`` (token ids), every other
-dataset column (its value for that completion's prompt) and ``trainer_state``. Functions should
+dataset column (its value for that completion's prompt), ``trainer_state`` and, as TRL 1.16
+passes them, ``log_metric(name, value)`` and ``log_extra(column, values)`` (:mod:`swiftune.rl.completions_log`). Functions should
 accept ``**kwargs``. It returns one float per completion, or ``None`` where it does not apply
 (e.g. a math checker on a code prompt).
 
@@ -268,7 +269,7 @@ def compute_rewards(
         weights: one per function (default 1.0).
         group_size: completions per prompt (only used to name the failing row in errors).
         timeout: seconds each function may take (``None``: no limit); see the module doc.
-        **extra: more keyword arguments for every function (``trainer_state``).
+        **extra: more keyword arguments for every function (``trainer_state``, ``log_metric``, ``log_extra``).
 
     Returns:
         ``(rewards [N], rewards_per_func [N, F])`` float32 CPU tensors; ``rewards_per_func`` holds NaN

@@ -25,26 +25,30 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from ..data import BatchStats, load_rows
+from ..data import BatchStats
 from ..models import causal_lm_of
 from ..models.support import batch_layout_for
 from ..training import MetricsCallback, SwiftuneTrainer, TokenMeter
 from ..training.lora_casting import lora_input_casting
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
+from .aggregation import normalize_then_sum
+from .batching import (GenerationBatchSampler, _as_list, _collate_prompt_rows, _EpochLoader, _is_conversational,
+                       _prompt_rows)
 from .checkpoint import load_rollout_state, save_rollout_state
+from .completions_log import RewardLogs, completion_rows, print_completions
 from .evaluation import evaluate_rewards
 from .config import GRPOConfig
-from .loss import grpo_loss
+from .grpo_metrics import MetricLog, generation_metrics, reduce_loss_metrics
+from .loss import CLIPPED_LOSS_TYPES, grpo_loss, high_entropy_mask
+from .trl_runtime import RefModelSync, disable_dropout, model_load_kwargs
 from .policy import PolicyRow, build_policy_row, completion_logprobs
 from .rewards import RewardFunc, compute_rewards, reward_func_name
 from .rollout import FastRolloutEngine, RolloutEngine, SamplingParams, TransformersRolloutEngine
@@ -80,66 +84,6 @@ class SampledGroups:
     rewards: torch.Tensor  # [N] weighted sum of the reward functions
     per_func: torch.Tensor  # [N, F] each function's reward (NaN: None)
     generation_s: float
-
-
-class GenerationBatchSampler(torch.utils.data.Sampler):
-    """Yields this process's prompt indices for a generation, each batch ``repeats`` times in a row.
-
-    The Trainer draws one batch per micro-step; the trainer uses the batch of the micro-step that
-    starts a generation and ignores the repeats, so the data advance one generation at a time.
-    Every process sees different prompts (rank ``r`` takes the ``r``-th slice of each global batch).
-    """
-
-    def __init__(self, num_rows: int, prompts_per_batch: int, repeats: int, *, seed: int = 0, shuffle: bool = True,
-                 rank: int = 0, world_size: int = 1):
-        self.num_rows, self.per_batch, self.repeats = num_rows, prompts_per_batch, repeats
-        self.seed, self.shuffle, self.rank, self.world = seed, shuffle, rank, world_size
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return (self.num_rows // (self.per_batch * self.world)) * self.repeats
-
-    def __iter__(self):
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=g).tolist()
-        else:
-            order = list(range(self.num_rows))
-        global_batch = self.per_batch * self.world
-        for b in range(self.num_rows // global_batch):
-            chunk = order[b * global_batch:(b + 1) * global_batch]
-            mine = chunk[self.rank * self.per_batch:(self.rank + 1) * self.per_batch]
-            for _ in range(self.repeats):
-                yield mine
-
-
-class _EpochLoader(torch.utils.data.DataLoader):
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
-
-
-def _prompt_rows(data: Any, what: str) -> Sequence[Any]:
-    rows = load_rows(data)
-    if len(rows) == 0 or "prompt" not in rows[0]:
-        raise ValueError(f"{what} rows need a 'prompt' column (a string or a list of messages)")
-    return rows
-
-
-def _collate_prompt_rows(rows: list) -> dict[str, list]:
-    return {"prompt_rows": list(rows)}
-
-
-def _is_conversational(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
-
-
-def _as_list(x: Any) -> list[int]:
-    if x is None:
-        return []
-    return [int(v) for v in x] if isinstance(x, (list, tuple, set)) else [int(x)]
 
 
 class GRPOTrainer(SwiftuneTrainer):
@@ -185,7 +129,10 @@ class GRPOTrainer(SwiftuneTrainer):
             model, args, processing_class, train_dataset, peft_config,
             missing_tokenizer="GRPOTrainer needs the tokenizer: pass processing_class=tokenizer",
             missing_dataset="GRPOTrainer needs a train_dataset of rows with a 'prompt'",
+            **model_load_kwargs(args, model),
         )
+        if args.disable_dropout:
+            disable_dropout(model)
         batch_layout_for(model, "padding_free", trainer="GRPO")  # refuses encoders; warns: padded policy rows
 
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -219,6 +166,9 @@ class GRPOTrainer(SwiftuneTrainer):
         self.ref_model = None
         if args.beta != 0.0 and not self.is_peft:  # full fine-tuning: a frozen copy, only when needed
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if args.sync_ref_model and self.is_peft:
+            raise ValueError("sync_ref_model needs a reference copy to move, and with LoRA the reference is the base "
+                             "model under the adapters: set sync_ref_model=False, or fine-tune fully")
 
         self.token_meter = TokenMeter()
         super().__init__(
@@ -234,6 +184,9 @@ class GRPOTrainer(SwiftuneTrainer):
         self.use_metrics_callback(metrics_cb)
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
+            if args.sync_ref_model:
+                self.add_callback(RefModelSync(model, self.ref_model, args.ref_model_mixup_alpha,
+                                               args.ref_model_sync_steps))
 
         tok = processing_class
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -241,10 +194,12 @@ class GRPOTrainer(SwiftuneTrainer):
         self._engine_step = 0  # global_step the engine's weights correspond to
         self._buffer: list[GRPOMicroBatch] | None = None
         self._micro_step = 0
-        self._step_metrics: dict[str, list[float]] = defaultdict(list)
-        self._gen_metrics: dict[str, list[float]] = defaultdict(list)
+        # TRL's metric names (grpo_metrics): the loss's per mode, a training generation's apart
+        self._metrics = {"train": MetricLog(), "eval": MetricLog()}
+        self._gen_log = MetricLog()
         self._last_gen_metrics: dict[str, float] = {}
-        self._last_sample: tuple[Any, Any, float] | None = None
+        self.reward_logs = RewardLogs()  # what reward functions log through log_metric / log_extra
+        self._table: tuple[list[str], list[list[str]]] | None = None  # log_completions
 
     # ------------------------------------------------------------------------ data
 
@@ -278,6 +233,7 @@ class GRPOTrainer(SwiftuneTrainer):
             seed=args.seed, shuffle=True, rank=self.accelerator.process_index,
             world_size=self.accelerator.num_processes,
         )
+        sampler.shuffle = args.shuffle_dataset
         if len(sampler) == 0:
             raise ValueError(f"train_dataset has {len(self.train_dataset)} rows: too few for one global generation "
                              f"({args.prompts_per_generation} prompts x {self.accelerator.num_processes} processes)")
@@ -294,10 +250,13 @@ class GRPOTrainer(SwiftuneTrainer):
             ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
         return sorted(ids)
 
-    def tokenize_prompt(self, prompt: Any) -> list[int]:
+    def tokenize_prompt(self, prompt: Any, chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of ``prompt`` (chat template with the config's ``chat_template_kwargs``, updated
+        by the row's own, for conversational prompts); longer than ``max_prompt_length``: the end."""
         tok = self.processing_class
         if _is_conversational(prompt):
-            text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            extra = {**(self.args.chat_template_kwargs or {}), **(chat_template_kwargs or {})}
+            text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True, **extra)
         elif isinstance(prompt, str):
             text = prompt
         else:
@@ -354,16 +313,17 @@ class GRPOTrainer(SwiftuneTrainer):
         a = self.args
         return completion_logprobs(model, row, temperature=a.temperature if a.temperature > 0 else 1.0,
                                    chunk_tokens=a.logit_chunk_tokens, offload=a.offload_logits,
-                                   return_entropy=entropy, kernel_backend=a.kernel_backend)
+                                   return_entropy=entropy, kernel_backend=a.kernel_backend,
+                                   fp32_head=a.cast_lm_head_to_fp32)
 
-    def sample_and_score(self, prompt_rows: Sequence[dict]) -> SampledGroups:
-        """``num_generations`` completions of each row's prompt from the rollout engine, decoded and
-        scored by the reward functions (training generations and :meth:`evaluate` alike)."""
+    def sample_and_score(self, prompt_rows: Sequence[dict], num_generations: int | None = None) -> SampledGroups:
+        """``num_generations`` (default: the config's) completions of each row's prompt from the rollout
+        engine, decoded and scored by the reward functions (training generations and :meth:`evaluate`)."""
         args = self.args
-        G = args.num_generations
+        G = num_generations or args.num_generations
         prompts = [row["prompt"] for row in prompt_rows]
         conversational = _is_conversational(prompts[0])
-        prompt_ids = [self.tokenize_prompt(p) for p in prompts]
+        prompt_ids = [self.tokenize_prompt(row["prompt"], row.get("chat_template_kwargs")) for row in prompt_rows]
         if self.state.global_step != self._engine_step:
             self.rollout_engine.load_weights(self.model)
             self._engine_step = self.state.global_step
@@ -384,23 +344,35 @@ class GRPOTrainer(SwiftuneTrainer):
         rewards, per_func = compute_rewards(
             self.reward_funcs, [p for p in prompts for _ in range(G)], completions, completion_ids, columns,
             self.reward_weights, group_size=G, timeout=args.reward_timeout, trainer_state=self.state,
+            log_metric=self.reward_logs.log_metric, log_extra=self.reward_logs.log_extra,
         )
         finished = torch.tensor(rollouts.finished, dtype=torch.bool)
         return SampledGroups(prompts, prompt_ids, completion_ids, texts, finished, rewards, per_func, gen_time)
+
+    def advantages_of(self, sampled: SampledGroups, group_size: int, local: bool = False) -> tuple[torch.Tensor, bool]:
+        """``(advantages [N], whether frac_reward_zero_std is the batch's)`` by ``scale_rewards`` and
+        ``multi_objective_aggregation`` (:mod:`swiftune.rl.advantages`, :mod:`swiftune.rl.aggregation`);
+        batch statistics over every process unless ``local`` (evaluation: no collectives per batch)."""
+        args = self.args
+        gather = self.accelerator.gather if self.accelerator.num_processes > 1 and not local else None
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            to_device = (lambda t: gather(t.to(self.args.device)).cpu()) if gather else None
+            return normalize_then_sum(sampled.per_func, self.reward_weights, group_size, to_device)[0], True
+        batch_std = None
+        if args.scale_rewards == "batch" and gather is not None:
+            batch_std = gather(sampled.rewards.to(self.args.device)).std().cpu()
+        return group_advantages(sampled.rewards, group_size, args.scale_rewards, batch_std=batch_std)[0], \
+            args.scale_rewards == "batch"
 
     def _generate_and_score(self, prompt_rows: list[dict]) -> list[GRPOMicroBatch]:
         args = self.args
         G = args.num_generations
         device = self.args.device
         sampled = self.sample_and_score(prompt_rows)
-        prompts, completion_ids, texts = sampled.prompts, sampled.completion_ids, sampled.texts
-        rewards, per_func, finished = sampled.rewards, sampled.per_func, sampled.finished
+        completion_ids = sampled.completion_ids
         exp_prompt_ids = [p for p in sampled.prompt_ids for _ in range(G)]
-        batch_std = None
-        if args.scale_rewards == "batch" and self.accelerator.num_processes > 1:
-            batch_std = self.accelerator.gather(rewards.to(device)).std().cpu()
-        advantages, group_std = group_advantages(rewards, G, args.scale_rewards, batch_std=batch_std)
-        seq_keep = finished | (not args.mask_truncated_completions)
+        advantages, batch_level = self.advantages_of(sampled, G)
+        seq_keep = sampled.finished | (not args.mask_truncated_completions)
 
         B = args.per_device_train_batch_size
         micro: list[GRPOMicroBatch] = []
@@ -418,15 +390,13 @@ class GRPOTrainer(SwiftuneTrainer):
                 mb.old_logps = self._no_grad_logps(self.model, mb.row)
             if args.beta != 0.0:
                 mb.ref_logps = self.reference_logprobs(mb.row)
-        # dapo / cispo denominator: completion tokens per optimizer step over all processes
+        # dapo / cispo / vespo denominator: completion tokens per optimizer step over all processes
         local_tokens = torch.tensor(float(sum(float(mb.token_mask.sum()) for mb in micro)), device=device)
         global_tokens = float(self.accelerator.gather(local_tokens.reshape(1)).sum())
         per_step = global_tokens * args.gradient_accumulation_steps / args.steps_per_generation
         for mb in micro:
             mb.num_items_in_batch = max(per_step, 1.0)
-
-        self._record_generation(rewards, per_func, group_std, completion_ids, finished, sampled.generation_s,
-                                prompts, texts)
+        self._record_generation(sampled, advantages, G, batch_level, "train")
         return micro
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
@@ -440,6 +410,7 @@ class GRPOTrainer(SwiftuneTrainer):
         if rows is None:
             raise ValueError("nothing to evaluate: pass eval_dataset= to GRPOTrainer or to evaluate()")
         was_training = self.model.training
+        self.model.eval()
         try:
             metrics = evaluate_rewards(self, rows, metric_key_prefix)
         finally:
@@ -447,6 +418,21 @@ class GRPOTrainer(SwiftuneTrainer):
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def eval_batch_loss(self, sampled: SampledGroups, advantages: torch.Tensor, group_size: int) -> float:
+        """The GRPO loss of one evaluation batch under the current policy (TRL's ``eval_loss``: the
+        rollouts are on-policy, ratio 1); its diagnostics go to the eval metrics."""
+        args, device = self.args, self.args.device
+        ids = [p for p in sampled.prompt_ids for _ in range(group_size)]
+        row = build_policy_row(ids, sampled.completion_ids, share_prompt=bool(args.share_prompt),
+                               group_ids=[i // group_size for i in range(len(ids))],
+                               attention_backend=args.attention_backend, device=device)
+        keep = (sampled.finished | (not args.mask_truncated_completions)).to(device=device, dtype=torch.float32)
+        mask = keep.index_select(0, row.seq_index)
+        ref = self.reference_logprobs(row) if args.beta != 0.0 else None
+        mb = GRPOMicroBatch(row, advantages.to(device), mask, None, ref, max(float(mask.sum()), 1.0))
+        with torch.no_grad():
+            return float(self.compute_loss(self.model, mb))
 
     def reference_logprobs(self, row: PolicyRow) -> torch.Tensor:
         """Completion log-probs of ``row`` under the reference policy (no gradient).
@@ -460,29 +446,37 @@ class GRPOTrainer(SwiftuneTrainer):
         with unwrapped.disable_adapter():  # LoRA: the reference is the base model, no second copy
             return self._no_grad_logps(unwrapped, row)
 
-    def _record_generation(self, rewards, per_func, group_std, completion_ids, finished, gen_time, prompts, texts):
-        gather = self.accelerator.gather
-        device = self.args.device
-        all_rewards = gather(rewards.to(device)).float().cpu()
-        all_per_func = gather(per_func.to(device)).float().cpu()
-        lengths = gather(torch.tensor([len(c) for c in completion_ids], dtype=torch.float32, device=device)).cpu()
-        done = gather(finished.to(device)).cpu()
-        std = gather(group_std.to(device)).float().cpu()
-        m = self._gen_metrics
-        m["reward"].append(float(all_rewards.mean()))
-        m["reward_std"].append(float(std.mean()))
-        m["frac_reward_zero_std"].append(float((std < 1e-6).float().mean()))
-        for j, name in enumerate(self.reward_func_names):
-            col = all_per_func[:, j]
-            ok = ~torch.isnan(col)
-            m[f"rewards/{name}/mean"].append(float(col[ok].mean()) if ok.any() else math.nan)
-            m[f"rewards/{name}/std"].append(float(col[ok].std()) if int(ok.sum()) > 1 else math.nan)
-        m["completion_length"].append(float(lengths.mean()))
-        m["completions/min_length"].append(float(lengths.min()))
-        m["completions/max_length"].append(float(lengths.max()))
-        m["completions/clipped_ratio"].append(float((~done).float().mean()))
-        m["generation_s"].append(gen_time)
-        self._last_sample = (prompts[0], texts[0], float(rewards[0]))
+
+    def _record_generation(self, sampled: SampledGroups, advantages: torch.Tensor, group_size: int,
+                           batch_level: bool, mode: str) -> None:
+        """TRL 1.16's generation metrics over every process's completions (:mod:`swiftune.rl.grpo_metrics`),
+        ``num_tokens`` (prompt + completion tokens seen in training), what the reward functions logged,
+        and the ``log_completions`` table of this generation."""
+        acc, device = self.accelerator, self.args.device
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return acc.gather(t.to(device)).cpu() if acc.num_processes > 1 else t
+
+        lengths = torch.tensor([len(c) for c in sampled.completion_ids], dtype=torch.float32)
+        per_func = gather(sampled.per_func.float())
+        metrics = generation_metrics(per_func, self.reward_weights, self.reward_func_names, gather(lengths),
+                                     gather(~sampled.finished), group_size, batch_level)
+        metrics["generation_s"] = sampled.generation_s
+        metrics.update(self.reward_logs.take_metrics(acc))
+        log = self._gen_log if mode == "train" else self._metrics["eval"]
+        log.add(metrics)
+        if mode == "train":
+            seen = sum(len(p) for p in sampled.prompt_ids) * group_size + float(lengths.sum())
+            self.state.num_input_tokens_seen += int(gather(torch.tensor([seen], dtype=torch.float64)).sum())
+            log.set("num_tokens", self.state.num_input_tokens_seen)
+        extra = self.reward_logs.take_extra()
+        if self.args.log_completions and acc.is_main_process:
+            rewards = {name: sampled.per_func[:, j].tolist() for j, name in enumerate(self.reward_func_names)}
+            prompts = [p for p in sampled.prompts for _ in range(group_size)]
+            completions = [[{"role": "assistant", "content": t}] for t in sampled.texts] \
+                if _is_conversational(prompts[0]) else sampled.texts
+            self._table = completion_rows(prompts, completions, rewards, advantages.tolist(), extra,
+                                          self.args.num_completions_to_print, self.args.log_unique_prompts)
 
     # ------------------------------------------------------------------------ loss
 
@@ -490,25 +484,41 @@ class GRPOTrainer(SwiftuneTrainer):
         mb: GRPOMicroBatch = inputs
         args = self.args
         logps, entropy = self._logps(model, mb.row, entropy=True)
+        entropy_mask = None
+        collective = self.accelerator if model.training else None  # evaluation batches differ per process
+        if args.top_entropy_quantile < 1.0:  # TRL: the threshold is over every process's tokens
+            values = entropy.detach()[mb.token_mask > 0]
+            if collective is not None and collective.num_processes > 1:
+                padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=-1e9)
+                values = self.accelerator.gather(padded)
+                values = values[values != -1e9]
+            entropy_mask = high_entropy_mask(entropy.detach(), mb.token_mask, args.top_entropy_quantile, values)
         out = grpo_loss(
             logps, mb.old_logps, mb.advantages, mb.row.seq_index, num_sequences=mb.row.num_sequences,
             loss_type=args.loss_type, importance_sampling_level=args.importance_sampling_level,
             epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta, beta=args.beta,
             ref_logps=mb.ref_logps, mask=mb.token_mask, max_completion_length=args.max_completion_length,
-            num_items_in_batch=mb.num_items_in_batch,
+            num_items_in_batch=mb.num_items_in_batch, entropy_mask=entropy_mask,
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg, kl_bias_correction=args.use_bias_correction_kl,
         )
         loss = out.loss
-        if args.loss_type in ("dapo", "cispo"):
+        if args.loss_type in ("dapo", "cispo", "vespo") and model.training:
             # normalised by the tokens of the whole accumulated global batch already: undo the
             # Trainer's division by the accumulation steps and DDP's mean over processes
             ga = getattr(self, "current_gradient_accumulation_steps", None) or args.gradient_accumulation_steps
             loss = loss * ga * self.accelerator.num_processes
+        with torch.no_grad():
+            totals = dict(out.totals)
+            totals["entropy"] = ((entropy.detach() * mb.token_mask).sum(), mb.token_mask.sum())
+            extremes = {}
+            if args.loss_type in CLIPPED_LOSS_TYPES:
+                extremes = {"clip_ratio/low_min": out.metrics(args.loss_type)["clip_ratio/low_min"],
+                            "clip_ratio/high_max": out.metrics(args.loss_type)["clip_ratio/high_max"]}
+            self._metrics["train" if model.training else "eval"].add(
+                reduce_loss_metrics(totals, extremes, collective))
         if model.training:
-            with torch.no_grad():
-                denom = mb.token_mask.sum().clamp(min=1.0)
-                self._step_metrics["entropy"].append(float((entropy.detach() * mb.token_mask).sum() / denom))
-                for k, v in out.metrics(args.loss_type).items():
-                    self._step_metrics[k].append(v)
             self.token_meter.add(BatchStats(num_trained_tokens=int(mb.token_mask.sum()),
                                             num_tokens=mb.row.num_tokens, num_padding_tokens=0))
         return (loss, {"logps": logps}) if return_outputs else loss
@@ -516,15 +526,11 @@ class GRPOTrainer(SwiftuneTrainer):
     # ------------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._gen_metrics:
-            self._last_gen_metrics = {k: sum(v) / len(v) for k, v in self._gen_metrics.items() if v}
-            self._gen_metrics.clear()
-        if "loss" in logs:  # a training step: add this period's rollout and loss diagnostics
-            extra = dict(self._last_gen_metrics)
-            extra.update({k: sum(v) / len(v) for k, v in self._step_metrics.items() if v})
-            self._step_metrics.clear()
-            logs = {**logs, **extra}
-            if self.args.log_completions and self._last_sample is not None:
-                p, c, r = self._last_sample
-                logger.info("step %d | prompt %r | completion %r | reward %.3f", self.state.global_step, p, c, r)
+        if self._gen_log:  # a new generation since the last log: its metrics replace the kept ones
+            self._last_gen_metrics = self._gen_log.means()
+        if "loss" in logs:  # a training step: this period's rollout and loss diagnostics (TRL's names)
+            # with num_iterations > 1 a step may reuse the last generation: its metrics are logged again
+            logs = {**logs, **self._last_gen_metrics, **self._metrics["train"].means()}
+            if self.args.log_completions and self._table is not None:
+                print_completions(self.state.global_step, *self._table)
         super().log(logs, start_time)

@@ -91,6 +91,14 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         self.remove_callback(PrinterCallback)
         self.add_callback(callback)
 
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # a training step's log carries the token counts and tokens/s since the last one, so that
+        # tensorboard, wandb and the other integrations see them too, not only metrics.jsonl
+        meter = getattr(self, "token_meter", None)
+        if meter is not None and "loss" in logs:
+            logs = {**logs, **meter.take()}
+        super().log(logs, start_time)
+
     def training_step(self, model, *args, **kwargs):
         # Under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight
         # back: skip both copies in the forward and in every recompute of the backward (the same

@@ -45,12 +45,21 @@ class StepFlops:
 
 @dataclass
 class TokenMeter:
-    """Token counts since the last log: real tokens, trained tokens and padding slots."""
+    """Token counts since the last log: real tokens, trained tokens and padding slots.
+
+    :meth:`take` also gives ``tokens_per_s`` over the time since the previous :meth:`take` (or
+    :meth:`start`); the trainers add its result to the logs of every training step, so that every
+    integration (tensorboard, wandb, ...) and ``metrics.jsonl`` receive the same numbers.
+    """
 
     tokens: int = 0
     trained_tokens: int = 0
     padding: int = 0
     total_tokens: int = 0
+    last_time: float | None = None
+
+    def start(self) -> None:
+        self.last_time = time.perf_counter()
 
     def add(self, stats) -> None:
         self.tokens += stats.num_tokens
@@ -59,10 +68,14 @@ class TokenMeter:
         self.total_tokens += stats.num_tokens
 
     def take(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = max(now - (self.last_time if self.last_time is not None else now), 1e-9)
         slots = self.tokens + self.padding
         out = dict(tokens=self.tokens, trained_tokens=self.trained_tokens,
-                   padding_fraction=self.padding / slots if slots else 0.0)
+                   padding_fraction=self.padding / slots if slots else 0.0,
+                   tokens_per_s=self.tokens / elapsed if self.last_time is not None else 0.0)
         self.tokens = self.trained_tokens = self.padding = 0
+        self.last_time = now
         return out
 
 
@@ -70,7 +83,9 @@ class MetricsCallback(TrainerCallback):
     """Progress bar, ``metrics.jsonl`` (one object a logged training step) and a plot at the end.
 
     Each line has ``step``, ``loss``, ``learning_rate``, ``tokens`` (real tokens since the last
-    line), ``tokens_per_s``, ``padding_fraction`` and whatever else the trainer logged.
+    line), ``tokens_per_s``, ``padding_fraction`` and whatever else the trainer logged. Evaluation
+    results and, at the end, a summary of the run (steps, time, loss, tokens and tokens/s) are printed
+    to the console (transformers' own printer is replaced by this callback).
     """
 
     def __init__(self, meter: TokenMeter, args, plot_key: str = "loss", plot_name: str = "loss.png"):
@@ -79,7 +94,7 @@ class MetricsCallback(TrainerCallback):
         self.plot = os.path.join(args.output_dir, plot_name) if getattr(args, "plot_loss", True) else None
         self.plot_key = plot_key
         self.bar = None
-        self.last_time = None
+        self.last_record: dict[str, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -91,7 +106,7 @@ class MetricsCallback(TrainerCallback):
             truncate_metrics(self.path, state.global_step)
         if not args.disable_tqdm:
             self.bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
-        self.last_time = time.perf_counter()
+        self.meter.start()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.bar is not None:
@@ -107,13 +122,17 @@ class MetricsCallback(TrainerCallback):
             if evals and self.path:  # an evaluation: its own line, beside the training steps
                 with open(self.path, "a") as f:
                     f.write(json.dumps({"step": state.global_step, **evals}) + "\n")
+            if evals:
+                self._print(f"eval at step {state.global_step}: {format_metrics(evals)}")
+            if "train_runtime" in logs:
+                self._print(run_summary(state, logs, self.last_record, self.meter.total_tokens))
             return
-        now = time.perf_counter()
-        counts = self.meter.take()
-        elapsed = max(now - (self.last_time or now), 1e-9)
-        self.last_time = now
+        # the trainer adds the token counts to its logs (SwiftuneTrainer.log); a trainer that does not
+        # gets them here, for metrics.jsonl only
+        counts = {} if "tokens_per_s" in logs else self.meter.take()
         record = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))},
-                  **counts, "tokens_per_s": counts["tokens"] / elapsed}
+                  **counts}
+        self.last_record = record
         if self.bar is not None and self.plot_key in logs:
             self.bar.set_postfix({self.plot_key: f"{logs[self.plot_key]:.4f}",
                                   "tok/s": f"{record['tokens_per_s']:.0f}"}, refresh=False)
@@ -121,12 +140,35 @@ class MetricsCallback(TrainerCallback):
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def _print(self, text: str) -> None:
+        (self.bar.write if self.bar is not None else tqdm.write)(text)
+
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
         if state.is_world_process_zero and self.path and self.plot:
             plot_metric(self.path, self.plot, self.plot_key)
+
+
+def format_metrics(metrics: dict[str, Any], limit: int = 12) -> str:
+    """``key=value`` pairs, four significant digits, the first ``limit`` keys."""
+    items = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in list(metrics.items())[:limit]]
+    return ", ".join(items) + (", ..." if len(metrics) > limit else "")
+
+
+def run_summary(state: Any, logs: dict[str, Any], last: dict[str, Any], total_tokens: int) -> str:
+    """The console line at the end of training: steps, time, mean loss, tokens and their rate, and
+    the last step's reward where the trainer logs one."""
+    runtime = float(logs.get("train_runtime", 0.0))
+    parts = [f"trained {state.global_step} steps in {runtime:.1f} s"]
+    if "train_loss" in logs:
+        parts.append(f"mean loss {logs['train_loss']:.4g}")
+    parts.append(f"{total_tokens} tokens ({total_tokens / runtime:.0f} tokens/s)" if runtime > 0
+                 else f"{total_tokens} tokens")
+    if "reward" in last:
+        parts.append(f"last reward {last['reward']:.4g}")
+    return "swiftune: " + ", ".join(parts)
 
 
 def read_metrics(path: str) -> list[dict]:
