@@ -14,7 +14,7 @@
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
-#   scripts/gpu_suite.sh sft-unsloth  # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
+#   scripts/gpu_suite.sh sft-unsloth [MODEL] # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
@@ -128,13 +128,14 @@ case "$part" in
       --out "$OUT/sft_llama3-8b.json" ;;
   sft-unsloth)  # SFT Qwen3-8B batch 16 side by side in one call: swiftune (fused LoRA linears, and PEFT's LoRA
     # forwards as its A/B), TRL + Liger, Unsloth padding-free and packed (carry .shared: a copy of the shared
-    # folder with Unsloth's wheels), then the device-busy share of swiftune's step
-    run sft_b16 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
-      --modes swiftune swiftune_peft_lora swiftune_offload trl_liger --out "$OUT/sft_b16.json"
-    run unsloth_sft 330 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 \
-      --out "$OUT/unsloth_sft.json"
-    run sft_busy 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 3 --time-profile \
-      --modes swiftune --out "$OUT/sft_busy.json" ;;
+    # folder with Unsloth's wheels), then the device-busy share of swiftune's step; sft-unsloth llama3-8b: that shape
+    model=${2:-qwen3-8b}
+    run sft_b16 300 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+      --modes swiftune swiftune_peft_lora swiftune_offload trl_liger --out "$OUT/sft_b16_$model.json"
+    run unsloth_sft 330 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 \
+      --out "$OUT/unsloth_sft_$model.json"
+    run sft_busy 150 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 6 --warmup 3 --time-profile \
+      --modes swiftune --out "$OUT/sft_busy_$model.json" ;;
   qlora-sft)  # QLoRA (NF4 base) SFT Qwen3-8B side by side: swiftune batch 16 and 16K-token micro-batches, TRL +
     # Liger, Unsloth --4bit; then the 16K-token step on a 24 GB budget (carry .shared)
     run qlora_sft 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-4bit \
