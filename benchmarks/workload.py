@@ -23,6 +23,10 @@ _CONFIG_EXTRAS: dict[str, dict] = {
     "qwen3-1.7b": dict(rope_theta=1e6, max_position_embeddings=40960),
     "qwen3-8b": dict(rope_theta=1e6, max_position_embeddings=40960),
     "llama3-8b": dict(rope_theta=500000.0, max_position_embeddings=131072),
+    "qwen3-30b-a3b": dict(rope_theta=1e6, max_position_embeddings=40960),
+    # gpt-oss: the config's default RoPE is the released models' YaRN (factor 32 over 4,096 positions,
+    # theta 150,000); its default layer_types alternate sliding (128) and full attention
+    "gpt-oss-20b": dict(max_position_embeddings=131072),
 }
 MODEL_SHAPES: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,

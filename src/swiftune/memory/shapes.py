@@ -38,9 +38,19 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
     "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                        tie_word_embeddings=False),
+    # mixture of experts: every layer sparse (decoder_sparse_step 1, no mlp_only_layers)
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                        num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                        head_dim=64, vocab_size=201088, attention_bias=True, sliding_window=128,
+                        tie_word_embeddings=False),
 }
 
-_QK_NORM = ("qwen3", "gemma3_text", "gemma3")
+_QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe")
 _FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
 
 
@@ -65,6 +75,24 @@ class ModelShape:
     mlp_bias: bool = False
     qk_norm: bool = False
     norms_per_layer: int = 2
+    # mixture of experts (0 experts: dense). ``moe_layers`` of the ``layers`` have a sparse block of
+    # ``experts`` experts of width ``expert_intermediate`` (``experts_per_token`` of them per token)
+    # and a router; the others a dense MLP of width ``intermediate``.
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
+    expert_bias: bool = False  # gpt-oss: biases on the experts' projections and on the router
+    attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0 and self.moe_layers > 0
+
+    @property
+    def active_intermediate(self) -> int:
+        """MLP width one token goes through in a sparse layer (``k * I_e``; ``intermediate`` if dense)."""
+        return self.experts_per_token * self.expert_intermediate if self.is_moe else self.intermediate
 
     @property
     def q_dim(self) -> int:
@@ -96,6 +124,7 @@ def model_shape(model_config: Any) -> ModelShape:
     kv = cfg.get("num_key_value_heads") or heads
     attn_bias = bool(cfg.get("attention_bias", False))
     return ModelShape(
+        **_moe_fields(cfg, mt, int(cfg["num_hidden_layers"])),
         model_type=mt,
         hidden=hidden,
         intermediate=int(cfg["intermediate_size"]),
@@ -111,6 +140,24 @@ def model_shape(model_config: Any) -> ModelShape:
         qk_norm=mt in _QK_NORM,
         norms_per_layer=4 if mt in _FOUR_NORMS else 2,
     )
+
+
+def _moe_fields(cfg: Mapping[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """Expert counts of a MoE config (Qwen3-MoE: ``num_experts``, sparse layers every
+    ``decoder_sparse_step`` but ``mlp_only_layers``; gpt-oss: ``num_local_experts``, every layer
+    sparse, experts as wide as ``intermediate_size``); nothing for a dense config."""
+    if model_type == "gpt_oss":
+        return dict(experts=int(cfg.get("num_local_experts") or 0), experts_per_token=int(cfg["num_experts_per_tok"]),
+                    expert_intermediate=int(cfg["intermediate_size"]), moe_layers=layers, expert_bias=True,
+                    attention_sinks=True)
+    experts = int(cfg.get("num_experts") or 0)
+    if model_type != "qwen3_moe" or experts == 0:
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return dict(experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                expert_intermediate=int(cfg["moe_intermediate_size"]), moe_layers=sparse)
 
 
 def _config_dict(model_config: Any) -> dict[str, Any]:
@@ -134,7 +181,8 @@ def _config_dict(model_config: Any) -> dict[str, Any]:
         # to_dict() drops class-level defaults in a few versions; read the attributes we need.
         for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
-                    "attention_bias", "mlp_bias", "model_type"):
+                    "attention_bias", "mlp_bias", "model_type", "num_experts", "num_local_experts",
+                    "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
             if hasattr(model_config, key):
                 d[key] = getattr(model_config, key)
         text = getattr(model_config, "text_config", None)
@@ -144,20 +192,8 @@ def _config_dict(model_config: Any) -> dict[str, Any]:
     raise TypeError(f"cannot read a model shape from {type(model_config).__name__}")
 
 
-def param_count(shape: ModelShape) -> int:
-    """Parameters of the model: embeddings, (untied) LM head, per-layer projections, norms.
-
-    Per layer::
-
-        attn = H*dq + 2*H*dkv + dq*H  (+ dq + 2*dkv if q/k/v biases, + H if o bias)
-               (+ 2*d for Qwen3 / Gemma 3 q/k norms)
-        mlp  = 3*H*I  (+ 2*I + H with MLP biases)
-        norm = norms_per_layer * H
-
-    Total: ``V*H*(1 if tied else 2) + L*(attn + mlp + norm) + H`` (final norm).
-    """
-    H, I, d = shape.hidden, shape.intermediate, shape.head_dim
-    dq, dkv = shape.q_dim, shape.kv_dim
+def _attention_params(shape: ModelShape) -> int:
+    H, d, dq, dkv = shape.hidden, shape.head_dim, shape.q_dim, shape.kv_dim
     attn = H * dq + 2 * H * dkv + dq * H
     if shape.qkv_bias:
         attn += dq + 2 * dkv
@@ -165,26 +201,98 @@ def param_count(shape: ModelShape) -> int:
         attn += H
     if shape.qk_norm:
         attn += 2 * d
-    mlp = 3 * H * I + ((2 * I + H) if shape.mlp_bias else 0)
-    layer = attn + mlp + shape.norms_per_layer * H
+    if shape.attention_sinks:
+        attn += shape.heads
+    return attn
+
+
+def _expert_params(shape: ModelShape) -> int:
+    """One expert: ``3 H I_e`` (gate, up, down) ``+ 2 I_e + H`` with biases (gpt-oss)."""
+    H, Ie = shape.hidden, shape.expert_intermediate
+    return 3 * H * Ie + ((2 * Ie + H) if shape.expert_bias else 0)
+
+
+def _router_params(shape: ModelShape) -> int:
+    return shape.experts * shape.hidden + (shape.experts if shape.expert_bias else 0)
+
+
+def param_count(shape: ModelShape) -> int:
+    """Parameters of the model: embeddings, (untied) LM head, per-layer projections, norms, experts.
+
+    Per layer::
+
+        attn = H*dq + 2*H*dkv + dq*H  (+ dq + 2*dkv if q/k/v biases, + H if o bias)
+               (+ 2*d for Qwen3 / Gemma 3 / Qwen3-MoE q/k norms, + heads for gpt-oss's sinks)
+        mlp  = 3*H*I  (+ 2*I + H with MLP biases)                     dense layers
+               E*H (+ E) + E*(3*H*I_e (+ 2*I_e + H))                  sparse layers: router, E experts
+        norm = norms_per_layer * H
+
+    Total: ``V*H*(1 if tied else 2) + L*(attn + norm) + sum of the layers' mlp + H`` (final norm).
+    """
+    H, I = shape.hidden, shape.intermediate
+    dense_mlp = 3 * H * I + ((2 * I + H) if shape.mlp_bias else 0)
+    sparse_mlp = _router_params(shape) + shape.experts * _expert_params(shape) if shape.is_moe else 0
+    dense_layers = shape.layers - (shape.moe_layers if shape.is_moe else 0)
     embed = shape.vocab * H * (1 if shape.tied else 2)
-    return embed + shape.layers * layer + H
+    per_layer = _attention_params(shape) + shape.norms_per_layer * H
+    return embed + shape.layers * per_layer + dense_layers * dense_mlp + (shape.layers - dense_layers) * sparse_mlp + H
+
+
+def expert_param_count(shape: ModelShape) -> int:
+    """Parameters of all experts of all sparse layers (0 for a dense model)."""
+    return shape.moe_layers * shape.experts * _expert_params(shape) if shape.is_moe else 0
+
+
+def active_param_count(shape: ModelShape, embedding: bool = True) -> int:
+    """Parameters one token uses: everything but the ``E - k`` experts it is not routed to, in each
+    sparse layer (a dense model: :func:`param_count`). ``embedding=False`` leaves out the input
+    embedding table of an untied model, of which a token reads one row. Published "active" counts
+    differ on that: Qwen3-30B-A3B's 3.3B counts the table, gpt-oss-20b's 3.6B does not."""
+    total = param_count(shape)
+    if not embedding and not shape.tied:
+        total -= shape.vocab * shape.hidden
+    if not shape.is_moe:
+        return total
+    return total - shape.moe_layers * (shape.experts - shape.experts_per_token) * _expert_params(shape)
 
 
 def linear_weight_count(shape: ModelShape) -> int:
-    """Weights of the decoder's linear projections (what 4-bit loading quantises; biases, norms,
-    embeddings and the LM head stay in the load dtype): ``L * (H*dq + 2*H*dkv + dq*H + 3*H*I)``."""
+    """Weights of the decoder's ``nn.Linear`` projections (what 4-bit loading quantises; biases, norms,
+    embeddings and the LM head stay in the load dtype): ``L * (H*dq + 2*H*dkv + dq*H)`` plus ``3*H*I``
+    per dense MLP. A MoE block's experts and router are 3-D / plain parameters in transformers 5, not
+    linear layers, so they are not counted here (they stay in the load dtype)."""
     H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
-    return shape.layers * (H * dq + 2 * H * dkv + dq * H + 3 * H * I)
+    dense_layers = shape.layers - (shape.moe_layers if shape.is_moe else 0)
+    return shape.layers * (H * dq + 2 * H * dkv + dq * H) + dense_layers * 3 * H * I
 
 
 def lora_param_count(shape: ModelShape, rank: int) -> int:
-    """LoRA parameters on every linear layer of the decoder (PEFT ``"all-linear"``: not the LM head).
+    """LoRA parameters of PEFT's ``"all-linear"`` (every linear layer of the decoder, not the LM head).
 
     A LoRA pair on a ``[in -> out]`` linear has ``r * (in + out)`` parameters, so per layer::
 
-        r * [(H + dq) + 2 (H + dkv) + (dq + H) + 2 (H + I) + (I + H)]
+        r * [(H + dq) + 2 (H + dkv) + (dq + H)]  +  r * [2 (H + I) + (I + H)] (the MLP)
+
+    On a MoE model PEFT (0.21) maps the per-expert names onto the fused 3-D experts instead: the
+    experts of every sparse layer (gate/up at rank ``2 r``, see :func:`expert_lora_param_count`) and the
+    router (``r (H + E)``), and no longer finds the dense MLPs' projections (none in the released
+    Qwen3-MoE and gpt-oss models, where every layer is sparse).
     """
     H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
-    per_layer = (H + dq) + 2 * (H + dkv) + (dq + H) + 2 * (H + I) + (I + H)
-    return rank * per_layer * shape.layers
+    attention = rank * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
+    if not shape.is_moe:
+        return attention + rank * (2 * (H + I) + (I + H)) * shape.layers
+    router = rank * (H + shape.experts) * shape.moe_layers
+    return attention + expert_lora_param_count(shape, rank, gate_up_rank=2 * rank) + router
+
+
+def expert_lora_param_count(shape: ModelShape, rank: int, gate_up_rank: int | None = None) -> int:
+    """LoRA parameters PEFT adds on the fused experts of every sparse layer: a ``[E, a, b]`` parameter
+    gets ``r * E * (a + b)``, so ``E * (r_gu (2 I_e + H) + r (H + I_e))`` per sparse layer.
+    ``gate_up_rank``: ``rank`` with explicit ``target_parameters``; PEFT gives ``2 * rank`` where it
+    maps ``gate_proj`` + ``up_proj`` (each rank ``r``) onto the fused ``gate_up_proj``."""
+    if not shape.is_moe:
+        return 0
+    H, Ie = shape.hidden, shape.expert_intermediate
+    r_gu = rank if gate_up_rank is None else gate_up_rank
+    return shape.experts * (r_gu * (2 * Ie + H) + rank * (H + Ie)) * shape.moe_layers

@@ -1,0 +1,117 @@
+"""The planner's parameter counts for mixture-of-experts shapes against the real transformers models
+(issue 25): total, active per token, linear weights and LoRA (PEFT's own count), on tiny random
+models and on the real sizes of Qwen3-30B-A3B and gpt-oss-20b built on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from benchmarks.workload import MODEL_SHAPES, model_config
+from swiftune.memory import plan_memory
+from swiftune.memory.shapes import (
+    active_param_count,
+    expert_lora_param_count,
+    expert_param_count,
+    linear_weight_count,
+    lora_param_count,
+    model_shape,
+    param_count,
+)
+
+TINY = {
+    # one dense layer among the sparse ones (mlp_only_layers), as Qwen3-MoE configs allow
+    "qwen3_moe": dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
+                      num_experts_per_tok=2, mlp_only_layers=[1]),
+    "gpt_oss": dict(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=8),
+}
+
+
+def _tiny(model_type: str) -> transformers.PreTrainedModel:
+    config = transformers.AutoConfig.for_model(model_type, **TINY[model_type])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _numel(model: torch.nn.Module, keep) -> int:
+    return sum(p.numel() for name, p in model.named_parameters() if keep(name))
+
+
+def _expert_numel(model: torch.nn.Module) -> tuple[int, int]:
+    """(all expert parameters, one expert of one layer's share times layers): from the real tensors."""
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    total = sum(p.numel() for m in experts for p in m.parameters())
+    per_expert = sum(p.numel() // m.num_experts for m in experts for p in m.parameters())
+    return total, per_expert
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_tiny_moe_counts_equal_the_real_model(model_type):
+    model = _tiny(model_type)
+    shape = model_shape(model.config)
+    assert shape.is_moe
+    assert param_count(shape) == _numel(model, lambda n: True)
+    experts, per_expert = _expert_numel(model)
+    assert expert_param_count(shape) == experts
+    k = model.config.num_experts_per_tok
+    # a token uses k of the E experts of each sparse layer and every other parameter
+    assert active_param_count(shape) == param_count(shape) - experts + k * per_expert
+    decoder_linears = sum(m.weight.numel() for name, m in model.model.named_modules() if isinstance(m, torch.nn.Linear))
+    assert linear_weight_count(shape) == decoder_linears
+
+
+def test_tiny_qwen3_moe_lora_counts_equal_peft():
+    """PEFT's own adapters: "all-linear" (which PEFT maps onto the fused experts and the router),
+    explicit ``target_parameters``, and the seven projection names."""
+    from peft import LoraConfig, get_peft_model
+
+    shape = model_shape(_tiny("qwen3_moe").config)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    attention_only = lora_param_count(model_shape(TINY["qwen3_moe"] | dict(model_type="qwen3_moe", num_experts=0,
+                                                                       mlp_only_layers=[0, 1, 2])), 4)
+    cases = {
+        "all-linear": (dict(target_modules="all-linear"), lora_param_count(shape, 4)),
+        "explicit": (dict(target_modules=[], target_parameters=experts), expert_lora_param_count(shape, 4)),
+        "seven": (dict(target_modules=attention + ["gate_proj", "up_proj", "down_proj"]),
+                  expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)),
+    }
+    for name, (kwargs, want) in cases.items():
+        model = get_peft_model(_tiny("qwen3_moe"), LoraConfig(r=4, **kwargs))
+        assert _numel(model, lambda n: "lora_" in n) == want, name
+    assert attention_only > _attention_lora(shape, 4)  # the dense formula counts MLP adapters too
+
+
+def _attention_lora(shape, r: int) -> int:
+    H, dq, dkv = shape.hidden, shape.q_dim, shape.kv_dim
+    return r * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
+
+
+# the published sizes: Qwen3-30B-A3B 30.5B total / 3.3B active (embedding table counted), gpt-oss-20b
+# 20.9B total / 3.6B active (embedding table not counted, the unembedding is)
+PUBLISHED = {"qwen3-30b-a3b": (30.5e9, 3.3e9, True), "gpt-oss-20b": (20.9e9, 3.6e9, False)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_real_moe_shapes_count_the_meta_model(name):
+    config = model_config(name)  # the benchmarks' random-init shape
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = model_shape(name)
+    assert shape == model_shape(config)  # the table and the config built from it agree
+    assert param_count(shape) == _numel(model, lambda n: True)
+    total, active, embedding = PUBLISHED[name]
+    assert abs(param_count(shape) - total) < 0.01 * total
+    assert abs(active_param_count(shape, embedding=embedding) - active) < 0.02 * active
+    assert active_param_count(shape) - active_param_count(shape, embedding=False) == shape.vocab * shape.hidden
+    assert name in MODEL_SHAPES
+
+
+def test_planner_counts_every_expert_weight():
+    """Full fine-tuning of Qwen3-30B-A3B in bf16 holds every expert's weights (not only the active ones)."""
+    plan = plan_memory("qwen3-30b-a3b", 4096, 16, full_finetune=True)
+    weights = param_count(model_shape("qwen3-30b-a3b")) * 2
+    assert plan.weights == weights
