@@ -83,13 +83,14 @@ def timing_callback(warmup: int, record: dict):
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
             full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None,
             time_profile: bool = False, host_profile: bool = False, load_in_4bit: bool = False,
-            gpu_budget_gb: float | None = None) -> dict:
+            gpu_budget_gb: float | None = None, load_in_fp8: bool = False) -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
     ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
     ``time_profile`` (CUDA): device time by kind of kernel over that step, against its wall time;
     ``host_profile``: the host's own time in that step by library (cProfile; CPU too);
     ``logit_chunk_tokens``: swiftune modes' ``SFTConfig.logit_chunk_tokens`` (None: automatic);
     ``load_in_4bit``: QLoRA, the decoder's linear weights in NF4 in every mode (LoRA only);
+    ``load_in_fp8``: the decoder's linear weights in FP8 (e4m3, per-row scales) in every mode (LoRA only);
     ``gpu_budget_gb`` (CUDA): a smaller GPU emulated (``torch.cuda.set_per_process_memory_fraction``)."""
     import torch
     from peft import LoraConfig
@@ -105,6 +106,10 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         from benchmarks.workload import quantize_linears_4bit
 
         quantize_linears_4bit(model, torch.bfloat16 if device == "cuda" else torch.float32)
+    if load_in_fp8:
+        from benchmarks.workload import quantize_linears_fp8
+
+        quantize_linears_fp8(model)
     config = model.config
     n_rows = max(steps * batch * 2, 512)
     rows = random_token_rows(sample_lengths(n_rows, max_length=max_length), config.vocab_size)
@@ -189,7 +194,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     elapsed = record["t1"] - record["t0"]
     tokens = record["tokens1"] - record["tokens0"]
     return dict(mode=mode, model=model_name, batch=batch,
-                finetune="full" if full else ("qlora r=16" if load_in_4bit else "lora r=16"),
+                finetune="full" if full else ("qlora r=16" if load_in_4bit else "fp8 lora r=16" if load_in_fp8
+                                              else "lora r=16"),
                 **({"gpu_budget_gb": gpu_budget_gb} if gpu_budget_gb is not None else {}),
                 **({"logit_chunk_tokens": logit_chunk_tokens} if logit_chunk_tokens and mode.startswith("swiftune") else {}),
                 trainable_fraction=trainable / sum(p.numel() for p in params),
@@ -236,6 +242,8 @@ def main(argv=None) -> int:
                         "up to 1,024 as free memory allows)")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the decoder's linear weights in bitsandbytes NF4 (double quantisation) in every mode")
+    p.add_argument("--load-in-fp8", action="store_true",
+                   help="the decoder's linear weights in FP8 (e4m3, a float32 scale per row) in every mode")
     p.add_argument("--gpu-budget-gb", type=float, default=None,
                    help="CUDA: emulate a GPU of this many GB (1e9 bytes) in every mode")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
@@ -248,6 +256,8 @@ def main(argv=None) -> int:
                 "run one at a time")
     if args.load_in_4bit and args.full:
         p.error("--load-in-4bit trains LoRA adapters: not with --full")
+    if args.load_in_fp8 and (args.full or args.load_in_4bit):
+        p.error("--load-in-fp8 trains LoRA adapters on FP8 weights: not with --full or --load-in-4bit")
     if args.one:
         for batch in args.batch:
             try:
@@ -255,7 +265,7 @@ def main(argv=None) -> int:
                               full=args.full, memory_profile=args.memory_profile,
                               logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile,
                               host_profile=args.host_profile, load_in_4bit=args.load_in_4bit,
-                              gpu_budget_gb=args.gpu_budget_gb)
+                              gpu_budget_gb=args.gpu_budget_gb, load_in_fp8=args.load_in_fp8)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -273,6 +283,7 @@ def main(argv=None) -> int:
                *(["--time-profile"] if args.time_profile else []),
                *(["--host-profile"] if args.host_profile else []),
                *(["--load-in-4bit"] if args.load_in_4bit else []),
+               *(["--load-in-fp8"] if args.load_in_fp8 else []),
                *(["--gpu-budget-gb", str(args.gpu_budget_gb)] if args.gpu_budget_gb is not None else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())

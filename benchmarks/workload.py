@@ -101,6 +101,21 @@ def quantize_linears_4bit(model, compute_dtype) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def quantize_linears_fp8(model) -> None:
+    """``load_in_fp8=True``'s base in memory: every linear layer of the decoder (not the LM head)
+    replaced by swiftune's ``FP8Linear`` (e4m3, a float32 scale per output row), as
+    ``FastModel.from_pretrained(..., load_in_fp8=True)`` would load a saved checkpoint of these
+    weights; layer by layer, as there."""
+    import torch
+
+    from swiftune.models.fp8_linear import quantize_model_fp8
+
+    quantize_model_fp8(model)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def apply_liger_like_trl(model) -> None:
     """Liger-Kernel's layer kernels (RMSNorm, RoPE, SwiGLU) on ``model``, as TRL 1.16 applies them for
     ``use_liger_kernel=True``: without Liger's fused linear cross entropy, which TRL switches off

@@ -16,6 +16,7 @@
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-unsloth [MODEL] # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
+#   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
@@ -144,6 +145,13 @@ case "$part" in
       --out "$OUT/unsloth_qlora_sft.json"
     run qlora_24gb 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 2 --load-in-4bit \
       --gpu-budget-gb 24 --modes swiftune_budget swiftune_budget_offload --out "$OUT/qlora_sft_24gb.json" ;;
+  fp8-sft)  # FP8 (e4m3, per-row scales, torch._scaled_mm) base weights against swiftune's own bf16 on the same
+    # shapes: batch 16 and 16K-token micro-batches, Qwen3-8B, LoRA r=16; the fp8 CUDA tests first (~7 min)
+    run fp8_tests 60 python3 -m pytest -q tests/test_fp8.py -p no:cacheprovider -k "cuda or scaled_mm"
+    run fp8_sft_bf16 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      --modes swiftune swiftune_budget --out "$OUT/fp8_sft_bf16.json"
+    run fp8_sft 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-fp8 \
+      --modes swiftune swiftune_budget --out "$OUT/fp8_sft.json" ;;
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
     run sft_memory 420 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;

@@ -70,6 +70,11 @@ class ModelArguments:
         default=False, metadata={"help": "QLoRA: load the decoder's linear weights in 4-bit NF4 (bitsandbytes: "
                                          "pip install 'swiftune[qlora]'); LoRA adapters train on top."}
     )
+    load_in_fp8: bool = field(
+        default=False, metadata={"help": "The decoder's linear weights in FP8 (float8_e4m3fn, a scale per row; "
+                                         "FP8 tensor cores on GPUs with compute capability >= 8.9); LoRA adapters "
+                                         "train on top."}
+    )
     use_lora: bool | None = field(
         # nargs "?" and const: a bare --use_lora (or TRL's --use_peft) means true
         default=None, metadata={"help": "Train LoRA adapters (default for real models) or the full model (false; "
@@ -367,6 +372,15 @@ def check_model_args(model_args: ModelArguments) -> None:
                               "(its NF4 weights take no gradient steps); drop --use_lora false to train LoRA adapters")
         if not model_args.model_name_or_path:
             raise ConfigError("--load_in_4bit true needs --model_name_or_path (the built-in tiny model is not "
+                              "quantised)")
+    if getattr(model_args, "load_in_fp8", False):
+        if getattr(model_args, "load_in_4bit", False):
+            raise ConfigError("--load_in_fp8 and --load_in_4bit are exclusive: pick one")
+        if model_args.use_lora is False:
+            raise ConfigError("--load_in_fp8 true with --use_lora false: an FP8 model cannot be fully fine-tuned "
+                              "(its e4m3 weights are frozen); drop --use_lora false to train LoRA adapters")
+        if not model_args.model_name_or_path:
+            raise ConfigError("--load_in_fp8 true needs --model_name_or_path (the built-in tiny model is not "
                               "quantised)")
 
 

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load_in_4bit", action="store_true",
                    help="QLoRA: the decoder's linear weights in NF4 with double quantisation (as --load_in_4bit "
                         "loads them)")
+    p.add_argument("--load_in_fp8", action="store_true",
+                   help="the decoder's linear weights in FP8 (e4m3, a float32 scale per row; as --load_in_fp8 "
+                        "loads them)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -87,8 +90,11 @@ def main_plan(argv: list[str] | None = None) -> int:
         host_bytes=host, tiled_mlp=not args.no_tiled_mlp, tiled_projections=args.tiled_projections,
         lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
         autocast=args.autocast, lora_input_casts=args.lora_input_casts or not args.autocast,
-        weight_quantization="nf4_double_quant" if args.load_in_4bit else None,
+        weight_quantization="nf4_double_quant" if args.load_in_4bit else ("fp8" if args.load_in_fp8 else None),
     )
+    if args.load_in_4bit and args.load_in_fp8:
+        print("swiftune plan: choose one of --load_in_4bit and --load_in_fp8", file=sys.stderr)
+        return 2
     if args.flex_attention and args.sdpa_attention:
         print("swiftune plan: choose one of --flex_attention and --sdpa_attention", file=sys.stderr)
         return 2

@@ -72,6 +72,7 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
             model_args.model_name_or_path, max_seq_length=getattr(config, "max_length", None),
             dtype=model_args.dtype, attn_implementation=config.attention_backend,
             kernel_backend=config.kernel_backend, load_in_4bit=model_args.load_in_4bit,
+            load_in_fp8=getattr(model_args, "load_in_fp8", False),
         )
         use_lora = model_args.use_lora is not False
     if use_lora:

@@ -404,7 +404,29 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "adamw_8bit": 2, "sgd": 0, "sgd_
 # bytes per quantised weight, quantisation constants included: bitsandbytes NF4 packs two weights a
 # byte with one float32 absmax per 64 weights; double quantisation stores those absmax as 8-bit
 # codes with one float32 scale per 256 of them
-QUANTIZED_WEIGHT_BYTES = {"nf4": (4 + 32 / 64) / 8, "nf4_double_quant": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
+QUANTIZED_WEIGHT_BYTES = {"nf4": (4 + 32 / 64) / 8, "nf4_double_quant": (4 + 8 / 64 + 32 / (64 * 256)) / 8,
+                          "fp8": 1.0}  # e4m3, plus one float32 scale per output row (fp8_scale_bytes)
+
+
+def fp8_scale_bytes(shape: ModelShape) -> int:
+    """The float32 per-row scales of ``load_in_fp8`` weights: one per output feature of each decoder
+    projection, ``4 L (dq + 2 dkv + H + 2 I + H)`` bytes."""
+    H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
+    return 4 * shape.layers * (dq + 2 * dkv + H + 2 * I + H)
+
+
+def _quantized_matmul_bytes(shape: ModelShape, tokens: int, quantization: str, s: TrainSetup) -> int:
+    """Temporaries of one quantised projection's matmul. bitsandbytes dequantises the weight. FP8:
+    the dequantising reference holds the weight in float32 and in the compute dtype; the
+    ``_scaled_mm`` path quantises the activation (or gradient) on the fly, a float32 copy and its
+    e4m3 codes (the MLP's ``[T, I]`` ones one tile at a time when tiled), and copies the e4m3
+    weight transposed in backward; the larger of the two is kept."""
+    weight = shape.hidden * max(shape.intermediate, shape.q_dim)
+    if quantization != "fp8":
+        return weight * s.dtype_bytes
+    mlp_tokens = _mlp_tile(shape, tokens, s) if s.tiled_mlp else tokens
+    widest = max(tokens * max(shape.hidden, shape.q_dim), mlp_tokens * shape.intermediate)
+    return max(weight * (4 + s.dtype_bytes), widest * (4 + 1) + weight)
 
 
 def plan_memory(
@@ -439,8 +461,9 @@ def plan_memory(
         gpu_bytes: GPU memory; sets ``fits`` and the offload split.
         host_bytes: pinned host memory available for offloaded checkpoints; sets ``fits``.
         weight_quantization: the decoder's linear weights quantised (QLoRA): ``"nf4_double_quant"``
-            (what ``load_in_4bit=True`` loads) or ``"nf4"``; LoRA only. Adds the largest projection
-            dequantised for its matmul to the working set.
+            (what ``load_in_4bit=True`` loads), ``"nf4"`` or ``"fp8"`` (``load_in_fp8=True``: 1 byte a
+            weight and a float32 scale per output row); LoRA only. Adds the largest projection's
+            matmul temporaries to the working set (:func:`_quantized_matmul_bytes`).
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -463,6 +486,8 @@ def plan_memory(
             raise ValueError("weight_quantization needs LoRA: quantised weights are not trained")
         linear = linear_weight_count(shape)
         weights = (P - linear) * dtype_bytes + int(linear * QUANTIZED_WEIGHT_BYTES[weight_quantization])
+        if weight_quantization == "fp8":
+            weights += fp8_scale_bytes(shape)
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if s.lora:
         n_train = lora_param_count(shape, s.lora_rank)
@@ -478,8 +503,8 @@ def plan_memory(
     T, L = int(tokens), shape.layers
     per_layer = T * shape.hidden * dtype_bytes  # one saved layer input
     working = layer_working_set(shape, T, s)
-    if weight_quantization is not None:  # bitsandbytes dequantises each weight for its matmul
-        working += shape.hidden * max(shape.intermediate, shape.q_dim) * dtype_bytes
+    if weight_quantization is not None:  # a quantised weight's matmul needs temporaries of its own
+        working += _quantized_matmul_bytes(shape, T, weight_quantization, s)
     loss = loss_bytes(shape, T, s)
     transfer = 0
     derived = host = 0
@@ -573,6 +598,7 @@ def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: in
 
 __all__ = [
     "QUANTIZED_WEIGHT_BYTES",
+    "fp8_scale_bytes",
     "CUDA_CONTEXT_BYTES",
     "FRAGMENTATION",
     "KNOWN_MODELS",

@@ -30,6 +30,10 @@ QLoRA (PEFT's ``lora.Linear4bit`` over a bitsandbytes NF4 ``Linear4bit``): the s
 ``W`` dequantised (bitsandbytes' ``dequantize_4bit``) in the forward and again in the backward
 instead of being kept at full size, as bitsandbytes' own matmul does; while training only (under
 autocast, or with one dtype throughout), so generation keeps bitsandbytes' inference kernels.
+FP8 base layers (:class:`~swiftune.models.fp8_linear.FP8Linear` under PEFT's ``lora.Linear``): the
+base product and ``g W`` through :func:`~swiftune.models.fp8_linear.fp8_matmul` /
+:func:`~swiftune.models.fp8_linear.fp8_grad_input` (``torch._scaled_mm`` on FP8 GPUs, else ``W``
+dequantised in forward and again in backward), under the same dtype rules as ``nn.Linear``.
 
 :func:`fuse_lora_linears` binds :func:`fused_lora_forward` on each PEFT ``lora.Linear`` /
 ``lora.Linear4bit`` instance (under a tiled forward's tiling if one is there);
@@ -46,6 +50,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .fp8_linear import FP8State, fp8_grad_input, fp8_matmul, is_fp8_linear
 from .tiled_mlp import replace_untiled_forward
 
 __all__ = ["LoRALinearFunction", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora", "unfuse_lora_linears"]
@@ -64,10 +69,14 @@ class LoRALinearFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xb, xl = x2.to(base_dtype), x2.to(lora_dtype)
-        w = _base_weight(weight, quant_state, base_dtype)
+        fp8 = isinstance(quant_state, FP8State)
+        w = weight if fp8 else _base_weight(weight, quant_state, base_dtype)
         a, b = lora_a.to(lora_dtype), lora_b.to(lora_dtype)
         h = torch.mm(xl, a.t())
-        y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
+        if fp8:
+            y = fp8_matmul(xb, weight, quant_state, base_dtype, bias)
+        else:
+            y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
         if lora_dtype == base_dtype:
             y.addmm_(h, b.t(), alpha=scaling)
         else:
@@ -86,7 +95,8 @@ class LoRALinearFunction(torch.autograd.Function):
         x_dtype, w_dtype, bias_dtype, a_dtype, b_dtype = ctx.dtypes
         need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
         s = ctx.scaling
-        if ctx.quant_state is not None and need_x:
+        fp8 = isinstance(ctx.quant_state, FP8State)
+        if ctx.quant_state is not None and need_x and not fp8:
             w = _base_weight(w, ctx.quant_state, ctx.base_dtype)
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.base_dtype)
         gl = g.to(a.dtype)
@@ -96,7 +106,7 @@ class LoRALinearFunction(torch.autograd.Function):
             if need_a:
                 da = torch.mm(dh.t(), xl).to(a_dtype)
             if need_x:
-                dx = torch.mm(g, w)
+                dx = fp8_grad_input(g, w, ctx.quant_state, ctx.base_dtype) if fp8 else torch.mm(g, w)
                 if a.dtype == dx.dtype:
                     dx.addmm_(dh, a)
                 else:
@@ -140,7 +150,8 @@ def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype
     base, lora_a, lora_b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
     if lora_b.bias is not None or not _plain_dropout(layer.lora_dropout[name]):
         return None
-    if type(base) is not nn.Linear:
+    fp8 = is_fp8_linear(base)  # computes in x's dtype (autocast's under autocast), its weight is e4m3
+    if type(base) is not nn.Linear and not fp8:
         return _fused_4bit_operands(layer, base, name, x)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
@@ -148,7 +159,7 @@ def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype
     # without autocast PEFT multiplies x by the base weight as it is and casts x to the adapters'
     # dtype (unless its input casting is off, when the dtypes must agree already)
     adapter = lora_a.weight.dtype
-    if base.weight.dtype != x.dtype or lora_b.weight.dtype != adapter:
+    if (base.weight.dtype != x.dtype and not fp8) or lora_b.weight.dtype != adapter:
         return None
     if adapter != x.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
         return None
@@ -183,7 +194,10 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
         return type(self).forward(self, x, *args, **kwargs)
     name, base_dtype, lora_dtype = operands
     base = self.base_layer
-    quant_state = getattr(base.weight, "quant_state", None) if type(base) is not nn.Linear else None
+    if is_fp8_linear(base):
+        quant_state = FP8State(base.weight_scale, base.scaled_mm)
+    else:
+        quant_state = getattr(base.weight, "quant_state", None) if type(base) is not nn.Linear else None
     return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
                                     float(self.scaling[name]), base_dtype, lora_dtype, quant_state)
 

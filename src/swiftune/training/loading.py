@@ -21,11 +21,12 @@ from torch import nn
 from ..attention import BACKENDS
 from ..errors import ConfigError
 from ..local_paths import resolve_local_path
+from ..models.fp8_linear import quantize_model_fp8
 from ..models.patching import fuse_lora_if_patched, patch_model
 from ..models.support import require_causal_decoder
 from ..models.tiled_mlp import enable_tiled_mlp
 from .checkpointing import enable_offloaded_checkpointing
-from .quantization import refuse_full_finetuning_of_4bit, resolve_quantization
+from .quantization import check_fp8_request, fp8_checkpoint_kwargs, refuse_full_finetuning_of_4bit, resolve_quantization
 
 # Tokens that real tokenizers ship unused and that make a safe pad token, best first
 # (Llama 3's reserved pad, then the usual spellings). Checked only against the existing
@@ -51,7 +52,6 @@ CHECKPOINTING_MODES = (True, False, "offload", "unsloth")
 
 # Unsloth's default LoRA targets: every attention and MLP projection of a decoder layer.
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 
 def default_dtype() -> torch.dtype:
@@ -281,6 +281,7 @@ class FastModel:
         load_in_8bit: bool = False,
         quantization_config: Any = None,
         *,
+        load_in_fp8: bool = False,
         model_name: str | None = None,
         rope_scaling: dict[str, Any] | None = None,
         fix_tokenizer: bool = True,
@@ -306,6 +307,8 @@ class FastModel:
             load_in_8bit: refused (swiftune trains on 4-bit or unquantised bases).
             quantization_config: a transformers ``BitsAndBytesConfig`` with ``load_in_4bit=True``
                 (or its dict), for settings other than :func:`~swiftune.training.quantization.nf4_config`.
+            load_in_fp8: the decoder's linear weights in ``float8_e4m3fn`` with per-row scales, frozen
+                (``torch._scaled_mm`` on GPUs with FP8 tensor cores, else dequantised; docs/fp8.md).
             rope_scaling: RoPE scaling set on the config before the weights load, in transformers'
                 keys (``{"rope_type": "linear", "factor": 2.0}``, ``"yarn"``, ``"llama3"``, ...), e.g. to
                 train past ``max_position_embeddings``.
@@ -327,12 +330,15 @@ class FastModel:
             model_name_or_path = model_name
         model_name_or_path = resolve_local_path(model_name_or_path, "model")  # a missing local path: no Hub lookup
         # checked before any file is read: a bad combination or a missing bitsandbytes says so first
+        check_fp8_request(load_in_fp8, load_in_4bit, load_in_8bit, quantization_config)
         quantization = resolve_quantization(load_in_4bit, load_in_8bit, quantization_config, _resolve_dtype(dtype))
         if quantization is not None:
             hf_kwargs["quantization_config"] = quantization
         shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
         config = hf_kwargs.pop("config", None) or AutoConfig.from_pretrained(model_name_or_path, **shared)
         _check_causal_lm(config, model_name_or_path)
+        if quantization is None:  # an FP8 checkpoint loads dequantised (then re-quantised with load_in_fp8)
+            hf_kwargs.update(fp8_checkpoint_kwargs(config))
         if rope_scaling is not None:
             config = _with_rope_scaling(config, rope_scaling, model_name_or_path)
 
@@ -346,6 +352,8 @@ class FastModel:
             model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
         )
         _refuse_nonfinite_weights(model, model_name_or_path, model.dtype)
+        if load_in_fp8:
+            quantize_model_fp8(model)
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **shared)
         if fix_tokenizer:
             ensure_pad_token(tokenizer, model)
@@ -429,7 +437,7 @@ class FastModel:
                      offload_gpu_budget_bytes: int | None = None,
                      offload_host_budget_bytes: int | None = None) -> nn.Module:
         """Full fine-tuning: every parameter trainable, gradient checkpointing (budgets as in
-        :meth:`get_peft_model`), train mode. A 4-bit model is refused (add LoRA adapters instead)."""
+        :meth:`get_peft_model`), train mode. A 4-bit or FP8 model is refused (add LoRA adapters instead)."""
         refuse_full_finetuning_of_4bit(model, "FastModel.for_training")
         for p in model.parameters():
             p.requires_grad_(True)

@@ -11,10 +11,20 @@ What cannot run is refused here, before any weight is read: 4-bit together with 
 not installed, or a bitsandbytes without a native library for the GPU the model would load on.
 Full fine-tuning of a 4-bit model is refused where it would start (``FastModel.for_training``, the
 trainers): NF4 weights cannot take gradient steps.
+
+FP8 base weights (``load_in_fp8=True``, Unsloth's name; docs/fp8.md): the decoder's linear weights in
+``float8_e4m3fn`` with per-row scales (:mod:`swiftune.models.fp8_linear`), quantised by swiftune after
+transformers loads the model, so no quantisation config reaches transformers. Refused before any file
+is read: together with 4-bit, 8-bit or a ``quantization_config``. On a CUDA GPU without FP8 tensor
+cores (compute capability < 8.9) a warning says the dequantising reference runs (the weights still
+take 1 byte each). Checkpoints already in transformers' fine-grained FP8 format (block scales) load
+dequantised by transformers, then, with ``load_in_fp8=True``, re-quantised per row. Full fine-tuning
+of an FP8 model is refused like that of a 4-bit one.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,7 +32,8 @@ from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["QLORA_INSTALL", "is_quantized_4bit", "nf4_config", "refuse_full_finetuning_of_4bit", "resolve_quantization"]
+__all__ = ["QLORA_INSTALL", "check_fp8_request", "fp8_checkpoint_kwargs", "is_quantized_4bit", "is_quantized_fp8",
+           "nf4_config", "refuse_full_finetuning_of_4bit", "resolve_quantization"]
 
 QLORA_INSTALL = "pip install 'swiftune[qlora]'"
 
@@ -94,8 +105,70 @@ def is_quantized_4bit(model: nn.Module) -> bool:
     return False
 
 
+def is_quantized_fp8(model: nn.Module) -> bool:
+    """Whether ``model`` (a PEFT model or a transformers model) holds FP8 (e4m3 / e5m2) weights."""
+    fp8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+    return any(p.dtype in fp8 for p in model.parameters())
+
+
+def check_fp8_request(load_in_fp8: bool, load_in_4bit: bool, load_in_8bit: bool, quantization_config: Any) -> None:
+    """With ``load_in_fp8``: a :class:`ConfigError` for another quantisation asked at the same time,
+    and a warning when this machine's GPU has no FP8 tensor cores. Reads no file."""
+    if not load_in_fp8:
+        return
+    others = [name for name, on in (("load_in_4bit", load_in_4bit), ("load_in_8bit", load_in_8bit),
+                                    ("quantization_config", quantization_config is not None)) if on]
+    if others:
+        raise ConfigError(f"load_in_fp8=True and {' and '.join(others)} are exclusive: pick load_in_fp8=True (FP8 "
+                          "frozen weights, per-row scales) or load_in_4bit=True (QLoRA, NF4)")
+    if torch.cuda.is_available():
+        from ..models.fp8_linear import fp8_matmul_supported
+
+        if not fp8_matmul_supported():
+            major, minor = torch.cuda.get_device_capability()
+            warnings.warn(
+                f"swiftune: load_in_fp8=True on {torch.cuda.get_device_name()} (compute capability {major}.{minor}), "
+                "which has no FP8 tensor cores (they need >= 8.9: Ada, Hopper): the weights take 1 byte each, but "
+                "every matmul dequantises them first (the reference path), slower than bf16", stacklevel=3)
+
+
+def fp8_checkpoint_kwargs(config: Any) -> dict[str, Any]:
+    """``from_pretrained`` keywords for a checkpoint already in transformers' fine-grained FP8 format
+    (``quantization_config`` with ``quant_method`` ``"fp8"``, block scales): load it dequantised, so
+    that swiftune's layers (or, with ``load_in_fp8``, its per-row FP8 layers) replace transformers'
+    FP8 ones, whose e4m3 weight PEFT would give e4m3 adapters. ``{}`` for any other checkpoint."""
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)) != "fp8":
+        return {}
+    from transformers import FineGrainedFP8Config
+
+    settings = dict(quant) if isinstance(quant, dict) else quant.to_dict()
+    settings.pop("quant_method", None)
+    settings["dequantize"] = True
+    try:
+        return {"quantization_config": FineGrainedFP8Config(**settings)}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"this checkpoint's FP8 quantization_config ({quant}) is not one transformers "
+                          f"{_transformers_version()} can dequantise ({e}): swiftune loads FP8 checkpoints in "
+                          "transformers' fine-grained format (weight_block_size, float32 scales), or any "
+                          "unquantised checkpoint with load_in_fp8=True") from e
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def refuse_full_finetuning_of_4bit(model: nn.Module, where: str) -> None:
-    """A :class:`ConfigError` when ``model`` is 4-bit and nothing but its frozen weights would train."""
+    """A :class:`ConfigError` when ``model`` is 4-bit or FP8 and nothing but its frozen weights would
+    train."""
+    if is_quantized_fp8(model):
+        raise ConfigError(
+            f"{where}: full fine-tuning of an FP8 model is not possible (its e4m3 base weights are frozen): add LoRA "
+            "adapters (FastModel.get_peft_model, or --use_lora true in the command), or load the model without "
+            "load_in_fp8 to train every weight")
     if is_quantized_4bit(model):
         raise ConfigError(
             f"{where}: full fine-tuning of a 4-bit model is not possible (NF4 weights take no gradient steps): add "

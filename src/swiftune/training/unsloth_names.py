@@ -64,6 +64,7 @@ class FastLanguageModel:
         load_in_4bit: bool = False,
         load_in_8bit: bool = False,
         full_finetuning: bool = False,
+        load_in_fp8: bool = False,
         token: str | bool | None = None,
         device_map: Any = None,
         rope_scaling: dict[str, Any] | None = None,
@@ -87,7 +88,8 @@ class FastLanguageModel:
                 needs ``pip install 'swiftune[qlora]'``: pass it as Unsloth scripts do.
             load_in_8bit: refused (swiftune trains on 4-bit or unquantised bases).
             full_finetuning: every weight trainable, with ``use_gradient_checkpointing``
-                (:meth:`FastModel.for_training`); refused together with 4-bit weights.
+                (:meth:`FastModel.for_training`); refused together with 4-bit or FP8 weights.
+            load_in_fp8: the decoder's linear weights frozen in FP8 (e4m3, per-row scales; docs/fp8.md).
             token: hub token, passed to transformers (model and tokenizer).
             device_map: passed to transformers; ``None``: this process's GPU, else the CPU.
             rope_scaling: set on the config before loading (see :meth:`FastModel.from_pretrained`).
@@ -109,6 +111,11 @@ class FastLanguageModel:
                 "fast_inference=False. swiftune's GRPOTrainer generates with its own rollout engine, "
                 "swiftune.rl.rollout.FastRolloutEngine (GRPOConfig(rollout_engine='fast'), static KV cache and "
                 "CUDA-graph decode; docs/rollout.md)")
+        if full_finetuning and load_in_fp8:
+            raise ConfigError(
+                "full_finetuning=True with load_in_fp8=True: the e4m3 base weights are frozen. Load without "
+                "load_in_fp8 to train every weight, or keep FP8 and add LoRA adapters with "
+                "FastLanguageModel.get_peft_model (full_finetuning=False)")
         if full_finetuning and (load_in_4bit or kwargs.get("quantization_config") is not None):
             raise ConfigError(
                 "full_finetuning=True with 4-bit weights: NF4 weights take no gradient steps. Load without "
@@ -134,7 +141,7 @@ class FastLanguageModel:
             kwargs["trust_remote_code"] = True
         model, tokenizer = FastModel.from_pretrained(
             model_name=model_name, max_seq_length=max_seq_length, dtype=dtype, load_in_4bit=load_in_4bit,
-            load_in_8bit=load_in_8bit, rope_scaling=rope_scaling, fix_tokenizer=fix_tokenizer, **kwargs)
+            load_in_8bit=load_in_8bit, load_in_fp8=load_in_fp8, rope_scaling=rope_scaling, fix_tokenizer=fix_tokenizer, **kwargs)
         if full_finetuning:
             FastModel.for_training(model, use_gradient_checkpointing=use_gradient_checkpointing)
         return model, tokenizer

@@ -1,0 +1,353 @@
+"""FP8 frozen base weights (``load_in_fp8=True``): e4m3 with float32 per-row scales.
+
+Reference: the plain libraries, unpatched: transformers' own model (eager attention) with each
+decoder projection's weight replaced by the dequantised FP8 weight ``Q * s`` (computed here in plain
+torch from the stored codes, which are checked against this file's own quantisation of the
+checkpoint), PEFT's own LoRA on top, run on each document alone. Compared: the loss and every LoRA
+tensor's gradient, non-zero where the reference's is. Accuracy against the unquantised model is
+measured (docs/fp8.md has the numbers) and bounded here.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+peft = pytest.importorskip("peft")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from swiftune.data.builtin import build_tokenizer  # noqa: E402
+from swiftune.errors import ConfigError  # noqa: E402
+from swiftune.memory.planner import fp8_scale_bytes, plan_memory  # noqa: E402
+from swiftune.memory.shapes import linear_weight_count, model_shape, param_count  # noqa: E402
+from swiftune.models.fp8_linear import FP8Linear, FP8State, fp8_grad_input, fp8_matmul  # noqa: E402
+from swiftune.training import FastModel  # noqa: E402
+from swiftune.training.quantization import check_fp8_request, is_quantized_fp8  # noqa: E402
+from tests.helpers import assert_gradients_match, rel_err, tiny_model  # noqa: E402
+from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
+
+E4M3_MAX = 448.0
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This file's own per-row e4m3 quantisation: s = max|row| / 448, Q = e4m3(W / s)."""
+    amax = w.double().abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).float()
+    return (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _dequantized(layer: FP8Linear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (layer.weight.float() * layer.weight_scale).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    out = {}
+    for family in ("llama", "qwen3"):
+        path = tmp_path_factory.mktemp(family)
+        tiny_model(family).save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+def _fp8_layers(model: nn.Module) -> dict[str, FP8Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+
+
+def _lora_tensors(model) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _plain_with_weights(path: str, fp8_model: nn.Module) -> nn.Module:
+    """transformers' unpatched model whose projections hold ``fp8_model``'s dequantised weights."""
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    layers = {n.removeprefix("base_model.model.").removesuffix(".base_layer"): m
+              for n, m in _fp8_layers(fp8_model).items()}
+    with torch.no_grad():
+        for name, layer in layers.items():
+            plain.get_submodule(name).weight.copy_(_dequantized(layer))
+    return plain
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_load_in_fp8_stores_e4m3_per_row_and_logits_stay_close(checkpoints, family):
+    path = checkpoints[family]
+    model, _ = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    layers = _fp8_layers(model)
+    config = plain.config
+    assert len(layers) == 7 * config.num_hidden_layers  # every projection of the decoder, nothing else
+    assert is_quantized_fp8(model)
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    for name, layer in layers.items():
+        want_q, want_s = _quantize(plain.get_submodule(name).weight.detach())
+        assert layer.weight.dtype == torch.float8_e4m3fn and not layer.weight.requires_grad
+        assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == (layer.out_features, 1)
+        assert torch.equal(layer.weight.view(torch.uint8), want_q.view(torch.uint8)), name
+        assert torch.allclose(layer.weight_scale, want_s, rtol=1e-6, atol=0), name
+    ids = torch.randint(0, config.vocab_size - 1, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        got = model(input_ids=ids).logits
+        bf16 = plain.to(torch.bfloat16)(input_ids=ids).logits
+    # measured on these random models: FP8 ~3e-2 relative error of the logits, bf16 weights ~3e-3
+    # (docs/fp8.md); e4m3 keeps 3 mantissa bits, so a per-weight error of up to 2^-4
+    err = rel_err(got, want)
+    assert 1e-3 < err < 6e-2, err
+    assert err > rel_err(bf16, want)
+
+
+@pytest.mark.parametrize("family,layout,checkpointing", [("llama", "padding_free", False),
+                                                         ("qwen3", "padding_free", True),
+                                                         ("qwen3", "packed", "offload")])
+def test_fp8_lora_loss_and_gradients_equal_transformers_peft_on_dequantised_weights(
+        checkpoints, family, layout, checkpointing, monkeypatch):
+    from swiftune.models.lora_linear import LoRALinearFunction
+
+    path = checkpoints[family]
+    model, _ = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    budget = {"offload_gpu_budget_bytes": 0} if checkpointing == "offload" else {}
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
+                                     use_gradient_checkpointing=checkpointing, init_lora_weights=False, **budget)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
+    reference = peft.get_peft_model(_plain_with_weights(path, model), config).train()
+    want, got = _lora_tensors(reference), _lora_tensors(model)
+    assert got.keys() == want.keys() and got
+    assert all(p.dtype == torch.float32 for p in got.values())  # the adapters keep the model's dtype, not e4m3
+    with torch.no_grad():
+        for name, p in got.items():
+            p.copy_(want[name])
+    ref_loss, ref_grads = _reference_step(reference, _examples())
+    calls = []
+    apply = LoRALinearFunction.apply
+    monkeypatch.setattr(LoRALinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    loss, grads = _swiftune_step(model.train(), _examples(), layout)
+    assert calls, "the FP8 projections train through the fused LoRA node"
+    assert rel_err(loss, ref_loss) < 1e-5, (float(loss), float(ref_loss))
+    assert_gradients_match(ref_grads, grads, _trainable(reference), 1e-4)
+    assert set(ref_grads) == set(_trainable(reference)), "every adapter gets a gradient"
+
+
+def test_scaled_mm_path_matches_the_dequantising_reference():
+    """The ``torch._scaled_mm`` path (activations quantised per row on the fly) against the
+    reference path and float64; CPU torch has ``_scaled_mm`` too, so this runs here (on the GPU,
+    :func:`test_cuda_fp8_linear_runs_scaled_mm` below)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96, bias=True)
+    layer = FP8Linear.from_linear(linear, scaled_mm=False)
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    g = torch.randn(40, 96).to(torch.bfloat16)
+    w64 = (layer.weight.double() * layer.weight_scale.double())
+    try:
+        fast = fp8_matmul(x, layer.weight, FP8State(layer.weight_scale, True), torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:  # a CPU torch without per-row _scaled_mm
+        pytest.skip(f"torch._scaled_mm with per-row scales does not run on this CPU torch: {e}")
+    ref = fp8_matmul(x, layer.weight, FP8State(layer.weight_scale, False), torch.bfloat16)
+    exact = x.double() @ w64.t()
+    # measured: ~3e-2 (the activation's own e4m3 rounding); the reference only rounds to bf16
+    assert rel_err(fast, exact) < 5e-2 and rel_err(ref, exact) < 1e-2
+    assert rel_err(fast, exact) > rel_err(ref, exact)
+    dx_fast = fp8_grad_input(g, layer.weight, FP8State(layer.weight_scale, True), torch.bfloat16)
+    dx_exact = g.double() @ w64
+    assert rel_err(dx_fast, dx_exact) < 5e-2
+    assert rel_err(fp8_grad_input(g, layer.weight, FP8State(layer.weight_scale, False), torch.bfloat16),
+                   dx_exact) < 1e-2
+    # through the module and autograd: the bias, the input gradient
+    layer.scaled_mm = True
+    layer.bias.requires_grad_(True)
+    xr = x.clone().requires_grad_(True)
+    y = layer(xr)
+    y.backward(g)
+    assert rel_err(y, exact + linear.bias.double()) < 5e-2
+    assert rel_err(xr.grad, dx_exact) < 5e-2
+    assert torch.allclose(layer.bias.grad.float(), g.float().sum(0), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
+def test_cuda_fp8_linear_runs_scaled_mm(monkeypatch):
+    torch.manual_seed(0)
+    linear = nn.Linear(4096, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    layer = FP8Linear.from_linear(linear)
+    assert layer.scaled_mm  # chosen from the device
+    calls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+    x = torch.randn(2, 512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(2, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    y = layer(x)
+    y.backward(g)
+    assert len(calls) == 2, "forward and input gradient on the FP8 tensor cores"
+    w64 = layer.weight.double() * layer.weight_scale.double()
+    assert rel_err(y, x.detach().double() @ w64.t()) < 5e-2
+    assert rel_err(x.grad, g.double() @ w64) < 5e-2
+
+
+def test_adapters_of_an_fp8_model_train_and_load_in_plain_peft(checkpoints, tmp_path):
+    import swiftune
+
+    from swiftune.models.lora_linear import is_fused_lora
+
+    path = checkpoints["qwen3"]
+    # the reference kernel backend: PEFT's own lora.Linear forward over FP8Linear trains here (the
+    # fused LoRA node is the parity test's)
+    model, tokenizer = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu",
+                                                 kernel_backend="reference")
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    assert not any(is_fused_lora(m) for m in model.modules())
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    before = {n: p.detach().clone() for n, p in _lora_tensors(model).items()}
+    rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")]
+    args = swiftune.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
+                              learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True)
+    trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    after = _lora_tensors(model)
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters trained"
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(frozen[n].view(torch.uint8), p.view(torch.uint8)), f"{n}: an FP8 weight changed"
+    model.save_pretrained(tmp_path / "adapter")
+    ids = torch.tensor([tokenizer("Reverse: abc\n")["input_ids"]])
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    # plain PEFT on the unquantised base: the adapters load under their own names, unchanged
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                            tmp_path / "adapter").eval()
+    for name, p in _lora_tensors(loaded).items():
+        assert torch.equal(p, after[name].detach()), name
+    # and on a base holding the dequantised FP8 weights: the same model as the FP8 one
+    on_fp8 = peft.PeftModel.from_pretrained(_plain_with_weights(path, model), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert rel_err(on_fp8(input_ids=ids).logits, want) < 1e-5
+
+
+def test_casting_the_model_keeps_the_e4m3_codes_and_scales():
+    layer = FP8Linear.from_linear(nn.Linear(32, 16))
+    q, s = layer.weight.detach().clone(), layer.weight_scale.clone()
+    layer.to(torch.bfloat16)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, s)
+    assert layer.bias.dtype == torch.bfloat16 and layer.compute_dtype == torch.bfloat16
+    layer.float()
+    assert layer.compute_dtype == torch.float32 and torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+    zero = nn.Linear(8, 4, bias=False)
+    with torch.no_grad():
+        zero.weight[1] = 0  # a row of zeros: scale 1, codes 0, no NaN
+    fp8 = FP8Linear.from_linear(zero)
+    assert fp8.weight_scale[1].item() == 1.0 and torch.isfinite(fp8.dequantize()).all()
+
+
+def _write_block_fp8_checkpoint(src: str, dst, block: int = 32) -> dict[str, torch.Tensor]:
+    """``src`` rewritten in transformers' fine-grained FP8 format (e4m3 codes, float32
+    ``weight_scale_inv`` per ``block`` x ``block`` block); returns each projection's dequantised weight."""
+    from safetensors.torch import load_file, save_file
+
+    build_tokenizer().save_pretrained(dst)
+    state = load_file(f"{src}/model.safetensors")
+    out, dequantised = {}, {}
+    for key, w in state.items():
+        if "layers" in key and key.endswith("proj.weight"):
+            o, i = w.shape
+            blocks = w.reshape(o // block, block, i // block, block)
+            scale = blocks.abs().amax(dim=(1, 3)) / E4M3_MAX
+            q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            out[key], out[key.replace("weight", "weight_scale_inv")] = q.reshape(o, i), scale.contiguous()
+            dequantised[key.removesuffix(".weight")] = (q.float() * scale[:, None, :, None]).reshape(o, i)
+        else:
+            out[key] = w
+    save_file(out, f"{dst}/model.safetensors", metadata={"format": "pt"})
+    config = json.loads(open(f"{src}/config.json").read())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dequantised
+
+
+def test_checkpoints_in_transformers_block_fp8_format_load(checkpoints, tmp_path):
+    dequantised = _write_block_fp8_checkpoint(checkpoints["qwen3"], tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain, _ = FastModel.from_pretrained(str(tmp_path), dtype=torch.float32, device_map="cpu", patch=False)
+        fp8, _ = FastModel.from_pretrained(str(tmp_path), dtype=torch.float32, device_map="cpu", load_in_fp8=True)
+    for name, w in dequantised.items():
+        module = plain.get_submodule(name)
+        assert type(module) is nn.Linear and torch.equal(module.weight, w), name  # the checkpoint's own values
+        layer = fp8.get_submodule(name)
+        assert isinstance(layer, FP8Linear)
+        q, s = _quantize(w)  # block scales re-rounded per row: measured ~2.6e-2 relative
+        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)), name
+        assert rel_err(_dequantized(layer), w) < 5e-2
+
+
+def test_bad_fp8_requests_are_refused_before_loading(tmp_path, checkpoints, monkeypatch):
+    from transformers import BitsAndBytesConfig
+
+    from swiftune.training import FastLanguageModel
+
+    empty = tmp_path / "empty"
+    empty.mkdir()  # no config.json: any attempt to load would fail differently
+    for other in ({"load_in_4bit": True}, {"load_in_8bit": True},
+                  {"quantization_config": BitsAndBytesConfig(load_in_4bit=True)}):
+        with pytest.raises(ConfigError, match="load_in_fp8=True and .* are exclusive"):
+            FastModel.from_pretrained(str(empty), load_in_fp8=True, **other)
+    with pytest.raises(ConfigError, match="full_finetuning=True with load_in_fp8=True"):
+        FastLanguageModel.from_pretrained(str(empty), load_in_fp8=True, full_finetuning=True)
+    model, _ = FastModel.from_pretrained(checkpoints["qwen3"], load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    with pytest.raises(ConfigError, match="full fine-tuning of an FP8 model"):
+        FastModel.for_training(model)
+    import swiftune
+
+    with pytest.raises(ConfigError, match="full fine-tuning of an FP8 model"):
+        swiftune.SFTTrainer(model=model, args=swiftune.SFTConfig(output_dir=str(tmp_path / "o"), use_cpu=True),
+                            train_dataset=[{"prompt": "a", "completion": "b"}], processing_class=build_tokenizer())
+    # a GPU without FP8 tensor cores: a warning (the load goes on; the reference path will run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    with pytest.warns(UserWarning, match="no FP8 tensor cores"):
+        check_fp8_request(True, False, False, None)
+
+
+def test_cli_refuses_fp8_full_finetuning_and_mixed_quantisation():
+    from swiftune.cli.arguments import ModelArguments, check_model_args
+
+    with pytest.raises(ConfigError, match="cannot be fully fine-tuned"):
+        check_model_args(ModelArguments(model_name_or_path="some/model", load_in_fp8=True, use_lora=False))
+    with pytest.raises(ConfigError, match="exclusive"):
+        check_model_args(ModelArguments(model_name_or_path="some/model", load_in_fp8=True, load_in_4bit=True))
+    with pytest.raises(ConfigError, match="needs --model_name_or_path"):
+        check_model_args(ModelArguments(load_in_fp8=True))
+
+
+def test_planner_counts_fp8_weights(capsys):
+    from swiftune.cli.plan import main_plan
+
+    full = plan_memory("qwen3-8b", 4096)
+    q = plan_memory("qwen3-8b", 4096, weight_quantization="fp8")
+    shape = model_shape("qwen3-8b")
+    # embeddings and LM head stay bf16 (2 x 151,936 x 4,096 x 2 bytes); projections 1 byte each, plus
+    # a float32 scale per output row: 36 x (4096 + 2 x 1024 + 4096 + 2 x 12288 + 4096) x 4 bytes
+    embed = 2 * 151936 * 4096 * 2
+    rows = 36 * (4096 + 2 * 1024 + 4096 + 2 * 12288 + 4096)
+    assert fp8_scale_bytes(shape) == 4 * rows
+    linear = linear_weight_count(shape)
+    assert (param_count(shape) - linear) * 2 - embed < 1e6  # besides the projections: embeddings, head, norms
+    assert q.weights == (param_count(shape) - linear) * 2 + linear + 4 * rows
+    assert abs(q.weights / 1e9 - 9.44) < 0.01 and abs(full.weights / 1e9 - 16.38) < 0.01
+    assert q.allocated < full.allocated
+    with pytest.raises(ValueError, match="needs LoRA"):
+        plan_memory("qwen3-8b", 4096, full_finetune=True, weight_quantization="fp8")
+    assert main_plan(["--model", "qwen3-8b", "--tokens", "4096", "--load_in_fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["weights"] == q.weights
+    assert main_plan(["--model", "qwen3-8b", "--load_in_fp8", "--load_in_4bit"]) == 2
