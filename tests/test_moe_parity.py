@@ -4,8 +4,9 @@ transformers (+ PEFT) model run on each document alone (issues 20 and 25).
 The helpers (documents, reference step, swiftune step, assertions) are tests/test_gradient_parity.py's;
 only the model and the cases are MoE-specific: a tiny Qwen3-MoE (2 layers, hidden 64, 4 experts top-2,
 the second layer a dense MLP through ``mlp_only_layers`` so both kinds of feed-forward are covered),
-full fine-tuning, LoRA on the attention projections, and LoRA on the fused 3-D experts through PEFT's
-``target_parameters``; padded, padding-free and packed batches; checkpointing off and on.
+full fine-tuning; LoRA on the attention projections only; LoRA on the seven projection names of the
+dense suite (which PEFT 0.21 maps onto the fused 3-D experts, gate/up at rank 2r); LoRA on the experts
+through explicit ``target_parameters``; padded, padding-free and packed batches; checkpointing off and on.
 
 The load-balancing loss: the reference is transformers' own ``load_balancing_loss_func`` on the router
 logits of the unpatched model run document by document (transformers' padded-batch value: the loss is
@@ -30,7 +31,6 @@ from swiftune.training import FastModel
 from tests.helpers import VOCAB, rel_err
 from tests.test_gradient_parity import (
     PAD_ID,
-    PROJECTIONS,
     TOL,
     _assert_parity,
     _examples,
@@ -62,35 +62,45 @@ def tiny_qwen3_moe(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
                                                          dtype=torch.float32).eval()
 
 
-def _expert_lora_reference(base: torch.nn.Module) -> torch.nn.Module:
+# adapter kind -> LoraConfig targets ("seven" is the dense suite's own _lora_reference / _swiftune_model)
+TARGETS = {
+    "attention": dict(target_modules=ATTENTION),
+    "experts": dict(target_modules=ATTENTION, target_parameters=EXPERT_PARAMETERS),
+}
+
+
+def _targeted_lora_reference(base: torch.nn.Module, lora: str) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, target_parameters=EXPERT_PARAMETERS,
-                        lora_dropout=0.0, init_lora_weights=False)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, **TARGETS[lora])
     return get_peft_model(copy.deepcopy(base), config)
 
 
-def _expert_lora_model(base: torch.nn.Module, reference: torch.nn.Module, checkpointing: str,
-                       kernel_backend: str) -> torch.nn.Module:
+def _targeted_lora_model(base: torch.nn.Module, reference: torch.nn.Module, lora: str, checkpointing: str,
+                         kernel_backend: str) -> torch.nn.Module:
     model = patch_model(copy.deepcopy(base), kernel_backend=kernel_backend)
-    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
-                                     target_parameters=EXPERT_PARAMETERS, init_lora_weights=False,
-                                     use_gradient_checkpointing={"off": False, "on": True}[checkpointing])
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, init_lora_weights=False,
+                                     use_gradient_checkpointing={"off": False, "on": True}[checkpointing],
+                                     **TARGETS[lora])
     model.load_state_dict(reference.state_dict())
     return model.train()
 
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    """Per LoRA kind (None, "attention", "experts"): base model, reference model, reference step."""
+    """Per LoRA kind (None, "attention", "seven", "experts"): base model, reference model, reference step."""
     cache: dict = {}
 
     def get(lora: str | None):
         if lora not in cache:
             base = tiny_qwen3_moe().train()
-            build = {None: copy.deepcopy, "attention": _lora_reference, "experts": _expert_lora_reference}[lora]
-            reference = build(base)
+            if lora is None:
+                reference = copy.deepcopy(base)
+            elif lora == "seven":
+                reference = _lora_reference(base)
+            else:
+                reference = _targeted_lora_reference(base, lora)
             cache[lora] = (base, reference, _reference_step(reference, _examples()))
         return cache[lora]
 
@@ -99,21 +109,24 @@ def references() -> dict:
 
 def _model(references, lora: str | None, checkpointing: str, kernel_backend: str):
     base, reference, expected = references(lora)
-    if lora == "experts":
-        model = _expert_lora_model(base, reference, checkpointing, kernel_backend)
+    if lora in TARGETS:
+        model = _targeted_lora_model(base, reference, lora, checkpointing, kernel_backend)
     else:
         model = _swiftune_model(base, reference, lora is not None, checkpointing, kernel_backend)
     return model, reference, expected
 
 
-# Per adapter kind: every layout with checkpointing off, and checkpointing on for the packed rows (the
-# recompute runs the router and experts again). The Triton kernels through the interpreter on the
-# padding-free case (~10 s each); the rest with the kernels' PyTorch references (the attention,
-# packing, checkpointing and MoE paths are the same).
+# Full fine-tuning and the seven projections (attention + experts): every layout with checkpointing
+# off, and checkpointing on for the packed rows (the recompute runs router and experts again); the
+# other adapter kinds on padding-free and packed + checkpointing. The Triton kernels through the
+# interpreter on the padding-free rows of full fine-tuning and the seven projections (~10 s each);
+# the rest with the kernels' PyTorch references (the attention, packing, checkpointing and MoE paths
+# are the same).
 LAYOUT_MODES = [("padded", "off"), ("padding_free", "off"), ("packed", "off"), ("packed", "on")]
 CASES = [
-    (lora, layout, mode, "auto" if layout == "padding_free" else "reference")
-    for lora in (None, "attention", "experts") for layout, mode in LAYOUT_MODES
+    (lora, layout, mode, "auto" if layout == "padding_free" and lora in (None, "seven") else "reference")
+    for lora in (None, "seven", "attention", "experts") for layout, mode in LAYOUT_MODES
+    if lora in (None, "seven") or layout != "padded" and (layout, mode) != ("packed", "off")
 ]
 
 
@@ -128,8 +141,8 @@ def test_moe_training_gradients_equal_unpatched_model(references, case):
     model, reference, expected = _model(references, lora, checkpointing, kernel_backend)
     trainable = _trainable(reference)
     assert _trainable(model) == trainable
-    if lora == "experts":  # the fused 3-D experts really carry adapters here
-        assert any("experts" in name and "lora_A" in name for name in trainable)
+    on_experts = any("experts" in name and "lora_A" in name for name in trainable)
+    assert on_experts == (lora in ("seven", "experts"))  # the fused 3-D experts carry adapters, or not
     if lora is None:  # full fine-tuning trains the experts and the router themselves
         assert any(name.endswith("experts.gate_up_proj") for name in trainable)
         assert any(name.endswith("mlp.gate.weight") for name in trainable)
@@ -209,3 +222,41 @@ def test_dense_model_and_disabled_router_output_add_nothing():
     assert len(logits) == 1 and router_aux_loss(model, logits) is None
     model.config.output_router_logits = True
     assert router_aux_loss(model, logits) is not None
+
+
+# ----------------------------------------------------------------------------- layout and rollouts
+
+def test_patched_moe_runs_packed_rows_and_unsupported_moe_does_not():
+    """Qwen3-MoE is a supported family now: its padding-free rows stay padding-free. A MoE family
+    swiftune does not patch (Mixtral) still falls back to padded rows, never mixing examples."""
+    from swiftune.models.support import batch_layout_for
+
+    patched = patch_model(tiny_qwen3_moe(), attention="reference", kernel_backend="reference")
+    assert batch_layout_for(patched, "padding_free") == "padding_free"
+    assert batch_layout_for(patched, "packed") == "packed"
+    mixtral = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1))
+    with pytest.warns(UserWarning, match="not a supported family"):
+        patch_model(mixtral)
+    with pytest.warns(UserWarning, match=r"MixtralForCausalLM.*padded instead"):
+        assert batch_layout_for(mixtral, "padding_free") == "padded"
+
+
+def test_rollouts_of_moe_go_through_transformers_generation():
+    """The fast engine has no expert routing in its decode step yet: the family record keeps it out
+    (GRPO's "auto" then picks transformers' generation), and that engine's greedy completions on the
+    patched model equal the unpatched model's own greedy generate."""
+    from swiftune.models.families import FAMILIES
+    from swiftune.rl.rollout import SamplingParams, TransformersRolloutEngine
+    from swiftune.rl.rollout.fast import SUPPORTED
+
+    assert not FAMILIES["qwen3_moe"].fast_rollout and "qwen3_moe" not in SUPPORTED
+    plain = tiny_qwen3_moe()
+    patched = patch_model(copy.deepcopy(plain), kernel_backend="reference")
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    got = TransformersRolloutEngine(patched, pad_token_id=0).generate(prompts, 1, SamplingParams(max_tokens=5,
+                                                                                                 temperature=0.0))
+    for prompt, completion in zip(prompts, got.completion_ids):
+        want = plain.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):].tolist()
+        assert completion == want
