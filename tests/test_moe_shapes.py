@@ -83,6 +83,11 @@ def test_tiny_qwen3_moe_lora_counts_equal_peft():
         model = get_peft_model(_tiny("qwen3_moe"), LoraConfig(r=4, **kwargs))
         assert _numel(model, lambda n: "lora_" in n) == want, name
     assert attention_only > _attention_lora(shape, 4)  # the dense formula counts MLP adapters too
+    oss = model_shape(_tiny("gpt_oss").config)  # no mapping in PEFT: all-linear is attention only
+    assert _numel(get_peft_model(_tiny("gpt_oss"), LoraConfig(r=4, target_modules="all-linear")),
+                  lambda n: "lora_" in n) == lora_param_count(oss, 4) == _attention_lora(oss, 4)
+    explicit = get_peft_model(_tiny("gpt_oss"), LoraConfig(r=4, target_modules=[], target_parameters=experts))
+    assert _numel(explicit, lambda n: "lora_" in n) == expert_lora_param_count(oss, 4)
 
 
 def _attention_lora(shape, r: int) -> int:

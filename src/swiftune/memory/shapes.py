@@ -50,6 +50,9 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                         tie_word_embeddings=False),
 }
 
+# MoE families whose fused experts PEFT (0.21) targets for the per-expert linear names (its weight
+# conversion table), "all-linear" included
+_PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe",)
 _QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe")
 _FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
 
@@ -273,15 +276,19 @@ def lora_param_count(shape: ModelShape, rank: int) -> int:
 
         r * [(H + dq) + 2 (H + dkv) + (dq + H)]  +  r * [2 (H + I) + (I + H)] (the MLP)
 
-    On a MoE model PEFT (0.21) maps the per-expert names onto the fused 3-D experts instead: the
+    On Qwen3-MoE PEFT (0.21) maps the per-expert names onto the fused 3-D experts instead: the
     experts of every sparse layer (gate/up at rank ``2 r``, see :func:`expert_lora_param_count`) and the
     router (``r (H + E)``), and no longer finds the dense MLPs' projections (none in the released
-    Qwen3-MoE and gpt-oss models, where every layer is sparse).
+    models, where every layer is sparse). On gpt-oss, whose experts and router are plain parameters
+    PEFT has no mapping for, ``"all-linear"`` is the attention projections only.
     """
     H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     attention = rank * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
     if not shape.is_moe:
         return attention + rank * (2 * (H + I) + (I + H)) * shape.layers
+    if shape.model_type not in _PEFT_MAPS_EXPERT_NAMES:
+        dense_layers = shape.layers - shape.moe_layers
+        return attention + rank * (2 * (H + I) + (I + H)) * dense_layers
     router = rank * (H + shape.experts) * shape.moe_layers
     return attention + expert_lora_param_count(shape, rank, gate_up_rank=2 * rank) + router
 
