@@ -14,6 +14,7 @@ constructs unchanged. Each field is one of (docs/trl_compat_grpo.md has the whol
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +70,7 @@ def _h(text: str) -> dict[str, str]:
 class TRLGRPOFields:
     """TRL 1.16 ``GRPOConfig`` fields (TRL's names and defaults; see the module doc)."""
 
-    model_init_kwargs: dict | None = field(default=None, metadata=_h(
+    model_init_kwargs: dict | str | None = field(default=None, metadata=_h(
         "Keyword arguments for FastModel.from_pretrained when the model is given as a path (e.g. dtype)."))
     trust_remote_code: bool = field(default=False, metadata=_h("Passed to from_pretrained with model_init_kwargs."))
     disable_dropout: bool = field(default=False, metadata=_h("Set every dropout probability of the model to 0."))
@@ -78,11 +79,11 @@ class TRLGRPOFields:
     num_generations_eval: int | None = field(default=None, metadata=_h(
         "Completions per prompt in evaluation (None: num_generations)."))
     shuffle_dataset: bool = field(default=True, metadata=_h("Shuffle the training prompts."))
-    pad_to_multiple_of: Any = field(default="auto", metadata=_h(
+    pad_to_multiple_of: str | None = field(default="auto", metadata=_h(
         "Accepted as 'auto' / None only: the policy rows are padding-free."))
-    generation_kwargs: dict | None = field(default=None, metadata=_h(
+    generation_kwargs: dict | str | None = field(default=None, metadata=_h(
         "Sampling overrides; swiftune's engines take top_p, top_k and min_p (they override those fields)."))
-    chat_template_kwargs: dict | None = field(default=None, metadata=_h(
+    chat_template_kwargs: dict | str | None = field(default=None, metadata=_h(
         "Extra arguments of apply_chat_template for conversational prompts (e.g. {'enable_thinking': False}); a "
         "'chat_template_kwargs' column overrides them per row."))
     repetition_penalty: float = field(default=1.0, metadata=_h("Only 1.0 (the rollout engines have no penalty)."))
@@ -107,7 +108,7 @@ class TRLGRPOFields:
     vllm_importance_sampling_cap: float | None = field(default=None, metadata=_h("No effect (no vLLM)."))
     ds3_gather_for_generation: bool = field(default=True, metadata=_h("No effect (FSDP, not DeepSpeed)."))
     use_transformers_continuous_batching: bool = field(default=False, metadata=_h("Only False (own engine)."))
-    transformers_continuous_batching_config: dict | None = field(default=None, metadata=_h("No effect."))
+    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata=_h("No effect."))
     use_transformers_paged: bool = field(default=False, metadata=_h("Only False (own engine)."))
     sapo_temperature_neg: float = field(default=1.05, metadata=_h("sapo: gate temperature where A <= 0."))
     sapo_temperature_pos: float = field(default=1.0, metadata=_h("sapo: gate temperature where A > 0."))
@@ -148,6 +149,8 @@ def check_trl_fields(config: Any) -> None:
         value = getattr(config, name)
         if value != off:
             fail(config, name, value, "is not supported", why)
+    if isinstance(config.pad_to_multiple_of, str) and config.pad_to_multiple_of.lower() in ("none", "null"):
+        config.pad_to_multiple_of = None  # the command line passes strings (as TRL reads them)
     if config.pad_to_multiple_of not in ("auto", None):
         fail(config, "pad_to_multiple_of", config.pad_to_multiple_of, "is not supported (GRPO policy rows are "
              "padding-free: there is no padding to round)", "set pad_to_multiple_of=None")
@@ -167,6 +170,12 @@ def check_trl_fields(config: Any) -> None:
              f"is not one of {', '.join(MULTI_OBJECTIVE_AGGREGATIONS)}", "set it to one of them")
     for name in ("model_init_kwargs", "chat_template_kwargs", "generation_kwargs"):
         value = getattr(config, name)
+        if isinstance(value, str):  # from the command line or a YAML file: JSON, as TrainingArguments' dicts
+            try:
+                value = json.loads(value)
+            except ValueError:
+                fail(config, name, value, "is not JSON", f"set {name} to a JSON object, e.g. '{{}}'")
+            setattr(config, name, value)
         if value is not None and not isinstance(value, dict):
             fail(config, name, value, "must be a dict or None", f"set {name} to e.g. {{}} or None")
     for key, value in (config.generation_kwargs or {}).items():

@@ -1,0 +1,270 @@
+"""A TRL 1.16 GRPO user changes imports only: GRPOConfig's fields and defaults, refusals at
+construction, the new loss types against a plain-PyTorch formula on full logits (loss and LoRA
+gradients), and the metric names and values of a short run computed here from the rollouts.
+
+The TRL values below were read from trl 1.16.0's grpo_config.py / grpo_trainer.py.
+"""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+from swiftune.data import build_tokenizer
+from swiftune.errors import ConfigError
+from swiftune.models import patch_model
+from swiftune.rl import GRPOConfig, GRPOTrainer, build_policy_row, completion_logprobs, grpo_loss
+from swiftune.rl.grpo_metrics import generation_metrics
+from swiftune.rl.loss import high_entropy_mask
+from tests.helpers import rel_err
+from tests.test_grpo import FAST, PROMPT_ROWS, FixedEngine, add_lora, random_groups, tiny_model
+
+# TRL 1.16 GRPOConfig defaults of fields beyond TrainingArguments (a selection covering every group)
+TRL_DEFAULTS = dict(
+    num_generations=8, num_generations_eval=None, max_completion_length=512, temperature=1.0, top_p=1.0, min_p=None,
+    generation_kwargs=None, chat_template_kwargs=None, repetition_penalty=1.0, use_vllm=False, vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.3, beta=0.0, num_iterations=1, epsilon=0.2, delta=None, epsilon_high=None,
+    sapo_temperature_neg=1.05, sapo_temperature_pos=1.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0, importance_sampling_level="token", reward_weights=None,
+    multi_objective_aggregation="sum_then_normalize", scale_rewards="group", loss_type="dapo",
+    mask_truncated_completions=False, sync_ref_model=False, ref_model_mixup_alpha=0.6, ref_model_sync_steps=512,
+    top_entropy_quantile=1.0, entropy_coef=0.0, log_completions=False, num_completions_to_print=None,
+    disable_dropout=False, cast_lm_head_to_fp32=False, model_init_kwargs=None, shuffle_dataset=True,
+    learning_rate=1e-6, remove_unused_columns=False, steps_per_generation=None, generation_batch_size=None,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def test_trl_fields_exist_with_trls_defaults(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=8)
+    for name, value in TRL_DEFAULTS.items():
+        if name in ("steps_per_generation", "epsilon_high"):  # derived at construction, as in TRL
+            continue
+        assert getattr(args, name) == value, name
+    assert args.steps_per_generation == 1 and args.epsilon_high == 0.2
+    assert args.max_prompt_length is None  # TRL 1.16 truncates no prompt
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("use_vllm", True, "own rollout engine"), ("loss_type", "ppo", "sapo, luspo, vespo"),
+    ("repetition_penalty", 1.1, "repetition_penalty=1.0"), ("generation_kwargs", {"num_beams": 2}, "num_beams"),
+    ("multi_objective_aggregation", "max", "normalize_then_sum"), ("entropy_coef", 0.1, "entropy bonus"),
+    ("top_entropy_quantile", 0.0, "top_entropy_quantile"), ("pad_to_multiple_of", 64, "padding-free"),
+    ("sync_ref_model", True, "beta"),
+])
+def test_unsupported_values_are_refused_at_construction(tmp_path, field, value, needle):
+    with pytest.raises(ConfigError, match=field) as err:
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
+    assert needle in str(err.value)
+
+
+def test_fields_without_effect_warn_once_and_generation_kwargs_override(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            GRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_server_port=9000)
+    assert [str(w.message) for w in caught if "vllm_server_port" in str(w.message)].__len__() == 1
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", top_p=1.0, generation_kwargs={"top_p": 0.9})
+    assert args.top_p == 0.9
+
+
+def _full_logits_logps(model, prompts, completions):
+    """Padded per-sample reference: the model's full logits, log_softmax, the sampled token."""
+    out = []
+    for p, c in zip(prompts, completions):
+        ids = torch.tensor([p + c])
+        logits = model(input_ids=ids).logits[0, len(p) - 1:len(p) + len(c) - 1].double()
+        out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None])[:, 0])
+    return out
+
+
+def _reference_loss(logps, old, adv, ref, loss_type, beta, rho_mask, bias_kl):
+    """TRL 1.16's formulas, sequence by sequence (lists of [T_i] tensors)."""
+    per_seq, tokens = [], 0
+    for i, lp in enumerate(logps):
+        lr = lp - old[i]
+        r, a = torch.exp(lr), float(adv[i])
+        if loss_type == "sapo":
+            tau = 1.0 if a > 0 else 1.05
+            term = -(torch.sigmoid(tau * (r - 1)) * 4 / tau) * a
+        elif loss_type == "vespo":
+            log_w = min(max(float(torch.clamp(lr, -20, 20).sum()), math.log(1e-8)), 20.0)
+            k, lam = (2.0, 3.0) if a >= 0 else (3.0, 2.0)
+            term = -math.exp(lam + k * log_w - lam * math.exp(log_w)) * a * lp
+        else:
+            term = -torch.minimum(r * a, torch.clamp(r, 0.8, 1.2) * a)
+        term = term * rho_mask[i]
+        if beta:
+            d = ref[i] - lp
+            kl = torch.exp(d) - d - 1
+            term = term + beta * (kl * r if bias_kl else kl)
+        per_seq.append(term)
+        tokens += len(lp)
+    if loss_type == "sapo":
+        return sum(t.mean() for t in per_seq) / len(per_seq)
+    if loss_type == "luspo":
+        return sum(t.sum() for t in per_seq) / len(per_seq)
+    return sum(t.sum() for t in per_seq) / tokens  # vespo: dapo normalisation, one micro-batch
+
+
+@pytest.mark.parametrize("loss_type, beta, rho, bias_kl", [
+    ("sapo", 0.0, 1.0, False), ("luspo", 0.1, 0.5, True), ("vespo", 0.1, 1.0, False),
+])
+def test_new_loss_types_equal_the_full_logits_formula(loss_type, beta, rho, bias_kl):
+    prompts, completions = random_groups(seed=3)
+    ref_model = add_lora(tiny_model(seed=21, patch=False))
+    model = copy.deepcopy(ref_model)
+    patch_model(model, attention="reference", kernel_backend="reference")
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(len(prompts), generator=g)
+    row = build_policy_row(prompts, completions, share_prompt=True, group_ids=[i // 3 for i in range(len(prompts))])
+    logps, entropy = completion_logprobs(model, row, return_entropy=True, kernel_backend="reference")
+    old = logps.detach() + 0.3 * torch.randn(logps.shape, generator=g)  # ratios away from 1: clipping acts
+    ref = logps.detach() + 0.2 * torch.randn(logps.shape, generator=g)
+    ent_mask = high_entropy_mask(entropy.detach(), torch.ones_like(logps), rho)
+    out = grpo_loss(logps, old, adv, row.seq_index, loss_type=loss_type, beta=beta, ref_logps=ref,
+                    entropy_mask=ent_mask if rho < 1 else None, kl_bias_correction=bias_kl)
+    out.loss.backward()
+
+    want_logps = _full_logits_logps(ref_model, prompts, completions)
+    split = [len(c) for c in completions]
+    olds, refs = old.double().split(split), ref.double().split(split)
+    ent = entropy.detach().double()
+    if rho < 1:  # the quantile computed here from the entropies of every token
+        thr = torch.quantile(ent, 1 - rho)
+        rho_mask = (ent >= thr).double().split(split)
+        assert 0 < float((ent >= thr).double().mean()) < 1
+    else:
+        rho_mask = [torch.ones(n, dtype=torch.float64) for n in split]
+    want = _reference_loss(want_logps, olds, adv.double(), refs, loss_type, beta, rho_mask, bias_kl)
+    want.backward()
+    assert abs(float(out.loss) - float(want)) < 1e-5 * max(1.0, abs(float(want)))
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    exp = {n: p.grad for n, p in ref_model.named_parameters() if p.requires_grad}
+    assert got and set(got) == set(exp)
+    for n in exp:
+        assert exp[n] is not None and exp[n].abs().max() > 0, n
+        assert rel_err(got[n], exp[n]) < 1e-4, n
+
+
+def test_clip_min_max_are_the_extremes_of_per_completion_shares():
+    g = torch.Generator().manual_seed(1)
+    seq_index = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    logps = torch.randn(9, generator=g)
+    old = logps + 0.4 * torch.randn(9, generator=g)
+    adv = torch.tensor([1.0, -1.0, 1.0])
+    m = grpo_loss(logps, old, adv, seq_index, loss_type="grpo").metrics("grpo")
+    r = torch.exp(logps - old)
+    a = adv[seq_index]
+    low = ((r < 0.8) & (a < 0)).float()
+    high = ((r > 1.2) & (a > 0)).float()
+    shares = lambda x: [float(x[seq_index == i].mean()) for i in range(3)]  # noqa: E731
+    assert m["clip_ratio/low_min"] == pytest.approx(min(shares(low)))
+    assert m["clip_ratio/high_max"] == pytest.approx(max(shares(high)))
+    assert m["clip_ratio/low_mean"] == pytest.approx(float(low.mean()))
+    assert m["clip_ratio/region_mean"] == pytest.approx(float((low + high).mean()))
+
+
+def logging_reward(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+    log_metric("custom/first_len", float(len(completion_ids[0])))
+    log_extra("n_tokens", [len(c) for c in completion_ids])
+    return [float(len(c)) / 4 for c in completion_ids]
+
+
+def test_short_run_logs_trls_metrics_with_values_from_the_rollouts(tokenizer, tmp_path, capsys):
+    G, B = 4, 8
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=B, num_generations=G,
+                      max_completion_length=8, beta=0.1, log_completions=True, num_completions_to_print=3,
+                      per_device_eval_batch_size=4, num_generations_eval=2, learning_rate=1e-2, **FAST)
+    trainer = GRPOTrainer(add_lora(tiny_model(seed=4)), [logging_reward], args=args, train_dataset=PROMPT_ROWS,
+                          eval_dataset=PROMPT_ROWS[:2], processing_class=tokenizer, rollout_engine=FixedEngine())
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    # the same completions, recomputed here (FixedEngine is deterministic; the sampler's prompts are logged)
+    rows = [trainer.train_dataset[i] for i in next(iter(trainer.get_train_dataloader().batch_sampler))]
+    ids = [trainer.tokenize_prompt(r["prompt"]) for r in rows]
+    comps = FixedEngine().generate(ids, G, type("P", (), {"max_tokens": 8})()).completion_ids
+    lengths = torch.tensor([len(c) for c in comps], dtype=torch.float64)
+    done = torch.tensor([g % 3 != 0 for _ in rows for g in range(G)])
+    rewards = lengths / 4
+    assert log["completions/mean_length"] == pytest.approx(float(lengths.mean()))
+    assert log["completions/min_length"] == float(lengths.min()) and log["completions/max_length"] == lengths.max()
+    assert log["completions/clipped_ratio"] == pytest.approx(float((~done).double().mean()))
+    assert log["completions/mean_terminated_length"] == pytest.approx(float(lengths[done].mean()))
+    assert log["completions/max_terminated_length"] == float(lengths[done].max())
+    assert log["reward"] == pytest.approx(float(rewards.mean()))
+    assert log["reward_std"] == pytest.approx(float(rewards.std()))  # TRL 1.16: the batch's std
+    assert log["rewards/logging_reward/std"] == pytest.approx(float(rewards.std()))
+    zero = [float(grp.std()) == 0 for grp in rewards.view(-1, G)]
+    assert log["frac_reward_zero_std"] == pytest.approx(sum(zero) / len(zero))
+    prompt_tokens = sum(len(p) for p in ids) * G
+    assert log["num_tokens"] == prompt_tokens + float(lengths.sum())
+    assert log["custom/first_len"] == len(comps[0])  # log_metric from the reward function
+    for key in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_max",
+                "clip_ratio/region_mean", "tokens_per_s", "padding_fraction", "completion_length"):
+        assert isinstance(log[key], float) and math.isfinite(log[key]), key
+    assert log["tokens_per_s"] > 0  # in the Trainer's log: every integration receives it
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert "n_tokens" in text and "Advantage" in text and "trained 1 steps" in text
+
+    metrics = trainer.evaluate()
+    for key in ("eval_loss", "eval_reward", "eval_reward_std", "eval_completions/mean_length", "eval_entropy",
+                "eval_kl", "eval_clip_ratio/region_mean", "eval_custom/first_len"):
+        assert key in metrics and math.isfinite(metrics[key]), key
+    ev_ids = [trainer.tokenize_prompt(r["prompt"]) for r in PROMPT_ROWS[:2]]
+    ev = FixedEngine().generate(ev_ids, 2, type("P", (), {"max_tokens": 8})()).completion_ids
+    assert metrics["eval_completions/mean_length"] == pytest.approx(sum(map(len, ev)) / len(ev))  # G_eval = 2
+
+
+def test_chat_template_kwargs_from_config_and_row(tokenizer, tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, chat_template_kwargs={"flag": "config"}, **FAST)
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]} for _ in range(4)]
+    trainer = GRPOTrainer(tiny_model(seed=5), [logging_reward], args=args, train_dataset=rows,
+                          processing_class=tokenizer, rollout_engine=FixedEngine())
+    seen = []
+    real = tokenizer.apply_chat_template
+
+    def spy(*a, **k):
+        seen.append(k.get("flag"))
+        return real(*a, **{key: v for key, v in k.items() if key != "flag"})
+
+    tokenizer.apply_chat_template = spy
+    try:
+        trainer.tokenize_prompt(rows[0]["prompt"])
+        trainer.tokenize_prompt(rows[0]["prompt"], {"flag": "row"})
+    finally:
+        del tokenizer.apply_chat_template
+    assert seen == ["config", "row"]
+
+
+def test_disable_dropout_and_model_init_kwargs(tokenizer, tmp_path):
+    model = tiny_model(seed=6)
+    model.model.layers[0].self_attn.some_dropout = torch.nn.Dropout(0.3)
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, disable_dropout=True, **FAST)
+    GRPOTrainer(model, [logging_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer,
+                rollout_engine=FixedEngine())
+    assert model.model.layers[0].self_attn.some_dropout.p == 0
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      model_init_kwargs={"dtype": "float32"}, **FAST)
+    with pytest.raises(ValueError, match="model_init_kwargs"):
+        GRPOTrainer(tiny_model(seed=6), [logging_reward], args=args, train_dataset=PROMPT_ROWS,
+                    processing_class=tokenizer, rollout_engine=FixedEngine())
+
+
+def test_generation_metrics_skip_none_rewards():
+    per_func = torch.tensor([[1.0, math.nan], [math.nan, math.nan], [3.0, 2.0], [5.0, 0.0]])
+    m = generation_metrics(per_func, [1.0, 0.5], ["a", "b"], torch.tensor([3.0, 4.0, 5.0, 6.0]),
+                           torch.tensor([False, True, False, False]), group_size=2)
+    combined = torch.tensor([1.0, 4.0, 5.0])  # the all-None row left out
+    assert m["reward"] == pytest.approx(float(combined.mean()))
+    assert m["reward_std"] == pytest.approx(float(combined.std()))
+    assert m["rewards/b/mean"] == pytest.approx(1.0) and m["completions/min_terminated_length"] == 3.0
