@@ -146,6 +146,7 @@ def first_nonfinite_tensor(named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
         suspects += [i for i, ok in zip(idx, finite) if not ok]
     for i in sorted(suspects):
         name, t = candidates[i]
+        t = t.float() if t.element_size() == 1 else t  # FP8: no isinf kernel for e4m3 / e5m2
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
         if nan or inf:
             parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
