@@ -24,6 +24,7 @@ from tests.test_grpo import FAST, PROMPT_ROWS, FixedEngine, add_lora, random_gro
 # TRL 1.16 GRPOConfig defaults of fields beyond TrainingArguments (a selection covering every group)
 TRL_DEFAULTS = dict(
     num_generations=8, num_generations_eval=None, max_completion_length=512, temperature=1.0, top_p=1.0, min_p=None,
+    top_k=0,
     generation_kwargs=None, chat_template_kwargs=None, repetition_penalty=1.0, use_vllm=False, vllm_mode="colocate",
     vllm_gpu_memory_utilization=0.3, beta=0.0, num_iterations=1, epsilon=0.2, delta=None, epsilon_high=None,
     sapo_temperature_neg=1.05, sapo_temperature_pos=1.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
@@ -268,3 +269,46 @@ def test_generation_metrics_skip_none_rewards():
     assert m["reward"] == pytest.approx(float(combined.mean()))
     assert m["reward_std"] == pytest.approx(float(combined.std()))
     assert m["rewards/b/mean"] == pytest.approx(1.0) and m["completions/min_terminated_length"] == 3.0
+
+
+def test_normalize_then_sum_against_the_formula():
+    from statistics import mean, stdev
+
+    from swiftune.rl.aggregation import normalize_then_sum
+
+    per_func = torch.tensor([[1.0, 10.0], [2.0, 30.0], [4.0, math.nan], [0.0, 20.0], [5.0, 25.0], [6.0, 10.0]])
+    w = [1.0, 0.5]
+    adv, _ = normalize_then_sum(per_func, w, group_size=3)
+    s = [0.0] * 6
+    for g in range(2):
+        for f in range(2):
+            vals = [float(per_func[i, f]) for i in range(3 * g, 3 * g + 3) if not math.isnan(per_func[i, f])]
+            mu, sd = mean(vals), stdev(vals)
+            for i in range(3 * g, 3 * g + 3):
+                if not math.isnan(per_func[i, f]):
+                    s[i] += w[f] * (float(per_func[i, f]) - mu) / (sd + 1e-4)
+    want = [(x - mean(s)) / (stdev(s) + 1e-4) for x in s]
+    assert adv.tolist() == pytest.approx(want, rel=1e-5)
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, tmp_path):
+    from swiftune.rl.trl_runtime import sync_reference
+
+    policy, ref = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    sync_reference(policy, ref, 0.6)
+    for n, p in ref.named_parameters():
+        assert torch.allclose(p, 0.6 * dict(policy.named_parameters())[n] + 0.4 * before[n])
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, beta=0.1, sync_ref_model=True, ref_model_sync_steps=1,
+                      learning_rate=1e-2, **FAST)
+    model = tiny_model(seed=7)
+    trainer = GRPOTrainer(model, [logging_reward], args=args, train_dataset=PROMPT_ROWS, processing_class=tokenizer,
+                          rollout_engine=FixedEngine())
+    start = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    trainer.train()
+    moved = [n for n, p in trainer.ref_model.named_parameters() if not torch.equal(p, start[n])]
+    assert moved  # the frozen copy followed the policy
+    with pytest.raises(ValueError, match="sync_ref_model"):
+        GRPOTrainer(add_lora(tiny_model(seed=7)), [logging_reward], args=args, train_dataset=PROMPT_ROWS,
+                    processing_class=tokenizer, rollout_engine=FixedEngine())

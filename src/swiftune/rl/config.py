@@ -71,7 +71,8 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
     )
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set of tokens of "
                                                         "cumulative probability >= top_p (1.0: off)."})
-    top_k: int | None = field(default=None, metadata={"help": "Keep only the k most likely tokens (None/0: off)."})
+    top_k: int | None = field(default=0, metadata={"help": "Keep only the k most likely tokens (0 / None: off; "
+                                                           "TRL's default 0)."})
     min_p: float | None = field(
         default=None, metadata={"help": "Drop tokens with probability below min_p times the top one's (None: off)."}
     )

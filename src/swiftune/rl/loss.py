@@ -30,6 +30,8 @@ plus, when ``beta > 0``, the k3 estimator of KL(pi || pi_ref) (Schulman)::
 
         l_it += beta * ( exp(ref_it - logp_it) - (ref_it - logp_it) - 1 )
 
+multiplied by ``r_it`` (with its gradient) when ``kl_bias_correction`` (TRL's ``use_bias_correction_kl``).
+
 Normalisation of ``l_it`` (``m_it`` the mask; ``B`` counts masked-out completions too, as TRL)::
 
     grpo:     L = (1/B) sum_i [ sum_t m_it l_it / max(1, sum_t m_it) ]    per-sequence mean, batch mean

@@ -17,8 +17,10 @@ One *generation* (every ``steps_per_generation`` micro-batches, ``num_iterations
 Each training micro-step then runs the policy forward on its row and the loss of
 :mod:`swiftune.rl.loss`. Checkpoints also hold the unfinished generation's micro-batches
 (:mod:`swiftune.rl.checkpoint`), so a resumed run continues exactly. Everything else (optimizer,
-schedules, checkpoints, DDP launch, logging integrations) is transformers'. Metrics go to the
-progress bar, ``metrics.jsonl`` and, at the end, ``reward.png`` in ``output_dir``.
+schedules, checkpoints, DDP launch, logging integrations) is transformers'. Metrics, under TRL 1.16's
+names (:mod:`swiftune.rl.grpo_metrics`), go to every integration, the progress bar, ``metrics.jsonl``
+and, at the end, ``reward.png`` in ``output_dir``; TRL's config fields beyond these knobs are in
+:mod:`swiftune.rl.trl_fields` (docs/trl_compat_grpo.md).
 """
 
 from __future__ import annotations
