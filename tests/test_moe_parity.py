@@ -17,13 +17,17 @@ transformers adds it; the swiftune side records the router logits of its packed 
 from __future__ import annotations
 
 import copy
+import importlib
+import warnings
 
 import pytest
 import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from swiftune.models import patch_model
+from swiftune.attention import build_packed_batch, packed_attention
+from swiftune.attention.sinks import sink_attention
+from swiftune.models import causal_lm_of, patch_model
 from swiftune.models.moe import load_balancing_loss, record_router_logits, router_aux_loss
 from swiftune.sft.trainer import sft_loss
 from swiftune.data import make_collator
@@ -46,6 +50,30 @@ from tests.test_gradient_parity import (
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 AUX_COEF = 0.25  # large enough that a wrong aux gradient shows far above the tolerance
+
+
+def tiny_gpt_oss(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """Random fp32 gpt-oss with eager attention: a sliding layer (window 4, shorter than the longest
+    document) then a full one, YaRN RoPE, 4 biased experts top-2 with the clamped SwiGLU (limit 1, so
+    the clamp bends), and sinks drawn large enough to take real probability mass."""
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                 swiglu_limit=1.0, router_aux_loss_coef=AUX_COEF, pad_token_id=None, initializer_range=0.2)
+    sizes.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**sizes),
+                                                          attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+            layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.2)
+            layer.mlp.experts.down_proj_bias.normal_(0.0, 0.2)
+            layer.mlp.router.bias.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def tiny_moe(family: str, **overrides) -> transformers.PreTrainedModel:
+    return {"qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss}[family](**overrides)
 
 
 def tiny_qwen3_moe(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -89,26 +117,27 @@ def _targeted_lora_model(base: torch.nn.Module, reference: torch.nn.Module, lora
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    """Per LoRA kind (None, "attention", "seven", "experts"): base model, reference model, reference step."""
+    """Per (family, LoRA kind: None, "attention", "seven", "experts"): base model, reference model,
+    reference step."""
     cache: dict = {}
 
-    def get(lora: str | None):
-        if lora not in cache:
-            base = tiny_qwen3_moe().train()
+    def get(family: str, lora: str | None):
+        if (family, lora) not in cache:
+            base = tiny_moe(family).train()
             if lora is None:
                 reference = copy.deepcopy(base)
             elif lora == "seven":
                 reference = _lora_reference(base)
             else:
                 reference = _targeted_lora_reference(base, lora)
-            cache[lora] = (base, reference, _reference_step(reference, _examples()))
-        return cache[lora]
+            cache[family, lora] = (base, reference, _reference_step(reference, _examples()))
+        return cache[family, lora]
 
     return get
 
 
-def _model(references, lora: str | None, checkpointing: str, kernel_backend: str):
-    base, reference, expected = references(lora)
+def _model(references, family: str, lora: str | None, checkpointing: str, kernel_backend: str):
+    base, reference, expected = references(family, lora)
     if lora in TARGETS:
         model = _targeted_lora_model(base, reference, lora, checkpointing, kernel_backend)
     else:
@@ -124,28 +153,35 @@ def _model(references, lora: str | None, checkpointing: str, kernel_backend: str
 # are the same).
 LAYOUT_MODES = [("padded", "off"), ("padding_free", "off"), ("packed", "off"), ("packed", "on")]
 CASES = [
-    (lora, layout, mode, "auto" if layout == "padding_free" and lora in (None, "seven") else "reference")
+    ("qwen3_moe", lora, layout, mode, "auto" if layout == "padding_free" and lora in (None, "seven") else "reference")
     for lora in (None, "seven", "attention", "experts") for layout, mode in LAYOUT_MODES
     if lora in (None, "seven") or layout != "padded" and (layout, mode) != ("packed", "off")
+] + [
+    # gpt-oss: sinks, windows and YaRN in every case; PEFT maps no per-expert names there, so the
+    # experts' adapters come from target_parameters
+    ("gpt_oss", lora, layout, mode, "auto" if (lora, layout) == (None, "padding_free") else "reference")
+    for lora in (None, "experts") for layout, mode in LAYOUT_MODES
+    if lora is None or layout != "padded" and (layout, mode) != ("packed", "off")
 ]
 
 
 def _case_id(case: tuple) -> str:
-    lora, layout, mode, backend = case
-    return f"{lora or 'full'}-{layout}-ckpt_{mode}-{backend}"
+    family, lora, layout, mode, backend = case
+    return f"{family}-{lora or 'full'}-{layout}-ckpt_{mode}-{backend}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_moe_training_gradients_equal_unpatched_model(references, case):
-    lora, layout, checkpointing, kernel_backend = case
-    model, reference, expected = _model(references, lora, checkpointing, kernel_backend)
+    family, lora, layout, checkpointing, kernel_backend = case
+    model, reference, expected = _model(references, family, lora, checkpointing, kernel_backend)
     trainable = _trainable(reference)
     assert _trainable(model) == trainable
     on_experts = any("experts" in name and "lora_A" in name for name in trainable)
     assert on_experts == (lora in ("seven", "experts"))  # the fused 3-D experts carry adapters, or not
-    if lora is None:  # full fine-tuning trains the experts and the router themselves
+    if lora is None:  # full fine-tuning trains the experts and the router themselves (gpt-oss: sinks too)
         assert any(name.endswith("experts.gate_up_proj") for name in trainable)
-        assert any(name.endswith("mlp.gate.weight") for name in trainable)
+        assert any(name.endswith(("mlp.gate.weight", "mlp.router.weight")) for name in trainable)
+        assert family != "gpt_oss" or any(name.endswith("self_attn.sinks") for name in trainable)
     _assert_parity(expected, _swiftune_step(model, _examples(), layout), trainable)
 
 
@@ -165,8 +201,10 @@ def _reference_step_with_aux(model: torch.nn.Module, examples: list[dict]) -> tu
         layers = out.router_logits
         per_layer = [[t] for t in layers] if per_layer is None else [a + [t] for a, t in zip(per_layer, layers)]
     config = model.config
-    aux = load_balancing_loss_func(tuple(torch.cat(parts) for parts in per_layer), config.num_experts,
-                                   config.num_experts_per_tok)
+    # transformers' function of the model's own modeling file
+    reference_aux = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    aux = reference_aux(tuple(torch.cat(parts) for parts in per_layer), experts, config.num_experts_per_tok)
     loss = total / count + config.router_aux_loss_coef * aux
     loss.backward()
     return loss.detach(), _grads(model)
@@ -181,22 +219,24 @@ def _swiftune_step_with_aux(model: torch.nn.Module, examples: list[dict], layout
     model.zero_grad(set_to_none=True)
     with record_router_logits(model) as logits:
         loss, _ = sft_loss(model, inputs, batch["labels"], num_items_in_batch=batch["num_trained_tokens"])
-    assert len(logits) == 1  # one sparse layer, recorded once
+    sparse = sum(1 for layer in causal_lm_of(model).model.layers if not hasattr(layer.mlp, "gate_proj"))
+    assert len(logits) == sparse  # each sparse layer recorded once
     aux = router_aux_loss(model, logits, mask)
     loss = loss + aux
     loss.backward()
     return loss.detach(), _grads(model)
 
 
-@pytest.mark.parametrize(("layout", "checkpointing"), LAYOUT_MODES)
-def test_moe_router_aux_loss_and_gradients_equal_transformers(layout, checkpointing):
-    base = tiny_qwen3_moe(output_router_logits=True).train()
+@pytest.mark.parametrize(("family", "layout", "checkpointing"), [("qwen3_moe", *case) for case in LAYOUT_MODES] + [
+    ("gpt_oss", "padding_free", "off"), ("gpt_oss", "packed", "on")])
+def test_moe_router_aux_loss_and_gradients_equal_transformers(family, layout, checkpointing):
+    base = tiny_moe(family, output_router_logits=True).train()
     reference = copy.deepcopy(base)
     expected = _reference_step_with_aux(reference, _examples())
     without_aux = _reference_step(copy.deepcopy(base), _examples())
     # the aux term moves the loss and the router's gradient well beyond the tolerance: the test can fail
     assert rel_err(without_aux[0], expected[0]) > 100 * TOL
-    router = "model.layers.0.mlp.gate.weight"
+    router = "model.layers.0.mlp.gate.weight" if family == "qwen3_moe" else "model.layers.0.mlp.router.weight"
     assert rel_err(without_aux[1][router], expected[1][router]) > 100 * TOL
     model = patch_model(copy.deepcopy(base), kernel_backend="reference")
     model = FastModel.for_training(model, use_gradient_checkpointing=checkpointing == "on").train()
@@ -227,13 +267,16 @@ def test_dense_model_and_disabled_router_output_add_nothing():
 # ----------------------------------------------------------------------------- layout and rollouts
 
 def test_patched_moe_runs_packed_rows_and_unsupported_moe_does_not():
-    """Qwen3-MoE is a supported family now: its padding-free rows stay padding-free. A MoE family
-    swiftune does not patch (Mixtral) still falls back to padded rows, never mixing examples."""
+    """Qwen3-MoE and gpt-oss are supported families now: padding-free rows stay padding-free. A MoE
+    family swiftune does not patch (Mixtral) still falls back to padded rows, never mixing examples."""
     from swiftune.models.support import batch_layout_for
 
-    patched = patch_model(tiny_qwen3_moe(), attention="reference", kernel_backend="reference")
-    assert batch_layout_for(patched, "padding_free") == "padding_free"
-    assert batch_layout_for(patched, "packed") == "packed"
+    for family in ("qwen3_moe", "gpt_oss"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # every module it should patch is patched: no warning
+            patched = patch_model(tiny_moe(family), attention="reference", kernel_backend="reference")
+            assert batch_layout_for(patched, "padding_free") == "padding_free"
+            assert batch_layout_for(patched, "packed") == "packed"
     mixtral = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1))
@@ -243,16 +286,18 @@ def test_patched_moe_runs_packed_rows_and_unsupported_moe_does_not():
         assert batch_layout_for(mixtral, "padding_free") == "padded"
 
 
-def test_rollouts_of_moe_go_through_transformers_generation():
-    """The fast engine has no expert routing in its decode step yet: the family record keeps it out
-    (GRPO's "auto" then picks transformers' generation), and that engine's greedy completions on the
-    patched model equal the unpatched model's own greedy generate."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_rollouts_of_moe_go_through_transformers_generation(family):
+    """The fast engine has no expert routing (nor sinks) in its decode step yet: the family record keeps
+    it out (GRPO's "auto" then picks transformers' generation), and that engine's greedy completions on
+    the patched model (its decode steps: the dense path of the packed attention, sinks included) equal
+    the unpatched model's own greedy generate."""
     from swiftune.models.families import FAMILIES
     from swiftune.rl.rollout import SamplingParams, TransformersRolloutEngine
     from swiftune.rl.rollout.fast import SUPPORTED
 
-    assert not FAMILIES["qwen3_moe"].fast_rollout and "qwen3_moe" not in SUPPORTED
-    plain = tiny_qwen3_moe()
+    assert not FAMILIES[family].fast_rollout and family not in SUPPORTED
+    plain = tiny_moe(family)
     patched = patch_model(copy.deepcopy(plain), kernel_backend="reference")
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     got = TransformersRolloutEngine(patched, pad_token_id=0).generate(prompts, 1, SamplingParams(max_tokens=5,
@@ -260,3 +305,87 @@ def test_rollouts_of_moe_go_through_transformers_generation():
     for prompt, completion in zip(prompts, got.completion_ids):
         want = plain.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)[0, len(prompt):].tolist()
         assert completion == want
+
+
+# ----------------------------------------------------------------------------- attention sinks
+
+def _sink_inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 3, 9]
+    total, hq, hk, d = sum(lengths), 4, 2, 8
+    q, k, v = (torch.randn(total, h, d, generator=g, requires_grad=True) for h in (hq, hk, hk))
+    sinks = torch.randn(hq, generator=g).mul(2).requires_grad_()
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return lengths, q, k, v, sinks, build_packed_batch(1, total, position_ids, None, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_reference_sink_attention_equals_transformers_eager_per_document(window):
+    """Packed attention with sinks against transformers' gpt-oss eager attention run on each document
+    alone (its own additive causal + window mask): output and the gradients of q, k, v and the sinks."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    lengths, q, k, v, sinks, packed = _sink_inputs()
+    scale = 8 ** -0.5
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.sinks = 2, sinks
+    module.training = False
+    outs, start = [], 0
+    for n in lengths:
+        i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        allowed = (j <= i) & ((i - j < window) if window else True)
+        mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+        sl = slice(start, start + n)
+        out, _ = eager_attention_forward(module, q[sl].transpose(0, 1)[None], k[sl].transpose(0, 1)[None],
+                                         v[sl].transpose(0, 1)[None], mask, scaling=scale)
+        outs.append(out[0])
+        start += n
+    want = torch.cat(outs)
+    cotangent = torch.randn_like(want)
+    want_grads = torch.autograd.grad((want * cotangent).sum(), (q, k, v, sinks))
+    got = sink_attention(q, k, v, packed, scale=scale, sinks=sinks, window=window, backend="reference")
+    got_grads = torch.autograd.grad((got * cotangent).sum(), (q, k, v, sinks))
+    assert rel_err(got, want) < 1e-6
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) < 1e-6 and w.abs().max() > 0
+    # the sinks matter (the test can fail): without them the output is another one
+    plain = packed_attention(q, k, v, packed, scale=scale, window=window, backend="reference")
+    assert rel_err(plain, want) > 1e-2
+
+
+def test_flex_sink_attention_forward_equals_reference():
+    """The flex formulation (one extra key slot whose score is the sink) on CPU, forward only (flex has
+    no backward off CUDA; the GPU suite checks its gradients)."""
+    _, q, k, v, sinks, packed = (t.detach() if isinstance(t, torch.Tensor) else t for t in _sink_inputs(1))
+    with torch.no_grad():
+        for window in (None, 4):
+            want = sink_attention(q, k, v, packed, scale=0.3, sinks=sinks, window=window, backend="reference")
+            got = sink_attention(q, k, v, packed, scale=0.3, sinks=sinks, window=window, backend="flex")
+            assert rel_err(got, want) < 1e-5
+    with pytest.raises(ValueError, match="no attention sinks"):
+        sink_attention(q, k, v, packed, scale=0.3, sinks=sinks, backend="varlen")
+
+
+def test_gpt_oss_grpo_policy_logprobs_equal_unpatched_model():
+    """GRPO's policy forward (swiftune's GRPO attention on a policy row) on gpt-oss: each completion
+    token's log-probability equals the unpatched model's on the sequence alone, sinks included;
+    shared-prompt rows, which have no sink path yet, are refused rather than computed without sinks."""
+    from swiftune.rl import build_policy_row, completion_logprobs
+    from swiftune.rl.policy import install_grpo_attention
+
+    plain = tiny_gpt_oss()
+    model = patch_model(copy.deepcopy(plain), attention="reference", kernel_backend="reference")
+    install_grpo_attention(model)
+    prompts = [[5, 6, 7]] * 2 + [[8, 9, 10, 11]] * 2
+    completions = [[20, 21, 22, 23, 24], [23], [24, 25], [26, 27, 28, 29]]
+    want = []
+    with torch.no_grad():
+        for p, c in zip(prompts, completions):
+            logps = torch.log_softmax(plain(input_ids=torch.tensor([p + c])).logits[0].float(), -1)
+            want += [logps[len(p) - 1 + i, t] for i, t in enumerate(c)]
+        row = build_policy_row(prompts, completions, share_prompt=False, group_ids=[0, 0, 1, 1])
+        got, _ = completion_logprobs(model, row, kernel_backend="reference")
+        assert rel_err(got, torch.stack(want)) < 1e-5
+        shared = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0, 1, 1])
+        with pytest.raises(ValueError, match="share_prompt=False"):
+            completion_logprobs(model, shared, kernel_backend="reference")

@@ -25,6 +25,7 @@ from torch import nn
 
 from .backends import packed_attention
 from .packing import PackedBatch, build_packed_batch
+from .sinks import dense_sink_scores, sink_attention
 
 ATTENTION_NAME = "swiftune_packed"
 PACKED_KWARG = "swiftune_packed"
@@ -61,11 +62,13 @@ def _dense_attention(
     sliding_window: int | None,
     softcap: float | None,
     dropout: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager attention for what the packed path does not cover: decoding with a KV cache
     (fewer queries than keys; then ``S_q x S_k`` is small), or a caller's own 4-D mask.
 
-    Queries are aligned to the last keys (the cache convention). Returns ``[B, S, Hq, D]``.
+    Queries are aligned to the last keys (the cache convention); ``sinks`` (gpt-oss) add one logit
+    per head to every softmax. Returns ``[B, S, Hq, D]``.
     """
     bsz, heads, q_len, _ = query.shape
     kv_len = key.shape[2]
@@ -90,7 +93,10 @@ def _dense_attention(
         if attention_mask is not None:
             allowed = allowed & (attention_mask[:, None, None, -kv_len:] != 0)
         scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        probs = dense_sink_scores(scores.float(), sinks)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     probs = torch.nan_to_num(probs).to(query.dtype)  # fully masked rows (padding) give zeros, not NaN
     if dropout:
         probs = nn.functional.dropout(probs, p=dropout, training=True)
@@ -107,10 +113,12 @@ def packed_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: causal attention within each packed document.
 
+    ``s_aux``: gpt-oss's attention sinks (one logit per query head, :mod:`swiftune.attention.sinks`).
     Returns ``(attn_output [B, S, Hq, D], None)`` like transformers' own attention functions.
     Padding positions of a 2-D-masked batch get zeros.
     """
@@ -120,7 +128,8 @@ def packed_attention_forward(
     if not getattr(module, "is_causal", True):
         raise ValueError("swiftune packed attention is causal; this layer is bidirectional")
     if key.shape[2] != q_len or (attention_mask is not None and attention_mask.dim() != 2):
-        out = _dense_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap, dropout)
+        out = _dense_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap, dropout,
+                               sinks=s_aux)
         return out, None
 
     packed = kwargs.get(PACKED_KWARG)
@@ -131,6 +140,12 @@ def packed_attention_forward(
     q = packed.unpad(query.transpose(1, 2))
     k = packed.unpad(key.transpose(1, 2))
     v = packed.unpad(value.transpose(1, 2))
+    if s_aux is not None:
+        if softcap:
+            raise ValueError("attention sinks with a soft-cap: no family has both, and no backend computes it")
+        out = sink_attention(q, k, v, packed, scale=scaling, sinks=s_aux, window=sliding_window, dropout=dropout,
+                             backend=packed.backend)
+        return packed.pad(out), None
     out = packed_attention(
         q, k, v, packed, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, backend=packed.backend
     )

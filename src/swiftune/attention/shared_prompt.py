@@ -51,6 +51,7 @@ from .backends import dense_causal_attention, flex_token_major, packed_attention
 from .hf import packed_attention_forward
 from .kernel_choice import layout_attention_kernel, prefers_sdpa
 from .packing import PackedBatch
+from .sinks import sink_attention
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
 LAYOUT_KWARG = "swiftune_row_layout"
@@ -155,6 +156,10 @@ def grpo_attention_forward(
     if layout is None:
         return packed_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          sliding_window=sliding_window, softcap=softcap, **kwargs)
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks
+    if sinks is not None and layout.shared:
+        raise ValueError("shared-prompt GRPO rows do not support attention sinks (gpt-oss) yet; set "
+                         "share_prompt=False")
     bsz, heads, q_len, head_dim = query.shape
     if bsz != 1 or key.shape[2] != q_len:
         raise ValueError(f"a GRPO policy row is one row [1, T] without cache; got query {tuple(query.shape)}, "
@@ -164,7 +169,12 @@ def grpo_attention_forward(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     window = int(sliding_window) if sliding_window else None
     cap = float(softcap) if softcap else None
-    if not layout.shared:
+    if sinks is not None:
+        if cap:
+            raise ValueError("attention sinks with a soft-cap: no family has both, and no backend computes it")
+        out = sink_attention(q, k, v, layout.packed, scale=scaling, sinks=sinks, window=window, dropout=dropout,
+                             backend=layout.backend)
+    elif not layout.shared:
         out = packed_attention(q, k, v, layout.packed, scale=scaling, window=window, softcap=cap, dropout=dropout,
                                backend=layout.backend)
     else:

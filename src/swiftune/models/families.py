@@ -52,6 +52,9 @@ class Family:
         fast_rollout: whether the fast rollout engine can run the family's decoder.
         moe: whether the decoder's feed-forward blocks are (mostly) sparse mixture-of-experts blocks
             with a router (``output_router_logits``, the load-balancing auxiliary loss).
+        gated_mlp: whether the module named :attr:`mlp_class` is a dense gated MLP
+            (``gate_proj``/``up_proj``/``down_proj``/``act_fn``) that the fused SwiGLU/GeGLU forward
+            replaces; gpt-oss's ``GptOssMLP`` is its MoE block (router + experts) instead.
     """
 
     model_type: str
@@ -64,6 +67,7 @@ class Family:
     mlp_output_feeds_only_residual: bool = False
     fast_rollout: bool = True
     moe: bool = False
+    gated_mlp: bool = True
 
     @property
     def attention_class(self) -> str:
@@ -111,6 +115,17 @@ def _qwen3_moe() -> Family:
     return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, fast_rollout=False)
 
 
+def _gpt_oss() -> Family:
+    """gpt-oss: biased q/k/v/o projections, one attention-sink logit per head (``sinks``, passed to the
+    attention function as ``s_aux``), sliding (128) and full layers alternating (``layer_types``; each
+    layer's ``sliding_window``), YaRN RoPE (cos/sin from transformers' rotary module, half width),
+    every layer a MoE block (``GptOssMLP``: router with bias, experts with biases and clamped SwiGLU),
+    which stays transformers' module. Not on the fast rollout engine (no sinks or routing in its decode
+    step yet)."""
+    return Family("gpt_oss", "GptOss", window=layer_window, pre_norm=True, moe=True, gated_mlp=False,
+                  fast_rollout=False)
+
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -122,6 +137,7 @@ FAMILIES: dict[str, Family] = {
         _gemma("gemma2", "Gemma2", window=layer_window, softcap=True),
         _gemma("gemma3_text", "Gemma3", window=layer_window),
         _qwen3_moe(),
+        _gpt_oss(),
     )
 }
 

@@ -32,7 +32,8 @@ def fused_attention_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention of Llama / Mistral / Qwen2 / Qwen3 / Gemma 1-3 with one fused QK RoPE kernel.
+    """Attention of Llama / Mistral / Qwen2 / Qwen3 / Gemma 1-3 / Qwen3-MoE / gpt-oss with one fused
+    QK RoPE kernel.
 
     Same projections and (Qwen3 / Gemma 3) per-head q/k RMSNorm as transformers; RoPE through
     :func:`swiftune.kernels.rope_qk` (in place); then the configured attention function.
@@ -58,6 +59,10 @@ def fused_attention_forward(
         query = self.q_norm(query)
         key = self.k_norm(key)
     cos, sin = position_embeddings
+    if 2 * cos.shape[-1] == self.head_dim:
+        # gpt-oss's rotary module returns one angle per rotated pair (half width) and rotates the two
+        # halves; that is rotate_half's rotation with the angles repeated, which rope_qk computes
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     if cos.dtype != query.dtype:  # e.g. autocast: rotate in q's dtype
         cos, sin = cos.to(query.dtype), sin.to(query.dtype)
     query, key = rope_qk(query.transpose(1, 2), key.transpose(1, 2), cos, sin, backend=backend)
@@ -72,6 +77,8 @@ def fused_attention_forward(
         extra["sliding_window"] = window
     if spec.softcap:
         extra["softcap"] = self.attn_logit_softcapping
+    if getattr(self, "sinks", None) is not None:  # gpt-oss: one sink logit per head joins every softmax
+        extra["s_aux"] = self.sinks
     attn_output, attn_weights = attention_interface(
         self,
         query,

@@ -1,6 +1,7 @@
 """``patch_model``: switch a transformers causal LM, in place, to swiftune's kernels and attention.
 
-What changes, per supported family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text):
+What changes, per supported family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, and
+the mixture-of-experts families Qwen3-MoE and gpt-oss, whose MoE blocks stay transformers' own):
 
 * each attention module's ``forward`` (bound on the instance) applies RoPE to q and k with one
   fused kernel, :func:`swiftune.kernels.rope_qk`, instead of the modeling file's
@@ -93,7 +94,7 @@ def _patch_kernels(model: nn.Module, family: Family, kernel_backend: str) -> lis
                 continue
             spec = AttentionSpec(family.window, family.softcap, eager)
             _bind(module, fused_attention_forward, PatchState(kernel_backend, attention=spec))
-        elif cls == family.mlp_class:
+        elif family.gated_mlp and cls == family.mlp_class:
             kind = _GLU_KINDS.get(type(getattr(module, "act_fn", None)).__name__)
             if kind is None or not all(hasattr(module, a) for a in _MLP_ATTRS):
                 missing.append(f"MLP {name} (activation {type(getattr(module, 'act_fn', None)).__name__})")
