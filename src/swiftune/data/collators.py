@@ -17,7 +17,8 @@ documents run one by one.
 Modes
 -----
 * :class:`PaddingFreeCollator` (default): one row ``[1, T]`` of all examples concatenated,
-  ``position_ids`` restarting at 0 at each example, no padding and no ``attention_mask``. The
+  ``position_ids`` restarting at 0 at each example, no padding (unless ``pad_to_multiple_of``) and
+  no ``attention_mask``. The
   attention layer finds the documents from ``position_ids`` (``cu_seqlens``).
 * :class:`PackedCollator`: rows of at most ``max_length`` (best-fit decreasing), each laid out as
   padding-free, right-padded to the longest row. Padding is one more document: its
@@ -120,18 +121,32 @@ def _finish(batch: dict[str, Any], num_tokens: int) -> dict[str, Any]:
 
 @dataclass
 class PaddingFreeCollator:
-    """All examples in one row ``[1, T]`` with restarting ``position_ids``; no padding at all."""
+    """All examples in one row ``[1, T]`` with restarting ``position_ids``; no padding at all.
+
+    With ``pad_to_multiple_of`` (TRL's field: fewer distinct shapes for compilers) the row is
+    right-padded to a multiple of it; as in :class:`PackedCollator` the padding is one more
+    document (positions restart at 0, labels ``-100``), so no real token sees it or trains on it.
+    """
+
+    pad_token_id: int | None = None
+    pad_to_multiple_of: int | None = None
 
     def __call__(self, examples: Sequence[dict]) -> dict[str, Any]:
         if not examples:
             raise ValueError("cannot collate an empty list of examples")
         input_ids, labels, seq_lengths = _concat_row(examples)
+        n = len(input_ids)
+        extra = _round_up(n, self.pad_to_multiple_of) - n
+        if extra:
+            input_ids = input_ids + [self.pad_token_id if self.pad_token_id is not None else 0] * extra
+            labels = labels + [IGNORE_INDEX] * extra
+            seq_lengths = seq_lengths + [extra]
         batch = {
             "input_ids": torch.tensor([input_ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
             "position_ids": position_ids_from_seq_lengths(seq_lengths).unsqueeze(0),
         }
-        return _finish(batch, len(input_ids))
+        return _finish(batch, n)
 
 
 @dataclass
@@ -225,7 +240,7 @@ def make_collator(
 ) -> PaddingFreeCollator | PackedCollator | PaddedCollator:
     """The collator for ``mode``; ``max_length`` is required for ``"packed"``."""
     if mode == "padding_free":
-        return PaddingFreeCollator()
+        return PaddingFreeCollator(pad_token_id, pad_to_multiple_of)
     if mode == "packed":
         if max_length is None:
             raise ValueError("packed batches need max_length (the row length)")

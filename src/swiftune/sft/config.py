@@ -7,13 +7,14 @@ imports only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from transformers import TrainingArguments
 
 from ..errors import ConfigError
 from ..training.config_checks import (KERNEL_BACKENDS, check_attention_backend, check_training_arguments, fail,
                                       require_choice, require_int)
+from .trl_fields import check_dict_fields, check_trl_fields
 
 TRUNCATION_MODES = ("truncate", "error", "drop")
 
@@ -67,6 +68,45 @@ class SFTConfig(TrainingArguments):
         default=None,
         metadata={"help": "Train only on assistant turns of conversational data (None: on where it applies)."},
     )
+    truncation_mode: Literal["keep_start", "keep_end"] = field(
+        default="keep_start",
+        metadata={"help": "TRL's: which tokens truncation keeps, the first (keep_start) or the last (keep_end) "
+                          "max_length."},
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Keywords for apply_chat_template (e.g. {\"enable_thinking\": false}); a row's own "
+                          "chat_template_kwargs column updates them."},
+    )
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={"help": "TRL's: a .jinja/.j2 file or a tokenizer directory whose chat template replaces the "
+                          "tokenizer's."},
+    )
+    dataset_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "TRL's: {\"skip_prepare_dataset\": true} takes trainer-ready rows (input_ids, labels) as "
+                          "they are."},
+    )
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={"help": "TRL's: processes for dataset preparation. Accepted, not used: swiftune tokenizes in "
+                          "batches in one process (a warning says so)."},
+    )
+    eos_token: str | None = field(
+        default=None,
+        metadata={"help": "TRL's: the token that ends a sequence or turn (set on the tokenizer and the model's "
+                          "configs); None keeps the tokenizer's."},
+    )
+    pad_token: str | None = field(
+        default=None,
+        metadata={"help": "TRL's (deprecated there): the padding token set on the tokenizer; None keeps the "
+                          "tokenizer's."},
+    )
+    shuffle_dataset: bool = field(
+        default=False,
+        metadata={"help": "TRL's: shuffle the prepared dataset (before packing) with the run's seed."},
+    )
     # ---------------------------------------------------------------------- batches
     padding_free: bool | None = field(
         default=None,
@@ -81,6 +121,19 @@ class SFTConfig(TrainingArguments):
         default=None,
         metadata={"help": "Form micro-batches by a token budget instead of per_device_train_batch_size examples."},
     )
+    packing_strategy: str = field(
+        default="bfd",
+        metadata={"help": "TRL's: bfd (best-fit decreasing, what swiftune packs with) is the only strategy; "
+                          "bfd_split and wrapped are refused with what to do instead."},
+    )
+    eval_packing: bool | None = field(
+        default=None,
+        metadata={"help": "TRL's: bin-pack the eval dataset too (None: as packing)."},
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto",
+        metadata={"help": "TRL's: pad every batch row to a multiple of this (auto: no padding off Neuron)."},
+    )
     # ---------------------------------------------------------------------- model / kernels
     attention_backend: str = field(
         default="auto",
@@ -90,6 +143,28 @@ class SFTConfig(TrainingArguments):
     kernel_backend: Literal["auto", "triton", "reference"] = field(
         default="auto",
         metadata={"help": "Fused kernels: auto (Triton on CUDA, reference on CPU), triton or reference."},
+    )
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "TRL's: keywords for FastModel.from_pretrained when the model is given as a path "
+                          "(dtype, revision, ...)."},
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "TRL's: allow model code from the Hub when loading from a path."}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "TRL's MoE load-balancing loss weight: swiftune's SFT loss has none, so only 0.0 / None."},
+    )
+    loss_type: str = field(
+        default="nll",
+        metadata={"help": "TRL's: nll (cross entropy) or dft (each token's loss weighted by its detached "
+                          "probability, Dynamic Fine-Tuning); chunked_nll is TRL's deprecated alias of nll."},
+    )
+    activation_offloading: bool = field(
+        default=False,
+        metadata={"help": "TRL's: keep activations in CPU memory. swiftune: offloaded gradient checkpointing (layer "
+                          "inputs in pinned CPU memory, layers recomputed in backward)."},
     )
     logit_chunk_tokens: int | None = field(
         default=None,
@@ -109,7 +184,11 @@ class SFTConfig(TrainingArguments):
         default=False, metadata={"help": "Kept False: swiftune's collators need the tokenized columns."}
     )
 
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs", "dataset_kwargs", "chat_template_kwargs"]
+
     def __post_init__(self) -> None:
+        check_trl_fields(self)  # before anything else: they decide batch layout and checkpointing
         if self.packing and self.padding_free:
             raise ConfigError(
                 "SFTConfig: packing=True and padding_free=True are alternative batch layouts: packing bin-packs "
@@ -121,6 +200,7 @@ class SFTConfig(TrainingArguments):
             self.padding_free = not self.packing
         super().__post_init__()
         check_training_arguments(self)
+        check_dict_fields(self)
         require_int(self, "max_length", 1, "the longest tokenized example in tokens (e.g. 1024), or None to keep "
                     "every example whole", allow_none=True)
         require_choice(self, "truncation", TRUNCATION_MODES)

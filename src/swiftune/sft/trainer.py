@@ -18,6 +18,8 @@ share, :class:`swiftune.training.SwiftuneTrainer`):
 from __future__ import annotations
 
 import logging
+import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,12 +35,15 @@ from ..data import (
     pop_batch_stats,
     prepare_dataset,
 )
+from ..errors import ConfigError
 from ..losses import linear_cross_entropy
 from ..models.heads import hidden_states_and_head
 from ..models.support import batch_layout_for
-from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter
+from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter, enable_gradient_checkpointing
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .config import SFTConfig
+from .eval_outputs import full_logits, token_accuracy_counts
+from .trl_fields import apply_tokenizer_fields, model_load_kwargs, warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,16 @@ class SFTTrainer(SwiftuneTrainer):
             tokenized :class:`swiftune.data.TokenizedDataset`.
         processing_class: the tokenizer (loaded with the model when ``model`` is a path).
         peft_config: a ``peft.LoraConfig`` to wrap a plain model with adapters.
+        compute_metrics / preprocess_logits_for_metrics: transformers' ``Trainer`` arguments, on
+            evaluation; the logits they get are built per evaluation batch only (training never holds
+            them): :mod:`swiftune.sft.eval_outputs`.
+        formatting_func: TRL's: a function of one row returning the text to train on (or the older
+            batched form); the rows become plain text.
+
+    Pre-tokenized rows (``input_ids``, optional ``labels`` / ``assistant_masks`` / ``completion_mask``)
+    follow TRL 1.16's rules (:mod:`swiftune.data.row_formats`); TRL's other ``SFTConfig`` fields are in
+    :mod:`swiftune.sft.trl_fields` and docs/trl_compat.md. Logs carry TRL's ``num_tokens`` and, in
+    evaluation, ``eval_mean_token_accuracy``.
     """
 
     trainer_kind = "sft"
@@ -62,7 +77,7 @@ class SFTTrainer(SwiftuneTrainer):
     default_output_dir = "swiftune_output/sft"
     settings_keys = COMMON_SETTINGS_KEYS + (
         "max_length", "packing", "padding_free", "completion_only_loss", "assistant_only_loss",
-        "max_tokens_per_batch", "dataset_text_field", "truncation",
+        "max_tokens_per_batch", "dataset_text_field", "truncation", "truncation_mode", "loss_type",
     )
 
     def __init__(
@@ -75,30 +90,62 @@ class SFTTrainer(SwiftuneTrainer):
         peft_config: Any = None,
         data_collator: Any = None,
         callbacks: list | None = None,
+        compute_metrics: Callable | None = None,
+        preprocess_logits_for_metrics: Callable | None = None,
+        formatting_func: Callable | None = None,
         **kwargs: Any,
     ):
         args = self.resolve_args(args)
+        if formatting_func is not None and args.completion_only_loss:
+            raise ConfigError(
+                "SFTTrainer: formatting_func turns every row into plain text (TRL's language-modelling data), which "
+                "has no completion to train on alone, but completion_only_loss=True; apply the formatting to the "
+                "dataset yourself (keeping prompt/completion columns), or leave completion_only_loss unset"
+            )
+        if isinstance(model, str):
+            load_kwargs = model_load_kwargs(args)
+        else:
+            load_kwargs = {}
+            if args.model_init_kwargs:
+                warn_once("model_init_kwargs", "ignored: the model is already loaded (they apply when the model is "
+                          "given as a path, as in TRL)")
         model, processing_class = self.prepare_model(
             model, args, processing_class, train_dataset, peft_config, max_seq_length=args.max_length,
             missing_tokenizer="SFTTrainer needs the tokenizer: pass processing_class=tokenizer",
-            missing_dataset="SFTTrainer needs a train_dataset",
+            missing_dataset="SFTTrainer needs a train_dataset", **load_kwargs,
         )
+        apply_tokenizer_fields(args, processing_class, model)
+        if args.activation_offloading:  # TRL's offloaded activations: swiftune's offloaded checkpointing
+            enable_gradient_checkpointing(model, "offload")
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
 
-        train_dataset = self._tokenize(train_dataset, processing_class, args, "train")
+        self._formatting_func = formatting_func
+        train_dataset = self._tokenize(train_dataset, processing_class, args, "train", formatting_func)
+        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
         if eval_dataset is not None:
-            eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval")
+            eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", formatting_func)
+            if eval_packing:
+                eval_dataset = TokenizedDataset(pack_dataset(eval_dataset.examples, args.max_length),
+                                                eval_dataset.stats)
         if args.packing:
             train_dataset = TokenizedDataset(pack_dataset(train_dataset.examples, args.max_length),
                                              train_dataset.stats)
+        collate = dict(max_length=args.max_length, pad_token_id=processing_class.pad_token_id,
+                       pad_to_multiple_of=args.pad_to_multiple_of)
+        self._eval_collator = None
         if data_collator is None:
-            data_collator = make_collator(batch_mode, max_length=args.max_length,
-                                          pad_token_id=processing_class.pad_token_id)
+            data_collator = make_collator(batch_mode, **collate)
+            if eval_packing and batch_mode != "packed":  # packed eval rows: one row each, padded to the longest
+                self._eval_collator = make_collator("packed", **collate)
+            elif not eval_packing and args.packing:  # unpacked eval examples beside packed training rows
+                self._eval_collator = make_collator(batch_layout_for(model, "padding_free"), **collate)
         self.token_meter = TokenMeter()
         self.step_flops = StepFlops()
+        self._eval_counts = [0, 0]  # correct, labelled tokens since the last evaluation log
         super().__init__(
             model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, data_collator=data_collator, callbacks=callbacks, **kwargs,
+            processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
+            compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs,
         )
         # compute_loss normalises by num_items_in_batch itself: tell the Trainer not to divide
         # by the accumulation steps again, and to count the trained tokens of every micro-batch.
@@ -108,7 +155,8 @@ class SFTTrainer(SwiftuneTrainer):
     # ------------------------------------------------------------------------ data
 
     @staticmethod
-    def _tokenize(data: Any, tokenizer: Any, args: SFTConfig, split: str) -> TokenizedDataset:
+    def _tokenize(data: Any, tokenizer: Any, args: SFTConfig, split: str,
+                  formatting_func: Callable | None = None) -> TokenizedDataset:
         if isinstance(data, TokenizedDataset):
             return data
         if args.batch_mode == "padded" and tokenizer.pad_token_id is None:
@@ -117,13 +165,30 @@ class SFTTrainer(SwiftuneTrainer):
         tokenized = prepare_dataset(
             data, tokenizer, max_length=args.max_length, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
-            text_field=args.dataset_text_field,
+            text_field=args.dataset_text_field, truncation_mode=args.truncation_mode,
+            chat_template_kwargs=args.chat_template_kwargs, formatting_func=formatting_func,
+            skip_prepare=bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False)),
         )
+        if args.shuffle_dataset:  # TRL shuffles the prepared rows (before packing) with the run's seed
+            random.Random(args.seed).shuffle(tokenized.examples)
         stats = tokenized.stats
         logger.info("%s data: %d rows -> %d examples (%s), %d tokens, %d trained, %d truncated", split,
                     stats.num_rows, stats.num_examples, stats.data_shape, stats.num_tokens,
                     stats.num_trained_tokens, stats.num_truncated)
         return tokenized
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        if isinstance(eval_dataset, str) or eval_dataset is None or isinstance(eval_dataset, TokenizedDataset):
+            prepared = eval_dataset
+        else:  # a dataset handed to evaluate(): prepared as at construction (TRL does the same)
+            prepared = self._tokenize(eval_dataset, self.processing_class, self.args, "eval", self._formatting_func)
+        if self._eval_collator is None:
+            return super().get_eval_dataloader(prepared)
+        train_collator, self.data_collator = self.data_collator, self._eval_collator
+        try:  # the loader keeps the collator it was built with
+            return super().get_eval_dataloader(prepared)
+        finally:
+            self.data_collator = train_collator
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         if self.args.max_tokens_per_batch is None:
@@ -148,20 +213,90 @@ class SFTTrainer(SwiftuneTrainer):
             if model.training:
                 self.token_meter.add(stats)
         labels = inputs.pop("labels")
-        loss, hidden = sft_loss(
-            model, inputs, labels, num_items_in_batch=num_items_in_batch,
-            chunk_tokens=self.args.logit_chunk_tokens,
-        )
+        hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
+        targets = shift_labels(labels)
+        loss = head_loss(hidden, lm_head, softcap, targets, num_items_in_batch, self.args.logit_chunk_tokens,
+                         self.args.loss_type)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # num_items_in_batch is the global count; DDP averages gradients over processes.
             loss = loss * self.accelerator.num_processes
-        return (loss, {"last_hidden_state": hidden}) if return_outputs else loss
+        if not model.training:  # TRL's eval mean_token_accuracy, chunk by chunk (eval_outputs)
+            correct, labelled = token_accuracy_counts(hidden, lm_head, targets)
+            self._eval_counts[0] += correct
+            self._eval_counts[1] += labelled
+        if not return_outputs:
+            return loss
+        outputs = {"last_hidden_state": hidden, "labels": labels}
+        if self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None:
+            outputs["logits"] = full_logits(hidden, lm_head, softcap)  # evaluation only: see eval_outputs
+        return loss, outputs
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
+        wants_logits = not prediction_loss_only and (
+            self.compute_metrics is not None or self.preprocess_logits_for_metrics is not None)
         with torch.no_grad():
-            loss = self.compute_loss(model, dict(inputs))
-        return loss.detach(), None, None
+            if not wants_logits:
+                return self.compute_loss(model, dict(inputs)).detach(), None, None
+            loss, outputs = self.compute_loss(model, dict(inputs), return_outputs=True)
+        return loss.detach(), outputs["logits"], outputs["labels"]
+
+    # ------------------------------------------------------------------------ logs
+
+    def _summed(self, values: list[int]) -> list[int]:
+        if self.accelerator.num_processes == 1:
+            return values
+        total = self.accelerator.reduce(torch.tensor(values, device=self.accelerator.device), reduction="sum")
+        return [int(v) for v in total.tolist()]
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # TRL's names: num_tokens (tokens trained on so far, padding excluded), and in evaluation
+        # eval_mean_token_accuracy (over every labelled eval token) and eval_num_tokens.
+        if "loss" in logs:
+            logs["num_tokens"] = float(self._summed([self.token_meter.total_tokens])[0])
+        elif any(key.startswith("eval_") for key in logs) and self._eval_counts[1]:
+            correct, labelled = self._summed(self._eval_counts)
+            logs["eval_mean_token_accuracy"] = correct / labelled if labelled else 0.0
+            logs["eval_num_tokens"] = float(self._summed([self.token_meter.total_tokens])[0])
+            self._eval_counts = [0, 0]
+        super().log(logs, *args, **kwargs)
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Targets aligned with the hidden states: position t predicts labels[t + 1]; the last predicts nothing."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    lm_head: nn.Module,
+    softcap: float | None,
+    targets: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+    loss_type: str = "nll",
+) -> torch.Tensor:
+    """The SFT loss of ``hidden`` against the (shifted) ``targets`` through the fused LM head.
+
+    ``loss_type="nll"``: the cross entropy, summed over trained tokens and divided by
+    ``num_items_in_batch`` (else their count). ``"dft"`` (TRL's Dynamic Fine-Tuning,
+    arXiv:2508.05629): each token's loss ``l_t = -log p_t`` weighted by its probability taken as
+    a constant, ``sum_t l_t * stop_grad(p_t) / D``, so ``d/dz = p_t * dl_t/dz``; computed from the
+    fused per-token losses (``reduction="none"``, recomputed chunk by chunk in backward), never
+    from the full logits.
+    """
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if loss_type == "nll":
+        return linear_cross_entropy(flat_h, lm_head.weight, flat_y, reduction="mean", num_items=num_items_in_batch,
+                                    logit_softcap=softcap, bias=lm_head.bias, chunk_tokens=chunk_tokens)
+    if loss_type != "dft":
+        raise ValueError(f"loss_type must be 'nll' or 'dft', got {loss_type!r}")
+    per_token = linear_cross_entropy(flat_h, lm_head.weight, flat_y, reduction="none", logit_softcap=softcap,
+                                     bias=lm_head.bias, chunk_tokens=chunk_tokens)
+    weighted = per_token * torch.exp(-per_token).detach()  # ignored positions: loss 0, weight 1, term 0
+    count = (flat_y != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    denom = torch.as_tensor(count, device=weighted.device).to(weighted.dtype).clamp_min(1.0)
+    return weighted.sum() / denom
 
 
 def sft_loss(
@@ -170,23 +305,18 @@ def sft_loss(
     labels: torch.Tensor,
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    loss_type: str = "nll",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal-LM cross entropy of ``model`` on ``inputs`` without materialising the logits.
+    """Causal-LM loss of ``model`` on ``inputs`` without materialising the logits.
 
     The last hidden states come from :func:`swiftune.models.heads.hidden_states_and_head` (the
-    model's own forward, ``logits_to_keep=1``), and the loss is the fused
-    ``linear_cross_entropy`` of those states against the LM head. Labels are
-    unshifted (transformers' convention); the shift happens here, on the labels only.
+    model's own forward, ``logits_to_keep=1``), and the loss is :func:`head_loss` of those states
+    against the LM head. Labels are unshifted (transformers' convention); the shift happens here,
+    on the labels only.
 
     Returns ``(loss, last_hidden_state)``. With ``num_items_in_batch`` the loss is the sum over
     trained tokens divided by it (gradient accumulation / multi-GPU); else the mean.
     """
     hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
-    # position t predicts labels[t + 1]; the last position predicts nothing
-    shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    loss = linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]), lm_head.weight, shift_labels.reshape(-1),
-        reduction="mean", num_items=num_items_in_batch,
-        logit_softcap=softcap, bias=lm_head.bias, chunk_tokens=chunk_tokens,
-    )
+    loss = head_loss(hidden, lm_head, softcap, shift_labels(labels), num_items_in_batch, chunk_tokens, loss_type)
     return loss, hidden
