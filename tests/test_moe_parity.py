@@ -162,6 +162,9 @@ CASES = [
     ("gpt_oss", lora, layout, mode, "auto" if (lora, layout) == (None, "padding_free") else "reference")
     for lora in (None, "experts") for layout, mode in LAYOUT_MODES
     if lora is None or layout != "padded" and (layout, mode) != ("packed", "off")
+] + [
+    # offloaded checkpointing (every layer input on the host, recomputed through the MoE block)
+    ("qwen3_moe", "seven", "packed", "offload", "reference"), ("gpt_oss", None, "packed", "offload", "reference"),
 ]
 
 
