@@ -147,7 +147,7 @@ case "$part" in
       --gpu-budget-gb 24 --modes swiftune_budget swiftune_budget_offload --out "$OUT/qlora_sft_24gb.json" ;;
   fp8-sft)  # FP8 (e4m3, per-row scales, torch._scaled_mm) base weights against swiftune's own bf16 on the same
     # shapes: batch 16 and 16K-token micro-batches, Qwen3-8B, LoRA r=16; the fp8 CUDA tests first (~7 min)
-    run fp8_tests 60 python3 -m pytest -q tests/test_fp8.py -p no:cacheprovider -k "cuda or scaled_mm"
+    run fp8_tests 90 python3 -m pytest -q tests/test_fp8.py -p no:cacheprovider -k "cuda or scaled_mm"
     run fp8_sft_bf16 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
       --modes swiftune swiftune_budget --out "$OUT/fp8_sft_bf16.json"
     run fp8_sft 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-fp8 \
