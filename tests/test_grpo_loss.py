@@ -70,6 +70,14 @@ def reference_loss(logp, old, ref, mask, adv, *, loss_type, level="token", eps=0
         ratio = torch.exp(logp - old)
     if loss_type == "cispo":
         term = torch.clamp(ratio, max=eps_high).detach() * A * logp
+    elif loss_type == "sapo":  # SAPO: a sigmoid gate, TRL's temperatures 1.0 (A > 0) / 1.05
+        tau = torch.where(A > 0, torch.tensor(1.0, dtype=A.dtype), torch.tensor(1.05, dtype=A.dtype))
+        term = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * A
+    elif loss_type == "vespo":  # VESPO: gamma weight of the summed sequence log-ratio (TRL's k, lambda), detached
+        log_w = ((logp - old).clamp(-20, 20) * mask).sum(1).clamp(math.log(1e-8), 20)
+        two, three = torch.tensor(2.0, dtype=adv.dtype), torch.tensor(3.0, dtype=adv.dtype)
+        k, lam = torch.where(adv >= 0, two, three), torch.where(adv >= 0, three, two)
+        term = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).detach()[:, None] * A * logp
     else:
         unclipped = torch.clamp(ratio, max=delta) if delta is not None else ratio
         term = torch.min(unclipped * A, torch.clamp(ratio, 1 - eps, 1 + eps_high) * A)
@@ -78,13 +86,15 @@ def reference_loss(logp, old, ref, mask, adv, *, loss_type, level="token", eps=0
         term = term - beta * kl
     term = term * mask
     B = logp.shape[0]
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         J = (term.sum(1) / n_i.clamp(min=1)).sum() / B
+    elif loss_type == "luspo":  # LUSPO: each sequence's sum, batch mean
+        J = term.sum() / B
     elif loss_type == "bnpo":
         J = term.sum() / mask.sum()
     elif loss_type == "dr_grpo":
         J = term.sum() / (B * L_MAX)
-    else:  # dapo, cispo: the whole accumulated batch's token count
+    else:  # dapo, cispo, vespo: the whole accumulated batch's token count
         J = term.sum() / (mask.sum() if num_items is None else num_items)
     return -J
 
@@ -102,6 +112,12 @@ CASES = [
     dict(loss_type="grpo", level="sequence", eps=0.05),
     dict(loss_type="dapo", level="sequence", beta=0.02),
     dict(loss_type="cispo", level="sequence", eps_high=1.02),
+    dict(loss_type="sapo"),
+    dict(loss_type="sapo", level="sequence", beta=0.04),
+    dict(loss_type="luspo", level="sequence", eps=0.05),
+    dict(loss_type="luspo", beta=0.04),
+    dict(loss_type="vespo"),
+    dict(loss_type="vespo", num_items=100.0, beta=0.1),
 ]
 
 
@@ -132,7 +148,7 @@ def test_loss_and_grad_match_reference(case, with_mask):
     if case.get("beta"):
         assert out.kl is not None and float(out.kl) > 0
     # some ratios really were clipped (the clipping branch is exercised)
-    if case["loss_type"] != "cispo" and case.get("level", "token") == "token":
+    if case["loss_type"] in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo") and case.get("level", "token") == "token":
         assert 0 < float(out.clip_region) < 1
 
 

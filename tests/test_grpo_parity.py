@@ -125,6 +125,19 @@ CASES = [
     ("llama-unshared", dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.1, beta=BETA)),
     ("llama-unshared", dict(loss_type="dr_grpo", importance_sampling_level="sequence", epsilon=0.05)),
     ("llama-unshared", dict(loss_type="bnpo", importance_sampling_level="sequence", epsilon=0.05)),
+    # TRL 1.16's sapo (soft gate), luspo (per-sequence sums) and vespo (gamma-weighted log-prob)
+    ("qwen3-shared", dict(loss_type="sapo", beta=BETA)),
+    ("qwen3-unshared", dict(loss_type="sapo", importance_sampling_level="sequence")),
+    ("llama-shared-ga2", dict(loss_type="sapo", importance_sampling_level="sequence", beta=BETA)),
+    ("llama-unshared", dict(loss_type="sapo")),
+    ("qwen3-shared", dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.05)),
+    ("qwen3-unshared", dict(loss_type="luspo", beta=BETA)),
+    ("llama-shared-ga2", dict(loss_type="luspo")),
+    ("llama-unshared", dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.05, beta=BETA)),
+    ("qwen3-shared", dict(loss_type="vespo")),
+    ("qwen3-unshared", dict(loss_type="vespo", importance_sampling_level="sequence", beta=BETA)),
+    ("llama-shared-ga2", dict(loss_type="vespo", beta=BETA)),
+    ("llama-unshared", dict(loss_type="vespo", importance_sampling_level="sequence")),
 ]
 
 
@@ -221,12 +234,14 @@ class Reference:
             parts = [slice(s * n, (s + 1) * n) for s in range(self.micro_batches)]
             return sum(reference_loss(logp[p], old[p], self.ref[p], self.mask[p], advantages[p], **kw)
                        for p in parts) / self.micro_batches
-        # grpo, dr_grpo, dapo, cispo: the formulas over every completion of the step
+        # grpo, dr_grpo, dapo, cispo, sapo, luspo, vespo: the formulas over every completion of the step
         return reference_loss(logp, old, self.ref, self.mask, advantages, **kw)
 
     def _check_clipping(self, logp: torch.Tensor, kw: dict) -> None:
         """Clipping decides some (not all) gradients, and no ratio sits on a boundary (where fp32
         rounding of either side could flip it)."""
+        if kw["loss_type"] in ("sapo", "vespo"):  # smooth weights: no clip boundary to check
+            return
         m = self.mask.bool()
         A = self.advantages[:, None].expand_as(logp)
         if kw["level"] == "sequence":
