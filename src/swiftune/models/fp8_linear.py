@@ -42,16 +42,17 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
-def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(t: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q, s)`` with ``t ~= Q * s``: ``Q`` e4m3 of ``t``'s shape, ``s`` float32 ``[..., 1]``, one
     scale per row (the last axis is the row). The row's largest magnitude maps to 448, so no value
-    saturates; division (not a reciprocal multiply) so the largest maps there exactly."""
+    saturates; division (not a reciprocal multiply) so the largest maps there exactly.
+    ``overwrite``: ``t`` is a float32 temporary of the caller's, divided in place."""
     # the max norm reduces without an |t| temporary, and is exact in t's own dtype; then one float32
     # copy (4 bytes an element) is divided in place and cast to e4m3
     amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=-1, keepdim=True).to(torch.float32)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     t32 = t.to(torch.float32)
-    q = t32.div_(scale) if t32 is not t else t32 / scale
+    q = t32.div_(scale) if (t32 is not t or overwrite) else t32 / scale
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
@@ -101,7 +102,8 @@ def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: t
 def fp8_grad_input(g2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype) -> torch.Tensor:
     """``g2 (Q * s)`` for the upstream gradient ``g2`` ``[N, out]``, in ``dtype``."""
     if _use_scaled_mm(state, g2, weight, dtype):
-        gq, gs = quantize_rowwise(g2.to(torch.float32).mul_(state.scale.view(1, -1)))
+        # bf16 x float32 promotes to one new float32 tensor (never in place: g2 may be autograd's own)
+        gq, gs = quantize_rowwise(torch.mul(g2, state.scale.view(1, -1)), overwrite=True)
         ones = torch.ones(1, weight.shape[1], device=weight.device, dtype=torch.float32)
         # _scaled_mm's second operand must be column-major: Q^T made contiguous, viewed back as Q
         return torch._scaled_mm(gq, weight.t().contiguous().t(), scale_a=gs, scale_b=ones, out_dtype=dtype)
