@@ -47,27 +47,27 @@ class GenerationBatchSampler(torch.utils.data.Sampler):
                 yield mine
 
 
-class _EpochLoader(torch.utils.data.DataLoader):
+class EpochLoader(torch.utils.data.DataLoader):
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)
 
 
-def _prompt_rows(data: Any, what: str) -> Sequence[Any]:
+def prompt_rows_of(data: Any, what: str) -> Sequence[Any]:
     rows = load_rows(data)
     if len(rows) == 0 or "prompt" not in rows[0]:
         raise ValueError(f"{what} rows need a 'prompt' column (a string or a list of messages)")
     return rows
 
 
-def _collate_prompt_rows(rows: list) -> dict[str, list]:
+def collate_prompt_rows(rows: list) -> dict[str, list]:
     return {"prompt_rows": list(rows)}
 
 
-def _is_conversational(prompt: Any) -> bool:
+def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def _as_list(x: Any) -> list[int]:
+def as_int_list(x: Any) -> list[int]:
     if x is None:
         return []
     return [int(v) for v in x] if isinstance(x, (list, tuple, set)) else [int(x)]

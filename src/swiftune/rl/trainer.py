@@ -42,8 +42,8 @@ from ..training.lora_casting import lora_input_casting
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
 from .aggregation import normalize_then_sum
-from .batching import (GenerationBatchSampler, _as_list, _collate_prompt_rows, _EpochLoader, _is_conversational,
-                       _prompt_rows)
+from .batching import (GenerationBatchSampler, as_int_list, collate_prompt_rows, EpochLoader, is_conversational,
+                       prompt_rows_of)
 from .checkpoint import load_rollout_state, save_rollout_state
 from .completions_log import RewardLogs, completion_rows, print_completions
 from .evaluation import evaluate_rewards
@@ -151,8 +151,8 @@ class GRPOTrainer(SwiftuneTrainer):
             raise ValueError(f"{len(weights)} reward_weights for {len(funcs)} reward functions")
         self.reward_weights = [float(w) for w in weights]
 
-        rows = _prompt_rows(train_dataset, "train_dataset")
-        eval_rows = _prompt_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        rows = prompt_rows_of(train_dataset, "train_dataset")
+        eval_rows = prompt_rows_of(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         if len(rows) < args.prompts_per_generation:
             raise ValueError(f"train_dataset has {len(rows)} rows, fewer than the {args.prompts_per_generation} "
                              "prompts of one generation")
@@ -174,7 +174,7 @@ class GRPOTrainer(SwiftuneTrainer):
 
         self.token_meter = TokenMeter()
         super().__init__(
-            model=model, args=args, data_collator=_collate_prompt_rows, train_dataset=rows, eval_dataset=eval_rows,
+            model=model, args=args, data_collator=collate_prompt_rows, train_dataset=rows, eval_dataset=eval_rows,
             processing_class=processing_class, callbacks=callbacks, optimizers=optimizers, **kwargs,
         )
         # compute_loss returns losses that transformers divides by the accumulation steps (see there)
@@ -239,14 +239,14 @@ class GRPOTrainer(SwiftuneTrainer):
         if len(sampler) == 0:
             raise ValueError(f"train_dataset has {len(self.train_dataset)} rows: too few for one global generation "
                              f"({args.prompts_per_generation} prompts x {self.accelerator.num_processes} processes)")
-        return _EpochLoader(self.train_dataset, batch_sampler=sampler, collate_fn=_collate_prompt_rows)
+        return EpochLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate_prompt_rows)
 
     def stop_token_ids(self, conversational: bool) -> list[int]:
         tok = self.processing_class
-        ids = set(_as_list(tok.eos_token_id))
+        ids = set(as_int_list(tok.eos_token_id))
         gen = getattr(self.model, "generation_config", None)
-        ids |= set(_as_list(getattr(gen, "eos_token_id", None)))
-        ids |= set(_as_list(self.args.stop_token_ids))
+        ids |= set(as_int_list(getattr(gen, "eos_token_id", None)))
+        ids |= set(as_int_list(self.args.stop_token_ids))
         if conversational:
             vocab = tok.get_vocab()
             ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
@@ -256,7 +256,7 @@ class GRPOTrainer(SwiftuneTrainer):
         """Token ids of ``prompt`` (chat template with the config's ``chat_template_kwargs``, updated
         by the row's own, for conversational prompts); longer than ``max_prompt_length``: the end."""
         tok = self.processing_class
-        if _is_conversational(prompt):
+        if is_conversational(prompt):
             extra = {**(self.args.chat_template_kwargs or {}), **(chat_template_kwargs or {})}
             text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True, **extra)
         elif isinstance(prompt, str):
@@ -324,7 +324,7 @@ class GRPOTrainer(SwiftuneTrainer):
         args = self.args
         G = num_generations or args.num_generations
         prompts = [row["prompt"] for row in prompt_rows]
-        conversational = _is_conversational(prompts[0])
+        conversational = is_conversational(prompts[0])
         prompt_ids = [self.tokenize_prompt(row["prompt"], row.get("chat_template_kwargs")) for row in prompt_rows]
         if self.state.global_step != self._engine_step:
             self.rollout_engine.load_weights(self.model)
@@ -408,7 +408,7 @@ class GRPOTrainer(SwiftuneTrainer):
         ``eval_dataset`` (rows with a ``prompt``, as for training) overrides the trainer's; with
         ``eval_strategy="steps"`` the Trainer calls this every ``eval_steps``.
         """
-        rows = _prompt_rows(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
+        rows = prompt_rows_of(eval_dataset, "eval_dataset") if eval_dataset is not None else self.eval_dataset
         if rows is None:
             raise ValueError("nothing to evaluate: pass eval_dataset= to GRPOTrainer or to evaluate()")
         was_training = self.model.training
@@ -476,7 +476,7 @@ class GRPOTrainer(SwiftuneTrainer):
             rewards = {name: sampled.per_func[:, j].tolist() for j, name in enumerate(self.reward_func_names)}
             prompts = [p for p in sampled.prompts for _ in range(group_size)]
             completions = [[{"role": "assistant", "content": t}] for t in sampled.texts] \
-                if _is_conversational(prompts[0]) else sampled.texts
+                if is_conversational(prompts[0]) else sampled.texts
             self._table = completion_rows(prompts, completions, rewards, advantages.tolist(), extra,
                                           self.args.num_completions_to_print, self.args.log_unique_prompts)
 
