@@ -29,6 +29,23 @@ def no_window(module: nn.Module) -> None:
 
 
 @dataclass(frozen=True)
+class ExpertsSpec:
+    """How a family's experts module (``{prefix}Experts``) stores its fused 3-D weights.
+
+    Attributes:
+        transposed: ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (gpt-oss: ``x @ W_e``) rather
+            than ``[E, 2I, H]`` / ``[E, H, I]`` (Qwen3-MoE: ``x @ W_e^T``).
+        interleaved: gate and up columns alternate and the module's own ``_apply_gate`` activates
+            them (gpt-oss's clamped SwiGLU); else the first half is the gate (``act_fn(gate) * up``).
+        biased: ``gate_up_proj_bias [E, 2I]`` and ``down_proj_bias [E, H]`` (gpt-oss).
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    biased: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """What swiftune knows about one architecture family.
 
@@ -52,6 +69,8 @@ class Family:
         fast_rollout: whether the fast rollout engine can run the family's decoder.
         moe: whether the decoder's feed-forward blocks are (mostly) sparse mixture-of-experts blocks
             with a router (``output_router_logits``, the load-balancing auxiliary loss).
+        experts: the layout of the family's experts module, whose forward swiftune replaces with
+            grouped GEMMs (:mod:`swiftune.models.experts`); ``None`` for dense families.
         gated_mlp: whether the module named :attr:`mlp_class` is a dense gated MLP
             (``gate_proj``/``up_proj``/``down_proj``/``act_fn``) that the fused SwiGLU/GeGLU forward
             replaces; gpt-oss's ``GptOssMLP`` is its MoE block (router + experts) instead.
@@ -67,6 +86,7 @@ class Family:
     mlp_output_feeds_only_residual: bool = False
     fast_rollout: bool = True
     moe: bool = False
+    experts: ExpertsSpec | None = None
     gated_mlp: bool = True
 
     @property
@@ -80,6 +100,10 @@ class Family:
     @property
     def norm_class(self) -> str:
         return f"{self.prefix}RMSNorm"
+
+    @property
+    def experts_class(self) -> str:
+        return f"{self.prefix}Experts"
 
     @property
     def router_class(self) -> str:
@@ -103,8 +127,8 @@ def _gemma(model_type: str, prefix: str, window: Callable[[nn.Module], int | Non
 
 
 def _qwen3_moe() -> Family:
-    """Qwen3-MoE: Qwen3's attention (q/k norm) and norms; the sparse MoE block (router + fused 3-D
-    experts) stays transformers' module (:mod:`swiftune.models.moe` fuses nothing in it yet), and
+    """Qwen3-MoE: Qwen3's attention (q/k norm) and norms; in the sparse MoE block the router stays
+    transformers' and the fused 3-D experts run as grouped GEMMs (:mod:`swiftune.models.experts`);
     layers listed in ``mlp_only_layers`` keep a dense ``Qwen3MoeMLP``, which is fused as usual.
 
     Not ``mlp_output_feeds_only_residual``: the offloaded-checkpoint recompute may skip a tiled MLP's
@@ -112,18 +136,19 @@ def _qwen3_moe() -> Family:
     Not ``fast_rollout``: the fast engine's decode step has no expert routing yet, so rollouts of
     this family go through transformers' generation.
     """
-    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, fast_rollout=False)
+    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, experts=ExpertsSpec(),
+                  fast_rollout=False)
 
 
 def _gpt_oss() -> Family:
     """gpt-oss: biased q/k/v/o projections, one attention-sink logit per head (``sinks``, passed to the
     attention function as ``s_aux``), sliding (128) and full layers alternating (``layer_types``; each
     layer's ``sliding_window``), YaRN RoPE (cos/sin from transformers' rotary module, half width),
-    every layer a MoE block (``GptOssMLP``: router with bias, experts with biases and clamped SwiGLU),
-    which stays transformers' module. Not on the fast rollout engine (no sinks or routing in its decode
+    every layer a MoE block (``GptOssMLP``: router with bias, experts with biases and clamped SwiGLU,
+    the experts as grouped GEMMs). Not on the fast rollout engine (no sinks or routing in its decode
     step yet)."""
     return Family("gpt_oss", "GptOss", window=layer_window, pre_norm=True, moe=True, gated_mlp=False,
-                  fast_rollout=False)
+                  experts=ExpertsSpec(transposed=True, interleaved=True, biased=True), fast_rollout=False)
 
 
 FAMILIES: dict[str, Family] = {

@@ -1,7 +1,7 @@
 """``patch_model``: switch a transformers causal LM, in place, to swiftune's kernels and attention.
 
 What changes, per supported family (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, and
-the mixture-of-experts families Qwen3-MoE and gpt-oss, whose MoE blocks stay transformers' own):
+the mixture-of-experts families Qwen3-MoE and gpt-oss, whose routers stay transformers' own):
 
 * each attention module's ``forward`` (bound on the instance) applies RoPE to q and k with one
   fused kernel, :func:`swiftune.kernels.rope_qk`, instead of the modeling file's
@@ -9,6 +9,8 @@ the mixture-of-experts families Qwen3-MoE and gpt-oss, whose MoE blocks stay tra
   the process, so it is left alone);
 * each gated MLP's ``forward`` fuses activation and product (SwiGLU or GeGLU);
 * each RMSNorm's ``forward`` runs the fused RMSNorm kernel (Gemma's ``(1 + w)`` form too);
+* each MoE experts module (fused 3-D expert weights) runs as grouped GEMMs
+  (:func:`swiftune.models.experts.grouped_experts_forward`);
 * each PEFT LoRA linear already there runs as one autograd node
   (:func:`swiftune.models.lora_linear.fuse_lora_linears`; PEFT's arithmetic in fewer calls);
 * the model's attention implementation becomes ``"swiftune_packed"`` (registered with
@@ -25,12 +27,14 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Callable
+from functools import partial
 from types import MethodType
 
 from torch import nn
 
 from ..attention import BACKENDS, install_packed_context, register_packed_attention
 from .families import FAMILIES, Family, family_of, supported_model_types
+from .experts import grouped_experts_forward
 from .forwards import fused_attention_forward, fused_mlp_forward, fused_rms_norm_forward
 from .state import (
     AttentionSpec,
@@ -100,6 +104,11 @@ def _patch_kernels(model: nn.Module, family: Family, kernel_backend: str) -> lis
                 missing.append(f"MLP {name} (activation {type(getattr(module, 'act_fn', None)).__name__})")
                 continue
             _bind(module, fused_mlp_forward, PatchState(kernel_backend, activation=kind))
+        elif family.experts is not None and cls == family.experts_class:
+            if not all(hasattr(module, a) for a in ("gate_up_proj", "down_proj")):
+                missing.append(f"experts {name} ({cls} lacks gate_up_proj / down_proj)")
+                continue
+            _bind(module, partial(grouped_experts_forward, spec=family.experts), PatchState(kernel_backend))
         elif cls == family.norm_class:
             has_eps = hasattr(module, "variance_epsilon") or hasattr(module, "eps")
             if getattr(module, "weight", None) is None or not has_eps:
