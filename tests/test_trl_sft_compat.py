@@ -1,0 +1,294 @@
+"""A TRL 1.16 SFT user's data, config fields and metrics on swiftune (issue #27, SFT side).
+
+References are never swiftune: TRL's documented rules written out in plain Python (how labels
+come from pre-tokenized columns, how formatting_func and EOS make text), transformers'
+``apply_chat_template``, the unpatched transformers model's own logits, and float64 formulas
+(the DFT loss and its gradient).
+"""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from swiftune.data import build_tokenizer, make_collator, prepare_dataset
+from swiftune.data.formatting import DataFormatError
+from swiftune.errors import ConfigError
+from swiftune.sft import SFTConfig, SFTTrainer
+from swiftune.sft.eval_outputs import token_accuracy_counts
+from swiftune.sft.trainer import head_loss
+from tests.helpers import builtin_qwen3, rel_err
+
+FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
+            logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True)
+
+
+@pytest.fixture()
+def tokenizer():
+    return build_tokenizer()
+
+
+def trl_labels(row: dict, completion_only_loss: bool | None) -> list[int]:
+    """TRL 1.16 ``SFTTrainer._prepare_dataset`` on a pre-tokenized row: a ``labels`` column as is,
+    else ``assistant_masks`` always and ``completion_mask`` only when completion_only_loss=True."""
+    if "labels" in row:
+        return list(row["labels"])
+    masks = [row["assistant_masks"]] if "assistant_masks" in row else []
+    if completion_only_loss and "completion_mask" in row:
+        masks.append(row["completion_mask"])
+    return [t if all(m[i] for m in masks) else -100 for i, t in enumerate(row["input_ids"])]
+
+
+def swiftune_labels(example: dict) -> list[int]:
+    """Labels of one example as swiftune's collator builds them, first token aside (never a target:
+    nothing precedes it, in TRL the model's shift drops it too)."""
+    batch = make_collator("padded", pad_token_id=0)([example])
+    return batch["labels"][0].tolist()[1:]
+
+
+def tokenized_rows(tokenizer, n=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(12, 40, (1,), generator=gen))
+        ids = torch.randint(0, 256, (length,), generator=gen).tolist()
+        cut = int(torch.randint(3, length - 3, (1,), generator=gen))
+        rows.append({"input_ids": ids, "assistant_masks": [0] * cut + [1] * (length - cut),
+                     "completion_mask": [0] * (cut + 1) + [1] * (length - cut - 1)})
+    return rows
+
+
+@pytest.mark.parametrize("columns, completion_only_loss", [
+    (("assistant_masks",), None), (("completion_mask",), True), (("completion_mask",), None),
+    (("assistant_masks", "completion_mask"), True), (("labels",), None), ((), None)])
+def test_pretokenized_rows_train_what_trl_trains(tokenizer, columns, completion_only_loss):
+    rows = []
+    for row in tokenized_rows(tokenizer):
+        kept = {"input_ids": row["input_ids"], **{c: row[c] for c in columns if c in row}}
+        if "labels" in columns:
+            kept["labels"] = [t if m else -100 for t, m in zip(row["input_ids"], row["assistant_masks"])]
+        rows.append(kept)
+    data = prepare_dataset(rows, tokenizer, max_length=None, completion_only_loss=completion_only_loss,
+                           assistant_only_loss=None)
+    assert data.stats.data_shape == "tokenized" and len(data) == len(rows)
+    for row, example in zip(rows, data.examples):
+        assert example["input_ids"] == row["input_ids"]
+        assert swiftune_labels(example) == trl_labels(row, completion_only_loss)[1:]
+
+
+def test_pretokenized_errors_and_truncation_keep_end(tokenizer):
+    rows = tokenized_rows(tokenizer, n=2)
+    bad = [{"input_ids": r["input_ids"], "labels": [t + 1 for t in r["input_ids"]]} for r in rows]
+    with pytest.raises(DataFormatError, match=r"labels\[0\]"):
+        prepare_dataset(bad, tokenizer)
+    with pytest.raises(DataFormatError, match="assistant_masks"):
+        prepare_dataset([{"input_ids": rows[0]["input_ids"]}], tokenizer, assistant_only_loss=True)
+    with pytest.raises(DataFormatError, match="has 3 entries"):
+        prepare_dataset([{"input_ids": [1, 2, 3, 4], "assistant_masks": [1, 1, 1]}], tokenizer)
+    # TRL's truncation_mode: keep_start keeps ids[:max_length], keep_end ids[-max_length:]
+    plain = [{"input_ids": r["input_ids"]} for r in rows]
+    for mode, cut in (("keep_start", slice(None, 10)), ("keep_end", slice(-10, None))):
+        data = prepare_dataset(plain, tokenizer, max_length=10, truncation_mode=mode)
+        assert [e["input_ids"] for e in data.examples] == [r["input_ids"][cut] for r in plain]
+    # skip_prepare_dataset: trainer-ready rows as they are (no truncation); masks without labels refused
+    ready = [{"input_ids": r["input_ids"], "labels": trl_labels(r, None)} for r in rows]
+    data = prepare_dataset(ready, tokenizer, max_length=10, skip_prepare=True)
+    assert [e["input_ids"] for e in data.examples] == [r["input_ids"] for r in rows]
+    with pytest.raises(DataFormatError, match="no 'labels'"):
+        prepare_dataset(rows, tokenizer, skip_prepare=True)
+
+
+def test_formatting_func_per_row_and_batched_give_trls_text(tokenizer):
+    rows = [{"question": f"what is {i}?", "answer": f"it is {i * 7}"} for i in range(5)]
+
+    def per_row(row):
+        return f"Q: {row['question']}\nA: {row['answer']}"
+
+    def batched(batch):
+        return [f"Q: {q}\nA: {a}" for q, a in zip(batch["question"], batch["answer"])]
+
+    # TRL: {"text": formatting_func(row)}, EOS appended as text, then tokenized; every token trained
+    expected = [tokenizer(per_row(r) + tokenizer.eos_token)["input_ids"] for r in rows]
+    for func in (per_row, batched):
+        data = prepare_dataset(rows, tokenizer, formatting_func=func)
+        assert [e["input_ids"] for e in data.examples] == expected
+        assert all(all(e["completion_mask"]) for e in data.examples)
+    with pytest.raises(DataFormatError, match="formatting_func"):
+        prepare_dataset(rows, tokenizer, formatting_func=lambda row: 3)
+
+
+THINK_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' and enable_thinking is defined and enable_thinking is false %}"
+    "{{- 'NOTHINK ' }}{%- endif %}{{- message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_chat_template_kwargs_from_the_config_and_per_row(tokenizer):
+    tokenizer.chat_template = THINK_TEMPLATE
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [{"messages": messages}, {"messages": messages, "chat_template_kwargs": {"enable_thinking": True}}]
+
+    def render(**kw):
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"]
+
+    data = prepare_dataset(rows, tokenizer, assistant_only_loss=False,
+                           chat_template_kwargs={"enable_thinking": False})
+    assert data.examples[0]["input_ids"] == list(render(enable_thinking=False))
+    assert data.examples[1]["input_ids"] == list(render(enable_thinking=True))  # the row's own wins
+    assert data.examples[0]["input_ids"] != data.examples[1]["input_ids"]
+    # assistant-only masks by prefix renderings see the same keywords: the assistant turn is trained
+    masked = prepare_dataset(rows[:1], tokenizer, chat_template_kwargs={"enable_thinking": False})
+    ids, mask = masked.examples[0]["input_ids"], masked.examples[0]["completion_mask"]
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "NOTHINK hello<|im_end|>\n"
+
+
+def dft_float64(hidden, weight, labels, num_items=None):
+    h, w = hidden.double(), weight.double()
+    keep = labels != -100
+    logp = torch.log_softmax(h[keep] @ w.T, dim=-1).gather(1, labels[keep, None]).squeeze(1)
+    count = num_items if num_items is not None else keep.sum()
+    return (-logp * logp.exp().detach()).sum() / count
+
+
+@pytest.mark.parametrize("num_items", [None, 37])
+def test_dft_loss_and_gradients_match_a_float64_formula(num_items):
+    torch.manual_seed(0)
+    n, hidden_size, vocab = 48, 16, 300
+    hidden = torch.randn(n, hidden_size, requires_grad=True)
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    labels = torch.randint(0, vocab, (n,))
+    labels[::5] = -100
+    loss = head_loss(hidden, head, None, labels, num_items, chunk_tokens=32, loss_type="dft")
+    loss.backward()
+    h_ref, w_ref = hidden.detach().double().requires_grad_(), head.weight.detach().double().requires_grad_()
+    ref = dft_float64(h_ref, w_ref, labels, num_items)
+    ref.backward()
+    assert rel_err(loss.detach(), ref.detach()) < 1e-5
+    assert rel_err(hidden.grad, h_ref.grad) < 1e-5 and rel_err(head.weight.grad, w_ref.grad) < 1e-5
+    nll = head_loss(hidden.detach(), head, None, labels, num_items, loss_type="nll")
+    assert rel_err(nll.detach(), ref.detach()) > 0.1  # a different loss, not nll under another name
+
+
+def reference_eval(rows, loss_type):
+    """Eval loss, token accuracy and logits of the unpatched transformers model, per example."""
+    model = builtin_qwen3(lora=False).eval()
+    nll, weighted, correct, count, logits = 0.0, 0.0, 0, 0, []
+    with torch.no_grad():
+        for row in rows:
+            ids = torch.tensor([row["input_ids"]])
+            out = model(ids).logits[0].double()
+            labels = torch.tensor(trl_labels(row, None))[1:]
+            keep = labels != -100
+            logp = torch.log_softmax(out[:-1][keep], -1).gather(1, labels[keep, None]).squeeze(1)
+            nll, weighted = nll - logp.sum(), weighted - (logp * logp.exp()).sum()
+            correct += int((out[:-1][keep].argmax(-1) == labels[keep]).sum())
+            count += int(keep.sum())
+            logits.append(out)
+    loss = (weighted if loss_type == "dft" else nll) / count
+    return float(loss), correct / count, count, torch.cat(logits)
+
+
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_evaluate_compute_metrics_and_trl_metric_names(tokenizer, tmp_path, loss_type):
+    rows = [{"input_ids": r["input_ids"], "assistant_masks": r["assistant_masks"]} for r in tokenized_rows(tokenizer)]
+    ref_loss, ref_acc, ref_count, ref_logits = reference_eval(rows, loss_type)
+    seen = []
+
+    def compute_metrics(prediction):
+        seen.append(prediction)
+        return {"labelled": float((prediction.label_ids != -100).sum())}
+
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                     per_device_eval_batch_size=8, learning_rate=0.0, loss_type=loss_type,
+                     pad_to_multiple_of=64, eval_packing=(loss_type == "dft"), **FAST)
+    trainer = SFTTrainer(model=builtin_qwen3(lora=False), args=args, train_dataset=rows, eval_dataset=rows,
+                         processing_class=tokenizer, compute_metrics=compute_metrics)
+    metrics = trainer.evaluate()
+    assert abs(metrics["eval_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    assert abs(metrics["eval_mean_token_accuracy"] - ref_acc) <= 1.0 / ref_count
+    # compute_metrics got the model's logits (padding included: a 64 multiple) and unshifted labels
+    (prediction,) = seen
+    logits = torch.as_tensor(prediction.predictions)
+    assert logits.shape[-1] == 260 and logits.reshape(-1, 260).shape[0] % 64 == 0
+    real = torch.as_tensor(prediction.label_ids).reshape(-1) != -100
+    assert metrics["eval_labelled"] == ref_count == int(real.sum())
+    if not args.eval_packing:  # packed rows hold the examples in bin-packing order
+        flat = logits.reshape(-1, 260)[: ref_logits.shape[0]]
+        assert rel_err(flat.double(), ref_logits) < 1e-4
+    if loss_type == "dft":
+        return
+    # training logs TRL's num_tokens: every input token of the epoch (2 steps x 4 rows = all 8 rows)
+    trainer.train()
+    with open(tmp_path / "metrics.jsonl") as f:
+        steps = [json.loads(line) for line in f if '"loss"' in line]
+    assert steps[-1]["num_tokens"] == sum(len(r["input_ids"]) for r in rows)
+
+
+def test_token_accuracy_counts_the_argmax_hits_of_labelled_tokens():
+    torch.manual_seed(0)
+    hidden, head = torch.randn(2, 50, 16), torch.nn.Linear(16, 300)
+    logits = head(hidden)
+    labels = torch.randint(0, 300, (2, 50))
+    labels[:, ::2] = logits.argmax(-1)[:, ::2]  # every second token is a hit
+    labels[0, :7] = -100
+    keep = labels != -100
+    expected = int((logits.argmax(-1)[keep] == labels[keep]).sum())
+    assert 40 <= expected < int(keep.sum())
+    assert token_accuracy_counts(hidden, head, labels) == (expected, int(keep.sum()))
+
+
+def test_trl_fields_checked_at_construction():
+    def config(**fields):
+        return SFTConfig(output_dir="/tmp/swiftune-trl-fields", report_to="none", **fields)
+
+    for fields, name in [(dict(packing_strategy="wrapped"), "packing_strategy"),
+                         (dict(packing_strategy="bfd_split"), "packing_strategy"),
+                         (dict(loss_type="kto"), "loss_type"), (dict(truncation_mode="middle"), "truncation_mode"),
+                         (dict(pad_to_multiple_of=0), "pad_to_multiple_of"),
+                         (dict(dataset_kwargs={"num_proc": 2}), "dataset_kwargs"),
+                         (dict(model_init_kwargs={"attn_implementation": "sdpa"}), "attention_backend"),
+                         (dict(router_aux_loss_coef=0.01), "router_aux_loss_coef"),
+                         (dict(chat_template_path="/nonexistent.jinja"), "chat_template_path"),
+                         (dict(eval_packing=True, max_length=None), "eval_packing"),
+                         (dict(eos_token=""), "eos_token")]:
+        with pytest.raises(ConfigError, match=name):
+            config(**fields)
+    assert config(pad_to_multiple_of="auto").pad_to_multiple_of is None
+    assert config(pad_to_multiple_of="64").pad_to_multiple_of == 64
+    assert config(model_init_kwargs='{"dtype": "float32"}').model_init_kwargs == {"dtype": "float32"}
+    with pytest.warns(FutureWarning, match="chunked_nll"):
+        assert config(loss_type="chunked_nll").loss_type == "nll"
+    with pytest.warns(UserWarning, match="dataset_num_proc"):
+        config(dataset_num_proc=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second config says nothing more
+        config(dataset_num_proc=4)
+    offload = config(activation_offloading=True, gradient_checkpointing=True)
+    assert offload.gradient_checkpointing is False  # offloaded checkpointing already checkpoints every layer
+
+
+def test_trainer_applies_tokens_template_offloading_and_refusals(tmp_path):
+    tokenizer = build_tokenizer()
+    template = tmp_path / "chat.jinja"
+    template.write_text(THINK_TEMPLATE)
+    rows = [{"text": "hello there, general"}] * 4
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                     chat_template_path=str(template), activation_offloading=True, **FAST)
+    model = builtin_qwen3(lora=False)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    assert tokenizer.chat_template == THINK_TEMPLATE
+    assert tokenizer.eos_token_id == 258 and model.config.eos_token_id == 258
+    assert 258 in list(model.generation_config.eos_token_id)
+    assert tokenizer.pad_token_id == 256 and model.config.pad_token_id == 256
+    assert trainer.train_dataset.examples[0]["input_ids"][-1] == 258  # the text rows end with the new EOS
+    assert getattr(model, "_swiftune_offload_checkpointing", False)
+    bad = SFTConfig(output_dir=str(tmp_path / "bad"), eos_token="<|nope|>", **FAST)
+    with pytest.raises(ConfigError, match="eos_token"):
+        SFTTrainer(model=builtin_qwen3(lora=False), args=bad, train_dataset=rows, processing_class=build_tokenizer())
+    only = SFTConfig(output_dir=str(tmp_path / "co"), completion_only_loss=True, **FAST)
+    with pytest.raises(ConfigError, match="formatting_func"):
+        SFTTrainer(model=builtin_qwen3(lora=False), args=only, train_dataset=rows, processing_class=tokenizer,
+                   formatting_func=lambda row: row["text"])
