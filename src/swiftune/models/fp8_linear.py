@@ -102,8 +102,9 @@ def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: t
 def fp8_grad_input(g2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype) -> torch.Tensor:
     """``g2 (Q * s)`` for the upstream gradient ``g2`` ``[N, out]``, in ``dtype``."""
     if _use_scaled_mm(state, g2, weight, dtype):
-        # bf16 x float32 promotes to one new float32 tensor (never in place: g2 may be autograd's own)
-        gq, gs = quantize_rowwise(torch.mul(g2, state.scale.view(1, -1)), overwrite=True)
+        # bf16 x float32 promotes to one new float32 tensor (never in place: g2 may be autograd's own),
+        # row-major as _scaled_mm's first operand must be
+        gq, gs = quantize_rowwise(torch.mul(g2.contiguous(), state.scale.view(1, -1)), overwrite=True)
         ones = torch.ones(1, weight.shape[1], device=weight.device, dtype=torch.float32)
         # _scaled_mm's second operand must be column-major: Q^T made contiguous, viewed back as Q
         return torch._scaled_mm(gq, weight.t().contiguous().t(), scale_a=gs, scale_b=ones, out_dtype=dtype)
