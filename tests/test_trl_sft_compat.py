@@ -292,3 +292,19 @@ def test_trainer_applies_tokens_template_offloading_and_refusals(tmp_path):
     with pytest.raises(ConfigError, match="formatting_func"):
         SFTTrainer(model=builtin_qwen3(lora=False), args=only, train_dataset=rows, processing_class=tokenizer,
                    formatting_func=lambda row: row["text"])
+
+
+def test_model_init_kwargs_load_a_path_and_shuffle_dataset_reorders(tmp_path):
+    model_dir = tmp_path / "model"
+    builtin_qwen3(lora=False).save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    rows = [{"text": f"row number {i} " * (1 + i % 3)} for i in range(12)]
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, model_init_kwargs={"torch_dtype": "bfloat16"},
+                     shuffle_dataset=True, **FAST)
+    trainer = SFTTrainer(model=str(model_dir), args=args, train_dataset=rows)
+    assert trainer.model.dtype == torch.bfloat16  # TRL's torch_dtype, as transformers' dtype
+    unshuffled = prepare_dataset(rows, trainer.processing_class).examples
+    shuffled = trainer.train_dataset.examples
+    assert shuffled != unshuffled and sorted(map(str, shuffled)) == sorted(map(str, unshuffled))
+    with pytest.warns(UserWarning, match="model_init_kwargs"):  # an instance: TRL ignores them too, and says so
+        SFTTrainer(model=builtin_qwen3(lora=False), args=args, train_dataset=rows, processing_class=build_tokenizer())
