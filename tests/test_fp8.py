@@ -25,7 +25,7 @@ from swiftune.data.builtin import build_tokenizer  # noqa: E402
 from swiftune.errors import ConfigError  # noqa: E402
 from swiftune.memory.planner import fp8_scale_bytes, plan_memory  # noqa: E402
 from swiftune.memory.shapes import linear_weight_count, model_shape, param_count  # noqa: E402
-from swiftune.models.fp8_linear import FP8Linear, FP8State, fp8_grad_input, fp8_matmul  # noqa: E402
+from swiftune.models.fp8_linear import FP8Linear, FP8State, fp8_grad_input, fp8_matmul, quantize_model_fp8  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import check_fp8_request, is_quantized_fp8  # noqa: E402
 from tests.helpers import assert_gradients_match, rel_err, tiny_model  # noqa: E402
@@ -254,6 +254,10 @@ def test_casting_the_model_keeps_the_e4m3_codes_and_scales():
         zero.weight[1] = 0  # a row of zeros: scale 1, codes 0, no NaN
     fp8 = FP8Linear.from_linear(zero)
     assert fp8.weight_scale[1].item() == 1.0 and torch.isfinite(fp8.dequantize()).all()
+    with torch.device("meta"):
+        offloaded = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(ValueError, match="offloaded by the device_map"):
+        quantize_model_fp8(offloaded)
     # the training guards' NaN screen reads e4m3 tensors too (torch has no isinf for them)
     from swiftune.training.loading import first_nonfinite_tensor
 

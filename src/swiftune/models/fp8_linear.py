@@ -208,6 +208,10 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None) -> int:
     replaced. ``scaled_mm``: ``None`` decides per layer from its device (:func:`fp8_matmul_supported`)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+    offloaded = [name for name, m in targets if m.weight.is_meta]
+    if offloaded:  # accelerate's disk / CPU offload keeps weights elsewhere and loads them per call
+        raise ValueError(f"load_in_fp8: {len(offloaded)} projections (e.g. {offloaded[0]}) are offloaded by the "
+                         "device_map; FP8 quantises weights held on a device: load every weight on the GPU (or CPU)")
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
