@@ -253,7 +253,7 @@ def test_trl_fields_checked_at_construction():
                          (dict(router_aux_loss_coef=0.01), "router_aux_loss_coef"),
                          (dict(chat_template_path="/nonexistent.jinja"), "chat_template_path"),
                          (dict(eval_packing=True, max_length=None), "eval_packing"),
-                         (dict(eos_token=""), "eos_token")]:
+                         (dict(eos_token=""), "eos_token"), (dict(use_liger_kernel=True), "use_liger_kernel")]:
         with pytest.raises(ConfigError, match=name):
             config(**fields)
     assert config(pad_to_multiple_of="auto").pad_to_multiple_of is None
@@ -288,6 +288,9 @@ def test_trainer_applies_tokens_template_offloading_and_refusals(tmp_path):
     bad = SFTConfig(output_dir=str(tmp_path / "bad"), eos_token="<|nope|>", **FAST)
     with pytest.raises(ConfigError, match="eos_token"):
         SFTTrainer(model=builtin_qwen3(lora=False), args=bad, train_dataset=rows, processing_class=build_tokenizer())
+    with pytest.raises(ConfigError, match="compute_loss_func"):  # needs full logits: refused, never ignored
+        SFTTrainer(model=builtin_qwen3(lora=False), args=args, train_dataset=rows, processing_class=build_tokenizer(),
+                   compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
     only = SFTConfig(output_dir=str(tmp_path / "co"), completion_only_loss=True, **FAST)
     with pytest.raises(ConfigError, match="formatting_func"):
         SFTTrainer(model=builtin_qwen3(lora=False), args=only, train_dataset=rows, processing_class=tokenizer,

@@ -96,6 +96,14 @@ class SFTTrainer(SwiftuneTrainer):
         **kwargs: Any,
     ):
         args = self.resolve_args(args)
+        if kwargs.get("compute_loss_func") is not None:
+            raise ConfigError(
+                "SFTTrainer: compute_loss_func needs the full logits, which swiftune's fused loss never builds (TRL "
+                "1.16 deprecates it too); subclass SFTTrainer and override compute_loss, or use loss_type='nll' / "
+                "'dft'"
+            )
+        kwargs.pop("compute_loss_func", None)
+        quantization_config = kwargs.pop("quantization_config", None)  # TRL's: for a model given as a path
         if formatting_func is not None and args.completion_only_loss:
             raise ConfigError(
                 "SFTTrainer: formatting_func turns every row into plain text (TRL's language-modelling data), which "
@@ -104,7 +112,15 @@ class SFTTrainer(SwiftuneTrainer):
             )
         if isinstance(model, str):
             load_kwargs = model_load_kwargs(args)
+            if quantization_config is not None:
+                if "quantization_config" in load_kwargs:
+                    raise ConfigError("SFTTrainer: quantization_config is given both as an argument and in "
+                                      "SFTConfig.model_init_kwargs; give it once")
+                load_kwargs["quantization_config"] = quantization_config
         else:
+            if quantization_config is not None:
+                warn_once("quantization_config", "ignored: the model is already loaded (as in TRL); load it with "
+                          "FastModel.from_pretrained(..., load_in_4bit=True) instead", owner="SFTTrainer")
             load_kwargs = {}
             if args.model_init_kwargs:
                 warn_once("model_init_kwargs", "ignored: the model is already loaded (they apply when the model is "

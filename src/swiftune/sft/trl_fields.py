@@ -27,12 +27,12 @@ _MODEL_KWARGS_OWNED = {
 _warned: set[str] = set()
 
 
-def warn_once(field_name: str, message: str) -> None:
+def warn_once(field_name: str, message: str, owner: str = "SFTConfig") -> None:
     """One warning per field and process: a field accepted but not (fully) honoured says so."""
     if field_name in _warned:
         return
     _warned.add(field_name)
-    warnings.warn(f"SFTConfig.{field_name}: {message}", UserWarning, stacklevel=4)
+    warnings.warn(f"{owner}.{field_name}: {message}", UserWarning, stacklevel=4)
 
 
 def _require_bool(config: Any, name: str, allow_none: bool = False) -> None:
@@ -106,6 +106,10 @@ def check_trl_fields(config: Any) -> None:
         fail(config, "router_aux_loss_coef", coef, "is not supported: swiftune's fused SFT loss adds no MoE "
              "load-balancing loss", "leave router_aux_loss_coef unset or 0.0 (the router trains on the language "
              "modelling loss alone)")
+    if getattr(config, "use_liger_kernel", False):
+        fail(config, "use_liger_kernel", True, "would put Liger's kernels (and its fused loss, which replaces the "
+             "model's forward) over swiftune's own", "leave use_liger_kernel=False: swiftune's fused kernels and "
+             "chunked loss do that work")
     if config.activation_offloading and config.gradient_checkpointing:
         # offloaded checkpointing already checkpoints every layer; transformers' own flag on top of it would
         # recompute each layer twice
