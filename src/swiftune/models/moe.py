@@ -107,6 +107,9 @@ def record_router_logits(model: nn.Module) -> Iterator[list[torch.Tensor]]:
             recorded.append(output[0] if isinstance(output, tuple) else output)
 
         handles = [m.register_forward_hook(grab) for m in hf_model.modules() if _is_router(m, family.router_class)]
+        if not handles:  # another transformers layout: say so rather than add no aux loss silently
+            raise RuntimeError(f"{type(hf_model).__name__} has no {family.router_class} module to record the "
+                               "router logits of (a transformers version whose MoE layout swiftune does not know)")
     try:
         yield recorded
     finally:
