@@ -385,7 +385,13 @@ def test_rollout_engine_generates_from_fp8_weights(checkpoints):
                 p.normal_(0, 0.05)
     model.eval()
     prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
-    engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3, lora="runtime")
+    # adapters are never merged into e4m3 weights (not representable): "merge" is refused, "auto" runs them
+    from swiftune.rl.rollout.lora_merge import merge_lora
+
+    with pytest.raises(ValueError, match="FP8"):
+        merge_lora(model, "merge")
+    assert merge_lora(model, "auto") is None
+    engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3, lora="auto")
     out = engine.generate(prompts, 1, SamplingParams(max_tokens=6, temperature=0))
     assert _fp8_layers(model)
     for prompt, got in zip(prompts, out.completion_ids):

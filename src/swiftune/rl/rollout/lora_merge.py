@@ -12,6 +12,12 @@ import torch
 from torch import nn
 
 
+def _quantised(weight: torch.Tensor) -> bool:
+    """Packed (bitsandbytes' uint8) or 1-byte float (e4m3 / e5m2) weights: e4m3 counts as floating
+    point to torch, but adding a LoRA delta to it is not representable."""
+    return not weight.is_floating_point() or weight.element_size() == 1
+
+
 def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Merge ``model``'s active adapters (``mode`` ``"merge"``, or ``"auto"`` when the saved copy
     fits a quarter of free CUDA memory); returns the (weight, saved copy) pairs for
@@ -22,11 +28,12 @@ def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Te
     layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
     if not layers or any(getattr(m, "disable_adapters", False) or getattr(m, "merged", False) for m in layers):
         return None
-    if any(not m.get_base_layer().weight.is_floating_point() for m in layers):
-        # 4-bit (or other packed) base weights: a merge re-quantises them, which no saved copy undoes
+    if any(_quantised(m.get_base_layer().weight) for m in layers):
+        # 4-bit / FP8 base weights: a merge re-quantises them (adapters are far below their step size),
+        # which no saved copy undoes
         if mode == "merge":
-            raise ValueError("lora='merge' cannot merge adapters into quantised (4-bit) base weights exactly: "
-                             "use lora='runtime' (or 'auto', which does)")
+            raise ValueError("lora='merge' cannot merge adapters into quantised (4-bit or FP8) base weights "
+                             "exactly: use lora='runtime' (or 'auto', which does)")
         return None
     if mode == "auto":
         weight = layers[0].get_base_layer().weight
