@@ -514,10 +514,8 @@ class GRPOTrainer(SwiftuneTrainer):
         with torch.no_grad():
             totals = dict(out.totals)
             totals["entropy"] = ((entropy.detach() * mb.token_mask).sum(), mb.token_mask.sum())
-            extremes = {}
-            if args.loss_type in CLIPPED_LOSS_TYPES:
-                extremes = {"clip_ratio/low_min": out.metrics(args.loss_type)["clip_ratio/low_min"],
-                            "clip_ratio/high_max": out.metrics(args.loss_type)["clip_ratio/high_max"]}
+            local = out.metrics(args.loss_type) if args.loss_type in CLIPPED_LOSS_TYPES else {}
+            extremes = {k: local[k] for k in ("clip_ratio/low_min", "clip_ratio/high_max") if k in local}
             self._metrics["train" if model.training else "eval"].add(
                 reduce_loss_metrics(totals, extremes, collective))
         if model.training:
@@ -526,6 +524,11 @@ class GRPOTrainer(SwiftuneTrainer):
         return (loss, {"logps": logps}) if return_outputs else loss
 
     # ------------------------------------------------------------------------ logging
+
+    def _track_num_input_tokens(self, inputs: Any) -> None:
+        # GRPO counts prompt + completion tokens per generation itself (num_tokens, TRL's count); the
+        # Trainer's own counter reads inputs["input_ids"], which a GRPO micro-batch does not have
+        return
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._gen_log:  # a new generation since the last log: its metrics replace the kept ones
