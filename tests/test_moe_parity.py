@@ -32,8 +32,9 @@ from swiftune.models.moe import load_balancing_loss, record_router_logits, route
 from swiftune.sft.trainer import sft_loss
 from swiftune.data import make_collator
 from swiftune.training import FastModel
-from tests.helpers import VOCAB, rel_err
+from tests.helpers import VOCAB, assert_gradients_match, rel_err
 from tests.test_gradient_parity import (
+    GPU_TOL,
     PAD_ID,
     TOL,
     _assert_parity,
@@ -435,3 +436,33 @@ def test_grouped_mm_experts_equal_transformers_experts(family):
         for g_, w_ in zip(got, want):
             assert rel_err(g_, w_) < 2e-2, mode
             assert g_.abs().max() > 0
+
+
+# ----------------------------------------------------------------------------- the same on the GPU, bf16
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+@pytest.mark.parametrize(("layout", "checkpointing"), [("padding_free", "off"), ("packed", "on")])
+@pytest.mark.parametrize("lora", [None, "experts"], ids=["full", "lora_experts"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, checkpointing):
+    """bf16 on CUDA (compiled kernels, grouped_mm experts, flex with sinks on gpt-oss) against the
+    unpatched model in fp32 on CUDA with the same bf16-representable weights, one document at a time;
+    tolerance as the dense suite's GPU cases (2e-2, or 3x transformers' own bf16 error on a tensor)."""
+    base = tiny_moe(family).cuda().train()
+    reference = copy.deepcopy(base) if lora is None else _targeted_lora_reference(base, lora)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    expected_loss, expected = _reference_step(reference, _examples())
+    _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
+    base = base.to(torch.bfloat16)
+    if lora is None:
+        model = _swiftune_model(base, reference, False, checkpointing)
+    else:
+        model = _targeted_lora_model(base, reference, lora, checkpointing, "auto")
+    model.load_state_dict(reference.state_dict())
+    loss, grads = _swiftune_step(model, _examples(), layout)
+    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
+    assert_gradients_match(expected, grads, _trainable(reference), allowed)
