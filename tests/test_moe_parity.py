@@ -466,3 +466,37 @@ def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, chec
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
     allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
+
+
+# ----------------------------------------------------------------------------- loading and training
+
+def test_from_pretrained_patches_moe_and_sft_trains_padding_free(tmp_path):
+    """A saved MoE checkpoint (gpt-oss, the family with the most swiftune-specific paths) through the
+    real loading code: patched (attention, experts), the same logits as transformers, and one
+    SFTTrainer step on padding-free rows (no fallback warning)."""
+    family = "gpt_oss"
+    from swiftune.attention import ATTENTION_NAME
+    from swiftune.data import build_tokenizer, builtin_instruction_dataset
+    from swiftune.models import is_patched
+    from swiftune.models.state import is_bound
+    from swiftune.sft import SFTConfig, SFTTrainer
+
+    tokenizer = build_tokenizer()
+    reference = tiny_moe(family, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    reference.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    model, tokenizer = FastModel.from_pretrained(str(tmp_path / "model"), dtype=torch.float32, device_map="cpu")
+    assert is_patched(model) and model.config._attn_implementation == ATTENTION_NAME
+    assert all(is_bound(m) for m in model.modules() if type(m).__name__.endswith("Experts"))
+    ids = torch.randint(0, len(tokenizer) - 1, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits) < 1e-5
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, max_length=64,
+                     kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
+                     logging_steps=1, seed=1, disable_tqdm=True, dataloader_pin_memory=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*padded instead")
+        trainer = SFTTrainer(model=model, args=args, train_dataset=builtin_instruction_dataset(num_rows=4),
+                             processing_class=tokenizer)
+    out = trainer.train()
+    assert torch.isfinite(torch.tensor(out.training_loss))
