@@ -277,6 +277,8 @@ class GRPOTrainer(SwiftuneTrainer):
         "num_generations", "max_prompt_length", "max_completion_length", "temperature", "top_p", "top_k", "min_p",
         "steps_per_generation", "beta", "epsilon", "epsilon_high", "delta", "loss_type", "importance_sampling_level",
         "scale_rewards", "mask_truncated_completions", "num_iterations", "reward_weights", "share_prompt",
+        "multi_objective_aggregation", "top_entropy_quantile", "use_bias_correction_kl", "sapo_temperature_pos",
+        "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
     )
 
     def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
