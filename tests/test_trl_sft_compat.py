@@ -218,6 +218,8 @@ def test_evaluate_compute_metrics_and_trl_metric_names(tokenizer, tmp_path, loss
     if not args.eval_packing:  # packed rows hold the examples in bin-packing order
         flat = logits.reshape(-1, 260)[: ref_logits.shape[0]]
         assert rel_err(flat.double(), ref_logits) < 1e-4
+    # rows handed to evaluate() are prepared as at construction (TRL does the same)
+    assert abs(trainer.evaluate(eval_dataset=rows)["eval_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     if loss_type == "dft":
         return
     # training logs TRL's num_tokens: every input token of the epoch (2 steps x 4 rows = all 8 rows)

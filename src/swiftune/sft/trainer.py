@@ -136,8 +136,9 @@ class SFTTrainer(SwiftuneTrainer):
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
 
         self._formatting_func = formatting_func
+        self._eval_packing = args.packing if args.eval_packing is None else args.eval_packing
         train_dataset = self._tokenize(train_dataset, processing_class, args, "train", formatting_func)
-        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+        eval_packing = self._eval_packing
         if eval_dataset is not None:
             eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", formatting_func)
             if eval_packing:
@@ -198,6 +199,8 @@ class SFTTrainer(SwiftuneTrainer):
             prepared = eval_dataset
         else:  # a dataset handed to evaluate(): prepared as at construction (TRL does the same)
             prepared = self._tokenize(eval_dataset, self.processing_class, self.args, "eval", self._formatting_func)
+            if self._eval_packing:
+                prepared = TokenizedDataset(pack_dataset(prepared.examples, self.args.max_length), prepared.stats)
         if self._eval_collator is None:
             return super().get_eval_dataloader(prepared)
         train_collator, self.data_collator = self.data_collator, self._eval_collator
