@@ -262,6 +262,10 @@ class SFTTrainer(SwiftuneTrainer):
 
     # ------------------------------------------------------------------------ logs
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        self._eval_counts = [0, 0]  # this evaluation's tokens only (predict() logs nothing, so reset here)
+        return super().evaluation_loop(*args, **kwargs)
+
     def _summed(self, values: list[int]) -> list[int]:
         if self.accelerator.num_processes == 1:
             return values
