@@ -312,3 +312,39 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tokenizer, tmp_path)
     with pytest.raises(ValueError, match="sync_ref_model"):
         GRPOTrainer(add_lora(tiny_model(seed=7)), [logging_reward], args=args, train_dataset=PROMPT_ROWS,
                     processing_class=tokenizer, rollout_engine=FixedEngine())
+
+
+def test_cast_lm_head_to_fp32_computes_the_head_in_float32(tokenizer, tmp_path, monkeypatch):
+    import swiftune.rl.policy as policy
+
+    seen = []
+    real = policy.selective_log_softmax
+    monkeypatch.setattr(policy, "selective_log_softmax",
+                        lambda hidden, weight, *a, **k: seen.append((hidden.dtype, weight.dtype)) or real(
+                            hidden, weight, *a, **k))
+    model = tiny_model(seed=2).to(torch.bfloat16)
+    prompts, completions = random_groups(seed=1)
+    row = build_policy_row(prompts, completions)
+    for cast in (False, True):
+        args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
+                          cast_lm_head_to_fp32=cast, **FAST)
+        trainer = GRPOTrainer(model, [logging_reward], args=args, train_dataset=PROMPT_ROWS * 2,
+                              processing_class=tokenizer, rollout_engine=FixedEngine())
+        trainer._logps(model, row)
+    assert seen == [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+
+
+def test_top_entropy_quantile_reaches_the_trainers_loss(tokenizer, tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                      max_completion_length=8, **FAST)
+    trainer = GRPOTrainer(tiny_model(seed=8), [logging_reward], args=args, train_dataset=PROMPT_ROWS,
+                          processing_class=tokenizer, rollout_engine=FixedEngine())
+    mb = trainer._generate_and_score(PROMPT_ROWS[:2])[0]
+    logps, entropy = trainer._logps(trainer.model, mb.row, entropy=True)
+    full = float(trainer.compute_loss(trainer.model, mb))
+    trainer.args.top_entropy_quantile = 0.3
+    kept = float(trainer.compute_loss(trainer.model, mb))
+    keep = high_entropy_mask(entropy.detach(), mb.token_mask, 0.3)
+    want = grpo_loss(logps.detach(), None, mb.advantages, mb.row.seq_index, entropy_mask=keep,
+                     num_items_in_batch=mb.num_items_in_batch).loss * trainer.args.gradient_accumulation_steps
+    assert kept != full and kept == pytest.approx(float(want), rel=1e-6, abs=1e-9)
