@@ -348,3 +348,21 @@ def test_top_entropy_quantile_reaches_the_trainers_loss(tokenizer, tmp_path):
     want = grpo_loss(logps.detach(), None, mb.advantages, mb.row.seq_index, entropy_mask=keep,
                      num_items_in_batch=mb.num_items_in_batch).loss * trainer.args.gradient_accumulation_steps
     assert kept != full and kept == pytest.approx(float(want), rel=1e-6, abs=1e-9)
+
+
+def test_completions_table_without_rich_is_plain_text(monkeypatch):
+    import io
+    import sys
+
+    from swiftune.rl.completions_log import completion_rows, print_completions
+
+    header, rows = completion_rows(["p1", "p1", "p2"], ["c1", "c2", "c3"], {"len": [1.0, 2.0, 3.0]},
+                                   [0.5, -0.5, 0.0], {"src": ["a", "b", "c"]}, num=None, unique_prompts=True)
+    assert header == ["Prompt", "Completion", "len", "Advantage", "src"]
+    assert [r[:2] for r in rows] == [["p1", "c1"], ["p2", "c3"]]  # one row per distinct prompt
+    monkeypatch.setitem(sys.modules, "rich.console", None)  # import fails as without rich
+    out = io.StringIO()
+    print_completions(7, header, rows, file=out)
+    text = out.getvalue().splitlines()
+    assert text[0] == "Step 7" and text[1].split(" | ")[0].strip() == "Prompt"
+    assert [line.split(" | ")[1].strip() for line in text[3:]] == ["c1", "c3"]
