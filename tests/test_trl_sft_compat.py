@@ -247,7 +247,7 @@ def test_trl_fields_checked_at_construction():
         return SFTConfig(output_dir="/tmp/swiftune-trl-fields", report_to="none", **fields)
 
     for fields, name in [(dict(packing_strategy="wrapped"), "packing_strategy"),
-                         (dict(packing_strategy="bfd_split"), "packing_strategy"),
+                         (dict(packing_strategy="bfd_splitt"), "packing_strategy"),
                          (dict(loss_type="kto"), "loss_type"), (dict(truncation_mode="middle"), "truncation_mode"),
                          (dict(pad_to_multiple_of=0), "pad_to_multiple_of"),
                          (dict(dataset_kwargs={"num_proc": 2}), "dataset_kwargs"),
@@ -261,6 +261,8 @@ def test_trl_fields_checked_at_construction():
     assert config(pad_to_multiple_of="auto").pad_to_multiple_of is None
     assert config(pad_to_multiple_of="64").pad_to_multiple_of == 64
     assert config(model_init_kwargs='{"dtype": "float32"}').model_init_kwargs == {"dtype": "float32"}
+    with pytest.warns(FutureWarning, match="bfd-requeue"):
+        assert config(packing_strategy="bfd-requeue").packing_strategy == "bfd_split"
     with pytest.warns(FutureWarning, match="chunked_nll"):
         assert config(loss_type="chunked_nll").loss_type == "nll"
     with pytest.warns(UserWarning, match="dataset_num_proc"):
@@ -313,3 +315,25 @@ def test_model_init_kwargs_load_a_path_and_shuffle_dataset_reorders(tmp_path):
     assert shuffled != unshuffled and sorted(map(str, shuffled)) == sorted(map(str, unshuffled))
     with pytest.warns(UserWarning, match="model_init_kwargs"):  # an instance: TRL ignores them too, and says so
         SFTTrainer(model=builtin_qwen3(lora=False), args=args, train_dataset=rows, processing_class=build_tokenizer())
+
+
+def test_bfd_split_packs_long_documents_as_max_length_pieces(tmp_path, tokenizer):
+    rows = tokenized_rows(tokenizer, n=6, seed=2)
+    rows = [{"input_ids": r["input_ids"], "assistant_masks": r["assistant_masks"]} for r in rows]
+    args = SFTConfig(output_dir=str(tmp_path), max_length=16, packing=True, packing_strategy="bfd_split", **FAST)
+    trainer = SFTTrainer(model=builtin_qwen3(lora=False), args=args, train_dataset=rows, processing_class=tokenizer)
+    # TRL's bfd_split: each row cut into pieces of max_length tokens, each piece its own document
+    expected = []
+    for r in rows:
+        for start in range(0, len(r["input_ids"]), 16):
+            if any(r["assistant_masks"][start + 1:start + 16]):
+                expected.append(r["input_ids"][start:start + 16])
+    packed = trainer.train_dataset.examples
+    documents = []
+    for row in packed:
+        assert len(row["input_ids"]) <= 16
+        offset = 0
+        for n in row["seq_lengths"]:
+            documents.append(row["input_ids"][offset:offset + n])
+            offset += n
+    assert sorted(documents) == sorted(expected) and max(len(r["input_ids"]) for r in rows) > 16

@@ -123,8 +123,9 @@ class SFTConfig(TrainingArguments):
     )
     packing_strategy: str = field(
         default="bfd",
-        metadata={"help": "TRL's: bfd (best-fit decreasing, what swiftune packs with) is the only strategy; "
-                          "bfd_split and wrapped are refused with what to do instead."},
+        metadata={"help": "TRL's: bfd (best-fit decreasing; longer documents cut by truncation) or bfd_split "
+                          "(longer documents split into max_length pieces, each its own document); wrapped is "
+                          "refused (it trains across document boundaries)."},
     )
     eval_packing: bool | None = field(
         default=None,

@@ -137,16 +137,14 @@ class SFTTrainer(SwiftuneTrainer):
 
         self._formatting_func = formatting_func
         self._eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-        train_dataset = self._tokenize(train_dataset, processing_class, args, "train", formatting_func)
+        train_dataset = self._tokenize(train_dataset, processing_class, args, "train", formatting_func, args.packing)
         eval_packing = self._eval_packing
         if eval_dataset is not None:
-            eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", formatting_func)
+            eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", formatting_func, eval_packing)
             if eval_packing:
-                eval_dataset = TokenizedDataset(pack_dataset(eval_dataset.examples, args.max_length),
-                                                eval_dataset.stats)
+                eval_dataset = self._pack(eval_dataset, args)
         if args.packing:
-            train_dataset = TokenizedDataset(pack_dataset(train_dataset.examples, args.max_length),
-                                             train_dataset.stats)
+            train_dataset = self._pack(train_dataset, args)
         collate = dict(max_length=args.max_length, pad_token_id=processing_class.pad_token_id,
                        pad_to_multiple_of=args.pad_to_multiple_of)
         self._eval_collator = None
@@ -172,15 +170,24 @@ class SFTTrainer(SwiftuneTrainer):
     # ------------------------------------------------------------------------ data
 
     @staticmethod
+    def _pack(data: TokenizedDataset, args: SFTConfig) -> TokenizedDataset:
+        examples = data.examples
+        if args.packing_strategy == "bfd_split":
+            examples = split_long_examples(examples, args.max_length)
+        return TokenizedDataset(pack_dataset(examples, args.max_length), data.stats)
+
+    @staticmethod
     def _tokenize(data: Any, tokenizer: Any, args: SFTConfig, split: str,
-                  formatting_func: Callable | None = None) -> TokenizedDataset:
+                  formatting_func: Callable | None = None, packed: bool = False) -> TokenizedDataset:
         if isinstance(data, TokenizedDataset):
             return data
+        # bfd_split keeps long examples whole here; _pack cuts them into max_length documents
+        max_length = None if packed and args.packing_strategy == "bfd_split" else args.max_length
         if args.batch_mode == "padded" and tokenizer.pad_token_id is None:
             raise ValueError("padded batches need a pad token: the tokenizer has none; set tokenizer.pad_token "
                              "(FastModel.from_pretrained does) or keep padding_free=True")
         tokenized = prepare_dataset(
-            data, tokenizer, max_length=args.max_length, completion_only_loss=args.completion_only_loss,
+            data, tokenizer, max_length=max_length, completion_only_loss=args.completion_only_loss,
             assistant_only_loss=args.assistant_only_loss, truncation=args.truncation,
             text_field=args.dataset_text_field, truncation_mode=args.truncation_mode,
             chat_template_kwargs=args.chat_template_kwargs, formatting_func=formatting_func,
@@ -198,9 +205,10 @@ class SFTTrainer(SwiftuneTrainer):
         if isinstance(eval_dataset, str) or eval_dataset is None or isinstance(eval_dataset, TokenizedDataset):
             prepared = eval_dataset
         else:  # a dataset handed to evaluate(): prepared as at construction (TRL does the same)
-            prepared = self._tokenize(eval_dataset, self.processing_class, self.args, "eval", self._formatting_func)
+            prepared = self._tokenize(eval_dataset, self.processing_class, self.args, "eval", self._formatting_func,
+                                      self._eval_packing)
             if self._eval_packing:
-                prepared = TokenizedDataset(pack_dataset(prepared.examples, self.args.max_length), prepared.stats)
+                prepared = self._pack(prepared, self.args)
         if self._eval_collator is None:
             return super().get_eval_dataloader(prepared)
         train_collator, self.data_collator = self.data_collator, self._eval_collator
@@ -283,6 +291,20 @@ class SFTTrainer(SwiftuneTrainer):
             logs["eval_num_tokens"] = float(self._summed([self.token_meter.total_tokens])[0])
             self._eval_counts = [0, 0]
         super().log(logs, *args, **kwargs)
+
+
+def split_long_examples(examples: list[dict], max_length: int) -> list[dict]:
+    """TRL's ``packing_strategy="bfd_split"``: an example longer than ``max_length`` becomes pieces
+    of ``max_length`` tokens (the last one shorter), each packed as its own document (positions
+    restart, its first token is not a target). Pieces with no trained token are dropped."""
+    out = []
+    for example in examples:
+        ids, mask = example["input_ids"], example.get("completion_mask") or [1] * len(example["input_ids"])
+        for start in range(0, len(ids), max_length):
+            piece_mask = mask[start:start + max_length]
+            if sum(piece_mask[1:]):
+                out.append({"input_ids": ids[start:start + max_length], "completion_mask": piece_mask})
+    return out
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

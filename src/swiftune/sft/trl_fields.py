@@ -71,18 +71,17 @@ def check_trl_fields(config: Any) -> None:
         config.loss_type = "nll"
     require_choice(config, "loss_type", LOSS_TYPES)
     strategy = config.packing_strategy
-    if strategy in ("bfd_split", "bfd-requeue"):
-        fail(config, "packing_strategy", strategy, "is not supported (splitting a long document into several "
-             "packed documents)", "set packing_strategy='bfd' (best-fit decreasing; a document longer than "
-             "max_length is cut by truncation='truncate' or skipped by truncation='drop'), or split long documents "
-             "in the dataset before training")
+    if strategy == "bfd-requeue":  # TRL's deprecated name
+        warnings.warn("SFTConfig.packing_strategy='bfd-requeue' is TRL's deprecated name of 'bfd_split'; using "
+                      "'bfd_split'", FutureWarning, stacklevel=4)
+        config.packing_strategy = strategy = "bfd_split"
     if strategy == "wrapped":
         fail(config, "packing_strategy", strategy, "is not supported: it cuts documents mid-sequence and trains "
              "across their boundaries, while swiftune keeps every packed document whole and separate",
              "set packing_strategy='bfd' (best-fit decreasing; same loss as unpacked training)")
-    if strategy != "bfd":
+    if strategy not in ("bfd", "bfd_split"):
         fail(config, "packing_strategy", strategy, "is not one of bfd, bfd_split, wrapped",
-             "set packing_strategy='bfd'")
+             "set packing_strategy='bfd' (or 'bfd_split')")
     for name in ("shuffle_dataset", "activation_offloading", "trust_remote_code"):
         _require_bool(config, name)
     _require_bool(config, "eval_packing", allow_none=True)
