@@ -400,7 +400,7 @@ class GRPOTrainer(SwiftuneTrainer):
         per_step = global_tokens * args.gradient_accumulation_steps / args.steps_per_generation
         for mb in micro:
             mb.num_items_in_batch = max(per_step, 1.0)
-        self._record_generation(sampled, advantages, G, batch_level, "train")
+        self._record_generation(sampled, advantages, G, batch_level)
         return micro
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
@@ -450,9 +450,8 @@ class GRPOTrainer(SwiftuneTrainer):
         with unwrapped.disable_adapter():  # LoRA: the reference is the base model, no second copy
             return self._no_grad_logps(unwrapped, row)
 
-
     def _record_generation(self, sampled: SampledGroups, advantages: torch.Tensor, group_size: int,
-                           batch_level: bool, mode: str) -> None:
+                           batch_level: bool) -> None:
         """TRL 1.16's generation metrics over every process's completions (:mod:`swiftune.rl.grpo_metrics`),
         ``num_tokens`` (prompt + completion tokens seen in training), what the reward functions logged,
         and the ``log_completions`` table of this generation."""
@@ -467,12 +466,10 @@ class GRPOTrainer(SwiftuneTrainer):
                                      gather(~sampled.finished), group_size, batch_level)
         metrics["generation_s"] = sampled.generation_s
         metrics.update(self.reward_logs.take_metrics(acc))
-        log = self._gen_log if mode == "train" else self._metrics["eval"]
-        log.add(metrics)
-        if mode == "train":
-            seen = sum(len(p) for p in sampled.prompt_ids) * group_size + float(lengths.sum())
-            self.state.num_input_tokens_seen += int(gather(torch.tensor([seen], dtype=torch.float64)).sum())
-            log.set("num_tokens", self.state.num_input_tokens_seen)
+        self._gen_log.add(metrics)
+        seen = sum(len(p) for p in sampled.prompt_ids) * group_size + float(lengths.sum())
+        self.state.num_input_tokens_seen += int(gather(torch.tensor([seen], dtype=torch.float64)).sum())
+        self._gen_log.set("num_tokens", self.state.num_input_tokens_seen)
         extra = self.reward_logs.take_extra()
         if self.args.log_completions and acc.is_main_process:
             rewards = {name: sampled.per_func[:, j].tolist() for j, name in enumerate(self.reward_func_names)}
