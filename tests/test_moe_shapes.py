@@ -120,3 +120,21 @@ def test_planner_counts_every_expert_weight():
     plan = plan_memory("qwen3-30b-a3b", 4096, 16, full_finetune=True)
     weights = param_count(model_shape("qwen3-30b-a3b")) * 2
     assert plan.weights == weights
+
+
+def test_planner_counts_each_tokens_chosen_experts_in_the_activations():
+    """The MoE layer saves k expert-width activations per token (not the config's dense
+    intermediate_size, which gpt-oss sets to one expert's width) and the k gathered inputs."""
+    import dataclasses
+
+    from swiftune.memory.planner import TrainSetup, layer_saved_bytes
+    from swiftune.memory.shapes import KNOWN_MODELS, model_shape
+
+    shape = model_shape(KNOWN_MODELS["gpt-oss-20b"])
+    assert shape.is_moe and shape.active_intermediate == 4 * 2880
+    setup = TrainSetup(full_finetune=True)
+    dense_equivalent = dataclasses.replace(shape, experts=0, intermediate=shape.active_intermediate)
+    H, b, k = shape.hidden, setup.dtype_bytes, shape.experts_per_token
+    assert layer_saved_bytes(shape, 1000, setup) == layer_saved_bytes(dense_equivalent, 1000, setup) + 1000 * k * H * b
+    fewer = dataclasses.replace(shape, experts_per_token=2)
+    assert layer_saved_bytes(fewer, 1000, setup) < layer_saved_bytes(shape, 1000, setup)

@@ -199,12 +199,13 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
           norm 2     H b + 4                                              the residual it normalises
           Gemma 2/3  (H b + 4) per extra norm
           MLP        tiled: H b;  full FT: H b + 3 I b;  LoRA: 2 (cast(H) + r lb) + 2 I b + cast(I) + r lb
+          experts    I is k I_e (k experts of width I_e per token), plus k H b: the gathered inputs
 
     ``cast(w) = w lb`` when each LoRA layer copies its input (:attr:`TrainSetup.lora_copies_input`:
     PEFT's float32 adapters, casts not switched off), else 0; then the adapters save the shared
     input itself.
     """
-    H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
+    H, I, b = shape.hidden, shape.active_intermediate, s.dtype_bytes
     dq, dkv = shape.q_dim, shape.kv_dim
     kvx = dq if s.kv_expanded else dkv
     attn = 4
@@ -228,6 +229,8 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
             mlp += H * b + I * b
     else:
         mlp += H * b + 3 * I * b
+    if shape.is_moe:  # each token's input gathered once per chosen expert, saved for the experts' backward
+        mlp += shape.experts_per_token * H * b
     return attn, mlp
 
 
@@ -258,7 +261,7 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
     ``nq 4`` softmax terms, plus for untiled float32 LoRA the
     float32 output gradient and input-cast gradient of the widest projection (``(H + dq) 4``).
     """
-    H, I, b = shape.hidden, shape.intermediate, s.dtype_bytes
+    H, I, b = shape.hidden, shape.active_intermediate, s.dtype_bytes
     dq, dkv = shape.q_dim, shape.kv_dim
     kvx = dq if s.kv_expanded else dkv
     fp32 = 4
