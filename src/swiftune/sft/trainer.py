@@ -151,7 +151,8 @@ class SFTTrainer(SwiftuneTrainer):
         if data_collator is None:
             data_collator = make_collator(batch_mode, **collate)
             if eval_packing and batch_mode != "packed":  # packed eval rows: one row each, padded to the longest
-                self._eval_collator = make_collator("packed", **collate)
+                # (a model swiftune's attention does not run gets padded batches, which refuse packed rows)
+                self._eval_collator = make_collator(batch_layout_for(model, "packed"), **collate)
             elif not eval_packing and args.packing:  # unpacked eval examples beside packed training rows
                 self._eval_collator = make_collator(batch_layout_for(model, "padding_free"), **collate)
         self.token_meter = TokenMeter()
