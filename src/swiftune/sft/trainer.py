@@ -122,9 +122,10 @@ class SFTTrainer(SwiftuneTrainer):
                 warn_once("quantization_config", "ignored: the model is already loaded (as in TRL); load it with "
                           "FastModel.from_pretrained(..., load_in_4bit=True) instead", owner="SFTTrainer")
             load_kwargs = {}
-            if args.model_init_kwargs:
-                warn_once("model_init_kwargs", "ignored: the model is already loaded (they apply when the model is "
-                          "given as a path, as in TRL)")
+            for name in ("model_init_kwargs", "trust_remote_code"):
+                if getattr(args, name):
+                    warn_once(name, "ignored: the model is already loaded (it applies when the model is given as a "
+                              "path, as in TRL)")
         model, processing_class = self.prepare_model(
             model, args, processing_class, train_dataset, peft_config, max_seq_length=args.max_length,
             missing_tokenizer="SFTTrainer needs the tokenizer: pass processing_class=tokenizer",
