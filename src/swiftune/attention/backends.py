@@ -109,12 +109,12 @@ def flex_token_major(
             # Rows under 128 tokens would otherwise compile inductor's decoding kernel, a forward-only
             # kernel for short queries that has no valid configuration for some head sizes (the
             # built-in GRPO model's short rows failed with NoValidChoicesError on torch 2.11).
-            kernel_options=_FLEX_TRAINING_KERNEL,
+            kernel_options=FLEX_TRAINING_KERNEL,
         )
     return out.squeeze(0).transpose(0, 1)
 
 
-_FLEX_TRAINING_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
+FLEX_TRAINING_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def softcap_score_mod(softcap: float | None, device: torch.device) -> Callable | None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backends import create_block_mask, document_bounds, flex_fn, _FLEX_TRAINING_KERNEL
+from .backends import FLEX_TRAINING_KERNEL, create_block_mask, document_bounds, flex_fn
 from .packing import PackedBatch
 
 SINK_BACKENDS = ("flex", "reference")
@@ -128,7 +128,7 @@ def flex_sink_attention(
     out = flex_fn(q.device)(
         q.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0), v1.transpose(0, 1).unsqueeze(0),
         score_mod=score_mod, block_mask=_flex_sink_block_mask(packed, window, q.device), scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1], kernel_options=_FLEX_TRAINING_KERNEL,
+        enable_gqa=q.shape[1] != k.shape[1], kernel_options=FLEX_TRAINING_KERNEL,
     )
     return out.squeeze(0).transpose(0, 1)
 
