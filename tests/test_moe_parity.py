@@ -500,3 +500,72 @@ def test_from_pretrained_patches_moe_and_sft_trains_padding_free(tmp_path):
                              processing_class=tokenizer)
     out = trainer.train()
     assert torch.isfinite(torch.tensor(out.training_loss))
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "packed"])
+def test_sft_trainer_adds_trls_router_loss_as_transformers_computes_it(layout, tmp_path):
+    """SFTTrainer on a MoE model, router_aux_loss_coef left at None (TRL's default: the model config's
+    coefficient, output_router_logits switched on): its loss is transformers' own loss of the
+    unpatched model on the padded batch (mean CE + coef * aux over the real tokens), its gradients
+    equal that model's, and aux_loss is logged; 0.0 switches the term off; a dense model refuses a
+    non-zero coefficient."""
+    from swiftune.data import build_tokenizer
+    from swiftune.errors import ConfigError
+    from swiftune.sft import SFTConfig, SFTTrainer
+    from swiftune.training.router_aux import RouterAuxLoss, real_token_mask
+
+    base = tiny_qwen3_moe().train()
+    examples = _examples()
+    reference = copy.deepcopy(base)
+    reference.config.output_router_logits = True
+    padded = make_collator("padded", pad_token_id=PAD_ID)(examples)
+    out = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=padded["labels"],
+                    use_cache=False)
+    out.loss.backward()
+    want = _grads(reference)
+
+    model = patch_model(copy.deepcopy(base), kernel_backend="reference")
+    model = FastModel.for_training(model, use_gradient_checkpointing=False).train()
+    args = SFTConfig(output_dir=str(tmp_path), kernel_backend="reference", attention_backend="reference",
+                     report_to="none", max_length=24, packing=layout == "packed")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [5, 6, 7]}],
+                         processing_class=build_tokenizer())
+    assert trainer.router_aux.enabled and model.config.output_router_logits
+    batch = make_collator(layout, max_length=24, pad_token_id=PAD_ID)(examples)
+    if layout == "packed":
+        assert real_token_mask(batch) is not None  # the rows carry padding: it must not count as tokens
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, dict(batch))  # num_items_in_batch None: the mean, as transformers
+    loss.backward()
+    assert rel_err(loss.detach(), out.loss.detach()) < TOL
+    for name, grad in want.items():
+        got = _grads(model)[name]
+        assert rel_err(got, grad) < TOL, name
+        assert got.abs().sum() > 0 or grad.abs().sum() == 0, name
+    trainer.log({"loss": float(loss.detach())})
+    assert trainer.state.log_history[-1]["aux_loss"] > 0
+
+    off = RouterAuxLoss(patch_model(copy.deepcopy(base), kernel_backend="reference"), 0.0)
+    assert not off.enabled and off.term([], None) is None
+    dense = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16))
+    with pytest.raises(ConfigError, match="router_aux_loss_coef"):
+        RouterAuxLoss(dense, 0.01)
+
+
+def test_grpo_on_moe_says_it_adds_no_router_loss(tmp_path, caplog):
+    """TRL's GRPOTrainer adds the MoE load-balancing loss by default; swiftune's GRPO loss does not
+    yet, and says so once the trainer is built (instead of training differently in silence)."""
+    import logging
+
+    from swiftune.data import build_tokenizer
+    from swiftune.rl import GRPOConfig, GRPOTrainer
+
+    model = tiny_qwen3_moe()
+    args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2, report_to="none",
+                      max_completion_length=4, save_strategy="no", use_cpu=True)
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        GRPOTrainer(model, [lambda prompts, completions, **kw: [0.0] * len(completions)], args,
+                    [{"prompt": "abc"}] * 2, processing_class=build_tokenizer())
+    assert "adds no router load-balancing loss" in caplog.text and "0.25" in caplog.text

@@ -252,7 +252,7 @@ def test_trl_fields_checked_at_construction():
                          (dict(pad_to_multiple_of=0), "pad_to_multiple_of"),
                          (dict(dataset_kwargs={"num_proc": 2}), "dataset_kwargs"),
                          (dict(model_init_kwargs={"attn_implementation": "sdpa"}), "attention_backend"),
-                         (dict(router_aux_loss_coef=0.01), "router_aux_loss_coef"),
+                         (dict(router_aux_loss_coef=-0.01), "router_aux_loss_coef"),
                          (dict(chat_template_path="/nonexistent.jinja"), "chat_template_path"),
                          (dict(eval_packing=True, max_length=None), "eval_packing"),
                          (dict(eos_token=""), "eos_token"), (dict(use_liger_kernel=True), "use_liger_kernel")]:

@@ -30,7 +30,10 @@ Modes
 
 Every batch also carries ``num_trained_tokens`` (the number of loss terms, what transformers
 calls ``num_items_in_batch``), ``num_tokens`` (real tokens) and ``num_padding_tokens`` as Python
-ints. They are not model inputs: take them out with :func:`pop_batch_stats` before the forward.
+ints; padding-free and packed batches also ``row_tokens`` (``[rows]``: how many leading tokens of
+each row are real, the rest being its padding document; what a batch statistic over real tokens,
+such as a MoE router's load-balancing loss, needs). They are not model inputs: take them out with
+:func:`pop_batch_stats` before the forward.
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ class BatchStats:
 
 
 def pop_batch_stats(batch: dict[str, Any]) -> BatchStats:
-    """Remove the count entries from a collated batch (so it can go to the model) and return them."""
+    """Remove the count entries (and ``row_tokens``) from a collated batch, so it can go to the
+    model, and return the counts."""
+    batch.pop("row_tokens", None)
     return BatchStats(**{key: int(batch.pop(key)) for key in BATCH_STAT_KEYS})
 
 
@@ -145,6 +150,7 @@ class PaddingFreeCollator:
             "input_ids": torch.tensor([input_ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
             "position_ids": position_ids_from_seq_lengths(seq_lengths).unsqueeze(0),
+            "row_tokens": torch.tensor([n], dtype=torch.long),
         }
         return _finish(batch, n)
 
@@ -178,6 +184,7 @@ class PackedCollator:
         labels = torch.full((len(built), width), IGNORE_INDEX, dtype=torch.long)
         position_ids = torch.empty((len(built), width), dtype=torch.long)
         num_tokens = 0
+        row_tokens = torch.tensor([len(ids) for ids, _, _ in built], dtype=torch.long)
         for r, (ids, row_labels, seq_lengths) in enumerate(built):
             n = len(ids)
             input_ids[r, :n] = torch.tensor(ids)
@@ -185,7 +192,7 @@ class PackedCollator:
             # Padding is its own document: positions restart at 0 after the last real token.
             position_ids[r] = position_ids_from_seq_lengths(seq_lengths + ([width - n] if width > n else []))
             num_tokens += n
-        batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "row_tokens": row_tokens}
         return _finish(batch, num_tokens)
 
 

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from ..data import BatchStats
 from ..models import causal_lm_of
+from ..models.moe import moe_config
 from ..models.support import batch_layout_for
 from ..training import MetricsCallback, SwiftuneTrainer, TokenMeter
 from ..training.lora_casting import lora_input_casting
@@ -172,6 +173,12 @@ class GRPOTrainer(SwiftuneTrainer):
             raise ValueError("sync_ref_model needs a reference copy to move, and with LoRA the reference is the base "
                              "model under the adapters: set sync_ref_model=False, or fine-tune fully")
 
+        moe = moe_config(model)
+        if moe is not None and moe[2] and args.router_aux_loss_coef is None:
+            # TRL 1.16 adds coef * aux here by default; say so rather than train differently in silence
+            logger.warning("swiftune: GRPO on a mixture-of-experts model adds no router load-balancing loss (TRL "
+                           "adds router_aux_loss_coef = %g from the model config): the routers train on the policy "
+                           "loss alone", moe[2])
         self.token_meter = TokenMeter()
         super().__init__(
             model=model, args=args, data_collator=collate_prompt_rows, train_dataset=rows, eval_dataset=eval_rows,

@@ -155,7 +155,8 @@ class SFTConfig(TrainingArguments):
     )
     router_aux_loss_coef: float | None = field(
         default=None,
-        metadata={"help": "TRL's MoE load-balancing loss weight: swiftune's SFT loss has none, so only 0.0 / None."},
+        metadata={"help": "TRL's: weight of the MoE load-balancing loss added to each micro-batch's loss (None: the "
+                          "model config's router_aux_loss_coef; 0.0: off; an error on a model without a router)."},
     )
     loss_type: str = field(
         default="nll",

@@ -40,6 +40,7 @@ from ..losses import linear_cross_entropy
 from ..models.heads import hidden_states_and_head
 from ..models.support import batch_layout_for
 from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter, enable_gradient_checkpointing
+from ..training.router_aux import RouterAuxLoss, real_token_mask
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .config import SFTConfig
 from .eval_outputs import full_logits, token_accuracy_counts
@@ -156,6 +157,8 @@ class SFTTrainer(SwiftuneTrainer):
                 self._eval_collator = make_collator(batch_layout_for(model, "packed"), **collate)
             elif not eval_packing and args.packing:  # unpacked eval examples beside packed training rows
                 self._eval_collator = make_collator(batch_layout_for(model, "padding_free"), **collate)
+        self.router_aux = RouterAuxLoss(model, args.router_aux_loss_coef)
+        self._aux_losses: list[torch.Tensor] = []  # TRL's aux_loss metric: the unweighted term per micro-batch
         self.token_meter = TokenMeter()
         self.step_flops = StepFlops()
         self._eval_counts = [0, 0]  # correct, labelled tokens since the last evaluation log
@@ -237,18 +240,29 @@ class SFTTrainer(SwiftuneTrainer):
         return self.step_flops(self.model, inputs)  # the Trainer's estimate, parameters counted once
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        token_mask = real_token_mask(inputs) if self.router_aux.enabled else None
+        inputs.pop("row_tokens", None)
         if all(key in inputs for key in BATCH_STAT_KEYS):
             stats = pop_batch_stats(inputs)
             if model.training:
                 self.token_meter.add(stats)
         labels = inputs.pop("labels")
-        hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
+        with self.router_aux.recording(model) as router_logits:
+            hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
         targets = shift_labels(labels)
         loss = head_loss(hidden, lm_head, softcap, targets, num_items_in_batch, self.args.logit_chunk_tokens,
                          self.args.loss_type)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # num_items_in_batch is the global count; DDP averages gradients over processes.
             loss = loss * self.accelerator.num_processes
+        # TRL's MoE term: a per-micro-batch mean, so averaged over the accumulation steps when the
+        # loss above is normalised by the whole accumulated batch
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        aux = self.router_aux.term(router_logits, token_mask, steps)
+        if aux is not None:
+            loss = loss + aux.to(loss.dtype)
+            if model.training:  # kept on the device: read at the next log, not synchronised every micro-batch
+                self._aux_losses.append(aux.detach() * steps / self.router_aux.coef)
         if not model.training:  # TRL's eval mean_token_accuracy, chunk by chunk (eval_outputs)
             correct, labelled = token_accuracy_counts(hidden, lm_head, targets)
             self._eval_counts[0] += correct
@@ -287,6 +301,9 @@ class SFTTrainer(SwiftuneTrainer):
         # eval_mean_token_accuracy (over every labelled eval token) and eval_num_tokens.
         if "loss" in logs:
             logs["num_tokens"] = float(self._summed([self.token_meter.total_tokens])[0])
+            if self._aux_losses:  # TRL's aux_loss: the unweighted load-balancing term, mean over micro-batches
+                logs["aux_loss"] = float(torch.stack(self._aux_losses).mean())
+                self._aux_losses = []
         elif any(key.startswith("eval_") for key in logs) and self._eval_counts[1]:
             correct, labelled = self._summed(self._eval_counts)
             logs["eval_mean_token_accuracy"] = correct / labelled if labelled else 0.0

@@ -101,10 +101,9 @@ def check_trl_fields(config: Any) -> None:
         fail(config, "chat_template_path", path, "is not an existing file or directory", "set it to a local "
              ".jinja / .j2 template file or a local tokenizer directory (no Hub lookups), or None")
     coef = config.router_aux_loss_coef
-    if coef is not None and coef != 0:
-        fail(config, "router_aux_loss_coef", coef, "is not supported: swiftune's fused SFT loss adds no MoE "
-             "load-balancing loss", "leave router_aux_loss_coef unset or 0.0 (the router trains on the language "
-             "modelling loss alone)")
+    if coef is not None and (not isinstance(coef, (int, float)) or isinstance(coef, bool) or coef < 0 or coef != coef):
+        fail(config, "router_aux_loss_coef", coef, "is not a number >= 0", "set a weight >= 0 for the MoE "
+             "load-balancing loss, 0.0 to switch it off, or None for the model config's own")
     if getattr(config, "use_liger_kernel", False):
         fail(config, "use_liger_kernel", True, "would put Liger's kernels (and its fused loss, which replaces the "
              "model's forward) over swiftune's own", "leave use_liger_kernel=False: swiftune's fused kernels and "
