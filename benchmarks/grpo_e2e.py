@@ -236,6 +236,18 @@ def trl_config(args, cuda: bool, config_cls):
                       generation_kwargs={"min_new_tokens": args.completion_tokens})
 
 
+def train_trl_style(args, mode: str, model, tokenizer, trainer_cls, config_cls, cuda: bool) -> dict:
+    """TRL's GRPOTrainer (or Unsloth's patched one) on the shared workload, timed per phase."""
+    clock, rewards = StepClock(cuda), Rewards()
+    trainer = trainer_cls(model=model, reward_funcs=rewards.functions(), args=trl_config(args, cuda, config_cls),
+                          train_dataset=trl_dataset(prompt_rows(args, model.config.vocab_size)),
+                          processing_class=tokenizer)
+    time_trainer(trainer, clock, trainer, "_generate")
+    trainer.add_callback(clock.callback())
+    trainer.train()
+    return step_record(args, mode, clock, rewards, {})
+
+
 def child_trl(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -248,15 +260,7 @@ def child_trl(args) -> dict:
     model = random_model(args.model, device, torch.bfloat16 if cuda else torch.float32)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM"))
-    tokenizer = word_tokenizer(model.config.vocab_size)
-    clock, rewards = StepClock(cuda), Rewards()
-    trainer = GRPOTrainer(model, reward_funcs=rewards.functions(), args=trl_config(args, cuda, GRPOConfig),
-                          train_dataset=trl_dataset(prompt_rows(args, model.config.vocab_size)),
-                          processing_class=tokenizer)
-    time_trainer(trainer, clock, trainer, "_generate")
-    trainer.add_callback(clock.callback())
-    trainer.train()
-    return step_record(args, "trl", clock, rewards, {})
+    return train_trl_style(args, "trl", model, word_tokenizer(model.config.vocab_size), GRPOTrainer, GRPOConfig, cuda)
 
 
 def save_checkpoint(args) -> None:
@@ -284,14 +288,7 @@ def child_unsloth(args) -> dict:
     model = FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none", use_gradient_checkpointing="unsloth",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    clock, rewards = StepClock(True), Rewards()
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards.functions(), args=trl_config(args, True, GRPOConfig),
-                          train_dataset=trl_dataset(prompt_rows(args, model.config.vocab_size)),
-                          processing_class=tokenizer)
-    time_trainer(trainer, clock, trainer, "_generate")
-    trainer.add_callback(clock.callback())
-    trainer.train()
-    return step_record(args, "unsloth", clock, rewards, {})
+    return train_trl_style(args, "unsloth", model, tokenizer, GRPOTrainer, GRPOConfig, True)
 
 
 CHILDREN = {"swiftune": child_swiftune, "trl": child_trl, "unsloth": child_unsloth}

@@ -46,6 +46,7 @@ __all__ = [
     "BACKEND_FUNCTIONS",
     "SDPA_MIN_MEAN_DOC_TOKENS",
     "backend_available",
+    "causal_window_mask",
     "dense_causal_attention",
     "flex_token_major",
     "layout_attention_kernel",
@@ -225,6 +226,15 @@ def document_bounds(packed: PackedBatch) -> list[tuple[int, int]]:
     return packed.cache["bounds"]
 
 
+def causal_window_mask(n: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """``[n, n]`` True where query ``i`` may attend key ``j`` of the same document: ``j <= i``, and
+    ``i - j < window`` for a sliding window."""
+    i = torch.arange(n, device=device).unsqueeze(1)
+    j = torch.arange(n, device=device).unsqueeze(0)
+    allowed = j <= i
+    return allowed & (i - j < window) if window else allowed
+
+
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -250,13 +260,7 @@ def reference_attention(
         scores = torch.matmul(qd, kd.transpose(1, 2)) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        n = end - start
-        i = torch.arange(n, device=q.device).unsqueeze(1)
-        j = torch.arange(n, device=q.device).unsqueeze(0)
-        allowed = j <= i
-        if window:
-            allowed = allowed & (i - j < window)
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~causal_window_mask(end - start, window, q.device), float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         if dropout:
             probs = F.dropout(probs, p=dropout, training=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backends import FLEX_TRAINING_KERNEL, create_block_mask, document_bounds, flex_fn
+from .backends import FLEX_TRAINING_KERNEL, causal_window_mask, create_block_mask, document_bounds, flex_fn
 from .packing import PackedBatch
 
 SINK_BACKENDS = ("flex", "reference")
@@ -65,12 +65,7 @@ def reference_sink_attention(
         kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         scores = torch.matmul(qd, kd.transpose(1, 2)) * scale
-        n = end - start
-        i = torch.arange(n, device=q.device).unsqueeze(1)
-        j = torch.arange(n, device=q.device).unsqueeze(0)
-        allowed = j <= i
-        if window:
-            allowed = allowed & (i - j < window)
+        allowed = causal_window_mask(end - start, window, q.device)
         probs = dense_sink_scores(scores.masked_fill(~allowed, float("-inf")), sinks)
         if dropout:
             probs = F.dropout(probs, p=dropout, training=True)
