@@ -92,3 +92,20 @@ def builtin_qwen3(lora: bool, lora_seed: int = 1, r: int = 8) -> torch.nn.Module
                 if "lora_B" in name:
                     p.normal_(0, 0.02)
     return model
+
+
+def train_adapters_two_sft_steps(model: torch.nn.Module, tokenizer, output_dir: str) -> None:
+    """Two SFTTrainer steps of a LoRA model on four prompt/completion rows (CPU): the losses are
+    finite and some adapter tensor moved (a quantised base's own checks are the caller's)."""
+    import swiftune
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")]
+    args = swiftune.SFTConfig(output_dir=output_dir, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                              logging_steps=1, save_strategy="no", report_to="none", use_cpu=True)
+    trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    after = dict(model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters trained"

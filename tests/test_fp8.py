@@ -28,7 +28,7 @@ from swiftune.memory.shapes import linear_weight_count, model_shape, param_count
 from swiftune.models.fp8_linear import FP8Linear, FP8State, fp8_grad_input, fp8_matmul, quantize_model_fp8  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import check_fp8_request, is_quantized_fp8  # noqa: E402
-from tests.helpers import assert_gradients_match, rel_err, tiny_model  # noqa: E402
+from tests.helpers import assert_gradients_match, rel_err, tiny_model, train_adapters_two_sft_steps  # noqa: E402
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -199,8 +199,6 @@ def test_cuda_fp8_linear_runs_scaled_mm(monkeypatch):
 
 
 def test_adapters_of_an_fp8_model_train_and_load_in_plain_peft(checkpoints, tmp_path):
-    import swiftune
-
     from swiftune.models.lora_linear import is_fused_lora
 
     path = checkpoints["qwen3"]
@@ -211,16 +209,8 @@ def test_adapters_of_an_fp8_model_train_and_load_in_plain_peft(checkpoints, tmp_
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
     assert not any(is_fused_lora(m) for m in model.modules())
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
-    before = {n: p.detach().clone() for n, p in _lora_tensors(model).items()}
-    rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")]
-    args = swiftune.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
-                              learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True)
-    trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    train_adapters_two_sft_steps(model, tokenizer, str(tmp_path / "run"))
     after = _lora_tensors(model)
-    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters trained"
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(frozen[n].view(torch.uint8), p.view(torch.uint8)), f"{n}: an FP8 weight changed"

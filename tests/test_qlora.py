@@ -22,7 +22,7 @@ from swiftune.errors import ConfigError  # noqa: E402
 from swiftune.memory.planner import QUANTIZED_WEIGHT_BYTES, plan_memory  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import is_quantized_4bit, nf4_config  # noqa: E402
-from tests.helpers import assert_gradients_match, rel_err, tiny_model  # noqa: E402
+from tests.helpers import assert_gradients_match, rel_err, tiny_model, train_adapters_two_sft_steps  # noqa: E402
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
 
 
@@ -113,22 +113,12 @@ def test_qlora_bf16_compute_gradients_equal_peft_bitsandbytes(checkpoints, refer
 
 
 def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(checkpoints, tmp_path):
-    import swiftune
-
     model, tokenizer = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=True, dtype=torch.float32,
                                                  device_map="cpu")
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
     frozen = {n: p.data.clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
-    before = {n: p.detach().clone() for n, p in _lora_tensors(model).items()}
-    rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")]
-    args = swiftune.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=4,
-                              learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True)
-    trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert losses and all(torch.isfinite(torch.tensor(losses)))
+    train_adapters_two_sft_steps(model, tokenizer, str(tmp_path / "run"))
     after = _lora_tensors(model)
-    assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters trained"
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(frozen[n], p.data), f"{n}: a 4-bit weight changed"
