@@ -15,11 +15,10 @@ constructs unchanged. Each field is one of (docs/trl_compat_grpo.md has the whol
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..training.config_checks import fail, require_int, require_number
+from ..training.config_checks import fail, require_int, require_number, warn_once
 
 # generation_kwargs keys the built-in rollout engines honour, and the config field each overrides
 GENERATION_KWARGS = {"top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
@@ -59,7 +58,6 @@ NO_EFFECT_WHY = {
     "log_multimodal": "swiftune's GRPO is text-only",
 }
 
-_warned: set[str] = set()
 
 
 def _h(text: str) -> dict[str, str]:
@@ -191,14 +189,13 @@ def check_trl_fields(config: Any) -> None:
              "set beta > 0 (e.g. 0.04) or sync_ref_model=False")
     for name, default in NO_EFFECT.items():
         value = getattr(config, name)
-        if value != default and name not in _warned:
-            _warned.add(name)
+        if value != default:
             why = NO_EFFECT_WHY.get(name, "swiftune does not run vLLM (use_vllm is refused)")
-            warnings.warn(f"{type(config).__name__}: {name}={value!r} has no effect in swiftune: {why}", stacklevel=4)
+            warn_once(f"GRPOConfig.{name}", f"{type(config).__name__}: {name}={value!r} has no effect in swiftune: "
+                      f"{why}", stacklevel=4)
     if config.use_adaptive_entropy is False and config.entropy_coef == 0.0:
         for name, default in (("entropy_coef_min", 0.0), ("entropy_coef_max", 1.0), ("entropy_coef_delta", 0.005),
                               ("entropy_target", 0.2)):
-            if getattr(config, name) != default and name not in _warned:
-                _warned.add(name)
-                warnings.warn(f"{type(config).__name__}: {name}={getattr(config, name)!r} has no effect: swiftune "
-                              "has no entropy bonus", stacklevel=4)
+            if getattr(config, name) != default:
+                warn_once(f"GRPOConfig.{name}", f"{type(config).__name__}: {name}={getattr(config, name)!r} has no "
+                          "effect: swiftune has no entropy bonus", stacklevel=4)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..training.config_checks import fail, require_choice, require_int
+from ..training.config_checks import warn_once as config_warn_once
 
 LOSS_TYPES = ("nll", "dft")
 TRUNCATION_MODES_TRL = ("keep_start", "keep_end")
@@ -24,15 +25,11 @@ _MODEL_KWARGS_OWNED = {
     "max_seq_length": "max_length",
     "kernel_backend": "kernel_backend",
 }
-_warned: set[str] = set()
 
 
 def warn_once(field_name: str, message: str, owner: str = "SFTConfig") -> None:
     """One warning per field and process: a field accepted but not (fully) honoured says so."""
-    if field_name in _warned:
-        return
-    _warned.add(field_name)
-    warnings.warn(f"{owner}.{field_name}: {message}", UserWarning, stacklevel=4)
+    config_warn_once(f"{owner}.{field_name}", f"{owner}.{field_name}: {message}", stacklevel=4)
 
 
 def _require_bool(config: Any, name: str, allow_none: bool = False) -> None:

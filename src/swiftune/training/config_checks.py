@@ -11,6 +11,7 @@ They live in the training runtime, below both trainers, so that neither trainer 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from ..errors import ConfigError
@@ -124,3 +125,16 @@ def check_training_arguments(args: Any) -> None:
     require_int(args, "seed", 0, "a non-negative integer, e.g. 42")
     require_int(args, "data_seed", 0, "a non-negative integer, or None to use seed", allow_none=True)
     require_int(args, "dataloader_num_workers", 0, "0 (load in the main process) or the worker processes")
+
+
+_warned_once: set[str] = set()
+
+
+def warn_once(key: str, message: str, stacklevel: int = 2) -> None:
+    """``message`` as a warning the first time ``key`` (a config class and field) is seen in this
+    process: a field accepted but not (fully) honoured says so once, not at every construction.
+    ``stacklevel`` counts from the caller, as ``warnings.warn``'s does."""
+    if key in _warned_once:
+        return
+    _warned_once.add(key)
+    warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
