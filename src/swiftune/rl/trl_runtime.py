@@ -16,17 +16,15 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from ..training.config_checks import from_pretrained_kwargs
+
 
 def model_load_kwargs(args: Any, model: Any) -> dict[str, Any]:
     """``FastModel.from_pretrained`` keyword arguments from the config (only for a model given by path)."""
-    kwargs = dict(args.model_init_kwargs or {})
-    if args.trust_remote_code:
-        kwargs.setdefault("trust_remote_code", True)
+    kwargs = from_pretrained_kwargs(args.model_init_kwargs, args.trust_remote_code)
     if kwargs and not isinstance(model, str):
         raise ValueError("GRPOConfig.model_init_kwargs / trust_remote_code apply when the model is given as a path; "
                          "this model is already loaded: drop them, or pass the path instead")
-    if "torch_dtype" in kwargs and "dtype" not in kwargs:  # TRL accepts both spellings
-        kwargs["dtype"] = kwargs.pop("torch_dtype")
     return kwargs
 
 

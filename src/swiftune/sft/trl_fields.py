@@ -13,7 +13,7 @@ import warnings
 from typing import Any
 
 from ..errors import ConfigError
-from ..training.config_checks import fail, require_choice, require_int
+from ..training.config_checks import fail, from_pretrained_kwargs, require_choice, require_int
 from ..training.config_checks import warn_once as config_warn_once
 
 LOSS_TYPES = ("nll", "dft")
@@ -142,12 +142,8 @@ def model_load_kwargs(config: Any) -> dict[str, Any]:
 
     TRL's ``torch_dtype`` is transformers' old name of ``dtype``; ``"auto"`` / ``None`` is swiftune's
     default (bf16 on a GPU that has it, else float32)."""
-    kwargs = dict(config.model_init_kwargs or {})
-    if "torch_dtype" in kwargs:
-        kwargs["dtype"] = kwargs.pop("torch_dtype")
-    if config.trust_remote_code:
-        kwargs.setdefault("trust_remote_code", True)
-    return kwargs
+    # both torch_dtype and dtype are refused at construction (check_dict_fields)
+    return from_pretrained_kwargs(config.model_init_kwargs, config.trust_remote_code)
 
 
 def _check_in_vocab(tokenizer: Any, name: str, token: str) -> None:

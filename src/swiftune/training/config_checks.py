@@ -138,3 +138,14 @@ def warn_once(key: str, message: str, stacklevel: int = 2) -> None:
         return
     _warned_once.add(key)
     warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
+
+
+def from_pretrained_kwargs(model_init_kwargs: dict[str, Any] | None, trust_remote_code: bool) -> dict[str, Any]:
+    """TRL's ``model_init_kwargs`` / ``trust_remote_code`` as keywords of ``FastModel.from_pretrained``:
+    ``torch_dtype`` (transformers' old name) becomes ``dtype`` unless ``dtype`` is given too."""
+    kwargs = dict(model_init_kwargs or {})
+    if trust_remote_code:
+        kwargs.setdefault("trust_remote_code", True)
+    if "torch_dtype" in kwargs and "dtype" not in kwargs:
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    return kwargs
