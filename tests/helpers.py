@@ -109,3 +109,21 @@ def train_adapters_two_sft_steps(model: torch.nn.Module, tokenizer, output_dir: 
     assert losses and all(torch.isfinite(torch.tensor(losses)))
     after = dict(model.named_parameters())
     assert any(not torch.equal(before[n], after[n]) for n in before), "the adapters trained"
+
+
+def save_tiny_checkpoints(tmp_path_factory, families: tuple[str, ...] = ("llama", "qwen3")) -> dict[str, str]:
+    """``family -> folder`` of a saved tiny model and the built-in tokenizer (for the loading paths)."""
+    from swiftune.data import build_tokenizer
+
+    out = {}
+    for family in families:
+        path = tmp_path_factory.mktemp(family)
+        tiny_model(family).save_pretrained(path)
+        build_tokenizer().save_pretrained(path)
+        out[family] = str(path)
+    return out
+
+
+def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA parameters of a PEFT model by name."""
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}

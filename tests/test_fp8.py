@@ -28,7 +28,8 @@ from swiftune.memory.shapes import linear_weight_count, model_shape, param_count
 from swiftune.models.fp8_linear import FP8Linear, FP8State, fp8_grad_input, fp8_matmul, quantize_model_fp8  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import check_fp8_request, is_quantized_fp8  # noqa: E402
-from tests.helpers import assert_gradients_match, rel_err, tiny_model, train_adapters_two_sft_steps  # noqa: E402
+from tests.helpers import (assert_gradients_match, lora_tensors, rel_err, save_tiny_checkpoints,  # noqa: E402
+                           train_adapters_two_sft_steps)
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -47,21 +48,11 @@ def _dequantized(layer: FP8Linear, dtype: torch.dtype = torch.float32) -> torch.
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    out = {}
-    for family in ("llama", "qwen3"):
-        path = tmp_path_factory.mktemp(family)
-        tiny_model(family).save_pretrained(path)
-        build_tokenizer().save_pretrained(path)
-        out[family] = str(path)
-    return out
+    return save_tiny_checkpoints(tmp_path_factory)
 
 
 def _fp8_layers(model: nn.Module) -> dict[str, FP8Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, FP8Linear)}
-
-
-def _lora_tensors(model) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if "lora_" in n}
 
 
 def _plain_with_weights(path: str, fp8_model: nn.Module) -> nn.Module:
@@ -119,7 +110,7 @@ def test_fp8_lora_loss_and_gradients_equal_transformers_peft_on_dequantised_weig
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
     reference = peft.get_peft_model(_plain_with_weights(path, model), config).train()
-    want, got = _lora_tensors(reference), _lora_tensors(model)
+    want, got = lora_tensors(reference), lora_tensors(model)
     assert got.keys() == want.keys() and got
     assert all(p.dtype == torch.float32 for p in got.values())  # the adapters keep the model's dtype, not e4m3
     with torch.no_grad():
@@ -210,7 +201,7 @@ def test_adapters_of_an_fp8_model_train_and_load_in_plain_peft(checkpoints, tmp_
     assert not any(is_fused_lora(m) for m in model.modules())
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     train_adapters_two_sft_steps(model, tokenizer, str(tmp_path / "run"))
-    after = _lora_tensors(model)
+    after = lora_tensors(model)
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(frozen[n].view(torch.uint8), p.view(torch.uint8)), f"{n}: an FP8 weight changed"
@@ -222,7 +213,7 @@ def test_adapters_of_an_fp8_model_train_and_load_in_plain_peft(checkpoints, tmp_
     # plain PEFT on the unquantised base: the adapters load under their own names, unchanged
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
                                             tmp_path / "adapter").eval()
-    for name, p in _lora_tensors(loaded).items():
+    for name, p in lora_tensors(loaded).items():
         assert torch.equal(p, after[name].detach()), name
     # and on a base holding the dequantised FP8 weights: the same model as the FP8 one
     on_fp8 = peft.PeftModel.from_pretrained(_plain_with_weights(path, model), tmp_path / "adapter").eval()
@@ -411,7 +402,7 @@ def test_fp8_scaled_mm_training_step_within_measured_error(checkpoints, device, 
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
     reference = peft.get_peft_model(_plain_with_weights(path, model), config).to(device).train()
-    want, got = _lora_tensors(reference), _lora_tensors(model)
+    want, got = lora_tensors(reference), lora_tensors(model)
     with torch.no_grad():
         for name, p in got.items():
             p.copy_(want[name])

@@ -22,23 +22,14 @@ from swiftune.errors import ConfigError  # noqa: E402
 from swiftune.memory.planner import QUANTIZED_WEIGHT_BYTES, plan_memory  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import is_quantized_4bit, nf4_config  # noqa: E402
-from tests.helpers import assert_gradients_match, rel_err, tiny_model, train_adapters_two_sft_steps  # noqa: E402
+from tests.helpers import (assert_gradients_match, lora_tensors, rel_err, save_tiny_checkpoints,  # noqa: E402
+                           train_adapters_two_sft_steps)
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict:
-    out = {}
-    for family in ("llama", "qwen3"):
-        path = tmp_path_factory.mktemp(family)
-        tiny_model(family).save_pretrained(path)
-        build_tokenizer().save_pretrained(path)
-        out[family] = str(path)
-    return out
-
-
-def _lora_tensors(model) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+    return save_tiny_checkpoints(tmp_path_factory)
 
 
 def _reference(path: str, dtype: torch.dtype = torch.float32):
@@ -55,8 +46,8 @@ def _swiftune(path: str, reference, checkpointing, dtype: torch.dtype = torch.fl
     budget = {"offload_gpu_budget_bytes": 0} if checkpointing == "offload" else {}
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
                                      use_gradient_checkpointing=checkpointing, init_lora_weights=False, **budget)
-    want = _lora_tensors(reference)
-    got = _lora_tensors(model)
+    want = lora_tensors(reference)
+    got = lora_tensors(model)
     assert got.keys() == want.keys() and got
     with torch.no_grad():  # the same adapters on both sides
         for name, p in got.items():
@@ -118,7 +109,7 @@ def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(c
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
     frozen = {n: p.data.clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
     train_adapters_two_sft_steps(model, tokenizer, str(tmp_path / "run"))
-    after = _lora_tensors(model)
+    after = lora_tensors(model)
     for n, p in model.named_parameters():
         if n in frozen:
             assert torch.equal(frozen[n], p.data), f"{n}: a 4-bit weight changed"
@@ -137,7 +128,7 @@ def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(c
     # plain PEFT on the unquantised base: the same adapters, the base without its NF4 rounding
     base16 = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.bfloat16)
     loaded16 = peft.PeftModel.from_pretrained(base16, tmp_path / "adapter")
-    for name, p in _lora_tensors(loaded16).items():
+    for name, p in lora_tensors(loaded16).items():
         assert torch.allclose(p.float(), after[name].detach().float(), atol=1e-2, rtol=1e-2), name
 
 
