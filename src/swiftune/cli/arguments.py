@@ -366,22 +366,17 @@ def check_model_args(model_args: ModelArguments) -> None:
     if not 0 <= model_args.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout {model_args.lora_dropout}: must be in [0, 1), e.g. 0.0")
     lora_targets(model_args.lora_target_modules)
-    if getattr(model_args, "load_in_4bit", False):
-        if model_args.use_lora is False:
-            raise ConfigError("--load_in_4bit true with --use_lora false: a 4-bit model cannot be fully fine-tuned "
-                              "(its NF4 weights take no gradient steps); drop --use_lora false to train LoRA adapters")
-        if not model_args.model_name_or_path:
-            raise ConfigError("--load_in_4bit true needs --model_name_or_path (the built-in tiny model is not "
-                              "quantised)")
-    if getattr(model_args, "load_in_fp8", False):
-        if getattr(model_args, "load_in_4bit", False):
+    for flag, model, frozen in (("load_in_4bit", "a 4-bit model", "its NF4 weights take no gradient steps"),
+                                ("load_in_fp8", "an FP8 model", "its e4m3 weights are frozen")):
+        if not getattr(model_args, flag, False):
+            continue
+        if flag == "load_in_fp8" and getattr(model_args, "load_in_4bit", False):
             raise ConfigError("--load_in_fp8 and --load_in_4bit are exclusive: pick one")
         if model_args.use_lora is False:
-            raise ConfigError("--load_in_fp8 true with --use_lora false: an FP8 model cannot be fully fine-tuned "
-                              "(its e4m3 weights are frozen); drop --use_lora false to train LoRA adapters")
+            raise ConfigError(f"--{flag} true with --use_lora false: {model} cannot be fully fine-tuned ({frozen}); "
+                              "drop --use_lora false to train LoRA adapters")
         if not model_args.model_name_or_path:
-            raise ConfigError("--load_in_fp8 true needs --model_name_or_path (the built-in tiny model is not "
-                              "quantised)")
+            raise ConfigError(f"--{flag} true needs --model_name_or_path (the built-in tiny model is not quantised)")
 
 
 def check_paths(model_args: ModelArguments, config: Any) -> None:
