@@ -535,11 +535,12 @@ def test_sft_trainer_adds_trls_router_loss_as_transformers_computes_it(layout, t
     if layout == "packed":
         assert real_token_mask(batch) is not None  # the rows carry padding: it must not count as tokens
     model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(model, dict(batch))  # num_items_in_batch None: the mean, as transformers
+    inputs = trainer._prepare_inputs(dict(batch))  # on the trainer's device (CUDA on a GPU machine)
+    loss = trainer.compute_loss(model, inputs)  # num_items_in_batch None: the mean, as transformers
     loss.backward()
-    assert rel_err(loss.detach(), out.loss.detach()) < TOL
+    assert rel_err(loss.detach().cpu(), out.loss.detach()) < TOL
     for name, grad in want.items():
-        got = _grads(model)[name]
+        got = _grads(model)[name].cpu()
         assert rel_err(got, grad) < TOL, name
         assert got.abs().sum() > 0 or grad.abs().sum() == 0, name
     trainer.log({"loss": float(loss.detach())})
