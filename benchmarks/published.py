@@ -79,12 +79,24 @@ FIGURES: list[dict] = [
                  "--swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only --trial-repeats 2 "
                  "--time-budget 480 --out grpo_65k_swiftune.json"),
     dict(figure="grpo_largest", file="grpo_figure3_qwen3-8b_h200.json", date="2026-11-30", versions=WITH_TRL,
-         before_qk_fix=True, keep=_modes("hf_full_logits", "trl_grpo", "trl_liger", "swiftune"),
+         keep=_modes("hf_full_logits", "trl_grpo", "trl_liger"),
          command="python -m benchmarks.merge_bisect --out docs/results/grpo_figure3_qwen3-8b_h200.json "
                  "docs/results/grpo_bisect_qwen3-8b_h200.json:hf_full_logits,trl_grpo,trl_liger "
                  "docs/results/grpo_edge_qwen3-8b_h200.json:swiftune "
                  "docs/results/grpo_edge_planner_qwen3-8b_h200.json:swiftune=+swiftune "
                  "docs/results/grpo_65k_swiftune_h200.json:swiftune=swiftune_offload_all"),
+    # the fit measured again after the q/k fix; the first failure (2 x 398,848) is the 2026-11-30 run's refusal
+    # before any step (its offloaded checkpoints need 236.8 GB of pinned host memory), arithmetic the fix
+    # does not change; the trial JSON was written from its log (the second length outlived the session)
+    dict(figure="grpo_largest", file="2026-12-01/grpo_largest_swiftune_after_qk_fix_h200.json", date="2026-12-01",
+         versions=BASE, keep=_modes("swiftune"),
+         command="python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune "
+                 "--share-prompt --completion-lengths 380928 398848 --fixed-only --time-budget 2700 "
+                 "--out grpo_edge.json && python -m benchmarks.merge_bisect --out "
+                 "docs/results/2026-12-01/grpo_largest_swiftune_after_qk_fix_h200.json "
+                 "docs/results/2026-12-01/grpo_edge_380928_after_qk_fix_h200.json:swiftune "
+                 "docs/results/grpo_edge_planner_qwen3-8b_h200.json:swiftune=+swiftune "
+                 "docs/results/2026-12-01/grpo_65k_swiftune_after_qk_fix_h200.json:swiftune=swiftune_offload_all"),
     dict(figure="grpo_step", file="2026-12-01/grpo_step_after_qk_fix_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out grpo.json"),
     dict(figure="longctx_sweep_qwen3-8b", file="2026-12-01/longctx_qwen3-8b_sweep_after_qk_fix_h200.json",
