@@ -1,6 +1,6 @@
 """Kernel microbenchmarks: forward + backward of each swiftune kernel on one GPU (forward only
-for the decoding kernels ``add_rms_norm`` and ``decode_qkv``; for ``decode_qkv`` the "eager"
-column is the unfused swiftune kernels it replaces).
+for the decoding kernels ``add_rms_norm`` and ``decode_qkv`` and for ``fp8_quant``; for ``decode_qkv``
+the "eager" column is the unfused swiftune kernels it replaces).
 
 Baselines measured in the same process on the same tensors:
   (a) transformers' eager implementation (apply_rotary_pos_emb, LlamaRMSNorm, act * up),
@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import results
-from swiftune.kernels import add_rms_norm, decode_qkv, decode_qkv_reference, geglu, rms_norm, rope_qk, swiglu
+from swiftune.kernels import (add_rms_norm, decode_qkv, decode_qkv_reference, fp8_quantize_rowwise,
+                              fp8_quantize_rowwise_reference, geglu, rms_norm, rope_qk, swiglu)
 
 
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -176,6 +177,18 @@ def cases(scale: float):
         torch.no_grad()(lambda: unfused_decode_qkv(*args)),
         torch.no_grad()(lambda f=torch.compile(decode_qkv_reference): f(q, k, v, wq, wk, 1e-6, cos, sin, kc, vc, slot)),
     )
+
+    # per-row FP8 quantisation of the FP8 linear's inputs (no grad): Qwen3-8B's hidden and MLP
+    # widths over a 16K-token batch, and a G=64 decode step; baselines: the unfused torch ops
+    # (absmax, divide, clamp, cast: a float32 copy of x) eager and compiled
+    for T, H in ((int(16384 * scale), 4096), (int(16384 * scale), 12288), (64, 4096)):
+        x = torch.randn(T, H, device="cuda", dtype=dt)
+        yield (
+            "fp8_quant", f"[{T},{H}] bf16 no grad", x.numel() * (2 + 1) + T * 4,  # read x; write codes, scales
+            torch.no_grad()(lambda x=x: fp8_quantize_rowwise(x)),
+            torch.no_grad()(lambda x=x: fp8_quantize_rowwise_reference(x)),
+            torch.no_grad()(lambda x=x, f=torch.compile(fp8_quantize_rowwise_reference): f(x)),
+        )
 
 
 def main(argv=None) -> int:

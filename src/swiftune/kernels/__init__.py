@@ -2,6 +2,7 @@
 decoding-only kernels ``add_rms_norm`` and ``decode_qkv`` (no autograd)."""
 
 from .decode_qkv import decode_qkv, decode_qkv_reference
+from .fp8_quant import fp8_quantize_rowwise, fp8_quantize_rowwise_reference
 from .glu import geglu, geglu_reference, swiglu, swiglu_reference
 from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope_qk, rope_qk_reference
@@ -11,6 +12,8 @@ __all__ = [
     "add_rms_norm_reference",
     "decode_qkv",
     "decode_qkv_reference",
+    "fp8_quantize_rowwise",
+    "fp8_quantize_rowwise_reference",
     "geglu",
     "geglu_reference",
     "rms_norm",

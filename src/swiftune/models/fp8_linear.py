@@ -12,7 +12,8 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
 
 - ``torch._scaled_mm`` (CUDA with compute capability >= 8.9, bf16 compute, both matrix sides
   multiples of 16): the activation is quantised on the fly with its own per-row scales (``x = Qx *
-  sx``, :func:`quantize_rowwise`, plain torch for now), then ``y = (Qx Q^T) * sx * s^T`` on the FP8
+  sx``, :func:`quantize_activation`: the fused Triton kernel of :mod:`swiftune.kernels.fp8_quant` on
+  CUDA), then ``y = (Qx Q^T) * sx * s^T`` on the FP8
   tensor cores. In backward the weight scale sits on the summed axis, so it is folded into the
   upstream gradient first: ``dx = quant(g * s^T) Q`` with per-row scales of ``g * s^T`` and a
   column-major copy of ``Q`` (made per call: 1 byte per weight, instead of keeping a second copy).
@@ -35,8 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.fp8_quant import fp8_quantize_rowwise
+
 __all__ = ["FP8_DTYPE", "FP8Linear", "FP8State", "dequantize_rowwise", "fp8_grad_input", "fp8_matmul",
-           "fp8_matmul_supported", "is_fp8_linear", "quantize_model_fp8", "quantize_rowwise"]
+           "fp8_matmul_supported", "is_fp8_linear", "quantize_activation", "quantize_model_fp8", "quantize_rowwise"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -88,11 +91,19 @@ def _use_scaled_mm(state: FP8State, a: torch.Tensor, weight: torch.Tensor, dtype
             and weight.shape[1] % 16 == 0)
 
 
+def quantize_activation(x2: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 codes and float32 scales of ``x2 * col_scale`` (``[N, K]``, ``[N, 1]``) for
+    ``_scaled_mm``: the fused Triton kernel on CUDA, its plain-PyTorch reference elsewhere (CPU
+    torch's ``_scaled_mm`` runs the tests; the bytes are the same either way)."""
+    x2 = x2.detach()  # the codes are a value, not a function autograd differentiates
+    return fp8_quantize_rowwise(x2, col_scale, backend="auto" if x2.is_cuda else "reference")
+
+
 def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x2 (Q * s)^T + b`` for ``x2`` ``[N, in]``, in ``dtype`` (see the module doc for the two paths)."""
     if _use_scaled_mm(state, x2, weight, dtype):
-        xq, xs = quantize_rowwise(x2.contiguous())
+        xq, xs = quantize_activation(x2)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
     else:
         y = torch.mm(x2.to(dtype), dequantize_rowwise(weight, state.scale, dtype).t())
@@ -102,9 +113,9 @@ def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: t
 def fp8_grad_input(g2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype) -> torch.Tensor:
     """``g2 (Q * s)`` for the upstream gradient ``g2`` ``[N, out]``, in ``dtype``."""
     if _use_scaled_mm(state, g2, weight, dtype):
-        # bf16 x float32 promotes to one new float32 tensor (never in place: g2 may be autograd's own),
-        # row-major as _scaled_mm's first operand must be
-        gq, gs = quantize_rowwise(torch.mul(g2.contiguous(), state.scale.view(1, -1)), overwrite=True)
+        # the weight's scales multiplied in inside the quantisation (one float32 rounding, no float32
+        # copy of g2 on CUDA); the codes come out row-major as _scaled_mm's first operand must be
+        gq, gs = quantize_activation(g2, state.scale.view(-1))
         ones = torch.ones(1, weight.shape[1], device=weight.device, dtype=torch.float32)
         # _scaled_mm's second operand must be column-major: Q^T made contiguous, viewed back as Q
         return torch._scaled_mm(gq, weight.t().contiguous().t(), scale_a=gs, scale_b=ones, out_dtype=dtype)
