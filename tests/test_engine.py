@@ -413,6 +413,40 @@ def test_cuda_graph_decode_equals_eager_and_generate(tokenizer, prompts, family)
 
 @cuda
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_graph_repetition_penalty_equals_eager_and_generate(tokenizer, prompts, family):
+    """CUDA: the repetition penalty's seen mask inside the captured decode step (warm-up and capture
+    must not leave marks) gives the eager step's samples and transformers' greedy generate with
+    repetition_penalty on the unpatched model, token for token; compaction permutes the mask too."""
+    model = tiny_model(family, seed=7, patch=False).cuda()
+    pad, penalty = tokenizer.pad_token_id, 1.7
+
+    def hf_greedy_cuda(p, n):
+        ids = torch.tensor([p], device="cuda")
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=n, min_new_tokens=n, repetition_penalty=penalty,
+                              pad_token_id=pad)[0, len(p):].tolist()
+
+    refs = [hf_greedy_cuda(p, 20) for p in prompts]
+    patch_model(model, attention="reference")
+    greedy = SamplingParams(max_tokens=20, temperature=0, repetition_penalty=penalty)
+    sampled = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, repetition_penalty=penalty,
+                             stop_token_ids=list(range(60, 120)))
+    runs = {}
+    for graph in (False, True):
+        kw = dict(pad_token_id=pad, use_cuda_graph=graph, kv_bucket=8, check_every=2, seed=3,
+                  attention_backend="reference")
+        runs[graph] = (FastRolloutEngine(model, **kw).generate(prompts, 2, greedy),
+                       FastRolloutEngine(model, **kw).generate(prompts, 4, sampled))
+    (g_eager, s_eager), (g_graph, s_graph) = runs[False], runs[True]
+    assert g_graph.stats["capture_s"] > 0
+    for i, ref in enumerate(refs):
+        assert g_graph.completion_ids[2 * i] == ref and g_eager.completion_ids[2 * i] == ref, (family, i)
+    assert s_graph.completion_ids == s_eager.completion_ids
+    assert rel_err(torch.cat(s_graph.logprobs), torch.cat(s_eager.logprobs)) < 1e-5
+
+
+@cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_cuda_fused_residual_norm_equals_the_layers_own_forward_bf16(tokenizer, prompts, family):
     """CUDA, bf16, CUDA graphs, compiled Triton kernels: the engine's fused layer loop (add_rms_norm,
     decode_qkv) gives the same sampled tokens and log-probs, bit for bit, as calling the layers."""

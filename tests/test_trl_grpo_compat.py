@@ -54,7 +54,9 @@ def test_trl_fields_exist_with_trls_defaults(tmp_path):
 
 @pytest.mark.parametrize("field, value, needle", [
     ("use_vllm", True, "own rollout engine"), ("loss_type", "ppo", "sapo, luspo, vespo"),
-    ("repetition_penalty", 1.1, "repetition_penalty=1.0"), ("generation_kwargs", {"num_beams": 2}, "num_beams"),
+    ("repetition_penalty", 0.0, "> 0"), ("generation_kwargs", {"num_beams": 2}, "num_beams"),
+    ("generation_kwargs", {"temperature": 0.5}, "set temperature"),
+    ("generation_kwargs", {"max_new_tokens": 9}, "max_completion_length"),
     ("multi_objective_aggregation", "max", "normalize_then_sum"), ("entropy_coef", 0.1, "entropy bonus"),
     ("top_entropy_quantile", 0.0, "top_entropy_quantile"), ("pad_to_multiple_of", 64, "padding-free"),
     ("sync_ref_model", True, "beta"),
@@ -73,6 +75,9 @@ def test_fields_without_effect_warn_once_and_generation_kwargs_override(tmp_path
     assert [str(w.message) for w in caught if "vllm_server_port" in str(w.message)].__len__() == 1
     args = GRPOConfig(output_dir=str(tmp_path), report_to="none", top_p=1.0, generation_kwargs={"top_p": 0.9})
     assert args.top_p == 0.9
+    args = GRPOConfig(output_dir=str(tmp_path), report_to="none", repetition_penalty=1.1,
+                      generation_kwargs={"repetition_penalty": 1.3, "do_sample": True})
+    assert args.repetition_penalty == 1.3
 
 
 def _full_logits_logps(model, prompts, completions):
@@ -366,3 +371,140 @@ def test_completions_table_without_rich_is_plain_text(monkeypatch):
     text = out.getvalue().splitlines()
     assert text[0] == "Step 7" and text[1].split(" | ")[0].strip() == "Prompt"
     assert [line.split(" | ")[1].strip() for line in text[3:]] == ["c1", "c3"]
+
+
+# ---------------------------------------------------------------- repetition penalty (transformers' semantics)
+
+def _history(rows, vocab, length, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (rows, length), generator=g)  # repeats on purpose: vocab is small
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_equals_transformers_processor(penalty):
+    """The seen-mask penalty equals transformers' RepetitionPenaltyLogitsProcessor on the same ids, bit for bit."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from swiftune.rl.rollout.sampling import apply_repetition_penalty, mark_seen, seen_mask
+
+    rows, vocab = 5, 40
+    ids = _history(rows, vocab, 12, seed=0)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3  # both signs
+    seen = seen_mask(ids[:, :-1].tolist(), vocab, "cpu")
+    mark_seen(seen, ids[:, -1])  # the last column as if just sampled
+    want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    got = apply_repetition_penalty(logits, seen, penalty)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, logits)
+    assert apply_repetition_penalty(logits, seen, 1.0) is logits
+
+
+def test_penalty_then_warpers_in_generates_order():
+    """Sampled log-probs are under transformers' processor chain: penalty, temperature, top-k, top-p, min-p."""
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                              TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from swiftune.rl.rollout import sample_tokens
+    from swiftune.rl.rollout.sampling import seen_mask
+
+    rows, vocab, temp, penalty = 6, 30, 0.7, 1.5
+    ids = _history(rows, vocab, 8, seed=2)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    chain = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temp),
+                                 TopKLogitsWarper(8), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)])
+    ref = torch.log_softmax(chain(ids, logits.clone()).double(), dim=-1)
+    seen = seen_mask(ids.tolist(), vocab, "cpu")
+    for _ in range(20):
+        tok, lp = sample_tokens(logits, torch.rand(rows, vocab, generator=g), temp, 8, 0.9, 0.05,
+                                seen=seen, repetition_penalty=penalty)
+        want = ref.gather(1, tok[:, None]).squeeze(1)
+        assert torch.isfinite(want).all()  # drawn inside transformers' kept set
+        assert rel_err(lp.double(), want) < 1e-6
+    # greedy: the arg-max of the penalised logits, log-prob at temperature 1
+    tok, lp = sample_tokens(logits, None, 0.0, seen=seen, repetition_penalty=penalty)
+    pen = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    assert torch.equal(tok, pen.argmax(-1))
+    assert rel_err(lp.double(), torch.log_softmax(pen.double(), -1).gather(1, tok[:, None]).squeeze(1)) < 1e-6
+
+
+@pytest.mark.parametrize("engine_kind, family", [("fast", "qwen3"), ("fast", "llama"), ("transformers", "qwen3")])
+def test_greedy_with_penalty_equals_transformers_generate(tokenizer, engine_kind, family):
+    """Greedy decoding with repetition_penalty from the built-in engines equals transformers'
+    generate(repetition_penalty=p, do_sample=False) on the unpatched model, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from swiftune.data import tiny_model_config
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams, TransformersRolloutEngine
+
+    torch.manual_seed(11)
+    ref = AutoModelForCausalLM.from_config(tiny_model_config(family), dtype=torch.float32).eval()
+    model = copy.deepcopy(ref)
+    patch_model(model, attention="reference", kernel_backend="reference")
+    prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abcabc\n", "Sort the letters: garden\n", "Hi\n")]
+    n, pad = 16, tokenizer.pad_token_id
+    if engine_kind == "fast":  # CPU: the eager form of the decode step the GPU replays as a CUDA graph
+        engine = FastRolloutEngine(model, pad_token_id=pad, kv_bucket=4, check_every=3)
+    else:
+        engine = TransformersRolloutEngine(model, pad_token_id=pad)
+    plain = engine.generate(prompts, 2, SamplingParams(max_tokens=n, temperature=0))
+    out = engine.generate(prompts, 2, SamplingParams(max_tokens=n, temperature=0, repetition_penalty=1.8))
+    changed = 0
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                            repetition_penalty=1.8, pad_token_id=pad)[0, len(p):].tolist()
+        assert len(want) == n
+        assert out.completion_ids[2 * i] == want and out.completion_ids[2 * i + 1] == want, (i, family)
+        changed += plain.completion_ids[2 * i] != want
+    assert changed  # the penalty changes what greedy decoding emits
+
+
+@pytest.mark.parametrize("engine_kind", ["fast", "transformers"])
+def test_sampled_logprobs_with_penalty_equal_the_processed_forward(tokenizer, engine_kind):
+    """Sampling with a penalty, rows finishing at stop tokens and leaving the batch: each recorded log-prob
+    equals transformers' penalty + temperature applied to a plain forward over the produced sequence."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams, TransformersRolloutEngine
+
+    model = tiny_model(seed=12).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abcabc\n", "Hi\n")]
+    pad, temp, penalty = tokenizer.pad_token_id, 0.9, 1.4
+    if engine_kind == "fast":
+        engine = FastRolloutEngine(model, pad_token_id=pad, seed=5, kv_bucket=4, check_every=2)
+    else:
+        engine = TransformersRolloutEngine(model, pad_token_id=pad, seed=5)
+    stops = list(range(60, 120))  # many stop tokens: rows end at different steps
+    out = engine.generate(prompts, 4, SamplingParams(max_tokens=12, temperature=temp, repetition_penalty=penalty,
+                                                     stop_token_ids=stops))
+    assert any(out.finished) and len({len(c) for c in out.completion_ids}) > 1
+    if engine_kind == "fast":
+        assert engine.stats.get("compactions", 0) >= 1
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, (c, lp) in enumerate(zip(out.completion_ids, out.logprobs)):
+        p = prompts[i // 4]
+        ids = torch.tensor([p + c])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        want = []
+        for t in range(len(c)):
+            scores = processor(ids[:, :len(p) + t], logits[None, len(p) + t - 1].clone())[0] / temp
+            want.append(torch.log_softmax(scores.double(), -1)[c[t]])
+        assert rel_err(lp.double(), torch.stack(want)) < 1e-5, i
+
+
+def test_trainer_samples_with_the_configs_penalty(tokenizer, tmp_path):
+    seen = []
+
+    class RecordingEngine(FixedEngine):
+        def generate(self, prompt_ids, num_generations, params):
+            seen.append(params.repetition_penalty)
+            return super().generate(prompt_ids, num_generations, params)
+
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=8, generation_kwargs={"repetition_penalty": 1.25}, **FAST)
+    trainer = GRPOTrainer(tiny_model(seed=8), [lambda completions, **kw: [0.0] * len(completions)], args=args,
+                          train_dataset=PROMPT_ROWS, processing_class=tokenizer, rollout_engine=RecordingEngine())
+    trainer._generate_and_score(PROMPT_ROWS[:2])
+    assert seen == [1.25]

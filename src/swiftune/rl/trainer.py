@@ -341,6 +341,7 @@ class GRPOTrainer(SwiftuneTrainer):
         params = SamplingParams(
             max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
             top_k=args.top_k, min_p=args.min_p, stop_token_ids=self.stop_token_ids(conversational),
+            repetition_penalty=args.repetition_penalty,
         )
         t0 = time.perf_counter()
         rollouts = self.rollout_engine.generate(prompt_ids, G, params)

@@ -21,7 +21,12 @@ from typing import Any
 from ..training.config_checks import fail, require_int, require_number, warn_once
 
 # generation_kwargs keys the built-in rollout engines honour, and the config field each overrides
-GENERATION_KWARGS = {"top_p": "top_p", "top_k": "top_k", "min_p": "min_p"}
+GENERATION_KWARGS = {"top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+# generation_kwargs keys refused with the field to set instead (in TRL they would change sampling only, while
+# swiftune's temperature and lengths also define the training log-probs and the completion budget)
+GENERATION_KWARGS_FIELDS = {"temperature": "temperature", "max_new_tokens": "max_completion_length",
+                            "max_tokens": "max_completion_length", "eos_token_id": "stop_token_ids",
+                            "stop_token_ids": "stop_token_ids"}
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 ROLLOUT_HELP = "swiftune samples with its own rollout engine (rollout_engine='auto' | 'fast' | 'transformers')"
 
@@ -30,8 +35,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "use_vllm": (False, f"{ROLLOUT_HELP}, not vLLM; set use_vllm=False (see docs/rollout.md)"),
     "use_transformers_continuous_batching": (False, f"{ROLLOUT_HELP}; set it to False"),
     "use_transformers_paged": (False, f"{ROLLOUT_HELP}; set it to False"),
-    "repetition_penalty": (1.0, "the built-in rollout engines sample without a repetition penalty; set "
-                                "repetition_penalty=1.0"),
     "max_tool_calling_iterations": (None, "swiftune's GRPO has no tool calling; set it to None"),
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented; set it to None"),
     "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added to the GRPO loss; set it to None"),
@@ -80,11 +83,14 @@ class TRLGRPOFields:
     pad_to_multiple_of: str | None = field(default="auto", metadata=_h(
         "Accepted as 'auto' / None only: the policy rows are padding-free."))
     generation_kwargs: dict | str | None = field(default=None, metadata=_h(
-        "Sampling overrides; swiftune's engines take top_p, top_k and min_p (they override those fields)."))
+        "Sampling overrides; swiftune's engines take top_p, top_k, min_p and repetition_penalty (they override "
+        "those fields)."))
     chat_template_kwargs: dict | str | None = field(default=None, metadata=_h(
         "Extra arguments of apply_chat_template for conversational prompts (e.g. {'enable_thinking': False}); a "
         "'chat_template_kwargs' column overrides them per row."))
-    repetition_penalty: float = field(default=1.0, metadata=_h("Only 1.0 (the rollout engines have no penalty)."))
+    repetition_penalty: float = field(default=1.0, metadata=_h(
+        "transformers' repetition penalty over the prompt and completion tokens so far (> 1 discourages repeats; "
+        "1.0: off)."))
     cache_implementation: str | None = field(default=None, metadata=_h("No effect (engines manage their KV cache)."))
     use_vllm: bool = field(default=False, metadata=_h("Only False: swiftune has its own rollout engine."))
     vllm_mode: str = field(default="colocate", metadata=_h("No effect (use_vllm is refused)."))
@@ -179,11 +185,17 @@ def check_trl_fields(config: Any) -> None:
     for key, value in (config.generation_kwargs or {}).items():
         if key == "do_sample" and value:
             continue  # the engines always sample
+        if key in GENERATION_KWARGS_FIELDS:
+            fail(config, "generation_kwargs", config.generation_kwargs, f"has {key!r}, which swiftune reads from "
+                 f"the config field {GENERATION_KWARGS_FIELDS[key]} (it is also used outside sampling)",
+                 f"remove {key!r} and set {GENERATION_KWARGS_FIELDS[key]}=...")
         if key not in GENERATION_KWARGS:
             fail(config, "generation_kwargs", config.generation_kwargs, f"has {key!r}, which swiftune's rollout "
                  f"engines do not take (they take {', '.join(GENERATION_KWARGS)})", f"remove {key!r} (use the "
                  "config's own fields: temperature, max_completion_length, stop_token_ids)")
         setattr(config, GENERATION_KWARGS[key], value)  # TRL: generation_kwargs override the fields
+    require_number(config, "repetition_penalty", "a penalty > 0: 1.0 for off, e.g. 1.1 to discourage repeats",
+                   low=0, low_open=True)
     if config.sync_ref_model and config.beta == 0.0:
         fail(config, "sync_ref_model", True, "needs a reference model, and beta=0.0 has none",
              "set beta > 0 (e.g. 0.04) or sync_ref_model=False")

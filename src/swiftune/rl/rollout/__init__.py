@@ -18,7 +18,8 @@ memory, LoRA adapters applied by the PEFT forward) with transformers' KV cache:
   ``num_generations`` times (``DynamicCache.batch_repeat_interleave``);
 * decoding is batched; a finished row (stop token emitted) leaves the batch
   (``DynamicCache.batch_select_indices``), so long tails do not keep computing finished rows;
-* sampling (:func:`~swiftune.rl.rollout.sampling.sample_next`) with a seeded ``torch.Generator``;
+* sampling (:func:`~swiftune.rl.rollout.sampling.sample_next`) with a seeded ``torch.Generator``,
+  the repetition penalty over the prompt and the tokens sampled so far (a ``seen`` mask per row);
 * it runs under ``torch.no_grad()`` with the model in eval mode (no dropout; gradient
   checkpointing is inactive in eval mode) and restores the training mode afterwards, so no
   autograd graph or training activation is kept; the KV cache is freed when it returns.
@@ -34,7 +35,7 @@ from torch import nn
 
 from ...models.patching import causal_lm_of
 from .protocol import RolloutEngine, Rollouts, SamplingParams, check_prompts
-from .sampling import filter_logits, sample_next, sample_tokens, seeded_generator
+from .sampling import filter_logits, mark_seen, sample_next, sample_tokens, seeded_generator, seen_mask
 
 def cache_kwarg(model: nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
@@ -132,11 +133,15 @@ class TransformersRolloutEngine:
         else:
             n_after = n
         logits = self._forward(ids, mask, pos, cache)
+        # the repetition penalty's tokens so far, per batch row: the prompt's (no padding), then each sample's
+        seen = (seen_mask([p for p in prompts for _ in range(n // n_after)], logits.shape[-1], device)
+                if getattr(params, "repetition_penalty", 1.0) != 1.0 else None)
         if n_after > 1:  # one prefill per distinct prompt, its cache shared by the group's rows
             cache.batch_repeat_interleave(n_after)
             logits = logits.repeat_interleave(n_after, dim=0)
             mask = mask.repeat_interleave(n_after, dim=0)
             pos = pos.repeat_interleave(n_after, dim=0)
+            seen = seen.repeat_interleave(n_after, dim=0) if seen is not None else None
         can_prune = cache_supports(cache, "batch_select_indices")
         rows = logits.shape[0]
         stop = torch.as_tensor(sorted(set(int(s) for s in params.stop_token_ids)), dtype=torch.long, device=device)
@@ -149,7 +154,9 @@ class TransformersRolloutEngine:
         next_pos = pos[:, -1:] + 1
         steps = 0
         for step in range(params.max_tokens):
-            tok, lp = sample_next(logits, params, gen)
+            tok, lp = sample_next(logits, params, gen, seen)
+            if seen is not None:
+                mark_seen(seen, tok)
             rec = active[alive]
             tokens_out[rec, step] = tok[alive]
             logps_out[rec, step] = lp[alive]
@@ -167,6 +174,7 @@ class TransformersRolloutEngine:
                 cache.batch_select_indices(keep)
                 active, tok, alive = active[keep], tok[keep], alive[keep]
                 mask, next_pos = mask[keep], next_pos[keep]
+                seen = seen[keep] if seen is not None else None
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             logits = self._forward(tok[:, None], mask, next_pos, cache)
             next_pos = next_pos + 1
@@ -193,7 +201,9 @@ __all__ = [
     "cache_kwarg",
     "cache_supports",
     "filter_logits",
+    "mark_seen",
     "new_cache",
     "sample_next",
     "sample_tokens",
+    "seen_mask",
 ]

@@ -29,7 +29,9 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
   are not padded, positions are exact) and attends over the first ``kv_len`` slots with a
   ``j <= cur[b]`` (and sliding-window) mask. ``kv_len`` is the used length rounded up to
   ``kv_bucket``, so a step reads only the part of the cache in use.
-* **Sampling** (:func:`~swiftune.rl.rollout.sampling.sample_tokens`): temperature, then top-k,
+* **Sampling** (:func:`~swiftune.rl.rollout.sampling.sample_tokens`): the repetition penalty
+  (over a static ``[rows, vocab]`` ``seen`` mask of the prompt and the tokens sampled so far,
+  updated in place by each step), then temperature, then top-k,
   top-p and min-p (:func:`~swiftune.rl.rollout.sampling.filter_logits`), then a Gumbel-max draw ``argmax(logp + g)`` with
   ``g = -log(-log u)``, ``u`` drawn from the engine's seeded ``torch.Generator`` into a static buffer
   before each step (exactly a sample of the filtered distribution; no RNG inside the graph). The
@@ -81,7 +83,7 @@ from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
 from .protocol import Rollouts, SamplingParams, check_prompts
-from .sampling import sample_tokens, seeded_generator
+from .sampling import mark_seen, sample_tokens, seeded_generator, seen_mask
 
 #: model types the engine runs (the families whose record says it can)
 SUPPORTED = tuple(t for t, f in FAMILIES.items() if f.fast_rollout)
@@ -369,6 +371,8 @@ class FastRolloutEngine:
         ws.finished.zero_()
         ws.out_tok.fill_(self.pad_token_id)
         ws.out_lp.zero_()
+        if params.repetition_penalty != 1.0:  # the prompts' tokens; each step adds its sample (in the graph)
+            ws.seen.copy_(seen_mask(prompts, ws.vocab, device).repeat_interleave(n, dim=0))
         stop_ids = sorted({int(s) for s in params.stop_token_ids}) or [-1]
         if ws.stop_ids.numel() != len(stop_ids) or ws.stop_ids.tolist() != stop_ids:
             ws.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
@@ -377,7 +381,7 @@ class FastRolloutEngine:
             ws.uniform.uniform_(generator=gen)
         use_graphs = device.type == "cuda" and self.use_cuda_graph
         # what captured graphs depend on besides their workspace: computed once per call, not per step
-        graph_key = ((params.temperature, params.top_k, params.top_p, params.min_p,
+        graph_key = ((params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty,
                       tuple(p.data_ptr() for p in self.model.parameters())) if use_graphs else None)
         return Chunk(ws, ctx, params, stops, longest, max_tokens, fused, gen, graph_key, view=ws,
                      slot_row=list(range(rows)), view_ctx={rows: ctx}, checked=[0] * rows)
@@ -438,7 +442,11 @@ class FastRolloutEngine:
 
     def _sample_record(self, ws: Workspace, logits: torch.Tensor, params: SamplingParams) -> None:
         """Sample each row's next token and record it (finished rows record ``pad``, no log-prob)."""
-        tok, lp = sample_tokens(logits, ws.uniform, params.temperature, params.top_k, params.top_p, params.min_p)
+        penalty = params.repetition_penalty
+        tok, lp = sample_tokens(logits, ws.uniform, params.temperature, params.top_k, params.top_p, params.min_p,
+                                seen=ws.seen if penalty != 1.0 else None, repetition_penalty=penalty)
+        if penalty != 1.0:
+            mark_seen(ws.seen, tok)
         active = ~ws.finished
         tok = torch.where(active, tok, torch.full_like(tok, self.pad_token_id))
         lp = torch.where(active, lp, torch.zeros_like(lp))

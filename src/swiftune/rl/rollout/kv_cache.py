@@ -33,13 +33,15 @@ class Workspace:
         self.out_tok = torch.zeros(rows, max_tokens, **z)
         self.out_lp = torch.zeros(rows, max_tokens, dtype=torch.float32, device=device)
         self.uniform = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        # the tokens of each row so far (prompt + completion), for the repetition penalty: static, updated in place
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         self.stop_ids = torch.full((1,), -1, **z)
         self.graphs: Any = None  # cuda_graphs.DecodeGraphs
         self.graph_key: Any = None
         self.views: dict[int, Workspace] = {}
 
     # per-row tensors, in the order compaction permutes them
-    ROW_FIELDS = ("row_ids", "tok", "cur", "lengths", "finished", "out_tok", "out_lp", "uniform")
+    ROW_FIELDS = ("row_ids", "tok", "cur", "lengths", "finished", "out_tok", "out_lp", "uniform", "seen")
 
     def view(self, rows: int) -> Workspace:
         """The first ``rows`` slots as a workspace of their own (slices: same storage, no copy).
@@ -79,7 +81,7 @@ class Workspace:
         return rows == self.rows and length <= self.length and max_tokens <= self.max_tokens
 
     def state(self) -> list[torch.Tensor]:
-        return [self.tok, self.cur, self.step, self.lengths, self.finished]
+        return [self.tok, self.cur, self.step, self.lengths, self.finished, self.seen]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -28,6 +28,8 @@ class SamplingParams:
     top_k: int | None = None
     min_p: float | None = None
     stop_token_ids: Sequence[int] = ()
+    # transformers' / vLLM's repetition penalty over the prompt and the completion so far (1.0: off)
+    repetition_penalty: float = 1.0
 
 
 @dataclass

@@ -1,14 +1,23 @@
 """Drawing the next token from logits, shared by both rollout engines.
 
-Temperature first, then top-k, top-p and min-p filtering (:func:`filter_logits`), then a draw
-from the renormalised distribution; the log-probability recorded for each token is under exactly
-that filtered, temperature-scaled distribution (temperature 0: greedy, log-probs at temperature 1).
+The order is transformers' ``generate``: the repetition penalty first
+(:func:`apply_repetition_penalty`, transformers' ``RepetitionPenaltyLogitsProcessor``, a logits
+processor applied also when decoding greedily), then the sampling warpers: temperature, top-k,
+top-p and min-p (:func:`filter_logits`), then a draw from the renormalised distribution. The
+log-probability recorded for each token is under exactly that processed distribution
+(temperature 0: greedy, log-probs of the penalised logits at temperature 1).
+
+The penalty reads a ``seen [rows, vocab]`` bool mask (:func:`seen_mask`: the prompt's tokens,
+then :func:`mark_seen` adds each sampled token in place), not a growing list of ids, so a decode
+step keeps static shapes and can be a CUDA graph.
 :func:`sample_next` draws with ``torch.multinomial``; :func:`sample_tokens` with Gumbel noise
 drawn beforehand into a static buffer (the same distribution, with static shapes and no random
 number generation inside the step, so the step can be a CUDA graph).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -23,6 +32,34 @@ def seeded_generator(current: torch.Generator | None, device: torch.device, seed
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def seen_mask(rows: Sequence[Sequence[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """``[len(rows), vocab]`` bool: ``True`` where a token occurs in that row (ids ``>= vocab`` are left out:
+    the model cannot emit them, and transformers' processor drops them the same way)."""
+    mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    ids = torch.tensor([int(t) for row in rows for t in row], dtype=torch.long, device=device)
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device),
+                                     torch.tensor([len(row) for row in rows], device=device))
+    keep = (ids >= 0) & (ids < vocab)
+    mask[row_of[keep], ids[keep]] = True
+    return mask
+
+
+def mark_seen(seen: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Add each row's new token ``tokens [rows]`` (ids in ``[0, vocab)``) to ``seen [rows, vocab]``, in place."""
+    seen.scatter_(1, tokens[:, None], True)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` on a seen mask: each token already in the row
+    (prompt or completion so far) has its logit divided by ``penalty`` when positive and multiplied by
+    it when negative (``penalty > 1`` makes repeats less likely); other logits are unchanged. Returns
+    ``logits`` itself when there is no penalty, else a new tensor."""
+    if seen is None or penalty == 1.0:
+        return logits
+    penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalised, logits)
 
 
 def filter_logits(
@@ -53,10 +90,14 @@ def filter_logits(
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``logits [B, V]``; returns ``(tokens [B], logprobs [B])`` (float32)."""
-    logits = logits.float()
+    """Draw one token per row of ``logits [B, V]``; returns ``(tokens [B], logprobs [B])`` (float32).
+
+    ``seen [B, V]``: the tokens of each row so far, for ``params.repetition_penalty`` (``None``: no penalty).
+    """
+    logits = apply_repetition_penalty(logits.float(), seen, getattr(params, "repetition_penalty", 1.0))
     if params.temperature == 0:
         tokens = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
@@ -70,15 +111,17 @@ def sample_next(
 def sample_tokens(
     logits: torch.Tensor, uniform: torch.Tensor | None, temperature: float,
     top_k: int | None = None, top_p: float = 1.0, min_p: float | None = None,
+    seen: torch.Tensor | None = None, repetition_penalty: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits [B, V]`` (float32) and its sampling log-prob (static shapes, no sync).
 
+    The repetition penalty is applied first (``seen [B, V]``, :func:`apply_repetition_penalty`).
     ``temperature == 0``: argmax, log-prob under ``softmax(logits)``. Otherwise the logits are divided
     by the temperature and filtered (top-k, top-p, min-p), and the token is ``argmax(logp + g)`` with
     Gumbel noise ``g = -log(-log u)`` from ``uniform [B, V]`` in [0, 1): an exact draw from the
     filtered distribution ``softmax(logp)``.
     """
-    logits = logits.float()
+    logits = apply_repetition_penalty(logits.float(), seen, repetition_penalty)
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
