@@ -1,4 +1,4 @@
-"""Gradient parity for the mixture-of-experts families (Qwen3-MoE) against the *unpatched*
+"""Gradient parity for the mixture-of-experts families (Qwen3-MoE, gpt-oss, Mixtral) against the *unpatched*
 transformers (+ PEFT) model run on each document alone (issues 20 and 25).
 
 The helpers (documents, reference step, swiftune step, assertions) are tests/test_gradient_parity.py's;
@@ -7,6 +7,9 @@ the second layer a dense MLP through ``mlp_only_layers`` so both kinds of feed-f
 full fine-tuning; LoRA on the attention projections only; LoRA on the seven projection names of the
 dense suite (which PEFT 0.21 maps onto the fused 3-D experts, gate/up at rank 2r); LoRA on the experts
 through explicit ``target_parameters``; padded, padding-free and packed batches; checkpointing off and on.
+Mixtral (a tiny one: 2 sparse layers, the config's sliding window) runs a subset: full fine-tuning, LoRA
+through PEFT's mapping of Mixtral's own names (w1/w2/w3 onto the fused experts, gate onto the router)
+and through ``target_parameters``.
 
 The load-balancing loss: the reference is transformers' own ``load_balancing_loss_func`` on the router
 logits of the unpatched model run document by document (transformers' padded-batch value: the loss is
@@ -73,8 +76,20 @@ def tiny_gpt_oss(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
     return model.eval()
 
 
+def tiny_mixtral(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """Random fp32 Mixtral with eager attention: two sparse layers of 4 experts top-2 and one sliding
+    window from the config (4, shorter than the longest document), no q/k norm."""
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                 router_aux_loss_coef=AUX_COEF, pad_token_id=None, initializer_range=0.2)
+    sizes.update(overrides)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(**sizes),
+                                                         attn_implementation="eager", dtype=torch.float32).eval()
+
+
 def tiny_moe(family: str, **overrides) -> transformers.PreTrainedModel:
-    return {"qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss}[family](**overrides)
+    return {"qwen3_moe": tiny_qwen3_moe, "gpt_oss": tiny_gpt_oss, "mixtral": tiny_mixtral}[family](**overrides)
 
 
 def tiny_qwen3_moe(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
@@ -91,10 +106,14 @@ def tiny_qwen3_moe(seed: int = 0, **overrides) -> transformers.PreTrainedModel:
                                                          dtype=torch.float32).eval()
 
 
-# adapter kind -> LoraConfig targets ("seven" is the dense suite's own _lora_reference / _swiftune_model)
+# adapter kind -> LoraConfig targets ("seven" is the dense suite's own _lora_reference / _swiftune_model).
+# "v4_names": Mixtral's transformers-4 per-expert linear names and its router, which PEFT's conversion
+# table maps onto the fused experts (w1 + w3 -> gate_up_proj at rank 2r, w2 -> down_proj) and onto the
+# router's weight (gate -> gate.weight), all as target_parameters
 TARGETS = {
     "attention": dict(target_modules=ATTENTION),
     "experts": dict(target_modules=ATTENTION, target_parameters=EXPERT_PARAMETERS),
+    "v4_names": dict(target_modules=ATTENTION + ["w1", "w2", "w3", "gate"]),
 }
 
 
@@ -166,6 +185,16 @@ CASES = [
 ] + [
     # offloaded checkpointing (every layer input on the host, recomputed through the MoE block)
     ("qwen3_moe", "seven", "packed", "offload", "reference"), ("gpt_oss", None, "packed", "offload", "reference"),
+] + [
+    # Mixtral: the config's sliding window and the all-sparse layers in every case; its experts module
+    # and the grouped path are Qwen3-MoE's, so the Triton kernels and the attention-only adapters are
+    # not repeated. LoRA through PEFT's own mapping of Mixtral's names (experts and router) and
+    # through explicit target_parameters.
+    ("mixtral", lora, layout, mode, "reference")
+    for lora, layout, mode in [(None, "padded", "off"), (None, "padding_free", "off"), (None, "packed", "on"),
+                               (None, "packed", "offload"), ("v4_names", "padded", "off"),
+                               ("v4_names", "padding_free", "off"), ("v4_names", "packed", "on"),
+                               ("experts", "packed", "on")]
 ]
 
 
@@ -181,7 +210,9 @@ def test_moe_training_gradients_equal_unpatched_model(references, case):
     trainable = _trainable(reference)
     assert _trainable(model) == trainable
     on_experts = any("experts" in name and "lora_A" in name for name in trainable)
-    assert on_experts == (lora in ("seven", "experts"))  # the fused 3-D experts carry adapters, or not
+    assert on_experts == (lora in ("seven", "experts", "v4_names"))  # the fused 3-D experts carry adapters, or not
+    if lora == "v4_names":  # PEFT's mapping: rank 2r on the fused gate/up, an adapter on the router too
+        assert any(name.endswith("mlp.gate.lora_A.default.weight") for name in trainable), trainable
     if lora is None:  # full fine-tuning trains the experts and the router themselves (gpt-oss: sinks too)
         assert any(name.endswith("experts.gate_up_proj") for name in trainable)
         assert any(name.endswith(("mlp.gate.weight", "mlp.router.weight")) for name in trainable)
@@ -232,7 +263,7 @@ def _swiftune_step_with_aux(model: torch.nn.Module, examples: list[dict], layout
 
 
 @pytest.mark.parametrize(("family", "layout", "checkpointing"), [("qwen3_moe", *case) for case in LAYOUT_MODES] + [
-    ("gpt_oss", "padding_free", "off"), ("gpt_oss", "packed", "on")])
+    ("gpt_oss", "padding_free", "off"), ("gpt_oss", "packed", "on"), ("mixtral", "packed", "on")])
 def test_moe_router_aux_loss_and_gradients_equal_transformers(family, layout, checkpointing):
     base = tiny_moe(family, output_router_logits=True).train()
     reference = copy.deepcopy(base)
@@ -240,7 +271,7 @@ def test_moe_router_aux_loss_and_gradients_equal_transformers(family, layout, ch
     without_aux = _reference_step(copy.deepcopy(base), _examples())
     # the aux term moves the loss and the router's gradient well beyond the tolerance: the test can fail
     assert rel_err(without_aux[0], expected[0]) > 100 * TOL
-    router = "model.layers.0.mlp.gate.weight" if family == "qwen3_moe" else "model.layers.0.mlp.router.weight"
+    router = "model.layers.0.mlp.router.weight" if family == "gpt_oss" else "model.layers.0.mlp.gate.weight"
     assert rel_err(without_aux[1][router], expected[1][router]) > 100 * TOL
     model = patch_model(copy.deepcopy(base), kernel_backend="reference")
     model = FastModel.for_training(model, use_gradient_checkpointing=checkpointing == "on").train()
@@ -271,26 +302,28 @@ def test_dense_model_and_disabled_router_output_add_nothing():
 # ----------------------------------------------------------------------------- layout and rollouts
 
 def test_patched_moe_runs_packed_rows_and_unsupported_moe_does_not():
-    """Qwen3-MoE and gpt-oss are supported families now: padding-free rows stay padding-free. A MoE
-    family swiftune does not patch (Mixtral) still falls back to padded rows, never mixing examples."""
+    """Qwen3-MoE, gpt-oss and Mixtral are supported families now: padding-free rows stay padding-free.
+    A MoE family swiftune does not patch (Qwen2-MoE) still falls back to padded rows, never mixing
+    examples."""
     from swiftune.models.support import batch_layout_for
 
-    for family in ("qwen3_moe", "gpt_oss"):
+    for family in ("qwen3_moe", "gpt_oss", "mixtral"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # every module it should patch is patched: no warning
             patched = patch_model(tiny_moe(family), attention="reference", kernel_backend="reference")
             assert batch_layout_for(patched, "padding_free") == "padding_free"
             assert batch_layout_for(patched, "packed") == "packed"
-    mixtral = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1))
+    unsupported = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=2, num_experts_per_tok=1))
     with pytest.warns(UserWarning, match="not a supported family"):
-        patch_model(mixtral)
-    with pytest.warns(UserWarning, match=r"MixtralForCausalLM.*padded instead"):
-        assert batch_layout_for(mixtral, "padding_free") == "padded"
+        patch_model(unsupported)
+    with pytest.warns(UserWarning, match=r"Qwen2MoeForCausalLM.*padded instead"):
+        assert batch_layout_for(unsupported, "padding_free") == "padded"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_rollouts_of_moe_go_through_transformers_generation(family):
     """The fast engine has no expert routing (nor sinks) in its decode step yet: the family record keeps
     it out (GRPO's "auto" then picks transformers' generation), and that engine's greedy completions on
@@ -397,7 +430,7 @@ def test_gpt_oss_grpo_policy_logprobs_equal_unpatched_model():
 
 # ----------------------------------------------------------------------------- grouped experts
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_grouped_mm_experts_equal_transformers_experts(family):
     """The grouped-GEMM experts (``F.grouped_mm``, bf16, the kernel the GPU runs; torch has a CPU one)
     and the per-expert loop (bf16) against transformers' own experts forward in float32: output and
@@ -438,13 +471,23 @@ def test_grouped_mm_experts_equal_transformers_experts(family):
             assert g_.abs().max() > 0
 
 
+def test_grouped_experts_refuse_weights_that_are_not_fused():
+    """The grouped forward reads [E, out, in] tensors; a module of the experts class with other shapes
+    (another transformers layout) is refused with a message, never computed on as if it were fused."""
+    model = patch_model(tiny_mixtral(), kernel_backend="reference")
+    experts = model.model.layers[0].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.detach().flatten(0, 1))
+    with pytest.raises(TypeError, match=r"MixtralExperts.gate_up_proj has shape \(256, 64\).*fused"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
 # ----------------------------------------------------------------------------- the same on the GPU, bf16
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
 @pytest.mark.parametrize(("layout", "checkpointing"), [("padding_free", "off"), ("packed", "on")])
 @pytest.mark.parametrize("lora", [None, "experts"], ids=["full", "lora_experts"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, checkpointing):
     """bf16 on CUDA (compiled kernels, grouped_mm experts, flex with sinks on gpt-oss) against the
     unpatched model in fp32 on CUDA with the same bf16-representable weights, one document at a time;

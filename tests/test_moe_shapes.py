@@ -11,6 +11,7 @@ import transformers
 from benchmarks.workload import MODEL_SHAPES, model_config
 from swiftune.memory import plan_memory
 from swiftune.memory.shapes import (
+    KNOWN_MODELS,
     active_param_count,
     expert_lora_param_count,
     expert_param_count,
@@ -26,6 +27,8 @@ TINY = {
                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6,
                       num_experts_per_tok=2, mlp_only_layers=[1]),
     "gpt_oss": dict(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=8),
+    "mixtral": dict(vocab_size=300, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, num_local_experts=5, num_experts_per_tok=2, sliding_window=8),
 }
 
@@ -90,19 +93,52 @@ def test_tiny_qwen3_moe_lora_counts_equal_peft():
     assert _numel(explicit, lambda n: "lora_" in n) == expert_lora_param_count(oss, 4)
 
 
+def test_tiny_mixtral_lora_counts_equal_peft():
+    """Mixtral: PEFT maps its transformers-4 names (w1 + w3 -> the fused gate_up_proj at rank 2r,
+    w2 -> down_proj, gate -> the router's weight), so "all-linear" covers experts and router."""
+    from peft import LoraConfig, get_peft_model
+
+    shape = model_shape(_tiny("mixtral").config)
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    router = 4 * (shape.hidden + shape.experts) * shape.moe_layers
+    cases = {
+        "all-linear": (dict(target_modules="all-linear"), lora_param_count(shape, 4)),
+        "explicit": (dict(target_modules=[], target_parameters=experts), expert_lora_param_count(shape, 4)),
+        "v4 names": (dict(target_modules=attention + ["w1", "w2", "w3"]),
+                     expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)),
+    }
+    for name, (kwargs, want) in cases.items():
+        model = get_peft_model(_tiny("mixtral"), LoraConfig(r=4, **kwargs))
+        assert _numel(model, lambda n: "lora_" in n) == want, name
+    assert lora_param_count(shape, 4) == expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(
+        shape, 4) + router
+
+
 def _attention_lora(shape, r: int) -> int:
     H, dq, dkv = shape.hidden, shape.q_dim, shape.kv_dim
     return r * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
 
 
 # the published sizes: Qwen3-30B-A3B 30.5B total / 3.3B active (embedding table counted), gpt-oss-20b
-# 20.9B total / 3.6B active (embedding table not counted, the unembedding is)
-PUBLISHED = {"qwen3-30b-a3b": (30.5e9, 3.3e9, True), "gpt-oss-20b": (20.9e9, 3.6e9, False)}
+# 20.9B total / 3.6B active (embedding table not counted, the unembedding is), Mixtral-8x7B 46.7B total
+# / 12.9B active (embedding table counted)
+PUBLISHED = {"qwen3-30b-a3b": (30.5e9, 3.3e9, True), "gpt-oss-20b": (20.9e9, 3.6e9, False),
+             "mixtral-8x7b": (46.7e9, 12.9e9, True)}
+
+
+def _real_config(name: str) -> transformers.PretrainedConfig:
+    """The benchmarks' random-init shape, or (a shape the benchmarks do not list) the planner's table
+    entry as a transformers config."""
+    if name in MODEL_SHAPES:
+        return model_config(name)
+    fields = dict(KNOWN_MODELS[name])
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_real_moe_shapes_count_the_meta_model(name):
-    config = model_config(name)  # the benchmarks' random-init shape
+    config = _real_config(name)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     shape = model_shape(name)
@@ -112,13 +148,14 @@ def test_real_moe_shapes_count_the_meta_model(name):
     assert abs(param_count(shape) - total) < 0.01 * total
     assert abs(active_param_count(shape, embedding=embedding) - active) < 0.02 * active
     assert active_param_count(shape) - active_param_count(shape, embedding=False) == shape.vocab * shape.hidden
-    assert name in MODEL_SHAPES
+    assert name in MODEL_SHAPES or name == "mixtral-8x7b"  # benchmarks/workload.py does not list Mixtral yet
 
 
-def test_planner_counts_every_expert_weight():
-    """Full fine-tuning of Qwen3-30B-A3B in bf16 holds every expert's weights (not only the active ones)."""
-    plan = plan_memory("qwen3-30b-a3b", 4096, 16, full_finetune=True)
-    weights = param_count(model_shape("qwen3-30b-a3b")) * 2
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_planner_counts_every_expert_weight(name):
+    """Full fine-tuning in bf16 holds every expert's weights (not only the active ones)."""
+    plan = plan_memory(name, 4096, 16, full_finetune=True)
+    weights = param_count(model_shape(name)) * 2
     assert plan.weights == weights
 
 

@@ -48,11 +48,17 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                         num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
                         head_dim=64, vocab_size=201088, attention_bias=True, sliding_window=128,
                         tie_word_embeddings=False),
+    # Mixtral-8x7B (config.json of mistralai/Mixtral-8x7B-v0.1): 8 experts top-2 of width 14,336 in
+    # every layer, Mistral-7B's attention, no sliding window (sliding_window null), RoPE base 1e6
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         head_dim=128, vocab_size=32000, rope_theta=1e6, max_position_embeddings=32768,
+                         sliding_window=None, router_aux_loss_coef=0.02, tie_word_embeddings=False),
 }
 
 # MoE families whose fused experts PEFT (0.21) targets for the per-expert linear names (its weight
 # conversion table), "all-linear" included
-_PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe",)
+_PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe", "mixtral")
 _QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe")
 _FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
 
@@ -147,12 +153,15 @@ def model_shape(model_config: Any) -> ModelShape:
 
 def _moe_fields(cfg: Mapping[str, Any], model_type: str, layers: int) -> dict[str, Any]:
     """Expert counts of a MoE config (Qwen3-MoE: ``num_experts``, sparse layers every
-    ``decoder_sparse_step`` but ``mlp_only_layers``; gpt-oss: ``num_local_experts``, every layer
-    sparse, experts as wide as ``intermediate_size``); nothing for a dense config."""
-    if model_type == "gpt_oss":
-        return dict(experts=int(cfg.get("num_local_experts") or 0), experts_per_token=int(cfg["num_experts_per_tok"]),
-                    expert_intermediate=int(cfg["intermediate_size"]), moe_layers=layers, expert_bias=True,
-                    attention_sinks=True)
+    ``decoder_sparse_step`` but ``mlp_only_layers``; gpt-oss and Mixtral: ``num_local_experts``, every
+    layer sparse, experts as wide as ``intermediate_size``; gpt-oss adds biases and sinks); nothing for
+    a dense config."""
+    if model_type in ("gpt_oss", "mixtral"):
+        oss = model_type == "gpt_oss"
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        return dict(experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                    expert_intermediate=int(cfg["intermediate_size"]), moe_layers=layers, expert_bias=oss,
+                    attention_sinks=oss)
     experts = int(cfg.get("num_experts") or 0)
     if model_type != "qwen3_moe" or experts == 0:
         return {}
@@ -276,7 +285,8 @@ def lora_param_count(shape: ModelShape, rank: int) -> int:
 
         r * [(H + dq) + 2 (H + dkv) + (dq + H)]  +  r * [2 (H + I) + (I + H)] (the MLP)
 
-    On Qwen3-MoE PEFT (0.21) maps the per-expert names onto the fused 3-D experts instead: the
+    On Qwen3-MoE and Mixtral PEFT (0.21) maps the per-expert names (Mixtral: ``w1``/``w3``/``w2``) onto
+    the fused 3-D experts instead: the
     experts of every sparse layer (gate/up at rank ``2 r``, see :func:`expert_lora_param_count`) and the
     router (``r (H + E)``), and no longer finds the dense MLPs' projections (none in the released
     models, where every layer is sparse). On gpt-oss, whose experts and router are plain parameters

@@ -1,4 +1,4 @@
-"""Routed experts as grouped matrix multiplies (Qwen3-MoE, gpt-oss), bound on the experts module.
+"""Routed experts as grouped matrix multiplies (Qwen3-MoE, gpt-oss, Mixtral), bound on the experts module.
 
 transformers' experts forward loops over the experts, gathering each one's tokens, running two
 matmuls and scattering back: ``E`` small launches per projection. Here the ``T * k`` (token, expert)
@@ -94,6 +94,14 @@ def grouped_experts_forward(
 ) -> torch.Tensor:
     """The experts module's forward (``[T, H]`` tokens, ``[T, k]`` experts and routing weights ->
     ``[T, H]``), as grouped GEMMs (module docstring); bound by :func:`swiftune.patch_model`."""
+    for name in ("gate_up_proj", "down_proj"):
+        # transformers 5 fuses the experts into [E, ., .] tensors (Qwen3-MoE, gpt-oss, Mixtral); an
+        # older layout (a ModuleList of per-expert linears) has no such module class to bind to, but a
+        # module that has the class name and other shapes must not be read as if it were fused
+        if getattr(self, name).dim() != 3:
+            raise TypeError(f"{type(self).__name__}.{name} has shape {tuple(getattr(self, name).shape)}, not the "
+                            "fused [num_experts, out, in] layout swiftune's grouped experts read; call "
+                            "swiftune.models.unpatch_model(model) to run this transformers version's own experts")
     state = patch_state(self)
     backend = state.kernel_backend if state is not None else "auto"
     grouped = False if backend == "reference" else None

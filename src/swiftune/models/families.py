@@ -74,6 +74,8 @@ class Family:
         gated_mlp: whether the module named :attr:`mlp_class` is a dense gated MLP
             (``gate_proj``/``up_proj``/``down_proj``/``act_fn``) that the fused SwiGLU/GeGLU forward
             replaces; gpt-oss's ``GptOssMLP`` is its MoE block (router + experts) instead.
+        vision_language: whether ``model_type`` is a vision-language model's (composite config with a
+            ``vision_config``): only its text decoder is patched (:mod:`swiftune.models.qwen3_vl`).
     """
 
     model_type: str
@@ -88,6 +90,7 @@ class Family:
     moe: bool = False
     experts: ExpertsSpec | None = None
     gated_mlp: bool = True
+    vision_language: bool = False
 
     @property
     def attention_class(self) -> str:
@@ -151,6 +154,25 @@ def _gpt_oss() -> Family:
                   experts=ExpertsSpec(transposed=True, interleaved=True, biased=True), fast_rollout=False)
 
 
+def _mixtral() -> Family:
+    """Mixtral: Mistral's attention (no q/k norm, one sliding window for every layer from the config,
+    ``None`` in the released checkpoints) and norms; every layer a sparse MoE block whose router stays
+    transformers' (``MixtralTopKRouter``: softmax, top-k, renormalised) and whose fused 3-D experts
+    (``MixtralExperts``, Qwen3-MoE's layout: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) run
+    as grouped GEMMs. No dense ``MixtralMLP`` exists. Not on the fast rollout engine (no routing in its
+    decode step yet)."""
+    return Family("mixtral", "Mixtral", window=config_window, pre_norm=True, moe=True, experts=ExpertsSpec(),
+                  gated_mlp=False, fast_rollout=False)
+
+
+def _qwen3_vl() -> Family:
+    """Qwen3-VL (dense): the text decoder is Qwen3's (q/k norm, SwiGLU, pre-norm layers, modules
+    ``Qwen3VLText*``) with multimodal RoPE from its own rotary module; the vision tower stays
+    transformers'. Not on the fast rollout engine (no image-embedding prefill yet: docs/vision.md)."""
+    return Family("qwen3_vl", "Qwen3VLText", pre_norm=True, mlp_output_feeds_only_residual=True,
+                  fast_rollout=False, vision_language=True)
+
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -163,6 +185,8 @@ FAMILIES: dict[str, Family] = {
         _gemma("gemma3_text", "Gemma3", window=layer_window),
         _qwen3_moe(),
         _gpt_oss(),
+        _qwen3_vl(),
+        _mixtral(),
     )
 }
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts support: the router logits of a forward and the load-balancing loss.
 
-Sparse MoE blocks (Qwen3-MoE) route each token to ``top_k`` of ``E`` experts; transformers adds
+Sparse MoE blocks (Qwen3-MoE, gpt-oss, Mixtral) route each token to ``top_k`` of ``E`` experts; transformers adds
 ``router_aux_loss_coef * aux`` to the loss when ``output_router_logits`` is on, with ``aux`` the
 Switch-Transformer load-balancing loss over *all* layers and *all* real tokens of the batch:
 
