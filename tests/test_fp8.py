@@ -289,6 +289,86 @@ def test_checkpoints_in_transformers_block_fp8_format_load(checkpoints, tmp_path
         assert rel_err(_dequantized(layer), w) < 5e-2
 
 
+def _block_formula(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """transformers' fine-grained FP8 dequantisation written out: W[o, i] = Q[o, i] * S[o // bo, i // bi]
+    (float32), indexing the scales of each element (partial last blocks included)."""
+    rows = torch.arange(q.shape[0]) // block[0]
+    cols = torch.arange(q.shape[1]) // block[1]
+    return q.float() * scale_inv.float()[rows[:, None], cols[None, :]]
+
+
+def test_block_fp8_checkpoints_keep_their_codes_and_block_scales(checkpoints, tmp_path):
+    """A checkpoint in transformers' fine-grained FP8 format (32 x 32 blocks), loaded dequantised by
+    transformers, then given its own codes: every FP8 projection dequantises to the block formula
+    bit for bit (transformers' own dequantised weights too), and the model's logits are those of
+    transformers' dequantised model."""
+    from safetensors.torch import load_file
+    from transformers import FineGrainedFP8Config
+
+    dequantised = _write_block_fp8_checkpoint(checkpoints["qwen3"], tmp_path)
+    stored = load_file(f"{tmp_path}/model.safetensors")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = dict(dtype=torch.float32, attn_implementation="eager",
+                      quantization_config=FineGrainedFP8Config(weight_block_size=[32, 32], dequantize=True))
+        plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path), **kwargs)
+    assert quantize_model_fp8(model, checkpoint=str(tmp_path)) == 7 * model.config.num_hidden_layers
+    layers = _fp8_layers(model)
+    assert set(layers) == set(dequantised)
+    for name, layer in layers.items():
+        q, s = stored[f"{name}.weight"], stored[f"{name}.weight_scale_inv"]
+        want = _block_formula(q, s, (32, 32))
+        assert torch.equal(want, dequantised[name]) and torch.equal(plain.get_submodule(name).weight, want), name
+        assert torch.equal(layer.dequantize(torch.float32), want), name
+        # random weights: each row's blocks have their own scales, so the blocks stay
+        assert layer.block_size == (32, 32) and torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+    assert "32x32 block scales" in repr(next(iter(layers.values())))
+    ids = torch.randint(0, model.config.vocab_size - 1, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, plain(input_ids=ids).logits) < 1e-6
+    with pytest.raises(ValueError, match="no fine-grained FP8 quantization_config"):
+        quantize_model_fp8(plain, checkpoint=checkpoints["qwen3"])
+
+
+def test_block_scales_become_per_row_only_where_exact(monkeypatch):
+    from swiftune.models.fp8_linear import block_scales_to_layer_scales, block_size_of
+
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(80, 96, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    # 32 x 32 blocks on 80 rows: the last block row is partial (16 rows)
+    random_s = torch.rand(3, 3, generator=g) + 0.1
+    q_out, s_out = block_scales_to_layer_scales(q, random_s, (32, 32))
+    assert s_out.shape == (5, 3) and block_size_of(q_out, s_out) == (16, 32)  # gcd(32, 80) = 16 rows a block
+    assert torch.equal(dequantize(q_out, s_out), _block_formula(q, random_s, (32, 32)))
+    # every block of a row with one scale: per row, the codes as they are
+    shared = random_s[:, :1].expand(3, 3).contiguous()
+    q_out, s_out = block_scales_to_layer_scales(q, shared, (32, 32))
+    assert s_out.shape == (80, 1) and torch.equal(q_out.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(dequantize(q_out, s_out), _block_formula(q, shared, (32, 32)))
+    # scales a power of two apart, codes with a spare mantissa bit (x 0.5 loses none): re-encoded exactly
+    even = (q.float() / 2).round().mul(2).clamp(-448, 448).to(torch.float8_e4m3fn)
+    even = torch.where(even.float().abs() >= 2 ** -5, even.float(), torch.zeros(())).to(torch.float8_e4m3fn)
+    halves = shared.clone()
+    halves[:, 1] /= 2
+    q_out, s_out = block_scales_to_layer_scales(even, halves, (32, 32))
+    assert s_out.shape == (80, 1) and torch.equal(dequantize(q_out, s_out), _block_formula(even, halves, (32, 32)))
+    with pytest.raises(ValueError, match="does not match a weight of shape"):
+        block_scales_to_layer_scales(q, torch.ones(2, 3), (32, 32))
+    # a block-scaled layer computes on the dequantising path, also where _scaled_mm is allowed
+    linear = nn.Linear(96, 80, bias=True)
+    layer = FP8Linear.from_block_fp8(linear, q, random_s, (32, 32), scaled_mm=True)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("block scales vary along the summed axis"))
+    x = torch.randn(4, 96, generator=g).to(torch.bfloat16)
+    want = (x.double() @ _block_formula(q, random_s, (32, 32)).double().t() + linear.bias.double())
+    assert rel_err(layer(x), want) < 1e-2
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """A layer's codes and scales (per row, or equal blocks tiling the weight) by the block formula."""
+    return _block_formula(q, s, (q.shape[0] // s.shape[0], q.shape[1] // s.shape[1]))
+
+
 def test_bad_fp8_requests_are_refused_before_loading(tmp_path, checkpoints, monkeypatch):
     from transformers import BitsAndBytesConfig
 

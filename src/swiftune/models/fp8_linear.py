@@ -22,6 +22,13 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
   base weight, not 3), then a plain matmul. This is exactly plain transformers with
   ``W = dequantize_rowwise(Q, s)`` substituted, which the tests use as the reference.
 
+Checkpoints already in transformers' fine-grained FP8 format (e4m3 ``weight`` and float32
+``weight_scale_inv`` per ``bo x bi`` block, ``W[o, i] = Q[o, i] * S[o // bo, i // bi]``) keep their
+codes: :func:`quantize_model_fp8` with ``checkpoint=`` reads them, and the scales become per-row
+ones where that is exact (the blocks of a row share a scale), else stay block scales
+(``weight_scale`` ``[out / bo, in / bi]``), which only the dequantising path multiplies by (the scale
+then varies along ``_scaled_mm``'s summed axis).
+
 :class:`FP8Linear` subclasses ``nn.Linear`` so PEFT wraps it in its ordinary ``lora.Linear``
 (``target_modules="all-linear"`` finds it too): the adapters' names and shapes are those of the
 unquantised model, and a saved adapter loads in plain PEFT on the bf16 base. Its
@@ -31,6 +38,9 @@ the model's dtype rather than e4m3's.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +48,9 @@ from torch import nn
 
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
-__all__ = ["FP8_DTYPE", "FP8Linear", "FP8State", "dequantize_rowwise", "fp8_grad_input", "fp8_matmul",
-           "fp8_matmul_supported", "is_fp8_linear", "quantize_activation", "quantize_model_fp8", "quantize_rowwise"]
+__all__ = ["FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State", "block_scales_to_layer_scales", "block_size_of",
+           "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear",
+           "quantize_activation", "quantize_model_fp8", "quantize_rowwise"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -60,9 +71,55 @@ def quantize_rowwise(t: torch.Tensor, overwrite: bool = False) -> tuple[torch.Te
 
 
 def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``Q * s`` in float32 (e4m3 times a float32 scale is exact there), then cast to ``dtype``."""
+    """``Q * s`` in float32 (one rounding of the float32 product), then cast to ``dtype``. ``scale`` is
+    per row (``[out, 1]``) or per block (``[out / bo, in / bi]``, :func:`block_size_of`): the
+    block-scaled reference formula ``W[o, i] = Q[o, i] * S[o // bo, i // bi]``."""
     w = q.to(torch.float32)
-    return w.mul_(scale).to(dtype)
+    if scale.shape[-1] == 1 and scale.shape[0] == q.shape[0]:
+        return w.mul_(scale).to(dtype)
+    (ob, ib), (bo, bi) = scale.shape, block_size_of(q, scale)
+    w.view(ob, bo, ib, bi).mul_(scale[:, None, :, None])
+    return w.to(dtype)
+
+
+def block_size_of(weight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """The ``(rows, columns)`` of the blocks that ``scale`` (``[out / bo, in / bi]``) scales in
+    ``weight`` (``[out, in]``): a per-row scale is the block ``(1, in)``."""
+    (out, inn), (ob, ib) = weight.shape, scale.shape
+    if scale.dim() != 2 or out % ob or inn % ib:
+        raise ValueError(f"FP8 scales of shape {tuple(scale.shape)} do not tile a weight of shape {(out, inn)} in "
+                         "equal blocks")
+    return out // ob, inn // ib
+
+
+def block_scales_to_layer_scales(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fine-grained FP8 checkpoint's codes ``q`` (``[out, in]``) and block scales ``scale_inv``
+    (``[ceil(out / bo), ceil(in / bi)]``, transformers' ``weight_scale_inv``) as :class:`FP8Linear`
+    holds them, with the same dequantised values in float32 bit for bit:
+
+    - per row (``[out, 1]``, the ``torch._scaled_mm`` path) when that is exact: the scales of each
+      row's blocks are equal, or they differ so that every code re-encodes exactly on the row's
+      largest scale (powers of two apart, codes without lost bits);
+    - otherwise the blocks kept, cut to equal blocks that tile the weight (``gcd(bo, out)`` rows by
+      ``gcd(bi, in)`` columns: a checkpoint's last partial block repeats its scale), which the
+      dequantising path multiplies by.
+    """
+    out, inn = q.shape
+    bo, bi = block
+    if scale_inv.shape != (-(-out // bo), -(-inn // bi)):
+        raise ValueError(f"weight_scale_inv of shape {tuple(scale_inv.shape)} does not match a weight of shape "
+                         f"{(out, inn)} in blocks of {tuple(block)}: expected {(-(-out // bo), -(-inn // bi))}")
+    s = scale_inv.to(torch.float32)
+    go, gi = math.gcd(bo, out), math.gcd(bi, inn)
+    fine = s.repeat_interleave(bo // go, 0)[: out // go].repeat_interleave(bi // gi, 1)[:, : inn // gi].contiguous()
+    want = dequantize_rowwise(q, fine, torch.float32)
+    rows = fine.repeat_interleave(go, 0).amax(dim=1, keepdim=True)  # [out, 1]: each row's largest block scale
+    ratio = (fine.repeat_interleave(go, 0) / rows).repeat_interleave(gi, 1)  # [out, in], <= 1
+    q_row = (q.to(torch.float32) * ratio).to(FP8_DTYPE)  # exact where the ratios are powers of two
+    if torch.equal(dequantize_rowwise(q_row, rows, torch.float32), want):
+        return q_row, rows
+    return q.clone(), fine
 
 
 def fp8_matmul_supported(device: torch.device | str | None = None) -> bool:
@@ -87,8 +144,9 @@ class FP8State:
 
 def _use_scaled_mm(state: FP8State, a: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
     # _scaled_mm takes bf16 outputs with per-row scales and needs both matrix sides in multiples of 16
+    # (block-scaled weights dequantise: their scales vary along the summed axis)
     return (state.scaled_mm and dtype == torch.bfloat16 and a.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0
-            and weight.shape[1] % 16 == 0)
+            and weight.shape[1] % 16 == 0 and tuple(state.scale.shape) == (weight.shape[0], 1))
 
 
 def quantize_activation(x2: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,6 +239,35 @@ class FP8Linear(nn.Linear):
             layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
         return layer
 
+    @classmethod
+    def from_block_fp8(cls, linear: nn.Linear, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                       block_size: tuple[int, int], scaled_mm: bool | None = None) -> FP8Linear:
+        """The layer that replaces ``linear`` (a projection loaded dequantised: its shape, bias and
+        compute dtype) with a fine-grained FP8 checkpoint's own e4m3 codes ``weight`` and block scales
+        ``weight_scale_inv`` (:func:`block_scales_to_layer_scales`: per row where that is exact, else
+        the blocks). Nothing is re-rounded: :meth:`dequantize` in float32 gives the checkpoint's
+        ``Q * S`` bit for bit."""
+        shape = (linear.out_features, linear.in_features)
+        if weight.dtype != FP8_DTYPE or tuple(weight.shape) != shape:
+            raise ValueError(f"a fine-grained FP8 weight must be float8_e4m3fn of the layer's shape {shape}, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        device = linear.weight.device
+        if scaled_mm is None:
+            scaled_mm = fp8_matmul_supported(device)
+        q, scale = block_scales_to_layer_scales(weight.to(device), weight_scale_inv.to(device), block_size)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, device=torch.device("meta"),
+                    compute_dtype=linear.weight.dtype, scaled_mm=scaled_mm)
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = scale
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return layer
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        """The blocks its scales cover: ``(1, in_features)`` for per-row scales."""
+        return block_size_of(self.weight, self.weight_scale)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``Q * s`` in ``dtype`` (default: the compute dtype): what the reference path multiplies by."""
         return dequantize_rowwise(self.weight, self.weight_scale, dtype or self.compute_dtype)
@@ -205,27 +292,90 @@ class FP8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"float8_e4m3fn per-row scales, compute_dtype={self.compute_dtype}, scaled_mm={self.scaled_mm}")
+                f"float8_e4m3fn {self._scales_repr()}, compute_dtype={self.compute_dtype}, scaled_mm={self.scaled_mm}")
+
+    def _scales_repr(self) -> str:
+        rows, cols = self.block_size
+        return "per-row scales" if (rows, cols) == (1, self.in_features) else f"{rows}x{cols} block scales"
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
     return isinstance(module, FP8Linear)
 
 
-def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None) -> int:
+def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoint: str | None = None) -> int:
     """Replace each ``nn.Linear`` of ``model``'s decoder by an :class:`FP8Linear` (in place, one at a
     time, so the peak is the unquantised model plus one layer); the output head (and embeddings,
     norms, anything that is not exactly ``nn.Linear``) stays as it is. Returns how many were
-    replaced. ``scaled_mm``: ``None`` decides per layer from its device (:func:`fp8_matmul_supported`)."""
+    replaced. ``scaled_mm``: ``None`` decides per layer from its device (:func:`fp8_matmul_supported`).
+
+    ``checkpoint``: the local folder ``model`` was loaded from (dequantised) when it is in
+    transformers' fine-grained FP8 format: each projection the checkpoint stores as e4m3 codes with
+    ``weight_scale_inv`` takes those codes and scales as they are (:meth:`FP8Linear.from_block_fp8`);
+    any other is quantised per row from its loaded weight. ``None``: every one per row."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head]
     offloaded = [name for name, m in targets if m.weight.is_meta]
     if offloaded:  # accelerate's disk / CPU offload keeps weights elsewhere and loads them per call
         raise ValueError(f"load_in_fp8: {len(offloaded)} projections (e.g. {offloaded[0]}) are offloaded by the "
                          "device_map; FP8 quantises weights held on a device: load every weight on the GPU (or CPU)")
+    stored = BlockFP8Checkpoint(checkpoint) if checkpoint is not None else None
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FP8Linear.from_linear(linear, scaled_mm))
+        codes = stored.get(name) if stored is not None else None
+        if codes is not None:
+            # no weight_block_size: one scale for the whole weight (transformers' per-tensor FP8)
+            block = stored.block_size or (linear.out_features, linear.in_features)
+            layer = FP8Linear.from_block_fp8(linear, *codes, block, scaled_mm)
+        else:
+            layer = FP8Linear.from_linear(linear, scaled_mm)
+        setattr(parent, child, layer)
         linear.weight = None  # the full-precision copy goes now, not with the last reference to the model
     return len(targets)
+
+
+class BlockFP8Checkpoint:
+    """The e4m3 codes and ``weight_scale_inv`` block scales of a local checkpoint in transformers'
+    fine-grained FP8 format, read one projection at a time (safetensors, sharded or not)."""
+
+    def __init__(self, folder: str) -> None:
+        from safetensors import safe_open
+
+        config_path = os.path.join(folder, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"{folder} has no config.json: give the local folder of a fine-grained FP8 checkpoint")
+        with open(config_path) as f:
+            quant = json.load(f).get("quantization_config") or {}
+        if quant.get("quant_method") != "fp8":
+            raise ValueError(f"{folder}'s config.json has no fine-grained FP8 quantization_config (quant_method "
+                             f"'fp8'), got {quant.get('quant_method')!r}: load it without checkpoint=")
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        self._where: dict[str, str] = {}
+        for file in files:
+            path = os.path.join(folder, file)
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    self._where[key] = path
+        block = quant.get("weight_block_size")
+        self.block_size: tuple[int, int] | None = tuple(block) if block else None
+        self._open = safe_open
+
+    def get(self, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(codes, weight_scale_inv)`` of the projection named ``module``, or ``None`` when the
+        checkpoint keeps it unquantised (or names it otherwise)."""
+        weight, scale = f"{module}.weight", f"{module}.weight_scale_inv"
+        if weight not in self._where or scale not in self._where:
+            return None
+        with self._open(self._where[weight], framework="pt") as f:
+            q = f.get_tensor(weight)
+        if q.dtype != FP8_DTYPE:
+            return None
+        with self._open(self._where[scale], framework="pt") as f:
+            s = f.get_tensor(scale)
+        return q, s
