@@ -117,6 +117,36 @@ class PackedBatch:
         return x.view(self.batch_size, self.seq_len, *x.shape[1:])
 
 
+def packed_batch_from_document_ids(
+    document_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, backend: str = "auto",
+) -> PackedBatch:
+    """The layout of a batch whose documents are given explicitly: ``document_ids [B, S]`` holds
+    each token's document (any integer label, equal within a document; a new document starts at
+    every change of label and at every row start), ``attention_mask [B, S]`` optionally hides
+    padding. For multimodal rows, whose 3-D (M-RoPE) positions do not restart at documents and
+    are not monotone inside one (image tokens), so no position rule can find the boundaries."""
+    if document_ids.dim() == 1:
+        document_ids = document_ids.unsqueeze(0)
+    if document_ids.dim() != 2:
+        raise ValueError(f"document_ids must be [S] or [B, S], got shape {tuple(document_ids.shape)}")
+    batch_size, seq_len = document_ids.shape
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    if attention_mask is None or bool((attention_mask != 0).all()):
+        cu, max_len = _cu_seqlens_from_starts(starts.flatten())
+        return PackedBatch(cu, max_len, batch_size, seq_len, None, backend)
+    if attention_mask.shape != document_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and document_ids "
+                         f"{tuple(document_ids.shape)} must have the same [B, S] shape")
+    indices = (attention_mask != 0).flatten().nonzero().squeeze(1)
+    rows = torch.div(indices, seq_len, rounding_mode="floor")
+    ids = document_ids.reshape(-1).index_select(0, indices)
+    real_starts = torch.ones_like(indices, dtype=torch.bool)
+    real_starts[1:] = (rows[1:] != rows[:-1]) | (ids[1:] != ids[:-1])
+    cu, max_len = _cu_seqlens_from_starts(real_starts)
+    return PackedBatch(cu, max_len, batch_size, seq_len, indices, backend)
+
+
 def build_packed_batch(
     batch_size: int,
     seq_len: int,

@@ -49,6 +49,7 @@ from .state import (
     set_patch_state,
 )
 from .lora_linear import fuse_lora_linears, unfuse_lora_linears
+from .qwen3_vl import install_vision_language_attention
 from .tiled_mlp import replace_untiled_forward
 
 __all__ = ["FAMILIES", "attention_is_plain", "causal_lm_of", "fuse_lora_if_patched", "is_patched", "patch_model",
@@ -176,7 +177,9 @@ def patch_model(
             warnings.warn(
                 f"swiftune.patch_model: {type(hf_model).__name__}: unpatched: {'; '.join(missing)}", stacklevel=2
             )
-    if attention is not None:
+    if attention is not None and family.vision_language:  # the text decoder only; the vision tower keeps its own
+        install_vision_language_attention(hf_model, attention)
+    elif attention is not None:
         _set_attention(hf_model, attention)
     set_model_patch(hf_model, ModelPatch(kernels=kernels, attention=attention, kernel_backend=kernel_backend))
     fuse_lora_if_patched(model)  # adapters PEFT added before patching (added later: get_peft_model, trainers)

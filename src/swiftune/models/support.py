@@ -25,6 +25,7 @@ from torch import nn
 from ..attention import PACKED_ATTENTION_IMPLEMENTATIONS, has_packed_context
 from .families import family_of, supported_model_types
 from .patching import causal_lm_of
+from .qwen3_vl import text_config_of
 
 BATCH_LAYOUTS = ("padding_free", "packed", "padded")
 
@@ -40,7 +41,8 @@ def attention_problem(model: nn.Module) -> str | None:
     config = getattr(hf_model, "config", None)
     if family_of(config) is None:
         return f"swiftune does not patch this architecture (supported families: {supported_model_types()})"
-    impl = getattr(config, "_attn_implementation", None)
+    # a vision-language model's text decoder has its own (sub-)config and implementation
+    impl = getattr(text_config_of(config), "_attn_implementation", None)
     base = getattr(hf_model, "base_model", hf_model)
     if impl not in PACKED_ATTENTION_IMPLEMENTATIONS or not has_packed_context(base):
         return (f"its attention implementation is {impl!r}, not swiftune's packed attention (call "

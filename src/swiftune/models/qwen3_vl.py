@@ -1,0 +1,171 @@
+"""Qwen3-VL (dense): swiftune's kernels and packed attention on the language model.
+
+``Qwen3VLForConditionalGeneration`` is a vision tower (``model.visual``) feeding a Qwen3-style
+text decoder (``model.language_model``, modules ``Qwen3VLText*``). :func:`swiftune.patch_model`
+treats it like this:
+
+* the text decoder's attention, gated MLPs and RMSNorms (the q/k norms too) get the fused
+  forwards of every family (:mod:`swiftune.models.forwards`). RoPE: the decoder's own rotary
+  module computes the interleaved multimodal (M-RoPE) tables from the 3-D ``position_ids``
+  (temporal / height / width; the three are equal on text tokens) and the fused kernel rotates q
+  and k with those tables, which is exactly transformers' ``apply_rotary_pos_emb``;
+* the text config's attention implementation becomes ``"swiftune_packed"``; the vision config
+  keeps its own (the vision tower already runs each image alone, over its own ``cu_seqlens``), so
+  the vision tower is transformers' code unchanged;
+* a forward pre-hook on ``Qwen3VLModel`` (:class:`VisionLanguagePackedHook`) builds the packed
+  layout once per forward, before the vision tower and the decoder run.
+
+Where the documents of a padding-free or packed row come from: M-RoPE positions do not restart
+at documents (they do restart, but image tokens make each channel jump and repeat inside one
+example), so no position rule can find the boundaries. Multimodal rows therefore carry
+``document_ids`` (``[B, S]``, one label per document; :mod:`swiftune.data.multimodal` makes them),
+which the hook pops before transformers sees the call and turns into ``cu_seqlens``
+(:func:`swiftune.attention.packing.packed_batch_from_document_ids`). Without ``document_ids``:
+4-channel positions use their first (text) channel, transformers' own packed-row convention;
+2-D positions restart at documents as for every text decoder; 3-channel positions (or none) are
+one document per row, what transformers computes for such a batch.
+
+Deepstack (visual features added to the hidden states of the first decoder layers at the image
+tokens' positions) is transformers' code and only needs the image tokens' positions in the row,
+which packing keeps; the parity test (tests/test_qwen3_vl.py) checks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.hf import ATTENTION_NAME, PACKED_KWARG, PackedContextHook, packed_context_hook
+from ..attention.packing import PackedBatch, build_packed_batch, packed_batch_from_document_ids
+from ..attention.registry import register_packed_attention
+
+#: The keyword a multimodal batch gives the model its documents with (``[B, S]`` integer labels).
+DOCUMENT_IDS_KWARG = "document_ids"
+
+_NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def text_config_of(config: Any) -> Any:
+    """The text decoder's config of a (possibly composite, vision-language) model config."""
+    get_text = getattr(config, "get_text_config", None)
+    return get_text() if callable(get_text) else config
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    """Whether ``model`` (a transformers model) is a vision-language model with a vision config."""
+    return getattr(getattr(model, "config", None), "vision_config", None) is not None
+
+
+def multimodal_layout(
+    batch_size: int,
+    seq_len: int,
+    *,
+    document_ids: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+) -> PackedBatch:
+    """The :class:`PackedBatch` of one vision-language forward (the rules of the module docstring).
+
+    Args:
+        batch_size, seq_len: the ``[B, S]`` shape of the input ids.
+        document_ids: ``[B, S]`` per-token document labels; when given they alone say where
+            documents start (besides row starts and the padding mask).
+        position_ids: ``[B, S]``, ``[3, B, S]`` (M-RoPE) or ``[4, B, S]`` (text channel first).
+        attention_mask: optional ``[B, S]`` padding mask.
+    """
+    if document_ids is not None:
+        if tuple(document_ids.shape[-2:]) != (batch_size, seq_len) and document_ids.numel() != batch_size * seq_len:
+            raise ValueError(f"document_ids must be [B, S] = [{batch_size}, {seq_len}], got "
+                             f"{tuple(document_ids.shape)}")
+        return packed_batch_from_document_ids(document_ids.reshape(batch_size, seq_len), attention_mask,
+                                              backend=backend)
+    text_positions = None
+    if position_ids is not None:
+        if position_ids.dim() == 3 and position_ids.shape[0] == 4:
+            text_positions = position_ids[0]
+        elif position_ids.dim() <= 2:
+            text_positions = position_ids
+        elif not (position_ids.dim() == 3 and position_ids.shape[0] == 3):
+            raise ValueError(f"position_ids must be [B, S], [3, B, S] or [4, B, S], got {tuple(position_ids.shape)}")
+    return build_packed_batch(batch_size, seq_len, text_positions, attention_mask, device=device, backend=backend)
+
+
+class VisionLanguagePackedHook(PackedContextHook):
+    """Forward pre-hook of ``Qwen3VLModel``: pops ``document_ids`` and hands the packed layout of
+    the forward to every text attention layer (through the call's keyword arguments, which
+    transformers passes down to the decoder layers; the vision tower's attention ignores it).
+
+    It is a :class:`~swiftune.attention.hf.PackedContextHook` (so the support checks find it),
+    carrying the model's attention backend itself.
+    """
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        kwargs = dict(kwargs)
+        document_ids = kwargs.pop(DOCUMENT_IDS_KWARG, None)
+        if text_config_of(module.config)._attn_implementation != ATTENTION_NAME:
+            if document_ids is not None:
+                raise ValueError(
+                    "document_ids was given, but the text decoder does not run swiftune's packed attention: "
+                    "its documents would attend to each other. Call swiftune.patch_model(model) first, or pass "
+                    "one example per row")
+            return args, kwargs
+        named = dict(zip(_NAMED_INPUTS, args))
+        named.update({k: kwargs[k] for k in _NAMED_INPUTS if k in kwargs})
+        ref = named.get("input_ids")
+        if ref is None:
+            ref = kwargs.get("inputs_embeds")
+        if ref is None or ref.dim() < 2:
+            return args, kwargs
+        bsz, seq_len = ref.shape[0], ref.shape[1]
+        mask = named.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != (bsz, seq_len)):
+            return args, kwargs  # a 4-D mask, or decoding against a longer cache: the layers fall back
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            return args, kwargs  # decoding: queries attend to cached keys, not a packed layout
+        kwargs[PACKED_KWARG] = multimodal_layout(
+            bsz, seq_len, document_ids=document_ids, position_ids=named.get("position_ids"), attention_mask=mask,
+            device=ref.device, backend=self.backend,
+        )
+        return args, kwargs
+
+
+def install_vision_language_attention(model: nn.Module, backend: str = "auto") -> None:
+    """Switch a vision-language model's text decoder to ``"swiftune_packed"`` (the vision tower
+    keeps its implementation) and register :class:`VisionLanguagePackedHook` on the multimodal
+    stack (``model.base_model``, e.g. ``Qwen3VLModel``); again: only the backend is updated."""
+    name = register_packed_attention()
+    config = model.config
+    text = text_config_of(config)
+    if text._attn_implementation != name:
+        vision = getattr(config.vision_config, "_attn_implementation", None)
+        choice = {"text_config": name}
+        if vision is not None:
+            choice["vision_config"] = vision
+        try:
+            model.set_attn_implementation(choice)
+        except (AttributeError, ValueError, TypeError):  # older API: the sub-config attribute is the switch
+            text._attn_implementation = name
+    stack = model.base_model
+    hook = packed_context_hook(stack)
+    if isinstance(hook, VisionLanguagePackedHook):
+        hook.backend = backend
+    elif hook is None:
+        stack.register_forward_pre_hook(VisionLanguagePackedHook(backend), with_kwargs=True)
+    else:
+        raise RuntimeError(f"{type(stack).__name__} carries a text decoder's packed-context hook; "
+                           "vision-language models need VisionLanguagePackedHook")
+
+
+def rope_index_of(model: nn.Module):
+    """The M-RoPE index function (``get_rope_index``) of a vision-language model, PEFT- or
+    DDP-wrapped or not: what :class:`swiftune.data.multimodal.MultimodalCollator` runs per example."""
+    for module in model.modules():
+        fn = getattr(type(module), "get_rope_index", None)
+        if callable(fn):
+            return module.get_rope_index
+    raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen-VL-style model with M-RoPE")

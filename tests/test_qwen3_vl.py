@@ -1,0 +1,269 @@
+"""Qwen3-VL: patched language model on padding-free image-text rows against transformers' own model.
+
+The reference is the unpatched ``Qwen3VLForConditionalGeneration`` run on each example alone (its
+own M-RoPE index, its own attention): the loss is the sum of every example's token losses over
+the total trained-token count, and every trainable tensor's gradient must match (full fine-tuning
+and PEFT LoRA on the language model's seven projections), fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import swiftune
+from swiftune.attention.packing import build_packed_batch, packed_batch_from_document_ids
+from swiftune.data.builtin import build_tokenizer
+from swiftune.data.multimodal import (
+    IMAGE_TOKEN,
+    VISION_END_TOKEN,
+    VISION_START_TOKEN,
+    MultimodalCollator,
+    VisionProcessor,
+    prepare_multimodal_dataset,
+)
+from swiftune.models.heads import hidden_states_and_head
+from swiftune.models.support import controls_attention
+from swiftune.models.qwen3_vl import install_vision_language_attention, rope_index_of
+from swiftune.models.state import is_bound
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
+    pytest.skip("this transformers has no Qwen3-VL", allow_module_level=True)
+
+SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _processor() -> VisionProcessor:
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START_TOKEN, VISION_END_TOKEN, IMAGE_TOKEN,
+                                                                "<|video_pad|>"]})
+    with warnings.catch_warnings():  # no torchvision here: transformers falls back to its PIL processor
+        warnings.simplefilter("ignore")
+        image_processor = transformers.Qwen2VLImageProcessor(
+            patch_size=4, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 64, "longest_edge": 32 * 32})
+    return VisionProcessor(tokenizer, image_processor)
+
+
+def _model(proc: VisionProcessor) -> torch.nn.Module:
+    ids = proc.tokenizer.convert_tokens_to_ids([VISION_START_TOKEN, VISION_END_TOKEN, IMAGE_TOKEN, "<|video_pad|>"])
+    config = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}, tie_word_embeddings=False),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        vision_start_token_id=ids[0], vision_end_token_id=ids[1], image_token_id=ids[2], video_token_id=ids[3],
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen3VLForConditionalGeneration(config).float()
+
+
+def _image(h: int, w: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def _rows() -> list[dict]:
+    image = {"type": "image"}
+    return [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": _image(16, 24, 0)},
+                                                   {"type": "text", "text": "what is it?"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]}]},
+        {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "two:"}, image, image]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "dog, bird"}]}],
+         "images": [_image(24, 16, 1), _image(16, 16, 2)]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    proc = _processor()
+    data = prepare_multimodal_dataset(_rows(), proc)
+    return proc, _model(proc), data
+
+
+def _collator(model, proc) -> MultimodalCollator:
+    return MultimodalCollator(rope_index_of(model), proc.token_id(IMAGE_TOKEN))
+
+
+def _reference_loss(model, proc, examples) -> torch.Tensor:
+    """transformers' model on each example alone: summed token losses / all trained tokens."""
+    total, count = 0.0, 0
+    image_id = proc.token_id(IMAGE_TOKEN)
+    for example in examples:
+        ids = torch.tensor([example["input_ids"]])
+        inputs = {"input_ids": ids, "mm_token_type_ids": (ids == image_id).int()}
+        if "pixel_values" in example:
+            inputs.update(pixel_values=example["pixel_values"], image_grid_thw=example["image_grid_thw"])
+        logits = model(**inputs).logits[0, :-1].double()
+        targets = torch.where(torch.tensor(example["completion_mask"][1:]).bool(), ids[0, 1:], -100)
+        total = total + F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        count += int((targets != -100).sum())
+    return total / count
+
+
+def _patched_loss(model, batch) -> torch.Tensor:
+    batch = dict(batch)
+    labels = batch.pop("labels")
+    for key in ("row_tokens", "num_trained_tokens", "num_tokens", "num_padding_tokens"):
+        batch.pop(key)
+    hidden, head, _ = hidden_states_and_head(model, **batch)
+    logits = head(hidden)[0, :-1].double()
+    return F.cross_entropy(logits, labels[0, 1:], ignore_index=-100, reduction="sum") / int((labels != -100).sum())
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _check_parity(reference, patched, proc, examples):
+    ref_loss = _reference_loss(reference, proc, examples)
+    ref_loss.backward()
+    batch = _collator(reference, proc)(examples)
+    assert batch["pixel_values"].shape[0] == sum(e["pixel_values"].shape[0] for e in examples if "pixel_values" in e)
+    loss = _patched_loss(patched, batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert _rel(loss.detach(), ref_loss.detach()) < 1e-5, (float(loss), float(ref_loss))
+    ref_grads, grads = _grads(reference), _grads(patched)
+    assert ref_grads.keys() == grads.keys() and ref_grads
+    for name, ref in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert _rel(grads[name], ref) < 1e-5, (name, _rel(grads[name], ref))
+        if ref.abs().max() > 0:
+            assert grads[name].abs().max() > 0, name
+    return batch
+
+
+def test_patch_binds_text_decoder_only(setup):
+    proc, base, _ = setup
+    model = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    text = model.model.language_model
+    assert all(is_bound(layer.self_attn) and is_bound(layer.mlp) and is_bound(layer.input_layernorm)
+               and is_bound(layer.self_attn.q_norm) for layer in text.layers)
+    assert is_bound(text.norm)
+    assert not any(is_bound(m) for m in model.model.visual.modules())
+    assert model.config.text_config._attn_implementation == "swiftune_packed"
+    assert model.config.vision_config._attn_implementation == base.config.vision_config._attn_implementation
+    assert controls_attention(model)
+    swiftune.patch_model(model, attention="reference")  # again: harmless
+    assert controls_attention(model)
+
+
+@pytest.mark.parametrize("kernel_backend", ["triton", "reference"])
+def test_full_finetuning_parity(setup, kernel_backend):
+    """Loss and every gradient (vision tower and deepstack mergers included) of a padding-free row
+    of two image-text examples and one text-only example equal the per-example reference."""
+    proc, base, data = setup
+    reference = copy.deepcopy(base)
+    patched = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend=kernel_backend)
+    # the Triton interpreter is slow on CPU: there, one image-text and the text-only example
+    examples = data.examples[:2] if kernel_backend == "triton" else data.examples
+    batch = _check_parity(reference, patched, proc, examples)
+    assert batch["input_ids"].shape[0] == 1 and batch["document_ids"][0].unique().numel() == len(examples)
+    assert any("deepstack_merger_list" in n for n in _grads(patched))
+
+
+def test_lora_parity(setup):
+    peft = pytest.importorskip("peft")
+    proc, base, data = setup
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN, lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(copy.deepcopy(base), config)
+    patched = copy.deepcopy(reference)
+    swiftune.patch_model(patched, attention="reference", kernel_backend="reference")
+    names = [n for n, p in patched.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n and "language_model" in n for n in names)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names} == set(SEVEN)
+    _check_parity(reference, patched, proc, data.examples)
+
+
+def test_document_ids_are_what_keeps_examples_apart(setup):
+    """The same row without document_ids (M-RoPE positions only, which cannot say where examples
+    start) is one document: its loss is not the per-example loss. So the parity above rests on
+    the explicit document ids."""
+    proc, base, data = setup
+    patched = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    batch = _collator(base, proc)(data.examples)
+    with torch.no_grad():
+        ref = _reference_loss(base, proc, data.examples)
+        separate = _patched_loss(patched, batch)
+        batch.pop("document_ids")
+        mixed = _patched_loss(patched, batch)
+    assert _rel(separate, ref) < 1e-5
+    assert _rel(mixed, ref) > 1e-4
+
+
+def test_document_ids_refused_without_packed_attention(setup):
+    proc, base, data = setup
+    model = copy.deepcopy(base)
+    install_vision_language_attention(model, "reference")
+    model.set_attn_implementation({"text_config": "sdpa", "vision_config": "sdpa"})
+    batch = _collator(base, proc)(data.examples[:1])
+    with pytest.raises(ValueError, match="patch_model"):
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], document_ids=batch["document_ids"],
+              pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+
+
+def test_layout_from_document_ids():
+    docs = torch.tensor([[0, 0, 0, 1, 1, 2], [3, 3, 4, 4, 4, 4]])
+    packed = packed_batch_from_document_ids(docs)
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12] and packed.max_seqlen == 4
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]])
+    packed = packed_batch_from_document_ids(docs, mask)
+    # same as the position rule on the equivalent restarting positions
+    expected = build_packed_batch(2, 6, torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 0, 1, 2, 3]]), mask)
+    assert packed.cu_seqlens.tolist() == expected.cu_seqlens.tolist() == [0, 3, 5, 7, 9]
+    assert packed.indices.tolist() == expected.indices.tolist()
+    # a row start always starts a document, even with the same label
+    assert packed_batch_from_document_ids(torch.zeros(2, 3, dtype=torch.long)).cu_seqlens.tolist() == [0, 3, 6]
+
+
+def test_completion_mask_is_the_assistant_text(setup):
+    proc, _, data = setup
+    image_id = proc.token_id(IMAGE_TOKEN)
+    answers = ["a cat", "hi there", "dog, bird"]
+    for example, answer in zip(data.examples, answers):
+        trained = [t for t, m in zip(example["input_ids"], example["completion_mask"]) if m]
+        assert proc.tokenizer.decode(trained) == answer + "<|im_end|>"
+        grid = example.get("image_grid_thw")
+        n_image = 0 if grid is None else int((grid.prod(-1) // 4).sum())
+        assert example["input_ids"].count(image_id) == n_image
+    assert data.lengths == [len(e["input_ids"]) for e in data.examples]  # image tokens count in the budget
+    assert data.stats.num_examples == 3
+
+
+def test_packed_rows_parity(setup):
+    """max_length packs examples into padded rows: each document still equals its own run."""
+    proc, base, data = setup
+    reference = copy.deepcopy(base)
+    patched = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    collate = MultimodalCollator(rope_index_of(base), proc.token_id(IMAGE_TOKEN),
+                                 max_length=max(data.lengths) + 2, pad_token_id=proc.tokenizer.pad_token_id)
+    batch = collate(data.examples)
+    assert batch["input_ids"].shape[0] >= 2 and batch["num_padding_tokens"] > 0
+    with torch.no_grad():
+        ref = _reference_loss(reference, proc, data.examples)
+        b = dict(batch)
+        labels = b.pop("labels")
+        for key in ("row_tokens", "num_trained_tokens", "num_tokens", "num_padding_tokens"):
+            b.pop(key)
+        hidden, head, _ = hidden_states_and_head(patched, **b)
+        logits = head(hidden)[:, :-1].double()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
+                               reduction="sum") / int((labels != -100).sum())
+    assert _rel(loss, ref) < 1e-5
