@@ -173,14 +173,6 @@ def _qwen3_vl() -> Family:
                   fast_rollout=False, vision_language=True)
 
 
-def _qwen3_vl() -> Family:
-    """Qwen3-VL (dense): the text decoder is Qwen3's (q/k norm, SwiGLU, pre-norm layers, modules
-    ``Qwen3VLText*``) with multimodal RoPE from its own rotary module; the vision tower stays
-    transformers'. Not on the fast rollout engine (no image-embedding prefill yet: docs/vision.md)."""
-    return Family("qwen3_vl", "Qwen3VLText", pre_norm=True, mlp_output_feeds_only_residual=True,
-                  fast_rollout=False, vision_language=True)
-
-
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -193,7 +185,6 @@ FAMILIES: dict[str, Family] = {
         _gemma("gemma3_text", "Gemma3", window=layer_window),
         _qwen3_moe(),
         _gpt_oss(),
-        _qwen3_vl(),
         _qwen3_vl(),
         _mixtral(),
     )
