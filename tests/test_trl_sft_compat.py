@@ -337,3 +337,56 @@ def test_bfd_split_packs_long_documents_as_max_length_pieces(tmp_path, tokenizer
             documents.append(row["input_ids"][offset:offset + n])
             offset += n
     assert sorted(documents) == sorted(expected) and max(len(r["input_ids"]) for r in rows) > 16
+
+
+# ---------------------------------------------------------------- training metrics: entropy, mean_token_accuracy
+
+def _full_logit_stats(h, w, b, labels, softcap):
+    """float64 reference on the full logits: per-token entropy and arg-max hit (ignored: 0 / False)."""
+    z = torch.nn.functional.linear(h.double(), w.double(), None if b is None else b.double())
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    logp = torch.log_softmax(z, -1)
+    ent = -(logp.exp() * logp).sum(-1)
+    keep = labels != -100
+    return torch.where(keep, ent, 0.0), (z.argmax(-1) == labels) & keep
+
+
+@pytest.mark.parametrize("backend, softcap, vocab_chunk, reduction, bias", [
+    ("reference", None, None, "mean", False), ("reference", 7.0, None, "mean", True),
+    ("auto", None, None, "mean", False), ("auto", 7.0, None, "sum", True),
+    ("reference", None, 128, "mean", False), ("auto", 5.0, 100, "mean", False),
+    ("reference", 7.0, None, "none", True),
+])
+def test_token_stats_of_the_fused_loss_equal_the_full_logits(backend, softcap, vocab_chunk, reduction, bias):
+    """Entropy and arg-max hit per token from the fused loss's chunk loop (Triton blocks under the
+    interpreter, PyTorch blocks, vocabulary split in blocks) equal the float64 full-logits formula, and
+    asking for them changes neither the loss nor any gradient."""
+    from swiftune.losses import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    V, H = 300, 32
+    w = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    bb = (torch.randn(V, generator=g) * 0.1).requires_grad_() if bias else None
+    h = torch.randn(3, 17, H, generator=g).requires_grad_()
+    labels = torch.randint(0, V, (3, 17), generator=g)
+    with torch.no_grad():
+        top = torch.nn.functional.linear(h, w, bb).argmax(-1)
+    labels[:, ::3] = top[:, ::3]  # a third of the tokens are hits
+    labels[0, :5] = -100
+    labels[2, -4:] = -100
+    kw = dict(reduction=reduction, bias=bb, logit_softcap=softcap, chunk_tokens=24, vocab_chunk=vocab_chunk,
+              backend=backend)
+    loss, stats = linear_cross_entropy(h, w, labels, return_token_stats=True, **kw)
+    assert stats.entropy.shape == labels.shape and stats.is_top1.dtype == torch.bool
+    assert not stats.entropy.requires_grad
+    ref_ent, ref_hit = _full_logit_stats(h.detach(), w.detach(), None if bb is None else bb.detach(), labels, softcap)
+    assert rel_err(stats.entropy.double(), ref_ent) < 1e-5
+    assert torch.equal(stats.is_top1, ref_hit) and 0 < int(ref_hit.sum()) < int((labels != -100).sum())
+    params = [t for t in (h, w, bb) if t is not None]
+    grads = torch.autograd.grad(loss.sum(), params)
+    plain = linear_cross_entropy(h, w, labels, **kw)
+    plain_grads = torch.autograd.grad(plain.sum(), params)
+    assert torch.equal(loss, plain)
+    for a, b_ in zip(grads, plain_grads):
+        assert torch.equal(a, b_) and a.abs().sum() > 0

@@ -37,11 +37,20 @@ Vocabularies wider than ``vocab_chunk`` (default 2^18) are processed in blocks: 
 gathers the log-sum-exp of every block, a second recomputes each block's logits for the gradient.
 
 Losses are float32 (float64 for float64 inputs); gradients come back in the inputs' dtypes.
+
+Token statistics (``return_token_stats=True``, TRL's ``entropy`` and ``mean_token_accuracy``):
+the same chunk loop also returns, per labelled token and without gradient, the entropy
+``H = -sum_j p_j log p_j`` of its distribution and whether its label is the arg-max (first
+maximum, as ``argmax``). They come from the block already projected for the loss: the entropy
+from the statistics pass (one more accumulator in the Triton kernel), the arg-max hit from one
+extra read of the block, so no projection is added (vocabularies wider than ``vocab_chunk``:
+one more matmul per block for the arg-max).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +84,39 @@ class _CECfg:
     acc: torch.dtype
     need: tuple[bool, bool, bool]  # grads of hidden, weight, bias
     fused: bool
+    stats: bool = False  # also each labelled row's entropy and arg-max hit (no gradient)
+
+
+class TokenStats(NamedTuple):
+    """Per-token side outputs of :func:`linear_cross_entropy`, shaped like ``labels`` (no gradient).
+
+    ``entropy``: entropy of the token's predicted distribution (0 where the label is ignored), in
+    the loss's dtype; ``is_top1``: whether the label is the arg-max of the logits (False where ignored).
+    """
+
+    entropy: torch.Tensor
+    is_top1: torch.Tensor
+
+
+def _argmax_hit(z: torch.Tensor, labels: torch.Tensor, tf: LogitTransform) -> torch.Tensor:
+    """Whether each row's label is its arg-max. The transforms are monotone (softcap: increasing; scale:
+    increasing when positive), so the raw block ``z`` has the transformed logits' arg-max."""
+    return (z.argmin(dim=1) if tf.scale is not None and tf.scale < 0 else z.argmax(dim=1)) == labels
+
+
+def _blockwise_hit(h, w_c, b_c, blocks, labels, tf: LogitTransform) -> torch.Tensor:
+    """:func:`_argmax_hit` over vocabulary blocks: each block's first maximum, the earliest block on ties."""
+    sign = -1.0 if tf.scale is not None and tf.scale < 0 else 1.0
+    best = arg = None
+    for v0, v1 in blocks:
+        top = (matmul_block(h, w_c, b_c, v0, v1) * sign).max(dim=1)
+        if best is None:
+            best, arg = top.values, top.indices + v0
+        else:
+            better = top.values > best  # strict: an equal maximum in a later block does not win
+            best = torch.where(better, top.values, best)
+            arg = torch.where(better, top.indices + v0, arg)
+    return arg == labels
 
 
 class FusedLinearCrossEntropy(torch.autograd.Function):
@@ -98,6 +140,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc_w, device=dev) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=acc_w, device=dev) if need_b else None
         loss = torch.zeros((), dtype=cfg.acc, device=dev)
+        ent_rows = torch.zeros(n if cfg.stats else 0, dtype=cfg.acc, device=dev)
+        hit_rows = torch.zeros(n if cfg.stats else 0, dtype=torch.bool, device=dev)
         any_grad = need_h or need_w or need_b
         with torch.autocast(dev.type, enabled=False):
             w_c = weight.to(cfg.cd)
@@ -110,8 +154,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 gh = None
                 if len(blocks) == 1 and cfg.fused:  # one projection serves loss and gradient
                     z = matmul_block(h, w_c, b_c, 0, V)
-                    st = fused_block_stats(z, lab, 0, cfg.tf, False)
+                    st = fused_block_stats(z, lab, 0, cfg.tf, cfg.stats)
                     loss += (st.lse - st.target).sum()
+                    if cfg.stats:  # before the gradient overwrites z
+                        hit_rows[a : a + chunk] = _argmax_hit(z, lab, cfg.tf)
+                        ent_rows[a : a + chunk] = st.ent
                     if any_grad:
                         gc = fused_block_grad_(z, lab, 0, st.lse, g_ce, None, None, cfg.tf)
                         gh = backprop_block(gc, h, w_c, 0, V, grad_w, grad_b, need_h)
@@ -119,7 +166,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                     del z
                 elif len(blocks) == 1:  # the same in PyTorch block math
                     y = project(h, w_c, b_c, 0, V, cfg.tf, cfg.acc)
-                    st, logq = BlockStats.of(y, lab, 0, False)
+                    if cfg.stats:
+                        hit_rows[a : a + chunk] = y.argmax(dim=1) == lab  # y is the transformed logits
+                    # the entropy may reuse y's storage unless the softcap factor still needs y
+                    st, logq = BlockStats.of(y, lab, 0, cfg.stats and cfg.tf.softcap is None)
+                    if cfg.stats:
+                        ent_rows[a : a + chunk] = st.ent if st.ent is not None else _entropy_of(logq)
                     loss += (st.lse - st.target).sum()
                     if any_grad:
                         d = cfg.tf.softcap_factor(y, inplace=True)
@@ -133,10 +185,13 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 else:  # pass 1: log-sum-exp over blocks; pass 2: gradient per recomputed block
                     st = None
                     for v0, v1 in blocks:
-                        bs = block_stats(h, w_c, b_c, v0, v1, lab, cfg.tf, cfg.acc, False, cfg.fused)
+                        bs = block_stats(h, w_c, b_c, v0, v1, lab, cfg.tf, cfg.acc, cfg.stats, cfg.fused)
                         st = bs if st is None else st.merge(bs)
                     assert st is not None
                     loss += (st.lse - st.target).sum()
+                    if cfg.stats:
+                        hit_rows[a : a + chunk] = _blockwise_hit(h, w_c, b_c, blocks, lab, cfg.tf)
+                        ent_rows[a : a + chunk] = st.ent
                     for v0, v1 in blocks if any_grad else ():
                         gc = block_grad(h, w_c, b_c, v0, v1, lab, st.lse, g_ce, None, None, cfg.tf, cfg.acc, cfg.fused)
                         part = backprop_block(gc, h, w_c, v0, v1, grad_w, grad_b, need_h)
@@ -155,10 +210,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         if grad_h is not None:
             grad_h = grad_h.view(hidden.shape)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
-        return loss
+        ctx.mark_non_differentiable(ent_rows, hit_rows)
+        return loss, ent_rows, hit_rows
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g, _g_ent=None, _g_hit=None):  # type: ignore[override]
         saved = ctx.saved_tensors
         if bool(g == 1):  # the usual case (num_items does the normalising): hand the buffers over
             return saved[0], saved[1], saved[2], None, None, None, None
@@ -183,7 +239,8 @@ def linear_cross_entropy(
     chunk_multiplier: float = 1.0,
     vocab_chunk: int | None = None,
     backend: Backend = "auto",
-) -> torch.Tensor:
+    return_token_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, TokenStats]:
     """Cross entropy of ``softcap(logit_scale * (hidden @ weight.T + bias))`` against ``labels``.
 
     Args:
@@ -201,6 +258,9 @@ def linear_cross_entropy(
             ``chunk_multiplier``).  ``vocab_chunk``: widest vocabulary block (default 2^18).
         backend: ``"auto"`` (Triton block kernels on CUDA / under the interpreter, else PyTorch),
             ``"reference"`` (PyTorch block math, still chunked) or ``"triton"``.
+        return_token_stats: also return :class:`TokenStats` (each token's entropy and arg-max hit,
+            no gradient) from the same chunk loop: ``(loss, stats)``. With ``reduction="none"``
+            (whose loss recomputes in backward) they take one more no-grad pass over the chunks.
 
     Mean over zero labelled tokens is 0 with zero gradients, never NaN.
     """
@@ -224,11 +284,26 @@ def linear_cross_entropy(
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
 
+    def with_stats(loss: torch.Tensor, ent: torch.Tensor, hit: torch.Tensor):
+        if not return_token_stats:
+            return loss
+        full_ent = torch.zeros(flat.shape, dtype=acc, device=hidden.device).index_put((rows,), ent)
+        full_hit = torch.zeros(flat.shape, dtype=torch.bool, device=hidden.device).index_put((rows,), hit)
+        return loss, TokenStats(full_ent.view(labels.shape), full_hit.view(labels.shape))
+
     if reduction == "none":
         cfg = LogProbConfig(tf, chunk_tokens, chunk_multiplier, vocab_chunk, False, False, cd, acc, fused)
         logp = ChunkedLogProb.apply(hidden, weight, bias, sel, rows, cfg)
         out = torch.zeros(flat.shape, dtype=acc, device=hidden.device).index_put((rows,), -logp)
-        return out.view(labels.shape)
+        if not return_token_stats:
+            return out.view(labels.shape)
+        with torch.no_grad():  # the statistics pass: the cross-entropy loop without gradients
+            ones = torch.ones((), dtype=acc, device=hidden.device)
+            cfg_s = _CECfg(tf, chunk_tokens, chunk_multiplier, vocab_chunk, False, cd, acc, (False, False, False),
+                           fused, True)
+            _, ent, hit = FusedLinearCrossEntropy.apply(hidden.detach(), weight.detach(), None if bias is None
+                                                        else bias.detach(), sel, rows, ones, cfg_s)
+        return with_stats(out.view(labels.shape), ent, hit)
 
     if reduction == "sum":
         denom = torch.ones((), dtype=acc, device=hidden.device)
@@ -237,8 +312,15 @@ def linear_cross_entropy(
     else:
         # clamp: a global count of 0 means every micro-batch is empty, so the sum is 0 too
         denom = torch.as_tensor(num_items, device=hidden.device).to(acc).clamp_min(1.0)
-    cfg_ce = _CECfg(tf, chunk_tokens, chunk_multiplier, vocab_chunk, reduction == "mean", cd, acc, need, fused)  # type: ignore[arg-type]
-    return FusedLinearCrossEntropy.apply(hidden, weight, bias, sel, rows, denom, cfg_ce)
+    cfg_ce = _CECfg(tf, chunk_tokens, chunk_multiplier, vocab_chunk, reduction == "mean", cd, acc, need, fused,  # type: ignore[arg-type]
+                    return_token_stats)
+    return with_stats(*FusedLinearCrossEntropy.apply(hidden, weight, bias, sel, rows, denom, cfg_ce))
+
+
+def _entropy_of(logq: torch.Tensor) -> torch.Tensor:
+    """Row entropies ``-sum_j q_j log q_j`` of a log-softmax block (one transient block for ``q``)."""
+    q = logq.exp()
+    return -torch.bmm(q.unsqueeze(1), logq.unsqueeze(2)).view(-1)
 
 
 def linear_cross_entropy_reference(
