@@ -23,6 +23,11 @@ greedy ``generate`` (bf16: reported, near-ties may diverge).
     python -m benchmarks.rollout --model tiny              # CPU smoke test (seconds)
     python -m benchmarks.rollout --from-log a.txt b.txt --out rollout.json   # JSON from printed logs
 
+``--load-in-4bit`` / ``--load-in-fp8``: the decoder's linear weights in NF4 (bitsandbytes) or in FP8
+(``float8_e4m3fn`` with per-row float32 scales, swiftune's ``FP8Linear``: ``torch._scaled_mm`` with
+the activations quantised by the fused Triton kernel on GPUs with FP8 tensor cores); the HBM floor
+then counts the quantised bytes and their scales, and the JSON says ``weights``.
+
 The JSON is rewritten after every run, so a run stopped by a time limit keeps what it measured;
 ``--from-log`` rebuilds the same rows from the lines the script prints (for logs of killed runs).
 """
@@ -65,12 +70,20 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 10 / (time.perf_counter() - t)
 
 
-def build_model(name: str, device: torch.device, dtype: torch.dtype, load_in_4bit: bool = False):
+def build_model(name: str, device: torch.device, dtype: torch.dtype, load_in_4bit: bool = False,
+                load_in_fp8: bool = False):
     """Random-init model of shape ``name``; with ``load_in_4bit`` its decoder's linear weights in NF4
-    (bitsandbytes, double quantisation), as QLoRA's rollouts read them."""
+    (bitsandbytes, double quantisation), as QLoRA's rollouts read them; with ``load_in_fp8`` in e4m3
+    with per-row scales, as ``load_in_fp8=True`` loads them (``swiftune.models.fp8_linear``)."""
+    if load_in_4bit and load_in_fp8:
+        raise ValueError("load_in_4bit and load_in_fp8 are exclusive: pick one weight format")
     model = random_model(name, device, dtype)
     if load_in_4bit:
         quantize_linears_4bit(model, dtype)
+    if load_in_fp8:
+        from swiftune.models.fp8_linear import quantize_model_fp8
+
+        quantize_model_fp8(model)
     return model.eval()
 
 
@@ -86,11 +99,19 @@ def quant_state_bytes(p) -> int:
     return total
 
 
+def fp8_scale_bytes(model) -> int:
+    """Bytes of the float32 scales read with FP8 weights (``FP8Linear.weight_scale``, a buffer)."""
+    from swiftune.models.fp8_linear import is_fp8_linear
+
+    return sum(m.weight_scale.numel() * m.weight_scale.element_size() for m in model.modules() if is_fp8_linear(m))
+
+
 def weight_bytes(model) -> int:
     """Bytes read per decode step: every parameter except the input embedding (only G rows of it are read);
-    NF4 weights count their packed bytes and their quantisation state."""
+    NF4 weights count their packed bytes and their quantisation state, FP8 ones a byte each and their scales."""
     emb = model.get_input_embeddings().weight
     total = sum(p.numel() * p.element_size() + quant_state_bytes(p) for p in model.parameters())
+    total += fp8_scale_bytes(model)
     tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     return total if tied else total - emb.numel() * emb.element_size()
 
@@ -140,12 +161,13 @@ def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, k
     """The engine on a PEFT LoRA model (r=16, all linear layers): adapters run as PEFT layers vs merged."""
     from swiftune.training import FastModel
 
-    from swiftune.training.quantization import is_quantized_4bit
+    from swiftune.training.quantization import is_quantized_4bit, is_quantized_fp8
 
+    quantized = is_quantized_4bit(model) or is_quantized_fp8(model)
     peft_model = FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
     runs = []
-    # adapters cannot be merged exactly into NF4 weights (the engine refuses): QLoRA runs them as layers
-    modes = ("runtime",) if is_quantized_4bit(model) else ("runtime", "merge")
+    # adapters cannot be merged exactly into NF4 or e4m3 weights (the engine refuses): they run as layers
+    modes = ("runtime",) if quantized else ("runtime", "merge")
     for rows in rows_list:
         for lora in modes:
             r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora)
@@ -270,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-in-4bit", action="store_true",
                    help="the decoder's linear weights in NF4 (bitsandbytes): rollouts from QLoRA's base; the HBM "
                         "floor counts the 4-bit bytes")
+    p.add_argument("--load-in-fp8", action="store_true",
+                   help="the decoder's linear weights in FP8 (e4m3, per-row float32 scales, swiftune's FP8Linear: "
+                        "torch._scaled_mm on FP8 GPUs): rollouts from load_in_fp8's base; the HBM floor counts a "
+                        "byte a weight plus the scales")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--result-rows", default=None, help="write the figures as result rows (JSON Lines) here "
                    "(default: the JSON path with .rows.jsonl; --rows is the rollout's G)")
@@ -277,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge", nargs="+", default=None,
                    help="write one JSON with the rows of these saved results (e.g. the N=1024 and N=8192 runs)")
     a = p.parse_args(argv)
+    if a.load_in_4bit and a.load_in_fp8:
+        p.error("--load-in-4bit and --load-in-fp8 are exclusive: pick one weight format")
     out = a.out or (os.path.join(os.environ["OUT"], "rollout.json") if os.environ.get("OUT") else None)
 
     def save() -> None:
@@ -310,11 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"benchmark": "rollout",
                      "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "copy_bandwidth_gbs": bw / 1e9, "prompt_tokens": prompt_tokens, "baseline_steps": base_steps,
-                     "weights": "nf4" if a.load_in_4bit else str(dtype).removeprefix("torch."),
+                     "weights": ("nf4" if a.load_in_4bit else "fp8" if a.load_in_fp8
+                                 else str(dtype).removeprefix("torch.")),
                      "runs": [], "checks": {}, "skipped": []}
     t_start = time.perf_counter()
     for name in models:
-        model = build_model(name, device, dtype, a.load_in_4bit)
+        model = build_model(name, device, dtype, a.load_in_4bit, a.load_in_fp8)
         cfg = model.config
         gen = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist()

@@ -1041,3 +1041,35 @@ def test_rollout_benchmark_counts_nf4_weight_bytes_for_the_hbm_floor():
     assert rows and all(r.settings["weights"] == "nf4" for r in rows)
     rows = results.rows_from({"benchmark": "rollout", "weights": "bfloat16", "prompt_tokens": 256, "runs": [run]}, ctx)
     assert all("weights" not in r.settings for r in rows)
+
+
+def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_path):
+    """benchmarks.rollout --load-in-fp8: the floor reads a byte per e4m3 weight plus a float32 scale per
+    output row of each decoder projection, not the fp32 / bf16 bytes; a CPU run of the script decodes
+    from the FP8 layers (LoRA at run time only: e4m3 weights take no merge) and its JSON says fp8."""
+    import torch
+
+    from benchmarks import rollout
+    from swiftune.models.fp8_linear import FP8Linear
+
+    model = rollout.build_model("tiny", torch.device("cpu"), torch.float32)
+    plain = rollout.weight_bytes(model)
+    linears = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    decoder_linear = sum(m.weight.numel() for m in linears)
+    rows = sum(m.out_features for m in linears)
+    q = rollout.build_model("tiny", torch.device("cpu"), torch.float32, load_in_fp8=True)
+    layers = [m for m in q.modules() if isinstance(m, FP8Linear)]
+    assert len(layers) == len(linears) and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert rollout.weight_bytes(q) == plain - 4 * decoder_linear + decoder_linear + 4 * rows
+    with pytest.raises(SystemExit):
+        rollout.main(["--model", "tiny", "--load-in-4bit", "--load-in-fp8"])
+    out = tmp_path / "rollout_fp8.json"
+    run_script("rollout.py", "--model", "tiny", "--load-in-fp8", "--rows", "2", "--new-tokens", "8",
+               "--lora-rows", "2", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["weights"] == "fp8"
+    assert r["checks"]["tiny"]["graph_equals_eager_greedy"]
+    assert [(x["rows"], x["new_tokens"]) for x in r["runs"]] == [(2, 8)]
+    assert abs(r["runs"][0]["weight_gb"] * 1e9 - rollout.weight_bytes(q)) < 1
+    assert [x["lora"] for x in r["lora"]] == ["runtime"]
+    assert_rows(out, "rollout", {"tokens_per_s", "step_ms"})
