@@ -18,7 +18,7 @@
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
-#   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (_scaled_mm, fused quantise kernel), Qwen3-8B, G 8/64, N 1024, vs generate on the same FP8 model; the quantise kernel's CUDA tests first (~6 min)
+#   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (_scaled_mm, fused quantise kernel) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the quantise kernel's CUDA tests first (~6 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -228,11 +228,14 @@ case "$part" in
   qlora-rollout)  # decode step against the HBM floor of the 4-bit weights + KV cache (bitsandbytes' kernels)
     run qlora_rollout 560 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --new-tokens 1024 \
       --no-checks --lora-rows 8 --time-budget 480 --out "$OUT/rollout_nf4.json" ;;
-  fp8-rollout)  # decode step against the HBM floor of the e4m3 weights + float32 scales + KV cache; the bf16 rows
-    # to compare with are the rollout part's (same shape, G and N)
-    run fp8_quant_tests 90 python3 -m pytest -q tests/test_fp8_quant.py -p no:cacheprovider
-    run fp8_rollout 480 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 \
-      --no-checks --lora-rows 8 --time-budget 420 --out "$OUT/rollout_fp8.json" ;;
+  fp8-rollout)  # decode step against the HBM floor of the e4m3 weights + float32 scales + KV cache, and swiftune's
+    # own bf16 engine on the same shape, G and N in the same call (no generate baselines: the rollout part has them);
+    # the FP8 run checks graph replay == eager through the quantise kernel
+    run fp8_quant_tests 60 python3 -m pytest -q tests/test_fp8_quant.py -p no:cacheprovider
+    run fp8_rollout_bf16 200 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 \
+      --no-baselines --no-checks --lora-rows --time-budget 170 --out "$OUT/rollout_fp8_bf16.json"
+    run fp8_rollout 300 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 \
+      --no-baselines --lora-rows 8 --time-budget 270 --out "$OUT/rollout_fp8.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
