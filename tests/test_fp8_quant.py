@@ -20,7 +20,10 @@ E4M3 = torch.float8_e4m3fn
 def _torch_quant(x: torch.Tensor, col: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch: v = x (* col) in float32, s = max|v| / 448 (1 for a zero row), q = e4m3(clamp(v / s))."""
     v = x.float() if col is None else x.float() * col.float()
-    s = v.abs().amax(dim=-1, keepdim=True) / 448.0
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    # divided by a tensor: CUDA torch turns `/ 448.0` into a multiply by float32(1 / 448), which is not
+    # the IEEE quotient (off by an ulp for about half of all values); CPU torch divides either way
+    s = amax / torch.full_like(amax, 448.0)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return (v / s).clamp(-448.0, 448.0).to(E4M3), s
 

@@ -49,7 +49,9 @@ def fp8_quantize_rowwise_reference(x: torch.Tensor, col_scale: torch.Tensor | No
     if col_scale is not None:
         v = v * col_scale.reshape(-1).to(torch.float32)
     amax = v.abs().amax(dim=-1, keepdim=True)
-    scale = amax / FP8_E4M3_MAX
+    # a tensor divisor: torch on CUDA turns division by a Python number into a multiply by its float32
+    # reciprocal (off by an ulp about half the time); an elementwise tensor division is IEEE everywhere
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (v / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
