@@ -63,8 +63,8 @@ if triton is not None:
     def _round_e4m3(v):
         """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32."""
         bits = v.to(tl.int32, bitcast=True)
-        sign = bits & -2147483648  # 0x80000000
         mag_bits = bits & 0x7FFFFFFF
+        sign = bits ^ mag_bits  # the sign bit alone (no 0x80000000 literal: it does not fit int32)
         # normal e4m3 (|v| >= 2^-6): keep 3 of float32's 23 mantissa bits, round to nearest even;
         # a carry out of the mantissa moves into the exponent, as it must
         kept = (mag_bits + 0x7FFFF + ((mag_bits >> 20) & 1)) & -1048576  # & 0xFFF00000
