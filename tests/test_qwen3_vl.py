@@ -267,3 +267,38 @@ def test_packed_rows_parity(setup):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
                                reduction="sum") / int((labels != -100).sum())
     assert _rel(loss, ref) < 1e-5
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
+    """SFTTrainer takes the model, a VisionProcessor and image-text rows: two steps, the first
+    step's loss is the per-example reference's, and every trainable tensor moves (non-zero grads)."""
+    import json
+
+    from swiftune import SFTConfig, SFTTrainer
+
+    proc, base, data = setup
+    model = copy.deepcopy(base)
+    reference = copy.deepcopy(base)
+    ref_loss = _reference_loss(reference, proc, data.examples)
+    ref_loss.backward()
+    ref = float(ref_loss)
+    # the last deepstack merger feeds only image tokens after the last decoder layer, whose outputs
+    # are never trained: its reference gradient is zero, so it is not expected to move
+    moving = {n for n, g in _grads(reference).items() if g.abs().max() > 0}
+    assert any(n.startswith("model.visual.") for n in moving)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    args = SFTConfig(output_dir=str(tmp_path / "vl"), max_steps=2, per_device_train_batch_size=3, learning_rate=1e-3,
+                     max_length=128, packing=packing, kernel_backend="reference", attention_backend="reference",
+                     report_to="none", save_strategy="no", logging_steps=1, seed=1, dataloader_pin_memory=False,
+                     disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=_rows(), processing_class=proc)
+    assert trainer.train_dataset.lengths == data.lengths  # image tokens count in the token budget
+    trainer.train()
+    with open(tmp_path / "vl" / "metrics.jsonl") as f:
+        losses = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert abs(losses[0] - ref) / ref < 1e-4, (losses[0], ref)
+    for name, p in model.named_parameters():
+        if name in moving:
+            assert not torch.equal(p.detach(), before[name]), name

@@ -40,6 +40,9 @@ VIDEO_TOKEN = "<|video_pad|>"
 VISION_START_TOKEN = "<|vision_start|>"
 VISION_END_TOKEN = "<|vision_end|>"
 
+#: ``FormattingStats.data_shape`` of image-text examples (packed by the collator, never by ``pack_dataset``).
+MULTIMODAL_SHAPE = "messages_multimodal"
+
 #: ``get_rope_index(input_ids [1, L], mm_token_type_ids [1, L], image_grid_thw=...) -> (positions [3, 1, L], _)``
 RopeIndex = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -215,7 +218,7 @@ def prepare_multimodal_dataset(data: Any, processor: Any, *, max_length: int | N
     whole), else dropped (an image cannot be cut); examples left with no trained token are dropped.
     Both are counted in the returned stats."""
     rows = load_rows(data)
-    stats = FormattingStats("messages_multimodal", num_rows=len(rows))
+    stats = FormattingStats(MULTIMODAL_SHAPE, num_rows=len(rows))
     examples = []
     for row in rows:
         example = tokenize_multimodal_row(row, processor, completion_only_loss)
@@ -310,3 +313,30 @@ class MultimodalCollator:
         batch["num_tokens"] = num_tokens
         batch["num_padding_tokens"] = labels.numel() - num_tokens
         return batch
+
+
+def multimodal_processor(processing_class: Any, data: Any) -> VisionProcessor | None:
+    """The :class:`VisionProcessor` to tokenize ``data`` with when its rows are image-text
+    ``messages`` (:func:`is_multimodal_rows`), else ``None`` (text rows keep the text path)."""
+    if not is_multimodal_rows(data):
+        return None
+    return VisionProcessor.of(processing_class)
+
+
+def make_multimodal_collator(mode: str, rope_index: RopeIndex, processor: Any, *, max_length: int | None = None
+                             ) -> MultimodalCollator:
+    """The collator of image-text examples for batch layout ``mode``: ``"padding_free"`` (one row)
+    or ``"packed"`` (rows of ``max_length``). ``"padded"`` is refused: it is what a model without
+    swiftune's packed attention gets, and its images' positions would then need the model to
+    compute M-RoPE per padded row, which this collator does not lay out."""
+    proc = VisionProcessor.of(processor)
+    if mode == "padded":
+        raise ValueError("image-text rows are batched padding-free or packed, which needs swiftune's packed "
+                         "attention in the model (swiftune.patch_model on a supported vision-language model); "
+                         "padded image-text batches are not supported yet")
+    if mode not in ("padding_free", "packed"):
+        raise ValueError(f"unknown batch mode {mode!r}; choose 'padding_free' or 'packed'")
+    if mode == "packed" and max_length is None:
+        raise ValueError("packed batches need max_length (the row length)")
+    return MultimodalCollator(rope_index, proc.token_id(proc.image_token),
+                              max_length if mode == "packed" else None, proc.tokenizer.pad_token_id)

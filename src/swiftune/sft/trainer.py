@@ -35,10 +35,17 @@ from ..data import (
     pop_batch_stats,
     prepare_dataset,
 )
+from ..data.multimodal import (
+    MULTIMODAL_SHAPE,
+    make_multimodal_collator,
+    multimodal_processor,
+    prepare_multimodal_dataset,
+)
 from ..errors import ConfigError
 from ..losses import linear_cross_entropy
 from ..models.heads import hidden_states_and_head
 from ..models.support import batch_layout_for
+from ..models.qwen3_vl import rope_index_of
 from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter, enable_gradient_checkpointing
 from ..training.router_aux import RouterAuxLoss, real_token_mask
 from ..training.safety import COMMON_SETTINGS_KEYS
@@ -136,6 +143,16 @@ class SFTTrainer(SwiftuneTrainer):
         if args.activation_offloading:  # TRL's offloaded activations: swiftune's offloaded checkpointing
             enable_gradient_checkpointing(model, "offload")
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
+        vision = multimodal_processor(processing_class, train_dataset)  # image-text rows: docs/vision.md
+        if vision is not None:
+            processing_class = vision.tokenizer
+            train_dataset, eval_dataset = (
+                prepare_multimodal_dataset(d, vision, max_length=args.max_length, completion_only_loss=not (
+                    args.completion_only_loss is False and not args.assistant_only_loss))
+                if d is not None and not isinstance(d, TokenizedDataset) else d for d in (train_dataset, eval_dataset))
+            if data_collator is None:
+                data_collator = make_multimodal_collator(batch_mode, rope_index_of(model), vision,
+                                                         max_length=args.max_length)
 
         self._formatting_func = formatting_func
         self._eval_packing = args.packing if args.eval_packing is None else args.eval_packing
@@ -176,6 +193,8 @@ class SFTTrainer(SwiftuneTrainer):
 
     @staticmethod
     def _pack(data: TokenizedDataset, args: SFTConfig) -> TokenizedDataset:
+        if data.stats.data_shape == MULTIMODAL_SHAPE:  # image-text rows are packed by their collator
+            return data
         examples = data.examples
         if args.packing_strategy == "bfd_split":
             examples = split_long_examples(examples, args.max_length)
