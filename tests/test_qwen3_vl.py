@@ -302,3 +302,29 @@ def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
     for name, p in model.named_parameters():
         if name in moving:
             assert not torch.equal(p.detach(), before[name]), name
+
+
+def test_fast_model_loads_and_patches_qwen3_vl(setup, tmp_path):
+    """FastModel.from_pretrained loads a saved Qwen3-VL checkpoint as an image-text model, patched,
+    with its processor (tokenizer + image processor); its logits equal the saved model's."""
+    proc, base, data = setup
+    path = tmp_path / "vl"
+    base.save_pretrained(path)
+    proc.tokenizer.save_pretrained(path)
+    proc.image_processor.save_pretrained(path)
+    model, processor = swiftune.FastModel.from_pretrained(str(path), dtype=torch.float32, kernel_backend="reference",
+                                                          attn_implementation="reference")
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and controls_attention(model)
+    loaded = VisionProcessor.of(processor)
+    example = prepare_multimodal_dataset(_rows()[:1], loaded).examples[0]
+    assert example["input_ids"] == data.examples[0]["input_ids"]
+    batch = MultimodalCollator(rope_index_of(model), loaded.token_id(IMAGE_TOKEN))([example])
+    inputs = {k: batch[k] for k in ("input_ids", "position_ids", "document_ids", "pixel_values", "image_grid_thw")}
+    with torch.no_grad():
+        got = model(**inputs).logits
+        ids = batch["input_ids"]
+        want = base(input_ids=ids, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                    mm_token_type_ids=(ids == loaded.token_id(IMAGE_TOKEN)).int()).logits
+    assert _rel(got, want) < 1e-5
+    with pytest.raises(swiftune.errors.ConfigError, match="vision-language"):
+        swiftune.FastModel.from_pretrained(str(path), load_in_fp8=True)

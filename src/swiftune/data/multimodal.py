@@ -340,3 +340,19 @@ def make_multimodal_collator(mode: str, rope_index: RopeIndex, processor: Any, *
         raise ValueError("packed batches need max_length (the row length)")
     return MultimodalCollator(rope_index, proc.token_id(proc.image_token),
                               max_length if mode == "packed" else None, proc.tokenizer.pad_token_id)
+
+
+def load_vision_processor(path: str, **kwargs: Any) -> Any:
+    """The processor of a vision-language checkpoint: transformers' ``AutoProcessor`` where it
+    loads, else (e.g. Qwen3-VL's video processor needs torchvision, which is not installed) a
+    :class:`VisionProcessor` of its tokenizer and image processor, enough for image-text SFT."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
+        if getattr(processor, "tokenizer", None) is not None and getattr(processor, "image_processor", None):
+            return processor
+    except (ImportError, OSError, ValueError, TypeError, AttributeError):
+        pass
+    return VisionProcessor(AutoTokenizer.from_pretrained(path, **kwargs),
+                           AutoImageProcessor.from_pretrained(path, **kwargs))

@@ -21,6 +21,8 @@ from torch import nn
 from ..attention import BACKENDS
 from ..errors import ConfigError
 from ..local_paths import resolve_local_path
+from ..data.multimodal import load_vision_processor
+from ..models.families import family_of
 from ..models.fp8_linear import quantize_model_fp8
 from ..models.patching import fuse_lora_if_patched, patch_model
 from ..models.support import require_causal_decoder
@@ -321,7 +323,7 @@ class FastModel:
         Returns:
             ``(model, tokenizer)``; with ``fix_tokenizer`` the tokenizer always has a pad token.
         """
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         if (model_name_or_path is None) == (model_name is None):
             given = "both" if model_name is not None else "neither"
@@ -337,7 +339,12 @@ class FastModel:
             hf_kwargs["quantization_config"] = quantization
         shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
         config = hf_kwargs.pop("config", None) or AutoConfig.from_pretrained(model_name_or_path, **shared)
-        _check_causal_lm(config, model_name_or_path)
+        vision = getattr(family_of(config), "vision_language", False)  # Qwen3-VL: docs/vision.md
+        if not vision:
+            _check_causal_lm(config, model_name_or_path)
+        elif quantization is not None or load_in_fp8:
+            raise ConfigError(f"{model_name_or_path!r} is a vision-language model: 4-bit and FP8 bases are not "
+                              "supported for it yet (docs/vision.md); load it unquantised")
         if quantization is None:  # an FP8 checkpoint loads dequantised (then re-quantised with load_in_fp8)
             hf_kwargs.update(fp8_checkpoint_kwargs(config))
         if rope_scaling is not None:
@@ -349,17 +356,21 @@ class FastModel:
         load_attn = ("eager" if patch else None) if packed else attn_implementation
         if "device_map" not in hf_kwargs and torch.cuda.is_available():
             hf_kwargs["device_map"] = {"": _local_cuda_device()}
-        model = AutoModelForCausalLM.from_pretrained(
+        auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto_class.from_pretrained(
             model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
         )
         _refuse_nonfinite_weights(model, model_name_or_path, model.dtype)
         if load_in_fp8:
             quantize_model_fp8(model)
-        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **shared)
+        if vision:  # the processor (tokenizer + image processor) takes the tokenizer's place
+            tokenizer = load_vision_processor(model_name_or_path, **shared)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **shared)
         if fix_tokenizer:
-            ensure_pad_token(tokenizer, model)
+            ensure_pad_token(getattr(tokenizer, "tokenizer", tokenizer), model)
 
-        limit = getattr(model.config, "max_position_embeddings", None)
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if max_seq_length is None:
             max_seq_length = limit
         elif limit is not None and max_seq_length > limit:
@@ -370,7 +381,7 @@ class FastModel:
             )
         model.max_seq_length = max_seq_length
         if max_seq_length is not None:
-            tokenizer.model_max_length = max_seq_length
+            getattr(tokenizer, "tokenizer", tokenizer).model_max_length = max_seq_length
 
         if patch:
             patch_model(model, attention=attn_implementation if packed else None, kernel_backend=kernel_backend)
