@@ -368,8 +368,8 @@ def rows_from_loss_curve(data: dict, ctx: Context) -> list[Row]:
 def rows_from_rollout(data: dict, ctx: Context) -> list[Row]:
     out = []
     base = {"prompt_tokens": data.get("prompt_tokens")}
-    if data.get("weights") == "nf4":  # bf16 runs (and files written before the field) keep their settings
-        base["weights"] = "nf4"
+    if data.get("weights") in ("nf4", "fp8"):  # bf16 runs (and files written before the field) keep their settings
+        base["weights"] = data["weights"]
     for r in data.get("runs", []):
         fast = r.get("fast") or {}
         s = {**base, "rows": r["rows"], "new_tokens": r["new_tokens"], "fused_layers": fast.get("fused_layers")}

@@ -242,7 +242,8 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
 
 
 def _mlp_tile(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
-    tile = s.mlp_tile_tokens or auto_tile_tokens(shape.intermediate, shape.hidden, s.dtype_bytes)
+    # a MoE token goes through k experts: the tiled experts size their tiles from k * I_e (models.tiled_mlp)
+    tile = s.mlp_tile_tokens or auto_tile_tokens(shape.active_intermediate, shape.hidden, s.dtype_bytes)
     return min(tokens, tile)
 
 
@@ -421,15 +422,15 @@ def fp8_scale_bytes(shape: ModelShape) -> int:
 def _quantized_matmul_bytes(shape: ModelShape, tokens: int, quantization: str, s: TrainSetup) -> int:
     """Temporaries of one quantised projection's matmul. bitsandbytes dequantises the weight. FP8:
     the dequantising reference holds the weight in float32 and in the compute dtype; the
-    ``_scaled_mm`` path quantises the activation (or gradient) on the fly, a float32 copy and its
-    e4m3 codes (the MLP's ``[T, I]`` ones one tile at a time when tiled), and copies the e4m3
-    weight transposed in backward; the larger of the two is kept."""
+    ``_scaled_mm`` path quantises the activation (or gradient) on the fly through the fused kernel
+    (``kernels.fp8_quant``: its e4m3 codes only, no float32 copy; the MLP's ``[T, I]`` ones one tile at a
+    time when tiled), and copies the e4m3 weight transposed in backward; the larger of the two is kept."""
     weight = shape.hidden * max(shape.intermediate, shape.q_dim)
     if quantization != "fp8":
         return weight * s.dtype_bytes
     mlp_tokens = _mlp_tile(shape, tokens, s) if s.tiled_mlp else tokens
     widest = max(tokens * max(shape.hidden, shape.q_dim), mlp_tokens * shape.intermediate)
-    return max(weight * (4 + s.dtype_bytes), widest * (4 + 1) + weight)
+    return max(weight * (4 + s.dtype_bytes), widest + weight)
 
 
 def plan_memory(
