@@ -315,6 +315,7 @@ def test_fast_model_loads_and_patches_qwen3_vl(setup, tmp_path):
     model, processor = swiftune.FastModel.from_pretrained(str(path), dtype=torch.float32, kernel_backend="reference",
                                                           attn_implementation="reference")
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and controls_attention(model)
+    assert model.config.vision_config._attn_implementation == "sdpa"  # loaded eager: the vision tower takes sdpa
     loaded = VisionProcessor.of(processor)
     example = prepare_multimodal_dataset(_rows()[:1], loaded).examples[0]
     assert example["input_ids"] == data.examples[0]["input_ids"]

@@ -354,5 +354,15 @@ def load_vision_processor(path: str, **kwargs: Any) -> Any:
             return processor
     except (ImportError, OSError, ValueError, TypeError, AttributeError):
         pass
-    return VisionProcessor(AutoTokenizer.from_pretrained(path, **kwargs),
-                           AutoImageProcessor.from_pretrained(path, **kwargs))
+    try:
+        image_processor = AutoImageProcessor.from_pretrained(path, **kwargs)
+    except ImportError:  # transformers 5.1x without torchvision: the Auto class refuses, the named class loads
+        import transformers
+        from transformers.image_processing_base import ImageProcessingMixin
+
+        config, _ = ImageProcessingMixin.get_image_processor_dict(path, **kwargs)
+        name = str(config.get("image_processor_type", "")).removesuffix("Fast")
+        if not hasattr(transformers, name):
+            raise
+        image_processor = getattr(transformers, name).from_pretrained(path, **kwargs)
+    return VisionProcessor(AutoTokenizer.from_pretrained(path, **kwargs), image_processor)

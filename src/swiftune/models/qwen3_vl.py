@@ -10,8 +10,9 @@ treats it like this:
   (temporal / height / width; the three are equal on text tokens) and the fused kernel rotates q
   and k with those tables, which is exactly transformers' ``apply_rotary_pos_emb``;
 * the text config's attention implementation becomes ``"swiftune_packed"``; the vision config
-  keeps its own (the vision tower already runs each image alone, over its own ``cu_seqlens``), so
-  the vision tower is transformers' code unchanged;
+  keeps its own (the vision tower already runs each image alone, over its own ``cu_seqlens``;
+  ``"eager"``, which FastModel loads with, becomes transformers' ``"sdpa"``), so the vision tower
+  is transformers' code unchanged;
 * a forward pre-hook on ``Qwen3VLModel`` (:class:`VisionLanguagePackedHook`) builds the packed
   layout once per forward, before the vision tower and the decoder run.
 
@@ -145,7 +146,9 @@ def install_vision_language_attention(model: nn.Module, backend: str = "auto") -
         vision = getattr(config.vision_config, "_attn_implementation", None)
         choice = {"text_config": name}
         if vision is not None:
-            choice["vision_config"] = vision
+            # FastModel loads with "eager" so that the text decoder can be switched; the vision tower
+            # then takes transformers' sdpa (the same attention, per image, without [L, L] scores in Python)
+            choice["vision_config"] = "sdpa" if vision == "eager" else vision
         try:
             model.set_attn_implementation(choice)
         except (AttributeError, ValueError, TypeError):  # older API: the sub-config attribute is the switch
