@@ -52,6 +52,7 @@ def reward_len(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+@functools.lru_cache(maxsize=None)
 def rollouts(num_prompts: int):
     """Prompts of different lengths (TRL left-pads them), ``G`` completions each of different lengths
     (some ending in EOS, one at ``MAX_COMPLETION``), and advantages of both signs."""
@@ -70,9 +71,11 @@ def rollouts(num_prompts: int):
     return prompts, completions, advantages
 
 
-def plain_logps(prompts, completions) -> list[torch.Tensor]:
-    """Each completion's token log-probs under the saved model, one unpadded forward per sample
-    (plain transformers): the policy's log-probs before any step."""
+@functools.lru_cache(maxsize=None)
+def plain_logps(num_prompts: int) -> list[torch.Tensor]:
+    """Each completion of :func:`rollouts`'s token log-probs under the saved model, one unpadded
+    forward per sample (plain transformers): the policy's log-probs before any step."""
+    prompts, completions, _ = rollouts(num_prompts)
     model = load_model(model_dir()).eval()
     out = []
     with torch.no_grad():
@@ -170,9 +173,10 @@ def backpropagated(trainer, loss: torch.Tensor) -> torch.Tensor:
     return loss if scaled else loss / trainer.current_gradient_accumulation_steps
 
 
-def step_gradients(trainer, inputs_per_micro_batch) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Each micro-batch's ``compute_loss`` (scaled as the Trainer does) and the gradients summed
-    over the accumulation window, by parameter name."""
+def step_gradients(trainer, inputs_per_micro_batch):
+    """Each micro-batch's ``compute_loss`` (scaled as the Trainer does), the gradients summed over
+    the accumulation window by parameter name, and the loss metrics the trainer would log (TRL's
+    names: each a mean over the window's micro-batches, NaN left out, as both trainers log them)."""
     trainer.model.zero_grad(set_to_none=True)
     losses = []
     for inputs in inputs_per_micro_batch:
@@ -181,28 +185,49 @@ def step_gradients(trainer, inputs_per_micro_batch) -> tuple[list[float], dict[s
         losses.append(float(loss))
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
              if p.requires_grad and p.grad is not None}
-    return losses, grads
+    if isinstance(trainer, trl.GRPOTrainer):
+        metrics = {}
+        for name, values in trainer._metrics["train"].items():
+            valid = [v for v in values if v == v]
+            if valid:
+                metrics[name] = sum(valid) / len(valid)
+    else:
+        metrics = trainer._metrics["train"].means()
+    return losses, grads, metrics
 
 
+# (loss_type, beta, LoRA, accumulation steps, other GRPOConfig fields for both). The first 14 are the four
+# loss types each with and without the KL term; then TRL's other objectives and knobs swiftune claims.
 CASES = [
-    pytest.param(loss_type, beta, lora, ga, id=f"{loss_type}-beta{beta}-{'lora' if lora else 'full'}-ga{ga}")
-    for loss_type, beta, lora, ga in [
-        ("grpo", 0.0, False, 1), ("grpo", 0.1, False, 1), ("dapo", 0.0, False, 1), ("dapo", 0.1, False, 1),
-        ("dr_grpo", 0.0, False, 1), ("dr_grpo", 0.1, False, 1), ("bnpo", 0.0, False, 1), ("bnpo", 0.1, False, 1),
-        ("dapo", 0.1, True, 1), ("grpo", 0.0, True, 1),
-        ("dapo", 0.0, False, 2), ("grpo", 0.1, False, 2), ("dr_grpo", 0.0, True, 2), ("bnpo", 0.1, False, 2),
+    pytest.param(loss_type, beta, lora, ga, extra,
+                 id=f"{loss_type}-beta{beta}-{'lora' if lora else 'full'}-ga{ga}"
+                    + "".join(f"-{k}={v}" for k, v in extra.items()))
+    for loss_type, beta, lora, ga, extra in [
+        ("grpo", 0.0, False, 1, {}), ("grpo", 0.1, False, 1, {}), ("dapo", 0.0, False, 1, {}),
+        ("dapo", 0.1, False, 1, {}), ("dr_grpo", 0.0, False, 1, {}), ("dr_grpo", 0.1, False, 1, {}),
+        ("bnpo", 0.0, False, 1, {}), ("bnpo", 0.1, False, 1, {}),
+        ("dapo", 0.1, True, 1, {}), ("grpo", 0.0, True, 1, {}),
+        ("dapo", 0.0, False, 2, {}), ("grpo", 0.1, False, 2, {}), ("dr_grpo", 0.0, True, 2, {}),
+        ("bnpo", 0.1, False, 2, {}),
+        ("grpo", 0.1, False, 1, {"use_bias_correction_kl": False}),
+        ("grpo", 0.0, False, 1, {"importance_sampling_level": "sequence"}),  # GSPO
+        ("dapo", 0.0, False, 1, {"epsilon_high": 0.28, "delta": 1.5}),
+        ("dapo", 0.0, False, 1, {"top_entropy_quantile": 0.5}),
+        ("cispo", 0.0, False, 1, {"epsilon_high": 1.2}), ("sapo", 0.1, False, 1, {}), ("vespo", 0.0, False, 1, {}),
+        ("luspo", 0.0, False, 1, {"importance_sampling_level": "sequence"}),
     ]
 ]
 
 
-@pytest.mark.parametrize("loss_type, beta, lora, ga", CASES)
-def test_compute_loss_and_gradients_equal_trls(loss_type, beta, lora, ga):
+@pytest.mark.parametrize("loss_type, beta, lora, ga, extra", CASES)
+def test_compute_loss_and_gradients_equal_trls(loss_type, beta, lora, ga, extra):
     """Per micro-batch: the loss each trainer backpropagates, and every trainable tensor's gradient
-    over the accumulation window. The old log-probs are the policy's plus noise (ratios both sides
-    of the clip range, so clipping acts), the reference's another draw (the KL term is not zero)."""
+    over the accumulation window, and the loss metrics TRL logs (entropy, kl, clip ratios) with TRL's
+    values. The old log-probs are the policy's plus noise (ratios both sides of the clip range, so
+    clipping acts), the reference's another draw (the KL term is not zero)."""
     batch = 4  # completions per micro-batch: two prompts of G
-    prompts, completions, advantages = rollouts(num_prompts=batch * ga // G)
-    current = plain_logps(prompts, completions)
+    prompts, completions, advantages = rollouts(batch * ga // G)
+    current = plain_logps(batch * ga // G)
     gen = torch.Generator().manual_seed(2)
     old = [lp + 0.3 * torch.randn(lp.shape, generator=gen) for lp in current]
     ref = [lp + 0.2 * torch.randn(lp.shape, generator=gen) for lp in current]
@@ -210,30 +235,34 @@ def test_compute_loss_and_gradients_equal_trls(loss_type, beta, lora, ga):
     num_items = sum(map(len, completions))
     fields = shared_fields("", batch, ga, loss_type=loss_type, beta=beta, epsilon=0.2,
                            use_bias_correction_kl=True)  # TRL's default (swiftune's is False: documented)
+    fields.update(extra)
     results = {}
     for kind, make in (("trl", trl_inputs), ("swiftune", swiftune_inputs)):
         trainer = build(kind, fields, lora, len(prompts) // G)
         micro = []
         for s in range(ga):
             sl = slice(s * batch, (s + 1) * batch)
-            extra = (s * batch,) if kind == "swiftune" else ()
+            extra_args = (s * batch,) if kind == "swiftune" else ()
             micro.append(make(trainer, prompts[sl], completions[sl], advantages[sl], old[sl], ref[sl], num_items,
-                              *extra))
+                              *extra_args))
         results[kind] = step_gradients(trainer, micro)
-    (ref_losses, ref_grads), (losses, grads) = results["trl"], results["swiftune"]
+    (ref_losses, ref_grads, ref_metrics), (losses, grads, metrics) = results["trl"], results["swiftune"]
     for a, b in zip(ref_losses, losses):
         assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), f"loss: TRL {a:.8f}, swiftune {b:.8f}"
     assert any(abs(a) > 1e-4 for a in ref_losses), "the reference loss is ~0: nothing was compared"
     assert_gradients_match(ref_grads, grads, list(grads), 1e-4)
     if lora:
         assert all("lora_" in n for n in ref_grads)
+    assert ref_metrics, "TRL logged no loss metric"
+    for name, value in ref_metrics.items():
+        assert name in metrics, f"TRL logs {name}, swiftune does not: {sorted(metrics)}"
+        assert abs(metrics[name] - value) <= 1e-5 * max(1.0, abs(value)), (name, value, metrics[name])
 
 
 def test_clipping_acted_in_the_comparison():
     """The noise on the old log-probs puts ratios outside [0.8, 1.2] on both sides, so the clipped
     branch of the objective is part of what the gradients above compare."""
-    prompts, completions, _ = rollouts(num_prompts=2)
-    current = plain_logps(prompts, completions)
+    current = plain_logps(2)
     gen = torch.Generator().manual_seed(2)
     ratio = torch.cat([torch.exp(-0.3 * torch.randn(lp.shape, generator=gen)) for lp in current])
     assert (ratio > 1.2).any() and (ratio < 0.8).any()

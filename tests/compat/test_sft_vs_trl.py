@@ -79,8 +79,9 @@ def tokenized_rows(words, with_mask: bool):
 
 
 def text_rows(words):
-    """Plain text of varied lengths (4 to 40 tokens), for packing into rows of 48."""
-    return [{"text": " ".join(words[: 1 + i % 6]) if i % 2 else w} for i, w in enumerate(words)]
+    """Plain text of 6 to 30 tokens for packing into rows of 24: the longest is cut to 24 (both
+    trainers truncate with keep_start), the others share rows."""
+    return [{"text": " ".join(words[a:b])} for a, b in ((0, 1), (0, 2), (2, 3), (0, 5))]
 
 
 def lora_config():
@@ -128,7 +129,7 @@ CASES = {
     # (a sum over the batch's trained tokens over their count) then does not depend on the grouping, and
     # each step is one epoch. TRL's "wrapped" cuts documents and attends across them: no swiftune
     # counterpart (refused; see test_wrapped_packing_is_refused).
-    "text_packing_bfd": Case("text", config=(("packing", True), ("max_length", 48),
+    "text_packing_bfd": Case("text", config=(("packing", True), ("max_length", 24),
                                              ("per_device_train_batch_size", 64)),
                              trl_only=(("packing_strategy", "bfd"),)),
 }
