@@ -56,6 +56,9 @@ class PolicyRow:
         targets: ``[N]`` the completion tokens.
         seq_index: ``[N]`` the sample (``0..B-1``) of each completion token.
         num_sequences: ``B``.
+        spans: ``(prompt start, prompt end, completion start, completion end)`` of each sample in the
+            row (a shared prompt's span is the same for every sample of its group); ``None`` in rows
+            saved before this field existed.
     """
 
     input_ids: torch.Tensor
@@ -65,6 +68,7 @@ class PolicyRow:
     targets: torch.Tensor
     seq_index: torch.Tensor
     num_sequences: int
+    spans: list[tuple[int, int, int, int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,8 +96,13 @@ def build_policy_row(
     group_ids: Sequence[int] | None = None,
     attention_backend: str = "auto",
     device: torch.device | str = "cpu",
+    include_last_token: bool = False,
 ) -> PolicyRow:
-    """Lay out samples ``prompt_ids[i] + completion_ids[i]`` as one padding-free row (see module doc)."""
+    """Lay out samples ``prompt_ids[i] + completion_ids[i]`` as one padding-free row (see module doc).
+
+    ``include_last_token``: each completion's last token is an input too (at the end of its sample,
+    so no other token sees it and no log-prob changes); it predicts nothing, but the MoE routers then
+    route every token of ``prompt + completion``, as TRL's forward does for its load-balancing loss."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts for {len(completion_ids)} completions")
     tokens: list[int] = []
@@ -117,14 +126,14 @@ def build_policy_row(
         for k, i in enumerate(run, start=1):
             comp = list(completion_ids[i])
             offset = len(tokens)
-            inputs = comp[:-1]  # the last completion token predicts nothing: never an input
+            inputs = comp if include_last_token else comp[:-1]  # the last token predicts nothing
             tokens += inputs
             positions += range(len(prompt), len(prompt) + len(inputs))
             segs += [k] * len(inputs)
             sequences.append((start, start + len(prompt), offset, len(tokens)))
             if comp:
                 hidden_index.append(last_prompt)
-                hidden_index += range(offset, offset + len(inputs))
+                hidden_index += range(offset, offset + len(comp) - 1)
                 targets += comp
                 seq_index += [i] * len(comp)
         doc_lengths.append(len(tokens) - start)
@@ -145,6 +154,7 @@ def build_policy_row(
         targets=torch.tensor(targets, dtype=torch.long, device=device),
         seq_index=torch.tensor(seq_index, dtype=torch.long, device=device),
         num_sequences=len(prompt_ids),
+        spans=list(sequences),  # the runs cover the samples in order
     )
 
 
@@ -180,6 +190,35 @@ def _padded_hidden(model: nn.Module, row: PolicyRow) -> tuple[torch.Tensor, nn.M
     prompt_start, prompt_end, completion_start = bounds[:, 0], bounds[:, 1], bounds[:, 2]
     offset = torch.where(h < prompt_end, h - prompt_start, prompt_end - prompt_start + h - completion_start)
     return hidden[row.seq_index, offset], lm_head, softcap
+
+
+def router_token_weights(model: nn.Module, row: PolicyRow, sample_weights: torch.Tensor) -> torch.Tensor:
+    """How much each token that :func:`completion_logprobs` runs through ``model`` counts in the MoE
+    load-balancing loss (:func:`swiftune.models.moe.load_balancing_loss`'s ``token_mask``), as TRL's
+    padded forward counts it: every prompt token once per sample (a shared prompt, encoded once, as
+    often as its group has samples), every completion token by its sample's weight (0 for a truncated
+    completion under ``mask_truncated_completions``, whose attention mask TRL zeroes), nothing else.
+
+    Flat, in the order the routers see the tokens: the packed row ``[T]``, or (the padded fallback of
+    a model whose attention is not swiftune's) ``[B, width]`` right-padded rows, padding 0. Needs a row
+    built with ``include_last_token=True``, so that each completion's last token is routed too.
+    """
+    if row.spans is None:
+        raise ValueError("the policy row has no sample spans (a rollout buffer saved by an older swiftune): "
+                         "start from a new generation to add the router load-balancing loss")
+    keep = sample_weights.detach().to(torch.float32).cpu().tolist()
+    if controls_attention(causal_lm_of(model)):
+        weights = torch.zeros(row.num_tokens, dtype=torch.float32)
+        for (ps, pe, cs, ce), w in zip(row.spans, keep):
+            weights[ps:pe] += 1.0
+            weights[cs:ce] += w
+    else:
+        width = max((pe - ps) + (ce - cs) for ps, pe, cs, ce in row.spans)
+        weights = torch.zeros(len(row.spans), width, dtype=torch.float32)
+        for r, ((ps, pe, cs, ce), w) in enumerate(zip(row.spans, keep)):
+            weights[r, :pe - ps] = 1.0
+            weights[r, pe - ps:pe - ps + ce - cs] = w
+    return weights.reshape(-1).to(row.input_ids.device)
 
 
 def completion_logprobs(

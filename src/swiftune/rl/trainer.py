@@ -40,6 +40,7 @@ from ..models.moe import moe_config
 from ..models.support import batch_layout_for
 from ..training import MetricsCallback, SwiftuneTrainer, TokenMeter
 from ..training.lora_casting import lora_input_casting
+from ..training.router_aux import RouterAuxLoss
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
 from .aggregation import normalize_then_sum
@@ -52,7 +53,7 @@ from .config import GRPOConfig
 from .grpo_metrics import MetricLog, generation_metrics, reduce_loss_metrics
 from .loss import CLIPPED_LOSS_TYPES, grpo_loss, high_entropy_mask
 from .trl_runtime import RefModelSync, disable_dropout, model_load_kwargs
-from .policy import PolicyRow, build_policy_row, completion_logprobs
+from .policy import PolicyRow, build_policy_row, completion_logprobs, router_token_weights
 from .rewards import RewardFunc, compute_rewards, reward_func_name
 from .rollout import FastRolloutEngine, RolloutEngine, SamplingParams, TransformersRolloutEngine
 from .rollout.fast import SUPPORTED
@@ -173,12 +174,17 @@ class GRPOTrainer(SwiftuneTrainer):
             raise ValueError("sync_ref_model needs a reference copy to move, and with LoRA the reference is the base "
                              "model under the adapters: set sync_ref_model=False, or fine-tune fully")
 
-        moe = moe_config(model)
-        if moe is not None and moe[2] and args.router_aux_loss_coef is None:
-            # TRL 1.16 adds coef * aux here by default; say so rather than train differently in silence
-            logger.warning("swiftune: GRPO on a mixture-of-experts model adds no router load-balancing loss (TRL "
-                           "adds router_aux_loss_coef = %g from the model config): the routers train on the policy "
-                           "loss alone", moe[2])
+        # TRL 1.16's MoE term: coef * aux of each micro-batch's policy forward (None: the model config's
+        # coefficient, 0.0: off); TRL's GRPOTrainer leaves the model config as it is
+        self.router_aux = RouterAuxLoss(model, args.router_aux_loss_coef, configure_model=False)
+        text_config = causal_lm_of(model).config
+        if (moe_config(model) is None and hasattr(text_config, "output_router_logits")
+                and getattr(text_config, "router_aux_loss_coef", 0.0) and args.router_aux_loss_coef is None):
+            # TRL would add the model config's term; say so rather than train differently in silence
+            logger.warning("swiftune: %s is a mixture-of-experts architecture swiftune does not patch, so GRPO adds "
+                           "no router load-balancing loss (TRL adds router_aux_loss_coef = %g from the model "
+                           "config): the routers train on the policy loss alone", type(causal_lm_of(model)).__name__,
+                           text_config.router_aux_loss_coef)
         self.token_meter = TokenMeter()
         super().__init__(
             model=model, args=args, data_collator=collate_prompt_rows, train_dataset=rows, eval_dataset=eval_rows,
@@ -392,7 +398,8 @@ class GRPOTrainer(SwiftuneTrainer):
             idx = list(range(s * B, (s + 1) * B))
             row = build_policy_row([exp_prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
                                    share_prompt=bool(args.share_prompt), group_ids=[i // G for i in idx],
-                                   attention_backend=args.attention_backend, device=device)
+                                   attention_backend=args.attention_backend, device=device,
+                                   include_last_token=self.router_aux.enabled)
             keep = seq_keep[idx].to(device=device, dtype=torch.float32)
             micro.append(GRPOMicroBatch(row, advantages[idx].to(device), keep.index_select(0, row.seq_index),
                                         None, None, 0.0))
@@ -438,7 +445,8 @@ class GRPOTrainer(SwiftuneTrainer):
         ids = [p for p in sampled.prompt_ids for _ in range(group_size)]
         row = build_policy_row(ids, sampled.completion_ids, share_prompt=bool(args.share_prompt),
                                group_ids=[i // group_size for i in range(len(ids))],
-                               attention_backend=args.attention_backend, device=device)
+                               attention_backend=args.attention_backend, device=device,
+                               include_last_token=self.router_aux.enabled)
         keep = (sampled.finished | (not args.mask_truncated_completions)).to(device=device, dtype=torch.float32)
         mask = keep.index_select(0, row.seq_index)
         ref = self.reference_logprobs(row) if args.beta != 0.0 else None
@@ -492,7 +500,8 @@ class GRPOTrainer(SwiftuneTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mb: GRPOMicroBatch = inputs
         args = self.args
-        logps, entropy = self._logps(model, mb.row, entropy=True)
+        with self.router_aux.recording(model) as router_logits:  # left before backward (a recompute)
+            logps, entropy = self._logps(model, mb.row, entropy=True)
         entropy_mask = None
         collective = self.accelerator if model.training else None  # evaluation batches differ per process
         if args.top_entropy_quantile < 1.0:  # TRL: the threshold is over every process's tokens
@@ -518,8 +527,18 @@ class GRPOTrainer(SwiftuneTrainer):
             # Trainer's division by the accumulation steps and DDP's mean over processes
             ga = getattr(self, "current_gradient_accumulation_steps", None) or args.gradient_accumulation_steps
             loss = loss * ga * self.accelerator.num_processes
+        aux = None
+        if self.router_aux.enabled:
+            # TRL: + coef * aux over this micro-batch's routed tokens (prompt + completion of each sample,
+            # without truncated completions it masks), which the Trainer divides by the accumulation steps
+            keep = torch.zeros(mb.row.num_sequences, device=mb.token_mask.device, dtype=mb.token_mask.dtype)
+            keep.scatter_(0, mb.row.seq_index, mb.token_mask)
+            aux = self.router_aux.term(router_logits, router_token_weights(model, mb.row, keep))
+            loss = loss + aux.to(loss.dtype)
         with torch.no_grad():
             totals = dict(out.totals)
+            if aux is not None:  # TRL's aux_loss: the unweighted term, a mean over micro-batches and processes
+                totals["aux_loss"] = (aux.detach() / self.router_aux.coef, torch.ones((), device=aux.device))
             totals["entropy"] = ((entropy.detach() * mb.token_mask).sum(), mb.token_mask.sum())
             local = out.metrics(args.loss_type) if args.loss_type in CLIPPED_LOSS_TYPES else {}
             extremes = {k: local[k] for k in ("clip_ratio/low_min", "clip_ratio/high_max") if k in local}

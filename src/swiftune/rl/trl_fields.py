@@ -37,7 +37,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "use_transformers_paged": (False, f"{ROLLOUT_HELP}; set it to False"),
     "max_tool_calling_iterations": (None, "swiftune's GRPO has no tool calling; set it to None"),
     "off_policy_mask_threshold": (None, "off-policy sequence masking is not implemented; set it to None"),
-    "router_aux_loss_coef": (None, "the MoE router's auxiliary loss is not added to the GRPO loss; set it to None"),
     "entropy_coef": (0.0, "the entropy bonus is not implemented (entropy is logged, not optimised); set it to 0.0"),
     "use_adaptive_entropy": (False, "the adaptive entropy bonus is not implemented; set it to False"),
     "log_completions_hub_repo": (None, "completions are not uploaded to the Hub; set it to None (log_completions "
@@ -137,7 +136,9 @@ class TRLGRPOFields:
     entropy_target: float = field(default=0.2, metadata=_h("No effect (no entropy bonus)."))
     max_tool_calling_iterations: int | None = field(default=None, metadata=_h("Only None (no tool calling)."))
     off_policy_mask_threshold: float | None = field(default=None, metadata=_h("Only None."))
-    router_aux_loss_coef: float | None = field(default=None, metadata=_h("Only None."))
+    router_aux_loss_coef: float | None = field(default=None, metadata=_h(
+        "Weight of the MoE load-balancing loss added to each micro-batch's loss (None: the model config's "
+        "router_aux_loss_coef; 0.0: off; an error on a model without a router)."))
     use_bias_correction_kl: bool = field(default=False, metadata=_h(
         "Multiply the k3 KL by the importance ratio (TRL's default is True; see docs/trl_compat_grpo.md)."))
     num_completions_to_print: int | None = field(default=None, metadata=_h(
@@ -159,6 +160,8 @@ def check_trl_fields(config: Any) -> None:
         fail(config, "pad_to_multiple_of", config.pad_to_multiple_of, "is not supported (GRPO policy rows are "
              "padding-free: there is no padding to round)", "set pad_to_multiple_of=None")
     config.pad_to_multiple_of = None
+    require_number(config, "router_aux_loss_coef", "a weight >= 0 for the MoE load-balancing loss, 0.0 to switch "
+                   "it off, or None for the model config's own", low=0, allow_none=True)
     require_int(config, "num_generations_eval", 1, "the completions per eval prompt, or None for num_generations",
                 allow_none=True)
     require_number(config, "top_entropy_quantile", "a share of tokens in (0, 1], 1.0 for all", low=0, high=1,

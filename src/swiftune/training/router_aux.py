@@ -2,10 +2,12 @@
 
 TRL reads ``router_aux_loss_coef`` from its config: ``None`` takes the model config's own
 coefficient, ``0.0`` switches the term off, and a non-zero value on a model without a router is
-an error. Where the term is on, TRL also sets ``output_router_logits`` on the model config (so the
-model's own forward, and a saved config, say the same) and adds ``coef * aux`` to each
-micro-batch's loss, divided by the accumulation steps when the loss is normalised by the global
-token count (the Trainer then leaves the accumulation to the loss).
+an error. Where the term is on, TRL's SFTTrainer also sets ``output_router_logits`` on the model
+config (so the model's own forward, and a saved config, say the same) and adds ``coef * aux`` to
+each micro-batch's loss, divided by the accumulation steps when the loss is normalised by the global
+token count (the Trainer then leaves the accumulation to the loss). TRL's GRPOTrainer leaves the
+config alone (it asks each policy forward for the router logits) and adds ``coef * aux`` to each
+micro-batch's loss, divided by the accumulation steps in training.
 
 swiftune's losses never ask the model for its logits, so the router logits are recorded from the
 router modules during the forward (:func:`swiftune.models.moe.record_router_logits`) and the term
@@ -45,7 +47,10 @@ def real_token_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
 class RouterAuxLoss:
     """A trainer's MoE load-balancing term (module docstring); disabled for a dense model."""
 
-    def __init__(self, model: nn.Module, coef: float | None, field: str = "router_aux_loss_coef"):
+    def __init__(self, model: nn.Module, coef: float | None, field: str = "router_aux_loss_coef",
+                 configure_model: bool = True):
+        """``configure_model``: set the model config's ``output_router_logits`` / ``router_aux_loss_coef``
+        to match (TRL's SFTTrainer does; its GRPOTrainer does not)."""
         settings = moe_config(model)
         if coef and settings is None:
             raise ConfigError(f"{field}={coef}: {type(causal_lm_of(model)).__name__} is not a mixture-of-experts "
@@ -54,7 +59,7 @@ class RouterAuxLoss:
         self.coef = float(model_coef if coef is None else coef)
         self.enabled = settings is not None and self.coef != 0.0
         config = getattr(causal_lm_of(model), "config", None)
-        if settings is not None and config is not None:
+        if configure_model and settings is not None and config is not None:
             config.output_router_logits = self.enabled  # as TRL: the config says whether the term is on
             config.router_aux_loss_coef = self.coef
 
