@@ -37,6 +37,9 @@ Image = pytest.importorskip("PIL.Image")
 if not hasattr(transformers, "Qwen3VLForConditionalGeneration"):
     pytest.skip("this transformers has no Qwen3-VL", allow_module_level=True)
 
+# On a CUDA machine Triton kernels need CUDA tensors: the CPU cases use the reference kernels there,
+# and test_gpu_parity runs the compiled kernels.
+CPU_KERNELS = ["reference"] if torch.cuda.is_available() else ["triton", "reference"]
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -100,13 +103,16 @@ def _reference_loss(model, proc, examples) -> torch.Tensor:
     """transformers' model on each example alone: summed token losses / all trained tokens."""
     total, count = 0.0, 0
     image_id = proc.token_id(IMAGE_TOKEN)
+    device = next(model.parameters()).device
     for example in examples:
-        ids = torch.tensor([example["input_ids"]])
+        ids = torch.tensor([example["input_ids"]], device=device)
         inputs = {"input_ids": ids, "mm_token_type_ids": (ids == image_id).int()}
         if "pixel_values" in example:
-            inputs.update(pixel_values=example["pixel_values"], image_grid_thw=example["image_grid_thw"])
+            inputs.update(pixel_values=example["pixel_values"].to(device),
+                          image_grid_thw=example["image_grid_thw"].to(device))
         logits = model(**inputs).logits[0, :-1].double()
-        targets = torch.where(torch.tensor(example["completion_mask"][1:]).bool(), ids[0, 1:], -100)
+        mask = torch.tensor(example["completion_mask"][1:], device=device).bool()
+        targets = torch.where(mask, ids[0, 1:], -100)
         total = total + F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
         count += int((targets != -100).sum())
     return total / count
@@ -164,7 +170,7 @@ def test_patch_binds_text_decoder_only(setup):
     assert controls_attention(model)
 
 
-@pytest.mark.parametrize("kernel_backend", ["triton", "reference"])
+@pytest.mark.parametrize("kernel_backend", CPU_KERNELS)
 def test_full_finetuning_parity(setup, kernel_backend):
     """Loss and every gradient (vision tower and deepstack mergers included) of a padding-free row
     of two image-text examples and one text-only example equal the per-example reference."""
@@ -291,7 +297,7 @@ def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
     args = SFTConfig(output_dir=str(tmp_path / "vl"), max_steps=2, per_device_train_batch_size=3, learning_rate=1e-3,
                      max_length=128, packing=packing, kernel_backend="reference", attention_backend="reference",
                      report_to="none", save_strategy="no", logging_steps=1, seed=1, dataloader_pin_memory=False,
-                     disable_tqdm=True)
+                     disable_tqdm=True, use_cpu=True)
     trainer = SFTTrainer(model=model, args=args, train_dataset=_rows(), processing_class=proc)
     assert trainer.train_dataset.lengths == data.lengths  # image tokens count in the token budget
     trainer.train()
@@ -313,7 +319,7 @@ def test_fast_model_loads_and_patches_qwen3_vl(setup, tmp_path):
     proc.tokenizer.save_pretrained(path)
     proc.image_processor.save_pretrained(path)
     model, processor = swiftune.FastModel.from_pretrained(str(path), dtype=torch.float32, kernel_backend="reference",
-                                                          attn_implementation="reference")
+                                                          attn_implementation="reference", device_map={"": "cpu"})
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration" and controls_attention(model)
     assert model.config.vision_config._attn_implementation == "sdpa"  # loaded eager: the vision tower takes sdpa
     loaded = VisionProcessor.of(processor)
@@ -329,3 +335,33 @@ def test_fast_model_loads_and_patches_qwen3_vl(setup, tmp_path):
     assert _rel(got, want) < 1e-5
     with pytest.raises(swiftune.errors.ConfigError, match="vision-language"):
         swiftune.FastModel.from_pretrained(str(path), load_in_fp8=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_parity(setup, dtype):
+    """On CUDA: compiled Triton kernels and the automatic packed attention (flex in fp32, a varlen /
+    flash kernel in bf16) against transformers per example in fp32 (TF32 off), loss and every
+    gradient; fp32 to 1e-4, bf16 to 2e-2 (bf16 weights and activations against the fp32 reference)."""
+    proc, base, data = setup
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference = copy.deepcopy(base).cuda()
+        patched = swiftune.patch_model(copy.deepcopy(base).to("cuda", dtype), attention="auto", kernel_backend="auto")
+        ref_loss = _reference_loss(reference, proc, data.examples)
+        ref_loss.backward()
+        batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in _collator(base, proc)(data.examples).items()}
+        batch["pixel_values"] = batch["pixel_values"].to(dtype)
+        loss = _patched_loss(patched, batch)
+        loss.backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.isfinite(loss) and _rel(loss.detach(), ref_loss.detach()) < tol
+    ref_grads, grads = _grads(reference), _grads(patched)
+    for name, ref in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        if ref.abs().max() > 0:
+            assert _rel(grads[name], ref) < tol * (5 if dtype == torch.bfloat16 else 1), name
