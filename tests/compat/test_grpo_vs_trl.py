@@ -223,7 +223,7 @@ CASES = [
 def test_compute_loss_and_gradients_equal_trls(loss_type, beta, lora, ga, extra):
     """Per micro-batch: the loss each trainer backpropagates, and every trainable tensor's gradient
     over the accumulation window, and the loss metrics TRL logs (entropy, kl, clip ratios) with TRL's
-    values. The old log-probs are the policy's plus noise (ratios both sides of the clip range, so
+    values; then the loss of an evaluation batch (TRL's ``eval_loss``: eval mode, no accumulation). The old log-probs are the policy's plus noise (ratios both sides of the clip range, so
     clipping acts), the reference's another draw (the KL term is not zero)."""
     batch = 4  # completions per micro-batch: two prompts of G
     prompts, completions, advantages = rollouts(batch * ga // G)
@@ -236,7 +236,7 @@ def test_compute_loss_and_gradients_equal_trls(loss_type, beta, lora, ga, extra)
     fields = shared_fields("", batch, ga, loss_type=loss_type, beta=beta, epsilon=0.2,
                            use_bias_correction_kl=True)  # TRL's default (swiftune's is False: documented)
     fields.update(extra)
-    results = {}
+    results, eval_losses = {}, {}
     for kind, make in (("trl", trl_inputs), ("swiftune", swiftune_inputs)):
         trainer = build(kind, fields, lora, len(prompts) // G)
         micro = []
@@ -246,7 +246,16 @@ def test_compute_loss_and_gradients_equal_trls(loss_type, beta, lora, ga, extra)
             micro.append(make(trainer, prompts[sl], completions[sl], advantages[sl], old[sl], ref[sl], num_items,
                               *extra_args))
         results[kind] = step_gradients(trainer, micro)
+        # evaluation (TRL's eval_loss): the first micro-batch's samples as one eval batch, model in eval mode,
+        # no accumulation; dapo's denominator is then that batch's own completion tokens
+        trainer.model.eval()
+        first = slice(0, batch)
+        with torch.no_grad():
+            evaluation = make(trainer, prompts[first], completions[first], advantages[first], old[first], ref[first],
+                              sum(map(len, completions[first])), *((0,) if kind == "swiftune" else ()))
+            eval_losses[kind] = float(trainer.compute_loss(trainer.model, evaluation))
     (ref_losses, ref_grads, ref_metrics), (losses, grads, metrics) = results["trl"], results["swiftune"]
+    assert abs(eval_losses["trl"] - eval_losses["swiftune"]) <= 1e-5 * max(abs(eval_losses["trl"]), 1e-3), eval_losses
     for a, b in zip(ref_losses, losses):
         assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), f"loss: TRL {a:.8f}, swiftune {b:.8f}"
     assert any(abs(a) > 1e-4 for a in ref_losses), "the reference loss is ~0: nothing was compared"
