@@ -365,3 +365,17 @@ def test_gpu_parity(setup, dtype):
         assert torch.isfinite(grads[name]).all(), name
         if ref.abs().max() > 0:
             assert _rel(grads[name], ref) < tol * (5 if dtype == torch.bfloat16 else 1), name
+
+
+@pytest.mark.parametrize("mode", [True, "offload"])
+def test_checkpointed_parity(setup, mode):
+    """Gradient checkpointing (and its offloaded form) of the patched model: the same loss and
+    gradients (the packed layout travels with the layers' keyword arguments into the recompute)."""
+    from swiftune.training.loading import enable_gradient_checkpointing
+
+    proc, base, data = setup
+    reference = copy.deepcopy(base)
+    patched = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    enable_gradient_checkpointing(patched, mode)
+    patched.train()
+    _check_parity(reference, patched, proc, data.examples)
