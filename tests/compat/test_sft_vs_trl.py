@@ -106,6 +106,7 @@ ROWS = {
     "prompt_completion": lambda: prompt_completion_rows(WORDS),
     "tokenized_mask": lambda: tokenized_rows(WORDS, with_mask=True),
     "text": lambda: text_rows(WORDS),
+    "split_text": lambda: [{"text": " ".join(WORDS[:5])}, {"text": WORDS[5]}],
 }
 EVAL_ROWS = {"messages": lambda: messages_rows(("lemon", "honey", "ocean", "train")),
              "prompt_completion": lambda: prompt_completion_rows(("lemon", "honey", "ocean", "train"))}
@@ -132,6 +133,13 @@ CASES = {
     "text_packing_bfd": Case("text", config=(("packing", True), ("max_length", 24),
                                              ("per_device_train_batch_size", 64)),
                              trl_only=(("packing_strategy", "bfd"),)),
+    # bfd_split: a document longer than max_length becomes max_length pieces, each its own document (its
+    # first token predicted by nothing); rows of 12 here, so the 30-token text is split in three
+    "text_packing_bfd_split": Case("split_text", config=(("packing", True), ("max_length", 12),
+                                                         ("packing_strategy", "bfd_split"),
+                                                         ("per_device_train_batch_size", 64))),
+    # TRL's Dynamic Fine-Tuning loss: each token's loss weighted by its detached probability
+    "prompt_completion_dft": Case("prompt_completion", config=(("loss_type", "dft"),)),
 }
 
 
