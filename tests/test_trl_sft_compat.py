@@ -175,7 +175,7 @@ def test_dft_loss_and_gradients_match_a_float64_formula(num_items):
 def reference_eval(rows, loss_type):
     """Eval loss, token accuracy and logits of the unpatched transformers model, per example."""
     model = builtin_qwen3(lora=False).eval()
-    nll, weighted, correct, count, logits = 0.0, 0.0, 0, 0, []
+    nll, weighted, correct, count, logits, entropy = 0.0, 0.0, 0, 0, [], 0.0
     with torch.no_grad():
         for row in rows:
             ids = torch.tensor([row["input_ids"]])
@@ -185,16 +185,18 @@ def reference_eval(rows, loss_type):
             logp = torch.log_softmax(out[:-1][keep], -1).gather(1, labels[keep, None]).squeeze(1)
             nll, weighted = nll - logp.sum(), weighted - (logp * logp.exp()).sum()
             correct += int((out[:-1][keep].argmax(-1) == labels[keep]).sum())
+            full = torch.log_softmax(out[:-1][keep], -1)
+            entropy -= float((full.exp() * full).sum())
             count += int(keep.sum())
             logits.append(out)
     loss = (weighted if loss_type == "dft" else nll) / count
-    return float(loss), correct / count, count, torch.cat(logits)
+    return float(loss), correct / count, count, torch.cat(logits), entropy / count
 
 
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
 def test_evaluate_compute_metrics_and_trl_metric_names(tokenizer, tmp_path, loss_type):
     rows = [{"input_ids": r["input_ids"], "assistant_masks": r["assistant_masks"]} for r in tokenized_rows(tokenizer)]
-    ref_loss, ref_acc, ref_count, ref_logits = reference_eval(rows, loss_type)
+    ref_loss, ref_acc, ref_count, ref_logits, ref_entropy = reference_eval(rows, loss_type)
     seen = []
 
     def compute_metrics(prediction):
@@ -209,6 +211,7 @@ def test_evaluate_compute_metrics_and_trl_metric_names(tokenizer, tmp_path, loss
     metrics = trainer.evaluate()
     assert abs(metrics["eval_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
     assert abs(metrics["eval_mean_token_accuracy"] - ref_acc) <= 1.0 / ref_count
+    assert abs(metrics["eval_entropy"] - ref_entropy) < 1e-5 * ref_entropy  # one eval batch: TRL's batch mean
     # compute_metrics got the model's logits (padding included: a 64 multiple) and unshifted labels
     (prediction,) = seen
     logits = torch.as_tensor(prediction.predictions)
@@ -390,3 +393,166 @@ def test_token_stats_of_the_fused_loss_equal_the_full_logits(backend, softcap, v
     assert torch.equal(loss, plain)
     for a, b_ in zip(grads, plain_grads):
         assert torch.equal(a, b_) and a.abs().sum() > 0
+
+
+class _RecordingSFTTrainer(SFTTrainer):
+    """Keeps a copy of every training micro-batch (the reference below recomputes its metrics)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self.seen_batches.append({k: inputs[k].detach().clone() for k in ("input_ids", "position_ids", "labels")})
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def _reference_token_metrics(model, batch):
+    """TRL 1.16's per-micro-batch entropy and token accuracy from the unpatched float64 model, document by
+    document (a padding-free or packed row holds documents whose positions restart at 0)."""
+    ent, hits, count = 0.0, 0, 0
+    for ids, pos, labels in zip(batch["input_ids"], batch["position_ids"], batch["labels"]):
+        starts = (pos == 0).nonzero().squeeze(1).tolist() + [len(ids)]
+        for a, b in zip(starts[:-1], starts[1:]):
+            with torch.no_grad():
+                logits = model(ids[None, a:b]).logits[0, :-1].double()
+            target = labels[a + 1:b]
+            keep = target != -100
+            logp = torch.log_softmax(logits[keep], -1)
+            ent += float(-(logp.exp() * logp).sum())
+            hits += int((logits[keep].argmax(-1) == target[keep]).sum())
+            count += int(keep.sum())
+    return (ent / count, hits / count) if count else (0.0, 0.0)
+
+
+def _echo_model():
+    """The built-in tiny Qwen3 with its LM head set to its embedding: it tends to predict the token it
+    reads, so doubled letters give a share of arg-max hits strictly between 0 and 1."""
+    model = builtin_qwen3(lora=False)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight * 8)
+    return model
+
+
+@pytest.mark.parametrize("packing, loss_type", [(False, "nll"), (True, "nll"), (False, "dft")])
+def test_training_logs_trls_entropy_and_mean_token_accuracy(tokenizer, tmp_path, packing, loss_type):
+    """Training logs TRL's ``entropy`` and ``mean_token_accuracy`` (completion-only labels, 2 accumulated
+    micro-batches per step: the per-micro-batch shares averaged), equal to the unpatched float64 model's."""
+    words = ("abc", "garden", "river", "stone", "moon", "piano", "cloud", "tiger")
+    rows = [{"prompt": f"Double: {w}\n", "completion": "".join(c + c for c in w)} for w in words]
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=2, learning_rate=0.0, packing=packing, max_length=64,
+                     loss_type=loss_type, **FAST)
+    trainer = _RecordingSFTTrainer(model=_echo_model(), args=args, train_dataset=rows,
+                                   processing_class=tokenizer)
+    trainer.seen_batches = []
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and len(trainer.seen_batches) == 4
+    reference = _echo_model().double().eval()
+    for step, log in enumerate(logs):
+        per_micro = [_reference_token_metrics(reference, b) for b in trainer.seen_batches[2 * step:2 * step + 2]]
+        want_ent = sum(e for e, _ in per_micro) / 2
+        want_acc = sum(a for _, a in per_micro) / 2
+        assert abs(log["entropy"] - want_ent) < 1e-5 * want_ent and want_ent > 0
+        assert abs(log["mean_token_accuracy"] - want_acc) < 1e-9 and 0.1 < want_acc < 0.9
+    with open(tmp_path / "metrics.jsonl") as f:
+        lines = [json.loads(line) for line in f if '"loss"' in line]
+    assert all("entropy" in line and "mean_token_accuracy" in line for line in lines)
+
+
+# ---------------------------------------------------------------- Qwen3's chat template with assistant_only_loss
+
+_CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"q": "river"}}}
+_TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find a word.",
+                                            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+QWEN3_CONVERSATIONS = [
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], {}),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse abc"},
+      {"role": "assistant", "content": "<think>\nreverse it\n</think>\n\ncba"},
+      {"role": "user", "content": "And xyz?"}, {"role": "assistant", "content": "\n\nzyx"}], {}),
+    ([{"role": "user", "content": "Look up river"},
+      {"role": "assistant", "content": "Let me check.", "reasoning_content": "\nuse the tool\n",
+       "tool_calls": [_CALL, {"function": {"name": "lookup", "arguments": '{"q": "stream"}'}}]},
+      {"role": "tool", "content": "a stream"}, {"role": "tool", "content": "flowing water"},
+      {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+      {"role": "user", "content": "<tool_response>\nwater\n</tool_response>"},
+      {"role": "assistant", "content": "<think>done</think>A river is a stream."}], {"tools": _TOOLS}),
+    ([{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
+      {"role": "system", "content": "Now in French."}, {"role": "user", "content": [{"type": "text", "text": "x"}]},
+      {"role": "assistant", "content": "un", "reasoning_content": "french"}], {}),
+]
+
+
+def _qwen3_reference_template() -> str:
+    """Qwen3's own chat template, from TRL's copy (which TRL compares tokenizers' templates with)."""
+    pytest.importorskip("trl")
+    import importlib.resources
+
+    path = importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja"
+    if not path.is_file():
+        pytest.skip("this trl has no copy of Qwen3's chat template")
+    return path.read_text(encoding="utf-8")
+
+
+def test_swiftune_qwen3_template_renders_as_qwen3s(tokenizer):
+    from swiftune.data.chat_templates import QWEN3_TEMPLATE, marked_template_for
+
+    qwen3 = _qwen3_reference_template()
+    cases = QWEN3_CONVERSATIONS + [
+        (QWEN3_CONVERSATIONS[1][0][:-1], {"add_generation_prompt": True}),
+        (QWEN3_CONVERSATIONS[1][0][:-1], {"add_generation_prompt": True, "enable_thinking": False}),
+        (QWEN3_CONVERSATIONS[2][0][:3], {"add_generation_prompt": True, "tools": _TOOLS, "enable_thinking": True}),
+    ]
+    for messages, kwargs in cases:
+        want = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=qwen3, **kwargs)
+        got = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=QWEN3_TEMPLATE, **kwargs)
+        assert got == want, (messages, kwargs)
+    tokenizer.chat_template = qwen3
+    assert marked_template_for(tokenizer) == QWEN3_TEMPLATE
+    for other in (qwen3.replace("'<|im_end|>' + '\\n'", "'<|im_end|>\\n\\n'"),  # looks like Qwen3's, renders otherwise
+                  build_tokenizer().chat_template):  # ChatML
+        tokenizer.chat_template = other
+        assert marked_template_for(tokenizer) is None
+
+
+def _qwen3_reference_labels(tokenizer, template, messages, tools):
+    """Tokens and assistant mask from the real template's rendering: the text after each
+    ``<|im_start|>assistant\\n`` header through its ``<|im_end|>\\n`` is the turn (byte-level tokens:
+    the pieces tokenize to the whole)."""
+    import re
+
+    full = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template, tools=tools)
+    ids, mask = [], []
+    for piece in re.split(r"(?=<\|im_start\|>)", full):
+        header = "<|im_start|>assistant\n"
+        body_start = len(header) if piece.startswith(header) else len(piece)
+        for text, trained in ((piece[:body_start], 0), (piece[body_start:], 1)):
+            part = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+            ids += part
+            mask += [trained] * len(part)
+    assert ids == tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, return_dict=True,
+                                                tokenize=True)["input_ids"]
+    return ids, mask
+
+
+def test_assistant_only_loss_on_qwen3s_template(tokenizer):
+    """Qwen3's real template (not prefix-stable, no markers) with assistant_only_loss: the tokens are the
+    template's own and exactly the assistant turns train; the last turn also agrees with the prefix
+    rendering ``apply_chat_template(messages[:-1], add_generation_prompt=True)``."""
+    qwen3 = _qwen3_reference_template()
+    tokenizer.chat_template = qwen3
+    rows = [{"messages": m, **({"tools": kw["tools"]} if "tools" in kw else {})} for m, kw in QWEN3_CONVERSATIONS]
+    data = prepare_dataset(rows, tokenizer, max_length=None, assistant_only_loss=True)
+    assert len(data) == len(rows)
+    for row, example in zip(rows, data.examples):
+        ids, mask = _qwen3_reference_labels(tokenizer, qwen3, row["messages"], row.get("tools"))
+        assert example["input_ids"] == ids
+        assert example["completion_mask"] == mask and 0 < sum(mask) < len(mask)
+        messages = row["messages"]
+        if messages[-2]["role"] == "user":
+            start = len(tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True, tools=row.get("tools"))["input_ids"])
+            assert example["completion_mask"][start - 1:] == [0] + [1] * (len(ids) - start)
+    # a Qwen3-like template that renders otherwise is not replaced: the prefix method refuses it as before
+    tokenizer.chat_template = qwen3.replace("'<|im_end|>' + '\\n'", "'<|im_end|>\\n\\n'")
+    assert tokenizer.chat_template != qwen3
+    with pytest.raises(DataFormatError, match="prefix-stable"):
+        prepare_dataset(rows[1:2], tokenizer, max_length=None, assistant_only_loss=True)

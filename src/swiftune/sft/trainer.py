@@ -43,6 +43,7 @@ from ..data.multimodal import (
 )
 from ..errors import ConfigError
 from ..losses import linear_cross_entropy
+from ..losses.cross_entropy import TokenStats
 from ..models.heads import hidden_states_and_head
 from ..models.support import batch_layout_for
 from ..models.qwen3_vl import rope_index_of
@@ -50,7 +51,7 @@ from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter, 
 from ..training.router_aux import RouterAuxLoss, real_token_mask
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .config import SFTConfig
-from .eval_outputs import full_logits, token_accuracy_counts
+from .eval_outputs import full_logits
 from .trl_fields import apply_tokenizer_fields, model_load_kwargs, warn_once
 
 logger = logging.getLogger(__name__)
@@ -76,8 +77,9 @@ class SFTTrainer(SwiftuneTrainer):
 
     Pre-tokenized rows (``input_ids``, optional ``labels`` / ``assistant_masks`` / ``completion_mask``)
     follow TRL 1.16's rules (:mod:`swiftune.data.row_formats`); TRL's other ``SFTConfig`` fields are in
-    :mod:`swiftune.sft.trl_fields` and docs/trl_compat.md. Logs carry TRL's ``num_tokens`` and, in
-    evaluation, ``eval_mean_token_accuracy``.
+    :mod:`swiftune.sft.trl_fields` and docs/trl_compat.md. Logs carry TRL's ``num_tokens``,
+    ``entropy`` and ``mean_token_accuracy`` (and their ``eval_`` forms), the last two from the fused
+    loss's chunk loop (:class:`swiftune.losses.cross_entropy.TokenStats`), never from full logits.
     """
 
     trainer_kind = "sft"
@@ -178,7 +180,9 @@ class SFTTrainer(SwiftuneTrainer):
         self._aux_losses: list[torch.Tensor] = []  # TRL's aux_loss metric: the unweighted term per micro-batch
         self.token_meter = TokenMeter()
         self.step_flops = StepFlops()
-        self._eval_counts = [0, 0]  # correct, labelled tokens since the last evaluation log
+        # TRL's entropy / mean_token_accuracy: per micro-batch [entropy sum, arg-max hits, labelled tokens],
+        # kept on the device until the next log (no host sync per micro-batch)
+        self._token_sums: dict[str, list[torch.Tensor]] = {"train": [], "eval": []}
         super().__init__(
             model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
             processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
@@ -269,8 +273,14 @@ class SFTTrainer(SwiftuneTrainer):
         with self.router_aux.recording(model) as router_logits:
             hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
         targets = shift_labels(labels)
-        loss = head_loss(hidden, lm_head, softcap, targets, num_items_in_batch, self.args.logit_chunk_tokens,
-                         self.args.loss_type)
+        logged = self.args.logging_strategy != "no" or not model.training  # TRL's entropy / token accuracy
+        out = head_loss(hidden, lm_head, softcap, targets, num_items_in_batch, self.args.logit_chunk_tokens,
+                        self.args.loss_type, token_stats=logged)
+        loss, stats = out if logged else (out, None)
+        if stats is not None:
+            counted = (targets != IGNORE_INDEX).sum()
+            self._token_sums["train" if model.training else "eval"].append(torch.stack(
+                [stats.entropy.sum().double(), stats.is_top1.sum().double(), counted.double()]))
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # num_items_in_batch is the global count; DDP averages gradients over processes.
             loss = loss * self.accelerator.num_processes
@@ -282,10 +292,6 @@ class SFTTrainer(SwiftuneTrainer):
             loss = loss + aux.to(loss.dtype)
             if model.training:  # kept on the device: read at the next log, not synchronised every micro-batch
                 self._aux_losses.append(aux.detach() * steps / self.router_aux.coef)
-        if not model.training:  # TRL's eval mean_token_accuracy, chunk by chunk (eval_outputs)
-            correct, labelled = token_accuracy_counts(hidden, lm_head, targets)
-            self._eval_counts[0] += correct
-            self._eval_counts[1] += labelled
         if not return_outputs:
             return loss
         outputs = {"last_hidden_state": hidden, "labels": labels}
@@ -306,7 +312,7 @@ class SFTTrainer(SwiftuneTrainer):
     # ------------------------------------------------------------------------ logs
 
     def evaluation_loop(self, *args: Any, **kwargs: Any):
-        self._eval_counts = [0, 0]  # this evaluation's tokens only (predict() logs nothing, so reset here)
+        self._token_sums["eval"] = []  # this evaluation's batches only (predict() logs nothing, so reset here)
         return super().evaluation_loop(*args, **kwargs)
 
     def _summed(self, values: list[int]) -> list[int]:
@@ -315,19 +321,32 @@ class SFTTrainer(SwiftuneTrainer):
         total = self.accelerator.reduce(torch.tensor(values, device=self.accelerator.device), reduction="sum")
         return [int(v) for v in total.tolist()]
 
+    def _token_metrics(self, mode: str) -> dict[str, float]:
+        """TRL 1.16's ``entropy`` and ``mean_token_accuracy`` since the last log: per micro-batch, the
+        sums over every process's labelled tokens divided by their count (0 for a batch without any),
+        then the mean over the micro-batches."""
+        rows, self._token_sums[mode] = self._token_sums[mode], []
+        if not rows:
+            return {}
+        sums = torch.stack(rows)
+        if self.accelerator.num_processes > 1:  # every process runs the same number of micro-batches
+            sums = self.accelerator.reduce(sums, reduction="sum")
+        entropy, hits, count = sums.unbind(1)
+        share = lambda x: float(torch.where(count > 0, x / count.clamp_min(1), 0.0).mean())  # noqa: E731
+        return {"entropy": share(entropy), "mean_token_accuracy": share(hits)}
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        # TRL's names: num_tokens (tokens trained on so far, padding excluded), and in evaluation
-        # eval_mean_token_accuracy (over every labelled eval token) and eval_num_tokens.
+        # TRL's names: num_tokens (tokens trained on so far, padding excluded), entropy and
+        # mean_token_accuracy (_token_metrics), with eval_ in front in evaluation.
         if "loss" in logs:
             logs["num_tokens"] = float(self._summed([self.token_meter.total_tokens])[0])
+            logs.update(self._token_metrics("train"))
             if self._aux_losses:  # TRL's aux_loss: the unweighted load-balancing term, mean over micro-batches
                 logs["aux_loss"] = float(torch.stack(self._aux_losses).mean())
                 self._aux_losses = []
-        elif any(key.startswith("eval_") for key in logs) and self._eval_counts[1]:
-            correct, labelled = self._summed(self._eval_counts)
-            logs["eval_mean_token_accuracy"] = correct / labelled if labelled else 0.0
+        elif any(key.startswith("eval_") for key in logs) and self._token_sums["eval"]:
+            logs.update({f"eval_{k}": v for k, v in self._token_metrics("eval").items()})
             logs["eval_num_tokens"] = float(self._summed([self.token_meter.total_tokens])[0])
-            self._eval_counts = [0, 0]
         super().log(logs, *args, **kwargs)
 
 
@@ -358,7 +377,8 @@ def head_loss(
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     loss_type: str = "nll",
-) -> torch.Tensor:
+    token_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, TokenStats]:
     """The SFT loss of ``hidden`` against the (shifted) ``targets`` through the fused LM head.
 
     ``loss_type="nll"``: the cross entropy, summed over trained tokens and divided by
@@ -367,19 +387,25 @@ def head_loss(
     a constant, ``sum_t l_t * stop_grad(p_t) / D``, so ``d/dz = p_t * dl_t/dz``; computed from the
     fused per-token losses (``reduction="none"``, recomputed chunk by chunk in backward), never
     from the full logits.
+
+    ``token_stats=True`` returns ``(loss, TokenStats)``: each flattened target's entropy and arg-max
+    hit, without gradient, from the loss's own chunk loop (``"dft"``: one more no-grad pass).
     """
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if loss_type == "nll":
         return linear_cross_entropy(flat_h, lm_head.weight, flat_y, reduction="mean", num_items=num_items_in_batch,
-                                    logit_softcap=softcap, bias=lm_head.bias, chunk_tokens=chunk_tokens)
+                                    logit_softcap=softcap, bias=lm_head.bias, chunk_tokens=chunk_tokens,
+                                    return_token_stats=token_stats)
     if loss_type != "dft":
         raise ValueError(f"loss_type must be 'nll' or 'dft', got {loss_type!r}")
     per_token = linear_cross_entropy(flat_h, lm_head.weight, flat_y, reduction="none", logit_softcap=softcap,
-                                     bias=lm_head.bias, chunk_tokens=chunk_tokens)
+                                     bias=lm_head.bias, chunk_tokens=chunk_tokens, return_token_stats=token_stats)
+    per_token, stats = per_token if token_stats else (per_token, None)
     weighted = per_token * torch.exp(-per_token).detach()  # ignored positions: loss 0, weight 1, term 0
     count = (flat_y != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
     denom = torch.as_tensor(count, device=weighted.device).to(weighted.dtype).clamp_min(1.0)
-    return weighted.sum() / denom
+    loss = weighted.sum() / denom
+    return (loss, stats) if token_stats else loss
 
 
 def sft_loss(
