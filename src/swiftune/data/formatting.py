@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 
+from swiftune.data.chat_templates import marked_template_for
 from swiftune.data.row_files import load_rows
 from swiftune.data.row_formats import (
     TOKENIZED_COLUMN,
@@ -290,7 +291,7 @@ def _conversational_prompt_completion(
 
 
 def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_markers: bool,
-                      chat: dict) -> tuple[list[int], list[int]]:
+                      chat: dict, marked: str | None = None) -> tuple[list[int], list[int]]:
     messages = row["messages"]
     if not assistant_only:
         ids = _render_chat(tokenizer, messages, **chat)["input_ids"]
@@ -298,6 +299,15 @@ def _messages_example(tokenizer: Any, row: Mapping, assistant_only: bool, use_ma
     if use_markers:
         out = _render_chat(tokenizer, messages, return_assistant_tokens_mask=True, **chat)
         ids, mask = out["input_ids"], out["assistant_masks"]
+    elif marked is not None:  # swiftune's marked equivalent of the tokenizer's template (chat_templates)
+        out = _render_chat(tokenizer, messages, return_assistant_tokens_mask=True, chat_template=marked, **chat)
+        ids, mask = out["input_ids"], out["assistant_masks"]
+        if ids != _render_chat(tokenizer, messages, **chat)["input_ids"]:
+            raise DataFormatError(
+                "this conversation renders differently under swiftune's marked copy of the tokenizer's chat "
+                "template (swiftune.data.chat_templates) than under the template itself; add {% generation %} "
+                "markers to the tokenizer's template, or pass assistant_only_loss=False to train on every token"
+            )
     else:
         ids, mask = _assistant_mask_by_prefixes(tokenizer, messages, chat)
     if all(_is_empty_turn(m) for m in messages if m.get("role") == "assistant"):
@@ -363,7 +373,9 @@ def prepare_dataset(
         completion_only_loss: train only completion tokens of prompt/completion rows
             (``None``: yes); on pre-tokenized rows, apply their ``completion_mask`` (``None``: no, as TRL).
         assistant_only_loss: train only assistant turns of ``messages`` rows (``None``: yes).
-            Uses the template's ``{% generation %}`` markers when present, else prefix renderings.
+            Uses the template's ``{% generation %}`` markers when present, else swiftune's marked
+            copy of a known template that is not prefix-stable (Qwen3's, :mod:`.chat_templates`),
+            else prefix renderings.
         truncation: for examples longer than ``max_length``: ``"truncate"`` cuts them to
             ``max_length`` tokens (counted, warned), ``"error"`` raises, ``"drop"`` skips them.
         text_field: the column of plain-text rows (TRL's ``dataset_text_field``).
@@ -417,9 +429,12 @@ def prepare_dataset(
         _require_chat_template(tokenizer, "'messages' rows")
         assistant_only = assistant_only_loss is not False
         use_markers = _has_generation_markers(tokenizer)
+        # a template that is not prefix-stable (Qwen3's) gets swiftune's equivalent with markers
+        marked = marked_template_for(tokenizer) if assistant_only and not use_markers else None
         for index, messages in enumerate(_column(rows, "messages", list)):
             check_messages(messages, f"row {index}: 'messages'")
-        pairs = [_messages_example(tokenizer, r, assistant_only, use_markers, _chat_kwargs(r, chat_template_kwargs, i))
+        pairs = [_messages_example(tokenizer, r, assistant_only, use_markers, _chat_kwargs(r, chat_template_kwargs, i),
+                                   marked)
                  for i, r in enumerate(rows)]
 
     stats = FormattingStats(data_shape=shape, num_rows=len(rows))
