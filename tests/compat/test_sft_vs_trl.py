@@ -138,6 +138,10 @@ CASES = {
     "text_packing_bfd_split": Case("split_text", config=(("packing", True), ("max_length", 12),
                                                          ("packing_strategy", "bfd_split"),
                                                          ("per_device_train_batch_size", 64))),
+    # two micro-batches of one row per step: both normalise by the step's trained tokens (the Trainer's
+    # num_items_in_batch), so the step equals one batch of two
+    "prompt_completion_accumulated": Case("prompt_completion", config=(("per_device_train_batch_size", 1),
+                                                                      ("gradient_accumulation_steps", 2))),
     # TRL's Dynamic Fine-Tuning loss: each token's loss weighted by its detached probability
     "prompt_completion_dft": Case("prompt_completion", config=(("loss_type", "dft"),)),
 }
