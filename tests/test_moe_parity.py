@@ -30,7 +30,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 
 from swiftune.attention import build_packed_batch, packed_attention
 from swiftune.attention.sinks import sink_attention
-from swiftune.models import causal_lm_of, patch_model
+from swiftune.models import causal_lm_of, enable_tiled_mlp, patch_model
 from swiftune.models.moe import load_balancing_loss, record_router_logits, router_aux_loss
 from swiftune.sft.trainer import sft_loss
 from swiftune.data import make_collator
@@ -128,10 +128,13 @@ def _targeted_lora_reference(base: torch.nn.Module, lora: str) -> torch.nn.Modul
 def _targeted_lora_model(base: torch.nn.Module, reference: torch.nn.Module, lora: str, checkpointing: str,
                          kernel_backend: str) -> torch.nn.Module:
     model = patch_model(copy.deepcopy(base), kernel_backend=kernel_backend)
+    mode = {"off": False, "on": True, "offload": "offload", "tiled_mlp": False}[checkpointing]
+    budget = {"offload_gpu_budget_bytes": 0} if mode == "offload" else {}  # offload tiles the MLPs/experts too
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, init_lora_weights=False,
-                                     use_gradient_checkpointing={"off": False, "on": True}[checkpointing],
-                                     **TARGETS[lora])
+                                     use_gradient_checkpointing=mode, **budget, **TARGETS[lora])
     model.load_state_dict(reference.state_dict())
+    if checkpointing == "tiled_mlp":
+        enable_tiled_mlp(model, tile_tokens=4, projections=True)  # several tiles per document
     return model.train()
 
 
@@ -183,8 +186,14 @@ CASES = [
     for lora in (None, "experts") for layout, mode in LAYOUT_MODES
     if lora is None or layout != "padded" and (layout, mode) != ("packed", "off")
 ] + [
-    # offloaded checkpointing (every layer input on the host, recomputed through the MoE block)
+    # offloaded checkpointing (every layer input on the host, recomputed through the MoE block; with LoRA
+    # the MLPs and MoE blocks are tiled too)
     ("qwen3_moe", "seven", "packed", "offload", "reference"), ("gpt_oss", None, "packed", "offload", "reference"),
+    ("gpt_oss", "experts", "packed", "offload", "reference"),
+    # tiled MLP: the MoE blocks' experts in tiles of 4 tokens (the router once over every token), the
+    # dense MLP of Qwen3-MoE's second layer as before; gpt-oss's block returns its routing weights too
+    ("qwen3_moe", None, "packed", "tiled_mlp", "reference"), ("gpt_oss", "experts", "padding_free", "tiled_mlp",
+                                                              "reference"),
 ] + [
     # Mixtral: the config's sliding window and the all-sparse layers in every case; its experts module
     # and the grouped path are Qwen3-MoE's, so the Triton kernels and the attention-only adapters are
@@ -194,7 +203,7 @@ CASES = [
     for lora, layout, mode in [(None, "padded", "off"), (None, "padding_free", "off"), (None, "packed", "on"),
                                (None, "packed", "offload"), ("v4_names", "padded", "off"),
                                ("v4_names", "padding_free", "off"), ("v4_names", "packed", "on"),
-                               ("experts", "packed", "on")]
+                               ("experts", "packed", "on"), ("v4_names", "packed", "tiled_mlp")]
 ]
 
 
@@ -204,9 +213,10 @@ def _case_id(case: tuple) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_moe_training_gradients_equal_unpatched_model(references, case):
+def test_moe_training_gradients_equal_unpatched_model(references, case, monkeypatch):
     family, lora, layout, checkpointing, kernel_backend = case
     model, reference, expected = _model(references, family, lora, checkpointing, kernel_backend)
+    tiled_calls = _count_tiled_experts(monkeypatch)
     trainable = _trainable(reference)
     assert _trainable(model) == trainable
     on_experts = any("experts" in name and "lora_A" in name for name in trainable)
@@ -218,6 +228,21 @@ def test_moe_training_gradients_equal_unpatched_model(references, case):
         assert any(name.endswith(("mlp.gate.weight", "mlp.router.weight")) for name in trainable)
         assert family != "gpt_oss" or any(name.endswith("self_attn.sinks") for name in trainable)
     _assert_parity(expected, _swiftune_step(model, _examples(), layout), trainable)
+    if checkpointing == "tiled_mlp":  # the experts really ran in tiles, forward and backward
+        assert tiled_calls["forward"] > 0 and tiled_calls["backward"] > 0, tiled_calls
+
+
+def _count_tiled_experts(monkeypatch) -> dict:
+    """Counts the tiled experts' forward and backward calls (:class:`TiledExperts`)."""
+    from swiftune.models.tiled_mlp import TiledExperts
+
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        def spy(*args, _f=getattr(TiledExperts, name), _k=name):
+            calls[_k] += 1
+            return _f(*args)
+        monkeypatch.setattr(TiledExperts, name, staticmethod(spy))
+    return calls
 
 
 # ----------------------------------------------------------------------------- load-balancing loss
@@ -263,7 +288,10 @@ def _swiftune_step_with_aux(model: torch.nn.Module, examples: list[dict], layout
 
 
 @pytest.mark.parametrize(("family", "layout", "checkpointing"), [("qwen3_moe", *case) for case in LAYOUT_MODES] + [
-    ("gpt_oss", "padding_free", "off"), ("gpt_oss", "packed", "on"), ("mixtral", "packed", "on")])
+    ("gpt_oss", "padding_free", "off"), ("gpt_oss", "packed", "on"), ("mixtral", "packed", "on"),
+    # tiled experts: the router runs once over every token, so the recorded logits (and, on the padded
+    # batch, transformers' own output_router_logits capture with its attention mask) see the whole batch
+    ("qwen3_moe", "padded", "tiled_mlp"), ("mixtral", "packed", "tiled_mlp")])
 def test_moe_router_aux_loss_and_gradients_equal_transformers(family, layout, checkpointing):
     base = tiny_moe(family, output_router_logits=True).train()
     reference = copy.deepcopy(base)
@@ -275,6 +303,8 @@ def test_moe_router_aux_loss_and_gradients_equal_transformers(family, layout, ch
     assert rel_err(without_aux[1][router], expected[1][router]) > 100 * TOL
     model = patch_model(copy.deepcopy(base), kernel_backend="reference")
     model = FastModel.for_training(model, use_gradient_checkpointing=checkpointing == "on").train()
+    if checkpointing == "tiled_mlp":
+        enable_tiled_mlp(model, tile_tokens=4)
     _assert_parity(expected, _swiftune_step_with_aux(model, _examples(), layout), _trainable(reference))
 
 
@@ -471,6 +501,29 @@ def test_grouped_mm_experts_equal_transformers_experts(family):
             assert g_.abs().max() > 0
 
 
+def test_tiled_mlp_refuses_moe_blocks_it_cannot_tile_as_router_then_experts():
+    """A MoE block with more than a router and experts (Qwen2-MoE's shared expert) or with router
+    jitter (Mixtral's router_jitter_noise, applied to the input in place) is refused, naming why."""
+    shared = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=2, num_experts_per_tok=1))
+    with pytest.raises(ValueError, match="Qwen2MoeSparseMoeBlock is a mixture-of-experts block swiftune cannot tile"):
+        enable_tiled_mlp(shared)
+    with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
+        enable_tiled_mlp(tiny_mixtral(router_jitter_noise=0.1))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_tiled_moe_without_gradient_equals_the_unpatched_model(family):
+    """Evaluation (no gradient: the experts tile by tile, no autograd function) gives transformers' logits."""
+    plain = tiny_moe(family)
+    tiled = enable_tiled_mlp(copy.deepcopy(plain), tile_tokens=3)
+    ids = torch.randint(0, VOCAB - 1, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(tiled(ids, use_cache=False).logits, plain(ids, use_cache=False).logits) < 1e-5
+
+
 def test_grouped_experts_refuse_weights_that_are_not_fused():
     """The grouped forward reads [E, out, in] tensors; a module of the experts class with other shapes
     (another transformers layout) is refused with a message, never computed on as if it were fused."""
@@ -598,18 +651,30 @@ def test_sft_trainer_adds_trls_router_loss_as_transformers_computes_it(layout, t
         RouterAuxLoss(dense, 0.01)
 
 
-def test_grpo_on_moe_says_it_adds_no_router_loss(tmp_path, caplog):
-    """TRL's GRPOTrainer adds the MoE load-balancing loss by default; swiftune's GRPO loss does not
-    yet, and says so once the trainer is built (instead of training differently in silence)."""
+def test_grpo_on_an_unsupported_moe_says_it_adds_no_router_loss(tmp_path, caplog):
+    """TRL's GRPOTrainer adds the MoE load-balancing loss by default; swiftune's GRPO adds it on the
+    families it patches (tests/test_grpo_router_loss.py). On a MoE architecture it does not patch
+    (Qwen2-MoE: no router recorder) it cannot, and says so once the trainer is built (instead of
+    training differently in silence)."""
     import logging
 
     from swiftune.data import build_tokenizer
     from swiftune.rl import GRPOConfig, GRPOTrainer
 
-    model = tiny_qwen3_moe()
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.25))
     args = GRPOConfig(output_dir=str(tmp_path), num_generations=2, per_device_train_batch_size=2, report_to="none",
                       max_completion_length=4, save_strategy="no", use_cpu=True)
-    with caplog.at_level(logging.WARNING, logger="swiftune"):
-        GRPOTrainer(model, [lambda prompts, completions, **kw: [0.0] * len(completions)], args,
-                    [{"prompt": "abc"}] * 2, processing_class=build_tokenizer())
+    with caplog.at_level(logging.WARNING, logger="swiftune"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # not a supported family: patched nothing, padded policy rows
+        trainer = GRPOTrainer(model, [lambda prompts, completions, **kw: [0.0] * len(completions)], args,
+                              [{"prompt": "abc"}] * 2, processing_class=build_tokenizer())
+    assert not trainer.router_aux.enabled
     assert "adds no router load-balancing loss" in caplog.text and "0.25" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="swiftune"):  # a supported MoE family: no such warning
+        GRPOTrainer(tiny_qwen3_moe(), [lambda prompts, completions, **kw: [0.0] * len(completions)], args,
+                    [{"prompt": "abc"}] * 2, processing_class=build_tokenizer())
+    assert "router load-balancing" not in caplog.text

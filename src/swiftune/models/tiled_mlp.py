@@ -36,6 +36,16 @@ Tile size (:func:`swiftune.memory.auto_tile_tokens`): about 1 GiB of a tile's bu
 after :func:`swiftune.patch_model`); ``projections=True`` also tiles the LoRA-wrapped attention
 projections (call it after PEFT has wrapped them).  Before or after ``patch_model``: patching a
 tiled MLP replaces what each tile runs (:func:`replace_untiled_forward`), not the tiling.
+
+Mixture-of-experts blocks (Qwen3-MoE's and Mixtral's ``SparseMoeBlock``, gpt-oss's ``GptOssMLP``)
+are per-token too (no expert capacity, nothing shared between tokens), but their router must not run
+tile by tile: the router logits of the whole batch feed the load-balancing loss (swiftune's recorder
+and transformers' own ``output_router_logits`` capture hook the router module, and a tiled call would
+hand them pieces computed without gradient). So :func:`tiled_moe_forward` routes every token once,
+with gradient, exactly as the block does (``router(x) -> weights, experts``), and tiles only the
+experts (:class:`TiledExperts`: the same save-the-input, recompute-per-tile scheme with the routing
+weights as a second per-token input, their gradient returned to the router). A block with anything
+else inside (a shared expert, router jitter noise, which changes its input in place) is refused.
 """
 
 from __future__ import annotations
@@ -237,6 +247,126 @@ def _tiled_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return tiled_mlp_forward(self, x, getattr(self, _TILE, None))
 
 
+# ----------------------------------------------------------------------------- mixture of experts
+
+# MoE block classes whose forward is exactly ``router(x) -> (logits, weights, index)``, then
+# ``experts(x, index, weights)`` on the flattened tokens (gpt-oss: returned with the weights)
+_MOE_BLOCKS = {"Qwen3MoeSparseMoeBlock": "gate", "MixtralSparseMoeBlock": "gate", "GptOssMLP": "router"}
+_RETURNS_WEIGHTS = ("GptOssMLP",)
+
+
+def _moe_parts(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(router, experts)`` of a MoE block :func:`tiled_moe_forward` can run, ``None`` for a module
+    that is not a MoE block; ``ValueError`` for one it cannot (the message says why)."""
+    cls = type(module).__name__
+    children = dict(module.named_children())
+    if cls not in _MOE_BLOCKS:
+        if "experts" in children and any(n in children for n in ("gate", "router")):
+            raise ValueError(f"tiled_mlp: {cls} is a mixture-of-experts block swiftune cannot tile (it tiles "
+                             f"{', '.join(sorted(_MOE_BLOCKS))}, whose forward is router then experts); turn "
+                             "tiled_mlp off for this model")
+        return None
+    router_name = _MOE_BLOCKS[cls]
+    if set(children) != {router_name, "experts"}:
+        raise ValueError(f"tiled_mlp: {cls} holds {sorted(children)}, not only {router_name!r} and 'experts' "
+                         "(another transformers layout, or a shared expert): it cannot be tiled as router + experts; "
+                         "turn tiled_mlp off for this model")
+    if getattr(module, "jitter_noise", 0.0):
+        raise ValueError(f"tiled_mlp: {cls} multiplies its input by router jitter noise (router_jitter_noise="
+                         f"{module.jitter_noise}) in place, which a tiled recompute cannot replay; set "
+                         "router_jitter_noise=0 in the model config or turn tiled_mlp off")
+    return children[router_name], children["experts"]
+
+
+class TiledExperts(torch.autograd.Function):
+    """``y = experts(x, index, weights)`` in token tiles, saving only ``x`` and ``weights``.
+
+    ``forward(ctx, experts, x, index, weights, tile_tokens, *params)`` with ``x [T, H]``, ``index`` /
+    ``weights [T, k]`` (the router's choices, computed once outside); backward recomputes each tile
+    with gradient and returns ``dx``, ``dweights`` (to the router) and the parameters' gradients summed
+    over tiles (float32 accumulators for half-precision parameters), as :class:`TiledApply`.
+    """
+
+    @staticmethod
+    def forward(ctx, experts, x, index, weights, tile_tokens, *params):  # type: ignore[override]
+        ctx.experts, ctx.tile = experts, tile_tokens
+        ctx.state = ForwardState(x.device, False)
+        out = x.new_empty(x.shape)
+        with torch.no_grad():
+            for a, b in tile_bounds(x.shape[0], tile_tokens):
+                out[a:b].copy_(experts(x[a:b], index[a:b], weights[a:b]))
+        ctx.save_for_backward(x, index, weights, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        x, index, weights, *params = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        need_p = [ctx.needs_input_grad[5 + i] for i in range(len(params))]
+        targets = [p for p, n in zip(params, need_p) if n]
+        dx = torch.zeros_like(x) if need_x else None
+        dw = torch.zeros_like(weights) if need_w else None
+        acc = [torch.zeros_like(p, dtype=torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype)
+               for p in targets]
+        with ctx.state.replay(), torch.enable_grad():
+            for a, b in tile_bounds(x.shape[0], ctx.tile):
+                xt = x[a:b].detach().requires_grad_(need_x)
+                wt = weights[a:b].detach().requires_grad_(need_w)
+                inputs = ([xt] if need_x else []) + ([wt] if need_w else []) + targets
+                if not inputs:
+                    break
+                yt = ctx.experts(xt, index[a:b], wt)
+                grads = list(torch.autograd.grad(yt, inputs, dy[a:b].to(yt.dtype), allow_unused=True))
+                del yt
+                for want, buf in ((need_x, dx), (need_w, dw)):
+                    if want:
+                        g = grads.pop(0)
+                        if g is not None:
+                            buf[a:b].copy_(g)
+                for buf, g in zip(acc, grads):
+                    if g is not None:
+                        buf.add_(g)
+        it = iter(acc)
+        p_grads = [next(it).to(p.dtype) if n else None for p, n in zip(params, need_p)]
+        return (None, dx, None, dw, None, *p_grads)
+
+
+def moe_tile_tokens(block: nn.Module, x: torch.Tensor, tile_tokens: int | None) -> int:
+    """The tile size for a MoE block on ``x``: ``tile_tokens``, or ~1 GiB of buffers from the width a
+    token goes through (``top_k`` experts of width ``I_e``, read from the fused ``down_proj``)."""
+    if tile_tokens is not None:
+        return int(tile_tokens)
+    router, experts = _moe_parts(block)
+    H = x.shape[-1]
+    down = getattr(experts, "down_proj", None)
+    width = down.shape[1] + down.shape[2] - H if down is not None and down.dim() == 3 else 4 * H
+    top_k = int(getattr(router, "top_k", None) or getattr(getattr(router, "base_layer", None), "top_k", 1) or 1)
+    return auto_tile_tokens(top_k * int(width), H, x.element_size())
+
+
+def tiled_moe_forward(block: nn.Module, x: torch.Tensor, tile_tokens: int | None = None):
+    """The MoE block's forward with the experts in token tiles (module docstring): the router runs
+    once on every token (its hooks see the whole batch, its logits keep their gradient), the experts
+    save only their input and routing weights. Inputs of at most ``tile_tokens`` tokens run the
+    block's own forward."""
+    router, experts = _moe_parts(block)
+    tile = moe_tile_tokens(block, x, tile_tokens)
+    if x.numel() // max(x.shape[-1], 1) <= tile:
+        return _untiled(block)(x)
+    flat = x.reshape(-1, x.shape[-1])
+    _, weights, index = router(flat)
+    if torch.is_grad_enabled():
+        y = TiledExperts.apply(experts, flat, index, weights, tile, *_trainable(experts))
+    else:
+        y = torch.cat([experts(flat[a:b], index[a:b], weights[a:b]) for a, b in tile_bounds(flat.shape[0], tile)])
+    y = y.view(x.shape)
+    return (y, weights) if type(block).__name__ in _RETURNS_WEIGHTS else y
+
+
+def _tiled_moe(self: nn.Module, x: torch.Tensor):
+    return tiled_moe_forward(self, x, getattr(self, _TILE, None))
+
+
 def _is_gated_mlp(module: nn.Module) -> bool:
     return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj"))
 
@@ -258,15 +388,17 @@ def replace_untiled_forward(module: nn.Module, forward: Callable | None) -> bool
     return True
 
 
-def _bind_tiled(module: nn.Module, tile_tokens: int | None) -> None:
+def _bind_tiled(module: nn.Module, tile_tokens: int | None, forward: Callable = _tiled_forward) -> None:
     if not has_tiled_forward(module):
         module.__dict__[_ORIG] = module.__dict__.get("forward")  # None: the class forward
     setattr(module, _TILE, tile_tokens)
-    module.forward = MethodType(_tiled_forward, module)
+    module.forward = MethodType(forward, module)
 
 
 def enable_tiled_mlp(model: nn.Module, tile_tokens: int | None = None, *, projections: bool = False) -> nn.Module:
-    """Run every gated MLP of ``model`` (and optionally the LoRA attention projections) in tiles.
+    """Run every gated MLP of ``model`` (and optionally the LoRA attention projections) in tiles,
+    and the experts of every mixture-of-experts block it knows (:func:`tiled_moe_forward`; another
+    MoE block is refused with a ``ValueError`` naming it).
 
     Args:
         model: a transformers causal LM or a PEFT model wrapping one (patched or not).
@@ -286,10 +418,14 @@ def enable_tiled_mlp(model: nn.Module, tile_tokens: int | None = None, *, projec
         if _is_gated_mlp(module):
             _bind_tiled(module, tile_tokens)
             n += 1
+        elif _moe_parts(module) is not None:
+            _bind_tiled(module, tile_tokens, _tiled_moe)
+            n += 1
         elif projections and name.rsplit(".", 1)[-1] in _PROJECTIONS and _trainable(module):
             _bind_tiled(module, tile_tokens)
     if n == 0:
-        raise ValueError(f"{type(model).__name__} has no gated MLP (gate_proj/up_proj/down_proj) to tile")
+        raise ValueError(f"{type(model).__name__} has no gated MLP (gate_proj/up_proj/down_proj) or "
+                         "mixture-of-experts block to tile")
     return model
 
 
@@ -321,6 +457,7 @@ __all__ = [
     "ForwardState",
     "replace_untiled_forward",
     "TiledApply",
+    "TiledExperts",
     "disable_tiled_mlp",
     "enable_tiled_mlp",
     "has_tiled_forward",
@@ -330,4 +467,5 @@ __all__ = [
     "tile_bounds",
     "tiled_apply",
     "tiled_mlp_forward",
+    "tiled_moe_forward",
 ]
