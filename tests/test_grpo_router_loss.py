@@ -10,7 +10,7 @@ model config's coefficient, ``0.0`` switches the term off, a non-zero value on a
 error; ``aux_loss`` (the unweighted term) is logged.
 
 The swiftune side is a real :class:`swiftune.GRPOTrainer` with a fixed rollout engine on a tiny
-patched Qwen3-MoE (a sparse layer and a dense one), its own micro-steps (``training_step``: packed
+patched Qwen3-MoE (a sparse layer and a dense one; one case on gpt-oss), its own micro-steps (``training_step``: packed
 policy rows, shared-prompt or plain, the recorded router logits, the division by the accumulation
 steps, backward). The reference is the unpatched transformers model on TRL's padded micro-batches
 (the prompts have the same length, so TRL's left padding adds nothing and the positions are each
@@ -22,11 +22,11 @@ for each micro-batch as TRL weighs it. Loss and every trainable tensor's gradien
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
 import transformers
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from swiftune.data import build_tokenizer
 from swiftune.errors import ConfigError
@@ -38,7 +38,7 @@ from tests.test_grpo_loss import L_MAX, reference_loss
 from tests.test_grpo_parity import (
     COMPLETIONS, G, PROMPTS, TEMPERATURE, FixedRollouts, _group_advantages, _grads, _trainable, reward,
 )
-from tests.test_moe_parity import AUX_COEF, tiny_qwen3_moe
+from tests.test_moe_parity import AUX_COEF, tiny_moe, tiny_qwen3_moe
 
 TOL = 1e-5
 PAD = 0  # the reference's padding token: masked out, never attended to
@@ -80,7 +80,9 @@ def _reference_step(model, tokenizer, *, ga: int, mask_truncated: bool, loss_typ
         policy = reference_loss(logp, logp.detach(), None, mask, advantages[s * n:(s + 1) * n], loss_type=loss_type,
                                 num_items=total_tokens)
         config = model.config
-        aux = load_balancing_loss_func(out.router_logits, config.num_experts, config.num_experts_per_tok, attention)
+        own = importlib.import_module(type(model).__module__).load_balancing_loss_func  # the model's own
+        experts = getattr(config, "num_experts", None) or config.num_local_experts
+        aux = own(out.router_logits, experts, config.num_experts_per_tok, attention)
         auxes.append(aux.detach())
         loss = loss + (policy if loss_type == "dapo" else policy / ga) + coef * aux / ga
     loss.backward()
@@ -115,18 +117,20 @@ def _swiftune_step(trainer: GRPOTrainer, ga: int) -> tuple[torch.Tensor, dict]:
 # coefficient (None); plain rows over two accumulation steps with dapo's global normaliser and an explicit
 # coefficient; the padded fallback of a model whose attention is not swiftune's
 CASES = [
-    (True, 1, True, "grpo", None, True),
-    (False, 2, False, "dapo", 0.5, True),
-    (True, 2, True, "grpo", 0.5, False),
+    ("qwen3_moe", True, 1, True, "grpo", None, True),
+    ("qwen3_moe", False, 2, False, "dapo", 0.5, True),
+    ("qwen3_moe", True, 2, True, "grpo", 0.5, False),
+    # gpt-oss: router with a bias, the block returns its routing weights, sinks (plain rows only)
+    ("gpt_oss", False, 1, True, "grpo", None, True),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"share{c[0]}-ga{c[1]}-masktrunc{c[2]}-{c[3]}-coef{c[4]}-"
-                                                        + ("packed" if c[5] else "padded"))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-share{c[1]}-ga{c[2]}-masktrunc{c[3]}-{c[4]}-coef{c[5]}-"
+                                                        + ("packed" if c[6] else "padded"))
 def test_grpo_router_loss_and_gradients_equal_trls_formula_on_the_unpatched_model(case, tmp_path):
-    share, ga, mask_truncated, loss_type, coef, packed = case
+    family, share, ga, mask_truncated, loss_type, coef, packed = case
     tokenizer = build_tokenizer()
-    base = tiny_qwen3_moe().train()
+    base = tiny_moe(family).train()
     assert base.config.router_aux_loss_coef == AUX_COEF and not base.config.output_router_logits
     weight = AUX_COEF if coef is None else coef
     reference = copy.deepcopy(base)
@@ -135,7 +139,7 @@ def test_grpo_router_loss_and_gradients_equal_trls_formula_on_the_unpatched_mode
     # the term matters far beyond the tolerance (loss and the router's gradient): the test can fail
     plain_loss, plain, _ = _reference_step(copy.deepcopy(base), tokenizer, ga=ga, mask_truncated=mask_truncated,
                                            loss_type=loss_type, coef=0.0)
-    router = "model.layers.0.mlp.gate.weight"
+    router = "model.layers.0.mlp.router.weight" if family == "gpt_oss" else "model.layers.0.mlp.gate.weight"
     assert rel_err(plain_loss, expected_loss) > 100 * TOL and rel_err(plain[router], expected[router]) > 100 * TOL
 
     model = patch_model(copy.deepcopy(base), attention="reference" if packed else None, kernel_backend="reference")
