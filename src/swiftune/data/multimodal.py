@@ -107,9 +107,9 @@ def is_multimodal_rows(data: Any) -> bool:
 
 
 def _open_image(image: Any) -> Any:
-    from PIL import Image
+    if isinstance(image, (str, bytes)) or hasattr(image, "__fspath__"):  # a path: Pillow opens it
+        from PIL import Image
 
-    if isinstance(image, (str, bytes)) or hasattr(image, "__fspath__"):
         image = Image.open(image)
     return image.convert("RGB") if hasattr(image, "convert") else image
 
