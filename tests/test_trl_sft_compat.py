@@ -431,7 +431,7 @@ def _echo_model():
     return model
 
 
-@pytest.mark.parametrize("packing, loss_type", [(False, "nll"), (True, "nll"), (False, "dft")])
+@pytest.mark.parametrize("packing, loss_type", [(False, "nll"), (True, "dft")])
 def test_training_logs_trls_entropy_and_mean_token_accuracy(tokenizer, tmp_path, packing, loss_type):
     """Training logs TRL's ``entropy`` and ``mean_token_accuracy`` (completion-only labels, 2 accumulated
     micro-batches per step: the per-micro-batch shares averaged), equal to the unpatched float64 model's."""
@@ -556,3 +556,17 @@ def test_assistant_only_loss_on_qwen3s_template(tokenizer):
     assert tokenizer.chat_template != qwen3
     with pytest.raises(DataFormatError, match="prefix-stable"):
         prepare_dataset(rows[1:2], tokenizer, max_length=None, assistant_only_loss=True)
+
+
+def test_a_row_the_marked_template_renders_otherwise_is_refused(tokenizer, monkeypatch):
+    """The per-row check: tokens from swiftune's marked copy must be the tokenizer's own template's."""
+    import swiftune.data.formatting as formatting
+    from swiftune.data.chat_templates import QWEN3_TEMPLATE
+
+    tokenizer.chat_template = _qwen3_reference_template()
+    drifted = QWEN3_TEMPLATE.replace("{{- turn.answer }}", "{{- turn.answer + '!' }}")
+    assert drifted != QWEN3_TEMPLATE
+    monkeypatch.setattr(formatting, "marked_template_for", lambda tok: drifted)
+    rows = [{"messages": QWEN3_CONVERSATIONS[1][0]}]  # an earlier turn takes the branch that drifted
+    with pytest.raises(DataFormatError, match="renders differently"):
+        prepare_dataset(rows, tokenizer, max_length=None, assistant_only_loss=True)
