@@ -361,10 +361,10 @@ def _full_logit_stats(h, w, b, labels, softcap):
     ("reference", None, 128, "mean", False), ("auto", 5.0, 100, "mean", False),
     ("reference", 7.0, None, "none", True),
 ])
-def test_token_stats_of_the_fused_loss_equal_the_full_logits(backend, softcap, vocab_chunk, reduction, bias):
-    """Entropy and arg-max hit per token from the fused loss's chunk loop (Triton blocks under the
-    interpreter, PyTorch blocks, vocabulary split in blocks) equal the float64 full-logits formula, and
-    asking for them changes neither the loss nor any gradient."""
+def test_token_stats_of_the_fused_loss_equal_the_full_logits(device, backend, softcap, vocab_chunk, reduction, bias):
+    """Entropy and arg-max hit per token from the fused loss's chunk loop (Triton blocks: interpreted on
+    CPU, compiled on CUDA; PyTorch blocks; vocabulary split in blocks) equal the float64 full-logits
+    formula, and asking for them changes neither the loss nor any gradient."""
     from swiftune.losses import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -378,6 +378,8 @@ def test_token_stats_of_the_fused_loss_equal_the_full_logits(backend, softcap, v
     labels[:, ::3] = top[:, ::3]  # a third of the tokens are hits
     labels[0, :5] = -100
     labels[2, -4:] = -100
+    w, h, labels = (t.detach().to(device).requires_grad_(t.requires_grad) for t in (w, h, labels))
+    bb = None if bb is None else bb.detach().to(device).requires_grad_()
     kw = dict(reduction=reduction, bias=bb, logit_softcap=softcap, chunk_tokens=24, vocab_chunk=vocab_chunk,
               backend=backend)
     loss, stats = linear_cross_entropy(h, w, labels, return_token_stats=True, **kw)
