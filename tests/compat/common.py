@@ -7,6 +7,10 @@ the two trainers start from bit-identical float32 weights without sharing a modu
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
+
 import torch
 import transformers
 
@@ -24,6 +28,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 LOSS_TOL = 2e-5
 WEIGHT_TOL = 1e-5
 UPDATE_TOL = 1e-3
+
+
+def scratch_dir(prefix: str) -> str:
+    """A temporary directory removed when the test process exits (the runs are cached per process,
+    so pytest's per-test ``tmp_path`` would not outlive them)."""
+    path = tempfile.mkdtemp(prefix=f"swiftune-compat-{prefix}-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def save_tiny_model(path, seed: int = 0) -> str:

@@ -33,7 +33,7 @@ import transformers  # noqa: E402
 import swiftune  # noqa: E402
 from swiftune.rl.policy import build_policy_row  # noqa: E402
 from swiftune.rl.trainer import GRPOMicroBatch  # noqa: E402
-from tests.compat.common import load_model, save_tiny_model, tokenizer  # noqa: E402
+from tests.compat.common import load_model, save_tiny_model, scratch_dir, tokenizer  # noqa: E402
 from tests.helpers import assert_gradients_match  # noqa: E402
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -43,9 +43,7 @@ MAX_COMPLETION = 8  # dr_grpo divides by it
 
 @functools.lru_cache(maxsize=None)
 def model_dir() -> str:
-    import tempfile
-
-    return save_tiny_model(tempfile.mkdtemp(prefix="swiftune-compat-grpo-"))
+    return save_tiny_model(scratch_dir("grpo-model"))
 
 
 def reward_len(completions, **kwargs):
@@ -101,9 +99,7 @@ def shared_fields(output_dir: str, batch: int, ga: int, **overrides) -> dict:
 
 def build(kind: str, fields: dict, lora: bool, num_prompts: int):
     """A trainer of ``kind`` on a fresh copy of the saved model (``compute_loss`` is all that runs)."""
-    import tempfile
-
-    fields = dict(fields, output_dir=tempfile.mkdtemp(prefix=f"swiftune-compat-grpo-{kind}-"))
+    fields = dict(fields, output_dir=scratch_dir(f"grpo-{kind}"))
     prompts = datasets.Dataset.from_list([{"prompt": f"say {i}"} for i in range(max(num_prompts, 2))])
     if kind == "trl":
         config = trl.GRPOConfig(**fields)
@@ -289,9 +285,7 @@ def one_step_logs(kind: str) -> tuple[dict, dict]:
     """One real training step (generation included) and one ``evaluate()`` of a two-reward GRPO
     script with the KL term: ``(the step's log, the evaluation's metrics)``. Completions are sampled,
     so only the names are compared, not the values."""
-    import tempfile
-
-    fields = shared_fields(tempfile.mkdtemp(prefix=f"swiftune-compat-grpo-names-{kind}-"), 4, 1, max_steps=1,
+    fields = shared_fields(scratch_dir(f"grpo-names-{kind}"), 4, 1, max_steps=1,
                            beta=0.1, per_device_eval_batch_size=4)
     prompts = datasets.Dataset.from_list([{"prompt": f"say {i}"} for i in range(4)])
     common = dict(model=load_model(model_dir()), reward_funcs=[reward_len, reward_a_count], train_dataset=prompts,

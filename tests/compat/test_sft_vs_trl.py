@@ -29,7 +29,7 @@ import transformers  # noqa: E402
 import swiftune  # noqa: E402
 from swiftune.errors import ConfigError  # noqa: E402
 from tests.compat.common import (LOSS_TOL, UPDATE_TOL, WEIGHT_TOL, assert_same_tensors, load_model,  # noqa: E402
-                                 save_tiny_model, shared_args, tokenizer, trainable)
+                                 save_tiny_model, scratch_dir, shared_args, tokenizer, trainable)
 
 # A chat template written for this test, with TRL's {% generation %} markers (TRL's
 # assistant_only_loss needs them, or swaps in a template of its own): the assistant's text and its
@@ -97,7 +97,6 @@ class Case:
     eval: bool = False
     config: tuple = ()  # (name, value) pairs for both SFTConfigs
     trl_only: tuple = ()  # fields only TRL's config gets
-    swiftune_only: tuple = ()
     template: str | None = None
 
 
@@ -120,8 +119,7 @@ CASES = {
                                          template=GENERATION_TEMPLATE),
     # completion_only_loss left at its default (None: completion-only on prompt/completion rows, both)
     "prompt_completion_lora": Case("prompt_completion", lora=True, eval=True),
-    # pre-tokenized rows: a completion_mask applies with completion_only_loss=True (TRL's rule); plain
-    # input_ids rows (every token trained) are the text case's tokens, trained below
+    # pre-tokenized rows: a completion_mask applies with completion_only_loss=True (TRL's rule)
     "tokenized_completion_mask": Case("tokenized_mask", config=(("completion_only_loss", True),)),
     # TRL's "bfd" packing and swiftune's: both best-fit decreasing into rows of max_length, documents kept
     # whole and separate (TRL's bfd rows are padding-free with restarting position_ids, which transformers'
@@ -158,26 +156,22 @@ class Run:
 
 @functools.lru_cache(maxsize=None)
 def model_dir() -> str:
-    import tempfile
-
-    return save_tiny_model(tempfile.mkdtemp(prefix="swiftune-compat-sft-"))
+    return save_tiny_model(scratch_dir("sft-model"))
 
 
 @functools.lru_cache(maxsize=None)
 def run(trainer_kind: str, case_name: str) -> Run:
     """Train the case through TRL ("trl") or swiftune ("swiftune") and evaluate (when the case has eval
     rows); cached, so every test of a case shares one run of each trainer."""
-    import tempfile
-
     case = CASES[case_name]
-    fields = shared_args(tempfile.mkdtemp(prefix=f"swiftune-compat-{trainer_kind}-"), **dict(case.config))
+    fields = shared_args(scratch_dir(f"sft-{trainer_kind}"), **dict(case.config))
     if trainer_kind == "trl":
         config = trl.SFTConfig(**fields, **dict(case.trl_only))
         trainer_class = trl.SFTTrainer
     else:
         # reference attention: the CPU path (swiftune's packed attention, plain PyTorch); the loss runs its
         # own kernels either way
-        config = swiftune.SFTConfig(**fields, **dict(case.swiftune_only), kernel_backend="reference",
+        config = swiftune.SFTConfig(**fields, kernel_backend="reference",
                                     attention_backend="reference", plot_loss=False, metrics_file=None)
         trainer_class = swiftune.SFTTrainer
     train = datasets.Dataset.from_list(ROWS[case.rows]())
