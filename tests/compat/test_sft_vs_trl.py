@@ -218,19 +218,10 @@ def test_start_is_the_same_model():
 # ---------------------------------------------------------------------------------------------- metrics
 
 # TRL 1.16's names beyond transformers' own (loss, grad_norm, learning_rate, epoch, step), in training and
-# evaluation logs. A name swiftune does not log is a strict xfail with the reason, not a dropped test.
-_NOT_IN_TRAINING = ("swiftune logs mean_token_accuracy in evaluation only (docs/trl_compat.md): its fused loss "
-                    "returns no arg-max in training")
-_NO_ENTROPY = "swiftune's SFT loss computes no entropy (docs/trl_compat.md: 'entropy: not logged')"
-TRAIN_METRICS = [
-    "num_tokens",
-    pytest.param("mean_token_accuracy", marks=pytest.mark.xfail(strict=True, reason=_NOT_IN_TRAINING)),
-    pytest.param("entropy", marks=pytest.mark.xfail(strict=True, reason=_NO_ENTROPY)),
-]
-EVAL_METRICS = [
-    "eval_loss", "eval_num_tokens", "eval_mean_token_accuracy",
-    pytest.param("eval_entropy", marks=pytest.mark.xfail(strict=True, reason=_NO_ENTROPY)),
-]
+# evaluation logs. A name swiftune does not log would be a strict xfail with the reason, not a dropped test
+# (mean_token_accuracy and entropy in training, and eval_entropy, were until f379234).
+TRAIN_METRICS = ["num_tokens", "mean_token_accuracy", "entropy"]
+EVAL_METRICS = ["eval_loss", "eval_num_tokens", "eval_mean_token_accuracy", "eval_entropy"]
 TRANSFORMERS_NAMES = {"loss", "grad_norm", "learning_rate", "epoch", "step"}
 TRANSFORMERS_EVAL_NAMES = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
 
