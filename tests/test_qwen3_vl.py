@@ -205,17 +205,25 @@ def test_full_finetuning_parity(setup, kernel_backend):
     assert any("deepstack_merger_list" in n for n in _grads(patched))
 
 
-def test_lora_parity(setup):
+VISION_LINEARS = ["qkv", "proj", "linear_fc1", "linear_fc2"]  # vision blocks' attention / MLP and the mergers
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_lora_parity(setup, vision):
+    """PEFT LoRA on the language model's seven projections (and, optionally, on the vision tower's
+    and the mergers' linears as well)."""
     peft = pytest.importorskip("peft")
     proc, base, data = setup
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN, lora_dropout=0.0, init_lora_weights=False)
+    targets = SEVEN + (VISION_LINEARS if vision else [])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
     torch.manual_seed(1)
     reference = peft.get_peft_model(copy.deepcopy(base), config)
     patched = copy.deepcopy(reference)
     swiftune.patch_model(patched, attention="reference", kernel_backend="reference")
     names = [n for n, p in patched.named_parameters() if p.requires_grad]
-    assert names and all("lora_" in n and "language_model" in n for n in names)
-    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names} == set(SEVEN)
+    assert names and all("lora_" in n for n in names)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in names} == set(targets)
+    assert all("language_model" in n for n in names) != vision
     _check_parity(reference, patched, proc, data.examples)
 
 
@@ -301,8 +309,9 @@ def test_packed_rows_parity(setup):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
-    """SFTTrainer takes the model, a VisionProcessor and image-text rows: two steps, the first
-    step's loss is the per-example reference's, and every trainable tensor moves (non-zero grads)."""
+    """SFTTrainer takes the model, a VisionProcessor and image-text rows: the evaluation loss and the
+    first step's loss are the per-example reference's, and in two steps every trainable tensor with
+    a reference gradient moves."""
     import json
 
     from swiftune import SFTConfig, SFTTrainer
@@ -318,12 +327,14 @@ def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
     moving = {n for n, g in _grads(reference).items() if g.abs().max() > 0}
     assert any(n.startswith("model.visual.") for n in moving)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    args = SFTConfig(output_dir=str(tmp_path / "vl"), max_steps=2, per_device_train_batch_size=3, learning_rate=1e-3,
+    args = SFTConfig(output_dir=str(tmp_path / "vl"), max_steps=2, per_device_train_batch_size=3,
+                     per_device_eval_batch_size=3, learning_rate=1e-3,
                      max_length=128, packing=packing, kernel_backend="reference", attention_backend="reference",
                      report_to="none", save_strategy="no", logging_steps=1, seed=1, dataloader_pin_memory=False,
                      disable_tqdm=True, use_cpu=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=_rows(), processing_class=proc)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=_rows(), eval_dataset=_rows(), processing_class=proc)
     assert trainer.train_dataset.lengths == data.lengths  # image tokens count in the token budget
+    assert abs(trainer.evaluate()["eval_loss"] - ref) / ref < 1e-5
     trainer.train()
     with open(tmp_path / "vl" / "metrics.jsonl") as f:
         losses = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]

@@ -79,7 +79,7 @@ def multimodal_layout(
         attention_mask: optional ``[B, S]`` padding mask.
     """
     if document_ids is not None:
-        if tuple(document_ids.shape[-2:]) != (batch_size, seq_len) and document_ids.numel() != batch_size * seq_len:
+        if document_ids.numel() != batch_size * seq_len:  # [B, S], or [S] for one row
             raise ValueError(f"document_ids must be [B, S] = [{batch_size}, {seq_len}], got "
                              f"{tuple(document_ids.shape)}")
         return packed_batch_from_document_ids(document_ids.reshape(batch_size, seq_len), attention_mask,
