@@ -372,7 +372,7 @@ class FastRolloutEngine:
         ws.out_tok.fill_(self.pad_token_id)
         ws.out_lp.zero_()
         if params.repetition_penalty != 1.0:  # the prompts' tokens; each step adds its sample (in the graph)
-            ws.seen.copy_(seen_mask(prompts, ws.vocab, device).repeat_interleave(n, dim=0))
+            ws.seen.view(len(prompts), n, ws.vocab).copy_(seen_mask(prompts, ws.vocab, device)[:, None])
         stop_ids = sorted({int(s) for s in params.stop_token_ids}) or [-1]
         if ws.stop_ids.numel() != len(stop_ids) or ws.stop_ids.tolist() != stop_ids:
             ws.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
