@@ -501,6 +501,21 @@ def test_grouped_mm_experts_equal_transformers_experts(family):
             assert g_.abs().max() > 0
 
 
+@pytest.mark.parametrize(("family", "checkpointing"), [("gpt_oss", "offload"), ("mixtral", "on")])
+def test_tiled_moe_under_checkpointing_equals_the_unpatched_model(family, checkpointing, monkeypatch):
+    """Tiles of 4 tokens inside a checkpointed layer (its recompute routes and tiles again; offloaded:
+    the layer inputs on the host): loss and every gradient as the unpatched model per document."""
+    base = tiny_moe(family).train()
+    expected = _reference_step(copy.deepcopy(base), _examples())
+    model = patch_model(copy.deepcopy(base), kernel_backend="reference")
+    mode = {"on": True, "offload": "offload"}[checkpointing]
+    budget = {"offload_gpu_budget_bytes": 0} if mode == "offload" else {}
+    model = enable_tiled_mlp(FastModel.for_training(model, use_gradient_checkpointing=mode, **budget), tile_tokens=4)
+    calls = _count_tiled_experts(monkeypatch)
+    _assert_parity(expected, _swiftune_step(model.train(), _examples(), "packed"), _trainable(base))
+    assert calls["forward"] > 0 and calls["backward"] > 0, calls
+
+
 def test_tiled_mlp_refuses_moe_blocks_it_cannot_tile_as_router_then_experts():
     """A MoE block with more than a router and experts (Qwen2-MoE's shared expert) or with router
     jitter (Mixtral's router_jitter_noise, applied to the input in place) is refused, naming why."""
