@@ -15,7 +15,8 @@ One *generation* (every ``steps_per_generation`` micro-batches, ``num_iterations
    and the reference log-probs (``beta > 0``) are computed here, without gradient.
 
 Each training micro-step then runs the policy forward on its row and the loss of
-:mod:`swiftune.rl.loss`. Checkpoints also hold the unfinished generation's micro-batches
+:mod:`swiftune.rl.loss` (on a mixture-of-experts policy plus TRL's router load-balancing term,
+:class:`swiftune.training.router_aux.RouterAuxLoss` over the row's routed tokens). Checkpoints also hold the unfinished generation's micro-batches
 (:mod:`swiftune.rl.checkpoint`), so a resumed run continues exactly. Everything else (optimizer,
 schedules, checkpoints, DDP launch, logging integrations) is transformers'. Metrics, under TRL 1.16's
 names (:mod:`swiftune.rl.grpo_metrics`), go to every integration, the progress bar, ``metrics.jsonl``
