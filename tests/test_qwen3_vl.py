@@ -427,3 +427,31 @@ def test_generate_matches_transformers(setup):
     kwargs = dict(input_ids=ids, pixel_values=example["pixel_values"], image_grid_thw=example["image_grid_thw"],
                   mm_token_type_ids=(ids == proc.token_id(IMAGE_TOKEN)).int(), max_new_tokens=5, do_sample=False)
     assert torch.equal(patched.generate(**kwargs), base.generate(**kwargs))
+
+
+def test_moe_variant_parity(setup):
+    """Qwen3-VL-MoE (one sparse layer: transformers' router, experts as swiftune's grouped GEMMs; one
+    dense layer): loss and every gradient, router and experts included, against transformers per
+    example."""
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip("this transformers has no Qwen3-VL-MoE")
+    from swiftune.models.families import family_of
+
+    proc, base, data = setup
+    config = transformers.Qwen3VLMoeConfig(
+        text_config={**base.config.text_config.to_dict(), "moe_intermediate_size": 32, "num_experts": 4,
+                     "num_experts_per_tok": 2, "mlp_only_layers": [1]},
+        vision_config=base.config.vision_config.to_dict(),
+        **{k: getattr(base.config, k) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                 "video_token_id")})
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
+    with torch.no_grad():  # the initialisation leaves the router at zero: give it (and the experts) a scale
+        for name, p in model.named_parameters():
+            if "experts" in name or "mlp.gate." in name:
+                p.normal_(0.0, 0.05)
+    assert family_of(model.config).moe
+    patched = swiftune.patch_model(copy.deepcopy(model), attention="reference", kernel_backend="reference")
+    experts = [m for m in patched.modules() if type(m).__name__ == "Qwen3VLMoeTextExperts"]
+    assert experts and all(is_bound(m) for m in experts)
+    _check_parity(model, patched, proc, data.examples)

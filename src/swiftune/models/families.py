@@ -173,6 +173,14 @@ def _qwen3_vl() -> Family:
                   fast_rollout=False, vision_language=True)
 
 
+def _qwen3_vl_moe() -> Family:
+    """Qwen3-VL-MoE: Qwen3-VL's vision tower and M-RoPE text decoder with Qwen3-MoE's sparse blocks
+    (router ``Qwen3VLMoeTextTopKRouter`` stays transformers'; fused experts ``[E, 2I, H]`` / ``[E, H, I]``,
+    Qwen3-MoE's layout, as grouped GEMMs). Not on the fast rollout engine."""
+    return Family("qwen3_vl_moe", "Qwen3VLMoeText", pre_norm=True, moe=True, experts=ExpertsSpec(),
+                  fast_rollout=False, vision_language=True)
+
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -186,6 +194,7 @@ FAMILIES: dict[str, Family] = {
         _qwen3_moe(),
         _gpt_oss(),
         _qwen3_vl(),
+        _qwen3_vl_moe(),
         _mixtral(),
     )
 }
