@@ -102,6 +102,8 @@ class Case:
 
 ROWS = {
     "messages": lambda: messages_rows(WORDS),
+    "short_messages": lambda: [{"messages": [{"role": "user", "content": w[:3]},
+                                             {"role": "assistant", "content": w[2::-1]}]} for w in WORDS],
     "prompt_completion": lambda: prompt_completion_rows(WORDS),
     "tokenized_mask": lambda: tokenized_rows(WORDS, with_mask=True),
     "text": lambda: text_rows(WORDS),
@@ -115,8 +117,10 @@ CASES = {
     # user who wants it does
     "messages_assistant_only": Case("messages", eval=True, config=(("assistant_only_loss", True),),
                                     template=GENERATION_TEMPLATE),
-    "messages_assistant_only_lora": Case("messages", lora=True, config=(("assistant_only_loss", True),),
-                                         template=GENERATION_TEMPLATE),
+    # TRL's default for messages: the loss over the whole conversation (swiftune: assistant_only_loss=False)
+    # (short chats: every token of them trains)
+    "messages_full_conversation_lora": Case("short_messages", lora=True, config=(("assistant_only_loss", False),),
+                                            template=GENERATION_TEMPLATE),
     # completion_only_loss left at its default (None: completion-only on prompt/completion rows, both)
     "prompt_completion_lora": Case("prompt_completion", lora=True, eval=True),
     # pre-tokenized rows: a completion_mask applies with completion_only_loss=True (TRL's rule)
