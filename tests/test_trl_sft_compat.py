@@ -16,7 +16,6 @@ from swiftune.data import build_tokenizer, make_collator, prepare_dataset
 from swiftune.data.formatting import DataFormatError
 from swiftune.errors import ConfigError
 from swiftune.sft import SFTConfig, SFTTrainer
-from swiftune.sft.eval_outputs import token_accuracy_counts
 from swiftune.sft.trainer import head_loss
 from tests.helpers import builtin_qwen3, rel_err
 
@@ -230,19 +229,6 @@ def test_evaluate_compute_metrics_and_trl_metric_names(tokenizer, tmp_path, loss
     with open(tmp_path / "metrics.jsonl") as f:
         steps = [json.loads(line) for line in f if '"loss"' in line]
     assert steps[-1]["num_tokens"] == sum(len(r["input_ids"]) for r in rows)
-
-
-def test_token_accuracy_counts_the_argmax_hits_of_labelled_tokens():
-    torch.manual_seed(0)
-    hidden, head = torch.randn(2, 50, 16), torch.nn.Linear(16, 300)
-    logits = head(hidden)
-    labels = torch.randint(0, 300, (2, 50))
-    labels[:, ::2] = logits.argmax(-1)[:, ::2]  # every second token is a hit
-    labels[0, :7] = -100
-    keep = labels != -100
-    expected = int((logits.argmax(-1)[keep] == labels[keep]).sum())
-    assert 40 <= expected < int(keep.sum())
-    assert token_accuracy_counts(hidden, head, labels) == (expected, int(keep.sum()))
 
 
 def test_trl_fields_checked_at_construction():
