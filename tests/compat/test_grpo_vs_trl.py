@@ -417,7 +417,9 @@ KNOWN_UNDOCUMENTED = {
                                               "(docs/trl_compat.md documents it for SFT)",
     ("SFTConfig", "remove_unused_columns"): "swiftune.SFTConfig re-defaults remove_unused_columns to False "
                                             "(its collators need the tokenized columns), TRL keeps transformers' "
-                                            "True; no row in docs/trl_compat.md",
+                                            "True; no row in docs/trl_compat.md (and True given explicitly changes "
+                                            "the loss: test_sft_vs_trl.py::"
+                                            "test_remove_unused_columns_true_keeps_the_completion_only_loss)",
 }
 
 

@@ -290,3 +290,27 @@ def test_lora_init_follows_the_seed_as_in_trl(tmp_path):
         **args, kernel_backend="reference", attention_backend="reference", plot_loss=False, metrics_file=None),
         train_dataset=rows, processing_class=tokenizer(), peft_config=lora_config())
     assert_same_tensors(trainable(ref.model), trainable(got.model), 0.0, "LoRA init")
+
+
+@pytest.mark.xfail(strict=True, reason="with remove_unused_columns=True (transformers' and TRL's default; swiftune "
+                   "re-defaults it to False) transformers' Trainer wraps swiftune's collator in RemoveColumnsCollator, "
+                   "which drops each example's completion_mask (not an argument of the model's forward), so swiftune "
+                   "silently trains every prompt token too (12 trained tokens become 64 on the first step here) and the "
+                   "loss is not TRL's; TRL builds labels before the Trainer sees the rows. Fix in swiftune.SFTTrainer: "
+                   "keep the tokenized columns (override _set_signature_columns_if_needed or refuse the value)")
+def test_remove_unused_columns_true_keeps_the_completion_only_loss():
+    """A TRL config that sets ``remove_unused_columns=True`` (TRL's own default) trains what TRL trains."""
+    rows = datasets.Dataset.from_list(prompt_completion_rows(WORDS))
+    losses = {}
+    for kind, config_class, trainer_class, extra in (
+            ("trl", trl.SFTConfig, trl.SFTTrainer, {}),
+            ("swiftune", swiftune.SFTConfig, swiftune.SFTTrainer,
+             dict(kernel_backend="reference", attention_backend="reference", plot_loss=False, metrics_file=None))):
+        config = config_class(**shared_args(scratch_dir(f"sft-columns-{kind}"), max_steps=1), remove_unused_columns=True,
+                              **extra)
+        transformers.set_seed(config.seed)
+        trainer = trainer_class(model=load_model(model_dir()), args=config, train_dataset=rows,
+                                processing_class=tokenizer())
+        trainer.train()
+        losses[kind] = trainer.state.log_history[0]["loss"]
+    assert abs(losses["trl"] - losses["swiftune"]) <= LOSS_TOL * losses["trl"], losses
