@@ -7,10 +7,13 @@ reference log-probs go into each trainer's own ``compute_loss``, each in the inp
 ``GRPOMicroBatch`` of one packed, padding-free row), and the loss each returns, scaled as
 transformers' ``Trainer.training_step`` scales it before ``backward``, and then the gradient of
 every trainable tensor must agree, for loss types grpo / dapo / dr_grpo / bnpo, with and without
-the KL term, full fine-tuning and LoRA, one and two accumulation steps.
+the KL term, full fine-tuning and LoRA, one and two accumulation steps (and TRL's other objectives
+and knobs swiftune claims), with the loss metrics TRL logs and the evaluation-mode loss.
 
-The config check reads TRL 1.16's dataclass fields: each is in swiftune's config with TRL's default,
-or in swiftune's documented table of differences (docs/trl_compat.md, docs/trl_compat_grpo.md).
+A real training step and ``evaluate()`` of each trainer compare the logged metric names (values
+depend on the sampled completions). The config check reads TRL 1.16's dataclass fields: each is in
+swiftune's config with TRL's default, or in swiftune's documented table of differences
+(docs/trl_compat.md, docs/trl_compat_grpo.md).
 """
 
 from __future__ import annotations
