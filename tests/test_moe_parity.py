@@ -262,7 +262,7 @@ def _reference_step_with_aux(model: torch.nn.Module, examples: list[dict]) -> tu
         per_layer = [[t] for t in layers] if per_layer is None else [a + [t] for a, t in zip(per_layer, layers)]
     config = model.config
     # transformers' function of the model's own modeling file
-    reference_aux = importlib.import_module(type(model).__module__).load_balancing_loss_func
+    reference_aux = importlib.import_module(type(causal_lm_of(model)).__module__).load_balancing_loss_func
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     aux = reference_aux(tuple(torch.cat(parts) for parts in per_layer), experts, config.num_experts_per_tok)
     loss = total / count + config.router_aux_loss_coef * aux
@@ -306,6 +306,18 @@ def test_moe_router_aux_loss_and_gradients_equal_transformers(family, layout, ch
     if checkpointing == "tiled_mlp":
         enable_tiled_mlp(model, tile_tokens=4)
     _assert_parity(expected, _swiftune_step_with_aux(model, _examples(), layout), _trainable(reference))
+
+
+def test_moe_router_aux_loss_with_lora_on_the_router_equals_peft():
+    """Mixtral with PEFT's own mapping of its names (LoRA on the experts and on the router's weight, a
+    parametrised router): the recorded logits carry the adapter, loss and every gradient equal PEFT's
+    model run per document with transformers' aux on top (packed rows, checkpointing on)."""
+    base = tiny_mixtral(output_router_logits=True).train()
+    reference = _targeted_lora_reference(base, "v4_names")
+    expected = _reference_step_with_aux(reference, _examples())
+    model = _targeted_lora_model(base, reference, "v4_names", "on", "reference")
+    assert any("mlp.gate.lora_A" in name for name in _trainable(reference))
+    _assert_parity(expected, _swiftune_step_with_aux(model, _examples(), "packed"), _trainable(reference))
 
 
 def test_load_balancing_loss_matches_transformers_with_padding():
