@@ -30,7 +30,7 @@ import transformers
 
 from swiftune.data import build_tokenizer
 from swiftune.errors import ConfigError
-from swiftune.models import causal_lm_of, patch_model
+from swiftune.models import causal_lm_of, enable_tiled_mlp, patch_model
 from swiftune.models.support import controls_attention
 from swiftune.rl import GRPOConfig, GRPOTrainer
 from tests.helpers import assert_gradients_match, rel_err
@@ -38,7 +38,7 @@ from tests.test_grpo_loss import L_MAX, reference_loss
 from tests.test_grpo_parity import (
     COMPLETIONS, G, PROMPTS, TEMPERATURE, FixedRollouts, _group_advantages, _grads, _trainable, reward,
 )
-from tests.test_moe_parity import AUX_COEF, tiny_moe, tiny_qwen3_moe
+from tests.test_moe_parity import AUX_COEF, _count_tiled_experts, tiny_moe, tiny_qwen3_moe
 
 TOL = 1e-5
 PAD = 0  # the reference's padding token: masked out, never attended to
@@ -117,18 +117,20 @@ def _swiftune_step(trainer: GRPOTrainer, ga: int) -> tuple[torch.Tensor, dict]:
 # coefficient (None); plain rows over two accumulation steps with dapo's global normaliser and an explicit
 # coefficient; the padded fallback of a model whose attention is not swiftune's
 CASES = [
-    ("qwen3_moe", True, 1, True, "grpo", None, True),
-    ("qwen3_moe", False, 2, False, "dapo", 0.5, True),
-    ("qwen3_moe", True, 2, True, "grpo", 0.5, False),
+    ("qwen3_moe", True, 1, True, "grpo", None, True, False),
+    ("qwen3_moe", False, 2, False, "dapo", 0.5, True, False),
+    ("qwen3_moe", True, 2, True, "grpo", 0.5, False, False),
     # gpt-oss: router with a bias, the block returns its routing weights, sinks (plain rows only)
-    ("gpt_oss", False, 1, True, "grpo", None, True),
+    ("gpt_oss", False, 1, True, "grpo", None, True, False),
+    # the MoE experts in tiles of 3 tokens (the router once over the whole row)
+    ("qwen3_moe", True, 1, True, "grpo", None, True, True),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-share{c[1]}-ga{c[2]}-masktrunc{c[3]}-{c[4]}-coef{c[5]}-"
-                                                        + ("packed" if c[6] else "padded"))
-def test_grpo_router_loss_and_gradients_equal_trls_formula_on_the_unpatched_model(case, tmp_path):
-    family, share, ga, mask_truncated, loss_type, coef, packed = case
+                                                        + ("packed" if c[6] else "padded") + ("-tiled" if c[7] else ""))
+def test_grpo_router_loss_and_gradients_equal_trls_formula_on_the_unpatched_model(case, tmp_path, monkeypatch):
+    family, share, ga, mask_truncated, loss_type, coef, packed, tiled = case
     tokenizer = build_tokenizer()
     base = tiny_moe(family).train()
     assert base.config.router_aux_loss_coef == AUX_COEF and not base.config.output_router_logits
@@ -143,12 +145,16 @@ def test_grpo_router_loss_and_gradients_equal_trls_formula_on_the_unpatched_mode
     assert rel_err(plain_loss, expected_loss) > 100 * TOL and rel_err(plain[router], expected[router]) > 100 * TOL
 
     model = patch_model(copy.deepcopy(base), attention="reference" if packed else None, kernel_backend="reference")
+    if tiled:
+        enable_tiled_mlp(model, tile_tokens=3)
     trainer = _trainer(model, tokenizer, tmp_path, ga=ga, share=share, mask_truncated=mask_truncated,
                        loss_type=loss_type, coef=coef)
     assert trainer.router_aux.enabled and trainer.router_aux.coef == weight
     assert not model.config.output_router_logits  # TRL's GRPOTrainer leaves the model config alone
     assert controls_attention(causal_lm_of(model)) == packed
+    tiled_calls = _count_tiled_experts(monkeypatch)
     loss, grads = _swiftune_step(trainer, ga)
+    assert (tiled_calls["forward"] > 0 and tiled_calls["backward"] > 0) == tiled, tiled_calls
     assert all((mb.row.layout.seg is not None) == share for mb in trainer._buffer)
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < TOL, (float(loss), float(expected_loss))
     assert_gradients_match(expected, grads, _trainable(reference), TOL)
