@@ -411,19 +411,7 @@ def differences(trl_class, swiftune_class, doc: str) -> list[str]:
 CONFIGS = [("GRPOConfig", swiftune.GRPOConfig, "trl_compat_grpo.md"), ("SFTConfig", swiftune.SFTConfig, "trl_compat.md")]
 # Fields that differ and that the docs do not list yet; each has its strict xfail below (with what
 # differs), so the check of every other field stays strict.
-KNOWN_UNDOCUMENTED = {
-    ("GRPOConfig", "bf16"): "TRL's _BaseConfig re-defaults bf16 to None, read as True unless fp16 (bf16 autocast); "
-                            "swiftune.GRPOConfig keeps transformers' False; docs/trl_compat_grpo.md has no row for "
-                            "it (docs/trl_compat.md documents it for SFT)",
-    ("GRPOConfig", "gradient_checkpointing"): "TRL re-defaults gradient_checkpointing to True; swiftune.GRPOConfig "
-                                              "keeps transformers' None; no row in docs/trl_compat_grpo.md "
-                                              "(docs/trl_compat.md documents it for SFT)",
-    ("SFTConfig", "remove_unused_columns"): "swiftune.SFTConfig re-defaults remove_unused_columns to False "
-                                            "(its collators need the tokenized columns), TRL keeps transformers' "
-                                            "True; no row in docs/trl_compat.md (and True given explicitly changes "
-                                            "the loss: test_sft_vs_trl.py::"
-                                            "test_remove_unused_columns_true_keeps_the_completion_only_loss)",
-}
+KNOWN_UNDOCUMENTED: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("trl_name, swiftune_class, doc", CONFIGS)

@@ -274,9 +274,6 @@ def test_wrapped_packing_is_refused(tmp_path):
         swiftune.SFTConfig(**shared_args(str(tmp_path)), packing=True, packing_strategy="wrapped")
 
 
-@pytest.mark.xfail(strict=True, reason="swiftune.SFTTrainer wraps the model with PEFT without seeding: the adapters "
-                   "start from whatever the global RNG holds (trainer.py -> training/base.py prepare_model), while "
-                   "TRL calls set_seed(args.seed) first, so the same script gives other LoRA A matrices")
 def test_lora_init_follows_the_seed_as_in_trl(tmp_path):
     """The same script, run twice with the RNG in another state before the trainer: TRL's adapters
     start from ``args.seed`` either way; swiftune's must too."""
@@ -292,12 +289,6 @@ def test_lora_init_follows_the_seed_as_in_trl(tmp_path):
     assert_same_tensors(trainable(ref.model), trainable(got.model), 0.0, "LoRA init")
 
 
-@pytest.mark.xfail(strict=True, reason="with remove_unused_columns=True (transformers' and TRL's default; swiftune "
-                   "re-defaults it to False) transformers' Trainer wraps swiftune's collator in RemoveColumnsCollator, "
-                   "which drops each example's completion_mask (not an argument of the model's forward), so swiftune "
-                   "silently trains every prompt token too (12 trained tokens become 64 on the first step here) and the "
-                   "loss is not TRL's; TRL builds labels before the Trainer sees the rows. Fix in swiftune.SFTTrainer: "
-                   "keep the tokenized columns (override _set_signature_columns_if_needed or refuse the value)")
 def test_remove_unused_columns_true_keeps_the_completion_only_loss():
     """A TRL config that sets ``remove_unused_columns=True`` (TRL's own default) trains what TRL trains."""
     rows = datasets.Dataset.from_list(prompt_completion_rows(WORDS))

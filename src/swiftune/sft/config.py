@@ -183,13 +183,18 @@ class SFTConfig(TrainingArguments):
     learning_rate: float = field(default=2e-5, metadata={"help": "Initial AdamW learning rate."})
     logging_steps: float = field(default=1, metadata={"help": "Log (and write metrics) every N steps."})
     remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Kept False: swiftune's collators need the tokenized columns."}
+        default=False, metadata={"help": "Read as False: swiftune's tokenized rows hold only what its collators need "
+                                          "(transformers' removal would drop completion_mask)."}
     )
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
         "model_init_kwargs", "dataset_kwargs", "chat_template_kwargs"]
 
     def __post_init__(self) -> None:
+        # True is TRL's and transformers' default: its intent (the model sees only the columns it needs)
+        # is what swiftune's tokenized rows already are, while transformers' removal would drop the
+        # collators' completion_mask and silently train the prompt tokens too
+        self.remove_unused_columns = False
         check_trl_fields(self)  # before anything else: they decide batch layout and checkpointing
         if self.packing and self.padding_free:
             raise ConfigError(

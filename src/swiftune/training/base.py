@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from ..models import is_patched, patch_model
@@ -62,7 +62,11 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         """``(model, tokenizer)`` ready for training, in this order: a path or hub name loaded
         (``load_kwargs`` go to :meth:`FastModel.from_pretrained`, with the config's attention and
         kernel backends), the tokenizer and the dataset required (``ValueError`` with the given
-        messages), adapters added from ``peft_config``, the model patched if it is not."""
+        messages), adapters added from ``peft_config``, the model patched if it is not.
+
+        The global RNG is seeded from ``args.seed`` first, as TRL's trainers do: PEFT draws the
+        adapters' initial weights from it, so the same script starts from the same adapters."""
+        set_seed(args.seed)
         if isinstance(model, str):
             model, loaded_tokenizer = FastModel.from_pretrained(
                 model, attn_implementation=args.attention_backend, kernel_backend=args.kernel_backend,
