@@ -54,11 +54,6 @@ def text_config_of(config: Any) -> Any:
     return get_text() if callable(get_text) else config
 
 
-def is_vision_language(model: nn.Module) -> bool:
-    """Whether ``model`` (a transformers model) is a vision-language model with a vision config."""
-    return getattr(getattr(model, "config", None), "vision_config", None) is not None
-
-
 def multimodal_layout(
     batch_size: int,
     seq_len: int,
