@@ -324,12 +324,6 @@ def test_grpo_training_log_has_trls_names():
 
 
 # TRL 1.16's evaluate() metrics of this script; a name swiftune does not give is a strict xfail with why
-_NO_EVAL_TIMING = ("swiftune.GRPOTrainer.evaluate (rl/trainer.py, rl/evaluation.py) builds its own metrics and does not "
-                   "run transformers' evaluation loop, which adds eval_runtime / eval_samples_per_second / "
-                   "eval_steps_per_second; docs/trl_compat_grpo.md does not list them as missing")
-_NO_EVAL_NUM_TOKENS = ("TRL logs eval_num_tokens (its running num_tokens, unchanged by evaluation) in evaluate(); "
-                       "swiftune's GRPO evaluation metrics have no num_tokens (docs/trl_compat_grpo.md says every "
-                       "metric is logged with eval_ in front)")
 GRPO_EVAL_NAMES = [
     "eval_loss", "eval_reward", "eval_reward_std", "eval_frac_reward_zero_std", "eval_entropy", "eval_kl",
     "eval_rewards/reward_len/mean", "eval_rewards/reward_len/std", "eval_rewards/reward_a_count/mean",
@@ -338,9 +332,8 @@ GRPO_EVAL_NAMES = [
     "eval_completions/min_terminated_length", "eval_completions/max_terminated_length",
     "eval_clip_ratio/low_mean", "eval_clip_ratio/high_mean", "eval_clip_ratio/region_mean",
     "eval_clip_ratio/low_min", "eval_clip_ratio/high_max", "epoch",
-    pytest.param("eval_num_tokens", marks=pytest.mark.xfail(strict=True, reason=_NO_EVAL_NUM_TOKENS)),
-] + [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_NO_EVAL_TIMING))
-     for n in ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")]
+    "eval_num_tokens", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second",
+]
 
 
 def test_the_eval_name_list_is_what_trl_logs():

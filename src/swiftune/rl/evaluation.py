@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers.trainer_utils import speed_metrics
 
 from .grpo_metrics import generation_metrics
 
@@ -48,7 +49,7 @@ def evaluate_rewards(trainer: Any, rows: Sequence[Mapping[str, Any]], prefix: st
     losses: list[tuple[float, int]] = []
     logged: list[dict[str, list[float]]] = []
     batch_level = False
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()  # speed_metrics reads time.time()
     for a in range(0, len(mine), per_call):
         sampled = trainer.sample_and_score(mine[a:a + per_call], G)
         advantages, batch_level = trainer.advantages_of(sampled, G, local=True)
@@ -74,4 +75,10 @@ def evaluate_rewards(trainer: Any, rows: Sequence[Mapping[str, Any]], prefix: st
             merged.setdefault(k, []).extend(v for v in vals if not math.isnan(v))
     metrics.update({k: sum(v) / len(v) for k, v in merged.items() if v})
     metrics["generation_s"] = time.perf_counter() - t0
-    return {f"{prefix}_{k}": v for k, v in metrics.items() if not math.isnan(v)}  # NaN: no value (TRL: None)
+    metrics["num_tokens"] = float(trainer.state.num_input_tokens_seen)  # TRL: the training count, unchanged here
+    out = {f"{prefix}_{k}": v for k, v in metrics.items() if not math.isnan(v)}  # NaN: no value (TRL: None)
+    # transformers' evaluation loop adds these three; swiftune's evaluation is its own loop, so it adds them
+    # itself: completions over every process, one step per generation call of a process
+    steps = -(-len(mine) // per_call)
+    out.update(speed_metrics(prefix, started, num_samples=int(per_func.shape[0]), num_steps=steps))
+    return out
