@@ -275,7 +275,7 @@ class SFTTrainer(SwiftuneTrainer):
         targets = shift_labels(labels)
         logged = self.args.logging_strategy != "no" or not model.training  # TRL's entropy / token accuracy
         out = head_loss(hidden, lm_head, softcap, targets, num_items_in_batch, self.args.logit_chunk_tokens,
-                        self.args.loss_type, token_stats=logged)
+                        self.args.loss_type, token_stats=logged, backend=self.args.kernel_backend)
         loss, stats = out if logged else (out, None)
         if stats is not None:
             counted = (targets != IGNORE_INDEX).sum()
@@ -378,6 +378,7 @@ def head_loss(
     chunk_tokens: int | None = None,
     loss_type: str = "nll",
     token_stats: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, TokenStats]:
     """The SFT loss of ``hidden`` against the (shifted) ``targets`` through the fused LM head.
 
@@ -390,16 +391,18 @@ def head_loss(
 
     ``token_stats=True`` returns ``(loss, TokenStats)``: each flattened target's entropy and arg-max
     hit, without gradient, from the loss's own chunk loop (``"dft"``: one more no-grad pass).
+    ``backend``: the loss's (``"auto"``, ``"triton"``, ``"reference"``: the config's ``kernel_backend``).
     """
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if loss_type == "nll":
         return linear_cross_entropy(flat_h, lm_head.weight, flat_y, reduction="mean", num_items=num_items_in_batch,
                                     logit_softcap=softcap, bias=lm_head.bias, chunk_tokens=chunk_tokens,
-                                    return_token_stats=token_stats)
+                                    return_token_stats=token_stats, backend=backend)
     if loss_type != "dft":
         raise ValueError(f"loss_type must be 'nll' or 'dft', got {loss_type!r}")
     per_token = linear_cross_entropy(flat_h, lm_head.weight, flat_y, reduction="none", logit_softcap=softcap,
-                                     bias=lm_head.bias, chunk_tokens=chunk_tokens, return_token_stats=token_stats)
+                                     bias=lm_head.bias, chunk_tokens=chunk_tokens, return_token_stats=token_stats,
+                                     backend=backend)
     per_token, stats = per_token if token_stats else (per_token, None)
     weighted = per_token * torch.exp(-per_token).detach()  # ignored positions: loss 0, weight 1, term 0
     count = (flat_y != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
