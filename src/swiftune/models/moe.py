@@ -32,14 +32,28 @@ from torch import nn
 from .families import family_of
 from .patching import causal_lm_of
 
-__all__ = ["load_balancing_loss", "moe_config", "record_router_logits", "router_aux_loss"]
+__all__ = ["load_balancing_loss", "moe_config", "moe_text_config", "record_router_logits", "router_aux_loss"]
 
 
-def moe_config(model: nn.Module) -> tuple[int, int, float] | None:
-    """``(num_experts, top_k, router_aux_loss_coef)`` of a MoE model, or ``None`` for a dense one."""
+def moe_text_config(model: nn.Module) -> object | None:
+    """The config that holds a MoE model's router settings (``num_experts``, ``num_experts_per_tok``,
+    ``router_aux_loss_coef``, ``output_router_logits``), or ``None`` for a dense model.
+
+    A text MoE (Qwen3-MoE, gpt-oss, Mixtral) keeps them in its own config; a vision-language MoE
+    (Qwen3-VL-MoE) in its ``text_config``, which is also where its transformers forward reads them.
+    """
     config = getattr(causal_lm_of(model), "config", None)
     family = family_of(config)
     if family is None or not family.moe:
+        return None
+    return getattr(config, "text_config", None) if family.vision_language else config
+
+
+def moe_config(model: nn.Module) -> tuple[int, int, float] | None:
+    """``(num_experts, top_k, router_aux_loss_coef)`` of a MoE model (read from
+    :func:`moe_text_config`), or ``None`` for a dense one."""
+    config = moe_text_config(model)
+    if config is None:
         return None
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
@@ -124,7 +138,7 @@ def router_aux_loss(
     to its loss with ``output_router_logits=True``), or ``None`` where there is nothing to add (a dense
     model, nothing recorded, or ``output_router_logits`` off in the config, as transformers does)."""
     settings = moe_config(model)
-    config = getattr(causal_lm_of(model), "config", None)
+    config = moe_text_config(model)
     if settings is None or not router_logits or not getattr(config, "output_router_logits", False):
         return None
     num_experts, top_k, coef = settings

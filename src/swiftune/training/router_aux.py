@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from ..models.moe import load_balancing_loss, moe_config, record_router_logits
+from ..models.moe import load_balancing_loss, moe_config, moe_text_config, record_router_logits
 from ..models.patching import causal_lm_of
 
 __all__ = ["RouterAuxLoss", "real_token_mask"]
@@ -50,7 +50,8 @@ class RouterAuxLoss:
     def __init__(self, model: nn.Module, coef: float | None, field: str = "router_aux_loss_coef",
                  configure_model: bool = True):
         """``configure_model``: set the model config's ``output_router_logits`` / ``router_aux_loss_coef``
-        to match (TRL's SFTTrainer does; its GRPOTrainer does not)."""
+        to match (TRL's SFTTrainer does; its GRPOTrainer does not); on a vision-language MoE
+        (Qwen3-VL-MoE) those of its ``text_config``, where the model keeps its router settings."""
         settings = moe_config(model)
         if coef and settings is None:
             raise ConfigError(f"{field}={coef}: {type(causal_lm_of(model)).__name__} is not a mixture-of-experts "
@@ -58,7 +59,8 @@ class RouterAuxLoss:
         self.num_experts, self.top_k, model_coef = settings or (0, 0, 0.0)
         self.coef = float(model_coef if coef is None else coef)
         self.enabled = settings is not None and self.coef != 0.0
-        config = getattr(causal_lm_of(model), "config", None)
+        # the config transformers' own forward reads these from: a vision-language MoE's text_config
+        config = moe_text_config(model)
         if configure_model and settings is not None and config is not None:
             config.output_router_logits = self.enabled  # as TRL: the config says whether the term is on
             config.router_aux_loss_coef = self.coef
