@@ -183,31 +183,52 @@ def tokenize_multimodal_row(row: Mapping[str, Any], processor: Any, completion_o
     trained = [int(any(a <= s and e <= b and e > s for a, b in spans)) for s, e in offsets]
     if not completion_only_loss:
         trained = [1] * len(ids)
-    example: dict[str, Any] = {}
+    ids, trained, example = expand_image_tokens(ids, trained, images, proc)
     image_id = proc.token_id(proc.image_token)
-    if images:
-        out = proc.image_processor(images=images, return_tensors="pt")
-        grid = out["image_grid_thw"]
-        counts = (grid.prod(-1) // proc.merge_size**2).tolist()
-        if ids.count(image_id) != len(counts):
-            raise DataFormatError(f"the rendered chat has {ids.count(image_id)} {proc.image_token} tokens for "
-                                  f"{len(counts)} images (does the text itself contain the image token?)")
-        expanded_ids, expanded_mask, n = [], [], iter(counts)
-        for token, m in zip(ids, trained):
-            if token == image_id:
-                count = next(n)
-                expanded_ids.extend([image_id] * count)
-                expanded_mask.extend([0] * count)
-            else:
-                expanded_ids.append(token)
-                expanded_mask.append(m)
-        ids, trained = expanded_ids, expanded_mask
-        example["pixel_values"] = out["pixel_values"]
-        example["image_grid_thw"] = grid
-    elif image_id in ids:
-        raise DataFormatError(f"the text contains {proc.image_token} but the row has no image for it")
     example["input_ids"] = ids
     example["completion_mask"] = [0 if t == image_id else m for t, m in zip(ids, trained)]
+    return example
+
+
+def expand_image_tokens(ids: list[int], mask: list[int], images: list, proc: VisionProcessor
+                        ) -> tuple[list[int], list[int], dict[str, Any]]:
+    """Expand each ``<|image_pad|>`` of ``ids`` to its image's token count (``t * h * w /
+    merge_size**2``, as Qwen3-VL's processor does); ``mask`` follows with 0 on image tokens.
+    Returns ``(ids, mask, {"pixel_values", "image_grid_thw"})`` (an empty dict without images)."""
+    image_id = proc.token_id(proc.image_token)
+    if not images:
+        if image_id in ids:
+            raise DataFormatError(f"the text contains {proc.image_token} but the row has no image for it")
+        return list(ids), list(mask), {}
+    out = proc.image_processor(images=images, return_tensors="pt")
+    grid = out["image_grid_thw"]
+    counts = (grid.prod(-1) // proc.merge_size**2).tolist()
+    if ids.count(image_id) != len(counts):
+        raise DataFormatError(f"the rendered chat has {ids.count(image_id)} {proc.image_token} tokens for "
+                              f"{len(counts)} images (does the text itself contain the image token?)")
+    expanded_ids, expanded_mask, n = [], [], iter(counts)
+    for token, m in zip(ids, mask):
+        if token == image_id:
+            count = next(n)
+            expanded_ids.extend([image_id] * count)
+            expanded_mask.extend([0] * count)
+        else:
+            expanded_ids.append(token)
+            expanded_mask.append(m)
+    return expanded_ids, expanded_mask, {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+
+
+def tokenize_multimodal_prompt(messages: Sequence[Mapping[str, Any]], processor: Any, images: Sequence[Any] = (),
+                               **chat_template_kwargs: Any) -> dict[str, Any]:
+    """A conversational prompt with image parts (GRPO) -> ``input_ids`` (chat template with the
+    generation prompt, image tokens expanded), and with images ``pixel_values`` / ``image_grid_thw``.
+    An image part without ``"image"`` takes the next entry of ``images``."""
+    proc = VisionProcessor.of(processor)
+    flat, opened = _flatten_messages(messages, list(images), proc)
+    text = proc.tokenizer.apply_chat_template(flat, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
+    ids = list(proc.tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids, _, example = expand_image_tokens(ids, [0] * len(ids), opened, proc)
+    example["input_ids"] = ids
     return example
 
 

@@ -59,6 +59,9 @@ class PolicyRow:
         spans: ``(prompt start, prompt end, completion start, completion end)`` of each sample in the
             row (a shared prompt's span is the same for every sample of its group); ``None`` in rows
             saved before this field existed.
+        model_inputs: more forward inputs of a vision-language row (``document_ids``, ``pixel_values``,
+            ``image_grid_thw``; :mod:`swiftune.rl.multimodal`, whose ``position_ids`` are ``[3, 1, T]``);
+            ``None`` for text rows.
     """
 
     input_ids: torch.Tensor
@@ -69,6 +72,7 @@ class PolicyRow:
     seq_index: torch.Tensor
     num_sequences: int
     spans: list[tuple[int, int, int, int]] | None = None
+    model_inputs: dict[str, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -243,7 +247,11 @@ def completion_logprobs(
     the logits themselves are computed in float32, not only the softmax over them.
     """
     causal_lm = causal_lm_of(model)
-    if controls_attention(causal_lm):
+    if row.model_inputs is not None:  # a vision-language row: its samples kept apart by document_ids
+        hidden, lm_head, softcap = hidden_states_and_head(
+            model, input_ids=row.input_ids, position_ids=row.position_ids, **row.model_inputs)
+        hidden = hidden[0].index_select(0, row.hidden_index)
+    elif controls_attention(causal_lm):
         install_grpo_attention(causal_lm)
         hidden, lm_head, softcap = hidden_states_and_head(
             model, input_ids=row.input_ids, position_ids=row.position_ids, **{LAYOUT_KWARG: row.layout})

@@ -1,0 +1,240 @@
+"""GRPO with image prompts on a vision-language policy (Qwen3-VL): prompts, rollouts, policy rows.
+
+What differs from text GRPO, and where it is handled:
+
+* **Prompts** (:func:`prompt_messages`, :meth:`VisionGRPO.encode`): conversational ``prompt``
+  messages whose content may hold image parts (``{"type": "image", "image": <PIL image or path>}``),
+  or TRL's ``image`` / ``images`` columns: an image part without ``"image"`` takes the next image
+  of the row, and a prompt with no image part at all gets one placeholder per image at the start of
+  its first user message (TRL 1.16's ``prepare_multimodal_messages`` rule). Tokenized by
+  :func:`swiftune.data.multimodal.tokenize_multimodal_prompt` (each image's tokens expanded as the
+  processor does; ``pixel_values`` / ``image_grid_thw`` from the image processor).
+* **Rollouts** (:class:`VisionRolloutEngine`): transformers' own forward and KV cache, as
+  :class:`~swiftune.rl.rollout.TransformersRolloutEngine`, one prompt per prefill: the prompt's
+  pixel values go to the vision tower once, its M-RoPE positions come from the model's own
+  ``get_rope_index``, the cache is repeated for the ``G`` completions, and every decoded (text)
+  token takes the position after the prompt's largest M-RoPE position (transformers' ``rope_deltas``).
+* **Policy rows** (:meth:`VisionGRPO.policy_row`): the samples ``prompt_i + completion_i`` laid out
+  padding-free as :func:`swiftune.rl.policy.build_policy_row` does, plus what
+  :class:`swiftune.data.multimodal.MultimodalCollator` adds to image-text rows: 3-D positions from
+  ``get_rope_index`` on each sample alone, ``document_ids`` (one per sample: M-RoPE positions
+  cannot say where samples start), every sample's pixel values concatenated in order. The row's
+  ``model_inputs`` carry them to :func:`swiftune.rl.policy.completion_logprobs`.
+
+Not supported (refused at construction): ``share_prompt=True`` (the prompt's image tokens would be
+encoded once per group, which needs the shared-prompt attention on the text decoder only and the
+completions' M-RoPE positions continuing per group: not built), the fast rollout engine (it runs
+the decoder layers itself, with no vision tower), video prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data.multimodal import MultimodalCollator, VisionProcessor, tokenize_multimodal_prompt
+from ..models.patching import causal_lm_of
+from ..models.qwen3_vl import rope_index_of
+from ..models.support import controls_attention
+from .batching import is_conversational
+from .policy import PolicyRow, build_policy_row
+from .rollout import Rollouts, SamplingParams, TransformersRolloutEngine
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    """Whether ``model`` (possibly PEFT/DDP-wrapped) is a vision-language model (a ``vision_config``)."""
+    return getattr(causal_lm_of(model).config, "vision_config", None) is not None
+
+
+@dataclass
+class VisionPrompt:
+    """One tokenized image prompt: ``input_ids`` (image tokens expanded) and its images' inputs."""
+
+    input_ids: list[int]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "image"
+
+
+def _has_video(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(isinstance(p, Mapping) and p.get("type") == "video"
+                                                          for p in m["content"]) for m in messages)
+
+
+def prompt_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The prompt messages of a dataset row and its images (the row's ``images`` list or ``image``).
+
+    A prompt without any image part but with images gets one ``{"type": "image"}`` placeholder per
+    image at the start of its first user message, as TRL does; placeholders are filled in order."""
+    prompt = row["prompt"]
+    if not is_conversational(prompt):
+        raise ValueError("image prompts must be conversational: a list of {'role', 'content'} messages with image "
+                         "parts (or an 'image' / 'images' column); a plain string prompt has nowhere to put images")
+    if row.get("videos") is not None or row.get("video") is not None or _has_video(prompt):
+        raise ValueError("video prompts are not supported in GRPO yet: use image parts")
+    images = row.get("images")
+    if images is None:
+        images = [row["image"]] if row.get("image") is not None else []
+    images = list(images)
+    messages = [dict(m) for m in prompt]
+    if images and not any(isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"])
+                          for m in messages):
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if not users:
+            raise ValueError("the row has images but its prompt has no user message to put them in")
+        first = messages[users[0]]
+        content = first.get("content")
+        parts = content if isinstance(content, list) else [{"type": "text", "text": str(content or "")}]
+        first["content"] = [{"type": "image"} for _ in images] + list(parts)
+    return messages, images
+
+
+class VisionGRPO:
+    """The vision-language pieces a :class:`swiftune.GRPOTrainer` uses on a Qwen3-VL policy.
+
+    Args:
+        model: the policy, patched by :func:`swiftune.patch_model` (its text decoder must run
+            swiftune's packed attention, which keeps the row's samples apart by ``document_ids``).
+        processing_class: a transformers processor (``Qwen3VLProcessor``) or a
+            :class:`swiftune.data.VisionProcessor`.
+        share_prompt: the config's ``share_prompt``; ``True`` is refused (see the module doc).
+    """
+
+    def __init__(self, model: nn.Module, processing_class: Any, *, share_prompt: bool = False):
+        if share_prompt:
+            raise ValueError("share_prompt=True is not supported for vision-language policies yet (each group's "
+                             "image prompt would need the shared-prompt attention on the text decoder and per-group "
+                             "M-RoPE positions); set share_prompt=False")
+        if not controls_attention(causal_lm_of(model)):
+            raise ValueError("GRPO on a vision-language model needs swiftune's packed attention in its text decoder "
+                             "(its policy rows hold several samples): call swiftune.patch_model(model) first")
+        self.processor = VisionProcessor.of(processing_class)
+        self.tokenizer = self.processor.tokenizer
+        self.image_token_id = self.processor.token_id(self.processor.image_token)
+        self.rope_index = rope_index_of(model)
+
+    def encode(self, row: Mapping[str, Any], *, max_prompt_length: int | None = None,
+               chat_template_kwargs: Mapping[str, Any] | None = None) -> VisionPrompt:
+        """Tokenize ``row``'s prompt (:func:`prompt_messages`); longer than ``max_prompt_length``:
+        the last tokens, unless the cut would split off image tokens (then a ``ValueError``)."""
+        messages, images = prompt_messages(row)
+        example = tokenize_multimodal_prompt(messages, self.processor, images, **dict(chat_template_kwargs or {}))
+        ids = example["input_ids"]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            cut = len(ids) - max_prompt_length
+            if self.image_token_id in ids[:cut]:
+                raise ValueError(f"an image prompt of {len(ids)} tokens (its images included) is longer than "
+                                 f"max_prompt_length={max_prompt_length}, and cutting it would cut an image: raise "
+                                 "max_prompt_length (or None), or use smaller images")
+            ids = ids[cut:]
+        return VisionPrompt(ids, example.get("pixel_values"), example.get("image_grid_thw"))
+
+    def policy_row(self, prompts: Sequence[VisionPrompt], completion_ids: Sequence[Sequence[int]], *,
+                   attention_backend: str = "auto", device: torch.device | str = "cpu",
+                   include_last_token: bool = False) -> PolicyRow:
+        """One padding-free row of the samples ``prompts[i] + completion_ids[i]`` with their
+        M-RoPE positions, ``document_ids`` and pixel values (module doc)."""
+        row = build_policy_row([p.input_ids for p in prompts], completion_ids, share_prompt=False,
+                               attention_backend=attention_backend, device=device,
+                               include_last_token=include_last_token)
+        examples = []
+        for p, c in zip(prompts, completion_ids):
+            inputs = list(c) if include_last_token else list(c)[:-1]  # as build_policy_row lays them out
+            example: dict[str, Any] = {"input_ids": list(p.input_ids) + inputs}
+            if p.pixel_values is not None:
+                example.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+            examples.append(example)
+        batch = MultimodalCollator(self.rope_index, self.image_token_id)(examples)
+        if not torch.equal(batch["input_ids"].to(row.input_ids.device), row.input_ids):
+            raise RuntimeError("the multimodal layout of the policy row differs from its token layout")
+        row.position_ids = batch["position_ids"].to(device)  # [3, 1, T]
+        inputs = {"document_ids": batch["document_ids"].to(device)}
+        if "pixel_values" in batch:
+            inputs.update(pixel_values=batch["pixel_values"].to(device), image_grid_thw=batch["image_grid_thw"].to(device))
+        row.model_inputs = inputs
+        return row
+
+    def generate(self, engine: Any, prompts: Sequence[VisionPrompt], num_generations: int,
+                 params: SamplingParams) -> Rollouts:
+        """``num_generations`` completions of every image prompt from ``engine`` (a
+        :class:`VisionRolloutEngine`, or any engine whose ``generate`` takes ``vision_inputs``)."""
+        if not getattr(engine, "accepts_vision_inputs", False):
+            raise ValueError(f"the rollout engine {type(engine).__name__} cannot take image prompts: use "
+                             "swiftune.rl.multimodal.VisionRolloutEngine (the default for vision-language models), "
+                             "or an engine with accepts_vision_inputs = True and generate(..., vision_inputs=)")
+        return engine.generate([p.input_ids for p in prompts], num_generations, params, vision_inputs=list(prompts))
+
+
+class VisionRolloutEngine(TransformersRolloutEngine):
+    """:class:`~swiftune.rl.rollout.TransformersRolloutEngine` for image prompts (module doc): one
+    prompt per prefill, with its pixel values and its M-RoPE positions; decoded tokens continue
+    after the prompt's largest position on all three channels. Without ``vision_inputs`` it is the
+    text engine unchanged.
+
+    Args:
+        model: the vision-language policy (not copied).
+        rope_index: the model's ``get_rope_index`` (:func:`swiftune.models.qwen3_vl.rope_index_of`).
+        image_token_id: the image placeholder token.
+    """
+
+    accepts_vision_inputs = True
+
+    def __init__(self, model: nn.Module, rope_index: Any, image_token_id: int, pad_token_id: int = 0, seed: int = 0,
+                 max_batch_size: int | None = None):
+        super().__init__(model, pad_token_id=pad_token_id, seed=seed, max_batch_size=max_batch_size)
+        self.rope_index = rope_index
+        self.image_token_id = int(image_token_id)
+        self._prompt: VisionPrompt | None = None  # the prompt being sampled (set only inside generate)
+        self._delta = 0
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams,
+                 vision_inputs: Sequence[VisionPrompt] | None = None) -> Rollouts:
+        if vision_inputs is None:
+            return super().generate(prompt_ids, num_generations, params)
+        if len(vision_inputs) != len(prompt_ids):
+            raise ValueError(f"{len(vision_inputs)} vision inputs for {len(prompt_ids)} prompts")
+        out = Rollouts([], [], [], num_generations)
+        try:
+            for ids, prompt in zip(prompt_ids, vision_inputs):  # one prefill per prompt: its images once
+                self._prompt = prompt
+                one = super().generate([ids], num_generations, params)
+                out.completion_ids += one.completion_ids
+                out.logprobs += one.logprobs
+                out.finished += one.finished
+                for k, v in one.stats.items():
+                    out.stats[k] = out.stats.get(k, 0.0) + v
+        finally:
+            self._prompt = None
+        return out
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        prompt = self._prompt
+        if prompt is None:
+            return super()._forward(input_ids, attention_mask, position_ids, cache)
+        kwargs: dict[str, Any] = {}
+        rows = input_ids.shape[0]
+        if cache.get_seq_length() == 0:  # prefill: the images, and the prompt's own M-RoPE positions
+            ids = input_ids[:1].cpu()
+            if prompt.pixel_values is not None:
+                types = (ids == self.image_token_id).int()
+                positions, _ = self.rope_index(ids, types, image_grid_thw=prompt.image_grid_thw.cpu())
+                # rows > 1: the older cache API prefills every copy of the prompt
+                kwargs.update(pixel_values=prompt.pixel_values.to(input_ids.device).repeat(rows, 1),
+                              image_grid_thw=prompt.image_grid_thw.to(input_ids.device).repeat(rows, 1))
+            else:
+                positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+            positions = positions.to(device=input_ids.device, dtype=torch.long)
+            self._delta = int(positions.max()) + 1 - ids.shape[1]  # transformers' rope_deltas
+            position_ids = positions.expand(3, rows, -1)
+        else:  # a decoded text token: its text position shifted by the prompt's delta, on all channels
+            position_ids = (position_ids + self._delta).unsqueeze(0).expand(3, -1, -1)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}, **kwargs)
+        return out.logits[:, -1, :]

@@ -1,0 +1,172 @@
+"""GRPO with image prompts on Qwen3-VL against transformers' own model, sample by sample.
+
+The reference is the unpatched (PEFT LoRA) ``Qwen3VLForConditionalGeneration`` run on each sample
+``prompt + completion`` alone (its own M-RoPE index, its own attention, its own vision tower),
+its completion log-probs taken from its full logits in float64, and the GRPO loss written out in
+plain PyTorch (clipped token ratios, the k3 KL to the adapters-disabled model, per-sequence mean,
+batch mean). swiftune's side is one padding-free policy row of every sample
+(:mod:`swiftune.rl.multimodal`) through the patched model and :func:`swiftune.rl.loss.grpo_loss`.
+fp32 on CPU; the tiny model and processor are those of tests/test_qwen3_vl.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import swiftune
+from swiftune.data.multimodal import IMAGE_TOKEN
+from swiftune.rl.loss import grpo_loss
+from swiftune.rl.multimodal import VisionGRPO, VisionRolloutEngine, prompt_messages
+from swiftune.rl.policy import completion_logprobs
+from swiftune.rl.rollout import SamplingParams
+
+from tests.test_qwen3_vl import SEVEN, _image, _model, _processor, _rel
+
+peft = pytest.importorskip("peft")
+
+
+def _prompt_rows() -> list[dict]:
+    """An image part with its image; a string prompt with TRL's ``images`` column (two images); a
+    text-only prompt; each with a metadata column a reward function reads."""
+    return [
+        {"prompt": [{"role": "user", "content": [{"type": "image", "image": _image(16, 24, 0)},
+                                                 {"type": "text", "text": "what is it?"}]}], "size": 16 * 24},
+        {"prompt": [{"role": "user", "content": "two:"}], "images": [_image(24, 16, 1), _image(16, 16, 2)],
+         "size": 24 * 16 + 16 * 16},
+        {"prompt": [{"role": "user", "content": "say hi"}], "size": 0},
+    ]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    proc = _processor()
+    base = _model(proc)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN, lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(copy.deepcopy(base), config)
+    return proc, base, reference
+
+
+def _reference_logps(model, proc, prompt, completion) -> torch.Tensor:
+    """transformers' model on ``prompt + completion`` alone: float64 log-probs of the completion."""
+    ids = torch.tensor([prompt.input_ids + completion])
+    inputs = {"input_ids": ids, "mm_token_type_ids": (ids == proc.token_id(IMAGE_TOKEN)).int()}
+    if prompt.pixel_values is not None:
+        inputs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+    logits = model(**inputs).logits[0].double()
+    p = len(prompt.input_ids)
+    logps = torch.log_softmax(logits[p - 1:p - 1 + len(completion)], dim=-1)
+    return logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def _reference_loss(logps, old, ref, advantages, eps: float, beta: float) -> torch.Tensor:
+    """TRL's "grpo" loss per sample (lists of per-token tensors): the clipped surrogate plus
+    beta * k3 KL, mean over each completion's tokens, mean over completions."""
+    losses = []
+    for lp, o, r, a in zip(logps, old, ref, advantages):
+        ratio = torch.exp(lp - o)
+        per_token = -torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
+        if beta:
+            per_token = per_token + beta * (torch.exp(r - lp) - (r - lp) - 1)
+        losses.append(per_token.mean())
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_grpo_loss_and_gradients_on_image_prompts(setup, beta):
+    proc, _, reference = setup
+    policy = swiftune.patch_model(copy.deepcopy(reference), attention="reference", kernel_backend="reference")
+    vision = VisionGRPO(policy, proc)
+    prompts = [vision.encode(row) for row in _prompt_rows()]
+    assert prompts[1].image_grid_thw.shape[0] == 2 and prompts[2].pixel_values is None
+    G = 2
+    samples = [p for p in prompts for _ in range(G)]
+    gen = torch.Generator().manual_seed(3)
+    completions = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (5, 3, 6, 1, 4, 7)]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    eps = 0.2
+
+    # reference: each sample alone through the unpatched model; old log-probs off by up to 0.5 so
+    # that some ratios are clipped
+    ref_logps = [_reference_logps(reference, proc, p, c) for p, c in zip(samples, completions)]
+    with torch.no_grad(), reference.disable_adapter():
+        ref_ref = [_reference_logps(reference, proc, p, c) for p, c in zip(samples, completions)]
+    old = [lp.detach() + (torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.5) for lp in ref_logps]
+    ratios = torch.exp(torch.cat(ref_logps).detach() - torch.cat(old))
+    assert ((ratios < 1 - eps) | (ratios > 1 + eps)).any()  # the clip is exercised
+    want = _reference_loss(ref_logps, old, ref_ref, advantages.double(), eps, beta)
+    want.backward()
+
+    row = vision.policy_row(samples, completions, attention_backend="reference")
+    assert row.position_ids.shape == (3, 1, row.num_tokens)
+    assert row.model_inputs["document_ids"][0].unique().numel() == len(samples)
+    assert row.model_inputs["image_grid_thw"].shape[0] == G * 3  # every sample's images, in order
+    logps, _ = completion_logprobs(policy, row, kernel_backend="reference")
+    assert _rel(logps.detach(), torch.cat(ref_logps).detach()) < 1e-5
+    with torch.no_grad(), policy.disable_adapter():
+        ref_row = completion_logprobs(policy, row, kernel_backend="reference")[0]
+    assert _rel(ref_row, torch.cat(ref_ref)) < 1e-5
+    out = grpo_loss(logps, torch.cat(old).float(), advantages, row.seq_index, num_sequences=len(samples),
+                    loss_type="grpo", epsilon=eps, beta=beta, ref_logps=ref_row if beta else None)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and _rel(out.loss.detach(), want.detach()) < 1e-5, (float(out.loss), float(want))
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == ref_grads.keys() and ref_grads
+    for name, g in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert _rel(grads[name], g) < 1e-5, (name, _rel(grads[name], g))
+        if g.abs().max() > 0:
+            assert grads[name].abs().max() > 0, name
+    reference.zero_grad(set_to_none=True)
+
+
+def test_policy_row_needs_document_ids(setup):
+    """Without document_ids the row's samples see each other: the parity above rests on them."""
+    proc, base, _ = setup
+    policy = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    vision = VisionGRPO(policy, proc)
+    prompts = [vision.encode(row) for row in _prompt_rows()[:2]]
+    completions = [[40, 41, 42], [43, 44, 45, 46]]
+    row = vision.policy_row(prompts, completions, attention_backend="reference")
+    with torch.no_grad():
+        separate = completion_logprobs(policy, row, kernel_backend="reference")[0]
+        row.model_inputs.pop("document_ids")
+        mixed = completion_logprobs(policy, row, kernel_backend="reference")[0]
+    assert _rel(mixed[:3], separate[:3]) < 1e-6 and _rel(mixed[3:], separate[3:]) > 1e-3
+
+
+def test_rollout_engine_greedy_matches_transformers(setup):
+    """VisionRolloutEngine (one prefill with the images, G rows decoded) on the patched model gives
+    transformers' greedy generate of the unpatched model, for every copy of the group."""
+    proc, base, _ = setup
+    policy = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    vision = VisionGRPO(policy, proc)
+    engine = VisionRolloutEngine(policy, vision.rope_index, vision.image_token_id)
+    prompts = [vision.encode(row) for row in _prompt_rows()]
+    params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=())
+    out = vision.generate(engine, prompts, 2, params)
+    assert len(out.completion_ids) == 6
+    for k, p in enumerate(prompts):
+        ids = torch.tensor([p.input_ids])
+        kwargs = dict(input_ids=ids, mm_token_type_ids=(ids == vision.image_token_id).int(), max_new_tokens=6,
+                      do_sample=False)
+        if p.pixel_values is not None:
+            kwargs.update(pixel_values=p.pixel_values, image_grid_thw=p.image_grid_thw)
+        want = base.generate(**kwargs)[0, ids.shape[1]:].tolist()
+        assert out.completion_ids[2 * k] == out.completion_ids[2 * k + 1] == want
+
+
+def test_prompt_messages_follow_trl():
+    row = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}],
+           "image": "cat.png"}
+    messages, images = prompt_messages(row)
+    assert images == ["cat.png"]
+    assert messages[1]["content"] == [{"type": "image"}, {"type": "text", "text": "what?"}]
+    with pytest.raises(ValueError, match="conversational"):
+        prompt_messages({"prompt": "a string", "image": "cat.png"})
+    with pytest.raises(ValueError, match="video"):
+        prompt_messages({"prompt": [{"role": "user", "content": "x"}], "videos": ["v.mp4"]})
