@@ -209,7 +209,7 @@ def grpo_trainer(out, tokenizer, model=None, callbacks=(), **overrides):
                        callbacks=list(callbacks))
 
 
-def test_grpo_stops_at_a_nan_loss_and_stores_rollouts_without_pickle(tmp_path, tokenizer):
+def test_grpo_stops_at_a_nan_loss_and_stores_rollouts_without_pickle(tmp_path, tokenizer, caplog):
     out = tmp_path / "grpo"
     trainer = grpo_trainer(out, tokenizer, callbacks=[AtStep(3, poison)], save_strategy="steps", save_steps=1,
                            num_iterations=2)
@@ -224,9 +224,13 @@ def test_grpo_stops_at_a_nan_loss_and_stores_rollouts_without_pickle(tmp_path, t
     state = load_rollout_state(str(out / "checkpoint-1"), 0, "cpu", types=(GRPOMicroBatch,))
     assert state is not None and state[0] == 1 and len(state[1]) == 1
     assert isinstance(state[1][0], GRPOMicroBatch) and state[1][0].old_logps is not None
-    # resumed there, step 2 reuses that generation (no fresh reward to log): each step once in the metrics
-    resumed = grpo_trainer(out, tokenizer, num_iterations=2)
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert json.load(open(out / "checkpoint-1" / MARKER_NAME))["settings"]["repetition_penalty"] == 1.0
+    # resumed there, step 2 reuses that generation (no fresh reward to log): each step once in the metrics;
+    # a changed sampling setting (the generations after the resume differ) is warned about, as any other
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        resumed = grpo_trainer(out, tokenizer, num_iterations=2, repetition_penalty=1.1)
+        resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert "repetition_penalty: checkpoint 1.0, this run 1.1" in caplog.text
     assert resumed.state.global_step == 3
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3]
 
