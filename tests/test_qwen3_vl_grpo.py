@@ -33,10 +33,11 @@ def _prompt_rows() -> list[dict]:
     text-only prompt; each with a metadata column a reward function reads."""
     return [
         {"prompt": [{"role": "user", "content": [{"type": "image", "image": _image(16, 24, 0)},
-                                                 {"type": "text", "text": "what is it?"}]}], "size": 16 * 24},
+                                                 {"type": "text", "text": "what is it?"}]}], "images": None,
+         "size": 16 * 24},
         {"prompt": [{"role": "user", "content": "two:"}], "images": [_image(24, 16, 1), _image(16, 16, 2)],
          "size": 24 * 16 + 16 * 16},
-        {"prompt": [{"role": "user", "content": "say hi"}], "size": 0},
+        {"prompt": [{"role": "user", "content": "say hi"}], "images": None, "size": 0},
     ]
 
 
@@ -170,3 +171,51 @@ def test_prompt_messages_follow_trl():
         prompt_messages({"prompt": "a string", "image": "cat.png"})
     with pytest.raises(ValueError, match="video"):
         prompt_messages({"prompt": [{"role": "user", "content": "x"}], "videos": ["v.mp4"]})
+
+
+FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
+            logging_steps=1, seed=1, dataloader_pin_memory=False, disable_tqdm=True, use_cpu=True)
+
+
+def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
+    """GRPOTrainer on the LoRA Qwen3-VL policy with image prompts (image parts and TRL's ``images``
+    column): the reward function sees the rows' metadata column, every LoRA tensor moves, the
+    loss is finite; share_prompt and the fast engine are refused with what to change."""
+    import json
+
+    from swiftune import GRPOConfig, GRPOTrainer
+
+    proc, _, reference = setup
+    model = copy.deepcopy(reference)
+    seen: dict[str, list] = {}
+
+    def size_reward(prompts, completions, size, **kwargs):
+        seen.setdefault("size", []).extend(size)
+        seen.setdefault("completions", []).extend(completions)
+        seen.setdefault("images", []).extend(kwargs.get("images", []))
+        return [float(s) / 400.0 + 0.1 * len(c[0]["content"]) for s, c in zip(size, completions)]
+
+    rows = _prompt_rows()[:2]
+    args = GRPOConfig(output_dir=str(tmp_path / "vl"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                      max_completion_length=4, learning_rate=1e-2, beta=0.05, **FAST)
+    with pytest.raises(ValueError, match="share_prompt"):
+        GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "s"), share_prompt=True,
+                    num_generations=2, per_device_train_batch_size=4, **FAST), train_dataset=rows, processing_class=proc)
+    with pytest.raises(ValueError, match="fast"):
+        GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "f"), share_prompt=False,
+                    rollout_engine="fast", num_generations=2, per_device_train_batch_size=4, **FAST),
+                    train_dataset=rows, processing_class=proc)
+    trainer = GRPOTrainer(model, size_reward, args=args, train_dataset=rows, processing_class=proc)
+    assert isinstance(trainer.rollout_engine, VisionRolloutEngine)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer.train()
+    # each completion scored with its own row's column, prompt-major (G = 2)
+    assert sorted(seen["size"]) == sorted([r["size"] for r in rows for _ in range(2)])
+    assert sum(isinstance(x, list) and len(x) == 2 for x in seen["images"]) == 2  # TRL's images column, per completion
+    assert len(seen["completions"]) == 4 and all(isinstance(c[0]["content"], str) for c in seen["completions"])
+    with open(tmp_path / "vl" / "metrics.jsonl") as f:
+        logs = [json.loads(line) for line in f]
+    losses = [entry["loss"] for entry in logs if "loss" in entry]
+    assert len(losses) == 1 and torch.isfinite(torch.tensor(losses[0]))
+    moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p.detach(), before[n])]
+    assert moved and all("lora_" in n for n in moved)

@@ -54,6 +54,7 @@ from .config import GRPOConfig
 from .grpo_metrics import MetricLog, generation_metrics, reduce_loss_metrics
 from .loss import CLIPPED_LOSS_TYPES, grpo_loss, high_entropy_mask
 from .trl_runtime import RefModelSync, disable_dropout, model_load_kwargs
+from .multimodal import VisionGRPO, VisionRolloutEngine, is_vision_language
 from .policy import PolicyRow, build_policy_row, completion_logprobs, router_token_weights
 from .rewards import RewardFunc, compute_rewards, reward_func_name
 from .rollout import FastRolloutEngine, RolloutEngine, SamplingParams, TransformersRolloutEngine
@@ -89,6 +90,7 @@ class SampledGroups:
     rewards: torch.Tensor  # [N] weighted sum of the reward functions
     per_func: torch.Tensor  # [N, F] each function's reward (NaN: None)
     generation_s: float
+    vision_prompts: list | None = None  # image prompts of a vision-language policy (swiftune.rl.multimodal)
 
 
 class GRPOTrainer(SwiftuneTrainer):
@@ -204,7 +206,13 @@ class GRPOTrainer(SwiftuneTrainer):
                 self.add_callback(RefModelSync(model, self.ref_model, args.ref_model_mixup_alpha,
                                                args.ref_model_sync_steps))
 
-        tok = processing_class
+        # a vision-language policy: image prompts, their rollouts and policy rows (swiftune.rl.multimodal)
+        self.vision = None
+        if is_vision_language(self.model):
+            if args.share_prompt and getattr(args, "share_prompt_defaulted", False):
+                args.share_prompt = False  # the default: on where it works, and it does not on image prompts yet
+            self.vision = VisionGRPO(self.model, processing_class, share_prompt=bool(args.share_prompt))
+        tok = self.vision.tokenizer if self.vision is not None else processing_class
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         self.rollout_engine = rollout_engine or self._builtin_engine(pad)
         self._engine_step = 0  # global_step the engine's weights correspond to
@@ -226,6 +234,13 @@ class GRPOTrainer(SwiftuneTrainer):
         if choice not in ("auto", "fast", "transformers"):
             raise ValueError(f"rollout_engine must be 'auto', 'fast' or 'transformers', got {choice!r}")
         sharded = bool(getattr(self, "is_fsdp_enabled", False))
+        if self.vision is not None:  # the fast engine runs the decoder layers itself: no vision tower
+            if choice == "fast":
+                raise ValueError("rollout_engine='fast' does not support vision-language models: use 'auto' or "
+                                 "'transformers'")
+            return VisionRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
+                                       pad_token_id=pad_token_id, seed=seed,
+                                       max_batch_size=self.args.max_rollout_batch_size)
         if choice == "auto":
             on_cuda = self.args.device.type == "cuda"
             family = causal_lm_of(self.model).config.model_type
@@ -256,7 +271,7 @@ class GRPOTrainer(SwiftuneTrainer):
         return EpochLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate_prompt_rows)
 
     def stop_token_ids(self, conversational: bool) -> list[int]:
-        tok = self.processing_class
+        tok = self.vision.tokenizer if self.vision is not None else self.processing_class
         ids = set(as_int_list(tok.eos_token_id))
         gen = getattr(self.model, "generation_config", None)
         ids |= set(as_int_list(getattr(gen, "eos_token_id", None)))
@@ -342,7 +357,13 @@ class GRPOTrainer(SwiftuneTrainer):
         G = num_generations or args.num_generations
         prompts = [row["prompt"] for row in prompt_rows]
         conversational = is_conversational(prompts[0])
-        prompt_ids = [self.tokenize_prompt(row["prompt"], row.get("chat_template_kwargs")) for row in prompt_rows]
+        vision_prompts = None
+        if self.vision is not None:
+            vision_prompts = [self.vision.encode(row, max_prompt_length=args.max_prompt_length, chat_template_kwargs={
+                **(args.chat_template_kwargs or {}), **(row.get("chat_template_kwargs") or {})}) for row in prompt_rows]
+            prompt_ids = [p.input_ids for p in vision_prompts]
+        else:
+            prompt_ids = [self.tokenize_prompt(row["prompt"], row.get("chat_template_kwargs")) for row in prompt_rows]
         if self.state.global_step != self._engine_step:
             self.rollout_engine.load_weights(self.model)
             self._engine_step = self.state.global_step
@@ -352,13 +373,15 @@ class GRPOTrainer(SwiftuneTrainer):
             repetition_penalty=args.repetition_penalty,
         )
         t0 = time.perf_counter()
-        rollouts = self.rollout_engine.generate(prompt_ids, G, params)
+        rollouts = (self.vision.generate(self.rollout_engine, vision_prompts, G, params) if self.vision is not None
+                    else self.rollout_engine.generate(prompt_ids, G, params))
         gen_time = time.perf_counter() - t0
         completion_ids = rollouts.completion_ids
         n = len(prompts) * G
         if len(completion_ids) != n:
             raise RuntimeError(f"the rollout engine returned {len(completion_ids)} completions for {n}")
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        decoder = self.vision.tokenizer if self.vision is not None else self.processing_class
+        texts = decoder.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         columns = {k: [row[k] for row in prompt_rows for _ in range(G)] for k in prompt_rows[0] if k != "prompt"}
         rewards, per_func = compute_rewards(
@@ -367,7 +390,8 @@ class GRPOTrainer(SwiftuneTrainer):
             log_metric=self.reward_logs.log_metric, log_extra=self.reward_logs.log_extra,
         )
         finished = torch.tensor(rollouts.finished, dtype=torch.bool)
-        return SampledGroups(prompts, prompt_ids, completion_ids, texts, finished, rewards, per_func, gen_time)
+        return SampledGroups(prompts, prompt_ids, completion_ids, texts, finished, rewards, per_func, gen_time,
+                             vision_prompts)
 
     def advantages_of(self, sampled: SampledGroups, group_size: int, local: bool = False) -> tuple[torch.Tensor, bool]:
         """``(advantages [N], whether frac_reward_zero_std is the batch's)`` by ``scale_rewards`` and
@@ -398,10 +422,15 @@ class GRPOTrainer(SwiftuneTrainer):
         micro: list[GRPOMicroBatch] = []
         for s in range(args.steps_per_generation):
             idx = list(range(s * B, (s + 1) * B))
-            row = build_policy_row([exp_prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
-                                   share_prompt=bool(args.share_prompt), group_ids=[i // G for i in idx],
-                                   attention_backend=args.attention_backend, device=device,
-                                   include_last_token=self.router_aux.enabled)
+            if self.vision is not None:
+                row = self.vision.policy_row([sampled.vision_prompts[i // G] for i in idx],
+                                             [completion_ids[i] for i in idx], attention_backend=args.attention_backend,
+                                             device=device, include_last_token=self.router_aux.enabled)
+            else:
+                row = build_policy_row([exp_prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
+                                       share_prompt=bool(args.share_prompt), group_ids=[i // G for i in idx],
+                                       attention_backend=args.attention_backend, device=device,
+                                       include_last_token=self.router_aux.enabled)
             keep = seq_keep[idx].to(device=device, dtype=torch.float32)
             micro.append(GRPOMicroBatch(row, advantages[idx].to(device), keep.index_select(0, row.seq_index),
                                         None, None, 0.0))
@@ -445,10 +474,15 @@ class GRPOTrainer(SwiftuneTrainer):
         rollouts are on-policy, ratio 1); its diagnostics go to the eval metrics."""
         args, device = self.args, self.args.device
         ids = [p for p in sampled.prompt_ids for _ in range(group_size)]
-        row = build_policy_row(ids, sampled.completion_ids, share_prompt=bool(args.share_prompt),
-                               group_ids=[i // group_size for i in range(len(ids))],
-                               attention_backend=args.attention_backend, device=device,
-                               include_last_token=self.router_aux.enabled)
+        if self.vision is not None:
+            row = self.vision.policy_row([p for p in sampled.vision_prompts for _ in range(group_size)],
+                                         sampled.completion_ids, attention_backend=args.attention_backend,
+                                         device=device, include_last_token=self.router_aux.enabled)
+        else:
+            row = build_policy_row(ids, sampled.completion_ids, share_prompt=bool(args.share_prompt),
+                                   group_ids=[i // group_size for i in range(len(ids))],
+                                   attention_backend=args.attention_backend, device=device,
+                                   include_last_token=self.router_aux.enabled)
         keep = (sampled.finished | (not args.mask_truncated_completions)).to(device=device, dtype=torch.float32)
         mask = keep.index_select(0, row.seq_index)
         ref = self.reference_logprobs(row) if args.beta != 0.0 else None
