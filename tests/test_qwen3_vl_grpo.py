@@ -219,3 +219,17 @@ def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
     assert len(losses) == 1 and torch.isfinite(torch.tensor(losses[0]))
     moved = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p.detach(), before[n])]
     assert moved and all("lora_" in n for n in moved)
+
+    # the rollout buffer (vision rows included) survives a checkpoint: the same log-probs after loading
+    from swiftune.rl.checkpoint import load_rollout_state, save_rollout_state
+    from swiftune.rl.trainer import GRPOMicroBatch
+
+    save_rollout_state(str(tmp_path / "ckpt"), 0, trainer._micro_step, trainer._buffer)
+    _, loaded = load_rollout_state(str(tmp_path / "ckpt"), 0, "cpu", types=(GRPOMicroBatch,))
+    with torch.no_grad():
+        for mb, back in zip(trainer._buffer, loaded):
+            assert back.row.model_inputs.keys() == mb.row.model_inputs.keys()
+            assert torch.equal(completion_logprobs(model, back.row, kernel_backend="reference")[0],
+                               completion_logprobs(model, mb.row, kernel_backend="reference")[0])
+    metrics = trainer.evaluate(eval_dataset=rows)  # fresh rollouts of image prompts, their GRPO loss
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"])) and "eval_reward" in metrics
