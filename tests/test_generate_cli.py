@@ -178,3 +178,53 @@ def test_adapter_options_are_checked_before_loading(capsys, lora_folders, tmp_pa
     assert "--base_model is the base of an adapter" in one_line_error(capsys, "--model", base_dir,
                                                                      "--base_model", base_dir)
     assert "is an adapter folder too" in one_line_error(capsys, "--model", adapter_dir, "--adapter", adapter_dir)
+
+
+# ----------------------------------------------------------------------------- repetition penalty
+
+PENALTY_PROMPTS = ["Reverse: abc\n", "aaaa bbbb aaaa\n"]
+PENALTY = 1.5
+
+
+def transformers_greedy(path: str, penalty: float) -> list[str]:
+    """The reference: the unpatched saved model's own greedy generate of PENALTY_PROMPTS with its
+    repetition penalty (transformers' RepetitionPenaltyLogitsProcessor over the prompt and the tokens
+    so far), 10 new tokens, stopping at the CLI's stop tokens."""
+    tok = build_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    stops = sorted({i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
+                    if isinstance(i, int) and i != tok.unk_token_id})
+    out = []
+    for p in PENALTY_PROMPTS:
+        ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])
+        gen = model.generate(input_ids=ids, do_sample=False, max_new_tokens=10, repetition_penalty=penalty,
+                             eos_token_id=stops, pad_token_id=tok.pad_token_id)
+        out.append(tok.decode(gen[0, ids.shape[1]:]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def penalty_reference(tmp_path_factory):
+    """``(saved model dir, transformers' greedy completions with PENALTY)``; the penalty changes
+    what greedy decoding picks on this model, so a CLI that dropped it would fail."""
+    path = str(tmp_path_factory.mktemp("penalty") / "base")
+    save_tiny_base(path, seed=2)
+    want = transformers_greedy(path, PENALTY)
+    assert want != transformers_greedy(path, 1.0)
+    return path, want
+
+
+@pytest.mark.parametrize("engine", ["transformers", "fast"])
+def test_generate_repetition_penalty_is_transformers_greedy_with_the_penalty(capsys, penalty_reference, engine):
+    path, want = penalty_reference
+    args = ["--model", path, "--temperature", "0", "--max_tokens", "10", "--json", "--engine", engine,
+            "--repetition_penalty", str(PENALTY)]
+    for p in PENALTY_PROMPTS:
+        args += ["--prompt", p]
+    assert [r["completion"] for r in run(capsys, *args)] == want
+
+
+@pytest.mark.parametrize("bad", ["0", "-1.1", "nan", "inf"])
+def test_generate_refuses_a_repetition_penalty_that_is_not_positive(capsys, bad):
+    line = one_line_error(capsys, "--repetition_penalty", bad)
+    assert "--repetition_penalty" in line and "> 0" in line and "1.0: off" in line

@@ -2,6 +2,7 @@
 
     swiftune generate --model PATH --prompt "Reverse: abc" --num_generations 4 --engine fast
     swiftune generate --prompt "Reverse: abc"        # the built-in tiny model (random weights)
+    swiftune generate --model PATH --temperature 0 --repetition_penalty 1.2   # greedy, repeats discouraged
     swiftune generate --model ADAPTER_DIR            # a LoRA adapter folder on the base it records
     swiftune generate --model BASE --adapter ADAPTER_DIR
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from typing import Any
@@ -53,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--top_k", type=int, default=None)
     p.add_argument("--min_p", type=float, default=None)
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="transformers' repetition penalty over the prompt and the completion so far, applied "
+                        "before temperature / top-k / top-p / min-p: > 0, 1.0 off, e.g. 1.1 discourages repeats")
     p.add_argument("--stop", action="append", default=[], help="a stop string (fast engine; repeatable)")
     p.add_argument("--engine", choices=("transformers", "fast"), default="transformers")
     p.add_argument("--no_fused_layers", dest="fused_layers", action="store_false",
@@ -73,6 +78,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
 
     args = build_parser().parse_args(argv)
+    check_repetition_penalty(args.repetition_penalty)  # before the model loads
     base, adapter = model_and_adapter(args.model, args.adapter, args.base_model)
     if args.engine != "fast" and (args.stop or not args.fused_layers):
         # checked before the model loads: only the fast engine matches stop strings and has a fused loop
@@ -106,7 +112,8 @@ def main_generate(argv: list[str] | None = None) -> int:
     # temperature 0 means greedy: top_k=1 picks the most likely token; a positive temperature keeps
     # the sampling log-probabilities finite
     params_kw = dict(max_tokens=args.max_tokens, temperature=1.0 if greedy else args.temperature,
-                     top_p=args.top_p, top_k=1 if greedy else args.top_k, min_p=args.min_p, stop_token_ids=stop_ids)
+                     top_p=args.top_p, top_k=1 if greedy else args.top_k, min_p=args.min_p, stop_token_ids=stop_ids,
+                     repetition_penalty=args.repetition_penalty)  # before top_k=1: greedy on the penalised logits
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if args.engine == "fast":
         from ..rl.rollout import FastRolloutEngine, FastSamplingParams
@@ -133,6 +140,14 @@ def main_generate(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"{args.engine} engine: {tokens} tokens in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s)")
     return 0
+
+
+def check_repetition_penalty(penalty: float) -> None:
+    """Refuse a ``--repetition_penalty`` the engines cannot apply: the penalty divides positive and
+    multiplies negative logits of seen tokens, so it must be a finite number > 0 (1.0: off)."""
+    if not math.isfinite(penalty) or penalty <= 0:
+        raise ConfigError(f"--repetition_penalty {penalty}: must be a finite number > 0 (1.0: off; above 1.0, "
+                          "e.g. 1.1, discourages repeats; below 1.0 favours them); set e.g. --repetition_penalty 1.1")
 
 
 # ----------------------------------------------------------------------------- adapter folders
