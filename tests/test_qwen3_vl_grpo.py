@@ -161,6 +161,27 @@ def test_rollout_engine_greedy_matches_transformers(setup):
         assert out.completion_ids[2 * k] == out.completion_ids[2 * k + 1] == want
 
 
+def test_rollout_engine_never_samples_the_image_token(setup):
+    """With the LM head pushed towards the image placeholder, the engine's greedy completions are
+    transformers' greedy generate with that token banned (its own bad_words_ids processor)."""
+    proc, base, _ = setup
+    model = copy.deepcopy(base)
+    vision_id = proc.token_id(IMAGE_TOKEN)
+    with torch.no_grad():
+        model.lm_head.weight[vision_id] = model.lm_head.weight[vision_id] * 50
+    policy = swiftune.patch_model(copy.deepcopy(model), attention="reference", kernel_backend="reference")
+    vision = VisionGRPO(policy, proc)
+    engine = VisionRolloutEngine(policy, vision.rope_index, vision.image_token_id)
+    prompt = vision.encode(_prompt_rows()[0])
+    ids = torch.tensor([prompt.input_ids])
+    common = dict(input_ids=ids, mm_token_type_ids=(ids == vision_id).int(), pixel_values=prompt.pixel_values,
+                  image_grid_thw=prompt.image_grid_thw, max_new_tokens=5, do_sample=False)
+    assert vision_id in model.generate(**common)[0, ids.shape[1]:].tolist()  # the push works
+    want = model.generate(**common, bad_words_ids=[[vision_id]])[0, ids.shape[1]:].tolist()
+    out = vision.generate(engine, [prompt], 1, SamplingParams(max_tokens=5, temperature=0.0))
+    assert out.completion_ids[0] == want
+
+
 def test_prompt_messages_follow_trl():
     row = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what?"}],
            "image": "cat.png"}

@@ -14,6 +14,7 @@ What differs from text GRPO, and where it is handled:
   pixel values go to the vision tower once, its M-RoPE positions come from the model's own
   ``get_rope_index``, the cache is repeated for the ``G`` completions, and every decoded (text)
   token takes the position after the prompt's largest M-RoPE position (transformers' ``rope_deltas``).
+  The image placeholder token is never sampled (it would stand for an image the completion does not have).
 * **Policy rows** (:meth:`VisionGRPO.policy_row`): the samples ``prompt_i + completion_i`` laid out
   padding-free as :func:`swiftune.rl.policy.build_policy_row` does, plus what
   :class:`swiftune.data.multimodal.MultimodalCollator` adds to image-text rows: 3-D positions from
@@ -237,4 +238,8 @@ class VisionRolloutEngine(TransformersRolloutEngine):
             position_ids = (position_ids + self._delta).unsqueeze(0).expand(3, -1, -1)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}, **kwargs)
-        return out.logits[:, -1, :]
+        logits = out.logits[:, -1, :]
+        # never sample the image placeholder: a completion's image token has no image behind it, and
+        # the policy forward of its sample would refuse the token / feature count mismatch
+        logits[:, self.image_token_id] = float("-inf")
+        return logits
