@@ -2,8 +2,8 @@
 
 Qwen3-VL-MoE keeps its router settings (``num_experts``, ``num_experts_per_tok``,
 ``router_aux_loss_coef``, ``output_router_logits``) in ``config.text_config``, and its transformers
-forward adds ``text_config.router_aux_loss_coef * aux`` to the loss when
-``text_config.output_router_logits`` is on. The reference is that unpatched model on the right-padded
+forward adds ``text_config.router_aux_loss_coef * aux`` to the loss when asked for the router logits
+(transformers 5.24: ``text_config.output_router_logits`` or the argument; 5.17: the argument). The reference is that unpatched model on the right-padded
 batch of all examples, image rows included (its own M-RoPE index with the attention mask, its own
 mean cross entropy, its own ``load_balancing_loss_func`` over the real tokens); SFTTrainer's
 ``compute_loss`` on the padding-free row and on packed rows must equal its loss, and every trainable
@@ -96,8 +96,9 @@ def test_sft_trainer_adds_the_router_loss_as_transformers_does(setup, layout, tm
     proc, base, data = setup
     examples = data.examples
     reference = copy.deepcopy(base)
-    reference.config.text_config.output_router_logits = True
-    out = reference(**_padded(proc, examples), use_cache=False)
+    reference.config.text_config.output_router_logits = True  # transformers 5.24 reads the config,
+    # 5.17 only the forward's argument: given both, each version adds coef * aux to its loss
+    out = reference(**_padded(proc, examples), use_cache=False, output_router_logits=True)
     assert out.aux_loss is not None and float(out.aux_loss) > 0
     out.loss.backward()
     want = _grads(reference)
