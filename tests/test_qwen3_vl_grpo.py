@@ -76,8 +76,8 @@ def _reference_loss(logps, old, ref, advantages, eps: float, beta: float) -> tor
     return torch.stack(losses).mean()
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.1])
-def test_grpo_loss_and_gradients_on_image_prompts(setup, beta):
+@pytest.mark.parametrize("beta,share", [(0.0, False), (0.1, False), (0.1, True)])
+def test_grpo_loss_and_gradients_on_image_prompts(setup, beta, share):
     proc, _, reference = setup
     policy = swiftune.patch_model(copy.deepcopy(reference), attention="reference", kernel_backend="reference")
     vision = VisionGRPO(policy, proc)
@@ -101,11 +101,20 @@ def test_grpo_loss_and_gradients_on_image_prompts(setup, beta):
     want = _reference_loss(ref_logps, old, ref_ref, advantages.double(), eps, beta)
     want.backward()
 
-    row = vision.policy_row(samples, completions, attention_backend="reference")
+    row = vision.policy_row(samples, completions, share_prompt=share, group_ids=[i // G for i in range(len(samples))],
+                            attention_backend="reference")
     assert row.position_ids.shape == (3, 1, row.num_tokens)
-    assert row.model_inputs["document_ids"][0].unique().numel() == len(samples)
-    assert row.model_inputs["image_grid_thw"].shape[0] == G * 3  # every sample's images, in order
+    if share:  # each group's prompt and images once, the shared-prompt attention on the text decoder
+        assert row.layout.shared and "document_ids" not in row.model_inputs
+        assert row.num_tokens == sum(len(p.input_ids) for p in prompts) + sum(len(c) - 1 for c in completions)
+        assert row.model_inputs["image_grid_thw"].shape[0] == 3
+    else:
+        assert row.model_inputs["document_ids"][0].unique().numel() == len(samples)
+        assert row.model_inputs["image_grid_thw"].shape[0] == G * 3  # every sample's images, in order
     logps, _ = completion_logprobs(policy, row, kernel_backend="reference")
+    config = policy.get_base_model().config
+    assert config.text_config._attn_implementation == ("swiftune_grpo" if share else "swiftune_packed")
+    assert config.vision_config._attn_implementation == reference.get_base_model().config.vision_config._attn_implementation
     assert _rel(logps.detach(), torch.cat(ref_logps).detach()) < 1e-5
     with torch.no_grad(), policy.disable_adapter():
         ref_row = completion_logprobs(policy, row, kernel_backend="reference")[0]
@@ -200,8 +209,8 @@ FAST = dict(kernel_backend="reference", attention_backend="reference", report_to
 
 def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
     """GRPOTrainer on the LoRA Qwen3-VL policy with image prompts (image parts and TRL's ``images``
-    column): the reward function sees the rows' metadata column, every LoRA tensor moves, the
-    loss is finite; share_prompt and the fast engine are refused with what to change."""
+    column), shared-prompt rows (the default): the reward function sees the rows' metadata column,
+    every LoRA tensor moves, the loss is finite; the fast engine is refused with what to change."""
     import json
 
     from swiftune import GRPOConfig, GRPOTrainer
@@ -219,15 +228,12 @@ def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
     rows = _prompt_rows()[:2]
     args = GRPOConfig(output_dir=str(tmp_path / "vl"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=4, learning_rate=1e-2, beta=0.05, **FAST)
-    with pytest.raises(ValueError, match="share_prompt"):
-        GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "s"), share_prompt=True,
-                    num_generations=2, per_device_train_batch_size=4, **FAST), train_dataset=rows, processing_class=proc)
     with pytest.raises(ValueError, match="fast"):
-        GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "f"), share_prompt=False,
+        GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "f"),
                     rollout_engine="fast", num_generations=2, per_device_train_batch_size=4, **FAST),
                     train_dataset=rows, processing_class=proc)
     trainer = GRPOTrainer(model, size_reward, args=args, train_dataset=rows, processing_class=proc)
-    assert isinstance(trainer.rollout_engine, VisionRolloutEngine)
+    assert isinstance(trainer.rollout_engine, VisionRolloutEngine) and args.share_prompt  # the default, G > 1
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     trainer.train()
     # each completion scored with its own row's column, prompt-major (G = 2)

@@ -263,6 +263,17 @@ def prepare_multimodal_dataset(data: Any, processor: Any, *, max_length: int | N
     return TokenizedDataset(examples, stats)
 
 
+def rope_positions(rope_index: RopeIndex, ids: torch.Tensor, image_token_id: int,
+                   image_grid_thw: Any = None) -> torch.Tensor:
+    """The 3-D M-RoPE positions ``[3, L]`` of one example ``ids [L]`` alone, from the model's own
+    ``get_rope_index`` (text only: the plain positions on all three channels)."""
+    ids = torch.as_tensor(ids, dtype=torch.long).reshape(1, -1).cpu()
+    if image_grid_thw is None:
+        return torch.arange(ids.shape[1]).view(1, -1).expand(3, -1)
+    positions, _ = rope_index(ids, (ids == image_token_id).int(), image_grid_thw=torch.as_tensor(image_grid_thw).cpu())
+    return positions[:, 0]
+
+
 @dataclass
 class MultimodalCollator:
     """Padding-free (``max_length=None``: one row) or packed rows of image-text examples.
@@ -282,12 +293,8 @@ class MultimodalCollator:
 
     def _example(self, example: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ids = torch.as_tensor(example["input_ids"], dtype=torch.long).unsqueeze(0)
-        types = (ids == self.image_token_id).int()
-        grid = example.get("image_grid_thw")
-        if grid is not None:
-            positions, _ = self.rope_index(ids, types, image_grid_thw=torch.as_tensor(grid))
-        else:  # text only: the three channels are the plain positions
-            positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
+        positions = rope_positions(self.rope_index, ids[0], self.image_token_id,
+                                   example.get("image_grid_thw")).unsqueeze(1)
         mask = example.get("completion_mask")
         labels = ids.clone() if mask is None else torch.where(torch.as_tensor(mask).bool(), ids[0], IGNORE_INDEX)[None]
         labels[0, 0] = IGNORE_INDEX  # its shifted prediction would come from the previous document

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.hf import ATTENTION_NAME, PACKED_KWARG, PackedContextHook, packed_context_hook
+from ..attention.hf import PACKED_KWARG, PackedContextHook, packed_context_hook
 from ..attention.packing import PackedBatch, build_packed_batch, packed_batch_from_document_ids
-from ..attention.registry import register_packed_attention
+from ..attention.registry import PACKED_ATTENTION_IMPLEMENTATIONS, register_packed_attention
 
 #: The keyword a multimodal batch gives the model its documents with (``[B, S]`` integer labels).
 DOCUMENT_IDS_KWARG = "document_ids"
@@ -102,7 +102,8 @@ class VisionLanguagePackedHook(PackedContextHook):
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         kwargs = dict(kwargs)
         document_ids = kwargs.pop(DOCUMENT_IDS_KWARG, None)
-        if text_config_of(module.config)._attn_implementation != ATTENTION_NAME:
+        # "swiftune_packed", or GRPO's "swiftune_grpo" (the packed attention unless a row layout is passed)
+        if text_config_of(module.config)._attn_implementation not in PACKED_ATTENTION_IMPLEMENTATIONS:
             if document_ids is not None:
                 raise ValueError(
                     "document_ids was given, but the text decoder does not run swiftune's packed attention: "

@@ -228,8 +228,6 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
         if self.loss_type == "cispo" and self.epsilon_high == 0:
             fail(self, "epsilon_high", self.epsilon_high, "caps cispo's importance weight at 0 (no gradient at all)",
                  "set epsilon_high to the cap, e.g. 5.0 (or None for 5.0)")
-        # whether share_prompt was left to its default (a vision-language policy then turns it off)
-        self.share_prompt_defaulted = self.share_prompt is None
         if self.share_prompt is None:
             self.share_prompt = self.num_generations > 1
         per_generation = self.per_device_train_batch_size * self.steps_per_generation

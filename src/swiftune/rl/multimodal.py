@@ -22,10 +22,14 @@ What differs from text GRPO, and where it is handled:
   cannot say where samples start), every sample's pixel values concatenated in order. The row's
   ``model_inputs`` carry them to :func:`swiftune.rl.policy.completion_logprobs`.
 
-Not supported (refused at construction): ``share_prompt=True`` (the prompt's image tokens would be
-encoded once per group, which needs the shared-prompt attention on the text decoder only and the
-completions' M-RoPE positions continuing per group: not built), the fast rollout engine (it runs
-the decoder layers itself, with no vision tower), video prompts.
+  With ``share_prompt`` each group's prompt and its images appear once, followed by its completions
+  (:mod:`swiftune.attention.shared_prompt`'s rule, switched on the text decoder's config only): the
+  prompt's positions from ``get_rope_index`` on the prompt alone, each completion's continuing after
+  the prompt's largest position on all three channels, as ``get_rope_index`` numbers the text tokens
+  after the prompt of ``prompt + completion``.
+
+Not supported (refused): the fast rollout engine (it runs the decoder layers itself, with no vision
+tower), video prompts, plain-string prompts with images.
 """
 
 from __future__ import annotations
@@ -37,12 +41,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.multimodal import MultimodalCollator, VisionProcessor, tokenize_multimodal_prompt
+from ..data.multimodal import MultimodalCollator, VisionProcessor, rope_positions, tokenize_multimodal_prompt
 from ..models.patching import causal_lm_of
 from ..models.qwen3_vl import rope_index_of
 from ..models.support import controls_attention
 from .batching import is_conversational
-from .policy import PolicyRow, build_policy_row
+from .policy import PolicyRow, build_policy_row, group_consecutive
 from .rollout import Rollouts, SamplingParams, TransformersRolloutEngine
 
 
@@ -105,14 +109,9 @@ class VisionGRPO:
             swiftune's packed attention, which keeps the row's samples apart by ``document_ids``).
         processing_class: a transformers processor (``Qwen3VLProcessor``) or a
             :class:`swiftune.data.VisionProcessor`.
-        share_prompt: the config's ``share_prompt``; ``True`` is refused (see the module doc).
     """
 
-    def __init__(self, model: nn.Module, processing_class: Any, *, share_prompt: bool = False):
-        if share_prompt:
-            raise ValueError("share_prompt=True is not supported for vision-language policies yet (each group's "
-                             "image prompt would need the shared-prompt attention on the text decoder and per-group "
-                             "M-RoPE positions); set share_prompt=False")
+    def __init__(self, model: nn.Module, processing_class: Any):
         if not controls_attention(causal_lm_of(model)):
             raise ValueError("GRPO on a vision-language model needs swiftune's packed attention in its text decoder "
                              "(its policy rows hold several samples): call swiftune.patch_model(model) first")
@@ -138,13 +137,17 @@ class VisionGRPO:
         return VisionPrompt(ids, example.get("pixel_values"), example.get("image_grid_thw"))
 
     def policy_row(self, prompts: Sequence[VisionPrompt], completion_ids: Sequence[Sequence[int]], *,
+                   share_prompt: bool = False, group_ids: Sequence[int] | None = None,
                    attention_backend: str = "auto", device: torch.device | str = "cpu",
                    include_last_token: bool = False) -> PolicyRow:
         """One padding-free row of the samples ``prompts[i] + completion_ids[i]`` with their
-        M-RoPE positions, ``document_ids`` and pixel values (module doc)."""
-        row = build_policy_row([p.input_ids for p in prompts], completion_ids, share_prompt=False,
-                               attention_backend=attention_backend, device=device,
+        M-RoPE positions, ``document_ids`` and pixel values (module doc); with ``share_prompt``
+        each group's prompt (and its images) once, followed by its completions."""
+        row = build_policy_row([p.input_ids for p in prompts], completion_ids, share_prompt=share_prompt,
+                               group_ids=group_ids, attention_backend=attention_backend, device=device,
                                include_last_token=include_last_token)
+        if row.layout.shared:
+            return self._shared_row(row, prompts, group_ids, device)
         examples = []
         for p, c in zip(prompts, completion_ids):
             inputs = list(c) if include_last_token else list(c)[:-1]  # as build_policy_row lays them out
@@ -160,6 +163,35 @@ class VisionGRPO:
         if "pixel_values" in batch:
             inputs.update(pixel_values=batch["pixel_values"].to(device), image_grid_thw=batch["image_grid_thw"].to(device))
         row.model_inputs = inputs
+        return row
+
+    def _shared_row(self, row: PolicyRow, prompts: Sequence[VisionPrompt], group_ids: Sequence[int] | None,
+                    device: torch.device | str) -> PolicyRow:
+        """A shared-prompt row (:func:`build_policy_row`'s layout, run by the shared-prompt attention):
+        the prompt's positions from ``get_rope_index`` on the prompt alone, every completion's
+        continuing after the prompt's largest position on all three channels (what ``get_rope_index``
+        gives the text tokens after the prompt of ``prompt + completion``), the prompt's images once."""
+        positions = torch.zeros(3, row.num_tokens, dtype=torch.long)
+        pixel_values, grids = [], []
+        runs = group_consecutive([p.input_ids for p in prompts], group_ids)
+        spans = row.spans or []
+        for run in runs:
+            prompt = prompts[run[0]]
+            ps, pe, _, _ = spans[run[0]]
+            rope = rope_positions(self.rope_index, torch.tensor(prompt.input_ids), self.image_token_id,
+                                  prompt.image_grid_thw)
+            positions[:, ps:pe] = rope
+            for i in run:
+                _, _, cs, ce = spans[i]
+                positions[:, cs:ce] = int(rope.max()) + 1 + torch.arange(ce - cs)
+            if prompt.pixel_values is not None:
+                pixel_values.append(prompt.pixel_values)
+                grids.append(prompt.image_grid_thw)
+        row.position_ids = positions.unsqueeze(1).to(device)
+        inputs: dict[str, torch.Tensor] = {}
+        if pixel_values:
+            inputs.update(pixel_values=torch.cat(pixel_values).to(device), image_grid_thw=torch.cat(grids).to(device))
+        row.model_inputs = inputs  # no document_ids: the row layout says where groups and completions are
         return row
 
     def generate(self, engine: Any, prompts: Sequence[VisionPrompt], num_generations: int,
@@ -222,17 +254,14 @@ class VisionRolloutEngine(TransformersRolloutEngine):
         kwargs: dict[str, Any] = {}
         rows = input_ids.shape[0]
         if cache.get_seq_length() == 0:  # prefill: the images, and the prompt's own M-RoPE positions
-            ids = input_ids[:1].cpu()
+            ids = input_ids[0].cpu()
             if prompt.pixel_values is not None:
-                types = (ids == self.image_token_id).int()
-                positions, _ = self.rope_index(ids, types, image_grid_thw=prompt.image_grid_thw.cpu())
                 # rows > 1: the older cache API prefills every copy of the prompt
                 kwargs.update(pixel_values=prompt.pixel_values.to(input_ids.device).repeat(rows, 1),
                               image_grid_thw=prompt.image_grid_thw.to(input_ids.device).repeat(rows, 1))
-            else:
-                positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
-            positions = positions.to(device=input_ids.device, dtype=torch.long)
-            self._delta = int(positions.max()) + 1 - ids.shape[1]  # transformers' rope_deltas
+            positions = rope_positions(self.rope_index, ids, self.image_token_id, prompt.image_grid_thw)
+            positions = positions.unsqueeze(1).to(device=input_ids.device, dtype=torch.long)
+            self._delta = int(positions.max()) + 1 - ids.shape[0]  # transformers' rope_deltas
             position_ids = positions.expand(3, rows, -1)
         else:  # a decoded text token: its text position shifted by the prompt's delta, on all channels
             position_ids = (position_ids + self._delta).unsqueeze(0).expand(3, -1, -1)

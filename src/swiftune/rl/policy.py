@@ -45,6 +45,21 @@ def install_grpo_attention(model: nn.Module) -> None:
         hf_model.config._attn_implementation = name
 
 
+def install_text_grpo_attention(model: nn.Module) -> None:
+    """:func:`install_grpo_attention` for a vision-language model: its text decoder's config only
+    (the vision tower keeps its own attention; the multimodal hook accepts both packed names)."""
+    name = register_grpo_attention()
+    config = causal_lm_of(model).config
+    text = config.get_text_config()
+    if text._attn_implementation == name:
+        return
+    try:
+        causal_lm_of(model).set_attn_implementation(
+            {"text_config": name, "vision_config": config.vision_config._attn_implementation})
+    except (AttributeError, ValueError, TypeError):  # older API: the sub-config attribute is the switch
+        text._attn_implementation = name
+
+
 @dataclass
 class PolicyRow:
     """One packed row of a micro-batch and where its completion tokens are.
@@ -248,8 +263,12 @@ def completion_logprobs(
     """
     causal_lm = causal_lm_of(model)
     if row.model_inputs is not None:  # a vision-language row: its samples kept apart by document_ids
+        layout = {}
+        if row.layout.shared:  # or by the shared-prompt attention, on the text decoder only
+            install_text_grpo_attention(causal_lm)
+            layout = {LAYOUT_KWARG: row.layout}
         hidden, lm_head, softcap = hidden_states_and_head(
-            model, input_ids=row.input_ids, position_ids=row.position_ids, **row.model_inputs)
+            model, input_ids=row.input_ids, position_ids=row.position_ids, **row.model_inputs, **layout)
         hidden = hidden[0].index_select(0, row.hidden_index)
     elif controls_attention(causal_lm):
         install_grpo_attention(causal_lm)

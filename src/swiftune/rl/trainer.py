@@ -207,11 +207,7 @@ class GRPOTrainer(SwiftuneTrainer):
                                                args.ref_model_sync_steps))
 
         # a vision-language policy: image prompts, their rollouts and policy rows (swiftune.rl.multimodal)
-        self.vision = None
-        if is_vision_language(self.model):
-            if args.share_prompt and getattr(args, "share_prompt_defaulted", False):
-                args.share_prompt = False  # the default: on where it works, and it does not on image prompts yet
-            self.vision = VisionGRPO(self.model, processing_class, share_prompt=bool(args.share_prompt))
+        self.vision = VisionGRPO(self.model, processing_class) if is_vision_language(self.model) else None
         tok = self.vision.tokenizer if self.vision is not None else processing_class
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         self.rollout_engine = rollout_engine or self._builtin_engine(pad)
@@ -424,7 +420,8 @@ class GRPOTrainer(SwiftuneTrainer):
             idx = list(range(s * B, (s + 1) * B))
             if self.vision is not None:
                 row = self.vision.policy_row([sampled.vision_prompts[i // G] for i in idx],
-                                             [completion_ids[i] for i in idx], attention_backend=args.attention_backend,
+                                             [completion_ids[i] for i in idx], share_prompt=bool(args.share_prompt),
+                                             group_ids=[i // G for i in idx], attention_backend=args.attention_backend,
                                              device=device, include_last_token=self.router_aux.enabled)
             else:
                 row = build_policy_row([exp_prompt_ids[i] for i in idx], [completion_ids[i] for i in idx],
@@ -476,8 +473,10 @@ class GRPOTrainer(SwiftuneTrainer):
         ids = [p for p in sampled.prompt_ids for _ in range(group_size)]
         if self.vision is not None:
             row = self.vision.policy_row([p for p in sampled.vision_prompts for _ in range(group_size)],
-                                         sampled.completion_ids, attention_backend=args.attention_backend,
-                                         device=device, include_last_token=self.router_aux.enabled)
+                                         sampled.completion_ids, share_prompt=bool(args.share_prompt),
+                                         group_ids=[i // group_size for i in range(len(ids))],
+                                         attention_backend=args.attention_backend, device=device,
+                                         include_last_token=self.router_aux.enabled)
         else:
             row = build_policy_row(ids, sampled.completion_ids, share_prompt=bool(args.share_prompt),
                                    group_ids=[i // group_size for i in range(len(ids))],
