@@ -260,3 +260,24 @@ def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
                                completion_logprobs(model, mb.row, kernel_backend="reference")[0])
     metrics = trainer.evaluate(eval_dataset=rows)  # fresh rollouts of image prompts, their GRPO loss
     assert torch.isfinite(torch.tensor(metrics["eval_loss"])) and "eval_reward" in metrics
+
+
+def test_full_finetuning_reference_copy_on_shared_image_rows(setup, tmp_path):
+    """Full fine-tuning with beta > 0: the trainer's frozen reference copy gives the unpatched
+    model's per-sample log-probs on a shared-prompt image row."""
+    from swiftune import GRPOConfig, GRPOTrainer
+
+    proc, base, _ = setup
+    args = GRPOConfig(output_dir=str(tmp_path / "full"), num_generations=2, per_device_train_batch_size=2, beta=0.1,
+                      **FAST)
+    trainer = GRPOTrainer(copy.deepcopy(base), lambda prompts, completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=_prompt_rows()[:1], processing_class=proc)
+    assert trainer.ref_model is not None
+    prompt = trainer.vision.encode(_prompt_rows()[0])
+    completions = [[40, 41, 42], [50, 51]]
+    row = trainer.vision.policy_row([prompt, prompt], completions, share_prompt=True, group_ids=[0, 0],
+                                    attention_backend="reference")
+    assert row.layout.shared
+    with torch.no_grad():
+        want = torch.cat([_reference_logps(base, proc, prompt, c) for c in completions])
+    assert _rel(trainer.reference_logprobs(row), want) < 1e-5
