@@ -76,10 +76,17 @@ def _reference_loss(logps, old, ref, advantages, eps: float, beta: float) -> tor
     return torch.stack(losses).mean()
 
 
-@pytest.mark.parametrize("beta,share", [(0.0, False), (0.1, False), (0.1, True)])
-def test_grpo_loss_and_gradients_on_image_prompts(setup, beta, share):
+@pytest.mark.parametrize("beta,share,checkpointing", [(0.0, False, False), (0.1, False, False), (0.1, True, False),
+                                                      (0.1, True, True)])
+def test_grpo_loss_and_gradients_on_image_prompts(setup, beta, share, checkpointing):
     proc, _, reference = setup
     policy = swiftune.patch_model(copy.deepcopy(reference), attention="reference", kernel_backend="reference")
+    if checkpointing:  # the row layout and pixel values replayed in the recomputation
+        from swiftune.training.loading import enable_gradient_checkpointing
+
+        enable_gradient_checkpointing(policy, True)
+        policy.train()
+        assert any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())
     vision = VisionGRPO(policy, proc)
     prompts = [vision.encode(row) for row in _prompt_rows()]
     assert prompts[1].image_grid_thw.shape[0] == 2 and prompts[2].pixel_values is None
