@@ -53,14 +53,15 @@ def setup():
 
 def _reference_logps(model, proc, prompt, completion) -> torch.Tensor:
     """transformers' model on ``prompt + completion`` alone: float64 log-probs of the completion."""
-    ids = torch.tensor([prompt.input_ids + completion])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.input_ids + completion], device=device)
     inputs = {"input_ids": ids, "mm_token_type_ids": (ids == proc.token_id(IMAGE_TOKEN)).int()}
     if prompt.pixel_values is not None:
-        inputs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+        inputs.update(pixel_values=prompt.pixel_values.to(device), image_grid_thw=prompt.image_grid_thw.to(device))
     logits = model(**inputs).logits[0].double()
     p = len(prompt.input_ids)
     logps = torch.log_softmax(logits[p - 1:p - 1 + len(completion)], dim=-1)
-    return logps.gather(1, torch.tensor(completion)[:, None])[:, 0]
+    return logps.gather(1, torch.tensor(completion, device=device)[:, None])[:, 0]
 
 
 def _reference_loss(logps, old, ref, advantages, eps: float, beta: float) -> torch.Tensor:
@@ -288,3 +289,53 @@ def test_full_finetuning_reference_copy_on_shared_image_rows(setup, tmp_path):
     with torch.no_grad():
         want = torch.cat([_reference_logps(base, proc, prompt, c) for c in completions])
     assert _rel(trainer.reference_logprobs(row), want) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("share", [False, True])
+def test_gpu_grpo_parity_on_image_prompts(setup, dtype, share):
+    """On CUDA: compiled kernels and the automatic attention (packed, or the shared-prompt flex / sdpa
+    backends) of the patched LoRA policy against the fp32 unpatched reference per sample (TF32 off):
+    the GRPO loss (beta 0.1) and every LoRA gradient; fp32 to 1e-4, bf16 to 2e-2 (gradients 1e-1)."""
+    proc, _, peft_reference = setup
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference = copy.deepcopy(peft_reference).cuda()
+        policy = swiftune.patch_model(copy.deepcopy(peft_reference).to("cuda", dtype), attention="auto",
+                                      kernel_backend="auto")
+        vision = VisionGRPO(policy, proc)
+        prompts = [vision.encode(row) for row in _prompt_rows()]
+        samples = [p for p in prompts for _ in range(2)]
+        gen = torch.Generator().manual_seed(3)
+        completions = [torch.randint(5, 250, (n,), generator=gen).tolist() for n in (5, 3, 6, 1, 4, 7)]
+        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], device="cuda")
+
+        lp = [_reference_logps(reference, proc, p, c) for p, c in zip(samples, completions)]
+        with torch.no_grad(), reference.disable_adapter():
+            rr = [_reference_logps(reference, proc, p, c) for p, c in zip(samples, completions)]
+        old = [x.detach() for x in lp]
+        want = _reference_loss(lp, old, rr, advantages.double(), 0.2, 0.1)
+        want.backward()
+        row = vision.policy_row(samples, completions, share_prompt=share, group_ids=[i // 2 for i in range(6)],
+                                attention_backend="auto", device="cuda")
+        if "pixel_values" in row.model_inputs:
+            row.model_inputs["pixel_values"] = row.model_inputs["pixel_values"].to(dtype)
+        logps, _ = completion_logprobs(policy, row)
+        with torch.no_grad(), policy.disable_adapter():
+            ref_row = completion_logprobs(policy, row)[0]
+        out = grpo_loss(logps, torch.cat(old).float(), advantages, row.seq_index, num_sequences=6, loss_type="grpo",
+                        epsilon=0.2, beta=0.1, ref_logps=ref_row)
+        out.loss.backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.isfinite(out.loss) and _rel(out.loss.detach().double(), want.detach()) < tol
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    grads = {n: p.grad for n, p in policy.named_parameters() if p.requires_grad}
+    for name, g in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        if g.abs().max() > 0:
+            assert _rel(grads[name].float(), g.float()) < tol * (5 if dtype == torch.bfloat16 else 1), name
