@@ -339,3 +339,26 @@ def test_gpu_grpo_parity_on_image_prompts(setup, dtype, share):
         assert torch.isfinite(grads[name]).all(), name
         if g.abs().max() > 0:
             assert _rel(grads[name].float(), g.float()) < tol * (5 if dtype == torch.bfloat16 else 1), name
+
+
+def test_grpo_trainer_reuses_image_rollouts(setup, tmp_path):
+    """num_iterations=2: the second step reuses the generation, its old log-probs computed on the same
+    image rows without gradient, equal to the unpatched model's per-sample log-probs before the step."""
+    from swiftune import GRPOConfig, GRPOTrainer
+
+    proc, _, reference = setup
+    model = copy.deepcopy(reference)
+    args = GRPOConfig(output_dir=str(tmp_path / "it"), max_steps=2, num_iterations=2, per_device_train_batch_size=2,
+                      num_generations=2, max_completion_length=3, learning_rate=1e-2, **FAST)
+    trainer = GRPOTrainer(model, lambda prompts, completions, size, **kw: [float(s) for s in size], args=args,
+                          train_dataset=_prompt_rows()[:1], processing_class=proc)
+    trainer.train()
+    mb = trainer._buffer[0]
+    assert mb.old_logps is not None and mb.row.model_inputs is not None
+    prompt = trainer.vision.encode(_prompt_rows()[0])
+    ids, spans = mb.row.input_ids[0].tolist(), mb.row.spans
+    completions = [ids[cs:ce] + [int(mb.row.targets[mb.row.seq_index == i][-1])] for i, (_, _, cs, ce) in
+                   enumerate(spans)]
+    with torch.no_grad():
+        want = torch.cat([_reference_logps(reference, proc, prompt, c) for c in completions])
+    assert _rel(mb.old_logps, want) < 1e-5  # the policy before the first step: the reference weights
