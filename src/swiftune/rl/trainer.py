@@ -108,7 +108,8 @@ class GRPOTrainer(SwiftuneTrainer):
         args: a :class:`GRPOConfig`.
         train_dataset: rows with a ``"prompt"`` (a string or a list of messages) and any other
             columns (passed to the reward functions): an HF ``Dataset``, a list of dicts or a path.
-        processing_class: the tokenizer.
+        processing_class: the tokenizer; for a vision-language policy (Qwen3-VL) its processor, and the
+            prompts may hold images (:mod:`swiftune.rl.multimodal`).
         peft_config: a ``peft.LoraConfig`` to wrap a plain model with adapters.
         rollout_engine: a :class:`~swiftune.rl.rollout.RolloutEngine` (default: the built-in
             :class:`~swiftune.rl.rollout.TransformersRolloutEngine` on the training model).
