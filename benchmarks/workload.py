@@ -27,6 +27,7 @@ _CONFIG_EXTRAS: dict[str, dict] = {
     # gpt-oss: the config's default RoPE is the released models' YaRN (factor 32 over 4,096 positions,
     # theta 150,000); its default layer_types alternate sliding (128) and full attention
     "gpt-oss-20b": dict(max_position_embeddings=131072),
+    "mixtral-8x7b": dict(),  # RoPE theta and context length are in the shape table already
 }
 MODEL_SHAPES: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
