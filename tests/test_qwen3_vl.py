@@ -429,6 +429,25 @@ def test_generate_matches_transformers(setup):
     assert torch.equal(patched.generate(**kwargs), base.generate(**kwargs))
 
 
+def tiny_vl_moe(dense: torch.nn.Module, scale: float, **text_fields) -> torch.nn.Module:
+    """A Qwen3-VL-MoE with ``dense``'s sizes and vision tower config: the first decoder layer sparse
+    (4 experts, top 2), the second dense; router and experts drawn at ``scale`` (transformers'
+    initialisation leaves the router at zero). ``text_fields`` go to the text config."""
+    config = transformers.Qwen3VLMoeConfig(
+        text_config={**dense.config.text_config.to_dict(), "moe_intermediate_size": 32, "num_experts": 4,
+                     "num_experts_per_tok": 2, "mlp_only_layers": [1], **text_fields},
+        vision_config=dense.config.vision_config.to_dict(),
+        **{k: getattr(dense.config, k) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                  "video_token_id")})
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name or "mlp.gate." in name:
+                p.normal_(0.0, scale)
+    return model
+
+
 def test_moe_variant_parity(setup):
     """Qwen3-VL-MoE (one sparse layer: transformers' router, experts as swiftune's grouped GEMMs; one
     dense layer): loss and every gradient, router and experts included, against transformers per
@@ -438,18 +457,7 @@ def test_moe_variant_parity(setup):
     from swiftune.models.families import family_of
 
     proc, base, data = setup
-    config = transformers.Qwen3VLMoeConfig(
-        text_config={**base.config.text_config.to_dict(), "moe_intermediate_size": 32, "num_experts": 4,
-                     "num_experts_per_tok": 2, "mlp_only_layers": [1]},
-        vision_config=base.config.vision_config.to_dict(),
-        **{k: getattr(base.config, k) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
-                                                 "video_token_id")})
-    torch.manual_seed(0)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
-    with torch.no_grad():  # the initialisation leaves the router at zero: give it (and the experts) a scale
-        for name, p in model.named_parameters():
-            if "experts" in name or "mlp.gate." in name:
-                p.normal_(0.0, 0.05)
+    model = tiny_vl_moe(base, scale=0.05)
     assert family_of(model.config).moe
     patched = swiftune.patch_model(copy.deepcopy(model), attention="reference", kernel_backend="reference")
     experts = [m for m in patched.modules() if type(m).__name__ == "Qwen3VLMoeTextExperts"]

@@ -17,7 +17,8 @@ import copy
 import pytest
 import torch
 
-from tests.test_qwen3_vl import IMAGE_TOKEN, _model, _processor, _reference_loss, _rel, _rows, transformers
+from tests.test_qwen3_vl import (IMAGE_TOKEN, _model, _processor, _reference_loss, _rel, _rows, tiny_vl_moe,
+                                 transformers)
 
 from swiftune.data.multimodal import MultimodalCollator, prepare_multimodal_dataset
 from swiftune.models.moe import moe_config
@@ -32,20 +33,7 @@ TOL = 1e-5
 
 def _vl_moe(proc) -> torch.nn.Module:
     """The tiny Qwen3-VL of tests/test_qwen3_vl.py with a sparse first layer (4 experts, top 2)."""
-    dense = _model(proc)
-    config = transformers.Qwen3VLMoeConfig(
-        text_config={**dense.config.text_config.to_dict(), "moe_intermediate_size": 32, "num_experts": 4,
-                     "num_experts_per_tok": 2, "mlp_only_layers": [1], "router_aux_loss_coef": COEF},
-        vision_config=dense.config.vision_config.to_dict(),
-        **{k: getattr(dense.config, k) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
-                                                 "video_token_id")})
-    torch.manual_seed(0)
-    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float()
-    with torch.no_grad():  # the initialisation leaves the router at zero: give it (and the experts) a scale
-        for name, p in model.named_parameters():
-            if "experts" in name or "mlp.gate." in name:
-                p.normal_(0.0, 0.3)
-    return model.train()
+    return tiny_vl_moe(_model(proc), scale=0.3, router_aux_loss_coef=COEF).train()
 
 
 def _padded(proc, examples) -> dict[str, torch.Tensor]:
