@@ -119,6 +119,8 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
     # Mistral with a window shorter than prompt + completion: the fused decode path must apply it
     overrides = {"sliding_window": 6} if family == "mistral" else {}
     model = AutoModelForCausalLM.from_config(tiny_model_config(family, **overrides), dtype=dtype)
+    if backend == "triton" and torch.cuda.is_available():  # compiled kernels; the interpreter runs them on CPU
+        model = model.cuda()
     with torch.no_grad():  # norms start as ones: give each its own weights, so a mixed-up norm shows
         for name, p in model.named_parameters():
             if "norm" in name:

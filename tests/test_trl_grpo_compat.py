@@ -329,13 +329,14 @@ def test_cast_lm_head_to_fp32_computes_the_head_in_float32(tokenizer, tmp_path, 
                             hidden, weight, *a, **k))
     model = tiny_model(seed=2).to(torch.bfloat16)
     prompts, completions = random_groups(seed=1)
-    row = build_policy_row(prompts, completions)
     for cast in (False, True):
         args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=6, num_generations=3,
                           cast_lm_head_to_fp32=cast, **FAST)
         trainer = GRPOTrainer(model, [logging_reward], args=args, train_dataset=PROMPT_ROWS * 2,
                               processing_class=tokenizer, rollout_engine=FixedEngine())
-        trainer._logps(model, row)
+        # the trainer places the model (CUDA where there is one): the row goes where the model is
+        row = build_policy_row(prompts, completions, device=trainer.model.device)
+        trainer._logps(trainer.model, row)
     assert seen == [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
 
 

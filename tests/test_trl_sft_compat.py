@@ -396,7 +396,8 @@ def _reference_token_metrics(model, batch):
     """TRL 1.16's per-micro-batch entropy and token accuracy from the unpatched float64 model, document by
     document (a padding-free or packed row holds documents whose positions restart at 0)."""
     ent, hits, count = 0.0, 0, 0
-    for ids, pos, labels in zip(batch["input_ids"], batch["position_ids"], batch["labels"]):
+    device = next(model.parameters()).device  # the trainer's batches may be on CUDA, the reference is not
+    for ids, pos, labels in zip(*(batch[k].to(device) for k in ("input_ids", "position_ids", "labels"))):
         starts = (pos == 0).nonzero().squeeze(1).tolist() + [len(ids)]
         for a, b in zip(starts[:-1], starts[1:]):
             with torch.no_grad():
