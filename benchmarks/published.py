@@ -103,10 +103,10 @@ FIGURES: list[dict] = [
          date="2026-12-01", versions=BASE,
          command="python -m benchmarks.longctx --modes baseline ckpt offload --tokens 8192 32768 65536 131072 "
                  "262144 409600 --ckpt-max-tokens 409600 --doc-tokens 8192 --time-budget 470 --out longctx_sweep.json"),
-    dict(figure="longctx_sweep_qwen3-8b", file="longctx_qwen3-8b_400k_single_h200.json", date="2026-11-29",
-         versions=BASE, before_qk_fix=True, settings={"run": "one sequence"},
-         command="python -m benchmarks.longctx --modes offload --tokens 409600 --doc-tokens 0 --repeats 1 "
-                 "--time-budget 5000 --out single.json"),
+    dict(figure="longctx_sweep_qwen3-8b", file="2026-12-02/longctx_qwen3-8b_400k_single_after_qk_fix_h200.json",
+         date="2026-12-02", versions=BASE, settings={"run": "one sequence"},
+         command="python -m benchmarks.longctx --model qwen3-8b --modes offload --tokens 409600 --doc-tokens 0 "
+                 "--repeats 1 --time-budget 5000 --out longctx_bisect.json"),
     dict(figure="longctx_largest", file="longctx_trl_llama3-8b_h200.json", date="2026-11-30", versions=WITH_TRL,
          command="python -m benchmarks.longctx --model llama3-8b --modes trl_liger --tokens 32768 65536 "
                  "--bracket-from-fit --doc-tokens 0 --bisect trl_liger --bisect-granularity 8192 --bisect-tol 0.05 "
@@ -125,13 +125,19 @@ FIGURES: list[dict] = [
          versions=BASE,
          command="python -m benchmarks.longctx --model qwen3-8b --modes offload --tokens-from-planner "
                  "--doc-tokens 8192 --bisect offload --bisect-tol 0.05 --time-budget 520 --out longctx_bisect.json"),
-    dict(figure="longctx_largest", file="longctx_qwen3-8b_400k_single_h200.json", date="2026-11-29", versions=BASE,
-         before_qk_fix=True,
-         command="python -m benchmarks.longctx --modes offload --tokens 409600 --doc-tokens 0 --repeats 1 "
-                 "--time-budget 5000 --out single.json"),
+    dict(figure="longctx_largest", file="2026-12-02/longctx_qwen3-8b_400k_single_after_qk_fix_h200.json",
+         date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.longctx --model qwen3-8b --modes offload --tokens 409600 --doc-tokens 0 "
+                 "--repeats 1 --time-budget 5000 --out longctx_bisect.json"),
     dict(figure="rollout", file="rollout_h200.json", date="2026-11-30", versions=BASE,
          command="python -m benchmarks.rollout --merge docs/results/rollout_1024_h200.json "
                  "docs/results/rollout_8192_h200.json --out docs/results/rollout_h200.json"),
+    dict(figure="rollout_fp8", file="2026-12-02/rollout_fp8_bf16_h200.json", date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 --no-baselines "
+                 "--no-checks --lora-rows --time-budget 170 --out rollout_fp8_bf16.json"),
+    dict(figure="rollout_fp8", file="2026-12-02/rollout_fp8_h200.json", date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 "
+                 "--no-baselines --lora-rows 8 --time-budget 270 --out rollout_fp8.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

@@ -268,6 +268,25 @@ def rollout(fig: Figure) -> str:
                   "generate static tok/s", "x static", "generate dynamic tok/s", "x dynamic"], out, set(range(1, 12)) - {3})
 
 
+def rollout_fp8(fig: Figure) -> str:
+    """FP8 (e4m3 weights, per-row scales) against bf16 weights, same engine, shape, G and N, one call."""
+    runs = {}
+    for mode, model, s, m in fig.groups():
+        weights = s.get("weights", "bf16")
+        key = (model, s["rows"], s["new_tokens"], "LoRA r=16 at runtime" if mode == "fast_engine_lora" else "")
+        runs[(key, weights)] = m
+    out = []
+    for (key, weights), m in runs.items():
+        bf16 = runs.get((key, "bf16"))
+        tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
+        base = val(bf16, "tokens_per_s") if bf16 and weights != "bf16" else None
+        out.append([MODELS.get(key[0], key[0]), str(key[1]), f"{key[2]:,}", weights + (f", {key[3]}" if key[3] else ""),
+                    fmt(tps, thousands=True), fmt(ms), fmt(floor) if floor else "", fmt(ms / floor) if floor else "",
+                    fmt(tps / base) if base else ""])
+    return table(["shape", "G", "N", "weights", "engine tok/s", "step ms", "HBM floor ms", "x floor", "x bf16"], out,
+                 set(range(1, 9)) - {3})
+
+
 def attention(fig: Figure) -> str:
     out, ref = [], {}
     groups = list(fig.groups())
@@ -287,7 +306,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_sweep_qwen3-8b": sft
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
-          "attention_backends": attention}
+          "rollout_fp8": rollout_fp8, "attention_backends": attention}
 
 
 def commands(rows) -> str:

@@ -157,7 +157,8 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "fused_layers": engine.fused_layers}
 
 
-def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, kv_bucket: int) -> list[dict]:
+def lora_runs(model, name: str, prompt: list[int], rows_list: list[int], new_tokens: int,
+              kv_bucket: int) -> list[dict]:
     """The engine on a PEFT LoRA model (r=16, all linear layers): adapters run as PEFT layers vs merged."""
     from swiftune.training import FastModel
 
@@ -171,7 +172,7 @@ def lora_runs(model, prompt: list[int], rows_list: list[int], new_tokens: int, k
     for rows in rows_list:
         for lora in modes:
             r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora)
-            runs.append({"rows": rows, "new_tokens": new_tokens, "lora": lora, "fast": r})
+            runs.append({"model": name, "rows": rows, "new_tokens": new_tokens, "lora": lora, "fast": r})
             print(f"LoRA r=16 {lora:<8} G={rows} N={new_tokens}: {r['tokens_per_s']:.0f} tok/s, "
                   f"{r['step_ms']:.2f} ms/step", flush=True)
     peft_model.unload()
@@ -398,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['step_ms']:.2f} ms/step", flush=True)
             save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
-            results["lora"] = lora_runs(model, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
+            results["lora"] = lora_runs(model, name, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
         del model
         gc.collect()
         if device.type == "cuda":
