@@ -217,8 +217,9 @@ def penalty_reference(tmp_path_factory):
 @pytest.mark.parametrize("engine", ["transformers", "fast"])
 def test_generate_repetition_penalty_is_transformers_greedy_with_the_penalty(capsys, penalty_reference, engine):
     path, want = penalty_reference
+    # float32 as the reference (on a GPU machine "auto" would load bf16, whose greedy picks may differ)
     args = ["--model", path, "--temperature", "0", "--max_tokens", "10", "--json", "--engine", engine,
-            "--repetition_penalty", str(PENALTY)]
+            "--repetition_penalty", str(PENALTY), "--dtype", "float32"]
     for p in PENALTY_PROMPTS:
         args += ["--prompt", p]
     assert [r["completion"] for r in run(capsys, *args)] == want
