@@ -303,7 +303,8 @@ def is_fp8_linear(module: nn.Module) -> bool:
     return isinstance(module, FP8Linear)
 
 
-def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoint: str | None = None) -> int:
+def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoint: str | None = None,
+                       skip: tuple[str, ...] = ()) -> int:
     """Replace each ``nn.Linear`` of ``model``'s decoder by an :class:`FP8Linear` (in place, one at a
     time, so the peak is the unquantised model plus one layer); the output head (and embeddings,
     norms, anything that is not exactly ``nn.Linear``) stays as it is. Returns how many were
@@ -312,9 +313,12 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoi
     ``checkpoint``: the local folder ``model`` was loaded from (dequantised) when it is in
     transformers' fine-grained FP8 format: each projection the checkpoint stores as e4m3 codes with
     ``weight_scale_inv`` takes those codes and scales as they are (:meth:`FP8Linear.from_block_fp8`);
-    any other is quantised per row from its loaded weight. ``None``: every one per row."""
+    any other is quantised per row from its loaded weight. ``None``: every one per row.
+
+    ``skip``: module-name prefixes left unquantised (``"model.visual"``: a vision tower and its mergers)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head]
+    targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head
+               and not any(name == p or name.startswith(p + ".") for p in skip)]
     offloaded = [name for name, m in targets if m.weight.is_meta]
     if offloaded:  # accelerate's disk / CPU offload keeps weights elsewhere and loads them per call
         raise ValueError(f"load_in_fp8: {len(offloaded)} projections (e.g. {offloaded[0]}) are offloaded by the "
