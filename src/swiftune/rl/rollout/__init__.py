@@ -114,6 +114,12 @@ class TransformersRolloutEngine:
         )
         return out.logits[:, -1, :]
 
+    def _first_decode_positions(self, prompt_positions: torch.Tensor) -> torch.Tensor:
+        """The position ``[rows, 1]`` of each row's first decoded token, from its prompt's
+        left-padded text positions ``[rows, width]`` (already repeated for the group); engines whose
+        positions are not the text ones (multimodal RoPE) shift them per row."""
+        return prompt_positions[:, -1:] + 1
+
     def _generate_chunk(
         self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams
     ) -> tuple[list[list[int]], list[torch.Tensor], list[bool], int]:
@@ -151,7 +157,7 @@ class TransformersRolloutEngine:
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         active = torch.arange(rows, device=device)  # original row of each row still in the batch
         alive = torch.ones(rows, dtype=torch.bool, device=device)  # rows of the batch still sampling
-        next_pos = pos[:, -1:] + 1
+        next_pos = self._first_decode_positions(pos)
         steps = 0
         for step in range(params.max_tokens):
             tok, lp = sample_next(logits, params, gen, seen)
