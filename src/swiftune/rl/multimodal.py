@@ -10,10 +10,11 @@ What differs from text GRPO, and where it is handled:
   :func:`swiftune.data.multimodal.tokenize_multimodal_prompt` (each image's tokens expanded as the
   processor does; ``pixel_values`` / ``image_grid_thw`` from the image processor).
 * **Rollouts** (:class:`VisionRolloutEngine`): transformers' own forward and KV cache, as
-  :class:`~swiftune.rl.rollout.TransformersRolloutEngine`, one prompt per prefill: the prompt's
-  pixel values go to the vision tower once, its M-RoPE positions come from the model's own
-  ``get_rope_index``, the cache is repeated for the ``G`` completions, and every decoded (text)
-  token takes the position after the prompt's largest M-RoPE position (transformers' ``rope_deltas``).
+  :class:`~swiftune.rl.rollout.TransformersRolloutEngine`, several prompts per prefill (left-padded,
+  up to ``max_batch_size // G`` prompts): their pixel values go to the vision tower once, each
+  row's M-RoPE positions come from the model's own ``get_rope_index`` on its prompt alone, the cache
+  is repeated for the ``G`` completions, all rows decode together and every decoded (text) token of
+  a row takes the position after its prompt's largest M-RoPE position (transformers' ``rope_deltas``).
   The image placeholder token is never sampled (it would stand for an image the completion does not have).
 * **Policy rows** (:meth:`VisionGRPO.policy_row`): the samples ``prompt_i + completion_i`` laid out
   padding-free as :func:`swiftune.rl.policy.build_policy_row` does, plus what
@@ -206,15 +207,23 @@ class VisionGRPO:
 
 
 class VisionRolloutEngine(TransformersRolloutEngine):
-    """:class:`~swiftune.rl.rollout.TransformersRolloutEngine` for image prompts (module doc): one
-    prompt per prefill, with its pixel values and its M-RoPE positions; decoded tokens continue
-    after the prompt's largest position on all three channels. Without ``vision_inputs`` it is the
-    text engine unchanged.
+    """:class:`~swiftune.rl.rollout.TransformersRolloutEngine` for image prompts (module doc).
+
+    Prompts are sampled in chunks of ``max_batch_size // num_generations`` prompts (all of a call
+    when ``max_batch_size`` is None), as the text engine does. A chunk is **one** prefill: its
+    prompts left-padded into one batch (padding masked: swiftune's packed attention drops it, each
+    row is one document), every prompt's pixel values concatenated in row order (the vision tower
+    runs once per chunk, each image alone), each row's M-RoPE positions those of transformers'
+    ``get_rope_index`` on that prompt alone. The cache is then repeated for the ``G`` completions and
+    all of the chunk's rows decode together, each decoded (text) token at its row's text position
+    plus that row's own delta (the prompt's largest M-RoPE position + 1 - its length: transformers'
+    ``rope_deltas``) on all three channels. Without ``vision_inputs`` it is the text engine unchanged.
 
     Args:
         model: the vision-language policy (not copied).
         rope_index: the model's ``get_rope_index`` (:func:`swiftune.models.qwen3_vl.rope_index_of`).
         image_token_id: the image placeholder token.
+        pad_token_id, seed, max_batch_size: as :class:`~swiftune.rl.rollout.TransformersRolloutEngine`.
     """
 
     accepts_vision_inputs = True
@@ -224,8 +233,8 @@ class VisionRolloutEngine(TransformersRolloutEngine):
         super().__init__(model, pad_token_id=pad_token_id, seed=seed, max_batch_size=max_batch_size)
         self.rope_index = rope_index
         self.image_token_id = int(image_token_id)
-        self._prompt: VisionPrompt | None = None  # the prompt being sampled (set only inside generate)
-        self._delta = 0
+        self._chunk: list[VisionPrompt] | None = None  # the prompts being sampled (set only inside generate)
+        self._deltas: torch.Tensor | None = None  # each prefilled row's M-RoPE delta (set by its prefill)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams,
                  vision_inputs: Sequence[VisionPrompt] | None = None) -> Rollouts:
@@ -233,38 +242,71 @@ class VisionRolloutEngine(TransformersRolloutEngine):
             return super().generate(prompt_ids, num_generations, params)
         if len(vision_inputs) != len(prompt_ids):
             raise ValueError(f"{len(vision_inputs)} vision inputs for {len(prompt_ids)} prompts")
+        # the text engine's chunking: a chunk of at most this many prompts is one call of the text
+        # engine below (which then does not split it again), so its images are known to _forward
+        per_chunk = len(prompt_ids) if self.max_batch_size is None else max(1, self.max_batch_size // num_generations)
         out = Rollouts([], [], [], num_generations)
         try:
-            for ids, prompt in zip(prompt_ids, vision_inputs):  # one prefill per prompt: its images once
-                self._prompt = prompt
-                one = super().generate([ids], num_generations, params)
+            for a in range(0, len(prompt_ids), per_chunk):
+                self._chunk = list(vision_inputs[a:a + per_chunk])
+                one = super().generate(prompt_ids[a:a + per_chunk], num_generations, params)
                 out.completion_ids += one.completion_ids
                 out.logprobs += one.logprobs
                 out.finished += one.finished
                 for k, v in one.stats.items():
                     out.stats[k] = out.stats.get(k, 0.0) + v
         finally:
-            self._prompt = None
+            self._chunk = None
+            self._deltas = None
         return out
 
+    def _prefill_inputs(self, chunk: Sequence[VisionPrompt], input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The 3-D positions ``[3, rows, width]`` of a left-padded prefill of ``chunk`` and its
+        images' inputs; records each row's M-RoPE delta for :meth:`_first_decode_positions`."""
+        rows, width = input_ids.shape
+        if rows % len(chunk):
+            raise RuntimeError(f"a prefill of {rows} rows for {len(chunk)} image prompts")
+        copies = rows // len(chunk)  # 1, or the group size where the older cache API prefills every copy
+        device = input_ids.device
+        lengths = attention_mask.sum(-1).tolist()
+        # padding: position 1 on every channel, as transformers' get_rope_index fills it (never attended)
+        positions = torch.ones(3, rows, width, dtype=torch.long)
+        deltas = torch.zeros(rows, dtype=torch.long)
+        pixel_values, grids = [], []
+        for k, prompt in enumerate(chunk):
+            first = k * copies
+            length = int(lengths[first])
+            ids = input_ids[first, width - length:].cpu()
+            rope = rope_positions(self.rope_index, ids, self.image_token_id, prompt.image_grid_thw)
+            positions[:, first:first + copies, width - length:] = rope.unsqueeze(1)
+            deltas[first:first + copies] = int(rope.max()) + 1 - length  # transformers' rope_deltas
+            if prompt.pixel_values is not None:  # in row order: the model scatters features by token order
+                pixel_values += [prompt.pixel_values] * copies
+                grids += [torch.as_tensor(prompt.image_grid_thw)] * copies
+        self._deltas = deltas.to(device)
+        inputs: dict[str, torch.Tensor] = {}
+        if pixel_values:
+            inputs.update(pixel_values=torch.cat(pixel_values).to(device), image_grid_thw=torch.cat(grids).to(device))
+        return positions.to(device), inputs
+
+    def _first_decode_positions(self, prompt_positions: torch.Tensor) -> torch.Tensor:
+        """Each row's first decoded position: its text position shifted by its prompt's delta (the
+        rows of a prefilled prompt are repeated consecutively for its group)."""
+        first = super()._first_decode_positions(prompt_positions)
+        if self._chunk is None or self._deltas is None:
+            return first
+        return first + self._deltas.repeat_interleave(first.shape[0] // self._deltas.numel()).unsqueeze(1)
+
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        prompt = self._prompt
-        if prompt is None:
+        chunk = self._chunk
+        if chunk is None:
             return super()._forward(input_ids, attention_mask, position_ids, cache)
         kwargs: dict[str, Any] = {}
-        rows = input_ids.shape[0]
-        if cache.get_seq_length() == 0:  # prefill: the images, and the prompt's own M-RoPE positions
-            ids = input_ids[0].cpu()
-            if prompt.pixel_values is not None:
-                # rows > 1: the older cache API prefills every copy of the prompt
-                kwargs.update(pixel_values=prompt.pixel_values.to(input_ids.device).repeat(rows, 1),
-                              image_grid_thw=prompt.image_grid_thw.to(input_ids.device).repeat(rows, 1))
-            positions = rope_positions(self.rope_index, ids, self.image_token_id, prompt.image_grid_thw)
-            positions = positions.unsqueeze(1).to(device=input_ids.device, dtype=torch.long)
-            self._delta = int(positions.max()) + 1 - ids.shape[0]  # transformers' rope_deltas
-            position_ids = positions.expand(3, rows, -1)
-        else:  # a decoded text token: its text position shifted by the prompt's delta, on all channels
-            position_ids = (position_ids + self._delta).unsqueeze(0).expand(3, -1, -1)
+        if cache.get_seq_length() == 0:  # prefill: the chunk's images, each prompt's own M-RoPE positions
+            position_ids, kwargs = self._prefill_inputs(chunk, input_ids, attention_mask)
+        else:  # decoded text tokens: positions already shifted by their rows' deltas, the same on all channels
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=True, logits_to_keep=1, **{self._cache_arg: cache}, **kwargs)
         logits = out.logits[:, -1, :]
