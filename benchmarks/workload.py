@@ -34,6 +34,33 @@ MODEL_SHAPES: dict[str, dict] = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                  tie_word_embeddings=False, max_position_embeddings=4096),
     **{name: {**KNOWN_MODELS[name], **extras} for name, extras in _CONFIG_EXTRAS.items()},
+    # Qwen3-VL-8B (Qwen/Qwen3-VL-8B-Instruct's config.json on the Hugging Face hub): a Qwen3-8B-like text
+    # decoder (36 layers, 4096 hidden, 12288 MLP, 32 q / 8 kv heads of 128, interleaved M-RoPE [24, 20, 20],
+    # theta 5e6, 256K positions, untied head) and a 27-block vision tower (1152 hidden, 16 heads, patch 16,
+    # merge 2, deepstack after blocks 8, 16 and 24) whose merger projects to the text's 4096. The vision
+    # token ids are set by benchmarks/vl.py from its tokenizer.
+    "qwen3-vl-8b": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                         rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
+                           hidden_act="gelu_pytorch_tanh")),
+    # the same layout at CPU size (benchmarks/vl.py's smoke tests)
+    "tiny-vl": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                         tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1])),
 }
 
 
