@@ -141,6 +141,25 @@ def test_batched_greedy_equals_transformers_generate_per_prompt(setup, patched):
         assert _rel(batched.logprobs[G * k].double(), want) < 1e-5
 
 
+def test_batched_greedy_without_cache_row_ops(setup, monkeypatch):
+    """Older caches (no batch_repeat_interleave / batch_select_indices): every copy of every prompt is
+    prefilled, each with its prompt's images and delta; still transformers' greedy tokens per prompt."""
+    from swiftune.rl import rollout
+
+    proc, base, policy, vision, prompts = setup
+    monkeypatch.setattr(rollout, "cache_supports", lambda cache, method: False)
+    engine = VisionRolloutEngine(policy, vision.rope_index, vision.image_token_id)
+    counter = PrefillCounter(policy)
+    try:
+        out = vision.generate(engine, prompts, G, SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=()))
+    finally:
+        counter.remove()
+    assert counter.rows == [G * len(prompts)]
+    for k, prompt in enumerate(prompts):
+        want = _greedy(base, vision, prompt, 5)
+        assert out.completion_ids[G * k:G * k + G] == [want] * G, k
+
+
 def test_sampled_logprobs_equal_the_unpatched_forward_and_the_seed_reproduces_them(setup):
     """Sampling (temperature 0.8, stop token, rows leaving the batch): each sample's log-probs are the
     unpatched model's forward log-probs of its tokens; the same seed gives the same samples."""
