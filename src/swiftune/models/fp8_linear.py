@@ -17,6 +17,12 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
   tensor cores. In backward the weight scale sits on the summed axis, so it is folded into the
   upstream gradient first: ``dx = quant(g * s^T) Q`` with per-row scales of ``g * s^T`` and a
   column-major copy of ``Q`` (made per call: 1 byte per weight, instead of keeping a second copy).
+- the weight-only kernel (:func:`swiftune.kernels.fp8_weight_only_matmul`), for decoding: under
+  ``torch.no_grad`` (the state's ``inference``) and at most :data:`DECODE_MAX_ROWS` rows, ``y = (x Q^T)
+  * s^T`` with ``x`` unquantised, the codes read once and decoded in registers (any CUDA GPU; the
+  interpreter on CPU when ``TRITON_INTERPRET=1``, else its plain-PyTorch reference). At a few rows the
+  product is bound by reading the weight, which this path reads at 1 byte a weight and nothing else;
+  ``_scaled_mm`` adds a quantise launch per linear and its FP8 tiles are shaped for large ``M``.
 - the dequantising reference (CPU, older GPUs, other dtypes): ``W_q`` rebuilt in float32 and cast
   to the compute dtype in forward and again in backward (never kept: an FP8 model holds 1 byte per
   base weight, not 3), then a plain matmul. This is exactly plain transformers with
@@ -46,14 +52,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.fp8_matmul import fp8_weight_only_matmul
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
-__all__ = ["FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State", "block_scales_to_layer_scales", "block_size_of",
+__all__ = ["DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State", "block_scales_to_layer_scales", "block_size_of",
            "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear",
            "quantize_activation", "quantize_model_fp8", "quantize_rowwise"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+# The most rows an inference product sends to the weight-only kernel. It multiplies on the bf16
+# tensor cores (~790 TFLOP/s on an H200) while reading 1 byte a weight (~4.3 TB/s): the matmul's
+# 2 M flops a weight cost as long as the byte's read when 2 M / 790e12 = 1 / 4.3e12, M ~ 92. Below
+# that the weight read bounds it, and _scaled_mm (FP8 tensor cores, twice the rate, plus a quantise
+# launch) cannot be faster; far above it the FP8 rate wins. 64 is the kernel's widest row tile (the
+# weight read exactly once), under that crossover, and the rollout engine's largest group (G = 64).
+DECODE_MAX_ROWS = 64
 
 
 def quantize_rowwise(t: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,11 +150,14 @@ def fp8_matmul_supported(device: torch.device | str | None = None) -> bool:
 
 @dataclass(frozen=True)
 class FP8State:
-    """What a matmul needs besides the e4m3 weight: its per-row scales ``[out, 1]`` and whether
-    ``torch._scaled_mm`` may be used (the caller's GPU has FP8 tensor cores)."""
+    """What a matmul needs besides the e4m3 weight: its per-row scales ``[out, 1]``, whether
+    ``torch._scaled_mm`` may be used (the caller's GPU has FP8 tensor cores), and whether the product
+    is for inference (no gradient through it: the caller runs under ``torch.no_grad``), when up to
+    :data:`DECODE_MAX_ROWS` rows take the weight-only kernel."""
 
     scale: torch.Tensor
     scaled_mm: bool
+    inference: bool = False
 
 
 def _use_scaled_mm(state: FP8State, a: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -157,9 +175,19 @@ def quantize_activation(x2: torch.Tensor, col_scale: torch.Tensor | None = None)
     return fp8_quantize_rowwise(x2, col_scale, backend="auto" if x2.is_cuda else "reference")
 
 
+def _use_weight_only(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    # per-row scales only (block scales vary along the summed axis); the kernel's dtypes
+    return (state.inference and 0 < x2.shape[0] <= DECODE_MAX_ROWS
+            and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and tuple(state.scale.shape) == (weight.shape[0], 1))
+
+
 def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x2 (Q * s)^T + b`` for ``x2`` ``[N, in]``, in ``dtype`` (see the module doc for the two paths)."""
+    """``x2 (Q * s)^T + b`` for ``x2`` ``[N, in]``, in ``dtype`` (see the module doc for the three paths)."""
+    if _use_weight_only(state, x2, weight, dtype):
+        # the Triton kernel on CUDA (and under the interpreter), its float32 reference on plain CPU
+        return fp8_weight_only_matmul(x2.to(dtype), weight, state.scale, bias)
     if _use_scaled_mm(state, x2, weight, dtype):
         xq, xs = quantize_activation(x2)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
@@ -275,7 +303,13 @@ class FP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        return FP8LinearFunction.apply(x, self.weight, self.weight_scale, self.bias, dtype, self.scaled_mm)
+        if torch.is_grad_enabled():
+            return FP8LinearFunction.apply(x, self.weight, self.weight_scale, self.bias, dtype, self.scaled_mm)
+        # no_grad (the rollout engine's decoding, evaluation): no autograd node, and few rows take the
+        # weight-only kernel (grad mode, not x.requires_grad, decides: training keeps one path)
+        state = FP8State(self.weight_scale, self.scaled_mm, inference=True)
+        y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight, state, dtype, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _apply(self, fn, recurse: bool = True):
         # model.to(torch.bfloat16) / .half() cast every floating tensor: that would turn Q into its

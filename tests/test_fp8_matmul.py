@@ -1,0 +1,216 @@
+"""The weight-only FP8 decode kernel (``swiftune.kernels.fp8_matmul``) and its use in ``FP8Linear``.
+
+Reference: a float64 formula in plain torch, ``x (Q * s)^T + b`` with ``Q`` decoded by torch's own
+``float8_e4m3fn -> float64`` conversion, never swiftune; the decoding of every byte against torch's
+``float8_e4m3fn -> float32``; for the rollout engine, transformers' own ``generate`` on the unpatched
+model holding the dequantised weights. On CPU the kernel runs through the Triton interpreter
+(tests/conftest.py); on a GPU compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import swiftune.models.fp8_linear as fl
+from swiftune.kernels import fp8_weight_only_matmul, fp8_weight_only_matmul_reference
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0, device: str = "cpu"):
+    """x ``[m, k]``, e4m3 codes spanning e4m3's range (subnormals included), per-row scales, bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * torch.logspace(-3, 2.4, k)[torch.randperm(k, generator=g)]).clamp(-448, 448)
+    q = w.to(E4M3)
+    s = torch.rand(n, generator=g) * 1e-2 + 1e-3
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return (x.to(device), q.to(device), s.to(device), None if b is None else b.to(device))
+
+
+def _float64(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ (q.double() * s.double().reshape(-1, 1)).t()
+    return y if b is None else y + b.double()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _assert_close(y: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: within float32 summation error of the float64 value; bf16/fp16: within one rounding of it."""
+    assert y.dtype == dtype and y.shape == want.shape
+    assert torch.isfinite(y).all()
+    if dtype == torch.float32:
+        assert _rel(y, want) < 1e-6
+    else:
+        half_ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11  # relative, at most (just above a power of 2)
+        err = (y.double() - want).abs()
+        assert torch.all(err <= want.abs() * half_ulp + 1e-6 * want.abs().max()), float(err.max())
+        assert _rel(y, want) < 4e-3
+
+
+_SHAPES = [(1, 37, 53, None), (5, 100, 300, 2), (16, 64, 256, None), (33, 129, 130, 3), (64, 70, 256, 2)]
+_CASES = ([(dtype, *shape, bias) for dtype in (torch.float32, torch.bfloat16) for shape in _SHAPES
+           for bias in (False, True)]
+          + [(torch.float16, 1, 37, 53, None, True), (torch.float16, 33, 129, 130, 3, False)])
+
+
+@pytest.mark.parametrize("dtype,m,n,k,split,bias", _CASES,
+                         ids=[f"{str(c[0])[6:]}-m{c[1]}-n{c[2]}-k{c[3]}-split{c[4]}-{'bias' if c[5] else 'nobias'}"
+                              for c in _CASES])
+def test_kernel_equals_float64_formula(device, dtype, m, n, k, split, bias):
+    x, q, s, b = _operands(m, n, k, dtype, bias, device=device)
+    with torch.no_grad():
+        y = fp8_weight_only_matmul(x, q, s, b, backend="triton", split_k=split)
+        ref = fp8_weight_only_matmul_reference(x, q, s, b)
+    want = _float64(x, q, s, b)
+    _assert_close(y, want, dtype)
+    _assert_close(ref, want, dtype)
+    assert want.abs().max() > 0
+
+
+def test_leading_axes_strided_x_and_64_bit_indexing(device):
+    x, q, s, b = _operands(6, 40, 96, torch.float32, True, seed=1, device=device)
+    x3 = torch.randn(2, 3, 200, device=device)[..., 50:146]  # rows 200 apart, not contiguous
+    with torch.no_grad():
+        y = fp8_weight_only_matmul(x3, q, s.view(-1, 1), b, backend="triton")
+        y64 = fp8_weight_only_matmul(x3, q.view(torch.uint8), s, b, backend="triton", _force_int64=True, split_k=2)
+    want = _float64(x3.reshape(-1, 96), q, s, b).view(2, 3, 40)
+    assert y.shape == (2, 3, 40)
+    assert _rel(y, want) < 1e-6 and _rel(y64, want) < 1e-6
+    # the fixed-order split-K reduction: a repeat gives the same bits
+    with torch.no_grad():
+        again = fp8_weight_only_matmul(x3, q, s, b, backend="triton", _force_int64=True, split_k=2)
+    assert torch.equal(again, y64)
+
+
+def _decodes(device: str) -> list[str]:
+    native = device == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    return ["bits", "native"] if native else ["bits"]
+
+
+def test_every_e4m3_byte_decodes_as_torch(device):
+    """All 256 codes, each the only weight of its output row (``K = 1``, ``x = 1``, ``s = 1``: ``y`` is
+    the decoded code, NaNs stay NaN), and the 254 finite codes along K of one row against one-hot
+    rows of x (``M = 254``: the codes inside full ``tl.dot`` tiles, four row tiles)."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(E4M3).float()
+    finite = codes[~want.isnan()]
+    for decode in _decodes(device):
+        with torch.no_grad():
+            y = fp8_weight_only_matmul(torch.ones(1, 1, device=device), codes.view(E4M3)[:, None].to(device),
+                                       torch.ones(256, device=device), backend="triton", decode=decode)[0].cpu()
+        assert torch.equal(y.isnan(), want.isnan()), decode
+        assert torch.equal(y[~want.isnan()], want[~want.isnan()]), decode
+        assert y.isnan().sum() == 2  # 0x7F and 0xFF
+        eye = torch.eye(finite.numel(), device=device)
+        with torch.no_grad():
+            y = fp8_weight_only_matmul(eye, finite.view(E4M3)[None].to(device), torch.ones(1, device=device),
+                                       backend="triton", decode=decode)[:, 0].cpu()
+        assert torch.equal(y, finite.view(E4M3).float()), decode
+
+
+def test_bad_inputs_are_refused():
+    x, q, s, b = _operands(2, 8, 16, torch.float32, True)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fp8_weight_only_matmul(x, q.float(), s)
+    with pytest.raises(ValueError, match="in_features"):
+        fp8_weight_only_matmul(x[:, :8], q, s)
+    with pytest.raises(ValueError, match="one float32 value per output row"):
+        fp8_weight_only_matmul(x, q, s[:4])
+    with pytest.raises(ValueError, match="bias must have"):
+        fp8_weight_only_matmul(x, q, s, b[:3])
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        fp8_weight_only_matmul(x, q, s, block_n=24)
+    with pytest.raises(RuntimeError, match="no backward"):
+        fp8_weight_only_matmul(x.requires_grad_(), q, s)
+
+
+def _counting(monkeypatch) -> list[int]:
+    """Count the FP8 linear's calls of the weight-only kernel's launcher (rows per call)."""
+    calls: list[int] = []
+    launcher = fl.fp8_weight_only_matmul
+    monkeypatch.setattr(fl, "fp8_weight_only_matmul", lambda x2, *a, **k: calls.append(x2.shape[0]) or launcher(x2, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_linear_no_grad_small_m_forward_equals_formula(device, dtype, monkeypatch):
+    """Under ``no_grad`` with at most DECODE_MAX_ROWS rows the layer runs the weight-only kernel, and
+    gives ``F.linear(x, Q * s, b)`` in float64 (the formula of the reference forward); with more rows,
+    or with grad mode on (training), it does not call it."""
+    torch.manual_seed(0)
+    layer = fl.FP8Linear.from_linear(nn.Linear(96, 80, device=device, dtype=dtype))
+    calls = _counting(monkeypatch)
+    x = torch.randn(2, 3, 96, device=device, dtype=dtype)
+    want = nn.functional.linear(x.double(), layer.weight.double() * layer.weight_scale.double(), layer.bias.double())
+    with torch.no_grad():
+        y = layer(x)
+    assert calls == [6]
+    _assert_close(y, want, dtype)
+    with torch.no_grad():
+        layer(torch.randn(fl.DECODE_MAX_ROWS + 1, 96, device=device, dtype=dtype))
+    layer(x)  # grad mode: the autograd path (training keeps _scaled_mm where it runs)
+    assert calls == [6]
+    # the reference forward (grad mode: the weight dequantised to the compute dtype, one matmul in it)
+    # is as close as its roundings allow: the weight's in bf16 too, so up to bf16 error
+    ref = layer(x)
+    assert _rel(ref, want) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert _rel(y, want) <= _rel(ref, want) + 1e-7
+
+
+def test_fp8_engine_greedy_tokens_equal_transformers_generate(tmp_path_factory, monkeypatch):
+    """The fast rollout engine on an FP8 model without adapters decodes through the weight-only
+    kernel (every prefill and decode product has <= 64 rows here) and gives transformers' own greedy
+    tokens on the unpatched model holding the dequantised weights."""
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+    from swiftune.training import FastModel
+    from tests.helpers import save_tiny_checkpoints
+    from tests.test_fp8 import _plain_with_weights
+
+    path = save_tiny_checkpoints(tmp_path_factory, families=("qwen3",))["qwen3"]
+    model, tokenizer = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    model.eval()
+    reference = _plain_with_weights(path, model).eval()
+    prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
+    calls = _counting(monkeypatch)
+    engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3)
+    out = engine.generate(prompts, 1, SamplingParams(max_tokens=5, temperature=0))
+    layers = sum(isinstance(m, fl.FP8Linear) for m in model.modules())
+    assert layers and len(calls) >= 5 * layers  # the prefill and every decode step through the kernel
+    for prompt, got in zip(prompts, out.completion_ids):
+        with torch.no_grad():
+            ref = reference.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                                     dtype=torch.long), do_sample=False, max_new_tokens=5,
+                                     pad_token_id=tokenizer.pad_token_id)
+        assert got == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs CUDA")
+@pytest.mark.parametrize("m", [8, 64])
+def test_cuda_qwen3_8b_projection_compiled_equals_reference(m):
+    """A Qwen3-8B MLP projection (K = 4096, N = 12288) compiled, both decodings and a forced split-K
+    and tile width, against the float64 formula; a CUDA graph replay of the launcher equals its
+    eager result bit for bit (no host sync, deterministic sums)."""
+    x, q, s, b = _operands(m, 12288, 4096, torch.bfloat16, False, device="cuda")
+    want = _float64(x, q, s, b)
+    with torch.no_grad():
+        for decode in _decodes("cuda"):
+            for block_n, split in ((None, None), (64, 4), (128, 1)):
+                y = fp8_weight_only_matmul(x, q, s, b, decode=decode, block_n=block_n, split_k=split)
+                _assert_close(y, want, torch.bfloat16)
+        eager = fp8_weight_only_matmul(x, q, s, b, split_k=2)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fp8_weight_only_matmul(x, q, s, b, split_k=2)  # compiled before the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = fp8_weight_only_matmul(x, q, s, b, split_k=2)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
