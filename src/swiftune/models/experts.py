@@ -16,21 +16,36 @@ Two ways for the GEMM, the same math: ``torch.nn.functional.grouped_mm`` (one ke
 with SM >= 80, and on CPU where torch has it) and a plain loop over the experts' blocks (the
 reference, fp32, and every case the grouped kernel does not take). The weights are read through the
 module's attributes, so PEFT's ``target_parameters`` adapters (which parametrise them) apply.
+
+The rollout engine's variant (:func:`rollout_experts_forward`, bound for the duration of a
+``FastRolloutEngine.generate`` call by :func:`rollout_experts`) computes the same thing with two
+differences a CUDA-graph decode step needs: no host synchronisation on CUDA (the fp32 / unaligned case,
+which the loop serves in training, becomes a fixed loop over all experts with a per-row select), and
+a deterministic combine: each token's ``k`` expert outputs are added one by one in ascending expert
+order in the activation dtype (the order and roundings of transformers' experts loop and of
+``index_add_`` on the CPU), where ``index_add_`` on CUDA adds them with atomics in an order that
+changes from run to run (bf16 sums then differ, and a replayed step would not equal the eager one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from types import MethodType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import swiglu
-from .families import ExpertsSpec
-from .state import patch_state
+from .families import ExpertsSpec, Family
+from .state import is_bound, patch_state
 
-__all__ = ["expert_blocks", "grouped_experts_forward", "grouped_linear", "grouped_mm_supported"]
+__all__ = ["expert_blocks", "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
+           "rollout_experts", "rollout_experts_forward"]
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -48,11 +63,16 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def expert_blocks(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the ``[T, k]`` assignments by expert: ``(order, token_of, offsets)`` with ``order`` the
     flat assignment index of each sorted row, ``token_of`` its token and ``offsets`` int32 ``[E]`` the
-    end of each expert's block. The sort is stable, so a token's rows keep transformers' expert order."""
+    end of each expert's block. The sort is stable, so a token's rows keep transformers' expert order.
+
+    The ends are a search of the sorted expert ids (the number of assignments to experts ``<= e``), the
+    same values as the running sum of ``bincount``, which on CUDA reads its input's maximum back to the
+    host; this stays on the device (static shapes, capturable in a CUDA graph)."""
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, order // top_k_index.shape[1], counts.cumsum(0).to(torch.int32)
+    experts = torch.arange(num_experts, dtype=flat.dtype, device=flat.device)
+    ends = torch.searchsorted(flat[order], experts, right=True)
+    return order, order // top_k_index.shape[1], ends.to(torch.int32)
 
 
 def grouped_linear(
@@ -88,35 +108,114 @@ def _activation(module: nn.Module, spec: ExpertsSpec, backend: str) -> Callable[
     return gate_times_up
 
 
+def _check_fused_layout(module: nn.Module) -> None:
+    for name in ("gate_up_proj", "down_proj"):
+        # transformers 5 fuses the experts into [E, ., .] tensors (Qwen3-MoE, gpt-oss, Mixtral); an
+        # older layout (a ModuleList of per-expert linears) has no such module class to bind to, but a
+        # module that has the class name and other shapes must not be read as if it were fused
+        if getattr(module, name).dim() != 3:
+            raise TypeError(f"{type(module).__name__}.{name} has shape {tuple(getattr(module, name).shape)}, not the "
+                            "fused [num_experts, out, in] layout swiftune's grouped experts read; call "
+                            "swiftune.models.unpatch_model(model) to run this transformers version's own experts")
+
+
 def grouped_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *, spec: ExpertsSpec,
 ) -> torch.Tensor:
     """The experts module's forward (``[T, H]`` tokens, ``[T, k]`` experts and routing weights ->
     ``[T, H]``), as grouped GEMMs (module docstring); bound by :func:`swiftune.patch_model`."""
-    for name in ("gate_up_proj", "down_proj"):
-        # transformers 5 fuses the experts into [E, ., .] tensors (Qwen3-MoE, gpt-oss, Mixtral); an
-        # older layout (a ModuleList of per-expert linears) has no such module class to bind to, but a
-        # module that has the class name and other shapes must not be read as if it were fused
-        if getattr(self, name).dim() != 3:
-            raise TypeError(f"{type(self).__name__}.{name} has shape {tuple(getattr(self, name).shape)}, not the "
-                            "fused [num_experts, out, in] layout swiftune's grouped experts read; call "
-                            "swiftune.models.unpatch_model(model) to run this transformers version's own experts")
-    state = patch_state(self)
+    _check_fused_layout(self)
+    order, token_of, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec, static=False)
+    out = torch.zeros_like(hidden_states)
+    return out.index_add_(0, token_of, y.to(out.dtype))
+
+
+def rollout_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    *, spec: ExpertsSpec,
+) -> torch.Tensor:
+    """:func:`grouped_experts_forward` for the rollout engine (module docstring): on CUDA no host sync
+    (capturable), and each token's expert outputs added in ascending expert order, deterministically."""
+    _check_fused_layout(self)
+    order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
+                                  static=hidden_states.is_cuda)
+    tokens, k = top_k_index.shape
+    y = y.to(hidden_states.dtype)
+    # sorted row of each (token, slot) assignment: the inverse of the sort's permutation
+    sorted_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    # each token's slots by ascending expert (a token's k experts are distinct), as transformers' loop adds them
+    by_expert = sorted_row.view(tokens, k).gather(1, top_k_index.argsort(dim=1))
+    parts = y[by_expert]  # [T, k, H]
+    out = parts[:, 0]
+    for slot in range(1, k):  # one add per slot, rounded to the activation dtype each time, as index_add_
+        out = out + parts[:, slot]
+    return out
+
+
+def _routed_outputs(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    spec: ExpertsSpec, *, static: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, token_of, y)``: the assignments sorted by expert and each one's weighted expert output
+    ``y [T * k, H]`` (in sorted order). ``static``: where the grouped kernel does not apply, the
+    sync-free loop (:func:`static_grouped_linear`) instead of the per-block one."""
+    state = patch_state(module)
     backend = state.kernel_backend if state is not None else "auto"
     grouped = False if backend == "reference" else None
-    num_experts = self.gate_up_proj.shape[0]
+    num_experts = module.gate_up_proj.shape[0]
     order, token_of, offsets = expert_blocks(top_k_index, num_experts)
     x = hidden_states[token_of]
-    gate_up = grouped_linear(x, self.gate_up_proj, offsets, transposed=spec.transposed, grouped=grouped)
+
+    def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        use_grouped = grouped_mm_supported(inputs, weight) if grouped is None else grouped
+        if static and not use_grouped:
+            return static_grouped_linear(inputs, weight, offsets, transposed=spec.transposed)
+        return grouped_linear(inputs, weight, offsets, transposed=spec.transposed, grouped=use_grouped)
+
+    gate_up = project(x, module.gate_up_proj)
     expert_of = None
     if spec.biased:
         expert_of = top_k_index.reshape(-1)[order]
-        gate_up = gate_up + self.gate_up_proj_bias[expert_of]
-    h = _activation(self, spec, backend)(gate_up)
-    y = grouped_linear(h, self.down_proj, offsets, transposed=spec.transposed, grouped=grouped)
+        gate_up = gate_up + module.gate_up_proj_bias[expert_of]
+    h = _activation(module, spec, backend)(gate_up)
+    y = project(h, module.down_proj)
     if spec.biased:
-        y = y + self.down_proj_bias[expert_of]
-    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add_(0, token_of, y.to(out.dtype))
+        y = y + module.down_proj_bias[expert_of]
+    return order, token_of, y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+
+
+def static_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                          transposed: bool) -> torch.Tensor:
+    """:func:`grouped_linear` with static shapes and no host sync: every expert's matrix applied to all
+    ``M`` rows, each row keeping its own expert's result (``E`` times the FLOPs of the grouped GEMM;
+    the rollout engine's CUDA fallback for what ``F.grouped_mm`` does not take, e.g. fp32)."""
+    b = weight if transposed else weight.transpose(1, 2)  # [E, in, out]
+    rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+    expert_of = torch.searchsorted(offsets, rows, right=True)[:, None]  # the block each sorted row is in
+    out = x.new_zeros(x.shape[0], b.shape[2])
+    for e in range(b.shape[0]):
+        out = torch.where(expert_of == e, x @ b[e], out)
+    return out
+
+
+@contextlib.contextmanager
+def rollout_experts(model: nn.Module, family: Family) -> Iterator[tuple[int, int]]:
+    """Within the block, every experts module of ``model`` that :func:`swiftune.patch_model` bound runs
+    :func:`rollout_experts_forward` (restored on exit); yields ``(bound, total)`` experts modules of the
+    family's class, so a caller can tell whether transformers' own experts forward (with its host
+    syncs) would still run somewhere. PEFT's ``target_parameters`` wrappers call the module, so their
+    adapters apply as in training."""
+    if family.experts is None:
+        yield (0, 0)
+        return
+    modules = [m for m in model.modules() if type(m).__name__ == family.experts_class]
+    bound = [m for m in modules if is_bound(m) and "forward" in m.__dict__]
+    saved = [(m, m.__dict__["forward"]) for m in bound]
+    try:
+        for m in bound:
+            m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts), m)
+        yield (len(bound), len(modules))
+    finally:
+        for m, forward in saved:
+            m.forward = forward

@@ -136,11 +136,10 @@ def _qwen3_moe() -> Family:
 
     Not ``mlp_output_feeds_only_residual``: the offloaded-checkpoint recompute may skip a tiled MLP's
     output only where the MLP is a dense MLP, and this family's ``mlp`` is mostly the MoE block.
-    Not ``fast_rollout``: the fast engine's decode step has no expert routing yet, so rollouts of
-    this family go through transformers' generation.
+    On the fast rollout engine: its layers run the model's own MoE block, whose experts route on the
+    device inside the decode step's CUDA graph (:func:`swiftune.models.experts.rollout_experts`).
     """
-    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, experts=ExpertsSpec(),
-                  fast_rollout=False)
+    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, experts=ExpertsSpec())
 
 
 def _gpt_oss() -> Family:
@@ -148,8 +147,8 @@ def _gpt_oss() -> Family:
     attention function as ``s_aux``), sliding (128) and full layers alternating (``layer_types``; each
     layer's ``sliding_window``), YaRN RoPE (cos/sin from transformers' rotary module, half width),
     every layer a MoE block (``GptOssMLP``: router with bias, experts with biases and clamped SwiGLU,
-    the experts as grouped GEMMs). Not on the fast rollout engine (no sinks or routing in its decode
-    step yet)."""
+    the experts as grouped GEMMs). Not on the fast rollout engine (no attention sinks or alternating
+    windows in its decode attention): rollouts go through ``TransformersRolloutEngine``."""
     return Family("gpt_oss", "GptOss", window=layer_window, pre_norm=True, moe=True, gated_mlp=False,
                   experts=ExpertsSpec(transposed=True, interleaved=True, biased=True), fast_rollout=False)
 
@@ -159,10 +158,9 @@ def _mixtral() -> Family:
     ``None`` in the released checkpoints) and norms; every layer a sparse MoE block whose router stays
     transformers' (``MixtralTopKRouter``: softmax, top-k, renormalised) and whose fused 3-D experts
     (``MixtralExperts``, Qwen3-MoE's layout: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) run
-    as grouped GEMMs. No dense ``MixtralMLP`` exists. Not on the fast rollout engine (no routing in its
-    decode step yet)."""
+    as grouped GEMMs. No dense ``MixtralMLP`` exists. On the fast rollout engine as Qwen3-MoE."""
     return Family("mixtral", "Mixtral", window=config_window, pre_norm=True, moe=True, experts=ExpertsSpec(),
-                  gated_mlp=False, fast_rollout=False)
+                  gated_mlp=False)
 
 
 def _qwen3_vl() -> Family:

@@ -77,6 +77,7 @@ from torch import nn
 from ...attention import build_packed_batch
 from ...attention.kv_cache import ROLLOUT_KWARG
 from ...attention.registry import register_rollout_attention
+from ...models.experts import rollout_experts
 from ...models.families import FAMILIES
 from ...models.patching import causal_lm_of
 from .kv_cache import DecodeContext, Workspace
@@ -87,6 +88,12 @@ from .sampling import mark_seen, sample_tokens, seeded_generator, seen_mask
 
 #: model types the engine runs (the families whose record says it can)
 SUPPORTED = tuple(t for t, f in FAMILIES.items() if f.fast_rollout)
+#: why a known family is not on the engine (its decode step lacks what the family's attention needs)
+_UNSUPPORTED_WHY = {
+    "gpt_oss": " (its attention sinks and alternating sliding windows are not in the engine's decode attention)",
+    "qwen3_vl": " (no image-embedding prefill)",
+    "qwen3_vl_moe": " (no image-embedding prefill)",
+}
 #: ``keep_cache="auto"`` keeps a KV cache between calls only up to this share of the GPU's memory.
 KEEP_CACHE_FRACTION = 0.10
 
@@ -231,7 +238,9 @@ class FastRolloutEngine:
         backups = None
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type]) as (bound, total):
+                if bound < total:
+                    self._check_unbound_experts(total - bound)
                 backups = merge_lora(self.model, self.lora)
                 hf.config._attn_implementation = attention_name
                 per_chunk = self._prompts_per_chunk(prompt_ids, num_generations, params)
@@ -404,9 +413,19 @@ class FastRolloutEngine:
     def _parts(self):
         hf = self._hf()
         if hf.config.model_type not in SUPPORTED:
-            raise ValueError(f"FastRolloutEngine supports {SUPPORTED}, not {hf.config.model_type!r}: "
-                             "use TransformersRolloutEngine")
+            raise ValueError(f"FastRolloutEngine supports {SUPPORTED}, not {hf.config.model_type!r}"
+                             f"{_UNSUPPORTED_WHY.get(hf.config.model_type, '')}: use TransformersRolloutEngine "
+                             "(GRPOConfig(rollout_engine='transformers'))")
         return hf, hf.model
+
+    def _check_unbound_experts(self, unbound: int) -> None:
+        """transformers' own experts forward (a model not patched by swiftune) reads the routing back to
+        the host, which a CUDA-graph capture cannot hold: refuse there; eager decoding runs it."""
+        device = next(self.model.parameters()).device
+        if device.type == "cuda" and self.use_cuda_graph:
+            raise ValueError(f"{unbound} experts module(s) run transformers' own forward, whose host syncs cannot be "
+                             "captured in the decode step's CUDA graph: call swiftune.patch_model(model) first (its "
+                             "grouped experts route on the device), or pass use_cuda_graph=False")
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         hf, decoder = self._parts()

@@ -18,6 +18,13 @@ def _quantised(weight: torch.Tensor) -> bool:
     return not weight.is_floating_point() or weight.element_size() == 1
 
 
+def _adapted_weight(layer: nn.Module) -> torch.Tensor:
+    """The base tensor a PEFT LoRA layer adapts: ``base_layer.weight``, or for PEFT's
+    ``target_parameters`` wrappers (``ParamWrapper``: fused 3-D expert weights) the parameter it wraps."""
+    get_param = getattr(layer, "get_param", None)
+    return get_param() if callable(get_param) else layer.get_base_layer().weight
+
+
 def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """Merge ``model``'s active adapters (``mode`` ``"merge"``, or ``"auto"`` when the saved copy
     fits a quarter of free CUDA memory); returns the (weight, saved copy) pairs for
@@ -28,7 +35,7 @@ def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Te
     layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
     if not layers or any(getattr(m, "disable_adapters", False) or getattr(m, "merged", False) for m in layers):
         return None
-    if any(_quantised(m.get_base_layer().weight) for m in layers):
+    if any(_quantised(_adapted_weight(m)) for m in layers):
         # 4-bit / FP8 base weights: a merge re-quantises them (adapters are far below their step size),
         # which no saved copy undoes
         if mode == "merge":
@@ -36,13 +43,13 @@ def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Te
                              "exactly: use lora='runtime' (or 'auto', which does)")
         return None
     if mode == "auto":
-        weight = layers[0].get_base_layer().weight
+        weight = _adapted_weight(layers[0])
         if weight.device.type != "cuda":
             return None
-        copy_bytes = sum(m.get_base_layer().weight.numel() for m in layers) * weight.element_size()
+        copy_bytes = sum(_adapted_weight(m).numel() for m in layers) * weight.element_size()
         if copy_bytes > torch.cuda.mem_get_info(weight.device)[0] // 4:
             return None
-    saved = [(m.get_base_layer().weight, m.get_base_layer().weight.detach().clone()) for m in layers]
+    saved = [(w, w.detach().clone()) for w in map(_adapted_weight, layers)]
     model.merge_adapter()
     return saved
 
