@@ -10,6 +10,16 @@ outputs written once) and is compared with a device-to-device copy measured here
 
     python -m benchmarks.kernels                 # sizes of several GB, prints a table
     python -m benchmarks.kernels --out k.json    # also writes the rows as JSON
+    python -m benchmarks.kernels --fp8-matmul --out f.json   # only the FP8 decode matmul table (below)
+
+The FP8 decode matmul (``fp8_weight_only_matmul``, no grad) has a table of its own: Qwen3-8B's
+projection shapes at M = 1, 8, 64 rows against the two other ways to run that product, on the same
+tensors: the FP8 linear's ``torch._scaled_mm`` path (fused per-row quantise of x, then
+``_scaled_mm``) and a bf16 matmul on the bf16 weight. Each call cycles through enough copies of the
+weight (>= 256 MB) that none is read from L2, as in a decode step, where every layer's weights differ;
+GB/s counts the bytes each path must read (codes or bf16 weight, x, scales) and write. Its default
+tiles are timed, then a sweep of tile widths and K splits (and of the two e4m3 decodings) reports
+the fastest, to tune the launcher's heuristic.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ import torch.nn.functional as F
 
 from benchmarks import results
 from swiftune.kernels import (add_rms_norm, decode_qkv, decode_qkv_reference, fp8_quantize_rowwise,
-                              fp8_quantize_rowwise_reference, geglu, rms_norm, rope_qk, swiglu)
+                              fp8_quantize_rowwise_reference, fp8_weight_only_matmul, geglu, rms_norm, rope_qk,
+                              swiglu)
 
 
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -191,17 +202,118 @@ def cases(scale: float):
         )
 
 
+QWEN3_8B_PROJECTIONS = {  # name -> (N, K): out and in features of each decoder linear
+    "q/o_proj": (4096, 4096), "k/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096), "down_proj": (4096, 12288),
+}
+_FP8_SWEEP = [(bn, sk) for bn in (32, 64, 128) for sk in (1, 4)]  # few: each is a compile
+
+
+def graph_ms(fn, copies: int, reps: int = 5) -> float:
+    """Milliseconds of one ``fn(i)`` call: ``fn(0) .. fn(copies - 1)`` captured in one CUDA graph (as
+    the rollout engine runs a decode step: a few-microsecond kernel is not timed behind its Python
+    launch), the graph replayed ``reps`` times per timing."""
+    def run():
+        for i in range(copies):
+            fn(i)
+
+    run()  # compiles the Triton kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    def replay():
+        for _ in range(reps):
+            graph.replay()
+
+    return bench(replay) / (reps * copies)
+
+
+def fp8_matmul_rows(copy_bw: float) -> list[dict]:
+    """The FP8 decode matmul table (see the module doc): weight-only kernel vs the _scaled_mm path vs
+    bf16, per Qwen3-8B projection shape and M, plus the fastest tile / split / decoding."""
+    from swiftune.models.fp8_linear import FP8State, fp8_matmul, quantize_rowwise
+
+    rows = []
+    native = torch.cuda.get_device_capability() >= (8, 9)
+    for name, (n, k) in QWEN3_8B_PROJECTIONS.items():
+        copies = max(2, -(-(256 * 2**20) // (2 * n * k)))  # the bf16 copies alone exceed L2 several times
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        q, s = zip(*(quantize_rowwise(w) for w in w16))
+        for m in (1, 8, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def timed(fn):
+                return graph_ms(fn, copies)
+
+            with torch.no_grad():
+                t_ours = timed(lambda i: fp8_weight_only_matmul(x, q[i], s[i]))
+                try:  # the FP8 linear's training / prefill path: fused quantise of x, then _scaled_mm
+                    t_scaled = timed(lambda i: fp8_matmul(x, q[i], FP8State(s[i], True), torch.bfloat16))
+                except RuntimeError as e:  # no FP8 tensor cores (or an M _scaled_mm refuses)
+                    print(f"fp8_matmul {name} M={m}: _scaled_mm path did not run: {e}", file=sys.stderr)
+                    t_scaled = float("nan")
+                t_bf16 = timed(lambda i: torch.mm(x, w16[i].t()))
+                best = (t_ours, None, None, "auto")
+                for bn, sk in _FP8_SWEEP:
+                    t = timed(lambda i, bn=bn, sk=sk: fp8_weight_only_matmul(x, q[i], s[i], block_n=bn, split_k=sk))
+                    best = min(best, (t, bn, sk, "auto"), key=lambda r: r[0])
+                for decode in ("bits", "native") if native else ("bits",):
+                    t = timed(lambda i, d=decode: fp8_weight_only_matmul(x, q[i], s[i], block_n=best[1],
+                                                                         split_k=best[2], decode=d))
+                    best = min(best, (t, best[1], best[2], decode), key=lambda r: r[0])
+            fp8_bytes = n * k + 2 * m * k + 4 * n + 2 * m * n
+            bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
+            rows.append(dict(
+                kernel="fp8_matmul", shape=f"{name} N{n} K{k} M{m}", m=m, weight_mb=n * k / 1e6,
+                ours_ms=t_ours, scaled_mm_ms=t_scaled, bf16_ms=t_bf16,
+                vs_scaled_mm=t_scaled / t_ours, vs_bf16=t_bf16 / t_ours,
+                ours_gb_s=fp8_bytes / (t_ours * 1e-3) / 1e9, bf16_gb_s=bf16_bytes / (t_bf16 * 1e-3) / 1e9,
+                scaled_mm_gb_s=fp8_bytes / (t_scaled * 1e-3) / 1e9, of_copy=fp8_bytes / (t_ours * 1e-3) / copy_bw,
+                best_ms=best[0], best_block_n=best[1], best_split_k=best[2], best_decode=best[3],
+            ))
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_fp8_matmul(rows: list[dict]) -> None:
+    print(f"{'fp8 matmul':<34} {'M':>3} {'ours ms':>8} {'GB/s':>6} {'%copy':>6} {'scaled_mm':>9} {'GB/s':>6} "
+          f"{'bf16 ms':>8} {'GB/s':>6} {'x s_mm':>7} {'x bf16':>7} {'best ms':>8} {'tile/split/decode':>18}")
+    for r in rows:
+        cfg = f"{r['best_block_n']}/{r['best_split_k']}/{r['best_decode']}" if r["best_block_n"] else "default"
+        print(f"{r['shape']:<34} {r['m']:>3} {r['ours_ms']:8.4f} {r['ours_gb_s']:6.0f} {100 * r['of_copy']:5.0f}% "
+              f"{r['scaled_mm_ms']:9.4f} {r['scaled_mm_gb_s']:6.0f} {r['bf16_ms']:8.4f} {r['bf16_gb_s']:6.0f} "
+              f"{r['vs_scaled_mm']:7.2f} {r['vs_bf16']:7.2f} {r['best_ms']:8.4f} {cfg:>18}")
+
+
+def fp8_matmul_main(argv, args, copy_bw: float) -> int:
+    rows = fp8_matmul_rows(copy_bw)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12)
+    print(f"\n{meta}")
+    print_fp8_matmul(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    results.save("kernels_fp8_matmul", argv, dict(meta=meta, rows=rows), args.out, args.rows)
+    assert all(math.isfinite(r["ours_ms"]) for r in rows)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the token counts (1.0 = several GB)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
                    "(default: the --out path with .rows.jsonl)")
+    p.add_argument("--fp8-matmul", action="store_true",
+                   help="only the FP8 decode matmul table (weight-only kernel vs _scaled_mm path vs bf16)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 1
     copy_bw = copy_bandwidth()
+    if args.fp8_matmul:
+        return fp8_matmul_main(argv, args, copy_bw)
     rows = []
     for name, shape, nbytes, ours, eager, compiled in cases(args.scale):
         t_ours, t_eager, t_comp = bench(ours), bench(eager), bench(compiled)

@@ -123,11 +123,11 @@ if triton is not None:
             kk = k_start + k0 + offs_k
             if EVEN_K:
                 x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None], other=0.0)
-                code = tl.load(w_rows + kk[None, :], mask=mask_n[:, None], other=0)
+                code = tl.load(w_rows + kk[None, :], mask=mask_n[:, None], other=0.0)
             else:
                 in_k = kk[None, :] < K
                 x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & in_k, other=0.0)
-                code = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & in_k, other=0)
+                code = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & in_k, other=0.0)
             if NATIVE_FP8:
                 w = code.to(tl.float32) if DOT_F32 else code.to(x.dtype)
             else:
