@@ -18,7 +18,7 @@
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
-#   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (_scaled_mm, fused quantise kernel) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the quantise kernel's CUDA tests first (~6 min)
+#   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 64 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -230,8 +230,11 @@ case "$part" in
       --no-checks --lora-rows 8 --time-budget 480 --out "$OUT/rollout_nf4.json" ;;
   fp8-rollout)  # decode step against the HBM floor of the e4m3 weights + float32 scales + KV cache, and swiftune's
     # own bf16 engine on the same shape, G and N in the same call (no generate baselines: the rollout part has them);
-    # the FP8 run checks graph replay == eager through the quantise kernel
-    run fp8_quant_tests 60 python3 -m pytest -q tests/test_fp8_quant.py -p no:cacheprovider
+    # the FP8 run checks graph replay == eager through the quantise kernel and the weight-only decode kernel;
+    # first those kernels' CUDA tests and the decode matmul microbenchmark (weight-only vs _scaled_mm vs bf16, ~1 min)
+    run fp8_quant_tests 90 python3 -m pytest -q tests/test_fp8_quant.py tests/test_fp8_matmul.py -p no:cacheprovider \
+      -k "not formula"
+    run fp8_matmul_kernels 90 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json"
     run fp8_rollout_bf16 200 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 \
       --no-baselines --no-checks --lora-rows --time-budget 170 --out "$OUT/rollout_fp8_bf16.json"
     run fp8_rollout 300 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 \
