@@ -45,6 +45,13 @@ from ..attention.registry import PACKED_ATTENTION_IMPLEMENTATIONS, register_pack
 #: The keyword a multimodal batch gives the model its documents with (``[B, S]`` integer labels).
 DOCUMENT_IDS_KWARG = "document_ids"
 
+#: Where the vision tower and its mergers (patch merger, deepstack mergers) live in
+#: ``Qwen3VL(Moe)ForConditionalGeneration`` (transformers 5.x): left unquantised by QLoRA and FP8 loads.
+VISION_TOWER_MODULES = ("model.visual",)
+#: bitsandbytes' skip list for a vision-language model: the vision tower and the LM head (naming a
+#: list replaces transformers' default skips, which would have kept the head).
+VISION_SKIP_MODULES = (*VISION_TOWER_MODULES, "lm_head")
+
 _NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -168,3 +175,21 @@ def rope_index_of(model: nn.Module):
         if callable(fn):
             return module.get_rope_index
     raise ValueError(f"{type(model).__name__} has no get_rope_index: not a Qwen-VL-style model with M-RoPE")
+
+
+def check_vision_tower_unquantized(model: nn.Module) -> None:
+    """After a 4-bit or FP8 load: the vision tower is where :data:`VISION_TOWER_MODULES` says and none
+    of its weights is quantised (a RuntimeError otherwise: transformers renamed the module, so the
+    skip lists named nothing)."""
+    for prefix in VISION_TOWER_MODULES:
+        try:
+            tower = model.get_submodule(prefix)
+        except AttributeError as e:
+            raise RuntimeError(f"{type(model).__name__} has no {prefix!r} module: this transformers names the vision "
+                               "tower otherwise, so swiftune cannot keep it out of the quantisation; load the model "
+                               "unquantised") from e
+        quantized = [f"{prefix}.{name}" for name, p in tower.named_parameters()
+                     if type(p).__name__ == "Params4bit" or p.element_size() == 1 and p.is_floating_point()]
+        if quantized:
+            raise RuntimeError(f"the vision tower was quantised ({quantized[0]} and {len(quantized) - 1} more): "
+                               "swiftune keeps it in the load dtype; load the model unquantised")

@@ -25,10 +25,12 @@ from ..data.multimodal import load_vision_processor
 from ..models.families import family_of
 from ..models.fp8_linear import quantize_model_fp8
 from ..models.patching import fuse_lora_if_patched, patch_model
+from ..models.qwen3_vl import VISION_SKIP_MODULES, VISION_TOWER_MODULES, check_vision_tower_unquantized
 from ..models.support import require_causal_decoder
 from ..models.tiled_mlp import enable_tiled_mlp
 from .checkpointing import enable_offloaded_checkpointing
-from .quantization import check_fp8_request, fp8_checkpoint_kwargs, refuse_full_finetuning_of_4bit, resolve_quantization
+from .quantization import (check_fp8_request, fp8_checkpoint_kwargs, keep_4bit_layout_on_cpu,
+                           refuse_full_finetuning_of_4bit, resolve_quantization, skip_modules_in_4bit)
 
 # Tokens that real tokenizers ship unused and that make a safe pad token, best first
 # (Llama 3's reserved pad, then the usual spellings). Checked only against the existing
@@ -306,12 +308,15 @@ class FastModel:
             patch: apply :func:`swiftune.patch_model` (fused kernels + packed attention).
             kernel_backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the fused kernels.
             load_in_4bit: QLoRA: the decoder's linear weights in bitsandbytes NF4 (double
-                quantisation, matmuls in ``dtype``); needs ``pip install 'swiftune[qlora]'``.
+                quantisation, matmuls in ``dtype``); needs ``pip install 'swiftune[qlora]'``. A
+                vision-language model: its text decoder's projections only (the vision tower, its
+                mergers and the LM head stay in ``dtype``).
             load_in_8bit: refused (swiftune trains on 4-bit or unquantised bases).
             quantization_config: a transformers ``BitsAndBytesConfig`` with ``load_in_4bit=True``
                 (or its dict), for settings other than :func:`~swiftune.training.quantization.nf4_config`.
             load_in_fp8: the decoder's linear weights in ``float8_e4m3fn`` with per-row scales, frozen
-                (``torch._scaled_mm`` on GPUs with FP8 tensor cores, else dequantised; docs/fp8.md).
+                (``torch._scaled_mm`` on GPUs with FP8 tensor cores, else dequantised; docs/fp8.md); on
+                a vision-language model the text decoder's only, as with ``load_in_4bit``.
             rope_scaling: RoPE scaling set on the config before the weights load, in transformers'
                 keys (``{"rope_type": "linear", "factor": 2.0}``, ``"yarn"``, ``"llama3"``, ...), e.g. to
                 train past ``max_position_embeddings``.
@@ -342,9 +347,8 @@ class FastModel:
         vision = getattr(family_of(config), "vision_language", False)  # Qwen3-VL: docs/vision.md
         if not vision:
             _check_causal_lm(config, model_name_or_path)
-        elif quantization is not None or load_in_fp8:
-            raise ConfigError(f"{model_name_or_path!r} is a vision-language model: 4-bit and FP8 bases are not "
-                              "supported for it yet (docs/vision.md); load it unquantised")
+        elif quantization is not None:  # only the text decoder's projections: the vision tower stays as loaded
+            hf_kwargs["quantization_config"] = quantization = skip_modules_in_4bit(quantization, VISION_SKIP_MODULES)
         if quantization is None:  # an FP8 checkpoint loads dequantised (then re-quantised with load_in_fp8)
             hf_kwargs.update(fp8_checkpoint_kwargs(config))
         if rope_scaling is not None:
@@ -361,8 +365,14 @@ class FastModel:
             model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
         )
         _refuse_nonfinite_weights(model, model_name_or_path, model.dtype)
+        if vision and quantization is not None:
+            # a CPU evaluation or rollout must not switch the rest of the run to bf16 (text models keep
+            # bitsandbytes' behaviour for now: tests/test_qlora.py compares against its repacked kernel)
+            keep_4bit_layout_on_cpu(model)
         if load_in_fp8:
-            quantize_model_fp8(model)
+            quantize_model_fp8(model, skip=VISION_TOWER_MODULES if vision else ())
+        if vision and (quantization is not None or load_in_fp8):
+            check_vision_tower_unquantized(model)
         if vision:  # the processor (tokenizer + image processor) takes the tokenizer's place
             tokenizer = load_vision_processor(model_name_or_path, **shared)
         else:

@@ -3,7 +3,10 @@
 ``FastModel.from_pretrained(path, load_in_4bit=True)`` (Unsloth's name) and
 ``quantization_config=BitsAndBytesConfig(...)`` (transformers' name) both load the decoder's linear
 weights as bitsandbytes NF4 with double quantisation and a bf16 (or the load dtype's) compute
-dtype, the way PEFT users run QLoRA; embeddings, norms and the LM head stay in the load dtype.
+dtype, the way PEFT users run QLoRA; embeddings, norms and the LM head stay in the load dtype. On a
+vision-language model (Qwen3-VL) only the text decoder's projections are quantised: the vision tower
+and its mergers go to bitsandbytes' skip list (:func:`skip_modules_in_4bit`), and with FP8 to
+:func:`~swiftune.models.fp8_linear.quantize_model_fp8`'s ``skip``.
 LoRA adapters then train on top (PEFT wraps ``bnb.nn.Linear4bit`` in its own ``lora.Linear4bit``).
 
 What cannot run is refused here, before any weight is read: 4-bit together with 8-bit, 8-bit alone
@@ -33,7 +36,8 @@ from torch import nn
 from ..errors import ConfigError
 
 __all__ = ["QLORA_INSTALL", "check_fp8_request", "fp8_checkpoint_kwargs", "is_quantized_4bit", "is_quantized_fp8",
-           "nf4_config", "refuse_full_finetuning_of_4bit", "resolve_quantization"]
+           "nf4_config", "refuse_full_finetuning_of_4bit", "keep_4bit_layout_on_cpu",
+           "resolve_quantization", "skip_modules_in_4bit"]
 
 QLORA_INSTALL = "pip install 'swiftune[qlora]'"
 
@@ -95,6 +99,37 @@ def resolve_quantization(load_in_4bit: bool, load_in_8bit: bool, quantization_co
     bnb = _bitsandbytes()
     _check_gpu_support(bnb)
     return quantization_config if quantization_config is not None else nf4_config(compute_dtype)
+
+
+def skip_modules_in_4bit(quantization_config: Any, modules: tuple[str, ...]) -> Any:
+    """A copy of the 4-bit ``quantization_config`` whose ``llm_int8_skip_modules`` (which transformers
+    honours for 4-bit as well: module-name prefixes, regexes or suffixes left unquantised) also holds
+    ``modules``. Giving the list replaces transformers' own default skips (the output head), so
+    ``modules`` must name the head too; a list the caller set is kept and added to."""
+    import copy
+
+    config = copy.deepcopy(quantization_config)
+    given = list(getattr(config, "llm_int8_skip_modules", None) or [])
+    config.llm_int8_skip_modules = given + [m for m in modules if m not in given]
+    return config
+
+
+def keep_4bit_layout_on_cpu(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking ``model``'s NF4 weights for its CPU bf16 kernel; returns how
+    many layers it set.
+
+    On a CPU with AVX512-BF16, bitsandbytes' ``Linear4bit`` repacks its weight, in place and for good,
+    the first time it runs in eval mode without gradients (an evaluation, a GRPO rollout): from then
+    on every forward, training included, multiplies in bf16 through that kernel, whatever compute
+    dtype was asked for (a float32 run drifts by ~3e-3), and swiftune's fused LoRA node has to fall
+    back to PEFT's. Clearing the layer's ``support_avx512bf16_for_cpu`` flag keeps the layout it was
+    quantised in (the ``compute_dtype`` matmuls). GPUs never repack: nothing changes there."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit" and getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
 
 
 def is_quantized_4bit(model: nn.Module) -> bool:
