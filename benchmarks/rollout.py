@@ -15,12 +15,21 @@ every row runs to the forced length) and each number of new tokens N:
 
 Beside each decode-step time: the HBM floor = (bytes of the weights read per step + bytes of the KV
 cache in use, averaged over the run) / measured copy bandwidth (``dst.copy_(src)`` of 2 GiB,
-counting read + write). Before the timings, checks on the first shape: the engine's greedy tokens
+counting read + write). Mixture-of-experts shapes (``qwen3-30b-a3b``, ``mixtral-8x7b``) read per step
+only the experts their G rows route to: the floor counts every non-expert weight (attention, norms,
+routers, dense layers, LM head) plus, per MoE layer, the *measured* mean number of distinct experts a
+decode step routes to (an eager run of the engine with the routers recorded, 16 steps at the same G:
+the union of the G rows' top-k, which is what the grouped GEMM reads) times one expert's bytes. Two
+bounds are reported beside it: ``hbm_floor_topk_ms`` (top-k experts per layer, one token's active
+weights: no batch of G > 1 rows can read less) and ``hbm_floor_union_bound_ms`` (``min(E, G k)``
+experts per layer, the union's upper bound). Before the timings, checks on the first shape: the engine's greedy tokens
 with CUDA graphs equal its eager tokens (64 steps, exact), and their agreement with transformers'
 greedy ``generate`` (bf16: reported, near-ties may diverge).
 
     python -m benchmarks.rollout --out rollout.json        # GPU: Qwen3-1.7B + 8B, G 8/64, N 1024/8192 (~6-8 min)
     python -m benchmarks.rollout --model tiny              # CPU smoke test (seconds)
+    python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --new-tokens 1024 --baseline-kinds dynamic \
+        --lora-rows                                        # GPU: the MoE shapes (scripts/gpu_suite.sh moe-rollout)
     python -m benchmarks.rollout --from-log a.txt b.txt --out rollout.json   # JSON from printed logs
 
 ``--load-in-4bit`` / ``--load-in-fp8``: the decoder's linear weights in NF4 (bitsandbytes) or in FP8
@@ -114,6 +123,40 @@ def weight_bytes(model) -> int:
     total += fp8_scale_bytes(model)
     tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
     return total if tied else total - emb.numel() * emb.element_size()
+
+
+def expert_stacks(model) -> list:
+    """The fused experts modules of a mixture-of-experts model (``gate_up_proj`` / ``down_proj`` of shape
+    ``[E, ., .]``); empty for a dense model."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor) and m.gate_up_proj.dim() == 3]
+
+
+def moe_read_bytes(model, experts_per_layer: float) -> int:
+    """Bytes a decode step reads when each MoE layer's grouped GEMMs read ``experts_per_layer`` of its ``E``
+    experts: :func:`weight_bytes` with each expert stack counted at that share (a dense model: all of it)."""
+    total = weight_bytes(model)
+    for stack in expert_stacks(model):
+        stack_bytes = sum(p.numel() * p.element_size() for p in stack.parameters(recurse=False))
+        total -= stack_bytes * (1.0 - experts_per_layer / stack.gate_up_proj.shape[0])
+    return int(total)
+
+
+def routed_experts_per_step(model, prompt: list[int], rows: int, steps: int = 16) -> float:
+    """Mean number of distinct experts one decode step of ``rows`` rows routes to, per MoE layer: an eager
+    engine run (temperature 1, ``steps`` tokens) with the routers' logits recorded; the prefill's calls
+    (the first one per layer) are left out."""
+    from swiftune.models.moe import moe_config, record_router_logits
+    from swiftune.rl.rollout import SamplingParams
+    from swiftune.rl.rollout.fast import FastRolloutEngine
+
+    _, top_k, _ = moe_config(model)
+    layers = len(expert_stacks(model))
+    engine = FastRolloutEngine(model, seed=0, use_cuda_graph=False, keep_cache=False)
+    with record_router_logits(model) as logits:
+        engine.generate([prompt], rows, SamplingParams(max_tokens=steps, temperature=1.0))
+    decode = logits[layers:]
+    return sum(torch.unique(z.topk(top_k, dim=-1).indices).numel() for z in decode) / max(1, len(decode))
 
 
 def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool) -> dict:
@@ -281,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-steps", type=int, default=None, help="tokens per generate baseline (64; tiny 8)")
     p.add_argument("--kv-bucket", type=int, default=256)
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--baseline-kinds", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"],
+                   help="which generate baselines to time (static compiles the forward: minutes on MoE shapes)")
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds: an engine run whose estimated end lies past it is skipped (listed in the JSON)")
     p.add_argument("--no-checks", action="store_true")
@@ -325,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print(f"{len(results['runs'])} engine rows, {len(results['lora'])} LoRA rows -> {out}")
         return 0
-    tiny = a.model == ["tiny"]
+    tiny = bool(a.model) and all(m.startswith("tiny") for m in a.model)
     models = a.model or ["qwen3-1.7b", "qwen3-8b"]
     rows_list = a.rows or ([2, 4] if tiny else [8, 64])
     prompt_tokens = a.prompt_tokens or (16 if tiny else 256)
@@ -353,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         base: dict = {}
         if not a.no_baselines:
             for rows in rows_list:
-                for static in (False, True):
+                for static in [kind == "static" for kind in a.baseline_kinds]:
                     r = time_generate(model, prompt, rows, base_steps, static)
                     base[(rows, static)] = r
                     print(f"{name} generate {'static' if static else 'dynamic'} G={rows}: "
@@ -362,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
         patch_model(model)
+        moe = expert_stacks(model)
+        routed: dict[int, float] = {}  # rows -> measured distinct experts per MoE layer and decode step
+        if moe:
+            for rows in rows_list:
+                routed[rows] = routed_experts_per_step(model, prompt, rows)
+                print(f"{name} G={rows}: {routed[rows]:.1f} of {moe[0].gate_up_proj.shape[0]} experts per layer "
+                      "and decode step (measured)", flush=True)
         if not a.no_checks and name == models[0]:
             results["checks"][name] = checks(model, prompt, 32 if tiny else 64)
             print("checks", results["checks"][name], flush=True)
@@ -376,9 +428,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = time_fast(model, prompt, rows, new, a.kv_bucket)
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
-                floor_ms = 1e3 * (wbytes + kv_mean) / bw if bw == bw else float("nan")
+                read = moe_read_bytes(model, routed[rows]) if moe else wbytes
+                floor_ms = 1e3 * (read + kv_mean) / bw if bw == bw else float("nan")
                 row = {"model": name, "rows": rows, "new_tokens": new, "fast": r, "hbm_floor_ms": floor_ms,
-                       "weight_gb": wbytes / 1e9, "kv_mean_gb": kv_mean / 1e9}
+                       "weight_gb": read / 1e9, "kv_mean_gb": kv_mean / 1e9}
+                if moe:
+                    experts, top_k = moe[0].gate_up_proj.shape[0], cfg.num_experts_per_tok
+                    row.update({"all_weights_gb": wbytes / 1e9, "experts_per_layer": routed[rows],
+                                "experts_per_layer_floor": "measured union of the G rows' top-k per decode step",
+                                "hbm_floor_topk_ms": 1e3 * (moe_read_bytes(model, top_k) + kv_mean) / bw,
+                                "hbm_floor_union_bound_ms": 1e3 * (moe_read_bytes(model, min(experts, rows * top_k))
+                                                                   + kv_mean) / bw})
                 attach_baselines(row, {"generate_dynamic": base.get((rows, False)),
                                        "generate_static": base.get((rows, True))})
                 results["runs"].append(row)
@@ -423,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f", unfused / fused step time {off['fast']['step_ms'] / on['fast']['step_ms']:.3f}" if off else ""
         print(f"fused_layers A/B {on['model']} G={on['rows']} N={on['new_tokens']}: fused {on['fast']['step_ms']:.2f} "
               f"ms/step" + (f", unfused {off['fast']['step_ms']:.2f} ms/step" if off else "") + ratio)
+    for r in results["runs"]:
+        if "experts_per_layer" in r:
+            print(f"{r['model']} G={r['rows']}: floor counts {r['experts_per_layer']:.1f} experts per layer (measured); "
+                  f"top-k bound {r['hbm_floor_topk_ms']:.2f} ms, union bound {r['hbm_floor_union_bound_ms']:.2f} ms")
     for r in results["runs"]:
         f = r["fast"]
         dyn = r.get("generate_dynamic", {}).get("tokens_per_s", float("nan"))

@@ -33,6 +33,11 @@ MODEL_SHAPES: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                  tie_word_embeddings=False, max_position_embeddings=4096),
+    # a tiny Qwen3-MoE (8 experts top-2) for CPU runs of the MoE paths of the scripts
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                     tie_word_embeddings=False, max_position_embeddings=4096),
     **{name: {**KNOWN_MODELS[name], **extras} for name, extras in _CONFIG_EXTRAS.items()},
     # Qwen3-VL-8B (Qwen/Qwen3-VL-8B-Instruct's config.json on the Hugging Face hub): a Qwen3-8B-like text
     # decoder (36 layers, 4096 hidden, 12288 MLP, 32 q / 8 kv heads of 128, interleaved M-RoPE [24, 20, 20],
