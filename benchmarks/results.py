@@ -254,6 +254,9 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
         s = {k: v for k, v in s.items() if v is not None}
         one = lambda metric, value: out.append(ctx.row(tool_of(r["mode"]), r["mode"], r["model"], s, metric, value))  # noqa: E731
         one("tokens_per_s", r["tokens_per_s"])
+        if _num(r.get("tokens_per_s_excl_collate")):  # benchmarks.vl: the time inside the collator left out
+            out.append(ctx.row(tool_of(r["mode"]), r["mode"], r["model"], {**s, "excl_collate": True}, "tokens_per_s",
+                               r["tokens_per_s_excl_collate"]))
         one("peak_gb", r["peak_gb"])
         one("step_s", r["sec_per_step"])
         one("padding_fraction", r["padding_fraction"])

@@ -295,7 +295,7 @@ def run_sft_mode(mode: str, args) -> dict:
     elapsed, collate = t1 - t0, col1 - col0
     return dict(mode=mode, model=args.model, batch=args.batch, finetune="lora r=16 (text decoder)",
                 image_size=args.image_size, image_tokens_per_row=image_tokens_of(proc, args.image_size),
-                steps=args.steps - args.warmup, tokens=tokens, tokens_per_s=tokens / elapsed,
+                steps=args.steps - args.warmup, tokens=tokens, tokens_all_steps=sum(counter.tokens[:step1]), tokens_per_s=tokens / elapsed,
                 tokens_per_s_excl_collate=tokens / max(elapsed - collate, 1e-9),
                 collate_s_per_step=collate / (args.steps - args.warmup),
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
@@ -331,7 +331,8 @@ def run_sft(args, argv) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    results.save("vl", argv, rows, args.out, args.rows, warmup=args.warmup)
+    results.save("vl", argv, rows, args.out, args.rows, warmup=args.warmup, image_size=args.image_size,
+                 max_text_length=args.max_text_length)
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -347,19 +348,31 @@ def load_policy(args, checkpoint: str, device):
     import swiftune
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
+    try:  # (on CUDA it loads onto this process's GPU)
         model, _ = swiftune.FastModel.from_pretrained(checkpoint, dtype=dtype, load_in_4bit=args.load_in_4bit)
     except (ValueError, NotImplementedError, TypeError) as e:
         return None, f"{type(e).__name__}: {e}"
-    model.to(device)
+    nf4 = count_4bit_linears(model)
+    if args.load_in_4bit and nf4 == 0:  # accepted but not applied: not a QLoRA figure
+        return None, "FastModel.from_pretrained(load_in_4bit=True) returned a model without any 4-bit linear layer"
     gc_mode = {"offload": "offload", "gpu": True}[args.checkpointing]
     model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, target_modules=SEVEN,
                                               use_gradient_checkpointing=gc_mode)
     return model.train(), None
 
 
-def policy_step(model, vision, prompt, L: int, args, device) -> None:
-    """The policy loss + backward of G samples ``prompt + completion_i`` (random completions of ``L``)."""
+def count_4bit_linears(model) -> int:
+    """How many bitsandbytes ``Linear4bit`` layers ``model`` has (0 without bitsandbytes)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    return sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+
+
+def policy_step(model, vision, prompt, L: int, args, device) -> int:
+    """The policy loss + backward of G samples ``prompt + completion_i`` (random completions of ``L``);
+    returns the policy row's token count."""
     import torch
 
     from swiftune.rl import completion_logprobs, grpo_loss
@@ -376,6 +389,7 @@ def policy_step(model, vision, prompt, L: int, args, device) -> None:
     loss = grpo_loss(logps, None, adv, row.seq_index, num_sequences=G, loss_type="dapo").loss
     del logps
     loss.backward()
+    return int(row.num_tokens)
 
 
 def run_grpo_trials(args) -> dict:
@@ -391,18 +405,21 @@ def run_grpo_trials(args) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     start = time.perf_counter()
-    if cuda and args.gpu_budget_gb is not None:  # a smaller GPU, emulated
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
     proc = build_processor(args.model)
     checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="bench_vl_ckpt_")
-    if not os.path.exists(os.path.join(checkpoint, "config.json")):
-        base = random_vl_model(args.model, proc, "cpu", torch.bfloat16 if cuda else torch.float32)
+    if not os.path.exists(os.path.join(checkpoint, "config.json")):  # built on the GPU (fast), before the budget
+        base = random_vl_model(args.model, proc, device, torch.bfloat16 if cuda else torch.float32)
         base.save_pretrained(checkpoint)
         proc.tokenizer.save_pretrained(checkpoint)
         proc.image_processor.save_pretrained(checkpoint)
         del base
         gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    print(f"# checkpoint {checkpoint} ready after {time.perf_counter() - start:.0f} s", flush=True)
+    if cuda and args.gpu_budget_gb is not None:  # a smaller GPU, emulated
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
     out = dict(mode="swiftune_vl", label=mode_label(args), trials=[], max_fit=None, first_fail=None)
     model, refusal = load_policy(args, checkpoint, device)
     if refusal is not None:
@@ -410,16 +427,30 @@ def run_grpo_trials(args) -> dict:
         print(f"# FastModel.from_pretrained refused the request (load_in_4bit={args.load_in_4bit}): {refusal}",
               flush=True)
         return out
+    out["nf4_linears"] = count_4bit_linears(model)
+    out["weights_gb"] = torch.cuda.memory_allocated() / 1e9 if cuda else 0.0
+    print(f"# loaded after {time.perf_counter() - start:.0f} s: {out['nf4_linears']} 4-bit linear layers, "
+          f"{out['weights_gb']:.1f} GB on the GPU", flush=True)
     vision = VisionGRPO(model, proc)
-    text = "q" * max(1, args.prompt_tokens - 16)  # the template's markup brings the text to about prompt_tokens
-    prompt = vision.encode({"prompt": [{"role": "user", "content": [{"type": "image", "image": random_image(args.image_size, 0)},
-                                                                    {"type": "text", "text": text}]}]})
+    image = random_image(args.image_size, 0)
+
+    def encode(text: str):
+        return vision.encode({"prompt": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                                      {"type": "text", "text": text}]}]})
+
+    def text_tokens(p) -> int:
+        return sum(t != vision.image_token_id for t in p.input_ids)
+
+    markup = text_tokens(encode("q")) - 1  # the chat template's tokens: the text makes up the rest of prompt_tokens
+    prompt = encode("q" * max(1, args.prompt_tokens - markup))
+    out["prompt_text_tokens"] = text_tokens(prompt)
+    out["prompt_image_tokens"] = len(prompt.input_ids) - out["prompt_text_tokens"]
     out["prompt_row_tokens"] = len(prompt.input_ids)
     trials = out["trials"]
 
     def trial(L: int, repeats: int = 1, record: bool = True) -> dict:
         P, G = len(prompt.input_ids), args.generations
-        row: dict = {"mode": "swiftune_vl", "completion": L,  # the policy row's tokens: the prompt once when shared
+        row: dict = {"mode": "swiftune_vl", "completion": L,  # (the row's own count once it is built)
                      "tokens": P + G * L if args.share_prompt else G * (P + L)}
         failure = None
         t0 = time.perf_counter()
@@ -433,7 +464,7 @@ def run_grpo_trials(args) -> dict:
                 t0 = time.perf_counter()
                 if args.simulate_capacity and row["tokens"] > args.simulate_capacity:
                     raise MemoryError(f"simulated: {row['tokens']} tokens > --simulate-capacity {args.simulate_capacity}")
-                policy_step(model, vision, prompt, L, args, device)
+                row["tokens"] = policy_step(model, vision, prompt, L, args, device)
                 if cuda:
                     torch.cuda.synchronize()
                 model.zero_grad(set_to_none=True)
@@ -458,7 +489,7 @@ def run_grpo_trials(args) -> dict:
         row["host_rss_gb"] = host_rss() / 1e9
         if record:
             trials.append(row)
-            print("TRIAL " + json.dumps(row), flush=True)
+            print("TRIAL " + json.dumps(row), flush=True)  # (what a run cut short by the device's limit leaves)
         return row
 
     def estimate(L: int) -> float:  # the next trial's time from the largest finished one (quadratic: attention)
@@ -469,6 +500,9 @@ def run_grpo_trials(args) -> dict:
         return ref["s"] * max(1.0, L / ref["completion"]) ** 2
 
     def fits(L: int) -> bool:
+        done = [t for t in trials if t["completion"] == L]
+        if done:  # a fixed length the search reaches again
+            return done[-1]["status"] == "ok"
         if time.perf_counter() - start + estimate(L) > args.time_budget:
             raise OutOfTime
         return trial(L)["status"] == "ok"
@@ -495,33 +529,22 @@ def mode_label(args) -> str:
 
 
 def run_grpo(args, argv) -> int:
-    """The trials in a child process (no patching or pinned memory left in this one); the table last."""
-    cmd = [*module_command("vl", "grpo", "--one"), *[a for a in argv[1:] if a != "--one"]]
-    cmd = [c for c in cmd if c]
-    i = 0
-    while i < len(cmd):  # the child writes no files of its own
-        if cmd[i] in ("--out", "--rows"):
-            del cmd[i:i + 2]
-        else:
-            i += 1
-    child = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
-    found = [json.loads(line[7:]) for line in child.stdout.splitlines() if line.startswith("RESULT ")]
-    for line in child.stdout.splitlines():
-        if line.startswith("#"):
-            print(line)
-    if found:
-        mode = found[0]
-    else:
-        tail = " | ".join((child.stderr or child.stdout).strip().splitlines()[-4:])[-600:]
-        mode = dict(mode="swiftune_vl", label=mode_label(args), status="crashed", error=tail, trials=[],
-                    max_fit=None, first_fail=None)
+    """The trials (in this process: one mode), then the table last."""
+    try:
+        mode = run_grpo_trials(args)
+    except Exception as e:  # noqa: BLE001 - a failed run is a row of the report, not a lost one
+        import traceback
+
+        traceback.print_exc()
+        mode = dict(mode="swiftune_vl", label=mode_label(args), status="crashed", trials=[], max_fit=None,
+                    first_fail=None, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:600])
     data = dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=mode.get("prompt_row_tokens", args.prompt_tokens),
                 rows=args.generations, tolerance=args.bisect_tol, share_prompt=args.share_prompt,
                 swiftune_checkpointing=args.checkpointing, load_in_4bit=args.load_in_4bit,
                 gpu_budget_gb=args.gpu_budget_gb, image_size=args.image_size, modes={"swiftune_vl": mode})
     print(f"\n# GRPO policy loss + backward on image prompts, {args.model} shape, G={args.generations}, one "
-          f"{args.image_size}x{args.image_size} image + {args.prompt_tokens} text tokens "
-          f"({data['prompt_tokens']} prompt tokens), {mode['label']}, GPU budget {args.gpu_budget_gb or 'all'} GB")
+          f"{args.image_size}x{args.image_size} image ({mode.get('prompt_image_tokens')} tokens) + "
+          f"{mode.get('prompt_text_tokens')} text tokens, {mode['label']}, GPU budget {args.gpu_budget_gb or 'all'} GB")
     print(f"{'completion':>10} {'tokens':>9} {'status':>8} {'s':>8} {'first s':>8} {'peak GB':>8} {'host GB':>8}")
     for t in mode["trials"]:
         fmt = lambda k, spec: format(t[k], spec) if isinstance(t.get(k), (int, float)) else "-"  # noqa: E731
@@ -578,7 +601,6 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--time-budget", type=float, default=480.0, help="seconds for loading, trials and search")
     grpo.add_argument("--simulate-capacity", type=int, default=None,
                       help="smoke tests: trials above this many tokens count as out of memory")
-    grpo.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -612,9 +634,6 @@ def main(argv: list[str] | None = None) -> int:
                                          ("bisect_granularity", 16, 256)):
         if getattr(args, name) is None:
             setattr(args, name, tiny_value if tiny else real_value)
-    if args.one:
-        print("RESULT " + json.dumps(run_grpo_trials(args)), flush=True)
-        return 0
     return run_grpo(args, argv)
 
 
