@@ -56,23 +56,25 @@ def setup():
 
 def _greedy(model, vision, prompt, max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate of one prompt alone (the image token banned, as the engine does)."""
-    ids = torch.tensor([prompt.input_ids])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.input_ids], device=device)
     kwargs = dict(input_ids=ids, mm_token_type_ids=(ids == vision.image_token_id).int(), do_sample=False,
                   max_new_tokens=max_new_tokens, bad_words_ids=[[vision.image_token_id]])
     if prompt.pixel_values is not None:
-        kwargs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+        kwargs.update(pixel_values=prompt.pixel_values.to(device), image_grid_thw=prompt.image_grid_thw.to(device))
     return model.generate(**kwargs)[0, ids.shape[1]:].tolist()
 
 
 def _reference_logps(model, vision, prompt, completion, temperature: float) -> torch.Tensor:
     """The unpatched model on ``prompt + completion`` alone: float64 log-probs of the completion's
     tokens at ``temperature`` (the image token excluded, as the engine samples)."""
-    ids = torch.tensor([prompt.input_ids + completion])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt.input_ids + completion], device=device)
     inputs = {"input_ids": ids, "mm_token_type_ids": (ids == vision.image_token_id).int()}
     if prompt.pixel_values is not None:
-        inputs.update(pixel_values=prompt.pixel_values, image_grid_thw=prompt.image_grid_thw)
+        inputs.update(pixel_values=prompt.pixel_values.to(device), image_grid_thw=prompt.image_grid_thw.to(device))
     with torch.no_grad():
-        logits = model(**inputs).logits[0].double()
+        logits = model(**inputs).logits[0].double().cpu()
     p = len(prompt.input_ids)
     logits = logits[p - 1:p - 1 + len(completion)] / temperature
     logits[:, vision.image_token_id] = float("-inf")
@@ -107,13 +109,13 @@ class PrefillCounter:
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 def test_batched_greedy_equals_transformers_generate_per_prompt(setup, patched):
     """All three prompts in one prefill (one vision-tower call), 2 x 3 rows decoded together: every
-    row is transformers' greedy generate of its prompt alone, and the same tokens and log-probs as
-    one prompt per prefill (max_batch_size = G) and as chunks of two prompts (max_batch_size = 2G)."""
+    row is transformers' greedy generate of its prompt alone, and (patched) the same tokens and
+    log-probs as one prompt per prefill (max_batch_size = G) and as chunks of two prompts (2G)."""
     proc, base, policy, vision, prompts = setup
     model = policy if patched else base
     params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=())
     runs = {}
-    for max_batch in (None, G, 2 * G):
+    for max_batch in (None, G, 2 * G) if patched else (None,):  # the unpatched model: batched only
         engine = VisionRolloutEngine(model, vision.rope_index, vision.image_token_id, max_batch_size=max_batch)
         counter = PrefillCounter(model)
         try:
@@ -131,7 +133,7 @@ def test_batched_greedy_equals_transformers_generate_per_prompt(setup, patched):
         assert len(want) == 8
         for j in range(G):
             assert batched.completion_ids[G * k + j] == want, (k, j)
-    for other in (runs[G], runs[2 * G]):
+    for other in (runs[G], runs[2 * G]) if patched else ():
         assert other.completion_ids == batched.completion_ids
         for a, b in zip(other.logprobs, batched.logprobs):
             assert _rel(a, b) < 1e-5
@@ -158,6 +160,26 @@ def test_batched_greedy_without_cache_row_ops(setup, monkeypatch):
     for k, prompt in enumerate(prompts):
         want = _greedy(base, vision, prompt, 5)
         assert out.completion_ids[G * k:G * k + G] == [want] * G, k
+
+
+def test_batched_greedy_on_vl_moe(setup):
+    """Qwen3-VL-MoE (a sparse layer: swiftune's grouped experts on the patched model): the batched
+    prefill and decode give transformers' greedy generate of the unpatched MoE per prompt."""
+    from tests.test_qwen3_vl import tiny_vl_moe, transformers
+
+    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+        pytest.skip("this transformers has no Qwen3-VL-MoE")
+    proc, base, _, _, _ = setup
+    moe = tiny_vl_moe(base, scale=0.3).eval()
+    policy = swiftune.patch_model(copy.deepcopy(moe), attention="reference", kernel_backend="reference")
+    vision = VisionGRPO(policy, proc)
+    prompts = [vision.encode(row) for row in _rows()]
+    engine = VisionRolloutEngine(policy, vision.rope_index, vision.image_token_id)
+    out = vision.generate(engine, prompts, G, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=()))
+    for k, prompt in enumerate(prompts):
+        want = _greedy(moe, vision, prompt, 6)
+        assert out.completion_ids[G * k:G * k + G] == [want] * G, k
+        assert _rel(out.logprobs[G * k].double(), _reference_logps(moe, vision, prompt, want, 1.0)) < 1e-5
 
 
 def test_sampled_logprobs_equal_the_unpatched_forward_and_the_seed_reproduces_them(setup):
@@ -219,3 +241,27 @@ def test_grpo_trainer_rewards_see_each_rows_columns_with_batched_rollouts(setup,
         assert images is None or [im.tobytes() for im in images] == [im.tobytes() for im in row["images"]]
         assert completion == greedy[size][:len(completion)] and completion, (size, completion, greedy[size])
     assert sorted(s for _, _, s, _ in seen) == sorted(r["size"] for r in _rows() for _ in range(G))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_batched_rollouts_match_transformers(setup):
+    """On CUDA, fp32 (TF32 off): the patched policy with compiled kernels and the automatic packed
+    attention, three image prompts per prefill; greedy rows equal transformers' generate of the
+    unpatched CUDA model per prompt, sampled log-probs its forward's (1e-4)."""
+    proc, base, _, vision, prompts = setup
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference = copy.deepcopy(base).cuda()
+        policy = swiftune.patch_model(copy.deepcopy(base).cuda(), attention="auto", kernel_backend="auto")
+        engine = VisionRolloutEngine(policy, vision.rope_index, vision.image_token_id, seed=3)
+        greedy = vision.generate(engine, prompts, G, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=()))
+        sampled = vision.generate(engine, prompts, 3, SamplingParams(max_tokens=8, temperature=0.8))
+        for k, prompt in enumerate(prompts):
+            assert greedy.completion_ids[G * k:G * k + G] == [_greedy(reference, vision, prompt, 8)] * G, k
+        for i, completion in enumerate(sampled.completion_ids):
+            want = _reference_logps(reference, vision, prompts[i // 3], completion, 0.8)
+            assert _rel(sampled.logprobs[i].double(), want) < 1e-4, i
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
