@@ -45,6 +45,8 @@
 #   scripts/gpu_suite.sh grpo-profile # device time by kind of kernel, 2 x 32,768: TRL, swiftune shared-prompt rows (sdpa), unshared rows (~4.5 min)
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
+#   scripts/gpu_suite.sh vl-sft       # Qwen3-VL-8B SFT on image-text rows (448x448), batch 16: swiftune vs TRL 1.16's VLM SFTTrainer (carry .whl with TRL; ~5-8 min)
+#   scripts/gpu_suite.sh vl-grpo [BUDGET_GB] [ARGS...] # Qwen3-VL-8B QLoRA GRPO on image prompts, G=2: step at 2 x 32,768, then the largest completion per row on a 24 GB budget (carry .whl with bitsandbytes; ~9 min; resumable with --bisect-lo/--bisect-hi)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `python -m benchmarks.plots` turns
 # the JSON into the PNGs of docs/plots.
@@ -196,6 +198,16 @@ case "$part" in
     wait_for longctx_bisect 56 12 ;;
   longctx-wait)
     wait_for longctx_bisect 56 16 ;;
+  vl-sft)  # issue 28's SFT target: image-text rows, batch 16, tok/s (text + image tokens) and peak memory, each mode in
+    # its own process
+    run vl_sft 530 python3 -m benchmarks.vl sft --model qwen3-vl-8b --batch 16 --steps 10 --warmup 3 \
+      --mode-timeout 255 --out "$OUT/vl_sft_qwen3-vl-8b.json" ;;
+  vl-grpo)  # issue 28's GRPO target: QLoRA, one 448x448 image + 256 prompt tokens, G=2, largest completion per row
+    # on a BUDGET_GB (24) GPU; the random checkpoint stays in /tmp/vl8b_ckpt for the next call on a warm machine
+    budget=${2:-24}
+    run vl_grpo 540 python3 -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb "$budget" \
+      --completion-lengths 32768 --bisect-start 65536 --time-budget 470 --checkpoint /tmp/vl8b_ckpt "${@:3}" \
+      --out "$OUT/vl_grpo_qwen3-vl-8b_${budget}gb.json" ;;
   grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt: sdpa for long completions, flex for short): 2 x 65,536 first, then upwards
     run grpo_bisect 570 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 65536 --bisect-start 131072 --time-budget 520 \
