@@ -38,8 +38,8 @@ when ``BLOCK_N >= 2 M``, which the default tiles keep.
 
 Split K. When the column tiles alone leave SMs idle (the k/v projections' N = 1024, or N = 4096 at
 wide tiles), K is cut into ``SPLIT`` ranges: each program writes its float32 partial sums
-(``4 SPLIT M N`` bytes, kept at most a quarter of the weight's bytes) and a second kernel adds the
-partials in a fixed order, scales, adds the bias and rounds. No atomics, so the result is
+(``4 SPLIT M N`` bytes, at most half the weight's bytes, mostly read back from L2) and a second
+kernel adds the partials in a fixed order, scales, adds the bias and rounds. No atomics, so the result is
 deterministic: a CUDA graph replay equals the eager run bit for bit. The launcher reads no device
 value (no host sync), so the rollout engine's CUDA graphs capture it.
 """
@@ -178,15 +178,15 @@ else:  # pragma: no cover
 
 def _choose_split(tiles: int, m: int, k: int, device: torch.device) -> int:
     """Smallest power-of-two split of K that gives every SM a program, while each range keeps
-    :data:`_MIN_K_BLOCKS_PER_SPLIT` steps and the partials (``4 SPLIT M N`` bytes, written and
-    read once) stay within a quarter of the weight's ``N K`` bytes (``SPLIT <= K / (32 M)``)."""
+    :data:`_MIN_K_BLOCKS_PER_SPLIT` steps and the partials (``4 SPLIT M N`` bytes, written and read
+    once, mostly in L2) stay within half the weight's ``N K`` bytes (``SPLIT <= K / (16 M)``)."""
     if device.type != "cuda":
         return 1  # the interpreter runs programs one after another: nothing to fill
     sms = torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
     k_blocks = -(-k // _BLOCK_K)
     split = 1
     while (tiles * split < sms and (split * 2) * _MIN_K_BLOCKS_PER_SPLIT <= k_blocks
-           and split * 2 * 32 * m <= k):
+           and split * 2 * 16 * m <= k):
         split *= 2
     return split
 
