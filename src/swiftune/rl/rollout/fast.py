@@ -50,6 +50,12 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
 * **CUDA graphs** (``use_cuda_graph=True``, CUDA only): the decode step (forward, sampling,
   recording, stop test) is captured once per ``kv_len`` bucket and replayed
   (:mod:`.cuda_graphs`). On CPU the same step runs eagerly.
+* **Mixture of experts** (Qwen3-MoE, Mixtral): each layer's MoE block is the model's own (transformers'
+  router); for the duration of a call the experts modules that :func:`swiftune.patch_model` bound run
+  :func:`~swiftune.models.experts.rollout_experts_forward` (routing sorted on the device, grouped GEMMs
+  with device offsets, a deterministic combine), so the decode step has no host sync and its graph
+  replay equals the eager step. Unpatched experts (transformers' forward syncs) are refused for CUDA
+  graphs.
 
 Stop strings come from the engine's ``stop_strings`` plus a ``stop`` attribute of the params
 (:class:`FastSamplingParams`) and need a ``tokenizer``.
@@ -170,7 +176,7 @@ class FastRolloutEngine:
         compact_finished: at each host check, once at most half the rows decoded together are
             still running, move those to the front and decode only them (the next power of two of
             them), so finished rows stop costing compute and KV reads.
-        fused_layers: on patched pre-norm models (Llama, Mistral, Qwen2, Qwen3), run the engine's
+        fused_layers: on patched pre-norm models (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral), run the engine's
             own layer loop (:mod:`swiftune.rl.rollout.layers`): each residual add folded into the
             next RMSNorm, and in decode steps the q/k norms, RoPE and K/V cache writes in one
             kernel; the same numbers as the layers' own forward, with fewer kernel launches per

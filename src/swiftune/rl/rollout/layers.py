@@ -1,6 +1,6 @@
 """The decoder-layer loop of :class:`~swiftune.rl.rollout.fast.FastRolloutEngine` for pre-norm families.
 
-A Llama / Mistral / Qwen2 / Qwen3 decoder layer computes::
+A Llama / Mistral / Qwen2 / Qwen3 (and Qwen3-MoE / Mixtral: ``mlp`` is the MoE block) decoder layer computes::
 
     h = h + attn(norm_1(h));   h = h + mlp(norm_2(h))
 
