@@ -176,8 +176,8 @@ class FastRolloutEngine:
         compact_finished: at each host check, once at most half the rows decoded together are
             still running, move those to the front and decode only them (the next power of two of
             them), so finished rows stop costing compute and KV reads.
-        fused_layers: on patched pre-norm models (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral), run the engine's
-            own layer loop (:mod:`swiftune.rl.rollout.layers`): each residual add folded into the
+        fused_layers: on patched pre-norm models (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral), run the
+            engine's own layer loop (:mod:`swiftune.rl.rollout.layers`): each residual add folded into the
             next RMSNorm, and in decode steps the q/k norms, RoPE and K/V cache writes in one
             kernel; the same numbers as the layers' own forward, with fewer kernel launches per
             layer (the step time is in docs/benchmarks.md). Other architectures, or ``False``,
