@@ -237,3 +237,26 @@ def test_cuda_graph_greedy_fp32_equals_generate(family):
         assert out.completion_ids[2 * i] == _hf_greedy(reference, p, 20), (family, i)
     with pytest.raises(ValueError, match="patch_model"):
         FastRolloutEngine(reference).generate(PROMPTS, 1, SamplingParams(max_tokens=2, temperature=0))
+
+
+def test_grpo_step_on_the_fast_engine_with_moe(tmp_path):
+    """GRPOTrainer(rollout_engine="fast") on Qwen3-MoE with LoRA on attention and experts: the engine
+    samples (eager on CPU), the policy step runs, the adapters move and the base weights do not."""
+    from swiftune import GRPOConfig, GRPOTrainer
+    from swiftune.data import build_tokenizer
+
+    model = FastModel.get_peft_model(tiny_moe("qwen3_moe", seed=5), r=4, lora_alpha=8, init_lora_weights=False,
+                                     use_gradient_checkpointing=False, **TARGETS["experts"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-2, rollout_engine="fast", kernel_backend="reference",
+                      attention_backend="reference", report_to="none", save_strategy="no", disable_tqdm=True,
+                      dataloader_pin_memory=False, seed=1)
+    trainer = GRPOTrainer(model, [lambda completions, **kw: [float(len(c)) for c in completions]], args=args,
+                          train_dataset=[{"prompt": "Reverse: abc\n"}, {"prompt": "Hi\n"}] * 2,
+                          processing_class=build_tokenizer())
+    assert isinstance(trainer.rollout_engine, FastRolloutEngine)
+    trainer.train()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)
+    assert any("experts" in n for n in moved)  # the expert adapters trained from the engine's rollouts
