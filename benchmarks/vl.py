@@ -295,7 +295,8 @@ def run_sft_mode(mode: str, args) -> dict:
     elapsed, collate = t1 - t0, col1 - col0
     return dict(mode=mode, model=args.model, batch=args.batch, finetune="lora r=16 (text decoder)",
                 image_size=args.image_size, image_tokens_per_row=image_tokens_of(proc, args.image_size),
-                steps=args.steps - args.warmup, tokens=tokens, tokens_all_steps=sum(counter.tokens[:step1]), tokens_per_s=tokens / elapsed,
+                steps=args.steps - args.warmup, tokens=tokens, tokens_all_steps=sum(counter.tokens[:step1]),
+                tokens_per_s=tokens / elapsed,
                 tokens_per_s_excl_collate=tokens / max(elapsed - collate, 1e-9),
                 collate_s_per_step=collate / (args.steps - args.warmup),
                 peak_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
@@ -311,7 +312,13 @@ def run_sft(args, argv) -> int:
         cmd = [*module_command("vl", "sft", "--one", mode), "--model", args.model, "--batch", str(args.batch),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--image-size", str(args.image_size),
                "--max-text-length", str(args.max_text_length)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=args.mode_timeout)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=args.mode_timeout)
+        except subprocess.TimeoutExpired:
+            rows.append(dict(mode=mode, model=args.model, batch=args.batch,
+                             error=f"ran past --mode-timeout {args.mode_timeout} s"))
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[-400:]
         rows.append(found[0] if found else dict(mode=mode, model=args.model, batch=args.batch, error=tail))
@@ -320,14 +327,16 @@ def run_sft(args, argv) -> int:
     print(f"\n# SFT on image-text rows, {args.model} shape, batch {args.batch}, one {args.image_size}x{args.image_size} "
           "image per row, LoRA r=16 on the text decoder's projections")
     print(f"{'mode':<10} {'tok/s':>9} {'x trl':>6} {'tok/s excl collate':>18} {'collate s':>9} {'peak GB':>8} "
-          f"{'s/step':>7} {'padding':>8}")
+          f"{'x trl GB':>8} {'s/step':>7} {'padding':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:<10} FAILED: {r['error'][:200]}")
             continue
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else float("nan")
+        memory = r["peak_gb"] / base["peak_gb"] if base and base["peak_gb"] else float("nan")
         print(f"{r['mode']:<10} {r['tokens_per_s']:9.0f} {ratio:6.2f} {r['tokens_per_s_excl_collate']:18.0f} "
-              f"{r['collate_s_per_step']:9.3f} {r['peak_gb']:8.1f} {r['sec_per_step']:7.2f} {r['padding_fraction']:8.1%}")
+              f"{r['collate_s_per_step']:9.3f} {r['peak_gb']:8.1f} {memory:8.2f} {r['sec_per_step']:7.2f} "
+              f"{r['padding_fraction']:8.1%}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -409,9 +418,13 @@ def run_grpo_trials(args) -> dict:
     checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="bench_vl_ckpt_")
     if not os.path.exists(os.path.join(checkpoint, "config.json")):  # built on the GPU (fast), before the budget
         base = random_vl_model(args.model, proc, device, torch.bfloat16 if cuda else torch.float32)
-        base.save_pretrained(checkpoint)
-        proc.tokenizer.save_pretrained(checkpoint)
-        proc.image_processor.save_pretrained(checkpoint)
+        partial = checkpoint.rstrip("/") + ".partial"  # renamed when complete: a run cut short leaves no half folder
+        base.save_pretrained(partial)
+        proc.tokenizer.save_pretrained(partial)
+        proc.image_processor.save_pretrained(partial)
+        if os.path.isdir(checkpoint):  # (mkdtemp's empty folder)
+            os.rmdir(checkpoint)
+        os.replace(partial, checkpoint)
         del base
         gc.collect()
         if cuda:
