@@ -191,6 +191,32 @@ def test_fp8_engine_greedy_tokens_equal_transformers_generate(tmp_path_factory, 
         assert got == ref[0, len(prompt):].tolist()
 
 
+def test_fp8_lora_layers_under_no_grad_take_the_weight_only_kernel(tmp_path_factory, monkeypatch):
+    """A LoRA model on FP8 bases (swiftune's fused LoRA node, as the engine runs adapters with
+    ``lora="runtime"``) multiplies its bases with the weight-only kernel under ``no_grad``, with the
+    logits of its training-mode forward (the dequantising path, which tests/test_fp8.py holds against
+    PEFT on the dequantised weights); in grad mode it does not call the kernel."""
+    from swiftune.training import FastModel
+    from tests.helpers import save_tiny_checkpoints
+
+    path = save_tiny_checkpoints(tmp_path_factory, families=("qwen3",))["qwen3"]
+    model, _ = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    with torch.no_grad():  # adapters that change the output, so a dropped adapter shows
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ids = torch.tensor([[5, 9, 17, 33, 2, 71]])
+    calls = _counting(monkeypatch)
+    train_logits = model(input_ids=ids).logits.detach()
+    assert calls == []
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    layers = sum(isinstance(m, fl.FP8Linear) for m in model.modules())
+    assert layers and len(calls) == layers and set(calls) == {ids.numel()}
+    assert _rel(logits, train_logits) < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs CUDA")
 @pytest.mark.parametrize("m", [8, 64])
 def test_cuda_qwen3_8b_projection_compiled_equals_reference(m):

@@ -195,7 +195,8 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     name, base_dtype, lora_dtype = operands
     base = self.base_layer
     if is_fp8_linear(base):
-        quant_state = FP8State(base.weight_scale, base.scaled_mm)
+        # no gradient through the product (rollouts): a few rows take the weight-only FP8 kernel
+        quant_state = FP8State(base.weight_scale, base.scaled_mm, inference=not torch.is_grad_enabled())
     else:
         quant_state = getattr(base.weight, "quant_state", None) if type(base) is not nn.Linear else None
     return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
