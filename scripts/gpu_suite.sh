@@ -15,6 +15,7 @@
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
 #   scripts/gpu_suite.sh sft-llama    # the sweep for the Llama-3-8B shape (~9 min)
 #   scripts/gpu_suite.sh sft-unsloth [MODEL] # SFT Qwen3-8B batch 16: swiftune (+ its PEFT-LoRA A/B), TRL + Liger, Unsloth (carry .shared; ~8 min)
+#   scripts/gpu_suite.sh unsloth-flow # Unsloth's SFT notebook flow through Unsloth and through swiftune, per-step losses compared (carry .shared; ~4 min)
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
@@ -141,6 +142,12 @@ case "$part" in
       --out "$OUT/unsloth_sft_$model.json"
     run sft_busy 150 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 6 --warmup 3 --time-profile \
       --modes swiftune --out "$OUT/sft_busy_$model.json" ;;
+  unsloth-flow)  # tests/compat/test_unsloth_flow.py: Unsloth's SFT notebook (tiny Qwen3 / Llama, 16-bit and 4-bit)
+    # through Unsloth and through swiftune, each in its own process; Unsloth's wheels (carry .shared) go to
+    # /tmp/site-unsloth, where the test looks for them (~4 min)
+    [ -f /tmp/site-unsloth/unsloth/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target /tmp/site-unsloth .shared/wheels/unsloth/*.whl
+    run unsloth_flow 290 python3 -m pytest -q -rs tests/compat/test_unsloth_flow.py -p no:cacheprovider ;;
   qlora-sft)  # QLoRA (NF4 base) SFT Qwen3-8B side by side: swiftune batch 16 and 16K-token micro-batches, TRL +
     # Liger, Unsloth --4bit; then the 16K-token step on a 24 GB budget (carry .shared)
     run qlora_sft 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-4bit \
