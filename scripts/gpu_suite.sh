@@ -262,9 +262,9 @@ case "$part" in
   moe-rollout)  # MoE decode (experts routed on the device inside the CUDA graph): graph replay == eager in bf16 and
     # fp32 greedy == generate first; then the decode step against the HBM floor of the experts the G rows route to
     # (measured per step) + attention and other weights + KV cache; transformers' generate (dynamic cache) over 16 steps
-    run moe_rollout_tests 150 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
-    run moe_rollout 420 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
-      --baseline-kinds dynamic --baseline-steps 16 --lora-rows --time-budget 330 --out "$OUT/rollout_moe.json" ;;
+    run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
+    run moe_rollout 380 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
+      --baseline-kinds dynamic --baseline-steps 16 --lora-rows --time-budget 300 --out "$OUT/rollout_moe.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
