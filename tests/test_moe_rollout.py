@@ -158,6 +158,29 @@ def test_static_grouped_linear_equals_the_per_expert_products():
         assert rel_err(loop.double(), want) < 1e-6
 
 
+@pytest.mark.parametrize("family", FAMILIES_ON_ENGINE)
+def test_sync_free_expert_path_in_the_engine_equals_generate(family, monkeypatch):
+    """The engine with the experts' CUDA path (every expert on every row, selected per row: what runs
+    inside the graph where the grouped GEMM does not, e.g. fp32) forced on the CPU: greedy tokens still
+    equal transformers' generate on the unpatched model, with LoRA on the experts."""
+    import swiftune.models.experts as experts_module
+
+    real = experts_module._routed_outputs
+    calls = []
+
+    def sync_free(*args, static: bool):
+        calls.append(static)
+        return real(*args, static=True)
+
+    monkeypatch.setattr(experts_module, "_routed_outputs", sync_free)
+    reference, policy = _models(family, "experts", seed=6)
+    out = FastRolloutEngine(policy, pad_token_id=PAD, kv_bucket=4, lora="runtime").generate(
+        PROMPTS, 1, SamplingParams(max_tokens=8, temperature=0, stop_token_ids=()))
+    assert calls and not any(calls)  # on the CPU the engine itself would take the per-block loop
+    for p, c in zip(PROMPTS, out.completion_ids):
+        assert c == _hf_greedy(reference, p, 8), family
+
+
 def test_gpt_oss_is_refused_with_the_engine_to_use():
     model = patch_model(tiny_moe("gpt_oss"), attention="reference", kernel_backend="reference")
     with pytest.raises(ValueError, match="TransformersRolloutEngine"):
