@@ -30,7 +30,8 @@ time spent inside the collator (TRL processes the images there; swiftune did it 
 **grpo** (``python -m benchmarks.vl grpo``): the policy loss + backward of ``--generations`` (G=2) samples of
 one image prompt (one image + ``--prompt-tokens`` text tokens) and random completions, as GRPOTrainer runs it
 on a Qwen3-VL policy (swiftune.rl.multimodal.VisionGRPO's policy row, shared prompt by default, chunked
-log-probs, dapo loss, bf16 autocast); generation skipped. The model is saved once and loaded through
+log-probs whose saved hidden states are offloaded on CUDA as with ``GRPOConfig(offload_logits=True)``, dapo
+loss, bf16 autocast); generation skipped. The model is saved once and loaded through
 ``swiftune.FastModel.from_pretrained`` (``--load-in-4bit``: QLoRA, passed on; if loading refuses it, the run
 says so and reports it as such), LoRA r=16 on the seven projections, ``--checkpointing offload`` (layer inputs
 beyond the GPU budget in pinned host memory). First the step at ``--completion-lengths`` (timed, the second
@@ -385,6 +386,7 @@ def policy_step(model, vision, prompt, L: int, args, device) -> int:
     import torch
 
     from swiftune.rl import completion_logprobs, grpo_loss
+    from swiftune.training.lora_casting import lora_input_casting
 
     G = args.generations
     g = torch.Generator().manual_seed(L)
@@ -393,11 +395,15 @@ def policy_step(model, vision, prompt, L: int, args, device) -> int:
     row = vision.policy_row([prompt] * G, comps, share_prompt=args.share_prompt, group_ids=[0] * G, device=device)
     adv = torch.linspace(1.0, -1.0, G, device=device)  # sum 0, like group advantages
     cuda = device.type == "cuda"
-    with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
-        logps, _ = completion_logprobs(model, row)
-    loss = grpo_loss(logps, None, adv, row.seq_index, num_sequences=G, loss_type="dapo").loss
-    del logps
-    loss.backward()
+    # GRPOTrainer(bf16=True): the step under bf16 autocast (accelerate), LoRA inputs left in bf16
+    with contextlib.ExitStack() as stack:
+        if cuda:
+            stack.enter_context(lora_input_casting(model, enabled=False))
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        logps, _ = completion_logprobs(model, row, offload=args.offload_logits and cuda)
+        loss = grpo_loss(logps, None, adv, row.seq_index, num_sequences=G, loss_type="dapo").loss
+        del logps
+        loss.backward()
     return int(row.num_tokens)
 
 
@@ -538,7 +544,8 @@ def run_grpo_trials(args) -> dict:
 
 def mode_label(args) -> str:
     return (f"swiftune, Qwen3-VL policy row ({'shared' if args.share_prompt else 'unshared'} prompt), "
-            f"{'QLoRA (NF4) ' if args.load_in_4bit else ''}LoRA r=16, {args.checkpointing} checkpointing")
+            f"{'QLoRA (NF4) ' if args.load_in_4bit else ''}LoRA r=16, {args.checkpointing} checkpointing"
+            f"{', offloaded log-prob hidden states' if args.offload_logits else ''}")
 
 
 def run_grpo(args, argv) -> int:
@@ -553,7 +560,7 @@ def run_grpo(args, argv) -> int:
                     first_fail=None, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:600])
     data = dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=mode.get("prompt_row_tokens", args.prompt_tokens),
                 rows=args.generations, tolerance=args.bisect_tol, share_prompt=args.share_prompt,
-                swiftune_checkpointing=args.checkpointing, load_in_4bit=args.load_in_4bit,
+                swiftune_checkpointing=args.checkpointing, load_in_4bit=args.load_in_4bit, offload_logits=args.offload_logits,
                 gpu_budget_gb=args.gpu_budget_gb, image_size=args.image_size, modes={"swiftune_vl": mode})
     print(f"\n# GRPO policy loss + backward on image prompts, {args.model} shape, G={args.generations}, one "
           f"{args.image_size}x{args.image_size} image ({mode.get('prompt_image_tokens')} tokens) + "
@@ -601,7 +608,10 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--fixed-only", action="store_true", help="no search: the fixed lengths only")
     grpo.add_argument("--no-share-prompt", dest="share_prompt", action="store_false",
                       help="every sample carries its prompt and image (default: the group's prompt once)")
-    grpo.add_argument("--checkpointing", choices=["offload", "gpu"], default="offload")
+    grpo.add_argument("--checkpointing", choices=["offload", "gpu"], default="offload",
+                      help="offload: the layer inputs the GPU budget cannot hold in pinned host memory; gpu: all on it")
+    grpo.add_argument("--no-offload-logits", dest="offload_logits", action="store_false",
+                      help="keep the log-prob loss's saved hidden states on the GPU (GRPOConfig.offload_logits=False)")
     grpo.add_argument("--load-in-4bit", action="store_true", help="QLoRA: passed to FastModel.from_pretrained")
     grpo.add_argument("--gpu-budget-gb", type=float, default=None, help="emulate a GPU of this many GB (1e9 bytes)")
     grpo.add_argument("--checkpoint", default=None, help="where the random model is saved (default: a temp folder)")
