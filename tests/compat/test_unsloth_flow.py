@@ -101,9 +101,15 @@ def tensors(result: dict, name: str) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------- swiftune
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_swiftune_flow_trains(family):
-    got = swiftune_run(family)
+# (family, flow arguments): the 16-bit notebook and its QLoRA form (bitsandbytes' NF4, also on CPU)
+CASES = [("qwen3", ()), ("llama", ()), ("qwen3", ("--load-in-4bit",))]
+CASE_IDS = ["qwen3", "llama", "qwen3-4bit"]
+
+
+@pytest.mark.parametrize("family, extra", CASES, ids=CASE_IDS)
+def test_swiftune_flow_trains(family, extra):
+    got = swiftune_run(family, *extra)
+    assert got["load_in_4bit"] == bool(extra)
     losses = got["losses"]
     assert got["global_step"] == MAX_STEPS and len(losses) == MAX_STEPS, got["losses"]
     assert all(torch.isfinite(torch.tensor(loss)) for loss in losses), losses
@@ -122,10 +128,11 @@ def test_swiftune_flow_trains(family):
         assert end[name].abs().max() > 0, f"{name} is still zero"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_swiftune_lora_init_is_peft_seeded_by_random_state(family):
+@pytest.mark.parametrize("family, extra", CASES, ids=CASE_IDS)
+def test_swiftune_lora_init_is_peft_seeded_by_random_state(family, extra):
     """The notebook's ``random_state=3407`` gives PEFT's own initial adapters for that seed (plain
-    transformers + ``peft.get_peft_model``, as Unsloth calls it after ``set_seed(random_state)``)."""
+    transformers + ``peft.get_peft_model``, as Unsloth calls it after ``set_seed(random_state)``;
+    PEFT draws them on the CPU in float32 whatever the base layer, NF4 ones included)."""
     import peft
     import transformers
 
@@ -135,7 +142,7 @@ def test_swiftune_lora_init_is_peft_seeded_by_random_state(family):
         r=16, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     want = {n: p.detach() for n, p in plain.named_parameters() if "lora_A" in n}
-    run = swiftune_run(family)
+    run = swiftune_run(family, *extra)
     got = tensors(run, "lora_init.safetensors")
     assert set(got) == set(want)
     for name, value in want.items():
@@ -209,10 +216,7 @@ def unsloth_run(site: Path, family: str, *extra: str) -> dict:
     return run_flow("unsloth", model_dir(family), scratch_dir(f"flow-unsloth-{family}"), *extra, site=site)
 
 
-GPU_CASES = [("qwen3", ()), ("llama", ()), ("qwen3", ("--load-in-4bit",))]
-
-
-@pytest.mark.parametrize("family, extra", GPU_CASES, ids=["qwen3", "llama", "qwen3-4bit"])
+@pytest.mark.parametrize("family, extra", CASES, ids=CASE_IDS)
 def test_unsloth_and_swiftune_run_the_same_notebook_alike(unsloth_site, family, extra):
     ref, got = unsloth_run(unsloth_site, family, *extra), swiftune_run(family, *extra)
     assert ref["dtype"] == got["dtype"] == "torch.bfloat16", (ref["dtype"], got["dtype"])
