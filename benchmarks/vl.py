@@ -627,6 +627,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def input_error(args) -> str | None:
+    """What is wrong with the arguments, before any model is built (None: nothing)."""
+    from benchmarks.workload import model_config
+
+    vision = model_config(args.model).vision_config
+    side = vision.patch_size * vision.spatial_merge_size
+    if args.image_size < side:
+        return f"--image-size must be at least {side} (one merged patch of the {args.model} vision tower)"
+    if args.bench == "sft":
+        if args.batch < 1 or args.steps < 1 or args.max_text_length < 2:
+            return "--batch and --steps must be at least 1, --max-text-length at least 2"
+        if args.warmup < 1 or args.warmup >= args.steps:
+            return "--warmup must be at least 1 and smaller than --steps (the timed steps come after it)"
+        return None
+    if args.generations < 1 or args.prompt_tokens < 1:
+        return "--generations and --prompt-tokens must be at least 1"
+    if any(n < 2 for n in args.completion_lengths or []):
+        return "every --completion-lengths value must be at least 2 tokens"
+    if args.fixed_only and not args.completion_lengths:
+        return "--fixed-only measures --completion-lengths only: give at least one"
+    if args.gpu_budget_gb is not None and args.gpu_budget_gb <= 0:
+        return "--gpu-budget-gb must be positive"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -639,16 +664,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.image_size is None:
         args.image_size = 64 if tiny else 448
+    error = input_error(args)
+    if error:
+        print(f"benchmarks.vl {args.bench}: {error}", file=sys.stderr)
+        return 2
     import torch
 
     if not tiny and not torch.cuda.is_available():
         print("benchmarks.vl: real shapes need a CUDA device (use --model tiny-vl on CPU)", file=sys.stderr)
         return 2
     if args.bench == "sft":
-        if args.warmup >= args.steps:
-            print("benchmarks.vl sft: --warmup must be smaller than --steps (the timed steps come after it)",
-                  file=sys.stderr)
-            return 2
         if args.one:
             print("RESULT " + json.dumps(run_sft_mode(args.one, args)), flush=True)
             return 0

@@ -80,3 +80,17 @@ def test_vl_grpo_qlora_step_and_bracket(tmp_path):
     assert "largest completion per row that fits: " + str(lo) in proc.stdout
     got = assert_rows(out, "vl", {"max_fit_completion", "first_fail_completion", "step_s", "fits"})
     assert all(r.settings.get("load_in_4bit") is True for r in got)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sft", "--model", "qwen3-8b"], "not a Qwen3-VL shape"),
+    (["sft", "--model", "tiny-vl", "--warmup", "0"], "--warmup must be at least 1"),
+    (["sft", "--model", "tiny-vl", "--image-size", "8"], "--image-size must be at least 32"),
+    (["grpo", "--model", "tiny-vl", "--fixed-only"], "give at least one"),
+    (["grpo", "--model", "tiny-vl", "--completion-lengths", "1"], "at least 2 tokens"),
+])
+def test_vl_benchmark_refuses_bad_arguments_before_building_a_model(argv, message, capsys):
+    from benchmarks.vl import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
