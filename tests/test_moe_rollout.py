@@ -92,14 +92,24 @@ def test_greedy_equals_generate_of_the_unpatched_model(family, lora, mode):
 
 
 @pytest.mark.parametrize("family", FAMILIES_ON_ENGINE)
-def test_sampled_logprobs_equal_the_unpatched_forward_with_expert_lora(family):
-    """Sampled completions (temperature 0.8, LoRA on attention and experts run as PEFT layers): each
-    recorded log-prob equals the unpatched PEFT model's forward log-prob of the sampled token."""
+def test_sampled_logprobs_equal_the_unpatched_forward_with_expert_lora(family, monkeypatch):
+    """Sampled completions (temperature 0.8, LoRA on attention and experts, lora='runtime'): each
+    recorded log-prob equals the unpatched PEFT model's forward log-prob of the sampled token. The
+    expert adapters run as per-block low-rank products (no PEFT parametrisation registered, which
+    would rebuild every expert's adapted matrix), the attention adapters as PEFT layers."""
+    import torch.nn.utils.parametrize as parametrize
+
     reference, policy = _models(family, "experts", seed=4)
+    registered = []
+    real = parametrize.register_parametrization
+    monkeypatch.setattr(parametrize, "register_parametrization", lambda *a, **k: registered.append(1) or real(*a, **k))
     policy.train()  # the engine switches to eval and back
     out = FastRolloutEngine(policy, pad_token_id=PAD, seed=2, kv_bucket=4, lora="runtime").generate(
         PROMPTS, 3, SamplingParams(max_tokens=8, temperature=0.8, stop_token_ids=()))
-    assert policy.training
+    assert policy.training and not registered
+    with torch.no_grad():
+        policy(input_ids=torch.tensor([PROMPTS[0]]))
+    assert registered  # outside the engine PEFT's own path runs (the spy sees it)
     got, want = [], []
     for i, c in enumerate(out.completion_ids):
         assert len(c) == 8 and len(out.logprobs[i]) == 8
@@ -168,9 +178,9 @@ def test_sync_free_expert_path_in_the_engine_equals_generate(family, monkeypatch
     real = experts_module._routed_outputs
     calls = []
 
-    def sync_free(*args, static: bool):
+    def sync_free(*args, static: bool, **options):
         calls.append(static)
-        return real(*args, static=True)
+        return real(*args, static=True, **options)
 
     monkeypatch.setattr(experts_module, "_routed_outputs", sync_free)
     reference, policy = _models(family, "experts", seed=6)

@@ -133,13 +133,15 @@ def grouped_experts_forward(
 
 def rollout_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-    *, spec: ExpertsSpec,
+    *, spec: ExpertsSpec, adapters: dict[str, LowRank] | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_experts_forward` for the rollout engine (module docstring): on CUDA no host sync
-    (capturable), and each token's expert outputs added in ascending expert order, deterministically."""
+    (capturable), and each token's expert outputs added in ascending expert order, deterministically.
+    ``adapters``: weight name -> LoRA factors ``(lhs, rhs, s)`` with the adapted weight ``W + s lhs @ rhs``
+    (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``."""
     _check_fused_layout(self)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
-                                  static=hidden_states.is_cuda)
+                                  static=hidden_states.is_cuda, adapters=adapters or {})
     tokens, k = top_k_index.shape
     y = y.to(hidden_states.dtype)
     # sorted row of each (token, slot) assignment: the inverse of the sort's permutation
@@ -155,11 +157,12 @@ def rollout_experts_forward(
 
 def _routed_outputs(
     module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-    spec: ExpertsSpec, *, static: bool,
+    spec: ExpertsSpec, *, static: bool, adapters: dict[str, LowRank] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order, token_of, y)``: the assignments sorted by expert and each one's weighted expert output
     ``y [T * k, H]`` (in sorted order). ``static``: where the grouped kernel does not apply, the
-    sync-free loop (:func:`static_grouped_linear`) instead of the per-block one."""
+    sync-free loop (:func:`static_grouped_linear`) instead of the per-block one. ``adapters``: see
+    :func:`rollout_experts_forward`."""
     state = patch_state(module)
     backend = state.kernel_backend if state is not None else "auto"
     grouped = False if backend == "reference" else None
@@ -167,19 +170,29 @@ def _routed_outputs(
     order, token_of, offsets = expert_blocks(top_k_index, num_experts)
     x = hidden_states[token_of]
 
-    def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         use_grouped = grouped_mm_supported(inputs, weight) if grouped is None else grouped
         if static and not use_grouped:
             return static_grouped_linear(inputs, weight, offsets, transposed=spec.transposed)
         return grouped_linear(inputs, weight, offsets, transposed=spec.transposed, grouped=use_grouped)
 
-    gate_up = project(x, module.gate_up_proj)
+    def project(inputs: torch.Tensor, name: str) -> torch.Tensor:
+        base = getattr(module, name)
+        factors = (adapters or {}).get(name)
+        if factors is None:
+            return linear(inputs, base)
+        lhs, rhs, scaling = factors
+        # W' = W + s lhs @ rhs in W's layout: [E, out, in] (x W'^T: rhs first) or, transposed, [E, in, out]
+        first, second = (lhs, rhs) if spec.transposed else (rhs, lhs)
+        return linear(inputs, base) + scaling * linear(linear(inputs, first), second)
+
+    gate_up = project(x, "gate_up_proj")
     expert_of = None
     if spec.biased:
         expert_of = top_k_index.reshape(-1)[order]
         gate_up = gate_up + module.gate_up_proj_bias[expert_of]
     h = _activation(module, spec, backend)(gate_up)
-    y = project(h, module.down_proj)
+    y = project(h, "down_proj")
     if spec.biased:
         y = y + module.down_proj_bias[expert_of]
     return order, token_of, y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -199,23 +212,85 @@ def static_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.
     return out
 
 
+#: LoRA factors of one adapted expert stack: ``(lhs, rhs, scaling)``, the stack being ``W + scaling lhs @ rhs``
+LowRank = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def _is_param_wrapper(module: nn.Module) -> bool:
+    """PEFT's ``target_parameters`` LoRA layer (``ParamWrapper``): adapts ``base_layer.<parameter_name>``."""
+    return (isinstance(getattr(module, "parameter_name", None), str) and hasattr(module, "base_layer")
+            and hasattr(module, "lora_A") and callable(getattr(module, "get_delta_factors", None)))
+
+
+def _single_adapter_factors(wrapper: nn.Module) -> LowRank | bool:
+    """The factors of ``wrapper``'s one active adapter; ``False`` when it adds nothing now (adapters
+    disabled, or merged into the weight); ``True`` for a state only PEFT's own forward handles (several
+    active adapters, disabled-but-merged, a 1-byte base weight, a single expert)."""
+    if wrapper.disable_adapters:
+        return bool(wrapper.merged)  # PEFT unmerges first there
+    if wrapper.merged:
+        return False
+    active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if not active:
+        return False
+    weight = getattr(wrapper.get_base_layer(), wrapper.parameter_name)
+    if len(active) > 1 or getattr(wrapper, "num_experts", 0) <= 1 or weight.element_size() == 1:
+        return True
+    lhs, rhs, scaling = wrapper.get_delta_factors(active[0])
+    return lhs, rhs, float(scaling)
+
+
+def _adapted_rollout_forward(
+    wrapper: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    *, chain: list[nn.Module], experts: nn.Module, spec: ExpertsSpec, peft_forward: Callable,
+) -> torch.Tensor:
+    """The outermost ``ParamWrapper`` of an experts module in a rollout: the adapters' factors passed to
+    :func:`rollout_experts_forward` (each expert's block gets ``x W + s (x lhs) rhs``), where PEFT would
+    register a parametrisation that rebuilds every expert's adapted matrix on every call (twice: once to
+    check it, once to use it); any other adapter state runs PEFT's own forward."""
+    adapters: dict[str, LowRank] = {}
+    for layer in chain:
+        factors = _single_adapter_factors(layer)
+        if factors is True:
+            return peft_forward(hidden_states, top_k_index, top_k_weights)
+        if factors is not False:
+            adapters[layer.parameter_name] = factors
+    return rollout_experts_forward(experts, hidden_states, top_k_index, top_k_weights, spec=spec, adapters=adapters)
+
+
 @contextlib.contextmanager
 def rollout_experts(model: nn.Module, family: Family) -> Iterator[tuple[int, int]]:
     """Within the block, every experts module of ``model`` that :func:`swiftune.patch_model` bound runs
-    :func:`rollout_experts_forward` (restored on exit); yields ``(bound, total)`` experts modules of the
-    family's class, so a caller can tell whether transformers' own experts forward (with its host
-    syncs) would still run somewhere. PEFT's ``target_parameters`` wrappers call the module, so their
-    adapters apply as in training."""
+    :func:`rollout_experts_forward`, and the outermost PEFT ``target_parameters`` wrapper around one runs
+    :func:`_adapted_rollout_forward` (both restored on exit); yields ``(bound, total)`` experts modules
+    of the family's class, so a caller can tell whether transformers' own experts forward (with its host
+    syncs) would still run somewhere."""
     if family.experts is None:
         yield (0, 0)
         return
     modules = [m for m in model.modules() if type(m).__name__ == family.experts_class]
     bound = [m for m in modules if is_bound(m) and "forward" in m.__dict__]
-    saved = [(m, m.__dict__["forward"]) for m in bound]
+    wrapped = {id(w.base_layer) for w in model.modules() if _is_param_wrapper(w)}  # wrappers inside wrappers
+    outer = []
+    for w in model.modules():
+        if not _is_param_wrapper(w) or id(w) in wrapped:
+            continue
+        chain = [w]
+        while _is_param_wrapper(chain[-1].base_layer):
+            chain.append(chain[-1].base_layer)
+        if any(chain[-1].base_layer is m for m in bound):
+            outer.append((w, chain, chain[-1].base_layer))
+    saved = [(m, m.__dict__.get("forward")) for m in bound + [w for w, _, _ in outer]]
     try:
         for m in bound:
             m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts), m)
+        for w, chain, experts in outer:
+            w.forward = MethodType(partial(_adapted_rollout_forward, chain=chain, experts=experts, spec=family.experts,
+                                           peft_forward=w.forward), w)
         yield (len(bound), len(modules))
     finally:
         for m, forward in saved:
-            m.forward = forward
+            if forward is None:
+                del m.forward  # the class's forward again
+            else:
+                m.forward = forward
