@@ -53,6 +53,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -441,6 +442,8 @@ def run_grpo_trials(args) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
     out = dict(mode="swiftune_vl", label=mode_label(args), trials=[], max_fit=None, first_fail=None)
     model, refusal = load_policy(args, checkpoint, device)
+    if args.checkpoint is None:  # a temporary copy (17.5 GB for the 8B shape): the model is in memory now
+        shutil.rmtree(checkpoint, ignore_errors=True)
     if refusal is not None:
         out.update(status="refused", error=refusal)
         print(f"# FastModel.from_pretrained refused the request (load_in_4bit={args.load_in_4bit}): {refusal}",
