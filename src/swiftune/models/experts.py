@@ -237,7 +237,8 @@ def _single_adapter_factors(wrapper: nn.Module) -> LowRank | bool:
     if len(active) > 1 or getattr(wrapper, "num_experts", 0) <= 1 or weight.element_size() == 1:
         return True
     lhs, rhs, scaling = wrapper.get_delta_factors(active[0])
-    return lhs, rhs, float(scaling)
+    # PEFT's lhs is a permuted view of lora_B; the grouped GEMM takes the base weights' layout
+    return lhs.contiguous(), rhs.contiguous(), float(scaling)
 
 
 def _adapted_rollout_forward(
