@@ -14,6 +14,7 @@ parameters::
     checkpoints   = L_gpu T H b                        the saved layer inputs kept on the GPU
     layer         = max(MLP phase, attention phase)    one layer recomputed and backpropagated
     loss          = T H b (x3) + c V b                 fused chunked CE, chunk c (full logits: T V (b + 12))
+    vision        = the vision tower's saved tensors    Qwen3-VL: image_tokens x merge^2 patches
     overhead      = context + 5% of activations
 
 The checkpointing module uses :func:`layer_working_set` and :func:`step_reserve` to decide how
@@ -28,7 +29,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .shapes import KNOWN_MODELS, ModelShape, linear_weight_count, lora_param_count, model_shape, param_count
+from .shapes import (KNOWN_MODELS, ModelShape, VisionShape, linear_weight_count, lora_param_count, model_shape,
+                     param_count)
 
 GiB = 2**30
 
@@ -128,6 +130,10 @@ class TrainSetup:
             swiftune trainers switch that off for bf16/fp16 training steps
             (:mod:`swiftune.training.lora_casting`); without autocast the copy is what the float32
             matmul reads, so it stays.
+        train_vision: a vision-language model's vision tower and mergers train (PEFT's ``"all-linear"``
+            adapts their linears too; full fine-tuning trains them), so their blocks save tensors for
+            backward (checkpointed per block, as transformers' checkpointing does); ``False``: adapters
+            on the text decoder only, the tower runs without a graph.
     """
 
     lora_rank: int = 16
@@ -145,6 +151,7 @@ class TrainSetup:
     logit_chunk_tokens: int | None = None
     autocast: bool = False
     lora_input_casts: bool = True
+    train_vision: bool = True
 
     @property
     def lora(self) -> bool:
@@ -306,6 +313,64 @@ def loss_bytes(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
     return 3 * tokens * H * b + c * V * b + 2 * c * H * b + head
 
 
+def _vision_saved_per_patch(v: VisionShape, s: TrainSetup) -> int:
+    """Bytes one vision block saves per patch when the tower trains, its input excluded (measured
+    with autograd's saved-tensor hooks in tests/test_planner_vision.py)::
+
+        LayerNorms     Hv b + 2 (4 + 4)                the second's input; float32 mean and rstd of both
+        RoPE           2 d 4                           float32 cos and sin (q and k rotate in float32)
+        attention      2 Hv b + 3 Hv b + Hv b + nh 4   rotated q and k, the qkv output (v is a view of
+                                                       it), the per-image outputs, the log-sum-exp
+        GELU           Iv b                            its input
+        linear inputs  (3 Hv + Iv) b                   qkv, proj (the concatenated outputs), fc1, fc2:
+                                                       full FT, or LoRA whose adapters read them
+                       3 lora(Hv) + lora(Iv)           LoRA: rank-r outputs, cast copies (which replace
+                                                       the inputs above when the adapters copy theirs)
+    """
+    H, I, b = v.hidden, v.intermediate, s.dtype_bytes
+    saved = H * b + 16 + 2 * (H // v.heads) * 4 + 6 * H * b + v.heads * 4 + I * b
+    inputs = (3 * H + I) * b
+    if s.full_finetune:
+        return saved + inputs
+    saved += 3 * _lora_input_bytes(H, s) + _lora_input_bytes(I, s)
+    return saved + (0 if s.lora_copies_input else inputs)
+
+
+def vision_activation_bytes(shape: ModelShape, image_tokens: int, s: TrainSetup,
+                            gradient_checkpointing: bool | str = True) -> tuple[int, int]:
+    """``(saved, working)`` bytes of a vision-language model's vision tower for ``image_tokens`` merged
+    image tokens in the step (``P = image_tokens merge^2`` patches). ``saved`` lives through the step,
+    ``working`` is the peak of one block (added to the step as the larger of it, one decoder layer and
+    the loss: the tower runs before the decoder's forward and after its backward).
+
+    Always saved: the float32 pixel values (``P C t p^2 4``) and the mergers' outputs
+    (``(1 + deepstack) image_tokens Out b``: the deepstack features wait for their decoder layers).
+    Tower training (:attr:`TrainSetup.train_vision` or full fine-tuning): each block's input
+    (``depth P Hv b``, checkpointed as transformers checkpoints the vision blocks, ``"offload"``
+    included) or, without checkpointing, everything each block saves
+    (:func:`_vision_saved_per_patch`), plus each merger's ``4 Hm b`` per merged token; the working set
+    is one block's saved tensors and its backward's (``(5 Hv + 2 Iv) b + 4 Hv`` per patch: the
+    residual gradients, dq/dk/dv, the MLP's gradients, a float32 dq accumulator). Frozen tower:
+    no graph; the working set is one block's forward temporaries, ``(7 Hv + 2 Iv) b`` per patch.
+    """
+    v = shape.vision
+    if v is None or image_tokens <= 0:
+        return 0, 0
+    patches, b = image_tokens * v.patches_per_token, s.dtype_bytes
+    H, I = v.hidden, v.intermediate
+    saved = patches * v.patch_values * 4 + (1 + v.deepstack) * image_tokens * v.out_hidden * b
+    if not (s.train_vision or s.full_finetune):
+        return saved, patches * (7 * H + 2 * I) * b
+    per_patch = _vision_saved_per_patch(v, s)
+    if gradient_checkpointing is False:
+        saved += v.depth * patches * (H * b + per_patch)
+    else:
+        saved += v.depth * patches * H * b
+    saved += (1 + v.deepstack) * image_tokens * 4 * v.merged_hidden * b
+    working = patches * (per_patch + (5 * H + 2 * I) * b + 4 * H)
+    return saved, working
+
+
 # ------------------------------------------------------------------------------------- plan
 
 
@@ -337,11 +402,15 @@ class MemoryPlan:
     params: int = 0
     trainable_params: int = 0
     derived_layers: int = 0  # layer inputs recomputed from the layer before instead of stored
+    vision: int = 0  # the vision tower's saved tensors (vision_activation_bytes)
+    vision_working_set: int = 0  # one vision block at its peak
+    image_tokens: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def activations(self) -> int:
-        return self.checkpoints + max(self.layer_working_set, self.loss) + self.transfer
+        return (self.checkpoints + max(self.layer_working_set, self.loss, self.vision_working_set) + self.transfer
+                + self.vision)
 
     @property
     def allocated(self) -> int:
@@ -376,6 +445,8 @@ class MemoryPlan:
              + (f", {self.derived_layers} recomputed" if self.derived_layers else "")),
             ("one layer recompute + backward", self.layer_working_set, ""),
             ("loss / logits", self.loss, "peak is max(layer, loss)"),
+            *([("vision tower activations", self.vision, f"{self.image_tokens:,} image tokens"),
+               ("one vision block at its peak", self.vision_working_set, "in the same max")] if self.image_tokens else []),
             ("offload transfer buffers", self.transfer, ""),
             ("CUDA context + fragmentation", self.overhead, ""),
         ]
@@ -446,6 +517,7 @@ def plan_memory(
     gpu_bytes: int | None = None,
     host_bytes: int | None = None,
     weight_quantization: str | None = None,
+    image_tokens: int = 0,
     **setup: Any,
 ) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
@@ -467,7 +539,11 @@ def plan_memory(
         weight_quantization: the decoder's linear weights quantised (QLoRA): ``"nf4_double_quant"``
             (what ``load_in_4bit=True`` loads), ``"nf4"`` or ``"fp8"`` (``load_in_fp8=True``: 1 byte a
             weight and a float32 scale per output row); LoRA only. Adds the largest projection's
-            matmul temporaries to the working set (:func:`_quantized_matmul_bytes`).
+            matmul temporaries to the working set (:func:`_quantized_matmul_bytes`). A vision-language
+            model's vision tower stays in the load dtype (only the text decoder's projections quantise).
+        image_tokens: how many of ``tokens`` are merged image tokens (Qwen3-VL: an image of ``h x w``
+            patches takes ``h w / merge^2``); the vision tower runs on ``image_tokens merge^2`` patches
+            (:func:`vision_activation_bytes`). The tower's weights count whatever this is.
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -480,6 +556,12 @@ def plan_memory(
     shape = model_shape(model_config)
     s = _setup(lora_rank, full_finetune, dtype_bytes, logit_chunk_tokens, setup)
     name = model_config if isinstance(model_config, str) else shape.model_type
+    if image_tokens < 0 or image_tokens > tokens:
+        raise ValueError(f"image_tokens must be between 0 and tokens ({tokens}): the image tokens are part of the "
+                         f"step's tokens, got {image_tokens}")
+    if image_tokens and shape.vision is None:
+        raise ValueError(f"image_tokens={image_tokens} needs a vision-language model (a Qwen3-VL config with a "
+                         f"vision_config, e.g. 'qwen3-vl-8b'); {name!r} has no vision tower")
     P = param_count(shape)
     weights = P * dtype_bytes
     if weight_quantization is not None:
@@ -494,7 +576,7 @@ def plan_memory(
             weights += fp8_scale_bytes(shape)
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if s.lora:
-        n_train = lora_param_count(shape, s.lora_rank)
+        n_train = lora_param_count(shape, s.lora_rank, vision=s.train_vision)
         trainable = n_train * s.lora_dtype_bytes
         grads = n_train * s.lora_dtype_bytes
         optim = n_train * opt
@@ -510,6 +592,7 @@ def plan_memory(
     if weight_quantization is not None:  # a quantised weight's matmul needs temporaries of its own
         working += _quantized_matmul_bytes(shape, T, weight_quantization, s)
     loss = loss_bytes(shape, T, s)
+    vision, vision_working = vision_activation_bytes(shape, int(image_tokens), s, gradient_checkpointing)
     transfer = 0
     derived = host = 0
     notes: list[str] = []
@@ -529,8 +612,8 @@ def plan_memory(
             # the runtime's rule (training/checkpointing.py, gpu_budget): what is free once the
             # parameters, optimizer states and the first layer's input exist, minus step_reserve,
             # minus the same margin
-            resident = weights + trainable + grads + optim + per_layer
-            reserve = (max(working, loss) + transfer) * (1 + FRAGMENTATION)
+            resident = weights + trainable + grads + optim + per_layer + vision
+            reserve = (max(working, loss, vision_working) + transfer) * (1 + FRAGMENTATION)
             room = gpu_bytes - CUDA_CONTEXT_BYTES - offload_margin_bytes(gpu_bytes) - resident - reserve
             kept = max(0, min(L, int(room // per_layer)))
         if kept == L:
@@ -554,7 +637,8 @@ def plan_memory(
         checkpoints=checkpoints, layer_working_set=working, loss=loss, transfer=transfer, overhead=0,
         kept_layers=kept, offloaded_layers=off, derived_layers=derived, host_bytes=host,
         gradient_checkpointing=gradient_checkpointing, gpu_bytes=gpu_bytes, host_limit=host_bytes,
-        params=P, trainable_params=n_train, notes=notes,
+        params=P, trainable_params=n_train, notes=notes, vision=vision, vision_working_set=vision_working,
+        image_tokens=int(image_tokens),
     )
     plan.overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * plan.activations)
     return plan
@@ -582,10 +666,12 @@ def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: in
     def fits(t: int) -> bool:
         return bool(plan_memory(model_config, t, lora_rank, gpu_bytes=gpu_bytes, **kwargs).fits)
 
-    if not fits(1):
+    lo = max(1, int(kwargs.get("image_tokens", 0)))  # the image tokens are part of every step
+    if not fits(lo):
         return 0
-    lo = 1
     step = 1024
+    while step <= lo:  # the doubling starts above the image tokens
+        step *= 2
     while step < hi and fits(step):  # grow until a failure brackets the answer
         lo, step = step, step * 2
     hi_bad = min(step, hi)
@@ -622,4 +708,5 @@ __all__ = [
     "param_count",
     "plan_memory",
     "step_reserve",
+    "vision_activation_bytes",
 ]

@@ -54,16 +54,68 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
                          num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, vocab_size=32000, rope_theta=1e6, max_position_embeddings=32768,
                          sliding_window=None, router_aux_loss_coef=0.02, tie_word_embeddings=False),
+    # Qwen3-VL-8B (Qwen/Qwen3-VL-8B-Instruct's config.json): a Qwen3-8B text decoder (36 layers, 4096 hidden,
+    # 12288 MLP, 32 q / 8 kv heads of 128, untied head; M-RoPE theta 5e6, 256K positions) and the vision
+    # tower of transformers' Qwen3VLVisionConfig defaults (27 blocks of 1152 hidden, 4304 MLP, 16 heads;
+    # patch 16, temporal patch 2, 2x2 merge, 2304 learned positions, deepstack mergers after blocks 8, 16
+    # and 24) whose mergers project to the text's 4096 (out_hidden_size)
+    "qwen3-vl-8b": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(model_type="qwen3_vl_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                         tie_word_embeddings=False),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3, out_hidden_size=4096,
+                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])),
 }
+
+# composite vision-language configs whose vision_config is Qwen3-VL's vision tower (:class:`VisionShape`)
+_QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 # MoE families whose fused experts PEFT (0.21) targets for the per-expert linear names (its weight
 # conversion table), "all-linear" included
 _PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe", "mixtral")
-_QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe")
+_QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
 _FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
 
 
 # ----------------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """The sizes of Qwen3-VL's vision tower (``model.visual``): a patch embedding (Conv3d over
+    ``temporal_patch x patch x patch`` pixels of ``in_channels``), learned positions, ``depth`` ViT
+    blocks (LayerNorm, qkv / proj attention of ``heads``, GELU MLP of ``intermediate``), a patch
+    merger (``merge x merge`` patches -> one text token of ``out_hidden``) and ``deepstack`` more
+    mergers (post-shuffle LayerNorm) whose features are added to the first decoder layers."""
+
+    depth: int
+    hidden: int
+    intermediate: int
+    heads: int
+    patch: int
+    temporal_patch: int
+    merge: int
+    in_channels: int
+    out_hidden: int
+    position_embeddings: int
+    deepstack: int
+
+    @property
+    def patches_per_token(self) -> int:
+        """Vision patches one merged image token stands for (``merge**2``)."""
+        return self.merge * self.merge
+
+    @property
+    def merged_hidden(self) -> int:
+        """Width of a merger's input: ``merge**2`` patches concatenated."""
+        return self.hidden * self.patches_per_token
+
+    @property
+    def patch_values(self) -> int:
+        """Pixel values of one patch (``pixel_values`` is ``[patches, patch_values]``)."""
+        return self.in_channels * self.temporal_patch * self.patch * self.patch
 
 
 @dataclass(frozen=True)
@@ -93,6 +145,7 @@ class ModelShape:
     moe_layers: int = 0
     expert_bias: bool = False  # gpt-oss: biases on the experts' projections and on the router
     attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head
+    vision: VisionShape | None = None  # a vision-language model's vision tower (Qwen3-VL), else None
 
     @property
     def is_moe(self) -> bool:
@@ -116,7 +169,8 @@ def model_shape(model_config: Any) -> ModelShape:
     """A :class:`ModelShape` from a transformers config, a dict of its fields, a known name
     (``"qwen3-8b"``, see :data:`KNOWN_MODELS`), or a path to a ``config.json`` (or its folder).
 
-    Multimodal configs contribute their ``text_config``.  Bias and norm layout follow the
+    Multimodal configs contribute their ``text_config``, and Qwen3-VL's (``qwen3_vl``, ``qwen3_vl_moe``)
+    their vision tower (:class:`VisionShape`, from ``vision_config``).  Bias and norm layout follow the
     modeling files: Qwen2 has q/k/v biases (always) and no o bias; Llama-style configs use
     ``attention_bias`` for q/k/v/o and ``mlp_bias`` for the MLP; Qwen3 and Gemma 3 normalise q and
     k per head; Gemma 2/3 have four RMSNorms per layer.  A :class:`ModelShape` is returned as is.
@@ -124,8 +178,12 @@ def model_shape(model_config: Any) -> ModelShape:
     if isinstance(model_config, ModelShape):
         return model_config
     cfg = _config_dict(model_config)
+    vision = _vision_shape(cfg)
     if isinstance(cfg.get("text_config"), Mapping):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        text = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        if vision is not None and cfg.get("tie_word_embeddings") is not None:
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]  # Qwen3-VL ties by the composite's flag
+        cfg = text
     mt = str(cfg.get("model_type", "llama"))
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -148,6 +206,24 @@ def model_shape(model_config: Any) -> ModelShape:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=mt in _QK_NORM,
         norms_per_layer=4 if mt in _FOUR_NORMS else 2,
+        vision=vision,
+    )
+
+
+def _vision_shape(cfg: Mapping[str, Any]) -> VisionShape | None:
+    """Qwen3-VL's vision tower from a composite config's ``vision_config`` (missing fields: the
+    defaults of transformers' ``Qwen3VLVisionConfig``); ``None`` for any other config."""
+    vision = cfg.get("vision_config")
+    if str(cfg.get("model_type")) not in _QWEN3_VL_TYPES or not isinstance(vision, Mapping):
+        return None
+    return VisionShape(
+        depth=int(vision.get("depth", 27)), hidden=int(vision.get("hidden_size", 1152)),
+        intermediate=int(vision.get("intermediate_size", 4304)), heads=int(vision.get("num_heads", 16)),
+        patch=int(vision.get("patch_size", 16)), temporal_patch=int(vision.get("temporal_patch_size", 2)),
+        merge=int(vision.get("spatial_merge_size", 2)), in_channels=int(vision.get("in_channels", 3)),
+        out_hidden=int(vision.get("out_hidden_size", 3584)),
+        position_embeddings=int(vision.get("num_position_embeddings", 2304)),
+        deepstack=len(vision.get("deepstack_visual_indexes", (8, 16, 24)) or ()),
     )
 
 
@@ -200,6 +276,9 @@ def _config_dict(model_config: Any) -> dict[str, Any]:
         text = getattr(model_config, "text_config", None)
         if text is not None and hasattr(text, "to_dict"):
             d["text_config"] = _config_dict(text)
+        vision = getattr(model_config, "vision_config", None)
+        if vision is not None and hasattr(vision, "to_dict"):
+            d["vision_config"] = vision.to_dict()
         return d
     raise TypeError(f"cannot read a model shape from {type(model_config).__name__}")
 
@@ -239,7 +318,8 @@ def param_count(shape: ModelShape) -> int:
                E*H (+ E) + E*(3*H*I_e (+ 2*I_e + H))                  sparse layers: router, E experts
         norm = norms_per_layer * H
 
-    Total: ``V*H*(1 if tied else 2) + L*(attn + norm) + sum of the layers' mlp + H`` (final norm).
+    Total: ``V*H*(1 if tied else 2) + L*(attn + norm) + sum of the layers' mlp + H`` (final norm), plus
+    a vision-language model's vision tower (:func:`vision_param_count`).
     """
     H, I = shape.hidden, shape.intermediate
     dense_mlp = 3 * H * I + ((2 * I + H) if shape.mlp_bias else 0)
@@ -247,7 +327,38 @@ def param_count(shape: ModelShape) -> int:
     dense_layers = shape.layers - (shape.moe_layers if shape.is_moe else 0)
     embed = shape.vocab * H * (1 if shape.tied else 2)
     per_layer = _attention_params(shape) + shape.norms_per_layer * H
-    return embed + shape.layers * per_layer + dense_layers * dense_mlp + (shape.layers - dense_layers) * sparse_mlp + H
+    vision = vision_param_count(shape.vision) if shape.vision is not None else 0
+    return (embed + shape.layers * per_layer + dense_layers * dense_mlp + (shape.layers - dense_layers) * sparse_mlp + H
+            + vision)
+
+
+def _vision_linears(v: VisionShape) -> list[tuple[int, int, int]]:
+    """``(in, out, count)`` of the vision tower's ``nn.Linear`` layers (all with biases): each block's
+    qkv, proj, linear_fc1, linear_fc2; each merger's linear_fc1 and linear_fc2."""
+    mergers = 1 + v.deepstack
+    return [(v.hidden, 3 * v.hidden, v.depth), (v.hidden, v.hidden, v.depth), (v.hidden, v.intermediate, v.depth),
+            (v.intermediate, v.hidden, v.depth), (v.merged_hidden, v.merged_hidden, mergers),
+            (v.merged_hidden, v.out_hidden, mergers)]
+
+
+def vision_param_count(v: VisionShape) -> int:
+    """Parameters of Qwen3-VL's vision tower and mergers::
+
+        patch embedding   Hv C t p^2 + Hv          (Conv3d with bias)
+        positions         N_pos Hv
+        per block         4 Hv (two LayerNorms) + Hv 3Hv + 3Hv + Hv^2 + Hv + Hv Iv + Iv + Iv Hv + Hv
+        merger            2 Hv (LayerNorm) + Hm^2 + Hm + Hm Out + Out        Hm = Hv merge^2
+        deepstack merger  2 Hm (post-shuffle LayerNorm) + the same linears
+    """
+    linears = sum(count * (fan_in * fan_out + fan_out) for fan_in, fan_out, count in _vision_linears(v))
+    norms = v.depth * 4 * v.hidden + 2 * v.hidden + v.deepstack * 2 * v.merged_hidden
+    return v.hidden * v.patch_values + v.hidden + v.position_embeddings * v.hidden + linears + norms
+
+
+def vision_lora_param_count(v: VisionShape, rank: int) -> int:
+    """LoRA parameters PEFT's ``"all-linear"`` puts on the vision tower and its mergers: ``r (in + out)``
+    per linear of :func:`_vision_linears` (the patch embedding is a Conv3d: not a linear layer)."""
+    return sum(count * rank * (fan_in + fan_out) for fan_in, fan_out, count in _vision_linears(v))
 
 
 def expert_param_count(shape: ModelShape) -> int:
@@ -278,8 +389,10 @@ def linear_weight_count(shape: ModelShape) -> int:
     return shape.layers * (H * dq + 2 * H * dkv + dq * H) + dense_layers * 3 * H * I
 
 
-def lora_param_count(shape: ModelShape, rank: int) -> int:
-    """LoRA parameters of PEFT's ``"all-linear"`` (every linear layer of the decoder, not the LM head).
+def lora_param_count(shape: ModelShape, rank: int, vision: bool = True) -> int:
+    """LoRA parameters of PEFT's ``"all-linear"`` (every linear layer of the decoder, not the LM head;
+    on a vision-language model also the vision tower's and mergers' linears, unless ``vision=False``:
+    adapters on the text decoder only, e.g. its seven projections by name).
 
     A LoRA pair on a ``[in -> out]`` linear has ``r * (in + out)`` parameters, so per layer::
 
@@ -292,6 +405,11 @@ def lora_param_count(shape: ModelShape, rank: int) -> int:
     models, where every layer is sparse). On gpt-oss, whose experts and router are plain parameters
     PEFT has no mapping for, ``"all-linear"`` is the attention projections only.
     """
+    towers = vision_lora_param_count(shape.vision, rank) if vision and shape.vision is not None else 0
+    return _text_lora_param_count(shape, rank) + towers
+
+
+def _text_lora_param_count(shape: ModelShape, rank: int) -> int:
     H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     attention = rank * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
     if not shape.is_moe:
