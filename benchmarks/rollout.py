@@ -210,8 +210,10 @@ def lora_runs(model, name: str, prompt: list[int], rows_list: list[int], new_tok
     quantized = is_quantized_4bit(model) or is_quantized_fp8(model)
     peft_model = FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=False)
     runs = []
-    # adapters cannot be merged exactly into NF4 or e4m3 weights (the engine refuses): they run as layers
-    modes = ("runtime",) if quantized else ("runtime", "merge")
+    # adapters cannot be merged exactly into NF4 or e4m3 weights (the engine refuses): they run as layers;
+    # on MoE shapes (PEFT adapts the fused experts too) the merge's saved copy of every expert stack would
+    # take as much memory as the model again: the runtime path (per-block low-rank products) only
+    modes = ("runtime",) if quantized or expert_stacks(model) else ("runtime", "merge")
     for rows in rows_list:
         for lora in modes:
             r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora)

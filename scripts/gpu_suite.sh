@@ -20,7 +20,7 @@
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 64 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
-#   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV; the MoE engine's CUDA tests first (~7 min)
+#   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -264,7 +264,7 @@ case "$part" in
     # (measured per step) + attention and other weights + KV cache; transformers' generate (dynamic cache) over 16 steps
     run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
     run moe_rollout 380 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
-      --baseline-kinds dynamic --baseline-steps 16 --lora-rows --time-budget 300 --out "$OUT/rollout_moe.json" ;;
+      --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_moe.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
