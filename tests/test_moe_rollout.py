@@ -191,6 +191,15 @@ def test_sync_free_expert_path_in_the_engine_equals_generate(family, monkeypatch
         assert c == _hf_greedy(reference, p, 8), family
 
 
+def test_unpatched_moe_model_runs_eagerly_on_the_cpu():
+    """Without swiftune's patch the MoE block runs transformers' own experts (host syncs: refused for
+    CUDA graphs, see the CUDA case); eagerly on the CPU the engine still gives generate's greedy tokens."""
+    reference = tiny_moe("qwen3_moe", seed=9, eos_token_id=None)
+    out = FastRolloutEngine(reference, pad_token_id=PAD, kv_bucket=4).generate(
+        PROMPTS, 1, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=()))
+    assert out.completion_ids == [_hf_greedy(reference, p, 6) for p in PROMPTS]
+
+
 def test_gpt_oss_is_refused_with_the_engine_to_use():
     model = patch_model(tiny_moe("gpt_oss"), attention="reference", kernel_backend="reference")
     with pytest.raises(ValueError, match="TransformersRolloutEngine"):
