@@ -64,18 +64,30 @@ def flow_env(pythonpath: list[str]) -> dict[str, str]:
     return env
 
 
-def run_flow(impl: str, model_dir: str, out_dir: str, *extra: str, site: Path | None = None,
-             timeout: float = 240) -> dict:
-    """The ``RESULT`` of one run of the notebook flow in a child process."""
+def start_flow(impl: str, model_dir: str, out_dir: str, *extra: str, site: Path | None = None) -> subprocess.Popen:
+    """One run of the notebook flow in a child process (output in ``out_dir``/flow.out, .err)."""
     if impl == "unsloth":
         path = [str(site)]
     else:  # the project's source, then whatever this process was given (the GPU machine's wheel site)
         path = [str(REPO / "src"), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     cmd = [sys.executable, str(FLOW), "--impl", impl, "--model", model_dir, "--out-dir", out_dir,
            "--max-steps", str(MAX_STEPS), *extra]
-    proc = subprocess.run(cmd, env=flow_env(path), capture_output=True, text=True, timeout=timeout, cwd=out_dir)
-    found = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and found, f"{impl} flow failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    env = flow_env(path)
+    env["UNSLOTH_COMPILE_LOCATION"] = os.path.join(out_dir, "unsloth_compiled_cache")  # one per child: they run at once
+    with open(os.path.join(out_dir, "flow.out"), "w") as out, open(os.path.join(out_dir, "flow.err"), "w") as err:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=err, cwd=out_dir)
+
+
+def finish_flow(proc: subprocess.Popen, impl: str, out_dir: str, timeout: float = 300) -> dict:
+    """The ``RESULT`` of a run :func:`start_flow` started (the child is killed past ``timeout``)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    stdout, stderr = (Path(out_dir, name).read_text() for name in ("flow.out", "flow.err"))
+    found = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and found, f"{impl} flow failed (exit {proc.returncode}):\n{stderr[-4000:]}"
     result = json.loads(found[-1])
     result["out_dir"] = out_dir
     return result
@@ -87,18 +99,27 @@ def model_dir(family: str) -> str:
     return unsloth_flow.save_tiny_model(scratch_dir(f"unsloth-flow-{family}"), family)
 
 
-@functools.lru_cache(maxsize=None)
-def swiftune_run(family: str, *extra: str) -> dict:
-    return run_flow("swiftune", model_dir(family), scratch_dir(f"flow-swiftune-{family}"), *extra)
-
-
 def tensors(result: dict, name: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(os.path.join(result["out_dir"], name))
 
 
-# ---------------------------------------------------------------------------------------------- swiftune
+def find_unsloth_site(tmp_path_factory) -> Path | str:
+    """A folder with Unsloth's wheels installed (pip ``--target``): :data:`UNSLOTH_SITE` when it has
+    them, else a new one made from the first of :data:`UNSLOTH_WHEELS` that exists; or why there is
+    none to use."""
+    if not torch.cuda.is_available():
+        return "Unsloth needs a CUDA GPU (its kernels and loader have no CPU path)"
+    if (UNSLOTH_SITE / "unsloth" / "__init__.py").is_file():
+        return UNSLOTH_SITE
+    wheels = next((folder for folder in UNSLOTH_WHEELS if any(folder.glob("unsloth-*.whl"))), None)
+    if wheels is None:
+        return f"no Unsloth installed in {UNSLOTH_SITE} and no wheels in {' or '.join(map(str, UNSLOTH_WHEELS))}"
+    site = tmp_path_factory.mktemp("site-unsloth")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], check=True)
+    return site
 
 
 # (family, flow arguments): the 16-bit notebook and its QLoRA form (bitsandbytes' NF4, also on CPU)
@@ -106,9 +127,48 @@ CASES = [("qwen3", ()), ("llama", ()), ("qwen3", ("--load-in-4bit",))]
 CASE_IDS = ["qwen3", "llama", "qwen3-4bit"]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every case through swiftune, and through Unsloth where it can run; on a GPU the children all
+    at once (tiny models: one GPU holds them all, and most of a child's time is importing and
+    compiling), on CPU one after another (their threads would share the same cores).
+    By ``(impl, family, extra)``: the ``RESULT``, or why there is none; ``"unsloth_site"``: the
+    Unsloth site folder, or why there is none."""
+    site = find_unsloth_site(tmp_path_factory)
+    impls = ["swiftune"] + (["unsloth"] if isinstance(site, Path) else [])
+    started, results = {}, {"unsloth_site": site}
+
+    def finish(key):  # wait for every child, failed or not; each test reports its own
+        proc, out_dir = started.pop(key)
+        try:
+            results[key] = finish_flow(proc, key[0], out_dir)
+        except AssertionError as failure:
+            results[key] = str(failure)
+
+    for impl in impls:
+        for family, extra in CASES:
+            out_dir = scratch_dir(f"flow-{impl}-{family}")
+            proc = start_flow(impl, model_dir(family), out_dir, *extra, site=site if impl == "unsloth" else None)
+            started[(impl, family, extra)] = (proc, out_dir)
+            if not torch.cuda.is_available():
+                finish((impl, family, extra))
+    for key in list(started):
+        finish(key)
+    return results
+
+
+def flow_result(runs: dict, impl: str, family: str, extra: tuple = ()) -> dict:
+    found = runs[(impl, family, tuple(extra))]
+    assert isinstance(found, dict), found
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- swiftune
+
+
 @pytest.mark.parametrize("family, extra", CASES, ids=CASE_IDS)
-def test_swiftune_flow_trains(family, extra):
-    got = swiftune_run(family, *extra)
+def test_swiftune_flow_trains(runs, family, extra):
+    got = flow_result(runs, "swiftune", family, extra)
     assert got["load_in_4bit"] == bool(extra)
     losses = got["losses"]
     assert got["global_step"] == MAX_STEPS and len(losses) == MAX_STEPS, got["losses"]
@@ -129,7 +189,7 @@ def test_swiftune_flow_trains(family, extra):
 
 
 @pytest.mark.parametrize("family, extra", CASES, ids=CASE_IDS)
-def test_swiftune_lora_init_is_peft_seeded_by_random_state(family, extra):
+def test_swiftune_lora_init_is_peft_seeded_by_random_state(runs, family, extra):
     """The notebook's ``random_state=3407`` gives PEFT's own initial adapters for that seed (plain
     transformers + ``peft.get_peft_model``, as Unsloth calls it after ``set_seed(random_state)``;
     PEFT draws them on the CPU in float32 whatever the base layer, NF4 ones included)."""
@@ -142,7 +202,7 @@ def test_swiftune_lora_init_is_peft_seeded_by_random_state(family, extra):
         r=16, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     want = {n: p.detach() for n, p in plain.named_parameters() if "lora_A" in n}
-    run = swiftune_run(family, *extra)
+    run = flow_result(runs, "swiftune", family, extra)
     got = tensors(run, "lora_init.safetensors")
     assert set(got) == set(want)
     for name, value in want.items():
@@ -153,7 +213,7 @@ def test_swiftune_lora_init_is_peft_seeded_by_random_state(family, extra):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_swiftune_for_inference_generate_is_greedy_on_the_merged_adapter(family):
+def test_swiftune_for_inference_generate_is_greedy_on_the_merged_adapter(runs, family):
     """``for_inference`` + ``generate``: transformers' greedy decoding on the saved base weights
     with the adapter the flow saved, loaded and merged by PEFT (no swiftune code), in the run's
     dtype on the run's device.
@@ -165,7 +225,7 @@ def test_swiftune_for_inference_generate_is_greedy_on_the_merged_adapter(family)
     import peft
     import transformers
 
-    got = swiftune_run(family)
+    got = flow_result(runs, "swiftune", family)
     dtype, device = getattr(torch, got["dtype"].removeprefix("torch.")), torch.device(got["device"])
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir(family), dtype=dtype).to(device)
     merged = peft.PeftModel.from_pretrained(base, os.path.join(got["out_dir"], "lora_model"))
@@ -194,31 +254,11 @@ def test_swiftune_for_inference_generate_is_greedy_on_the_merged_adapter(family)
 # ---------------------------------------------------------------------------------------------- Unsloth
 
 
-@pytest.fixture(scope="module")
-def unsloth_site(tmp_path_factory) -> Path:
-    """A folder with Unsloth's wheels installed (pip ``--target``): :data:`UNSLOTH_SITE` when it has
-    them, else a new one made from the first of :data:`UNSLOTH_WHEELS` that exists."""
-    if not torch.cuda.is_available():
-        pytest.skip("Unsloth needs a CUDA GPU (its kernels and loader have no CPU path)")
-    if (UNSLOTH_SITE / "unsloth" / "__init__.py").is_file():
-        return UNSLOTH_SITE
-    wheels = next((folder for folder in UNSLOTH_WHEELS if any(folder.glob("unsloth-*.whl"))), None)
-    if wheels is None:
-        pytest.skip(f"no Unsloth installed in {UNSLOTH_SITE} and no wheels in {' or '.join(map(str, UNSLOTH_WHEELS))}")
-    site = tmp_path_factory.mktemp("site-unsloth")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], check=True)
-    return site
-
-
-@functools.lru_cache(maxsize=None)
-def unsloth_run(site: Path, family: str, *extra: str) -> dict:
-    return run_flow("unsloth", model_dir(family), scratch_dir(f"flow-unsloth-{family}"), *extra, site=site)
-
-
 @pytest.mark.parametrize("family, extra", CASES, ids=CASE_IDS)
-def test_unsloth_and_swiftune_run_the_same_notebook_alike(unsloth_site, family, extra):
-    ref, got = unsloth_run(unsloth_site, family, *extra), swiftune_run(family, *extra)
+def test_unsloth_and_swiftune_run_the_same_notebook_alike(runs, family, extra):
+    if not isinstance(runs["unsloth_site"], Path):
+        pytest.skip(runs["unsloth_site"])
+    ref, got = flow_result(runs, "unsloth", family, extra), flow_result(runs, "swiftune", family, extra)
     assert ref["dtype"] == got["dtype"] == "torch.bfloat16", (ref["dtype"], got["dtype"])
     # the same initial adapters (same seed, PEFT's init): else the later steps could not be compared
     ref_a, got_a = tensors(ref, "lora_init.safetensors"), tensors(got, "lora_init.safetensors")
