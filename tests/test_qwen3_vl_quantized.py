@@ -51,13 +51,13 @@ def saved(tmp_path_factory):
     return str(path), proc, prepare_multimodal_dataset(_rows(), proc)
 
 
-def _bnb_reference(path: str, targets: list[str]) -> nn.Module:
+def _bnb_reference(path: str, targets: list[str], device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
     """transformers + bitsandbytes + PEFT, unpatched: the text decoder NF4, the vision tower and the
     LM head skipped (bitsandbytes' own option; without it the tower's linears would be 4-bit too)."""
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["model.visual", "lm_head"])
-    base = AutoModelForImageTextToText.from_pretrained(path, quantization_config=config, dtype=torch.float32,
-                                                       attn_implementation="eager", device_map="cpu")
+                                bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["model.visual", "lm_head"])
+    base = AutoModelForImageTextToText.from_pretrained(path, quantization_config=config, dtype=dtype,
+                                                       attn_implementation="eager", device_map=device)
     torch.manual_seed(1)
     # train mode (no dropout here): in eval mode without gradients, bitsandbytes' CPU backend repacks
     # the weights for its bf16 (AVX512-BF16) kernel, another rounding than the float32 compute asked for
@@ -73,14 +73,14 @@ def _copy_adapters(model: nn.Module, reference: nn.Module) -> None:
             p.copy_(want[name])
 
 
-def _assert_vision_tower_unquantized(model: nn.Module) -> None:
-    """Every linear of the vision tower and its mergers (and the LM head) a plain float32 layer;
-    every text projection quantised."""
+def _assert_vision_tower_unquantized(model: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Every linear of the vision tower and its mergers (and the LM head) a plain layer in the load
+    ``dtype``; every text projection quantised."""
     hf = model.get_base_model() if hasattr(model, "get_base_model") else model
     tower = [m for m in hf.model.visual.modules() if isinstance(m, nn.Linear)]
     assert tower and all(type(m).__name__ not in ("Linear4bit", "FP8Linear") for m in tower)
-    assert all(p.dtype == torch.float32 for p in hf.model.visual.parameters())
-    assert type(hf.lm_head) is nn.Linear and hf.lm_head.weight.dtype == torch.float32
+    assert all(p.dtype == dtype for n, p in hf.model.visual.named_parameters() if "lora_" not in n)
+    assert type(hf.lm_head) is nn.Linear and hf.lm_head.weight.dtype == dtype
     projections = [m for n, m in hf.model.language_model.named_modules() if n.rsplit(".", 1)[-1] in SEVEN]
     assert projections and all(type(getattr(m, "base_layer", m)).__name__ in ("Linear4bit", "FP8Linear")
                                for m in projections)
@@ -238,3 +238,57 @@ def test_unquantized_vision_tower_check_names_a_quantised_tower(saved):
     assert type(model.model.visual.blocks[0].attn.qkv).__name__ == "Linear4bit"  # bitsandbytes' default: all of it
     with pytest.raises(RuntimeError, match="vision tower was quantised"):
         check_vision_tower_unquantized(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_qlora_parity(saved, dtype):
+    """On CUDA: FastModel's 4-bit model with its defaults (compiled kernels, the automatic packed
+    attention, checkpointing) and LoRA on the text and vision linears (and, by the name "proj", the
+    patch embedding's Conv3d) against bitsandbytes + PEFT in float32 on each example alone (TF32 off):
+    loss and every LoRA gradient; fp32 to 1e-4 and 1e-3; bf16 compute within three times the plain
+    libraries' own bf16 error on each tensor (bitsandbytes + PEFT in bf16 against the same float32
+    truth), at least 2e-2."""
+    from tests.test_qwen3_vl import _collator, _grads, _patched_loss, _reference_loss, _rel
+
+    path, proc, data = saved
+    targets = SEVEN + VISION_LINEARS
+
+    def reference_step(compute: torch.dtype, adapters_of: nn.Module | None = None):
+        reference = _bnb_reference(path, targets, device="cuda", dtype=compute)
+        if adapters_of is not None:
+            _copy_adapters(reference, adapters_of)
+        loss = _reference_loss(reference, proc, data.examples)
+        loss.backward()
+        return reference, loss.detach(), _grads(reference)
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference, ref_loss, ref_grads = reference_step(torch.float32)
+        model, _ = swiftune.FastModel.from_pretrained(path, load_in_4bit=True, dtype=dtype)
+        model = swiftune.FastModel.get_peft_model(model, target_modules=targets, **LORA).train()
+        _assert_vision_tower_unquantized(model, dtype)
+        _copy_adapters(model, reference)
+        batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in _collator(reference, proc)(data.examples).items()}
+        batch["pixel_values"] = batch["pixel_values"].to(dtype)
+        loss = _patched_loss(model, batch)
+        loss.backward()
+        grads = _grads(model)
+        if dtype == torch.bfloat16:
+            plain = reference_step(dtype, adapters_of=reference)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    if dtype == torch.float32:
+        loss_tol, tols = 1e-4, dict.fromkeys(ref_grads, 1e-3)
+    else:
+        loss_tol = max(2e-2, 3 * _rel(plain[1], ref_loss))
+        tols = {n: max(2e-2, 3 * _rel(plain[2][n], g)) for n, g in ref_grads.items()}
+    assert torch.isfinite(loss) and _rel(loss.detach(), ref_loss) < loss_tol, (float(loss), float(ref_loss))
+    assert ref_grads.keys() == grads.keys() and ref_grads
+    for name, ref in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        if ref.abs().max() > 0:
+            assert grads[name].abs().max() > 0, name
+        assert _rel(grads[name], ref) < tols[name], (name, _rel(grads[name], ref), tols[name])
