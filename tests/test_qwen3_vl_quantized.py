@@ -228,6 +228,19 @@ def test_sft_trainer_two_steps_on_a_4bit_model(saved, tmp_path):
     assert all(not torch.equal(after[n].detach(), p) for n, p in before.items())
 
 
+def test_a_given_bitsandbytes_config_keeps_its_skips_and_gains_the_tower(saved):
+    """A caller's ``quantization_config`` with its own skip list: both its modules and the tower stay
+    unquantised, and the caller's config object is left as it was."""
+    path, _, _ = saved
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32,
+                                llm_int8_skip_modules=["model.language_model.layers.1.mlp"])
+    model, _ = swiftune.FastModel.from_pretrained(path, quantization_config=config, **LOAD)
+    assert config.llm_int8_skip_modules == ["model.language_model.layers.1.mlp"]
+    assert type(model.model.language_model.layers[1].mlp.up_proj) is nn.Linear
+    assert type(model.model.language_model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
+    assert type(model.model.visual.blocks[0].mlp.linear_fc1) is nn.Linear and type(model.lm_head) is nn.Linear
+
+
 def test_unquantized_vision_tower_check_names_a_quantised_tower(saved):
     """The load refuses a vision tower that ended up quantised (what a renamed module would do)."""
     from swiftune.models.qwen3_vl import check_vision_tower_unquantized
