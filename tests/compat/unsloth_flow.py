@@ -9,8 +9,10 @@ turned into a ``text`` column with the tokenizer's chat template, TRL's ``SFTTra
 ``FastLanguageModel.for_inference`` and a short ``generate``, and ``model.save_pretrained`` of the
 adapter. What differs from a notebook: the model is a tiny random-init folder (no hub downloads;
 ``--save-model DIR`` writes one with plain transformers, in a process that never imports Unsloth),
-the generation is greedy (comparable), and Unsloth's ``get_chat_template`` is not called (the
-folder's tokenizer brings its template; it is an Unsloth-only helper, not a name swiftune has).
+the generation is greedy (comparable), Unsloth's ``get_chat_template`` is not called (the
+folder's tokenizer brings its template; it is an Unsloth-only helper, not a name swiftune has), and
+the trainer gets ``processing_class=tokenizer`` where the notebooks write ``tokenizer=tokenizer``
+(a name only Unsloth's patched trainer takes; TRL's and swiftune's ``SFTTrainer`` refuse it).
 
     python tests/compat/unsloth_flow.py --save-model /tmp/tiny-qwen3 --family qwen3
     PYTHONPATH=src python tests/compat/unsloth_flow.py --impl swiftune --model /tmp/tiny-qwen3 --out-dir /tmp/sw
