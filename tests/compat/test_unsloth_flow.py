@@ -7,7 +7,7 @@ both LoRA matrices move), and ``for_inference`` + ``generate`` gives transformer
 the base weights with the saved adapter merged by PEFT.
 
 On a CUDA machine where Unsloth's wheels are installed in :data:`UNSLOTH_SITE` (or can be, from a
-wheels folder: :func:`unsloth_site`), the same flow runs through Unsloth (its own process and
+wheels folder: :func:`find_unsloth_site`), the same flow runs through Unsloth (its own process and
 ``PYTHONPATH``: it patches transformers, PEFT and TRL on import, and brings TRL 1.15) and the two
 must start from the same LoRA A matrices, log per-step losses within bf16 tolerance
 (:data:`BF16_LOSS_TOL`) over the same tokens, and log every metric name Unsloth logs.
@@ -39,16 +39,17 @@ UNSLOTH_WHEELS = (REPO / ".shared" / "wheels" / "unsloth", REPO.parent / "shared
 MAX_STEPS = 6
 FAMILIES = ["qwen3", "llama"]
 
-# Per-step losses, Unsloth vs swiftune, both bf16 on the GPU: bf16 keeps 8 significant bits (relative
-# rounding 2^-9 ~ 2e-3 per operation) and the two run different kernels (Unsloth's fused LoRA MLP,
-# RoPE and cross-entropy; swiftune's), so one forward's loss may differ by a few 1e-3 from the first
-# step on; the later steps also carry the different rounding of the updates (8-bit Adam divides each
-# gradient entry by its own magnitude, so entries near zero move by a full step either way).
-# 2e-2 relative is 4-10x what that rounding gives on these shapes and far below the ~10% the
-# training moves the loss over the steps.
+# Per-step losses, Unsloth vs swiftune, both bf16 on the GPU: bf16 keeps 8 significant bits (unit
+# rounding 2^-8 ~ 4e-3 relative per operation) and the two run different kernels (Unsloth's fused LoRA
+# MLP, RoPE and cross-entropy; swiftune's), so one forward's loss may differ by a few 1e-3 from the
+# first step on; the later steps also carry the different rounding of the updates (8-bit Adam divides
+# each gradient entry by its own magnitude, so entries near zero move by a full step either way).
+# 2e-2 relative allows that (an estimate from the rounding, not yet a measured spread: the first GPU
+# run prints both loss lists on failure) and is well below the ~8% the six steps move the loss (5.72
+# to 5.25 for Qwen3 on CPU in float32).
 BF16_LOSS_TOL = 2e-2
 # LoRA A before training: both are PEFT's kaiming-uniform init drawn on the CPU from the same seed;
-# a side that stores the adapters in bf16 rounds them by at most 2^-9 relative.
+# a side that stores the adapters in bf16 rounds them by at most 2^-8 relative.
 BF16_WEIGHT_TOL = 4e-3
 
 
@@ -231,8 +232,10 @@ def test_swiftune_for_inference_generate_is_greedy_on_the_merged_adapter(runs, f
     merged = peft.PeftModel.from_pretrained(base, os.path.join(got["out_dir"], "lora_model"))
     trained = tensors(got, "lora_final.safetensors")  # the saved adapter is the trained one
     for name, p in merged.named_parameters():
-        if "lora_" in name:
-            assert torch.equal(p.detach().float().cpu(), trained[name]), name
+        if "lora_" in name:  # (bf16: PEFT may hold the loaded adapter in the base weights' dtype)
+            loaded = p.detach().float().cpu()
+            assert torch.equal(loaded, trained[name]) or (dtype != torch.float32 and rel_err(
+                loaded, trained[name]) <= BF16_WEIGHT_TOL), name
     merged = merged.merge_and_unload().eval()
     prompt, generated = got["prompt_ids"], got["generated_ids"]
     assert generated, "nothing was generated"
@@ -270,7 +273,8 @@ def test_unsloth_and_swiftune_run_the_same_notebook_alike(runs, family, extra):
     if all(n is not None for n in ref["num_tokens"]):
         assert ref["num_tokens"] == got["num_tokens"], (ref["num_tokens"], got["num_tokens"])
     for step, (a, b) in enumerate(zip(ref["losses"], got["losses"]), start=1):
-        assert abs(a - b) <= BF16_LOSS_TOL * abs(a), f"step {step}: Unsloth {a:.5f}, swiftune {b:.5f}"
+        assert abs(a - b) <= BF16_LOSS_TOL * abs(a), (f"step {step}: Unsloth {a:.5f}, swiftune {b:.5f}; "
+                                                f"Unsloth {ref['losses']}, swiftune {got['losses']}")
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]  # the comparison is over training steps
     missing = set(ref["metric_names"]) - set(got["metric_names"])
     assert not missing, f"Unsloth logs {sorted(missing)}, swiftune does not"
