@@ -231,3 +231,19 @@ def test_cli_plans_qwen3_vl_8b_qlora(capsys):
                                             weight_quantization="nf4_double_quant")
     assert main_plan(argv) == 0
     assert "8,767,123,696 params" in capsys.readouterr().out
+
+
+def test_cli_image_tokens_reach_the_plan(capsys):
+    """``swiftune plan --image_tokens N`` plans the vision tower's activations for N image tokens (as
+    plan_memory(image_tokens=N)); on a text-only model it ends in one line naming a vision model."""
+    argv = ["--model", "qwen3-vl-8b", "--load_in_4bit", "--tokens", "32768", "--gpu_gb", "24", "--json"]
+    assert main_plan(argv + ["--image_tokens", "1024"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    want = plan_memory("qwen3-vl-8b", 32768, gpu_bytes=int(24e9), weight_quantization="nf4_double_quant",
+                       image_tokens=1024)
+    assert data["plan"]["vision"] == want.vision > 0 and data["plan"]["image_tokens"] == 1024
+    assert main_plan(argv) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["vision"] == 0
+    assert main_plan(["--model", "qwen3-8b", "--tokens", "100", "--image_tokens", "10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a vision-language model" in err[0]

@@ -246,3 +246,24 @@ def test_vllm_settings_are_ignored_with_one_warning(tmp_path):
         warnings.simplefilter("always")
         FastLanguageModel.from_pretrained(str(tmp_path), fast_inference=False, **CPU)
     assert not [w for w in caught if "ignores" in str(w.message)]
+
+
+def test_trainers_take_unsloths_tokenizer_keyword(tmp_path):
+    """Unsloth's notebooks pass ``tokenizer=tokenizer`` to the trainer (its patched TRL takes it): swiftune's
+    trainers take it as ``processing_class``; both, as different objects, is refused."""
+    from swiftune.rl import GRPOConfig, GRPOTrainer
+    from swiftune.sft import SFTConfig, SFTTrainer
+
+    tok = build_tokenizer()
+    rows = [{"prompt": "Reverse: abc\n", "completion": "cba"}] * 4
+    args = SFTConfig(output_dir=str(tmp_path / "sft"), max_steps=1, per_device_train_batch_size=2, report_to=[])
+    trainer = SFTTrainer(model=tiny_model("qwen3"), args=args, train_dataset=rows, tokenizer=tok)
+    assert trainer.processing_class is tok
+    with pytest.raises(ConfigError, match="tokenizer= and processing_class= name different objects"):
+        SFTTrainer(model=tiny_model("qwen3"), args=args, train_dataset=rows, tokenizer=tok,
+                   processing_class=build_tokenizer())
+    grpo_args = GRPOConfig(output_dir=str(tmp_path / "grpo"), max_steps=1, per_device_train_batch_size=2,
+                           num_generations=2, max_completion_length=4, report_to=[])
+    grpo = GRPOTrainer(tiny_model("qwen3"), [lambda completions, **kw: [0.0] * len(completions)], args=grpo_args,
+                       train_dataset=[{"prompt": "Hi"}] * 4, tokenizer=tok)
+    assert grpo.processing_class is tok

@@ -10,9 +10,9 @@ turned into a ``text`` column with the tokenizer's chat template, TRL's ``SFTTra
 adapter. What differs from a notebook: the model is a tiny random-init folder (no hub downloads;
 ``--save-model DIR`` writes one with plain transformers, in a process that never imports Unsloth),
 the generation is greedy (comparable), Unsloth's ``get_chat_template`` is not called (the
-folder's tokenizer brings its template; it is an Unsloth-only helper, not a name swiftune has), and
-the trainer gets ``processing_class=tokenizer`` where the notebooks write ``tokenizer=tokenizer``
-(a name only Unsloth's patched trainer takes; TRL's and swiftune's ``SFTTrainer`` refuse it).
+folder's tokenizer brings its template; it is an Unsloth-only helper, not a name swiftune has). The
+trainer gets ``tokenizer=tokenizer`` as the notebooks write it: Unsloth's patched trainer and
+swiftune's take that name (TRL 1.16's asks for ``processing_class``).
 
     python tests/compat/unsloth_flow.py --save-model /tmp/tiny-qwen3 --family qwen3
     PYTHONPATH=src python tests/compat/unsloth_flow.py --impl swiftune --model /tmp/tiny-qwen3 --out-dir /tmp/sw
@@ -133,7 +133,7 @@ def notebook(impl: str, model_name: str, out_dir: str, max_steps: int, learning_
 
     trainer = SFTTrainer(
         model=model,
-        processing_class=tokenizer,
+        tokenizer=tokenizer,
         train_dataset=dataset,
         eval_dataset=None,
         args=SFTConfig(

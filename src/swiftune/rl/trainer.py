@@ -133,6 +133,7 @@ class GRPOTrainer(SwiftuneTrainer):
         **kwargs: Any,
     ):
         args = self.resolve_args(args)
+        processing_class = self.processing_class_of(processing_class, kwargs)
         model, processing_class = self.prepare_model(
             model, args, processing_class, train_dataset, peft_config,
             missing_tokenizer="GRPOTrainer needs the tokenizer: pass processing_class=tokenizer",

@@ -106,6 +106,7 @@ class SFTTrainer(SwiftuneTrainer):
         **kwargs: Any,
     ):
         args = self.resolve_args(args)
+        processing_class = self.processing_class_of(processing_class, kwargs)
         if kwargs.get("compute_loss_func") is not None:
             raise ConfigError(
                 "SFTTrainer: compute_loss_func needs the full logits, which swiftune's fused loss never builds (TRL "

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import Trainer, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from ..errors import ConfigError
 from ..models import is_patched, patch_model
 from ..models.patching import fuse_lora_if_patched
 from .loading import FastModel
@@ -53,6 +54,19 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         if not isinstance(args, cls.config_class):
             raise TypeError(f"args must be a swiftune.{cls.config_class.__name__}, got {type(args).__name__}")
         return args
+
+    @classmethod
+    def processing_class_of(cls, processing_class: Any, kwargs: dict[str, Any]) -> Any:
+        """``processing_class``, or the ``tokenizer=`` keyword Unsloth's notebooks pass (their patched
+        trainers take it; TRL 1.16 and transformers 5 do not), popped from ``kwargs``. Both given and
+        different: a ``ConfigError`` (which one would train is not clear)."""
+        tokenizer = kwargs.pop("tokenizer", None)
+        if tokenizer is None:
+            return processing_class
+        if processing_class is not None and processing_class is not tokenizer:
+            raise ConfigError(f"{cls.__name__}: tokenizer= and processing_class= name different objects; pass the "
+                              "tokenizer once, as processing_class=tokenizer (TRL's name)")
+        return tokenizer
 
     @staticmethod
     def prepare_model(
