@@ -37,7 +37,7 @@ UNITS: dict[str, str] = {
     "hbm_floor_ms": "ms", "tb_per_s": "TB/s", "copy_fraction": "fraction", "gb_moved": "GB", "tflop_per_s": "TFLOP/s",
     "saved_bytes_per_token": "B/token", "backward_bytes_per_token": "B/token", "extra_gb": "GB",
     "max_abs_diff": "loss", "mean_abs_diff": "loss", "max_rel_diff": "fraction", "final_loss": "loss",
-    "train_s": "s", "device_ms": "ms", "host_ms": "ms",
+    "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms",
 }
 # the libraries a row may name; torch always, the rest where the tool used them
 VERSION_KEYS = ("torch", "transformers", "triton", "peft", "trl", "liger", "unsloth")
