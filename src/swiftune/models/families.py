@@ -147,10 +147,10 @@ def _gpt_oss() -> Family:
     attention function as ``s_aux``), sliding (128) and full layers alternating (``layer_types``; each
     layer's ``sliding_window``), YaRN RoPE (cos/sin from transformers' rotary module, half width),
     every layer a MoE block (``GptOssMLP``: router with bias, experts with biases and clamped SwiGLU,
-    the experts as grouped GEMMs). Not on the fast rollout engine (no attention sinks or alternating
-    windows in its decode attention): rollouts go through ``TransformersRolloutEngine``."""
+    the experts as grouped GEMMs; its forward also returns the router scores). On the fast rollout
+    engine: the sinks join its prefill and decode attention, each layer keeps its own window."""
     return Family("gpt_oss", "GptOss", window=layer_window, pre_norm=True, moe=True, gated_mlp=False,
-                  experts=ExpertsSpec(transposed=True, interleaved=True, biased=True), fast_rollout=False)
+                  experts=ExpertsSpec(transposed=True, interleaved=True, biased=True))
 
 
 def _mixtral() -> Family:

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from ...attention import packed_attention
-from ...attention.kv_cache import additive_mask, cached_attention, slot_mask, softcapped_cached_attention
+from ...attention.kv_cache import (additive_mask, cached_attention, sink_cached_attention, slot_mask,
+                                   softcapped_cached_attention)
+from ...attention.sinks import sink_attention
 
 
 class Workspace:
@@ -112,26 +114,36 @@ class DecodeContext:
             self.masks[window] = slot_mask(self.ws.cur, self.kv_len, window)
         return self.masks[window]
 
-    def attend(self, layer: int, query, key, value, scale: float, window: int | None, softcap: float | None):
+    def attend(self, layer: int, query, key, value, scale: float, window: int | None, softcap: float | None,
+               sinks: torch.Tensor | None = None):
+        if sinks is not None and softcap:
+            raise ValueError("attention sinks with a soft-cap: no family has both, and no backend computes it")
         ws = self.ws
         kc, vc = ws.k[layer], ws.v[layer]
         if self.mode == "prefill":  # query [1, Hq, T, D] packed prompts
             q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
-            out = packed_attention(q, k, v, self.packed, scale=scale, window=window, softcap=softcap,
-                                   backend=self.backend)
+            if sinks is not None:  # gpt-oss: the training side's packed sink attention (flex on CUDA)
+                out = sink_attention(q, k, v, self.packed, scale=scale, sinks=sinks, window=window,
+                                     backend=self.backend)
+            else:
+                out = packed_attention(q, k, v, self.packed, scale=scale, window=window, softcap=softcap,
+                                       backend=self.backend)
             kc[self.dst_rows, :, self.dst_slots] = k[self.src_tok].to(kc.dtype)
             vc[self.dst_rows, :, self.dst_slots] = v[self.src_tok].to(vc.dtype)
             return out.unsqueeze(0)
         # decode: query [B, Hq, 1, D]; row b's new K/V go to slot cur[b]
         kc[ws.row_ids, :, ws.cur] = key[:, :, 0].to(kc.dtype)
         vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
-        return self.attend_cached(layer, query, scale, window, softcap)
+        return self.attend_cached(layer, query, scale, window, softcap, sinks)
 
-    def attend_cached(self, layer: int, query, scale: float, window: int | None, softcap: float | None = None):
-        """Decode attention of ``query [B, Hq, 1, D]`` over the cache, this step's K/V already in it;
-        returns ``[B, 1, Hq, D]``."""
+    def attend_cached(self, layer: int, query, scale: float, window: int | None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None):
+        """Decode attention of ``query [B, Hq, 1, D]`` over the cache, this step's K/V already in it
+        (``sinks [Hq]``: gpt-oss's sink logits); returns ``[B, 1, Hq, D]``."""
         keys = self.ws.k[layer][:, :, :self.kv_len]
         values = self.ws.v[layer][:, :, :self.kv_len]
+        if sinks is not None:
+            return sink_cached_attention(query, keys, values, self.mask(window), scale, sinks)
         if not softcap:
             return cached_attention(query, keys, values, self.bias(window, query.dtype), scale)
         return softcapped_cached_attention(query, keys, values, self.mask(window), scale, softcap)

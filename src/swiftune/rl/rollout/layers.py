@@ -1,6 +1,7 @@
 """The decoder-layer loop of :class:`~swiftune.rl.rollout.fast.FastRolloutEngine` for pre-norm families.
 
-A Llama / Mistral / Qwen2 / Qwen3 (and Qwen3-MoE / Mixtral: ``mlp`` is the MoE block) decoder layer computes::
+A Llama / Mistral / Qwen2 / Qwen3 (and Qwen3-MoE / Mixtral / gpt-oss: ``mlp`` is the MoE block) decoder layer
+computes::
 
     h = h + attn(norm_1(h));   h = h + mlp(norm_2(h))
 
@@ -71,6 +72,11 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
     backend = state.kernel_backend if state is not None else "auto"
     residual = h
     x = rms_norm(h, first.weight, _eps(first), backend=backend)
+    cos, sin = position_embeddings
+    if 2 * cos.shape[-1] == layers[0].self_attn.head_dim:
+        # gpt-oss's rotary module gives one angle per rotated pair (half width), which swiftune's
+        # attention forward widens in every layer; widened once here for all of them
+        position_embeddings = (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
     for i, layer in enumerate(layers):
         if ctx.mode == "decode":
             out = decode_attention(layer.self_attn, x, position_embeddings, ctx, backend)
@@ -81,6 +87,7 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
         post = layer.post_attention_layernorm
         x, residual = add_rms_norm(out, residual, post.weight, _eps(post), backend=backend)
         out = layer.mlp(x)
+        out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
         x, residual = add_rms_norm(out, residual, nxt.weight, _eps(nxt), backend=backend)
     return x
@@ -106,5 +113,6 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
                    k_norm.weight if k_norm is not None else None, _eps(q_norm) if q_norm is not None else 1e-6,
                    cos[:, 0], sin[:, 0], ws.k[attn.layer_idx], ws.v[attn.layer_idx], ws.cur, backend=backend)
     window = patch_state(attn).attention.window(attn)
-    out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window)
+    out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window,
+                            sinks=getattr(attn, "sinks", None))  # gpt-oss's per-head sink logits
     return attn.o_proj(out.reshape(rows, 1, heads * dim))
