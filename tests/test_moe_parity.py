@@ -367,17 +367,15 @@ def test_patched_moe_runs_packed_rows_and_unsupported_moe_does_not():
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_rollouts_of_moe_go_through_transformers_generation(family):
-    """The fast engine has no attention sinks in its decode step: gpt-oss's family record keeps it out
-    (GRPO's "auto" then picks transformers' generation; Qwen3-MoE and Mixtral are on the fast engine,
-    tests/test_moe_rollout.py), and transformers' engine's greedy completions on the patched model
-    (its decode steps: the dense path of the packed attention, sinks included) equal the unpatched
-    model's own greedy generate for all three."""
+    """All three are on the fast engine (tests/test_moe_rollout.py, tests/test_gptoss_rollout.py), and
+    transformers' engine (GRPO's choice on the CPU) still runs them: its greedy completions on the patched
+    model (its decode steps: the dense path of the packed attention, sinks included) equal the unpatched
+    model's own greedy generate."""
     from swiftune.models.families import FAMILIES
     from swiftune.rl.rollout import SamplingParams, TransformersRolloutEngine
     from swiftune.rl.rollout.fast import SUPPORTED
 
-    on_fast_engine = family != "gpt_oss"
-    assert FAMILIES[family].fast_rollout == on_fast_engine and (family in SUPPORTED) == on_fast_engine
+    assert FAMILIES[family].fast_rollout and family in SUPPORTED
     plain = tiny_moe(family)
     patched = patch_model(copy.deepcopy(plain), kernel_backend="reference")
     prompts = [[5, 6, 7], [8, 9, 10, 11]]

@@ -200,20 +200,14 @@ def test_unpatched_moe_model_runs_eagerly_on_the_cpu():
     assert out.completion_ids == [_hf_greedy(reference, p, 6) for p in PROMPTS]
 
 
-def test_gpt_oss_is_refused_with_the_engine_to_use():
-    model = patch_model(tiny_moe("gpt_oss"), attention="reference", kernel_backend="reference")
-    with pytest.raises(ValueError, match="TransformersRolloutEngine"):
-        FastRolloutEngine(model).generate([[1, 2, 3]], 1, SamplingParams(max_tokens=2, temperature=0))
-
-
 def test_grpo_default_engine_is_the_fast_engine_for_moe(tmp_path, monkeypatch):
-    """GRPOConfig(rollout_engine="auto") picks FastRolloutEngine for Qwen3-MoE and Mixtral on CUDA
-    (the device read from the config: patched to CUDA here on a CPU machine, nothing is run there)
-    and TransformersRolloutEngine for gpt-oss; on the CPU transformers' engine."""
+    """GRPOConfig(rollout_engine="auto") picks FastRolloutEngine for Qwen3-MoE, Mixtral and gpt-oss
+    (tests/test_gptoss_rollout.py) on CUDA (the device read from the config: patched to CUDA here on a
+    CPU machine, nothing is run there); on the CPU transformers' engine."""
     from swiftune import GRPOConfig, GRPOTrainer
     from swiftune.data import build_tokenizer
 
-    assert set(FAMILIES_ON_ENGINE) <= set(SUPPORTED) and "gpt_oss" not in SUPPORTED
+    assert set(FAMILIES_ON_ENGINE + ["gpt_oss"]) <= set(SUPPORTED)
     tokenizer = build_tokenizer()
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, num_generations=2,
                       max_completion_length=4, kernel_backend="reference", attention_backend="reference",
@@ -224,14 +218,12 @@ def test_grpo_default_engine_is_the_fast_engine_for_moe(tmp_path, monkeypatch):
     for family in FAMILIES_ON_ENGINE + ["gpt_oss"]:
         trainer = GRPOTrainer(tiny_moe(family), [lambda completions, **kw: [0.0] * len(completions)], args=args,
                               train_dataset=rows, processing_class=tokenizer)
-        on_this_device = FastRolloutEngine if args.device.type == "cuda" and family != "gpt_oss" else \
-            TransformersRolloutEngine
+        on_this_device = FastRolloutEngine if args.device.type == "cuda" else TransformersRolloutEngine
         assert type(trainer.rollout_engine) is on_this_device, family
         with monkeypatch.context() as m:
             m.setattr(type(trainer.args), "device", property(lambda self: torch.device("cuda")))
             picked[family] = type(trainer._builtin_engine(PAD))
-    assert picked == {"qwen3_moe": FastRolloutEngine, "mixtral": FastRolloutEngine,
-                      "gpt_oss": TransformersRolloutEngine}
+    assert picked == {"qwen3_moe": FastRolloutEngine, "mixtral": FastRolloutEngine, "gpt_oss": FastRolloutEngine}
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
