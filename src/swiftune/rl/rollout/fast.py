@@ -156,6 +156,9 @@ class Chunk:
 class FastRolloutEngine:
     """Fast batched sampling from the training model itself (see the module docstring).
 
+    Subclasses may extend the per-call state (``workspace_class``, a :class:`Workspace` with more
+    per-row fields) and the decoder config (:meth:`_decoder_config`): :mod:`.vision_fast` does.
+
     Args:
         model: the policy (a transformers causal LM of a supported family, or a PEFT model of one).
         pad_token_id: token written for finished rows (never returned).
@@ -183,6 +186,9 @@ class FastRolloutEngine:
             layer (the step time is in docs/benchmarks.md). Other architectures, or ``False``,
             run each layer's own forward.
     """
+
+    #: the static per-call state (KV cache, per-row decode state) of a chunk
+    workspace_class: type[Workspace] = Workspace
 
     def __init__(self, model: nn.Module, pad_token_id: int = 0, seed: int = 0, *, tokenizer=None,
                  stop_strings: Sequence[str] = (), max_batch_size: int | None = None, use_cuda_graph: bool = True,
@@ -240,7 +246,8 @@ class FastRolloutEngine:
         out = Rollouts([], [], [], num_generations)
         self.stats = {}
         was_training = self.model.training
-        attn_before = hf.config._attn_implementation
+        attention_config = self._decoder_config()  # the text decoder's (a vision tower keeps its own)
+        attn_before = attention_config._attn_implementation
         backups = None
         self.model.eval()
         try:
@@ -248,7 +255,7 @@ class FastRolloutEngine:
                 if bound < total:
                     self._check_unbound_experts(total - bound)
                 backups = merge_lora(self.model, self.lora)
-                hf.config._attn_implementation = attention_name
+                attention_config._attn_implementation = attention_name
                 per_chunk = self._prompts_per_chunk(prompt_ids, num_generations, params)
                 for a in range(0, len(prompt_ids), per_chunk):
                     ids, lps, done, steps = self._generate_chunk(prompt_ids[a:a + per_chunk], num_generations,
@@ -258,7 +265,7 @@ class FastRolloutEngine:
                     out.finished += done
                     out.stats["decode_steps"] = out.stats.get("decode_steps", 0.0) + steps
         finally:
-            hf.config._attn_implementation = attn_before
+            attention_config._attn_implementation = attn_before
             if backups is not None:
                 unmerge_lora(self.model, backups)
             self.model.train(was_training)
@@ -424,6 +431,11 @@ class FastRolloutEngine:
                              "(GRPOConfig(rollout_engine='transformers'))")
         return hf, hf.model
 
+    def _decoder_config(self):
+        """The config of the decoder the engine runs (its layer and head counts, its attention switch): the
+        model's own; a vision-language engine's is its text decoder's (:mod:`.vision_fast`)."""
+        return self._hf().config
+
     def _check_unbound_experts(self, unbound: int) -> None:
         """transformers' own experts forward (a model not patched by swiftune) reads the routing back to
         the host, which a CUDA-graph capture cannot hold: refuse there; eager decoding runs it."""
@@ -499,8 +511,7 @@ class FastRolloutEngine:
         self._ws = None
 
     def _row_bytes(self, length: int) -> int:
-        hf, _ = self._parts()
-        cfg = hf.config
+        cfg = self._decoder_config()
         itemsize = next(self.model.parameters()).element_size()
         return kv_bytes_per_token(cfg, itemsize) * length
 
@@ -524,11 +535,11 @@ class FastRolloutEngine:
         if self._ws is not None and self._ws.fits(rows, length, max_tokens) and self._ws.k[0].device == device:
             return self._ws
         self._drop_workspace()  # free the old one first
-        hf, _ = self._parts()
-        cfg = hf.config
-        dtype = self._parts()[1].embed_tokens.weight.dtype
-        self._ws = Workspace(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim_of(cfg), length,
-                             max_tokens, hf.lm_head.out_features, dtype, device)
+        hf, decoder = self._parts()
+        cfg = self._decoder_config()
+        dtype = decoder.embed_tokens.weight.dtype
+        self._ws = self.workspace_class(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim_of(cfg),
+                                        length, max_tokens, hf.lm_head.out_features, dtype, device)
         return self._ws
 
     @staticmethod
