@@ -127,6 +127,128 @@ def fsdp2_loss_gradients(out_dir: str) -> None:
     finish_process_group()
 
 
+# ------------------------------------------------------------------ resuming across world sizes
+# (tests/test_distributed_resume.py). Two launches share one folder with a 1-process checkpoint
+# the test writes first (``sft-seed``): phase 2 (2 processes) trains uninterrupted runs that save
+# checkpoints (saving changes nothing in the run) and resumes the 1-process checkpoint; phase 1
+# (1 process) trains the same uninterrupted runs and resumes phase 2's checkpoints. The global batch
+# (per-device batch x processes) is the same in every run but the negative control.
+
+RESUME_SFT = dict(optim="adamw_torch", learning_rate=5e-3, lr_scheduler_type="linear", max_grad_norm=1.0)
+SFT_GLOBAL_BATCH, SFT_STEPS, SFT_SAVE_AT = 8, 4, 2
+GRPO_GLOBAL_BATCH, GRPO_STEPS, GRPO_SAVE_AT = 16, 2, 1
+
+
+def trainable(model) -> dict[str, torch.Tensor]:
+    return {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def resumable_sft(out_dir: str, resume: str | None, alive: list, global_batch: int = SFT_GLOBAL_BATCH,
+                  launched: bool = True) -> dict:
+    """SFT with LoRA (DDP across processes), AdamW and a linear schedule, saving every
+    ``SFT_SAVE_AT`` steps; 24 rows = 3 steps an epoch, so the checkpoint falls mid-epoch.
+    ``launched=False``: a plain process without torchrun (no gloo back-end asked for)."""
+    import io
+    import logging
+
+    from swiftune.sft import SFTConfig, SFTTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    log = LossLog()
+    messages = io.StringIO()  # swiftune's resume messages (info: a world-size change that keeps the batch)
+    handler = logging.StreamHandler(messages)
+    swiftune_logger = logging.getLogger("swiftune")
+    swiftune_logger.addHandler(handler)
+    swiftune_logger.setLevel(logging.INFO)
+    common = {**COMMON, **RESUME_SFT, "save_strategy": "steps", "save_steps": SFT_SAVE_AT}
+    if not launched:
+        common.pop("ddp_backend")
+    args = SFTConfig(output_dir=out_dir, max_steps=SFT_STEPS, per_device_train_batch_size=global_batch // world,
+                     max_length=256, **common)
+    trainer = SFTTrainer(model=lora_model(9), args=args, train_dataset=builtin_instruction_dataset(num_rows=24, seed=3),
+                         processing_class=build_tokenizer(), callbacks=[log])
+    alive.append(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        swiftune_logger.removeHandler(handler)
+    return {"losses": log.losses, "weights": trainable(trainer.model), "steps": trainer.state.global_step,
+            "ddp": ddp_buckets(trainer.model_wrapped), "warnings": messages.getvalue(),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in trainer.model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+
+
+def ddp_buckets(model) -> dict | None:
+    """DDP's gradient buckets (bytes) and whether they are views of the gradients, or None (no DDP)."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    info = model._get_ddp_logging_data()
+    return {"bucket_bytes": sum(int(b) for b in str(info["bucket_sizes"]).split(",") if b),
+            "gradient_as_bucket_view": bool(int(info["gradient_as_bucket_view"]))}
+
+
+def fsdp2_shard_bytes() -> list[int]:
+    """Parameter bytes each rank holds after ``fully_shard`` on every decoder layer and the root
+    (float32, the full fine-tuning model), gathered from every rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = plain_model()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    mine = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [int(b) for b in every]
+
+
+def resumable_grpo(out_dir: str, resume: str | None, alive: list) -> dict:
+    """GRPO (dapo, KL) on the deterministic engine, 2 steps of 2 prompts x 8 generations, a
+    checkpoint after step 1 (a generation boundary: every step generates)."""
+    from swiftune.rl import GRPOConfig, GRPOTrainer
+    from tests.test_grpo import PROMPT_ROWS, FixedEngine, length_reward
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    log = LossLog()
+    common = {**COMMON, **RESUME_SFT, "save_strategy": "steps", "save_steps": GRPO_SAVE_AT}
+    args = GRPOConfig(output_dir=out_dir, max_steps=GRPO_STEPS, per_device_train_batch_size=GRPO_GLOBAL_BATCH // world,
+                      num_generations=8, max_completion_length=16, loss_type="dapo", beta=0.05, scale_rewards="batch",
+                      metrics_file=None, plot_rewards=False, **common)
+    trainer = GRPOTrainer(lora_model(9), [length_reward], args=args, train_dataset=PROMPT_ROWS[:4],
+                          processing_class=build_tokenizer(), rollout_engine=FixedEngine(), callbacks=[log])
+    alive.append(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return {"losses": log.losses, "weights": trainable(trainer.model), "steps": trainer.state.global_step}
+
+
+def resume_phase(phase: int, root: str, alive: list) -> None:
+    """One launch (see above): ``phase`` 2 on 2 processes, 1 on one; rank 0 saves ``phase{phase}.pt``.
+    The 1-process checkpoint that phase 2 resumes (``sft-seed``) is written before, by the test."""
+    import torch.distributed as dist
+
+    join = lambda *parts: os.path.join(root, *parts)  # noqa: E731
+    results: dict = {}
+    if phase == 2:
+        results["sft"] = resumable_sft(join("sft-2"), None, alive)
+        results["sft_from_1"] = resumable_sft(join("sft-2-from-1"), join("sft-seed", f"checkpoint-{SFT_SAVE_AT}"), alive)
+        results["grpo"] = resumable_grpo(join("grpo-2"), None, alive)
+        results["fsdp2_shard_bytes"] = fsdp2_shard_bytes()
+    else:
+        results["sft"] = resumable_sft(join("sft-1"), None, alive)
+        results["sft_from_2"] = resumable_sft(join("sft-1-from-2"), join("sft-2", f"checkpoint-{SFT_SAVE_AT}"), alive)
+        # the negative control: another global batch does not continue where the checkpoint stopped
+        results["sft_from_2_half_batch"] = resumable_sft(join("sft-1-from-2-half"),
+                                                         join("sft-2", f"checkpoint-{SFT_SAVE_AT}"), alive,
+                                                         global_batch=SFT_GLOBAL_BATCH // 2)
+        results["grpo"] = resumable_grpo(join("grpo-1"), None, alive)
+        results["grpo_from_2"] = resumable_grpo(join("grpo-1-from-2"), join("grpo-2", f"checkpoint-{GRPO_SAVE_AT}"),
+                                                alive)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if int(os.environ.get("RANK", 0)) == 0:
+        torch.save({"world_size": world, **results}, join(f"phase{phase}.pt"))
+    finish_process_group()
+
 def finish_process_group() -> None:
     """Every rank done before the group goes: tearing gloo down while a peer still uses it aborts."""
     import torch.distributed as dist
@@ -156,7 +278,9 @@ def plain_model():
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["sft", "grpo", "fsdp2_loss"], required=True)
+    p.add_argument("--mode", choices=["sft", "grpo", "fsdp2_loss", "resume"], required=True)
+    p.add_argument("--phase", type=int, choices=[1, 2], default=1,
+                   help="--mode resume: which launch (2: the 2-process one)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--out", required=True)
@@ -164,6 +288,8 @@ def main() -> None:
     alive = []  # not to be freed before the process ends (see below)
     if a.mode == "fsdp2_loss":
         fsdp2_loss_gradients(a.out)
+    elif a.mode == "resume":
+        resume_phase(a.phase, a.out, alive)
     else:
         alive.append(run(a.mode, a.batch, a.out, a.loss_type))
     print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "done": True}), flush=True)

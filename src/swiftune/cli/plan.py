@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image_tokens", type=int, default=0,
                    help="vision-language models: how many of --tokens are merged image tokens (Qwen3-VL: an image "
                         "of h x w patches gives h w / 4); the vision tower's activations are planned for them")
+    p.add_argument("--world_size", type=int, default=1,
+                   help="processes (GPUs) training together (torchrun --nproc_per_node): the plan is one rank's and "
+                        "--tokens that rank's tokens")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2: weights, grads and optimizer states sharded over --world_size (default: DDP, "
+                        "replicated)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -94,7 +100,7 @@ def main_plan(argv: list[str] | None = None) -> int:
         lora_dtype_bytes=_DTYPE_BYTES[args.lora_dtype], chunked_loss=not args.full_logits,
         autocast=args.autocast, lora_input_casts=args.lora_input_casts or not args.autocast,
         weight_quantization="nf4_double_quant" if args.load_in_4bit else ("fp8" if args.load_in_fp8 else None),
-        image_tokens=args.image_tokens,
+        image_tokens=args.image_tokens, world_size=args.world_size, fsdp=args.fsdp,
     )
     if args.load_in_4bit and args.load_in_fp8:
         print("swiftune plan: choose one of --load_in_4bit and --load_in_fp8", file=sys.stderr)

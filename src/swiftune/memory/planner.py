@@ -16,6 +16,11 @@ parameters::
     loss          = T H b (x3) + c V b                 fused chunked CE, chunk c (full logits: T V (b + 12))
     vision        = the vision tower's saved tensors    Qwen3-VL: image_tokens x merge^2 patches
     overhead      = context + 5% of activations
+    per rank, N processes (``world_size``): FSDP2 (``fsdp=True``) divides weights, trainable params,
+    grads and optimizer states by N and adds the parameters it gathers (the root module's embeddings,
+    LM head and final norm, plus two decoder layers; full FT: their unsharded grads too); DDP
+    replicates them all and adds its gradient buckets (one more copy of the trainable grads);
+    activations are per rank (``tokens``: one process's tokens)
 
 The checkpointing module uses :func:`layer_working_set` and :func:`step_reserve` to decide how
 many layer inputs it may keep on the GPU (``swiftune.training.checkpointing``).
@@ -30,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .shapes import (KNOWN_MODELS, ModelShape, VisionShape, linear_weight_count, lora_param_count, model_shape,
-                     param_count)
+                     param_count, vision_param_count)
 
 GiB = 2**30
 
@@ -405,6 +410,9 @@ class MemoryPlan:
     vision: int = 0  # the vision tower's saved tensors (vision_activation_bytes)
     vision_working_set: int = 0  # one vision block at its peak
     image_tokens: int = 0
+    world_size: int = 1
+    fsdp: bool = False
+    distributed: int = 0  # FSDP2: the gathered (unsharded) parameters; DDP: its gradient buckets
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -414,7 +422,7 @@ class MemoryPlan:
 
     @property
     def allocated(self) -> int:
-        return self.weights + self.trainable + self.gradients + self.optimizer + self.activations
+        return self.weights + self.trainable + self.gradients + self.optimizer + self.distributed + self.activations
 
     @property
     def total(self) -> int:
@@ -440,6 +448,9 @@ class MemoryPlan:
              f"{self.trainable_params:,} trainable"),
             ("gradients", self.gradients, ""),
             ("optimizer states", self.optimizer, ""),
+            *([("FSDP2 gathered params" if self.fsdp else "DDP gradient buckets", self.distributed,
+                f"per rank of {self.world_size}" + (", states sharded" if self.fsdp else ", states replicated"))]
+              if self.fsdp or self.world_size > 1 else []),
             ("layer checkpoints (GPU)", self.checkpoints,
              f"{self.kept_layers} layers on GPU, {self.offloaded_layers} offloaded"
              + (f", {self.derived_layers} recomputed" if self.derived_layers else "")),
@@ -518,6 +529,8 @@ def plan_memory(
     host_bytes: int | None = None,
     weight_quantization: str | None = None,
     image_tokens: int = 0,
+    world_size: int = 1,
+    fsdp: bool = False,
     **setup: Any,
 ) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
@@ -544,6 +557,12 @@ def plan_memory(
         image_tokens: how many of ``tokens`` are merged image tokens (Qwen3-VL: an image of ``h x w``
             patches takes ``h w / merge^2``); the vision tower runs on ``image_tokens merge^2`` patches
             (:func:`vision_activation_bytes`). The tower's weights count whatever this is.
+        world_size: processes (GPUs) training together; the plan is one rank's, ``tokens`` that
+            rank's tokens. Without ``fsdp`` (DDP) every rank holds everything plus DDP's gradient
+            buckets (a flat copy of the trainable grads: ``gradient_as_bucket_view=False``, the default).
+        fsdp: FSDP2 (``fully_shard`` per decoder layer and the root): weights, trainable params,
+            grads and optimizer states divided by ``world_size`` (rounded up), plus the parameters
+            held gathered at once (:func:`fsdp_gathered_params`).
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -562,6 +581,11 @@ def plan_memory(
     if image_tokens and shape.vision is None:
         raise ValueError(f"image_tokens={image_tokens} needs a vision-language model (a Qwen3-VL config with a "
                          f"vision_config, e.g. 'qwen3-vl-8b'); {name!r} has no vision tower")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number of processes >= 1, got {world_size!r}")
+    if fsdp and weight_quantization is not None:
+        raise ValueError("fsdp=True with weight_quantization is not planned: FSDP2 shards of quantised weights "
+                         "are not modelled; plan one GPU per process without fsdp (DDP) instead")
     P = param_count(shape)
     weights = P * dtype_bytes
     if weight_quantization is not None:
@@ -585,6 +609,14 @@ def plan_memory(
         trainable = 0
         grads = n_train * dtype_bytes
         optim = n_train * opt
+
+    distributed = 0
+    if fsdp:
+        weights, trainable, grads, optim = (_shard(b, world_size) for b in (weights, trainable, grads, optim))
+        root, layer = fsdp_gathered_params(shape)
+        distributed = (root + 2 * layer) * dtype_bytes + ((root + layer) * dtype_bytes if full_finetune else 0)
+    elif world_size > 1:
+        distributed = grads  # DDP's buckets
 
     T, L = int(tokens), shape.layers
     per_layer = T * shape.hidden * dtype_bytes  # one saved layer input
@@ -612,7 +644,7 @@ def plan_memory(
             # the runtime's rule (training/checkpointing.py, gpu_budget): what is free once the
             # parameters, optimizer states and the first layer's input exist, minus step_reserve,
             # minus the same margin
-            resident = weights + trainable + grads + optim + per_layer + vision
+            resident = weights + trainable + grads + optim + distributed + per_layer + vision
             reserve = (max(working, loss, vision_working) + transfer) * (1 + FRAGMENTATION)
             room = gpu_bytes - CUDA_CONTEXT_BYTES - offload_margin_bytes(gpu_bytes) - resident - reserve
             kept = max(0, min(L, int(room // per_layer)))
@@ -638,10 +670,26 @@ def plan_memory(
         kept_layers=kept, offloaded_layers=off, derived_layers=derived, host_bytes=host,
         gradient_checkpointing=gradient_checkpointing, gpu_bytes=gpu_bytes, host_limit=host_bytes,
         params=P, trainable_params=n_train, notes=notes, vision=vision, vision_working_set=vision_working,
-        image_tokens=int(image_tokens),
+        image_tokens=int(image_tokens), world_size=world_size, fsdp=bool(fsdp), distributed=distributed,
     )
     plan.overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * plan.activations)
     return plan
+
+
+def _shard(nbytes: int, world_size: int) -> int:
+    """One rank's part of ``nbytes`` sharded over ``world_size`` ranks (rounded up)."""
+    return -(-nbytes // world_size)
+
+
+def fsdp_gathered_params(shape: ModelShape) -> tuple[int, int]:
+    """``(root, layer)``: parameters FSDP2 holds unsharded on every rank. ``root``: the root
+    module's own (embeddings, untied LM head, final norm), gathered through the whole forward and
+    backward (swiftune's fused losses read the LM head after the forward, so the root is not
+    resharded); ``layer``: one decoder layer's (the mean over the layers; two are gathered at once,
+    the running one and the prefetched one)."""
+    root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
+    tower = vision_param_count(shape.vision) if shape.vision is not None else 0
+    return root, (param_count(shape) - root - tower) // max(1, shape.layers)
 
 
 def step_reserve(model_config: Any, tokens: int, setup: TrainSetup, pending_grad_bytes: int = 0) -> int:

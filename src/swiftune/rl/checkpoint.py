@@ -7,6 +7,11 @@ at generation time; regenerating after a resume would sample from, and take old 
 a later policy. So every checkpoint also stores, per process, the micro-step counter and the
 buffer, and resuming puts them back.
 
+The buffer is this process's share of a global generation, so it is only put back on the same
+number of processes: resumed on another number (a checkpoint of 2 GPUs resumed on 1), the buffer
+is dropped with a warning and the micro-step counter kept, so a checkpoint at a generation boundary
+resumes exactly and one between the steps of a generation samples that generation again.
+
 The file (``rollouts-rank{r}.safetensors``) holds the tensors, and in its metadata a JSON tree of
 the rest: numbers, strings, lists, tuples, ``None`` and the dataclasses the caller allows
 (:data:`ROLLOUT_TYPES` plus the trainer's micro-batch class), fields by name, tensors by key.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +35,8 @@ from safetensors.torch import save_file
 
 from ..attention import PackedBatch, RowLayout
 from .policy import PolicyRow
+
+logger = logging.getLogger(__name__)
 
 ROLLOUT_TYPES: tuple[type, ...] = (PolicyRow, RowLayout, PackedBatch)
 FORMAT = "swiftune-rollouts-1"
@@ -113,10 +121,20 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], types: dict[str, type],
     raise UnsafeCheckpointError(f"{path}: unexpected entry {str(node)[:80]!r} in the rollout state")
 
 
-def save_rollout_state(checkpoint_dir: str, rank: int, micro_step: int, buffer: list | None) -> None:
+def current_world_size() -> int:
+    """The number of processes of the default process group (1 without one)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def save_rollout_state(checkpoint_dir: str, rank: int, micro_step: int, buffer: list | None,
+                       world_size: int | None = None) -> None:
+    """Write process ``rank``'s micro-step counter and rollout buffer; ``world_size`` (default: the
+    process group's) is recorded so that a resume on another number of processes can tell."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    tree = {"format": FORMAT, "micro_step": int(micro_step), "buffer": _encode(buffer, tensors)}
+    world = current_world_size() if world_size is None else int(world_size)
+    tree = {"format": FORMAT, "micro_step": int(micro_step), "world_size": world, "buffer": _encode(buffer, tensors)}
     save_file(tensors, rollout_state_path(checkpoint_dir, rank), metadata={_META_KEY: json.dumps(tree)})
 
 
@@ -137,11 +155,13 @@ def _refuse_legacy(path: str) -> None:
 
 
 def load_rollout_state(checkpoint_dir: str, rank: int, device: torch.device | str,
-                       types: Iterable[type] = ()) -> tuple[int, list | None] | None:
+                       types: Iterable[type] = (), world_size: int | None = None) -> tuple[int, list | None] | None:
     """``(micro_step, buffer)`` saved with the checkpoint, or None (a checkpoint without one).
 
     ``types``: the dataclasses the buffer may hold besides :data:`ROLLOUT_TYPES` (the trainer's
-    micro-batch); anything else in the file is an :class:`UnsafeCheckpointError`.
+    micro-batch); anything else in the file is an :class:`UnsafeCheckpointError`. ``world_size``
+    (default: the process group's): saved by another number of processes, the buffer (one
+    process's share of that run's global generation) is dropped: ``(micro_step, None)``.
     """
     path = rollout_state_path(checkpoint_dir, rank)
     if not os.path.exists(path):
@@ -163,4 +183,12 @@ def load_rollout_state(checkpoint_dir: str, rank: int, device: torch.device | st
     if not isinstance(tree, dict) or tree.get("format") != FORMAT or not isinstance(tree.get("micro_step"), int):
         raise UnsafeCheckpointError(f"{path}: not a swiftune rollout state ({FORMAT})")
     buffer = _decode(tree.get("buffer"), tensors, allowed, path)
+    saved_world = tree.get("world_size")
+    world = current_world_size() if world_size is None else int(world_size)
+    if isinstance(saved_world, int) and saved_world != world and buffer is not None:
+        logger.warning("swiftune: %s was saved by %d process(es) and this run has %d: its rollout buffer (that "
+                       "process's share of a global generation) is not used; if the checkpoint fell between the "
+                       "optimizer steps of one generation, that generation is sampled again under the current policy "
+                       "(resume on %d processes to continue it exactly).", path, saved_world, world, saved_world)
+        buffer = None
     return tree["micro_step"], (_to(buffer, device) if buffer is not None else None)

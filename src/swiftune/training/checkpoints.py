@@ -283,6 +283,9 @@ def run_settings(trainer_kind: str, args: Any, keys: tuple[str, ...], model: Any
         value = getattr(args, key, missing)
         if value is not missing:
             settings[key] = _plain(value)
+    global_batch = global_batch_size(settings)
+    if global_batch is not None:
+        settings["global_batch_size"] = global_batch
     if model is not None:
         config = getattr(model, "config", None)
         for key in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size"):
@@ -294,17 +297,65 @@ def run_settings(trainer_kind: str, args: Any, keys: tuple[str, ...], model: Any
     return settings
 
 
+def global_batch_size(settings: dict[str, Any]) -> int | None:
+    """Examples (GRPO: completions) per optimizer step over all processes: per-device batch x
+    gradient accumulation x processes, from recorded settings (None when one is missing)."""
+    parts = [settings.get(k) for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_processes")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in parts):
+        return None
+    return parts[0] * parts[1] * parts[2]
+
+
+# Settings that change together with the number of processes when the global batch stays the same.
+_WORLD_SIZE_KEYS = ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
+
+
 def settings_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """``"key: checkpoint X, this run Y"`` for every recorded setting that differs."""
+    """``"key: checkpoint X, this run Y"`` for every recorded setting that differs. A change of the
+    number of processes that keeps the global batch (per-device batch x accumulation x processes) is
+    not a difference: the resumed run continues at the same sample (:func:`world_size_change`)."""
+    saved = {**saved, "global_batch_size": global_batch_size(saved)}
+    current = {**current, "global_batch_size": global_batch_size(current)}
+    same_global = saved["global_batch_size"] is not None and saved["global_batch_size"] == current["global_batch_size"]
     out = []
     for key in sorted(set(saved) | set(current)):
+        if same_global and key in _WORLD_SIZE_KEYS:
+            continue
         if key in saved and key in current and saved[key] != current[key]:
             out.append(f"{key}: checkpoint {saved[key]!r}, this run {current[key]!r}")
     return out
 
 
+def world_size_change(saved: dict[str, Any], current: dict[str, Any]) -> tuple[bool, str] | None:
+    """``(continues, what it means)`` for a resume on another number of processes (None when the
+    number is the same); ``continues``: the global batch is the same, so the data continues exactly.
+
+    The Trainer skips ``global_step x gradient_accumulation_steps`` batches of the resumed run's
+    loader; each process's loader yields its share of the sampler's global order (accelerate's
+    round-robin of per-device batches; GRPO's generation sampler: whole prompt groups per process).
+    So with the same global batch the run continues at the sample where the checkpoint stopped;
+    with another global batch it does not. The Trainer's random states are saved per process
+    (``rng_state_{rank}.pth``, ``rng_state.pth`` for one process) and are not restored when the
+    number changes: only dropout and sampling draw from them (the data order is seeded by epoch)."""
+    before, after = saved.get("num_processes"), current.get("num_processes")
+    if before is None or after is None or before == after:
+        return None
+    old, new = global_batch_size(saved), global_batch_size(current)
+    if old is not None and old == new:
+        return True, (f"written by {before} process(es), resumed on {after}: the global batch is the same ({new}), "
+                      "so the run continues at the sample where the checkpoint stopped; the per-process random states "
+                      "(dropout, sampling) start afresh")
+    accumulation = current.get("gradient_accumulation_steps")
+    fix = (f" (set per_device_train_batch_size = {old} / ({after} processes x {accumulation} accumulation steps))"
+           if old is not None and isinstance(accumulation, int) and old % (after * accumulation) == 0 else "")
+    return False, (f"written by {before} process(es) with a global batch of {old}, resumed on {after} with a global "
+                   f"batch of {new}: the resumed run skips the checkpoint's step count in batches of the new size, so it "
+                   f"does not continue at the sample where the checkpoint stopped; keep the global batch{fix}")
+
+
 def warn_on_changed_settings(folder: str, current: dict[str, Any]) -> list[str]:
-    """Warn (once, listing them) when ``folder``'s recorded settings differ from ``current``."""
+    """Warn (once, listing them) when ``folder``'s recorded settings differ from ``current``; say
+    what a change of the number of processes means (:func:`world_size_change`)."""
     marker = read_marker(folder)
     saved = marker.get("settings") if marker else None
     if not isinstance(saved, dict):
@@ -314,4 +365,8 @@ def warn_on_changed_settings(folder: str, current: dict[str, Any]) -> list[str]:
         logger.warning("swiftune: resuming from %s, written with other settings than this run's (another run's "
                        "output_dir, or changed options): %s. Resuming anyway; to start a separate run, choose "
                        "another output_dir.", folder, "; ".join(diffs))
+    change = world_size_change(saved, current)
+    if change is not None:
+        continues, what = change
+        (logger.info if continues else logger.warning)("swiftune: resuming from %s, %s.", folder, what)
     return diffs
