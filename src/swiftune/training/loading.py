@@ -365,9 +365,8 @@ class FastModel:
             model_name_or_path, config=config, dtype=_resolve_dtype(dtype), attn_implementation=load_attn, **hf_kwargs
         )
         _refuse_nonfinite_weights(model, model_name_or_path, model.dtype)
-        if vision and quantization is not None:
-            # a CPU evaluation or rollout must not switch the rest of the run to bf16 (text models keep
-            # bitsandbytes' behaviour for now: tests/test_qlora.py compares against its repacked kernel)
+        if quantization is not None:
+            # a CPU evaluation or rollout must not switch the rest of the run to bf16 (see the function)
             keep_4bit_layout_on_cpu(model)
         if load_in_fp8:
             quantize_model_fp8(model, skip=VISION_TOWER_MODULES if vision else ())
