@@ -50,15 +50,31 @@ def _spy_attention(monkeypatch) -> dict[str, list]:
 
 
 @pytest.mark.parametrize("case", ["unpatched", "fused", "layer_forward", "attention_lora", "expert_lora",
-                                  "expert_lora_merge"])
+                                  "expert_lora_merge", "cuda_paths_on_cpu"])
 def test_greedy_equals_generate_of_the_unpatched_model(case, monkeypatch):
     """Greedy tokens equal transformers' generate on the unpatched model for every row of every group,
     the greedy log-probs its forward's (rel < 1e-5): transformers' own layers on the engine
     ("unpatched"), the patched model through the engine's fused layer loop and through each layer's
     own forward, LoRA on the attention projections and on the experts (runtime and merged, the base
-    weights bit-identical afterwards). Every attention call had the sinks, the sliding layer its window."""
-    lora = {"attention_lora": "attention", "expert_lora": "experts", "expert_lora_merge": "experts"}.get(case)
-    reference, policy = _models("gpt_oss", lora, seed=3)
+    weights bit-identical afterwards), and what runs on CUDA forced on the CPU ("cuda_paths_on_cpu":
+    the Triton kernels through the interpreter, decode_qkv with the widened YaRN table included, the
+    prefill's flex attention with the sink slot, the experts' sync-free every-expert-per-row path).
+    Every attention call had the sinks, the sliding layer its window."""
+    import swiftune.models.experts as experts_module
+
+    lora = {"attention_lora": "attention", "expert_lora": "experts", "expert_lora_merge": "experts",
+            "cuda_paths_on_cpu": "experts"}.get(case)
+    on_cuda_paths = case == "cuda_paths_on_cpu"
+    reference, policy = _models("gpt_oss", lora, seed=3, kernel_backend="triton" if on_cuda_paths else "reference")
+    static_calls = []
+    if on_cuda_paths:
+        real = experts_module._routed_outputs
+
+        def sync_free(*args, static: bool, **options):
+            static_calls.append(static)
+            return real(*args, static=True, **options)
+
+        monkeypatch.setattr(experts_module, "_routed_outputs", sync_free)
     if case == "unpatched":
         policy = copy.deepcopy(reference)
     assert policy.config.layer_types == ["sliding_attention", "full_attention"]
@@ -69,7 +85,8 @@ def test_greedy_equals_generate_of_the_unpatched_model(case, monkeypatch):
     seen = _spy_attention(monkeypatch)
     engine = FastRolloutEngine(policy, pad_token_id=PAD, kv_bucket=4, check_every=3,
                                lora="merge" if case == "expert_lora_merge" else "runtime",
-                               fused_layers=case != "layer_forward")
+                               fused_layers=case != "layer_forward",
+                               attention_backend="flex" if on_cuda_paths else "auto")
     out = engine.generate(PROMPTS, 2, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=()))
     for i, p in enumerate(PROMPTS):
         ref = _hf_greedy(reference, p, 10)
@@ -79,6 +96,8 @@ def test_greedy_equals_generate_of_the_unpatched_model(case, monkeypatch):
     assert all(torch.equal(before[n], p) for n, p in policy.named_parameters())
     assert seen["prefill"] == [WINDOW, None]  # one packed prefill, sliding layer then full layer
     assert set(seen["decode"]) == {(WINDOW, True), (None, True)} and len(seen["decode"]) == 2 * 9
+    if on_cuda_paths:  # the forced path ran (the CPU engine itself asks for the per-block loop)
+        assert static_calls and not any(static_calls)
 
 
 def test_sampled_logprobs_equal_the_unpatched_forward_with_lora():
