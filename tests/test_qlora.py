@@ -241,3 +241,25 @@ def test_qlora_layers_run_the_fused_lora_node(checkpoints, references, monkeypat
     monkeypatch.setattr(LoRALinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     _swiftune_step(model, _examples(), "packed")
     assert len(calls) == len(lora_layers)
+
+
+def test_an_eval_forward_on_cpu_keeps_the_nf4_layout_and_the_compute_dtype(checkpoints):
+    """bitsandbytes' CPU Linear4bit repacks its weight for a bf16 kernel, in place and for good, the first time it
+    runs in eval mode without gradients (on CPUs with AVX512-BF16): a float32 QLoRA run would train in bf16 after
+    its first evaluation. swiftune's loader keeps the layout: the NF4 bytes are the same after an eval forward,
+    and the train-mode logits after it equal plain bitsandbytes' float32 layer (train mode, never repacked)."""
+    model, tokenizer = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=True, dtype=torch.float32,
+                                                 device_map="cpu")
+    before = {n: p.data.clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
+    ids = torch.tensor([tokenizer("Reverse: abc\n")["input_ids"]])
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    model.train()
+    for n, p in model.named_parameters():
+        if n in before:
+            assert p.data.shape == before[n].shape and torch.equal(p.data, before[n]), f"{n}: repacked"
+    plain = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], quantization_config=nf4_config(torch.float32),
+                                                 dtype=torch.float32, device_map="cpu").train()
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, plain(input_ids=ids).logits) < 1e-5
