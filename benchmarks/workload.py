@@ -92,14 +92,17 @@ def model_config(name: str):
 
 
 def random_model(name: str, device, dtype):
-    """A random-init causal LM of the named shape built on ``device`` in ``dtype`` (seed 0, sdpa):
-    the same weights in every benchmark and mode."""
+    """A random-init causal LM of the named shape built on ``device`` in ``dtype`` (seed 0, sdpa; eager
+    where the architecture has no sdpa path, as gpt-oss, whose sinks sdpa cannot take): the same
+    weights in every benchmark and mode."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     torch.manual_seed(0)
     config = model_config(name)
-    config._attn_implementation = "sdpa"
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    config._attn_implementation = "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
