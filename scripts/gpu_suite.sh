@@ -21,6 +21,7 @@
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 64 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
+#   scripts/gpu_suite.sh gptoss-rollout # gpt-oss on the engine (sinks, sliding/full layers, YaRN): its CUDA tests, then the gpt-oss-20b shape, G 8/64, N 1024, vs the HBM floor of its routed experts + the rest + KV, and LoRA r=16 at G=8 (~6 min; apart from moe-rollout, which fills its 10-minute call)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -265,6 +266,12 @@ case "$part" in
     run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
     run moe_rollout 380 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_moe.json" ;;
+  gptoss-rollout)  # gpt-oss on the engine (attention sinks in the prefill and decode attention, sliding and full layers,
+    # YaRN, biased experts routed on the device inside the graph): graph replay == eager in bf16, fp32 greedy == generate;
+    # then moe-rollout's measurement on the gpt-oss-20b shape (generate: transformers' eager attention, dynamic cache)
+    run gptoss_rollout_tests 150 python3 -m pytest -q tests/test_gptoss_rollout.py -k cuda -p no:cacheprovider
+    run gptoss_rollout 380 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 \
+      --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_gptoss.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
