@@ -50,12 +50,13 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
 * **CUDA graphs** (``use_cuda_graph=True``, CUDA only): the decode step (forward, sampling,
   recording, stop test) is captured once per ``kv_len`` bucket and replayed
   (:mod:`.cuda_graphs`). On CPU the same step runs eagerly.
-* **Mixture of experts** (Qwen3-MoE, Mixtral): each layer's MoE block is the model's own (transformers'
+* **Mixture of experts** (Qwen3-MoE, Mixtral, gpt-oss): each layer's MoE block is the model's own (transformers'
   router); for the duration of a call the experts modules that :func:`swiftune.patch_model` bound run
   :func:`~swiftune.models.experts.rollout_experts_forward` (routing sorted on the device, grouped GEMMs
   with device offsets, a deterministic combine), so the decode step has no host sync and its graph
   replay equals the eager step. Unpatched experts (transformers' forward syncs) are refused for CUDA
-  graphs.
+  graphs. gpt-oss's per-head attention sinks join the softmax of the prefill and decode attention
+  (:func:`swiftune.attention.kv_cache.sink_cached_attention`), each layer with its own window.
 
 Stop strings come from the engine's ``stop_strings`` plus a ``stop`` attribute of the params
 (:class:`FastSamplingParams`) and need a ``tokenizer``.
@@ -96,7 +97,6 @@ from .sampling import mark_seen, sample_tokens, seeded_generator, seen_mask
 SUPPORTED = tuple(t for t, f in FAMILIES.items() if f.fast_rollout)
 #: why a known family is not on the engine (its decode step lacks what the family's attention needs)
 _UNSUPPORTED_WHY = {
-    "gpt_oss": " (its attention sinks and alternating sliding windows are not in the engine's decode attention)",
     "qwen3_vl": " (no image-embedding prefill)",
     "qwen3_vl_moe": " (no image-embedding prefill)",
 }
