@@ -22,6 +22,7 @@ from swiftune.rl.loss import grpo_loss
 from swiftune.rl.multimodal import VisionGRPO, VisionRolloutEngine, prompt_messages
 from swiftune.rl.policy import completion_logprobs
 from swiftune.rl.rollout import SamplingParams
+from swiftune.rl.rollout.vision_fast import VisionFastRolloutEngine
 
 from tests.test_qwen3_vl import SEVEN, _image, _model, _processor, _rel
 
@@ -218,7 +219,7 @@ FAST = dict(kernel_backend="reference", attention_backend="reference", report_to
 def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
     """GRPOTrainer on the LoRA Qwen3-VL policy with image prompts (image parts and TRL's ``images``
     column), shared-prompt rows (the default): the reward function sees the rows' metadata column,
-    every LoRA tensor moves, the loss is finite; the fast engine is refused with what to change."""
+    every LoRA tensor moves, the loss is finite; rollout_engine='fast' is the vision fast engine."""
     import json
 
     from swiftune import GRPOConfig, GRPOTrainer
@@ -236,10 +237,10 @@ def test_grpo_trainer_one_step_on_image_prompts(setup, tmp_path):
     rows = _prompt_rows()[:2]
     args = GRPOConfig(output_dir=str(tmp_path / "vl"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
                       max_completion_length=4, learning_rate=1e-2, beta=0.05, **FAST)
-    with pytest.raises(ValueError, match="fast"):
-        GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "f"),
-                    rollout_engine="fast", num_generations=2, per_device_train_batch_size=4, **FAST),
-                    train_dataset=rows, processing_class=proc)
+    fast = GRPOTrainer(copy.deepcopy(reference), size_reward, GRPOConfig(output_dir=str(tmp_path / "f"),
+                       rollout_engine="fast", num_generations=2, per_device_train_batch_size=4, **FAST),
+                       train_dataset=rows, processing_class=proc)
+    assert isinstance(fast.rollout_engine, VisionFastRolloutEngine)  # tests/test_vl_fast_rollout.py checks it
     trainer = GRPOTrainer(model, size_reward, args=args, train_dataset=rows, processing_class=proc)
     assert isinstance(trainer.rollout_engine, VisionRolloutEngine) and args.share_prompt  # the default, G > 1
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

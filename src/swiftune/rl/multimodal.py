@@ -29,8 +29,11 @@ What differs from text GRPO, and where it is handled:
   the prompt's largest position on all three channels, as ``get_rope_index`` numbers the text tokens
   after the prompt of ``prompt + completion``.
 
-Not supported (refused): the fast rollout engine (it runs the decoder layers itself, with no vision
-tower), video prompts, plain-string prompts with images.
+The fast engine for image prompts (static KV cache, CUDA-graph decode) is
+:class:`swiftune.rl.rollout.vision_fast.VisionFastRolloutEngine`: the same prefill inputs through the model's
+own forward into its static cache, then the text engine's decode step at each row's shifted position.
+
+Not supported (refused): video prompts, plain-string prompts with images.
 """
 
 from __future__ import annotations
@@ -201,8 +204,9 @@ class VisionGRPO:
         :class:`VisionRolloutEngine`, or any engine whose ``generate`` takes ``vision_inputs``)."""
         if not getattr(engine, "accepts_vision_inputs", False):
             raise ValueError(f"the rollout engine {type(engine).__name__} cannot take image prompts: use "
-                             "swiftune.rl.multimodal.VisionRolloutEngine (the default for vision-language models), "
-                             "or an engine with accepts_vision_inputs = True and generate(..., vision_inputs=)")
+                             "swiftune.rl.multimodal.VisionRolloutEngine or (CUDA graphs) "
+                             "swiftune.rl.rollout.vision_fast.VisionFastRolloutEngine, or an engine with "
+                             "accepts_vision_inputs = True and generate(..., vision_inputs=)")
         return engine.generate([p.input_ids for p in prompts], num_generations, params, vision_inputs=list(prompts))
 
 

@@ -59,6 +59,7 @@ from .policy import PolicyRow, build_policy_row, completion_logprobs, router_tok
 from .rewards import RewardFunc, compute_rewards, reward_func_name
 from .rollout import FastRolloutEngine, RolloutEngine, SamplingParams, TransformersRolloutEngine
 from .rollout.fast import SUPPORTED
+from .rollout.vision_fast import VISION_FAST_TYPES, VisionFastRolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -232,22 +233,28 @@ class GRPOTrainer(SwiftuneTrainer):
         if choice not in ("auto", "fast", "transformers"):
             raise ValueError(f"rollout_engine must be 'auto', 'fast' or 'transformers', got {choice!r}")
         sharded = bool(getattr(self, "is_fsdp_enabled", False))
-        if self.vision is not None:  # the fast engine runs the decoder layers itself: no vision tower
-            if choice == "fast":
-                raise ValueError("rollout_engine='fast' does not support vision-language models: use 'auto' or "
-                                 "'transformers'")
-            return VisionRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
-                                       pad_token_id=pad_token_id, seed=seed,
-                                       max_batch_size=self.args.max_rollout_batch_size)
+        family = causal_lm_of(self.model).config.model_type
+        fast_families = VISION_FAST_TYPES if self.vision is not None else SUPPORTED
         if choice == "auto":
             on_cuda = self.args.device.type == "cuda"
-            family = causal_lm_of(self.model).config.model_type
-            choice = "fast" if on_cuda and family in SUPPORTED and not sharded else "transformers"
+            choice = "fast" if on_cuda and family in fast_families and not sharded else "transformers"
+        if choice == "fast" and self.vision is not None and family not in VISION_FAST_TYPES:
+            raise ValueError(f"rollout_engine='fast' runs the vision-language families {VISION_FAST_TYPES}, not "
+                             f"{family!r}: use 'auto' or 'transformers'")
         if choice == "fast" and sharded:
             # the engine calls the layers outside the root module's forward (FSDP would not gather the
             # embedding / LM head) and captures CUDA graphs (no collectives inside)
             raise ValueError("rollout_engine='fast' does not run on FSDP-sharded models: use 'transformers' "
                              "(or 'auto', which picks it under FSDP)")
+        if self.vision is not None:  # image prompts: the engines that prefill through the vision tower
+            if choice == "fast":
+                return VisionFastRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
+                                               pad_token_id=pad_token_id, seed=seed, tokenizer=self.vision.tokenizer,
+                                               max_batch_size=self.args.max_rollout_batch_size,
+                                               attention_backend=self.args.attention_backend)
+            return VisionRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
+                                       pad_token_id=pad_token_id, seed=seed,
+                                       max_batch_size=self.args.max_rollout_batch_size)
         if choice == "fast":
             return FastRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed, tokenizer=self.processing_class,
                                      max_batch_size=self.args.max_rollout_batch_size,
