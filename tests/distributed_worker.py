@@ -222,6 +222,55 @@ def resumable_grpo(out_dir: str, resume: str | None, alive: list) -> dict:
     return {"losses": log.losses, "weights": trainable(trainer.model), "steps": trainer.state.global_step}
 
 
+FSDP2_CONFIG = {"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"], "state_dict_type": "SHARDED_STATE_DICT"}
+
+
+def resumable_fsdp2_sft(out_dir: str, resume: str | None, alive: list) -> dict:
+    """Full fine-tuning through the Trainer under accelerate's FSDP2 (CUDA + NCCL only: accelerate
+    enables FSDP for GPU back-ends only), float32, the SFT schedule of :func:`resumable_sft`; the
+    checkpoints are accelerate's sharded state dicts (torch.distributed.checkpoint folders)."""
+    from swiftune.sft import SFTConfig, SFTTrainer
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    log = LossLog()
+    common = {**COMMON, **RESUME_SFT, "save_strategy": "steps", "save_steps": SFT_SAVE_AT, "use_cpu": False,
+              "ddp_backend": "nccl"}
+    args = SFTConfig(output_dir=out_dir, max_steps=SFT_STEPS, per_device_train_batch_size=SFT_GLOBAL_BATCH // world,
+                     max_length=256, fsdp="full_shard", fsdp_config=dict(FSDP2_CONFIG), **common)
+    trainer = SFTTrainer(model=plain_model(), args=args,
+                         train_dataset=builtin_instruction_dataset(num_rows=24, seed=3),
+                         processing_class=build_tokenizer(), callbacks=[log])
+    alive.append(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return {"losses": log.losses, "weights": {n: full(p).cpu() for n, p in trainer.model.named_parameters()},
+            "steps": trainer.state.global_step, "sharded": all(hasattr(p, "full_tensor")
+                                                               for p in trainer.model.parameters())}
+
+
+def fsdp2_resume_phase(phase: int, root: str, alive: list) -> None:
+    """The GPU launches of tests/test_distributed_resume.py's FSDP2 test: 3 = 1 GPU uninterrupted
+    (saves), 4 = 2 GPUs uninterrupted (saves) + the resume of 3's checkpoint, 5 = 1 GPU, the resume
+    of 4's checkpoint; rank 0 saves ``phase{phase}.pt``."""
+    import torch.distributed as dist
+
+    join = lambda *parts: os.path.join(root, *parts)  # noqa: E731
+    results: dict = {}
+    checkpoint = f"checkpoint-{SFT_SAVE_AT}"
+    if phase == 3:
+        results["fsdp"] = resumable_fsdp2_sft(join("fsdp-1"), None, alive)
+    elif phase == 4:
+        results["fsdp"] = resumable_fsdp2_sft(join("fsdp-2"), None, alive)
+        results["fsdp_from_1"] = resumable_fsdp2_sft(join("fsdp-2-from-1"), join("fsdp-1", checkpoint), alive)
+    else:
+        results["fsdp_from_2"] = resumable_fsdp2_sft(join("fsdp-1-from-2"), join("fsdp-2", checkpoint), alive)
+        results["checkpoint_files"] = sorted(os.listdir(join("fsdp-2", checkpoint)))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if int(os.environ.get("RANK", 0)) == 0:
+        torch.save({"world_size": world, **results}, join(f"phase{phase}.pt"))
+    finish_process_group()
+
+
 def resume_phase(phase: int, root: str, alive: list) -> None:
     """One launch (see above): ``phase`` 2 on 2 processes, 1 on one; rank 0 saves ``phase{phase}.pt``.
     The 1-process checkpoint that phase 2 resumes (``sft-seed``) is written before, by the test."""
@@ -279,8 +328,8 @@ def plain_model():
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["sft", "grpo", "fsdp2_loss", "resume"], required=True)
-    p.add_argument("--phase", type=int, choices=[1, 2], default=1,
-                   help="--mode resume: which launch (2: the 2-process one)")
+    p.add_argument("--phase", type=int, choices=[1, 2, 3, 4, 5], default=1,
+                   help="--mode resume: which launch (2, 4: 2 processes; 3-5: FSDP2 on CUDA)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--loss-type", default="dapo")
     p.add_argument("--out", required=True)
@@ -288,6 +337,8 @@ def main() -> None:
     alive = []  # not to be freed before the process ends (see below)
     if a.mode == "fsdp2_loss":
         fsdp2_loss_gradients(a.out)
+    elif a.mode == "resume" and a.phase >= 3:
+        fsdp2_resume_phase(a.phase, a.out, alive)
     elif a.mode == "resume":
         resume_phase(a.phase, a.out, alive)
     else:
