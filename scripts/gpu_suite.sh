@@ -341,5 +341,9 @@ case "$part" in
     run grpo_step_unfused 120 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --no-fused-layers \
       --out "$OUT/grpo_step_unfused.json"
     run grpo_step 120 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
+  multi-gpu-resume)  # (kind nvidia-h200-x2) FSDP2 through the Trainer, full FT: checkpoints of 2 GPUs resumed on
+    # 1 and back equal the uninterrupted runs (tests/test_distributed_resume.py; three torchrun launches, ~2-3 min)
+    run multi_gpu_resume 300 python3 -m pytest -q -rs -s tests/test_distributed_resume.py -p no:cacheprovider \
+      -k fsdp2_checkpoints ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
