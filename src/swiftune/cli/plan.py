@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--full_finetune", action="store_true")
     p.add_argument("--gpu_gb", type=float, default=None, help="GPU memory in GB (1e9 bytes); default: this GPU's, or 80")
-    p.add_argument("--host_gb", type=float, default=None, help="pinned host memory for offloaded checkpoints, GB")
+    p.add_argument("--host_gb", type=float, default=None, help="pinned host memory for offloaded checkpoints, GB (with --world_size: this rank's share; the "
+                        "ranks of one host share its memory)")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES),
                    help="optimizer whose state the plan counts")
