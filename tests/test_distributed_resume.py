@@ -195,3 +195,21 @@ def test_fsdp2_checkpoints_resume_across_world_sizes(tmp_path):
     assert_resumed_equals(two["fsdp"], one["fsdp"], SFT_STEPS, tol=1e-4)
     assert_resumed_equals(two["fsdp_from_1"], two["fsdp"], SFT_STEPS - SFT_SAVE_AT, tol=1e-4)
     assert_resumed_equals(back["fsdp_from_2"], one["fsdp"], SFT_STEPS - SFT_SAVE_AT, tol=1e-4)
+
+
+def test_plan_command_world_size(capsys):
+    """``swiftune plan --world_size 2 --fsdp`` prints the per-rank plan of ``plan_memory``; a bad
+    world size is an error saying what to change."""
+    import json
+
+    from swiftune.cli.plan import main_plan
+    from swiftune.memory import plan_memory
+
+    assert main_plan(["--model", "qwen3-0.6b", "--tokens", "2048", "--full_finetune", "--world_size", "2", "--fsdp",
+                      "--gpu_gb", "80", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["plan"]
+    want = plan_memory("qwen3-0.6b", 2048, full_finetune=True, world_size=2, fsdp=True, gpu_bytes=int(80e9))
+    assert printed["weights"] == want.weights and printed["distributed"] == want.distributed > 0
+    assert printed["world_size"] == 2 and printed["fsdp"] is True
+    assert main_plan(["--model", "qwen3-0.6b", "--world_size", "0"]) == 2
+    assert "world_size must be a whole number of processes >= 1" in capsys.readouterr().err
