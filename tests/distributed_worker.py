@@ -203,9 +203,13 @@ def fsdp2_shard_bytes() -> list[int]:
     return [int(b) for b in every]
 
 
-def resumable_grpo(out_dir: str, resume: str | None, alive: list) -> dict:
+def resumable_grpo(out_dir: str, resume: str | None, alive: list, steps_per_generation: int = 1) -> dict:
     """GRPO (dapo, KL) on the deterministic engine, 2 steps of 2 prompts x 8 generations, a
-    checkpoint after step 1 (a generation boundary: every step generates)."""
+    checkpoint after step 1: a generation boundary (every step generates), or with
+    ``steps_per_generation=2`` between the two steps of one generation."""
+    import io
+    import logging
+
     from swiftune.rl import GRPOConfig, GRPOTrainer
     from tests.test_grpo import PROMPT_ROWS, FixedEngine, length_reward
 
@@ -214,12 +218,19 @@ def resumable_grpo(out_dir: str, resume: str | None, alive: list) -> dict:
     common = {**COMMON, **RESUME_SFT, "save_strategy": "steps", "save_steps": GRPO_SAVE_AT}
     args = GRPOConfig(output_dir=out_dir, max_steps=GRPO_STEPS, per_device_train_batch_size=GRPO_GLOBAL_BATCH // world,
                       num_generations=8, max_completion_length=16, loss_type="dapo", beta=0.05, scale_rewards="batch",
-                      metrics_file=None, plot_rewards=False, **common)
+                      metrics_file=None, plot_rewards=False, steps_per_generation=steps_per_generation, **common)
     trainer = GRPOTrainer(lora_model(9), [length_reward], args=args, train_dataset=PROMPT_ROWS[:4],
                           processing_class=build_tokenizer(), rollout_engine=FixedEngine(), callbacks=[log])
     alive.append(trainer)
-    trainer.train(resume_from_checkpoint=resume)
-    return {"losses": log.losses, "weights": trainable(trainer.model), "steps": trainer.state.global_step}
+    messages = io.StringIO()  # the rollout buffer's warning on another world size
+    handler = logging.StreamHandler(messages)
+    logging.getLogger("swiftune").addHandler(handler)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        logging.getLogger("swiftune").removeHandler(handler)
+    return {"losses": log.losses, "weights": trainable(trainer.model), "steps": trainer.state.global_step,
+            "warnings": messages.getvalue(), "generations": trainer.rollout_engine.calls}
 
 
 FSDP2_CONFIG = {"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -282,6 +293,7 @@ def resume_phase(phase: int, root: str, alive: list) -> None:
         results["sft"] = resumable_sft(join("sft-2"), None, alive)
         results["sft_from_1"] = resumable_sft(join("sft-2-from-1"), join("sft-seed", f"checkpoint-{SFT_SAVE_AT}"), alive)
         results["grpo"] = resumable_grpo(join("grpo-2"), None, alive)
+        results["grpo_mid"] = resumable_grpo(join("grpo-mid-2"), None, alive, steps_per_generation=2)
         results["fsdp2_shard_bytes"] = fsdp2_shard_bytes()
     else:
         results["sft"] = resumable_sft(join("sft-1"), None, alive)
@@ -293,6 +305,9 @@ def resume_phase(phase: int, root: str, alive: list) -> None:
         results["grpo"] = resumable_grpo(join("grpo-1"), None, alive)
         results["grpo_from_2"] = resumable_grpo(join("grpo-1-from-2"), join("grpo-2", f"checkpoint-{GRPO_SAVE_AT}"),
                                                 alive)
+        results["grpo_mid_from_2"] = resumable_grpo(join("grpo-mid-1-from-2"),
+                                                    join("grpo-mid-2", f"checkpoint-{GRPO_SAVE_AT}"), alive,
+                                                    steps_per_generation=2)
     world = dist.get_world_size() if dist.is_initialized() else 1
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save({"world_size": world, **results}, join(f"phase{phase}.pt"))

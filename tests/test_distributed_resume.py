@@ -127,6 +127,17 @@ def test_grpo_checkpoint_of_two_processes_resumes_on_one(runs):
         "rollouts-rank0.safetensors", "rollouts-rank1.safetensors"}
 
 
+def test_grpo_checkpoint_between_steps_of_a_generation_resumes_on_one(runs):
+    """``steps_per_generation=2``: the 2-process checkpoint after step 1 holds each process's half of
+    the generation; resumed on 1 process it is not replayed (warned about) but sampled again, and
+    the run finishes its 2 steps (uninterrupted: one generation for both steps)."""
+    uninterrupted, resumed = runs["two"]["grpo_mid"], runs["one"]["grpo_mid_from_2"]
+    assert uninterrupted["generations"] == 1 and uninterrupted["steps"] == 2 and len(uninterrupted["losses"]) == 2
+    assert "saved by 2 process(es) and this run has 1" in resumed["warnings"]
+    assert resumed["generations"] == 1 and resumed["steps"] == 2 and len(resumed["losses"]) == 1
+    assert all(torch.isfinite(w).all() for w in resumed["weights"].values())
+
+
 def test_rollout_buffer_of_another_world_size_is_dropped_with_a_warning(tmp_path, caplog):
     """A 2-process buffer (each rank's share of one global generation) is not replayed on 1 process:
     the micro-step counter comes back, the buffer does not (that generation is sampled again)."""
