@@ -148,6 +148,33 @@ def test_greedy_equals_transformers_generate_per_prompt(setup, patched):
     assert causal_lm_of(model).config.vision_config._attn_implementation == vision_attention
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: the Triton kernels through the interpreter")
+def test_triton_kernels_in_the_fused_decode_step(setup):
+    """The patched policy with swiftune's Triton kernels (the interpreter on CPU): the fused decode
+    step (q/k norms, the M-RoPE tables at the shifted positions and the cache writes in one kernel)
+    gives transformers' greedy tokens (the one-image prompt: the interpreter is slow)."""
+    from swiftune.rl.rollout import layers
+
+    proc, base, _, vision, prompts, greedy = setup
+    policy = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="triton")
+    engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id)
+    steps = []
+    original = layers.decode_attention
+
+    def counted(*args, **kwargs):
+        steps.append(1)
+        return original(*args, **kwargs)
+
+    layers.decode_attention = counted
+    try:
+        out = vision.generate(engine, prompts[1:2], 1, SamplingParams(max_tokens=3, temperature=0.0,
+                                                                      stop_token_ids=()))
+    finally:
+        layers.decode_attention = original
+    assert len(steps) == 2 * causal_lm_of(base).config.text_config.num_hidden_layers  # the fused loop ran
+    assert out.completion_ids == [greedy[1][:3]]
+
+
 def test_sampled_logprobs_equal_the_unpatched_forward(setup):
     """Sampling (temperature 0.8, top-p 0.95, half the vocabulary as stop tokens, so rows end at
     different steps and leave the batch, their deltas moving with them): each sample's log-probs are
@@ -196,22 +223,30 @@ def test_image_token_is_never_sampled(setup):
         assert out.completion_ids[k] == _greedy(reference, vision, p, 4), k
 
 
+@pytest.fixture(scope="module")
+def lora_setup(setup):
+    """PEFT's LoRA model on the text decoder's seven projections (random non-zero B), unpatched, and
+    its own greedy generate of each prompt (6 tokens)."""
+    _, base, _, vision, prompts, _ = setup
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN, lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(1)
+    reference = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    return reference, [_greedy(reference, vision, p, 6) for p in prompts]
+
+
 @pytest.mark.parametrize("lora", ["runtime", "merge"])
-def test_lora_on_the_text_decoder(setup, lora):
+def test_lora_on_the_text_decoder(setup, lora_setup, lora):
     """PEFT LoRA on the text decoder's seven projections (random non-zero B): greedy tokens equal PEFT's
     own generate of the unpatched adapted model per prompt, log-probs its forward's, with the
     adapters run as PEFT layers or merged for the call (the base weights bit-identical afterwards);
     under disable_adapter the base model's greedy tokens."""
     proc, base, _, vision, prompts, greedy = setup
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN, lora_dropout=0.0, init_lora_weights=False)
-    torch.manual_seed(1)
-    reference = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    reference, adapted = lora_setup
     policy = swiftune.patch_model(copy.deepcopy(reference), attention="reference", kernel_backend="reference")
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id, lora=lora)
     params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=())
     out = vision.generate(engine, prompts, G, params)
-    adapted = [_greedy(reference, vision, p, 6) for p in prompts]
     assert adapted != [g[:6] for g in greedy]  # the adapters change the completions
     for k, prompt in enumerate(prompts):
         assert out.completion_ids[G * k:G * k + G] == [adapted[k]] * G, k
