@@ -96,10 +96,8 @@ from .sampling import mark_seen, sample_tokens, seeded_generator, seen_mask
 #: model types the engine runs (the families whose record says it can)
 SUPPORTED = tuple(t for t, f in FAMILIES.items() if f.fast_rollout)
 #: why a known family is not on the engine (its decode step lacks what the family's attention needs)
-_UNSUPPORTED_WHY = {
-    "qwen3_vl": " (no image-embedding prefill)",
-    "qwen3_vl_moe": " (no image-embedding prefill)",
-}
+_VISION_WHY = " (its prompts need the vision tower in the prefill: use swiftune.rl.rollout.vision_fast's engine)"
+_UNSUPPORTED_WHY = {"qwen3_vl": _VISION_WHY, "qwen3_vl_moe": _VISION_WHY}
 #: ``keep_cache="auto"`` keeps a KV cache between calls only up to this share of the GPU's memory.
 KEEP_CACHE_FRACTION = 0.10
 
