@@ -196,3 +196,28 @@ def test_cuda_graph_greedy_fp32_equals_generate(attention_backend):
         assert out.completion_ids[2 * i] == _hf_greedy(reference, p, 20), i
     want = torch.cat([_forward_logprobs(reference, p, c, 1.0) for p, c in zip(PROMPTS, out.completion_ids[::2])])
     assert rel_err(torch.cat(out.logprobs[::2]).double(), want) < 1e-4
+
+
+def test_grpo_step_on_the_fast_engine_with_gpt_oss(tmp_path):
+    """GRPOTrainer(rollout_engine="fast") on gpt-oss with LoRA on attention and experts: the engine samples
+    (eager on CPU), the policy step runs, the adapters move and nothing else does."""
+    from swiftune import GRPOConfig, GRPOTrainer
+    from swiftune.data import build_tokenizer
+    from swiftune.training import FastModel
+    from tests.test_moe_parity import TARGETS, tiny_gpt_oss
+
+    model = FastModel.get_peft_model(tiny_gpt_oss(seed=5), r=4, lora_alpha=8, init_lora_weights=False,
+                                     use_gradient_checkpointing=False, **TARGETS["experts"])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, learning_rate=1e-2, rollout_engine="fast", kernel_backend="reference",
+                      attention_backend="reference", report_to="none", save_strategy="no", disable_tqdm=True,
+                      dataloader_pin_memory=False, seed=1, share_prompt=False)  # shared-prompt rows: no sinks yet
+    trainer = GRPOTrainer(model, [lambda completions, **kw: [float(len(c)) for c in completions]], args=args,
+                          train_dataset=[{"prompt": "Reverse: abcdef\n"}, {"prompt": "Hi there\n"}] * 2,
+                          processing_class=build_tokenizer())
+    assert isinstance(trainer.rollout_engine, FastRolloutEngine)
+    trainer.train()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)
+    assert any("experts" in n for n in moved) and any("self_attn" in n for n in moved)
