@@ -136,26 +136,36 @@ def _plain_dropout(dropout: nn.Module) -> bool:
     return isinstance(dropout, nn.Dropout) and (dropout.p == 0 or not dropout.training)
 
 
-def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype, torch.dtype] | None:
-    """``(adapter, base dtype, adapter dtype)`` when the fused node computes what PEFT's forward
-    would, else None."""
-    if layer.disable_adapters or layer.merged or getattr(layer, "fan_in_fan_out", False):
+def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple | None:
+    """``(adapter, base dtype, adapter dtype, base layer, lora_A, lora_B, base is FP8)`` when the
+    fused node computes what PEFT's forward would, else None.
+
+    Runs on every call of every LoRA linear (forward and checkpoint recompute): each attribute is
+    read once, and the common case (a plain ``nn.Linear`` base) is decided first."""
+    if layer.disable_adapters or layer.merged_adapters or getattr(layer, "fan_in_fan_out", False):
         return None
-    active = layer.active_adapters
-    if len(active) != 1:
+    active = layer.active_adapter  # PEFT's active_adapters: a name, or a list of names
+    if isinstance(active, str):
+        name = active
+    elif len(active) == 1:
+        name = active[0]
+    else:
         return None
-    name = active[0]
-    if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
+    lora_a_dict = layer.lora_A
+    if name not in lora_a_dict or name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
         return None
-    base, lora_a, lora_b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    base, lora_a, lora_b = layer.base_layer, lora_a_dict[name], layer.lora_B[name]
     if lora_b.bias is not None or not _plain_dropout(layer.lora_dropout[name]):
         return None
-    fp8 = is_fp8_linear(base)  # computes in x's dtype (autocast's under autocast), its weight is e4m3
-    if type(base) is not nn.Linear and not fp8:
-        return _fused_4bit_operands(layer, base, name, x)
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        return name, dtype, dtype
+    linear = type(base) is nn.Linear
+    fp8 = not linear and is_fp8_linear(base)  # computes in x's dtype (autocast's under autocast), its weight is e4m3
+    if not linear and not fp8:
+        dtypes = _fused_4bit_operands(layer, base, name, x)
+        return None if dtypes is None else (name, dtypes, dtypes, base, lora_a, lora_b, False)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return name, dtype, dtype, base, lora_a, lora_b, fp8
     # without autocast PEFT multiplies x by the base weight as it is and casts x to the adapters'
     # dtype (unless its input casting is off, when the dtypes must agree already)
     adapter = lora_a.weight.dtype
@@ -163,26 +173,25 @@ def _fused_operands(layer: nn.Module, x: torch.Tensor) -> tuple[str, torch.dtype
         return None
     if adapter != x.dtype and not getattr(layer, "cast_input_dtype_enabled", True):
         return None
-    return name, x.dtype, adapter
+    return name, x.dtype, adapter, base, lora_a, lora_b, fp8
 
 
-def _fused_4bit_operands(layer: nn.Module, base: nn.Module, name: str, x: torch.Tensor):
+def _fused_4bit_operands(layer: nn.Module, base: nn.Module, name: str, x: torch.Tensor) -> torch.dtype | None:
     """PEFT's QLoRA layer (``lora.Linear4bit`` over ``bnb.nn.Linear4bit``) while training: under
     autocast, or with input, compute and adapter dtypes all equal (PEFT casts the adapter output
-    to the result dtype before the sum otherwise, another rounding). Inference (no grad) keeps
-    bitsandbytes' own kernels, which also repack weights for the CPU."""
+    to the result dtype before the sum otherwise, another rounding); returns that one dtype.
+    Inference (no grad) keeps bitsandbytes' own kernels, which also repack weights for the CPU."""
     if type(base).__name__ != "Linear4bit" or not torch.is_grad_enabled():
         return None
     state = getattr(base.weight, "quant_state", None)
     if state is None or getattr(state, "packing_format_for_cpu", False):
         return None
     if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        return name, dtype, dtype
+        return torch.get_autocast_dtype(x.device.type)
     dtype = x.dtype
     compute = base.compute_dtype or dtype
     if compute == dtype and layer.lora_A[name].weight.dtype == dtype and layer.lora_B[name].weight.dtype == dtype:
-        return name, dtype, dtype
+        return dtype
     return None
 
 
@@ -192,15 +201,15 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     operands = None if (args or kwargs) else _fused_operands(self, x)
     if operands is None:
         return type(self).forward(self, x, *args, **kwargs)
-    name, base_dtype, lora_dtype = operands
-    base = self.base_layer
-    if is_fp8_linear(base):
+    name, base_dtype, lora_dtype, base, lora_a, lora_b, fp8 = operands
+    weight = base.weight
+    if fp8:
         # no gradient through the product (rollouts): a few rows take the weight-only FP8 kernel
         quant_state = FP8State(base.weight_scale, base.scaled_mm, inference=not torch.is_grad_enabled())
     else:
-        quant_state = getattr(base.weight, "quant_state", None) if type(base) is not nn.Linear else None
-    return LoRALinearFunction.apply(x, base.weight, base.bias, self.lora_A[name].weight, self.lora_B[name].weight,
-                                    float(self.scaling[name]), base_dtype, lora_dtype, quant_state)
+        quant_state = getattr(weight, "quant_state", None) if type(base) is not nn.Linear else None
+    return LoRALinearFunction.apply(x, weight, base.bias, lora_a.weight, lora_b.weight, float(self.scaling[name]),
+                                    base_dtype, lora_dtype, quant_state)
 
 
 def _is_peft_lora_linear(module: nn.Module) -> bool:

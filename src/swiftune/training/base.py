@@ -29,7 +29,7 @@ from ..errors import ConfigError
 from ..models import is_patched, patch_model
 from ..models.patching import fuse_lora_if_patched
 from .loading import FastModel
-from .lora_casting import training_step_lora_casting
+from .lora_casting import LoraLayerIndex, training_step_lora_casting
 from .metrics import MetricsCallback
 from .quantization import refuse_full_finetuning_of_4bit
 from .safety import RunSafetyMixin
@@ -121,8 +121,9 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         # Under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight
         # back: skip both copies in the forward and in every recompute of the backward (the same
         # numbers). GRPO's generation, which runs inside the step without autocast, switches the
-        # casting back on around itself.
-        with training_step_lora_casting(model, self.args):
+        # casting back on around itself. The LoRA layers are looked up once, not walked every step.
+        index = self.__dict__.setdefault("_lora_layer_index", LoraLayerIndex())
+        with training_step_lora_casting(model, self.args, index):
             return super().training_step(model, *args, **kwargs)
 
 

@@ -12,11 +12,17 @@ copies of its input for nothing, and holds a float32 ``[tokens, intermediate]`` 
 training step in it when :func:`can_skip_lora_input_casts` says autocast covers the step (decided
 from the arguments and the PEFT config, without walking the model). GRPO's generation runs inside a
 training step without autocast, so it switches casting back on around it.
+
+Which modules are LoRA layers is found by one walk over the module tree (thousands of modules for
+an 8B model with LoRA on every linear layer); the trainers keep the answer in a
+:class:`LoraLayerIndex` across steps, walked again only when the model or its set of adapters
+changes, so a step does not walk the tree.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +39,39 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_lora_layer(m)]
 
 
+def _adapter_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s PEFT adapters (a DDP-style ``.module`` wrapper unwrapped)."""
+    configs = getattr(model, "peft_config", None)
+    if configs is None:
+        configs = getattr(getattr(model, "module", None), "peft_config", None)
+    return tuple(configs) if isinstance(configs, dict) else ()
+
+
+class LoraLayerIndex:
+    """The PEFT LoRA layers of one model, found once and reused while the model and its adapters
+    stay the same.
+
+    The list is walked again when a different model object is asked for or when the model's set of
+    adapter names changes (PEFT's ``add_adapter`` / ``load_adapter`` / ``delete_adapter``, the ways
+    LoRA layers are added or dropped on a PEFT model). Modules swapped in by hand without PEFT's
+    adapter API are not seen: call :meth:`clear` after such surgery.
+    """
+
+    def __init__(self) -> None:
+        self._model: weakref.ref | None = None
+        self._adapters: tuple[str, ...] = ()
+        self._layers: list[nn.Module] = []
+
+    def layers(self, model: nn.Module) -> list[nn.Module]:
+        adapters = _adapter_names(model)
+        if self._model is None or self._model() is not model or adapters != self._adapters:
+            self._model, self._adapters, self._layers = weakref.ref(model), adapters, _lora_layers(model)
+        return self._layers
+
+    def clear(self) -> None:
+        self._model, self._adapters, self._layers = None, (), []
+
+
 def lora_inputs_cast(model: nn.Module) -> bool:
     """Whether ``model``'s PEFT LoRA layers copy their inputs to the adapter dtype right now
     (PEFT's default; False inside :func:`lora_input_casting` ``(enabled=False)``). True without
@@ -42,10 +81,11 @@ def lora_inputs_cast(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def lora_input_casting(model: nn.Module, enabled: bool) -> Iterator[None]:
+def lora_input_casting(model: nn.Module, enabled: bool, index: LoraLayerIndex | None = None) -> Iterator[None]:
     """Within the block, PEFT LoRA layers of ``model`` cast their inputs to the adapter dtype
-    (``enabled=True``, PEFT's default) or leave them as they come (``False``); restored after."""
-    layers = _lora_layers(model)
+    (``enabled=True``, PEFT's default) or leave them as they come (``False``); restored after.
+    ``index``: where the layers are looked up (kept across calls); ``None``: the model is walked."""
+    layers = index.layers(model) if index is not None else _lora_layers(model)
     before = [getattr(m, LORA_CAST_FLAG) for m in layers]
     for m in layers:
         setattr(m, LORA_CAST_FLAG, enabled)
@@ -67,14 +107,16 @@ def can_skip_lora_input_casts(model: nn.Module, args: Any) -> bool:
                                  for c in configs.values())
 
 
-def training_step_lora_casting(model: nn.Module, args: Any) -> contextlib.AbstractContextManager:
+def training_step_lora_casting(model: nn.Module, args: Any,
+                               index: LoraLayerIndex | None = None) -> contextlib.AbstractContextManager:
     """What the trainers wrap each ``training_step`` in: casting switched off when
     :func:`can_skip_lora_input_casts` allows it (forward and every recompute of the backward; the
-    same numbers), else nothing."""
+    same numbers), else nothing. ``index``: the trainer's :class:`LoraLayerIndex`, so that a step
+    does not walk the module tree."""
     if can_skip_lora_input_casts(model, args):
-        return lora_input_casting(model, enabled=False)
+        return lora_input_casting(model, enabled=False, index=index)
     return contextlib.nullcontext()
 
 
-__all__ = ["LORA_CAST_FLAG", "can_skip_lora_input_casts", "lora_input_casting", "lora_inputs_cast",
+__all__ = ["LORA_CAST_FLAG", "LoraLayerIndex", "can_skip_lora_input_casts", "lora_input_casting", "lora_inputs_cast",
            "training_step_lora_casting"]
