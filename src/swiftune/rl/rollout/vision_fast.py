@@ -133,8 +133,8 @@ class VisionFastRolloutEngine(FastRolloutEngine):
     def _hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: DecodeContext) -> torch.Tensor:
         """Prefill: the multimodal model's own forward (vision tower, placeholder scatter, deepstack,
         M-RoPE) with the engine's attention; decode: the text step at each row's shifted position."""
-        if ctx.mode == "decode":
-            return super()._hidden(ids, pos + ctx.ws.rope_delta[:, None], ctx)
+        if ctx.mode == "decode":  # [3, B, 1]: the rotary module of transformers 5.17 takes 3-D positions only
+            return super()._hidden(ids, (pos + ctx.ws.rope_delta[:, None]).expand(3, -1, -1), ctx)
         if self._prefill_inputs is None:
             raise RuntimeError("a VisionFastRolloutEngine prefill runs inside prefill() only")
         ctx.masks = {}
