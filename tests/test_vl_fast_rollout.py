@@ -111,19 +111,20 @@ def test_greedy_equals_transformers_generate_per_prompt(setup, patched):
     """Three prompts (0, 1, 2 images) in one packed prefill (one vision-tower call), 2 x 3 rows decoded
     together: every row is transformers' greedy generate of its prompt alone; its log-probs the
     unpatched forward's (temperature 1); each row's delta is transformers' rope_deltas (non-zero for
-    the image prompts); one prompt per chunk gives the same; the text config's attention is restored."""
+    the image prompts); one prompt per chunk and an unshared prefill (each row's prompt prefilled)
+    give the same; the text config's and the vision config's attention are restored."""
     proc, base, policy, vision, prompts, greedy = setup
     model = policy if patched else base
     attention = causal_lm_of(model).config.text_config._attn_implementation
     vision_attention = causal_lm_of(model).config.vision_config._attn_implementation
     params = SamplingParams(max_tokens=N_NEW, temperature=0.0, stop_token_ids=())
     runs = {}
-    for max_batch in (None, G):
+    for max_batch, shared in ((None, True), (G, True), (None, False)):  # unshared: every row's prompt prefilled
         engine = VisionFastRolloutEngine(model, vision.rope_index, vision.image_token_id, max_batch_size=max_batch,
-                                         kv_bucket=4, check_every=3)
+                                         kv_bucket=4, check_every=3, share_prompt_prefill=shared)
         calls = VisionCalls(model)
         try:
-            runs[max_batch] = vision.generate(engine, prompts, G, params)
+            runs[max_batch, shared] = vision.generate(engine, prompts, G, params)
         finally:
             calls.remove()
         assert calls.model_calls == {None: 1, G: 3}[max_batch]  # one multimodal forward per chunk: the prefill
@@ -133,15 +134,16 @@ def test_greedy_equals_transformers_generate_per_prompt(setup, patched):
             assert deltas[0] == 0 and deltas[1] != 0 and deltas[2] != 0
             assert engine._ws.rope_delta.tolist() == [d for d in deltas for _ in range(G)]
             assert engine.stats["decode_steps"] == N_NEW
-    out = runs[None]
+    out = runs[None, True]
     for k, prompt in enumerate(prompts):
         assert len(greedy[k]) == N_NEW
         assert out.completion_ids[G * k:G * k + G] == [greedy[k]] * G, k
         want = _reference_logps(base, vision, prompt, greedy[k], 1.0)
         for j in range(G):
             assert _rel(out.logprobs[G * k + j].double(), want) < 1e-5, (k, j)
-    assert runs[G].completion_ids == out.completion_ids
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(runs[G].logprobs, out.logprobs))
+    for other in (runs[G, True], runs[None, False]):
+        assert other.completion_ids == out.completion_ids
+        assert all(_rel(a, b) < 1e-5 for a, b in zip(other.logprobs, out.logprobs))
     assert causal_lm_of(model).config.text_config._attn_implementation == attention
     assert causal_lm_of(model).config.vision_config._attn_implementation == vision_attention
 
@@ -311,8 +313,9 @@ def test_grpo_trainer_takes_the_fast_engine(setup, tmp_path):
 
 
 def test_refuses_what_it_cannot_run(setup):
-    """A text model is not this engine's (it names the one to use); vision inputs must match the prompts."""
-    proc, base, policy, vision, prompts, _ = setup
+    """A text model is not this engine's (it names the one to use); vision inputs must match the prompts;
+    without any, prompts are text (plain positions): the text prompt's greedy tokens."""
+    proc, base, policy, vision, prompts, greedy = setup
     text = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16))
@@ -321,6 +324,8 @@ def test_refuses_what_it_cannot_run(setup):
     engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id)
     with pytest.raises(ValueError, match="2 vision inputs for 3 prompts"):
         engine.generate([p.input_ids for p in prompts], 1, SamplingParams(), vision_inputs=prompts[:2])
+    plain = engine.generate([prompts[0].input_ids], 1, SamplingParams(max_tokens=4, temperature=0.0, stop_token_ids=()))
+    assert plain.completion_ids == [greedy[0][:4]]
 
 
 @pytest.mark.gpu
