@@ -116,7 +116,7 @@ class VisionFastRolloutEngine(FastRolloutEngine):
             rope = rope_positions(self.rope_index, torch.tensor(list(p)), self.image_token_id, grid)
             positions += [rope] * copies
             deltas.append(int(rope.max()) + 1 - len(p))  # transformers' rope_deltas
-            if v is not None and v.pixel_values is not None:  # in token order: the model scatters features so
+            if v is not None and v.pixel_values is not None:  # in token order, as the model scatters the features
                 pixel_values += [v.pixel_values] * copies
                 grids += [torch.as_tensor(v.image_grid_thw)] * copies
         ws.rope_delta.copy_(torch.tensor(deltas, dtype=torch.long).repeat_interleave(n).to(device))
