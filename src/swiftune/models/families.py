@@ -166,7 +166,9 @@ def _mixtral() -> Family:
 def _qwen3_vl() -> Family:
     """Qwen3-VL (dense): the text decoder is Qwen3's (q/k norm, SwiGLU, pre-norm layers, modules
     ``Qwen3VLText*``) with multimodal RoPE from its own rotary module; the vision tower stays
-    transformers'. Not on the fast rollout engine (no image-embedding prefill yet: docs/vision.md)."""
+    transformers'. ``fast_rollout=False``: the text engine cannot prefill image prompts; the vision
+    engine built on it (``rl/rollout/vision_fast.py``) prefills through the model's own forward and
+    decodes with the text engine's step (docs/vision.md)."""
     return Family("qwen3_vl", "Qwen3VLText", pre_norm=True, mlp_output_feeds_only_residual=True,
                   fast_rollout=False, vision_language=True)
 
@@ -174,7 +176,7 @@ def _qwen3_vl() -> Family:
 def _qwen3_vl_moe() -> Family:
     """Qwen3-VL-MoE: Qwen3-VL's vision tower and M-RoPE text decoder with Qwen3-MoE's sparse blocks
     (router ``Qwen3VLMoeTextTopKRouter`` stays transformers'; fused experts ``[E, 2I, H]`` / ``[E, H, I]``,
-    Qwen3-MoE's layout, as grouped GEMMs). Not on the fast rollout engine."""
+    Qwen3-MoE's layout, as grouped GEMMs). Rolled out as Qwen3-VL (``fast_rollout=False`` for the text engine)."""
     return Family("qwen3_vl_moe", "Qwen3VLMoeText", pre_norm=True, moe=True, experts=ExpertsSpec(),
                   fast_rollout=False, vision_language=True)
 
