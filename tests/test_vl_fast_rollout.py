@@ -258,26 +258,6 @@ def test_lora_on_the_text_decoder(setup, lora_setup, lora):
     assert plain.completion_ids == [g[:6] for g in greedy]
 
 
-def test_vl_moe(setup):
-    """Qwen3-VL-MoE (one sparse layer, swiftune's grouped experts in their rollout variant): greedy
-    tokens equal transformers' generate of the unpatched MoE model per prompt, log-probs its forward's."""
-    from tests.test_qwen3_vl import tiny_vl_moe
-
-    if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
-        pytest.skip("this transformers has no Qwen3-VL-MoE")
-    proc, base, _, _, _, _ = setup
-    moe = tiny_vl_moe(base, scale=0.3).eval()
-    policy = swiftune.patch_model(copy.deepcopy(moe), attention="reference", kernel_backend="reference")
-    vision = VisionGRPO(policy, proc)
-    prompts = [vision.encode(row) for row in _rows()]
-    engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id)
-    out = vision.generate(engine, prompts, G, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=()))
-    for k, prompt in enumerate(prompts):
-        want = _greedy(moe, vision, prompt, 6)
-        assert out.completion_ids[G * k:G * k + G] == [want] * G, k
-        assert _rel(out.logprobs[G * k].double(), _reference_logps(moe, vision, prompt, want, 1.0)) < 1e-5
-
-
 def test_grpo_trainer_takes_the_fast_engine(setup, tmp_path):
     """GRPOTrainer on image prompts: 'auto' on the CPU keeps VisionRolloutEngine, 'fast' is this engine
     (run eagerly here); one step with it scores every completion with its own row's columns, and at a

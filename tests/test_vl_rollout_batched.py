@@ -162,10 +162,15 @@ def test_batched_greedy_without_cache_row_ops(setup, monkeypatch):
         assert out.completion_ids[G * k:G * k + G] == [want] * G, k
 
 
-def test_batched_greedy_on_vl_moe(setup):
-    """Qwen3-VL-MoE (a sparse layer: swiftune's grouped experts on the patched model): the batched
-    prefill and decode give transformers' greedy generate of the unpatched MoE per prompt."""
+@pytest.mark.parametrize("engine_name", ["VisionRolloutEngine", "VisionFastRolloutEngine"])
+def test_batched_greedy_on_vl_moe(setup, engine_name):
+    """Qwen3-VL-MoE (a sparse layer: swiftune's grouped experts on the patched model, in their rollout
+    variant on the fast engine): both vision engines' batched prefill and decode give transformers'
+    greedy generate of the unpatched MoE per prompt, and its forward's log-probs."""
+    from swiftune.rl.rollout.vision_fast import VisionFastRolloutEngine
     from tests.test_qwen3_vl import tiny_vl_moe, transformers
+
+    engine_class = {"VisionRolloutEngine": VisionRolloutEngine, "VisionFastRolloutEngine": VisionFastRolloutEngine}
 
     if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
         pytest.skip("this transformers has no Qwen3-VL-MoE")
@@ -174,7 +179,7 @@ def test_batched_greedy_on_vl_moe(setup):
     policy = swiftune.patch_model(copy.deepcopy(moe), attention="reference", kernel_backend="reference")
     vision = VisionGRPO(policy, proc)
     prompts = [vision.encode(row) for row in _rows()]
-    engine = VisionRolloutEngine(policy, vision.rope_index, vision.image_token_id)
+    engine = engine_class[engine_name](policy, vision.rope_index, vision.image_token_id)
     out = vision.generate(engine, prompts, G, SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=()))
     for k, prompt in enumerate(prompts):
         want = _greedy(moe, vision, prompt, 6)
