@@ -333,7 +333,8 @@ class GRPOTrainer(SwiftuneTrainer):
             # resumed from a checkpoint without a saved rollout buffer: realign with the data
             self._micro_step = self.state.global_step * args.gradient_accumulation_steps
         if self._buffer is None or self._micro_step % generate_every == 0:
-            with lora_input_casting(self.model, enabled=True):  # generation runs without autocast
+            # generation runs without autocast
+            with lora_input_casting(self.model, enabled=True, index=self.lora_layer_index):
                 self._buffer = self._generate_and_score(inputs["prompt_rows"])
         batch = self._buffer[self._micro_step % args.steps_per_generation]
         self._micro_step += 1

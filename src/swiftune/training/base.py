@@ -122,9 +122,14 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         # back: skip both copies in the forward and in every recompute of the backward (the same
         # numbers). GRPO's generation, which runs inside the step without autocast, switches the
         # casting back on around itself. The LoRA layers are looked up once, not walked every step.
-        index = self.__dict__.setdefault("_lora_layer_index", LoraLayerIndex())
-        with training_step_lora_casting(model, self.args, index):
+        with training_step_lora_casting(model, self.args, self.lora_layer_index):
             return super().training_step(model, *args, **kwargs)
+
+    @property
+    def lora_layer_index(self) -> LoraLayerIndex:
+        """The model's PEFT LoRA layers, found once and walked again only when the model or its
+        adapters change (the casting switches above and GRPO's generation use it)."""
+        return self.__dict__.setdefault("_lora_layer_index", LoraLayerIndex())
 
 
 __all__ = ["SwiftuneTrainer"]
