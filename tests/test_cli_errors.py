@@ -49,6 +49,18 @@ def test_unknown_option_from_the_real_entry_point_exits_2_without_traceback():
     assert len(lines) == 1 and "--learning_rate" in lines[0], proc.stderr[-2000:]
 
 
+def test_other_libraries_info_logs_stay_quiet():
+    """The CLI shows swiftune's own INFO lines only: another library's INFO record at import (datasets reports
+    which optional frameworks it found: the GPU machine has JAX) is not the command's output."""
+    code = ("import logging, sys; from swiftune.cli import main; rc = main(['sft', '--lerning_rate', '1']); "
+            "logging.getLogger('datasets.config').info('JAX version 0.0 available.'); "
+            "logging.getLogger('swiftune.training').info('swiftune line'); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], env={**ENV_WITHOUT_INTERPRETER, "PYTHONWARNINGS": "ignore"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "JAX version" not in proc.stderr and "swiftune line" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_bad_values_and_config_fields_end_in_one_line(capsys):
     assert main(["grpo", "--max_prompt_length", "0"]) == 2
     assert "max_prompt_length=0" in one_line_error(capsys)

@@ -65,6 +65,8 @@ def test_greedy_equals_generate_of_the_unpatched_model(case, monkeypatch):
     lora = {"attention_lora": "attention", "expert_lora": "experts", "expert_lora_merge": "experts",
             "cuda_paths_on_cpu": "experts"}.get(case)
     on_cuda_paths = case == "cuda_paths_on_cpu"
+    if on_cuda_paths and torch.cuda.is_available():
+        pytest.skip("the Triton kernels run compiled on CUDA tensors here, not interpreted on CPU ones")
     reference, policy = _models("gpt_oss", lora, seed=3, kernel_backend="triton" if on_cuda_paths else "reference")
     static_calls = []
     if on_cuda_paths:
@@ -218,6 +220,6 @@ def test_grpo_step_on_the_fast_engine_with_gpt_oss(tmp_path):
                           processing_class=build_tokenizer())
     assert isinstance(trainer.rollout_engine, FastRolloutEngine)
     trainer.train()
-    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.cpu(), before[n].cpu())}
     assert moved and all("lora_" in n for n in moved)
     assert any("experts" in n for n in moved) and any("self_attn" in n for n in moved)

@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     show_traceback = "--traceback" in rest
     rest = [a for a in rest if a != "--traceback"]
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for noisy in ("transformers", "accelerate", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # swiftune's own progress at INFO; every other library's logger stays at WARNING (datasets, for one,
+    # reports at INFO which optional frameworks it found at import)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("swiftune").setLevel(logging.INFO)
     # bitsandbytes (imported by PEFT when installed) warns at every import on CPUs with AVX512-BF16
     # that an optional Hub kernel is missing, then runs its own CPU kernel: not this command's business
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
