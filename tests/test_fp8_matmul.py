@@ -166,7 +166,7 @@ def test_fp8_linear_no_grad_small_m_forward_equals_formula(device, dtype, monkey
 
 def test_fp8_engine_greedy_tokens_equal_transformers_generate(tmp_path_factory, monkeypatch):
     """The fast rollout engine on an FP8 model without adapters decodes through the weight-only
-    kernel (every prefill and decode product has <= 64 rows here) and gives transformers' own greedy
+    kernel (every prefill and decode product has <= DECODE_MAX_ROWS rows here) and gives transformers' own greedy
     tokens on the unpatched model holding the dequantised weights."""
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
     from swiftune.training import FastModel

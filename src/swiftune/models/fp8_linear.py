@@ -62,13 +62,12 @@ __all__ = ["DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "F
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
-# The most rows an inference product sends to the weight-only kernel. It multiplies on the bf16
-# tensor cores (~790 TFLOP/s on an H200) while reading 1 byte a weight (~4.3 TB/s): the matmul's
-# 2 M flops a weight cost as long as the byte's read when 2 M / 790e12 = 1 / 4.3e12, M ~ 92. Below
-# that the weight read bounds it, and _scaled_mm (FP8 tensor cores, twice the rate, plus a quantise
-# launch) cannot be faster; far above it the FP8 rate wins. 64 is the kernel's widest row tile (the
-# weight read exactly once), under that crossover, and the rollout engine's largest group (G = 64).
-DECODE_MAX_ROWS = 64
+# The most rows an inference product sends to the weight-only kernel. Its tile is 16 rows up to 16
+# (one program reads each weight tile once whatever M is below that), and there it beats both bf16 and
+# _scaled_mm on the H200 at every Qwen3-8B projection; at 64 rows it loses to both (the e4m3 -> bf16
+# conversion feeding the tensor cores costs more than the halved weight read saves; figures and
+# command: docs/results/2026-12-02/kernels_fp8_matmul_h200.txt). Wider products take _scaled_mm.
+DECODE_MAX_ROWS = 16
 
 
 def quantize_rowwise(t: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
