@@ -462,10 +462,13 @@ def main(argv: list[str] | None = None) -> int:
             save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
             results["lora"] = lora_runs(model, name, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
-        del model
+        # every reference to the model's modules goes (the expert stacks too), or the next shape's weights
+        # meet this one's still on the GPU
+        del model, moe
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            print(f"{name}: freed, {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated", flush=True)
 
     save()
     for r in results["skipped"]:
