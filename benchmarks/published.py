@@ -138,6 +138,9 @@ FIGURES: list[dict] = [
     dict(figure="rollout_fp8", file="2026-12-02/rollout_fp8_h200.json", date="2026-12-02", versions=BASE,
          command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 "
                  "--no-baselines --lora-rows 8 --time-budget 270 --out rollout_fp8.json"),
+    dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "
+                 "--baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out rollout_moe.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

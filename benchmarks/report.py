@@ -25,7 +25,7 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
           "baseline": "transformers + PEFT", "ckpt": "swiftune, checkpoints on the GPU",
           "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
-MODELS = {"qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
+MODELS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B", "qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
 MODE_ORDER = ["hf_padded", "trl_padding_free", "trl_liger", "unsloth", "unsloth_packed", "swiftune_peft_lora", "swiftune",
               "swiftune_offload", "swiftune_budget", "swiftune_budget_offload"]
 
@@ -306,7 +306,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_sweep_qwen3-8b": sft
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
-          "rollout_fp8": rollout_fp8, "attention_backends": attention}
+          "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention}
 
 
 def commands(rows) -> str:
