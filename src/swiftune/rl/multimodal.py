@@ -51,7 +51,12 @@ from ..models.qwen3_vl import rope_index_of
 from ..models.support import controls_attention
 from .batching import is_conversational
 from .policy import PolicyRow, build_policy_row, group_consecutive
-from .rollout import Rollouts, SamplingParams, TransformersRolloutEngine
+from .rollout import Rollouts, SamplingParams, TransformersRolloutEngine, cache_supports, new_cache
+from .rollout.vision_fast import auto_prefill_token_cap, check_prefill_token_cap, split_by_prefill_tokens
+
+#: share of the free CUDA memory one prefill of :class:`VisionRolloutEngine` may take by default
+#: (``max_prefill_tokens="auto"``): its KV cache grows with the prefill, unlike the fast engine's static one
+PREFILL_MEMORY_SHARE = 0.5
 
 
 def is_vision_language(model: nn.Module) -> bool:
@@ -214,7 +219,10 @@ class VisionRolloutEngine(TransformersRolloutEngine):
     """:class:`~swiftune.rl.rollout.TransformersRolloutEngine` for image prompts (module doc).
 
     Prompts are sampled in chunks of ``max_batch_size // num_generations`` prompts (all of a call
-    when ``max_batch_size`` is None), as the text engine does. A chunk is **one** prefill: its
+    when ``max_batch_size`` is None), as the text engine does, each split further so that its
+    left-padded prefill (``rows x longest prompt``, image tokens included) holds at most
+    ``max_prefill_tokens`` tokens (:func:`swiftune.rl.rollout.vision_fast.split_by_prefill_tokens`: a
+    prompt above the cap alone, logged). A chunk is **one** prefill: its
     prompts left-padded into one batch (padding masked: swiftune's packed attention drops it, each
     row is one document), every prompt's pixel values concatenated in row order (the vision tower
     runs once per chunk, each image alone), each row's M-RoPE positions those of transformers'
@@ -228,12 +236,17 @@ class VisionRolloutEngine(TransformersRolloutEngine):
         rope_index: the model's ``get_rope_index`` (:func:`swiftune.models.qwen3_vl.rope_index_of`).
         image_token_id: the image placeholder token.
         pad_token_id, seed, max_batch_size: as :class:`~swiftune.rl.rollout.TransformersRolloutEngine`.
+        max_prefill_tokens: most tokens one prefill holds (left padding and, on caches that cannot
+            repeat their rows, the ``G`` copies included): a positive int, ``"auto"`` (on CUDA
+            :data:`PREFILL_MEMORY_SHARE` of free memory over
+            :func:`~swiftune.rl.rollout.vision_fast.prefill_bytes_per_token`; no cap on CPU) or None (no cap).
     """
 
     accepts_vision_inputs = True
 
     def __init__(self, model: nn.Module, rope_index: Any, image_token_id: int, pad_token_id: int = 0, seed: int = 0,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, max_prefill_tokens: int | str | None = "auto"):
+        self.max_prefill_tokens = check_prefill_token_cap(max_prefill_tokens)
         super().__init__(model, pad_token_id=pad_token_id, seed=seed, max_batch_size=max_batch_size)
         self.rope_index = rope_index
         self.image_token_id = int(image_token_id)
@@ -249,11 +262,19 @@ class VisionRolloutEngine(TransformersRolloutEngine):
         # the text engine's chunking: a chunk of at most this many prompts is one call of the text
         # engine below (which then does not split it again), so its images are known to _forward
         per_chunk = len(prompt_ids) if self.max_batch_size is None else max(1, self.max_batch_size // num_generations)
+        cap = (auto_prefill_token_cap(self.model, PREFILL_MEMORY_SHARE) if self.max_prefill_tokens == "auto"
+               else self.max_prefill_tokens)
+        # caches without batch_repeat_interleave prefill every copy of a prompt (the text engine's rule)
+        copies = num_generations if num_generations > 1 and not cache_supports(new_cache(self.model),
+                                                                                 "batch_repeat_interleave") else 1
+        chunks = [range(a + run.start, a + run.stop) for a in range(0, len(prompt_ids), per_chunk)
+                  for run in split_by_prefill_tokens([len(p) for p in prompt_ids[a:a + per_chunk]], cap,
+                                                     padded=True, copies=copies)]
         out = Rollouts([], [], [], num_generations)
         try:
-            for a in range(0, len(prompt_ids), per_chunk):
-                self._chunk = list(vision_inputs[a:a + per_chunk])
-                one = super().generate(prompt_ids[a:a + per_chunk], num_generations, params)
+            for chunk in chunks:
+                self._chunk = list(vision_inputs[chunk.start:chunk.stop])
+                one = super().generate(prompt_ids[chunk.start:chunk.stop], num_generations, params)
                 out.completion_ids += one.completion_ids
                 out.logprobs += one.logprobs
                 out.finished += one.finished

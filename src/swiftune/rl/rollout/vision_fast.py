@@ -22,12 +22,21 @@ A Qwen3-VL rollout is one multimodal prefill, then text-only decoding:
   :class:`swiftune.rl.multimodal.VisionRolloutEngine`): it would stand for an image the completion
   does not have.
 
+* **Prefill token cap** (``max_prefill_tokens``): a chunk of ``max_batch_size // G`` prompts (or
+  what the KV cache allows) is split further so that each prefill holds at most that many tokens
+  (text and image tokens, :func:`split_by_prefill_tokens`): a chunk's prompt count says nothing of
+  its images, and a few large images make one prefill's activations (and the vision tower's) far
+  larger than its KV cache. The default (``"auto"``) is :func:`auto_prefill_token_cap`: on CUDA, the
+  share of free memory the KV cache leaves (``1 - memory_fraction``) over
+  :func:`prefill_bytes_per_token`; on CPU no cap. Both vision engines use these helpers.
+
 Sampling, stop tokens / strings, LoRA (runtime or merged), the cache and the CUDA graphs are
 :class:`~swiftune.rl.rollout.fast.FastRolloutEngine`'s.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -36,13 +45,92 @@ from torch import nn
 
 from ...attention.kv_cache import ROLLOUT_KWARG
 from ...data.multimodal import rope_positions
+from ...memory.shapes import model_shape
+from ...models.patching import causal_lm_of
 from ...models.qwen3_vl import text_config_of
 from .fast import FastRolloutEngine
 from .kv_cache import DecodeContext, Workspace
 from .protocol import Rollouts, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 #: the vision-language model types this engine runs (a Qwen3 or Qwen3-MoE text decoder behind a vision tower)
 VISION_FAST_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+# ---------------------------------------------------------------------- the prefill token cap
+def check_prefill_token_cap(value: Any) -> int | str | None:
+    """``max_prefill_tokens`` as given, or a ``ValueError`` saying what it may be."""
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"max_prefill_tokens must be a positive number of tokens, 'auto' (from free GPU memory) or "
+                     f"None (no cap: chunks of max_batch_size // num_generations prompts), got {value!r}")
+
+
+def prefill_bytes_per_token(config: Any, itemsize: int) -> int:
+    """An upper estimate of the working set one prefilled token adds (no grad, one layer at a time).
+
+    Text decoder: the residual stream, its normed copy and the attention output (``3 h``), the
+    projections ``q``, ``k``, ``v`` and the attention's output (``2 q + 2 kv``), the MLP's gate, up and
+    activation (``3 I``, ``I`` the width a token goes through: ``k * I_e`` in a sparse layer, plus the
+    ``k`` routed copies of the token and their outputs, ``2 k h``). Every token is counted as if it
+    were an image token as well: its ``merge**2`` vision patches through a vision block (the block's
+    input, normed copy, qkv, attention output: ``6 d``; the MLP: ``2 I_v``) and its deepstack features
+    (one ``out_hidden`` per deepstack merger); counting every token so keeps the estimate an upper one
+    whatever the share of image tokens. The KV cache and the sampled logits are not in it (the
+    engines size those themselves)."""
+    s = model_shape(config)
+    per = 3 * s.hidden + 2 * s.q_dim + 2 * s.kv_dim + 3 * s.active_intermediate
+    if s.is_moe:
+        per += 2 * s.experts_per_token * s.hidden
+    if s.vision is not None:
+        v = s.vision
+        per += v.patches_per_token * (6 * v.hidden + 2 * v.intermediate) + v.deepstack * v.out_hidden
+    return per * itemsize
+
+
+def auto_prefill_token_cap(model: nn.Module, memory_share: float) -> int | None:
+    """The default cap on one prefill's tokens: ``memory_share`` of the free CUDA memory over
+    :func:`prefill_bytes_per_token` (at least one token); ``None`` (no cap) off CUDA, where free
+    memory is not what limits a chunk."""
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(param.device)
+    config = causal_lm_of(model).config
+    per_token = prefill_bytes_per_token(config, max(param.element_size(), 2))  # quantised weights: bf16 activations
+    return max(1, int(free * memory_share) // per_token)
+
+
+def prefill_tokens(lengths: Sequence[int], *, padded: bool, copies: int = 1) -> int:
+    """The tokens of one prefill of prompts of ``lengths``: packed (their sum) or left-padded
+    (``rows x longest``), each prompt prefilled ``copies`` times."""
+    if not lengths:
+        return 0
+    return copies * (len(lengths) * max(lengths) if padded else sum(lengths))
+
+
+def split_by_prefill_tokens(lengths: Sequence[int], cap: int | None, *, padded: bool,
+                            copies: int = 1) -> list[range]:
+    """Consecutive runs of the prompts of ``lengths`` (in order), each prefill at most ``cap``
+    tokens (:func:`prefill_tokens`); a prompt above the cap by itself is a run alone (logged). No
+    cap: one run."""
+    if cap is None or not lengths:
+        return [range(len(lengths))] if lengths else []
+    runs: list[range] = []
+    start = 0
+    for i in range(1, len(lengths) + 1):
+        if i < len(lengths) and prefill_tokens(lengths[start:i + 1], padded=padded, copies=copies) <= cap:
+            continue
+        runs.append(range(start, i))
+        start = i
+    for run in runs:
+        alone = prefill_tokens(lengths[run.start:run.stop], padded=padded, copies=copies)
+        if alone > cap:
+            logger.warning("swiftune: an image prompt of %d tokens (%d prefill tokens with its copies) is above "
+                           "max_prefill_tokens=%d: prefilled alone; raise max_prefill_tokens (or use smaller "
+                           "images) if it runs out of memory", lengths[run.start], alone, cap)
+    return runs
 
 
 class ImagePrompt(Protocol):
@@ -72,6 +160,9 @@ class VisionFastRolloutEngine(FastRolloutEngine):
             patched by :func:`swiftune.patch_model` for the fused layer loop; not copied).
         rope_index: the model's ``get_rope_index`` (:func:`swiftune.models.qwen3_vl.rope_index_of`).
         image_token_id: the image placeholder token (never sampled).
+        max_prefill_tokens: most tokens (text and image, each prompt once, or once per completion
+            without ``share_prompt_prefill``) one prefill holds: a positive int, ``"auto"``
+            (:func:`auto_prefill_token_cap` of the memory the KV cache leaves) or None (no cap).
         pad_token_id, seed, **kwargs: as :class:`FastRolloutEngine`.
     """
 
@@ -79,10 +170,12 @@ class VisionFastRolloutEngine(FastRolloutEngine):
     workspace_class = VisionWorkspace
 
     def __init__(self, model: nn.Module, rope_index: Any, image_token_id: int, pad_token_id: int = 0,
-                 seed: int = 0, **kwargs: Any):
+                 seed: int = 0, max_prefill_tokens: int | str | None = "auto", **kwargs: Any):
+        self.max_prefill_tokens = check_prefill_token_cap(max_prefill_tokens)  # before anything else runs
         super().__init__(model, pad_token_id=pad_token_id, seed=seed, **kwargs)
         self.rope_index = rope_index
         self.image_token_id = int(image_token_id)
+        self._prefill_cap: int | None = None  # this call's cap (max_prefill_tokens resolved by generate)
         self._pending: list[ImagePrompt | None] = []  # the image inputs of the prompts not prefilled yet, in order
         self._prefill_inputs: dict[str, torch.Tensor] | None = None  # the prefill's 3-D positions and images
 
@@ -95,10 +188,31 @@ class VisionFastRolloutEngine(FastRolloutEngine):
             raise ValueError(f"{len(vision)} vision inputs for {len(prompt_ids)} prompts")
         # the base engine prefills its chunks in prompt order: each prefill takes its prompts' inputs from the front
         self._pending = vision
+        self._prefill_cap = (auto_prefill_token_cap(self.model, max(0.0, 1.0 - self.memory_fraction))
+                             if self.max_prefill_tokens == "auto" else self.max_prefill_tokens)
         try:
             return super().generate(prompt_ids, num_generations, params)
         finally:
             self._pending = []
+            self._prefill_cap = None
+
+    def _generate_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: Any,
+                        stops: tuple[str, ...]) -> tuple[list[list[int]], list[torch.Tensor], list[bool], int]:
+        """The base engine's chunk (its prompt count and KV cache fit), split further into prefills of
+        at most this call's cap of tokens (:func:`split_by_prefill_tokens`), run one after another."""
+        copies = 1 if self.share_prompt_prefill else n
+        runs = split_by_prefill_tokens([len(p) for p in prompts], self._prefill_cap, padded=False, copies=copies)
+        ids: list[list[int]] = []
+        lps: list[torch.Tensor] = []
+        done: list[bool] = []
+        steps = 0
+        for run in runs:  # in prompt order: each prefill takes its prompts' image inputs from the front
+            one = super()._generate_chunk(prompts[run.start:run.stop], n, params, stops)
+            ids += one[0]
+            lps += one[1]
+            done += one[2]
+            steps += one[3]
+        return ids, lps, done, steps
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, ws: Workspace, ctx: DecodeContext, prompts: Sequence[Sequence[int]], n: int) -> torch.Tensor:
