@@ -38,8 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--full_finetune", action="store_true")
     p.add_argument("--gpu_gb", type=float, default=None, help="GPU memory in GB (1e9 bytes); default: this GPU's, or 80")
-    p.add_argument("--host_gb", type=float, default=None, help="pinned host memory for offloaded checkpoints, GB (with --world_size: this rank's share; the "
-                        "ranks of one host share its memory)")
+    p.add_argument("--host_gb", type=float, default=None, help="the host's memory for pinned offloaded checkpoints, GB; "
+                   "with --world_size each rank plans with its share (divided among --ranks_per_host ranks, as the "
+                   "runtime divides the host's free memory)")
+    p.add_argument("--ranks_per_host", type=int, default=None,
+                   help="processes of the job on one host, which share --host_gb (torchrun --nproc_per_node; "
+                        "default: --world_size, one host)")
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_BYTES))
     p.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATE_BYTES),
                    help="optimizer whose state the plan counts")
@@ -102,6 +106,7 @@ def main_plan(argv: list[str] | None = None) -> int:
         autocast=args.autocast, lora_input_casts=args.lora_input_casts or not args.autocast,
         weight_quantization="nf4_double_quant" if args.load_in_4bit else ("fp8" if args.load_in_fp8 else None),
         image_tokens=args.image_tokens, world_size=args.world_size, fsdp=args.fsdp,
+        ranks_per_host=args.ranks_per_host,
     )
     if args.load_in_4bit and args.load_in_fp8:
         print("swiftune plan: choose one of --load_in_4bit and --load_in_fp8", file=sys.stderr)

@@ -20,7 +20,8 @@ parameters::
     grads and optimizer states by N and adds the parameters it gathers (the root module's embeddings,
     LM head and final norm, plus two decoder layers; full FT: their unsharded grads too); DDP
     replicates them all and adds its gradient buckets (one more copy of the trainable grads);
-    activations are per rank (``tokens``: one process's tokens)
+    activations are per rank (``tokens``: one process's tokens); pinned host memory is per rank too:
+    the ranks of one host share it (``host_bytes // ranks_per_host`` each)
 
 The checkpointing module uses :func:`layer_working_set` and :func:`step_reserve` to decide how
 many layer inputs it may keep on the GPU (``swiftune.training.checkpointing``).
@@ -77,6 +78,19 @@ def pinned_slot_bytes(layer_bytes: int, page_bytes: int = PAGE_BYTES) -> int:
     ``split_layers`` and the planner count host room in these)."""
     page = choose_page_bytes(layer_bytes, page_bytes)
     return pages_for(layer_bytes, page) * page
+
+
+def host_share_bytes(host_bytes: int, ranks_on_host: int) -> int:
+    """One rank's share of host memory that ``ranks_on_host`` processes of a job on one host share.
+
+    Every rank pins its own offloaded layer inputs, so a rank that budgeted all of the host's free
+    memory would let N ranks pin N times what is there; each gets ``host_bytes // ranks_on_host``.
+    The runtime's host budget (``swiftune.training.offload_memory.host_available_bytes``) and
+    :func:`plan_memory` both divide this way.
+    """
+    if not isinstance(ranks_on_host, int) or isinstance(ranks_on_host, bool) or ranks_on_host < 1:
+        raise ValueError(f"ranks_on_host must be a whole number of processes >= 1, got {ranks_on_host!r}")
+    return max(0, int(host_bytes)) // ranks_on_host
 
 
 def derived_input_count(num_layers: int, offloaded: int, host_holds: int) -> int:
@@ -411,6 +425,7 @@ class MemoryPlan:
     vision_working_set: int = 0  # one vision block at its peak
     image_tokens: int = 0
     world_size: int = 1
+    ranks_per_host: int = 1  # the processes that share the host memory host_limit is one share of
     fsdp: bool = False
     distributed: int = 0  # FSDP2: the gathered (unsharded) parameters; DDP: its gradient buckets
     notes: list[str] = field(default_factory=list)
@@ -471,7 +486,9 @@ class MemoryPlan:
                       + ("fits" if self.fits else "does NOT fit")))
         if self.host_bytes:
             out.append(f"{'pinned host memory':<34}{self.host_bytes / 1e9:>10.2f}"
-                       + ("" if self.host_limit is None else f"  of {self.host_limit / 1e9:.1f}"))
+                       + ("" if self.host_limit is None else f"  of {self.host_limit / 1e9:.1f}")
+                       + (f" (this rank's share: the host's memory over {self.ranks_per_host} ranks)"
+                          if self.host_limit is not None and self.ranks_per_host > 1 else ""))
         out.extend(f"note: {n}" for n in self.notes)
         return "\n".join(out)
 
@@ -531,6 +548,7 @@ def plan_memory(
     image_tokens: int = 0,
     world_size: int = 1,
     fsdp: bool = False,
+    ranks_per_host: int | None = None,
     **setup: Any,
 ) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
@@ -548,7 +566,9 @@ def plan_memory(
             all are offloaded).
         logit_chunk_tokens: token chunk of the fused loss (default 1024, the automatic clamp).
         gpu_bytes: GPU memory; sets ``fits`` and the offload split.
-        host_bytes: pinned host memory available for offloaded checkpoints; sets ``fits``.
+        host_bytes: the host's memory available for pinned offloaded checkpoints; sets ``fits``.
+            With several ranks on the host each plans with its share (:func:`host_share_bytes`:
+            ``host_bytes // ranks_per_host``, the runtime's rule), which ``host_limit`` reports.
         weight_quantization: the decoder's linear weights quantised (QLoRA): ``"nf4_double_quant"``
             (what ``load_in_4bit=True`` loads), ``"nf4"`` or ``"fp8"`` (``load_in_fp8=True``: 1 byte a
             weight and a float32 scale per output row); LoRA only. Adds the largest projection's
@@ -563,6 +583,8 @@ def plan_memory(
         fsdp: FSDP2 (``fully_shard`` per decoder layer and the root): weights, trainable params,
             grads and optimizer states divided by ``world_size`` (rounded up), plus the parameters
             held gathered at once (:func:`fsdp_gathered_params`).
+        ranks_per_host: the processes of the job on one host, which share its ``host_bytes``
+            (torchrun's ``--nproc_per_node``); default ``world_size`` (one host).
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -583,6 +605,13 @@ def plan_memory(
                          f"vision_config, e.g. 'qwen3-vl-8b'); {name!r} has no vision tower")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a whole number of processes >= 1, got {world_size!r}")
+    ranks_per_host = world_size if ranks_per_host is None else ranks_per_host
+    if (not isinstance(ranks_per_host, int) or isinstance(ranks_per_host, bool) or ranks_per_host < 1
+            or world_size % ranks_per_host):
+        raise ValueError(f"ranks_per_host must be a whole number >= 1 that divides world_size ({world_size}): the "
+                         f"processes of one host (torchrun --nproc_per_node), got {ranks_per_host!r}")
+    if host_bytes is not None:
+        host_bytes = host_share_bytes(host_bytes, ranks_per_host)  # from here on: this rank's share
     if fsdp and weight_quantization is not None:
         raise ValueError("fsdp=True with weight_quantization is not planned: FSDP2 shards of quantised weights "
                          "are not modelled; plan one GPU per process without fsdp (DDP) instead")
@@ -671,6 +700,7 @@ def plan_memory(
         gradient_checkpointing=gradient_checkpointing, gpu_bytes=gpu_bytes, host_limit=host_bytes,
         params=P, trainable_params=n_train, notes=notes, vision=vision, vision_working_set=vision_working,
         image_tokens=int(image_tokens), world_size=world_size, fsdp=bool(fsdp), distributed=distributed,
+        ranks_per_host=ranks_per_host,
     )
     plan.overhead = CUDA_CONTEXT_BYTES + int(FRAGMENTATION * plan.activations)
     return plan
@@ -737,6 +767,7 @@ def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: in
 __all__ = [
     "QUANTIZED_WEIGHT_BYTES",
     "fp8_scale_bytes",
+    "host_share_bytes",
     "CUDA_CONTEXT_BYTES",
     "FRAGMENTATION",
     "KNOWN_MODELS",

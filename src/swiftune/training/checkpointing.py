@@ -53,8 +53,9 @@ Budgets: ``gpu_budget_bytes=None`` on CUDA is measured at the first layer of eve
 GPU memory minus what the rest of the step needs (:func:`swiftune.memory.step_reserve`: one
 layer's recompute and backward, the loss, two transfer buffers, gradients still to be allocated)
 and a margin of 5% of the GPU + 1 GiB.  ``host_budget_bytes=None`` is ``MemAvailable`` (psutil or
-``/proc/meminfo``) minus ``max(4 GiB, 10% of MemTotal)``, plus the pinned pages already held;
-an explicit budget is capped by the same figure.
+``/proc/meminfo``) minus ``max(4 GiB, 10% of MemTotal)``, divided among the ranks of this host
+(``LOCAL_WORLD_SIZE``: each pins its own pages), plus the pinned pages already held; an explicit
+budget is capped by the same figure.
 
 Pinned pages: host buffers are fixed-size pages (64 MiB, or the next power of two of a small
 layer), a layer's bytes spread over as many as it needs.  PyTorch's pinned allocator rounds each
@@ -278,13 +279,24 @@ class OffloadState:
         holds a float32 dq for one document at a time)."""
         tokens = x.numel() // x.shape[-1]
         model = self.model_ref()
-        pending = 0
-        if model is not None:
-            pending = sum(p.numel() * p.element_size() for p in model.parameters()
-                          if p.requires_grad and p.grad is None and p.device == x.device)
         if self._shape is None:
             self._shape = _planner_shape(self.config)
-        return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel, max_doc_tokens), pending)
+        return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel, max_doc_tokens),
+                            self.pending_grad_bytes(x.device))
+
+    def pending_grad_bytes(self, device: torch.device) -> int:
+        """Bytes of the gradients this rank has still to allocate on ``device``: its trainable
+        parameters without a ``.grad`` yet. Under FSDP2 a parameter is a DTensor whose ``numel()`` is
+        the whole tensor's, but the rank allocates only its shard's gradient: the local shard counts."""
+        model = self.model_ref()
+        if model is None:
+            return 0
+        pending = 0
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None and p.device == device:
+                local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor shard (FSDP2): this rank's part
+                pending += local.numel() * local.element_size()
+        return pending
 
     # -- per forward
     def layer_input(self, index: int, x: torch.Tensor, attention_kernel: str | None = None,

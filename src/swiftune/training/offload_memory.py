@@ -1,17 +1,18 @@
 """Budgets and host pages of the offloaded checkpointing (:mod:`swiftune.training.checkpointing`):
 which layer inputs stay on the GPU (:func:`split_layers`), how much host memory a new pinned
-allocation may take (:func:`host_available_bytes`), and the pool of fixed-size pinned pages
-(:class:`PagePool`) that holds the offloaded ones across steps.
+allocation of this rank may take (:func:`host_available_bytes`: its share of the host), and the
+pool of fixed-size pinned pages (:class:`PagePool`) that holds the offloaded ones across steps.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from ..memory.planner import PAGE_BYTES, choose_page_bytes, derived_input_count, pinned_slot_bytes
+from ..memory.planner import PAGE_BYTES, choose_page_bytes, derived_input_count, host_share_bytes, pinned_slot_bytes
 
 GiB = 2**30
 
@@ -89,12 +90,26 @@ def split_layers(
                        derived)
 
 
-def host_available_bytes(margin_bytes: int | None = None) -> int:
-    """Host memory a new pinned allocation may take: ``MemAvailable - margin``.
+def local_world_size() -> int:
+    """Processes of this job on this host, which share its memory: the launcher's
+    ``LOCAL_WORLD_SIZE`` (torchrun and ``accelerate launch`` set it for every rank); without it, in
+    an initialised process group, the whole world (as if every rank were on this host: an
+    undercount of each rank's share on several hosts, never an over-subscription); else 1."""
+    launcher = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if launcher:
+        if not launcher.isdigit() or int(launcher) < 1:
+            raise ValueError(f"LOCAL_WORLD_SIZE={launcher!r} is not a number of processes >= 1; unset it or "
+                             "launch with torchrun / accelerate launch, which set it")
+        return int(launcher)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
 
-    ``margin_bytes`` defaults to ``max(4 GiB, 10% of MemTotal)`` (the rest of the process and the
-    system keep that much).  Reads psutil when installed, else ``/proc/meminfo``; with neither, 0.
-    """
+
+def host_memory_bytes() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of this host's memory (psutil when installed, else
+    ``/proc/meminfo``); ``None`` when neither can be read."""
     avail = total = None
     try:
         import psutil
@@ -109,9 +124,27 @@ def host_available_bytes(margin_bytes: int | None = None) -> int:
         except OSError:
             pass
     if avail is None or total is None:
+        return None
+    return avail, total
+
+
+def host_available_bytes(margin_bytes: int | None = None, ranks_on_host: int | None = None) -> int:
+    """Host memory this rank's new pinned allocations may take: ``(MemAvailable - margin) // N``.
+
+    ``N`` (``ranks_on_host``, default :func:`local_world_size`) processes of one job on one host
+    each pin their own offloaded checkpoints, so each may take only its share
+    (:func:`swiftune.memory.planner.host_share_bytes`, as ``swiftune plan --world_size`` plans);
+    the margin is the host's, kept once. ``margin_bytes`` defaults to ``max(4 GiB, 10% of
+    MemTotal)`` (the rest of the processes and the system keep that much). 0 when the host's
+    memory cannot be read (:func:`host_memory_bytes`).
+    """
+    memory = host_memory_bytes()
+    if memory is None:
         return 0
+    avail, total = memory
     margin = max(4 * GiB, total // 10) if margin_bytes is None else margin_bytes
-    return max(0, avail - margin)
+    ranks = local_world_size() if ranks_on_host is None else ranks_on_host
+    return host_share_bytes(max(0, avail - margin), ranks)
 
 
 # ---------------------------------------------------------------------------- host page pool
