@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from .launch import Backend, choose_backend, kernel_is_interpreted, next_pow2, tl, triton
 
-__all__ = ["moe_decode", "moe_decode_reference"]
+__all__ = ["moe_decode", "moe_decode_interpreted", "moe_decode_reference"]
 
 Activation = Literal["silu", "clamped_swiglu"]
 
@@ -232,6 +232,12 @@ if triton is not None:
 
 else:  # pragma: no cover
     _moe_gate_up_kernel = _moe_down_kernel = _moe_combine_kernel = None
+
+
+def moe_decode_interpreted() -> bool:
+    """Whether the kernels run through the Triton interpreter (``TRITON_INTERPRET=1`` at import: CPU
+    tensors) rather than compiled (CUDA tensors)."""
+    return kernel_is_interpreted(_moe_gate_up_kernel)
 
 
 def _check_inputs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

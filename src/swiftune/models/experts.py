@@ -25,6 +25,11 @@ a deterministic combine: each token's ``k`` expert outputs are added one by one 
 order in the activation dtype (the order and roundings of transformers' experts loop and of
 ``index_add_`` on the CPU), where ``index_add_`` on CUDA adds them with atomics in an order that
 changes from run to run (bf16 sums then differ, and a replayed step would not equal the eager one).
+
+A decode step (at most :data:`DECODE_KERNEL_MAX_TOKENS` tokens, no LoRA factors on the experts, on
+CUDA) skips the gather / grouped GEMM / combine chain: :func:`swiftune.kernels.moe_decode.moe_decode`
+runs it as three Triton kernels that read each routed expert's weights once, with the same
+ascending-expert, rounded-per-add combine and no atomics (:func:`decode_kernel_applies` says when).
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import swiglu
+from ..kernels.moe_decode import moe_decode, moe_decode_interpreted
 from .families import ExpertsSpec, Family
 from .state import is_bound, patch_state
 
-__all__ = ["expert_blocks", "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
+__all__ = ["DECODE_KERNEL_MAX_TOKENS", "decode_kernel_applies", "expert_blocks", "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
            "rollout_experts", "rollout_experts_forward"]
 
 
@@ -140,6 +146,8 @@ def rollout_experts_forward(
     ``adapters``: weight name -> LoRA factors ``(lhs, rhs, s)`` with the adapted weight ``W + s lhs @ rhs``
     (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``."""
     _check_fused_layout(self)
+    if decode_kernel_applies(self, hidden_states, spec, adapters):
+        return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
                                   static=hidden_states.is_cuda, adapters=adapters or {})
     tokens, k = top_k_index.shape
@@ -153,6 +161,53 @@ def rollout_experts_forward(
     for slot in range(1, k):  # one add per slot, rounded to the activation dtype each time, as index_add_
         out = out + parts[:, slot]
     return out
+
+
+#: the most tokens a decode step sends through :func:`swiftune.kernels.moe_decode.moe_decode` (its
+#: tiles hold one expert's rows, at most the token count; prefill keeps the grouped GEMM)
+DECODE_KERNEL_MAX_TOKENS = 64
+
+
+def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: ExpertsSpec,
+                          adapters: dict[str, LowRank] | None) -> bool:
+    """Whether a rollout step's experts run the fused decode kernels: no autograd, at most
+    :data:`DECODE_KERNEL_MAX_TOKENS` tokens, no LoRA factors (merged adapters leave plain weights),
+    fp16/bf16/fp32 weights of the activation dtype, SiLU (or gpt-oss's clamped SwiGLU), and compiled
+    Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"`` asks for kernels
+    (the tests); everything else keeps the grouped-GEMM path."""
+    state = patch_state(module)
+    backend = state.kernel_backend if state is not None else "auto"
+    if backend == "reference" or adapters or torch.is_grad_enabled():
+        return False
+    if hidden_states.dim() != 2 or hidden_states.shape[0] > DECODE_KERNEL_MAX_TOKENS:
+        return False
+    if hidden_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    weights = [module.gate_up_proj, module.down_proj] + (
+        [module.gate_up_proj_bias, module.down_proj_bias] if spec.biased else [])
+    if any(w.dtype != hidden_states.dtype or w.device != hidden_states.device for w in weights):
+        return False
+    if not spec.interleaved and type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+        return False
+    if hidden_states.is_cuda:
+        return True
+    return backend == "triton" and moe_decode_interpreted()
+
+
+def _decode_kernel_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, spec: ExpertsSpec) -> torch.Tensor:
+    """The experts of a decode step through :func:`moe_decode` (the same ascending-expert combine)."""
+    activation = {}
+    if spec.interleaved:  # gpt-oss's clamped SwiGLU, with the module's own constants
+        activation = dict(activation="clamped_swiglu", swiglu_alpha=float(module.alpha),
+                          swiglu_limit=float(module.limit))
+    return moe_decode(
+        hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+        transposed=spec.transposed, interleaved=spec.interleaved,
+        gate_up_bias=module.gate_up_proj_bias if spec.biased else None,
+        down_bias=module.down_proj_bias if spec.biased else None,
+        **activation, backend="triton",
+    )
 
 
 def _routed_outputs(
