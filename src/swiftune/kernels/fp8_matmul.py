@@ -152,10 +152,13 @@ if triton is not None:
 
     @triton.jit
     def _split_k_reduce_kernel(
-        p_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym,
-        SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr,
-        INT64: tl.constexpr,
+        p_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, M, N, stride_ym,
+        SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
     ):
+        """``y[row, cols] = round(s[cols] (xs[row]) sum_i partial[i, row, cols] + b[cols])``, the partial
+        sums added in a fixed order; ``xs``: the row scales of quantised activations
+        (:mod:`swiftune.kernels.fp8_dot`), absent for the weight-only kernel."""
         row = tl.program_id(1)
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         if INT64:
@@ -166,6 +169,8 @@ if triton is not None:
         for i in tl.static_range(SPLIT):  # a fixed order: deterministic sums
             acc += tl.load(p_ptr + (i * M + row) * N + cols, mask=mask, other=0.0)
         y = acc * tl.load(s_ptr + cols, mask=mask, other=0.0)
+        if HAS_ROW_SCALE:
+            y = y * tl.load(xs_ptr + row)
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if ROUND_BF16:
@@ -276,8 +281,9 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     )
     if split > 1:
         _split_k_reduce_kernel[(-(-n // _REDUCE_BLOCK), m)](
-            partial, s, b, y, m, n, y.stride(0),
-            SPLIT=split, BLOCK=_REDUCE_BLOCK, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16, INT64=int64,
+            partial, s, s, b, y, m, n, y.stride(0),
+            SPLIT=split, BLOCK=_REDUCE_BLOCK, HAS_ROW_SCALE=False, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
+            INT64=int64,
             num_warps=4,
         )
     return y.view(*x.shape[:-1], n)

@@ -1,0 +1,198 @@
+"""The FP8 x FP8 decode kernel (``swiftune.kernels.fp8_dot``): activations quantised per row to e4m3, then
+``tl.dot`` on e4m3 codes with both scales and the bias in the epilogue.
+
+Reference: the float64 formula ``(q(x) sx) (Q s)^T + b`` in plain torch, with ``q(x)`` and ``sx`` made by
+plain torch ops here (``max |x| / 448``, IEEE division, torch's own ``float8_e4m3fn`` cast), never swiftune;
+and torch's own ``torch._scaled_mm`` on the same codes (it runs on CPU). On CPU the kernel runs through the
+Triton interpreter (tests/conftest.py), whose fp8 ``tl.dot`` multiplies the codes exactly in float32: the
+kernel body the GPU compiles, with both K-loop decodings (``"fp8"`` and ``"bits"``), both operand orders
+(``swap_ab``) and the split-K reduction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftune.kernels.fp8_dot import fp8_dot_matmul, fp8_dot_matmul_reference
+from tests.test_fp8_matmul import _assert_close, _rel
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _torch_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch per-row e4m3: ``s = max|x| / 448`` (1 for a zero row), ``q = e4m3(clamp(x / s))``."""
+    v = x.float()
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    s = amax / torch.full_like(amax, 448.0)  # a tensor divisor: IEEE division on CUDA too
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (v / s).clamp(-448.0, 448.0).to(E4M3), s
+
+
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0, device: str = "cpu"):
+    """x ``[m, k]`` (one row of zeros: its scale is 1 and its codes 0), e4m3 weight codes spanning e4m3's
+    range (subnormals included), per-row weight scales, bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, m)[:, None]
+    x[m // 2] = 0
+    w = (torch.randn(n, k, generator=g) * torch.logspace(-3, 2.4, k)[torch.randperm(k, generator=g)]).clamp(-448, 448)
+    s = torch.rand(n, generator=g) * 1e-2 + 1e-3
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return (x.to(dtype).to(device), w.to(E4M3).to(device), s.to(device), None if b is None else b.to(device))
+
+
+def _float64(xq: torch.Tensor, xs: torch.Tensor, q: torch.Tensor, s: torch.Tensor, b: torch.Tensor | None):
+    y = (xq.double() * xs.double().reshape(-1, 1)) @ (q.double() * s.double().reshape(-1, 1)).t()
+    return y if b is None else y + b.double()
+
+
+# (m, n, k, split_k, block_n): rows 17..64 (the path's range), K not a multiple of 128, forced splits
+_SHAPES = [(17, 64, 256, None, None), (33, 129, 130, 3, None), (64, 70, 384, 2, 32), (24, 100, 300, 1, 64)]
+_CASES = [(dtype, *shape, swap, decode) for dtype in (torch.float32, torch.bfloat16) for shape in _SHAPES
+          for swap in (True, False) for decode in ("fp8", "bits")]
+
+
+@pytest.mark.parametrize("dtype,m,n,k,split,block_n,swap,decode", _CASES,
+                         ids=[f"{str(c[0])[6:]}-m{c[1]}-n{c[2]}-k{c[3]}-split{c[4]}-bn{c[5]}-"
+                              f"{'swap' if c[6] else 'noswap'}-{c[7]}" for c in _CASES])
+def test_kernel_equals_float64_formula(device, dtype, m, n, k, split, block_n, swap, decode):
+    """A float ``x`` (quantised inside) and the same rows given as codes and scales both give the float64
+    formula on plain torch's codes, within float32 summation error (fp32) or one bf16 rounding."""
+    x, q, s, b = _operands(m, n, k, dtype, bias=m % 2 == 1, device=device)
+    xq, xs = _torch_quant(x)
+    want = _float64(xq, xs, q, s, b)
+    kw = dict(backend="triton", split_k=split, block_n=block_n, swap_ab=swap, decode=decode)
+    if device == "cuda" and decode == "fp8":
+        kw["decode"] = "auto"  # "fp8" needs FP8 tensor cores (the interpreter has them all)
+    with torch.no_grad():
+        y = fp8_dot_matmul(x, q, s, b, **kw)
+        y_codes = fp8_dot_matmul(xq, q, s, b, x_scale=xs, out_dtype=dtype, **kw)
+        ref = fp8_dot_matmul_reference(xq, xs, q, s, b, dtype)
+    _assert_close(y, want, dtype)
+    assert torch.equal(y, y_codes)  # the quantiser inside gives plain torch's codes and scales
+    _assert_close(ref, want, dtype)
+    assert want.abs().max() > 0 and torch.all(y[m // 2] == (0 if b is None else b.to(dtype)))
+
+
+def test_equals_torch_scaled_mm_on_the_same_codes(device):
+    """torch's own FP8 matmul on the same codes and scales: float32 outputs within float32 summation
+    error of each other, bf16 outputs within one bf16 rounding (of nearly the same float32 value)."""
+    x, q, s, b = _operands(48, 96, 256, torch.bfloat16, True, seed=3, device=device)
+    xq, xs = _torch_quant(x)
+    with torch.no_grad():
+        for out_dtype in (torch.float32, torch.bfloat16):
+            try:
+                theirs = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, -1), out_dtype=out_dtype)
+            except RuntimeError as e:  # a GPU without FP8 tensor cores
+                pytest.skip(f"torch._scaled_mm does not run here: {e}")
+            ours = fp8_dot_matmul(xq, q, s, None, x_scale=xs, out_dtype=out_dtype, backend="triton")
+            assert ours.dtype == out_dtype and torch.isfinite(ours).all()
+            if out_dtype == torch.float32:
+                assert _rel(ours, theirs) < 1e-6
+            else:
+                err = (ours.float() - theirs.float()).abs()
+                assert torch.all(err <= theirs.float().abs() * 2.0**-7 + 1e-6), float(err.max())
+                assert _rel(ours, theirs) < 4e-3
+    assert theirs.abs().max() > 0
+
+
+def test_leading_axes_strided_x_64_bit_indexing_and_fixed_order_split(device):
+    x, q, s, b = _operands(20, 40, 256, torch.float32, True, seed=1, device=device)
+    x3 = torch.randn(2, 10, 400, device=device)[..., 100:356]  # rows 400 apart, not contiguous
+    xq, xs = _torch_quant(x3.reshape(-1, 256))
+    want = _float64(xq, xs, q, s, b).view(2, 10, 40)
+    with torch.no_grad():
+        y = fp8_dot_matmul(x3, q, s.view(-1, 1), b, backend="triton")
+        y64 = fp8_dot_matmul(x3, q.view(torch.uint8), s, b, backend="triton", _force_int64=True, split_k=2)
+        again = fp8_dot_matmul(x3, q, s, b, backend="triton", _force_int64=True, split_k=2)
+    assert y.shape == (2, 10, 40)
+    assert _rel(y, want) < 1e-6 and _rel(y64, want) < 1e-6
+    assert torch.equal(again, y64)  # the split-K partials are added in a fixed order: the same bits
+
+
+def test_plain_cpu_reference_and_empty_inputs():
+    """Without the interpreter's backend the plain-PyTorch path gives the formula too; no rows, or K = 0
+    (an empty sum: the bias alone), need no kernel."""
+    x, q, s, b = _operands(18, 24, 64, torch.float32, True, seed=2)
+    xq, xs = _torch_quant(x)
+    with torch.no_grad():
+        y = fp8_dot_matmul(x, q, s, b, backend="reference")
+        empty = fp8_dot_matmul(x[:0], q, s, b, backend="reference")
+        no_k = fp8_dot_matmul(torch.ones(3, 0), q[:, :0], s, b, backend="reference")
+    assert _rel(y, _float64(xq, xs, q, s, b)) < 1e-6
+    assert empty.shape == (0, 24)
+    assert torch.equal(no_k, b.expand(3, 24))
+
+
+def test_bad_inputs_are_refused():
+    x, q, s, b = _operands(17, 16, 64, torch.float32, True)
+    xq, xs = _torch_quant(x)
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        fp8_dot_matmul(x, q.float(), s)
+    with pytest.raises(ValueError, match="in_features"):
+        fp8_dot_matmul(x[:, :8], q, s)
+    with pytest.raises(ValueError, match="one float32 value per output row"):
+        fp8_dot_matmul(x, q, s[:4])
+    with pytest.raises(ValueError, match="bias must have"):
+        fp8_dot_matmul(x, q, s, b[:3])
+    with pytest.raises(ValueError, match="needs x_scale"):
+        fp8_dot_matmul(xq, q, s)
+    with pytest.raises(ValueError, match="needs x_scale"):
+        fp8_dot_matmul(xq, q, s, x_scale=xs[:3])
+    with pytest.raises(ValueError, match="pass a float x without it"):
+        fp8_dot_matmul(x, q, s, x_scale=xs)
+    with pytest.raises(ValueError, match="out_dtype is x's dtype"):
+        fp8_dot_matmul(x, q, s, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        fp8_dot_matmul(x, q, s, block_n=24)
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 32"):
+        fp8_dot_matmul(x, q, s, block_k=16)
+    with pytest.raises(ValueError, match="decode must be"):
+        fp8_dot_matmul(x, q, s, decode="native")
+    with pytest.raises(RuntimeError, match="no backward"):
+        fp8_dot_matmul(x.clone().requires_grad_(), q, s)
+
+
+# Qwen3-8B's decoder projections: (N, K)
+_QWEN3_8B = {"q_o": (4096, 4096), "k_v": (1024, 4096), "gate_up": (12288, 4096), "down": (4096, 12288)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs CUDA")
+@pytest.mark.parametrize("m", [17, 64])
+@pytest.mark.parametrize("proj", list(_QWEN3_8B))
+def test_cuda_qwen3_8b_projections_compiled_equal_formula_and_graph_replay(proj, m):
+    """Each Qwen3-8B projection compiled at 17 and 64 rows, default tiles and forced ones (both operand
+    orders, both decodings, a split), against the float64 formula; a CUDA graph replay of the launcher
+    (quantise kernel included) equals its eager result bit for bit (no host sync, fixed-order sums).
+    With FP8 tensor cores the sums of each BLOCK_K products are made in the tensor cores' own
+    reduced-precision accumulator before the float32 add (``precise_acc``): allowed here, besides one
+    bf16 rounding, an error of 2^-12 of the sum of |terms| (and 2^-9 without the promotion)."""
+    n, k = _QWEN3_8B[proj]
+    x, q, s, b = _operands(m, n, k, torch.bfloat16, proj == "k_v", device="cuda")
+    xq, xs = _torch_quant(x)
+    want = _float64(xq, xs, q, s, b)
+    terms = (xq.double().abs() * xs.double()) @ (q.double().abs() * s.double().reshape(-1, 1)).t()
+    fp8_cores = torch.cuda.get_device_capability() >= (8, 9)
+    configs = [dict(), dict(swap_ab=False), dict(block_n=64, split_k=4), dict(block_n=128, split_k=1, num_warps=8),
+               dict(decode="bits", split_k=2), dict(precise_acc=False)]
+    with torch.no_grad():
+        for cfg in configs:
+            y = fp8_dot_matmul(x, q, s, b, **cfg)
+            assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+            slack = 0.0 if cfg.get("decode") == "bits" or not fp8_cores else 2.0**-9 if "precise_acc" in cfg else 2.0**-12
+            err = (y.double() - want).abs()
+            bound = want.abs() * 2.0**-8 + 1e-6 * want.abs().max() + slack * terms
+            assert torch.all(err <= bound), (cfg, float((err - bound).max()))
+        eager = fp8_dot_matmul(x, q, s, b, split_k=2)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fp8_dot_matmul(x, q, s, b, split_k=2)  # compiled before the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = fp8_dot_matmul(x, q, s, b, split_k=2)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
