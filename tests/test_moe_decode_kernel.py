@@ -205,18 +205,20 @@ def test_rollout_experts_forward_takes_the_kernel_for_decode_steps(family, monke
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the engine's bf16 graph case is the CUDA test below")
-def test_engine_greedy_with_the_kernel_equals_generate(monkeypatch):
-    """FastRolloutEngine on a tiny Qwen3-MoE with every Triton kernel forced (the interpreter on the
-    CPU): the decode steps ran the experts' decode kernel, and the greedy tokens equal transformers'
-    generate on the unpatched model, for every row."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_engine_greedy_with_the_kernel_equals_generate(family, monkeypatch):
+    """FastRolloutEngine on a tiny Qwen3-MoE (and gpt-oss: transposed, biased, clamped) with every
+    Triton kernel forced (the interpreter on the CPU): the decode steps ran the experts' decode kernel,
+    and the greedy tokens equal transformers' generate on the unpatched model, for every row."""
     calls = []
     real = experts_module.moe_decode
     monkeypatch.setattr(experts_module, "moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    reference = tiny_moe("qwen3_moe", seed=3, eos_token_id=None)
+    reference = tiny_moe(family, seed=3, eos_token_id=None)
+    sparse_layers = sum(hasattr(layer.mlp, "experts") for layer in reference.model.layers)
     policy = patch_model(copy.deepcopy(reference), attention="reference", kernel_backend="triton").eval()
     out = FastRolloutEngine(policy, pad_token_id=PAD, kv_bucket=4).generate(
         PROMPTS, 1, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=()))
-    assert calls.count(len(PROMPTS)) == 5  # every decode step after the prefill (one sparse layer) took it
+    assert calls.count(len(PROMPTS)) == 5 * sparse_layers  # every decode step after the prefill took it
     assert out.completion_ids == [_hf_greedy(reference, p, 6) for p in PROMPTS]
 
 
