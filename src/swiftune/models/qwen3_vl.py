@@ -33,6 +33,7 @@ which packing keeps; the parity test (tests/test_qwen3_vl.py) checks it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -53,6 +54,8 @@ VISION_TOWER_MODULES = ("model.visual",)
 VISION_SKIP_MODULES = (*VISION_TOWER_MODULES, "lm_head")
 
 _NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+logger = logging.getLogger(__name__)
 
 
 def text_config_of(config: Any) -> Any:
@@ -193,3 +196,45 @@ def check_vision_tower_unquantized(model: nn.Module) -> None:
         if quantized:
             raise RuntimeError(f"the vision tower was quantised ({quantized[0]} and {len(quantized) - 1} more): "
                                "swiftune keeps it in the load dtype; load the model unquantised")
+
+
+def unquantized_expert_stacks(model: nn.Module) -> dict[str, int]:
+    """The fused expert stacks a 4-bit (QLoRA) load of a mixture-of-experts text decoder leaves in the
+    load dtype (Qwen3-VL-MoE: each sparse layer's ``mlp.experts.gate_up_proj [E, 2I, H]`` and
+    ``down_proj [E, H, I]``), by name, with their element counts; ``{}`` for a dense model.
+
+    What ``load_in_4bit=True`` quantises on Qwen3-VL-MoE, and why: transformers' bitsandbytes
+    quantiser replaces ``nn.Linear`` modules with ``bnb.nn.Linear4bit``, and that is what becomes NF4
+    here: the attention projections of every layer and the projections of the dense (``mlp_only``)
+    MLPs. The experts of transformers 5 are one module holding two 3-D parameters, read whole by
+    the grouped GEMMs (transformers' and swiftune's, :mod:`swiftune.models.experts`); bitsandbytes
+    has no 3-D ``Linear4bit`` and no grouped NF4 matmul, so they stay in the load dtype (bf16), as
+    the router (a plain parameter, not a linear) does. This is the layout of transformers +
+    bitsandbytes + PEFT's own QLoRA on this model (tests/test_qwen3_vl_moe_quantized.py checks both
+    hold the same NF4 codes and the same unquantised stacks). Its cost: the experts are most of a
+    MoE model's weights (Qwen3-VL-30B-A3B: about 29B of its 31B), so a 4-bit load saves little
+    memory on it; quantising the stacks would need an NF4 grouped GEMM (dequantising one expert
+    tile at a time, in forward and in backward) that swiftune does not have yet. LoRA on the
+    experts runs through PEFT's ``target_parameters`` (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``) on the unquantised stacks."""
+    stacks = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts") or name.endswith("mlp.experts.base_layer"):
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() == 3 and type(p).__name__ != "Params4bit":
+                    stacks[f"{name}.{pname}"] = p.numel()
+    return stacks
+
+
+def log_unquantized_expert_stacks(model: nn.Module) -> None:
+    """After a 4-bit load: one log line naming how many expert weights stayed in the load dtype
+    (:func:`unquantized_expert_stacks`; nothing for a dense model)."""
+    stacks = unquantized_expert_stacks(model)
+    if not stacks:
+        return
+    numel = sum(stacks.values())
+    itemsize = next(p for n, p in model.named_parameters() if n in stacks).element_size()
+    logger.warning("swiftune: load_in_4bit on a mixture-of-experts decoder quantises its attention and dense "
+                   "projections only: the %d fused expert stacks (%.2f GB in %d-byte weights) stay unquantised "
+                   "(bitsandbytes quantises nn.Linear layers, not 3-D expert stacks)", len(stacks),
+                   numel * itemsize / 1e9, itemsize)

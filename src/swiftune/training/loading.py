@@ -25,7 +25,8 @@ from ..data.multimodal import load_vision_processor
 from ..models.families import family_of
 from ..models.fp8_linear import quantize_model_fp8
 from ..models.patching import fuse_lora_if_patched, patch_model
-from ..models.qwen3_vl import VISION_SKIP_MODULES, VISION_TOWER_MODULES, check_vision_tower_unquantized
+from ..models.qwen3_vl import (VISION_SKIP_MODULES, VISION_TOWER_MODULES, check_vision_tower_unquantized,
+                               log_unquantized_expert_stacks)
 from ..models.support import require_causal_decoder
 from ..models.tiled_mlp import enable_tiled_mlp
 from .checkpointing import enable_offloaded_checkpointing
@@ -372,6 +373,8 @@ class FastModel:
             quantize_model_fp8(model, skip=VISION_TOWER_MODULES if vision else ())
         if vision and (quantization is not None or load_in_fp8):
             check_vision_tower_unquantized(model)
+        if vision and quantization is not None:  # Qwen3-VL-MoE: the expert stacks stay in the load dtype
+            log_unquantized_expert_stacks(model)
         if vision:  # the processor (tokenizer + image processor) takes the tokenizer's place
             tokenizer = load_vision_processor(model_name_or_path, **shared)
         else:
