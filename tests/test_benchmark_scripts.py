@@ -623,6 +623,18 @@ def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
         run_script("rollout.py", "--merge", str(out), str(again), "--out", str(merged))
 
 
+def test_moe_decode_tiny_rows(tmp_path):
+    """benchmarks/moe_decode.py on the tiny Qwen3-MoE shape (CPU: both paths eager, the kernel column
+    the reference loop): its checks pass and it writes both paths' times and the HBM floor as rows."""
+    out = tmp_path / "moe_decode.json"
+    run_script("moe_decode.py", "--model", "tiny-moe", "--tokens", "4,64", "--iters", "2", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert [(x["path"], x["tokens"]) for x in r["rows"]] == [("grouped_mm", 4), ("kernel", 4), ("grouped_mm", 64),
+                                                            ("kernel", 64)]
+    assert all(x["vs_reference"] < 1e-2 and x["floor_ms"] > 0 for x in r["rows"])
+    assert_rows(out, "moe_decode", {"ms", "hbm_floor_ms", "copy_fraction"})
+
+
 def test_memory_profile_finds_the_blocks_alive_at_the_peak():
     """The two-pass replay against a brute-force one (copy of the live set after every event) on
     random alloc/free traces, including frees of blocks allocated before recording began."""

@@ -139,14 +139,16 @@ def grouped_experts_forward(
 
 def rollout_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-    *, spec: ExpertsSpec, adapters: dict[str, LowRank] | None = None,
+    *, spec: ExpertsSpec, adapters: dict[str, LowRank] | None = None, decode_kernel: bool = True,
 ) -> torch.Tensor:
     """:func:`grouped_experts_forward` for the rollout engine (module docstring): on CUDA no host sync
     (capturable), and each token's expert outputs added in ascending expert order, deterministically.
     ``adapters``: weight name -> LoRA factors ``(lhs, rhs, s)`` with the adapted weight ``W + s lhs @ rhs``
-    (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``."""
+    (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``.
+    ``decode_kernel``: whether a decode step may take the fused kernels (:func:`decode_kernel_applies`);
+    ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times)."""
     _check_fused_layout(self)
-    if decode_kernel_applies(self, hidden_states, spec, adapters):
+    if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
                                   static=hidden_states.is_cuda, adapters=adapters or {})

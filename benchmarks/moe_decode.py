@@ -1,0 +1,212 @@
+"""One MoE layer's routed experts in a decode step: the fused decode kernels vs today's grouped-GEMM path.
+
+Qwen3-30B-A3B's experts (128 experts top-8, hidden 2048, expert intermediate 768; the shape table of
+benchmarks/workload.py), bf16, transformers' own experts module and router with random weights, routing
+from that router on random hidden states, at T = 8 and 64 tokens (the rollout engine's G = 8 / 64 rows).
+Timed on the same tensors in one process, each as a CUDA graph replay (how the engine's decode step
+runs) and eagerly:
+
+* ``grouped_mm``: ``rollout_experts_forward(..., decode_kernel=False)``, the path the engine ran before
+  (sort, gather, ``F.grouped_mm`` gate/up, SwiGLU, ``F.grouped_mm`` down, routing weight, k-slot combine);
+* ``kernel``: :func:`swiftune.kernels.moe_decode.moe_decode` (what ``rollout_experts_forward`` now runs
+  for these steps), at its default tiles, then a small sweep of tile widths / depths (the fastest reported,
+  to tune the launcher's defaults);
+* ``floor``: the bytes of the distinct experts the routing reads (gate/up and down of each), over the
+  device-to-device copy bandwidth measured here.
+
+Checks before timing: the kernel equals the float32 reference loop within bf16 tolerance and today's
+path within bf16 tolerance; ``rollout_experts_forward`` (kernel allowed) returns the kernel's output bit
+for bit; a graph replay equals the eager call bit for bit.
+
+    python -m benchmarks.moe_decode --out moe_decode.json      # H200: well under a minute
+    python -m benchmarks.moe_decode --model tiny-moe --tokens 4 --iters 2 --out /tmp/m.json   # CPU smoke
+
+On a machine without CUDA the kernel column is the plain-PyTorch reference (no interpreter) and
+nothing is captured: the smoke run checks the script, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import transformers
+
+from benchmarks import results
+from benchmarks.workload import model_config
+from swiftune.kernels.moe_decode import moe_decode, moe_decode_reference
+from swiftune.models.experts import rollout_experts_forward
+from swiftune.models.families import FAMILIES
+
+SPEC = FAMILIES["qwen3_moe"].experts
+SWEEP = [(16, 128), (32, 64), (32, 256), (64, 128), (128, 128)]  # (block_n, block_k) beside the default
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def time_ms(fn, iters: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events on a GPU, the wall clock on the CPU)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def as_graph(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up that compiles): returns the replay and its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def copy_bandwidth(cuda: bool, iters: int) -> float:
+    """Bytes per second of a device-to-device copy (read + write) of 2 GB (1 GB of CPU memory on the CPU)."""
+    n = (2 if cuda else 1) * 2**30 // 2 // (1 if cuda else 64)
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda" if cuda else "cpu").normal_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), iters, cuda)
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def build_layer(model: str, device: str, dtype: torch.dtype):
+    """transformers' Qwen3-MoE experts module and router of ``model``'s config, random weights."""
+    config = model_config(model)
+    mod = transformers.models.qwen3_moe.modeling_qwen3_moe
+    torch.manual_seed(0)
+    with torch.device(device):  # built where it runs: 30B-A3B's expert stacks are 2.4 GB in float32
+        experts, router = mod.Qwen3MoeExperts(config), mod.Qwen3MoeTopKRouter(config)
+    with torch.no_grad():
+        for p in list(experts.parameters()) + list(router.parameters()):
+            p.normal_(0.0, 0.02)
+    return experts.to(device, dtype).eval(), router.to(device, dtype).eval(), config
+
+
+def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_bw: float) -> list[dict]:
+    device = experts.gate_up_proj.device
+    hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=experts.gate_up_proj.dtype)
+    with torch.no_grad():
+        _, weights, index = router(hidden)
+        weights = weights.to(hidden.dtype)
+        distinct = int(index.unique().numel())  # host read, outside anything timed or captured
+        per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
+        floor_ms = distinct * per_expert / copy_bw * 1e3
+
+        def today():
+            return rollout_experts_forward(experts, hidden, index, weights, spec=SPEC, decode_kernel=False)
+
+        def kernel(block_n=None, block_k=128):
+            return moe_decode(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
+                              transposed=SPEC.transposed, block_n=block_n, block_k=block_k)
+
+        got, base = kernel(), today()
+        want = moe_decode_reference(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
+                                    transposed=SPEC.transposed, compute_dtype=torch.float32)
+        checks = dict(vs_reference=rel_err(got, want), vs_grouped_mm=rel_err(got, base))
+        assert checks["vs_reference"] < 1e-2 and checks["vs_grouped_mm"] < 2e-2, checks
+        if cuda:
+            assert torch.equal(rollout_experts_forward(experts, hidden, index, weights, spec=SPEC), got)
+        rows = []
+        for name, fn in (("grouped_mm", today), ("kernel", kernel)):
+            eager_ms = time_ms(fn, iters, cuda)
+            graph_ms = None
+            if cuda:
+                replay, captured = as_graph(fn)
+                replay()
+                torch.cuda.synchronize()
+                assert torch.equal(captured, fn()), name  # replay == eager, bit for bit
+                graph_ms = time_ms(replay, iters, cuda)
+            rows.append(dict(path=name, tokens=tokens, distinct_experts=distinct, eager_ms=eager_ms, graph_ms=graph_ms,
+                             floor_ms=floor_ms, **checks))
+        if cuda:  # the tile sweep (graph replays), to tune the launcher's defaults
+            best = None
+            for block_n, block_k in SWEEP:
+                replay, _ = as_graph(lambda: kernel(block_n, block_k))
+                ms = time_ms(replay, iters, cuda)
+                if best is None or ms < best[0]:
+                    best = (ms, block_n, block_k)
+            rows[-1].update(best_ms=best[0], best_block_n=best[1], best_block_k=best[2])
+    return rows
+
+
+def to_result_rows(data: dict, ctx: results.Context) -> list[results.Row]:
+    out = []
+    for r in data["rows"]:
+        s = {"tokens": r["tokens"], "distinct_experts": r["distinct_experts"], "dtype": data["meta"]["dtype"]}
+        mode = "moe_decode_kernel" if r["path"] == "kernel" else "moe_grouped_mm"
+        time_key = "graph_ms" if r["graph_ms"] is not None else "eager_ms"
+        out.append(ctx.row("swiftune", mode, data["meta"]["model"], {**s, "timing": time_key[:-3]}, "ms", r[time_key]))
+        if r["path"] == "kernel":
+            out.append(ctx.row("swiftune", mode, data["meta"]["model"], s, "hbm_floor_ms", r["floor_ms"]))
+            out.append(ctx.row("swiftune", mode, data["meta"]["model"], s, "copy_fraction",
+                               r["floor_ms"] / r[time_key]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a Qwen3-MoE shape of benchmarks/workload.py")
+    p.add_argument("--tokens", default="8,64", help="comma-separated token counts of the decode step")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", help="write the JSON here")
+    p.add_argument("--rows", default=None, help="result rows (JSON Lines); default: --out with .rows.jsonl")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16
+    experts, router, config = build_layer(args.model, "cuda" if cuda else "cpu", dtype)
+    if config.model_type != "qwen3_moe":
+        print(f"--model {args.model} is a {config.model_type} shape; give a Qwen3-MoE one (qwen3-30b-a3b, tiny-moe)",
+              file=sys.stderr)
+        return 2
+    copy_bw = copy_bandwidth(cuda, args.iters)
+    rows = []
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        rows += measure(experts, router, config, tokens, args.iters, cuda, copy_bw)
+    meta = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), gpu=torch.cuda.get_device_name() if cuda
+                else "cpu", torch=torch.__version__, copy_tb_s=copy_bw / 1e12, experts=config.num_experts,
+                top_k=config.num_experts_per_tok, hidden=config.hidden_size, inter=config.moe_intermediate_size)
+    data = dict(benchmark="moe_decode", meta=meta, rows=rows)
+    print(f"\n{meta}")
+    print(f"{'path':<11} {'T':>3} {'experts':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'x floor':>8} "
+          f"{'best ms':>8} {'tile n/k':>9}")
+    for r in rows:
+        timed = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
+        graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
+        best = f"{r['best_ms']:8.4f} {r['best_block_n']:>4}/{r['best_block_k']:<4}" if "best_ms" in r else ""
+        print(f"{r['path']:<11} {r['tokens']:>3} {r['distinct_experts']:>7} {r['eager_ms']:9.4f} {graph} "
+              f"{r['floor_ms']:9.4f} {timed / r['floor_ms']:8.2f} {best}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+    path = results.rows_path(args.rows, args.out)
+    if path:
+        n = results.write_rows(path, to_result_rows(data, results.run_context("moe_decode", argv)))
+        print(f"# {n} result rows: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
