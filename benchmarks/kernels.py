@@ -12,14 +12,19 @@ outputs written once) and is compared with a device-to-device copy measured here
     python -m benchmarks.kernels --out k.json    # also writes the rows as JSON
     python -m benchmarks.kernels --fp8-matmul --out f.json   # only the FP8 decode matmul table (below)
 
-The FP8 decode matmul (``fp8_weight_only_matmul``, no grad) has a table of its own: Qwen3-8B's
-projection shapes at M = 1, 8, 64 rows against the two other ways to run that product, on the same
-tensors: the FP8 linear's ``torch._scaled_mm`` path (fused per-row quantise of x, then
-``_scaled_mm``) and a bf16 matmul on the bf16 weight. Each call cycles through enough copies of the
-weight (>= 256 MB) that none is read from L2, as in a decode step, where every layer's weights differ;
-GB/s counts the bytes each path must read (codes or bf16 weight, x, scales) and write. Its default
-tiles are timed, then a sweep of tile widths and K splits (and of the two e4m3 decodings) reports
-the fastest, to tune the launcher's heuristic.
+The FP8 decode matmul (no grad) has a table of its own: Qwen3-8B's projection shapes at M = 1, 8,
+32, 64 rows, four ways to run that product on the same tensors: the weight-only kernel
+(``fp8_weight_only_matmul``: x unquantised, codes decoded to bf16), the FP8 x FP8 kernel
+(``fp8_dot_matmul``: fused per-row quantise of x, then ``tl.dot`` on e4m3 codes; the "dot" columns),
+the FP8 linear's ``torch._scaled_mm`` path (the same quantise, then ``_scaled_mm``) and a bf16 matmul
+on the bf16 weight. Each call cycles through enough copies of the weight (>= 256 MB) that none is read
+from L2, as in a decode step, where every layer's weights differ; GB/s counts the bytes each path must
+read (codes or bf16 weight, x, scales) and write. Default tiles are timed everywhere; the weight-only
+kernel's tile widths, K splits and decodings are swept where it is dispatched (M <= 16), the FP8 x
+FP8 kernel's tiles, splits, operand order, warps, stages and accumulator promotion at M = 64 (the
+G = 64 decode step), to tune the launchers' heuristics. The dot path's result is checked against
+``_scaled_mm``'s on the same codes (``dot_rel_err``), and a last line adds up one decoder layer's seven
+projections per M: the fastest FP8 path of each against bf16.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import math
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,7 @@ from benchmarks import results
 from swiftune.kernels import (add_rms_norm, decode_qkv, decode_qkv_reference, fp8_quantize_rowwise,
                               fp8_quantize_rowwise_reference, fp8_weight_only_matmul, geglu, rms_norm, rope_qk,
                               swiglu)
+from swiftune.kernels.fp8_dot import fp8_dot_matmul
 
 
 def bench(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -206,6 +213,15 @@ QWEN3_8B_PROJECTIONS = {  # name -> (N, K): out and in features of each decoder 
     "q/o_proj": (4096, 4096), "k/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096), "down_proj": (4096, 12288),
 }
 _FP8_SWEEP = [(bn, sk) for bn in (32, 64, 128) for sk in (1, 2, 4)]  # few: each is a compile
+_FP8_MS = (1, 8, 32, 64)  # decode rows: G = 1 .. 64 completions a step
+_WEIGHT_ONLY_SWEEP_MAX_M = 16  # the weight-only kernel is dispatched up to 16 rows (models/fp8_linear.py)
+_DOT_SWEEP_MS = (64,)  # the G = 64 decode step, issue #26's target
+_DOT_SWEEP = [  # fp8_dot_matmul overrides, each a compile (shapes share them); {} = the defaults
+    dict(block_n=64), dict(block_n=128), dict(block_n=128, split_k=1), dict(block_n=64, split_k=8),
+    dict(swap_ab=False, block_n=128), dict(swap_ab=False, block_n=64), dict(num_warps=8, num_stages=3),
+    dict(block_k=256, num_stages=3), dict(num_stages=6), dict(precise_acc=False),
+]
+_LAYER_PROJECTIONS = {"q/o_proj": 2, "k/v_proj": 2, "gate/up_proj": 2, "down_proj": 1}  # one decoder layer
 
 
 def graph_ms(fn, copies: int, reps: int = 5) -> float:
@@ -240,7 +256,8 @@ def fp8_matmul_rows(copy_bw: float) -> list[dict]:
         copies = max(2, -(-(256 * 2**20) // (2 * n * k)))  # the bf16 copies alone exceed L2 several times
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         q, s = zip(*(quantize_rowwise(w) for w in w16))
-        for m in (1, 8, 64):
+        s1 = [v.view(-1) for v in s]  # the kernels take the scales as [N]
+        for m in _FP8_MS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
             def timed(fn):
@@ -250,18 +267,31 @@ def fp8_matmul_rows(copy_bw: float) -> list[dict]:
                 t_ours = timed(lambda i: fp8_weight_only_matmul(x, q[i], s[i]))
                 try:  # the FP8 linear's training / prefill path: fused quantise of x, then _scaled_mm
                     t_scaled = timed(lambda i: fp8_matmul(x, q[i], FP8State(s[i], True), torch.bfloat16))
+                    y_scaled = fp8_matmul(x, q[0], FP8State(s[0], True), torch.bfloat16)
                 except RuntimeError as e:  # no FP8 tensor cores (or an M _scaled_mm refuses)
                     print(f"fp8_matmul {name} M={m}: _scaled_mm path did not run: {e}", file=sys.stderr)
-                    t_scaled = float("nan")
+                    t_scaled, y_scaled = float("nan"), None
                 t_bf16 = timed(lambda i: torch.mm(x, w16[i].t()))
                 best = (t_ours, None, None, "auto")
-                for bn, sk in _FP8_SWEEP:
-                    t = timed(lambda i, bn=bn, sk=sk: fp8_weight_only_matmul(x, q[i], s[i], block_n=bn, split_k=sk))
-                    best = min(best, (t, bn, sk, "auto"), key=lambda r: r[0])
-                for decode in ("bits", "native") if native else ("bits",):
-                    t = timed(lambda i, d=decode: fp8_weight_only_matmul(x, q[i], s[i], block_n=best[1],
-                                                                         split_k=best[2], decode=d))
-                    best = min(best, (t, best[1], best[2], decode), key=lambda r: r[0])
+                if m <= _WEIGHT_ONLY_SWEEP_MAX_M:
+                    for bn, sk in _FP8_SWEEP:
+                        t = timed(lambda i, bn=bn, sk=sk: fp8_weight_only_matmul(x, q[i], s[i], block_n=bn, split_k=sk))
+                        best = min(best, (t, bn, sk, "auto"), key=lambda r: r[0])
+                    for decode in ("bits", "native") if native else ("bits",):
+                        t = timed(lambda i, d=decode: fp8_weight_only_matmul(x, q[i], s[i], block_n=best[1],
+                                                                             split_k=best[2], decode=d))
+                        best = min(best, (t, best[1], best[2], decode), key=lambda r: r[0])
+                # the FP8 x FP8 kernel: the same quantise launch as _scaled_mm's path, then tl.dot on e4m3
+                t_dot = timed(lambda i: fp8_dot_matmul(x, q[i], s1[i]))
+                y_dot = fp8_dot_matmul(x, q[0], s1[0])
+                dot_err = (float((y_dot.float() - y_scaled.float()).norm() / y_scaled.float().norm())
+                           if y_scaled is not None else float("nan"))
+                dot_best = (t_dot, "default")
+                if m in _DOT_SWEEP_MS:
+                    for cfg in _DOT_SWEEP:
+                        t = timed(lambda i, cfg=cfg: fp8_dot_matmul(x, q[i], s1[i], **cfg))
+                        label = ",".join(f"{key}={val}" for key, val in cfg.items())
+                        dot_best = min(dot_best, (t, label), key=lambda r: r[0])
             fp8_bytes = n * k + 2 * m * k + 4 * n + 2 * m * n
             bf16_bytes = 2 * n * k + 2 * m * k + 2 * m * n
             rows.append(dict(
@@ -271,12 +301,34 @@ def fp8_matmul_rows(copy_bw: float) -> list[dict]:
                 ours_gb_s=fp8_bytes / (t_ours * 1e-3) / 1e9, bf16_gb_s=bf16_bytes / (t_bf16 * 1e-3) / 1e9,
                 scaled_mm_gb_s=fp8_bytes / (t_scaled * 1e-3) / 1e9, of_copy=fp8_bytes / (t_ours * 1e-3) / copy_bw,
                 best_ms=best[0], best_block_n=best[1], best_split_k=best[2], best_decode=best[3],
+                dot_ms=t_dot, dot_gb_s=fp8_bytes / (t_dot * 1e-3) / 1e9, dot_vs_bf16=t_bf16 / t_dot,
+                dot_vs_scaled_mm=t_scaled / t_dot, dot_of_copy=fp8_bytes / (t_dot * 1e-3) / copy_bw,
+                dot_best_ms=dot_best[0], dot_best_cfg=dot_best[1], dot_rel_err=dot_err,
             ))
         torch.cuda.empty_cache()
     return rows
 
 
-def print_fp8_matmul(rows: list[dict]) -> None:
+def layer_summary(rows: list[dict]) -> list[dict]:
+    """Per M: one Qwen3-8B decoder layer's seven projections (q, k, v, o, gate, up, down) in bf16 and
+    with the fastest FP8 path of each (weight-only, dot or _scaled_mm, defaults and swept tiles)."""
+    out = []
+    for m in sorted({r["m"] for r in rows}):
+        bf16 = fp8 = 0.0
+        paths = []
+        for r in (r for r in rows if r["m"] == m):
+            count = _LAYER_PROJECTIONS[r["shape"].split()[0]]
+            options = {"weight_only": min(r["ours_ms"], r["best_ms"]), "dot": min(r["dot_ms"], r["dot_best_ms"]),
+                       "scaled_mm": r["scaled_mm_ms"]}
+            path = min((p for p in options if math.isfinite(options[p])), key=options.get)
+            bf16 += count * r["bf16_ms"]
+            fp8 += count * options[path]
+            paths.append(f"{r['shape'].split()[0]}:{path}")
+        out.append(dict(m=m, bf16_layer_ms=bf16, fp8_layer_ms=fp8, fp8_vs_bf16=bf16 / fp8, paths=" ".join(paths)))
+    return out
+
+
+def print_fp8_matmul(rows: list[dict], summary: list[dict]) -> None:
     print(f"{'fp8 matmul':<34} {'M':>3} {'ours ms':>8} {'GB/s':>6} {'%copy':>6} {'scaled_mm':>9} {'GB/s':>6} "
           f"{'bf16 ms':>8} {'GB/s':>6} {'x s_mm':>7} {'x bf16':>7} {'best ms':>8} {'tile/split/decode':>18}")
     for r in rows:
@@ -284,18 +336,33 @@ def print_fp8_matmul(rows: list[dict]) -> None:
         print(f"{r['shape']:<34} {r['m']:>3} {r['ours_ms']:8.4f} {r['ours_gb_s']:6.0f} {100 * r['of_copy']:5.0f}% "
               f"{r['scaled_mm_ms']:9.4f} {r['scaled_mm_gb_s']:6.0f} {r['bf16_ms']:8.4f} {r['bf16_gb_s']:6.0f} "
               f"{r['vs_scaled_mm']:7.2f} {r['vs_bf16']:7.2f} {r['best_ms']:8.4f} {cfg:>18}")
+    print(f"\n{'fp8 x fp8 dot (fp8_dot_matmul)':<34} {'M':>3} {'dot ms':>8} {'GB/s':>6} {'%copy':>6} {'x bf16':>7} "
+          f"{'x s_mm':>7} {'rel err':>8} {'best ms':>8}  best overrides")
+    for r in rows:
+        print(f"{r['shape']:<34} {r['m']:>3} {r['dot_ms']:8.4f} {r['dot_gb_s']:6.0f} {100 * r['dot_of_copy']:5.0f}% "
+              f"{r['dot_vs_bf16']:7.2f} {r['dot_vs_scaled_mm']:7.2f} {r['dot_rel_err']:8.1e} {r['dot_best_ms']:8.4f}  "
+              f"{r['dot_best_cfg']}")
+    print(f"\n{'one decoder layer (7 projections)':<34} {'M':>3} {'bf16 ms':>8} {'fp8 ms':>8} {'x bf16':>7}  fastest FP8 path")
+    for r in summary:
+        print(f"{'':<34} {r['m']:>3} {r['bf16_layer_ms']:8.4f} {r['fp8_layer_ms']:8.4f} {r['fp8_vs_bf16']:7.2f}  {r['paths']}")
 
 
 def fp8_matmul_main(argv, args, copy_bw: float) -> int:
+    start = time.perf_counter()
     rows = fp8_matmul_rows(copy_bw)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12)
+    summary = layer_summary(rows)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12,
+                seconds=time.perf_counter() - start)
     print(f"\n{meta}")
-    print_fp8_matmul(rows)
+    print_fp8_matmul(rows, summary)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, layer=summary), f, indent=1)
     results.save("kernels_fp8_matmul", argv, dict(meta=meta, rows=rows), args.out, args.rows)
-    assert all(math.isfinite(r["ours_ms"]) for r in rows)
+    assert all(math.isfinite(r["ours_ms"]) and math.isfinite(r["dot_ms"]) for r in rows)
+    # the dot path multiplies the codes _scaled_mm multiplies: only float32 summation order and the
+    # bf16 rounding may differ (a broken compile must not report a fast time)
+    assert all(not r["dot_rel_err"] > 1e-2 for r in rows), [(r["shape"], r["dot_rel_err"]) for r in rows]
     return 0
 
 

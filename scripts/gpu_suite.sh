@@ -20,6 +20,7 @@
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
+#   scripts/gpu_suite.sh fp8-dot      # the FP8 x FP8 decode kernel (17-64 rows): its tests compiled (Qwen3-8B projections, graph replay == eager), then the decode matmul table with its columns and sweep (~3 min)
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
 #   scripts/gpu_suite.sh gptoss-rollout # gpt-oss on the engine (sinks, sliding/full layers, YaRN): its CUDA tests, then the gpt-oss-20b shape, G 8/64, N 1024, vs the HBM floor of its routed experts + the rest + KV, and LoRA r=16 at G=8 (~6 min; apart from moe-rollout, which fills its 10-minute call)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
@@ -249,6 +250,11 @@ case "$part" in
   qlora-rollout)  # decode step against the HBM floor of the 4-bit weights + KV cache (bitsandbytes' kernels)
     run qlora_rollout 560 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --new-tokens 1024 \
       --no-checks --lora-rows 8 --time-budget 480 --out "$OUT/rollout_nf4.json" ;;
+  fp8-dot)  # fp8_dot_matmul: every test of its file compiled (small shapes with the FP8 tensor cores' slack, the
+    # Qwen3-8B projections at 17 and 64 rows, graph replay == eager), then the decode matmul table (weight-only,
+    # dot, _scaled_mm, bf16 at M 1/8/32/64, the dot sweep at 64, one decoder layer's total per M)
+    run fp8_dot_tests 240 python3 -m pytest -q tests/test_fp8_dot.py -p no:cacheprovider
+    run fp8_matmul_kernels 150 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
   fp8-rollout)  # decode step against the HBM floor of the e4m3 weights + float32 scales + KV cache, and swiftune's
     # own bf16 engine on the same shape, G and N in the same call (no generate baselines: the rollout part has them);
     # the FP8 run checks graph replay == eager through the quantise kernel and the weight-only decode kernel;
