@@ -137,6 +137,37 @@ def test_kernel_in_half_precision(layout, dtype):
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("big_first", [True, False])
+def test_combine_adds_in_ascending_expert_order_rounding_each_add(big_first):
+    """The combine's order and roundings, pinned with exact values: one token, three experts whose
+    weighted outputs are exactly 256, 1 and 1 in bf16 (gate pre-activation 32, where silu(32) = 32 in
+    float32; powers of two elsewhere). Added one by one in ascending expert id, each sum rounded to
+    bf16, 256 + 1 + 1 stays 256 (257 ties to even), while 1 + 1 + 256 is 258; a float32 accumulator
+    would give 258 both ways. The slots are listed in an order that is not the experts' order."""
+    experts, hidden, inter = 6, 16, 16
+    big, small = (1, [3, 5]) if big_first else (5, [1, 3])
+    x = torch.zeros(1, hidden, dtype=torch.bfloat16)
+    x[0, 0] = 1
+    gate_up = torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16)
+    gate_up[:, :inter, 0] = 32  # gate columns: 32 -> silu = 32 exactly
+    gate_up[:, inter, 0] = 1  # up column 0 only: h = [32, 0, ...]
+    down = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16)
+    down[big, :, 0] = 8  # 32 * 8 = 256
+    down[small, :, 0] = 1 / 32  # 32 / 32 = 1
+    index = torch.tensor([[small[1], big, small[0]]])
+    weights = torch.ones(1, 3, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = moe_decode(x.to(DEVICE), index.to(DEVICE), weights.to(DEVICE), gate_up.to(DEVICE), down.to(DEVICE),
+                         transposed=False, backend="triton").cpu()
+    parts = {big: torch.tensor(256.0, dtype=torch.bfloat16), small[0]: torch.tensor(1.0, dtype=torch.bfloat16),
+             small[1]: torch.tensor(1.0, dtype=torch.bfloat16)}
+    want = parts[min(parts)]
+    for e in sorted(parts)[1:]:
+        want = want + parts[e]  # bf16 + bf16: rounded to bf16
+    assert float(want) == (256.0 if big_first else 258.0)
+    assert torch.equal(got, torch.full((1, hidden), float(want), dtype=torch.bfloat16))
+
+
 def _experts_module(family: str, dtype: torch.dtype = torch.float32):
     """transformers' own experts module of a tiny config, random weights (and biases for gpt-oss)."""
     config = tiny_moe(family).config
