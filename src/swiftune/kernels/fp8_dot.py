@@ -47,8 +47,8 @@ device value (no host sync), so the rollout engine's graphs capture it.
 Three ways to run the K loop's product (``decode``): ``"fp8"`` ``tl.dot`` on ``float8e4nv`` operands
 (CUDA with compute capability >= 8.9; the Triton interpreter, which converts the codes to fp16 exactly
 and multiplies in float32: the same kernel body on CPU); ``"bits"`` the codes read as bytes and decoded
-to float32 with the weight-only kernel's integer formula, then a float32 ``tl.dot`` (any GPU, and the
-interpreter); ``"auto"`` picks ``"fp8"`` where it runs. The interpreter's e4m3 conversion maps the two NaN
+with the weight-only kernel's integer formula, then a bf16 ``tl.dot`` (exact: every e4m3 value is a bf16;
+any GPU) or a float32 one (the interpreter, whose half-precision arithmetic is unreliable); ``"auto"`` picks ``"fp8"`` where it runs. The interpreter's e4m3 conversion maps the two NaN
 codes to 480 (the ``"bits"`` decoding keeps them NaN); the quantiser and :func:`quantize_rowwise` never
 produce them.
 """
@@ -94,7 +94,7 @@ if triton is not None:
         xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
-        EVEN_K: tl.constexpr, ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
+        BITS_DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -123,9 +123,12 @@ if triton is not None:
                 in_k = kk[None, :] < K
                 a = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & in_k, other=0.0)
                 w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & in_k, other=0.0)
-            if not FP8_DOT:  # bytes: decoded exactly to float32 (older GPUs)
+            if not FP8_DOT:  # bytes, decoded exactly; bf16 holds every e4m3 value (GPUs without FP8 cores)
                 a = _decode_e4m3(a)
                 w = _decode_e4m3(w)
+                if not BITS_DOT_F32:
+                    a = a.to(tl.bfloat16)
+                    w = w.to(tl.bfloat16)
             # both operands K-major as loaded ([rows, BLOCK_K], K contiguous): what FP8 wgmma reads
             if SWAP_AB:
                 lhs = w
@@ -133,8 +136,10 @@ if triton is not None:
             else:
                 lhs = a
                 rhs = tl.trans(w)
-            if not FP8_DOT:
+            if not FP8_DOT and BITS_DOT_F32:  # the interpreter: its half-precision arithmetic is unreliable
                 acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
+            elif not FP8_DOT:  # bf16 x bf16 products of e4m3 values are exact in the float32 accumulator
+                acc = tl.dot(lhs, rhs, acc)
             elif PROMOTE_EVERY > 0:  # a float32 add every PROMOTE_EVERY products (sm_90's FP8 accumulator)
                 acc = tl.dot(lhs, rhs, acc, max_num_imprecise_acc=PROMOTE_EVERY)
             else:
@@ -297,7 +302,7 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     _fp8_dot_kernel[(n_tiles, split, m_tiles)](
         xq, xs, w, s, b, y, partial, m, n, k, xq.stride(0), w.stride(0), y.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=bias is not None,
-        FP8_DOT=fp8_dot, SWAP_AB=swap_ab, PROMOTE_EVERY=block_k if precise_acc else 0,
+        FP8_DOT=fp8_dot, SWAP_AB=swap_ab, PROMOTE_EVERY=block_k if precise_acc else 0, BITS_DOT_F32=interpreted,
         EVEN_K=k == split * k_per_split, ROUND_BF16=round_bf16, INT64=int64,
         num_warps=num_warps, num_stages=num_stages,
     )
