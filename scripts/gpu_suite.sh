@@ -272,6 +272,12 @@ case "$part" in
     run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
     run moe_rollout 380 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_moe.json" ;;
+  moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B
+    # expert sizes, graph replay == eager, the engine's captured decode vs generate), the MoE engine's CUDA tests (its
+    # bf16 graph case now runs the kernels), then one 30B-A3B layer at T 8/64: kernel vs grouped_mm vs HBM floor (~4 min)
+    run moe_decode_tests 200 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
+    run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
+    run moe_decode 120 python3 -m benchmarks.moe_decode --out "$OUT/moe_decode.json" ;;
   gptoss-rollout)  # gpt-oss on the engine (attention sinks in the prefill and decode attention, sliding and full layers,
     # YaRN, biased experts routed on the device inside the graph): graph replay == eager in bf16, fp32 greedy == generate;
     # then moe-rollout's measurement on the gpt-oss-20b shape (generate: transformers' eager attention, dynamic cache)
