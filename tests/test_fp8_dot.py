@@ -11,6 +11,11 @@ kernel body the GPU compiles, with both K-loop decodings (``"fp8"`` and ``"bits"
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -186,6 +191,54 @@ def test_bad_inputs_are_refused():
         fp8_dot_matmul(x, q, s, decode="native")
     with pytest.raises(RuntimeError, match="no backward"):
         fp8_dot_matmul(x.clone().requires_grad_(), q, s)
+
+
+# Compiles the kernel for sm_90 (H100/H200) in a fresh process: the test session's kernels are
+# interpreted (tests/conftest.py), and Triton compiles for a GPU target it is given without one present.
+_SM90_LOWERING = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from swiftune.kernels.fp8_dot import _fp8_dot_kernel
+
+out = []
+for bm, bn, bk, split, stages in json.loads(sys.argv[1]):
+    sig = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
+           "y_ptr": "*bf16", "p_ptr": "*fp32" if split > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "k_per_split": "i32"}
+    const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=True, FP8_DOT=True, SWAP_AB=True,
+                 PROMOTE_EVERY=bk, BITS_DOT_F32=False, EVEN_K=True, ROUND_BF16=False, INT64=False)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    k = triton.compile(ASTSource(_fp8_dot_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=stages))
+    ptx = k.asm["ptx"]
+    out.append(dict(mma=sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx))),
+                    converts=len(re.findall(r"cvt[.\w]*e4m3", ptx)), shared=k.metadata.shared))
+print(json.dumps(out))
+"""
+
+
+def test_sm90_lowering_feeds_e4m3_codes_to_wgmma():
+    """Compiled for sm_90 (no GPU needed): the default decode tiles (17..32 and 33..64 rows, N <= 2048
+    and wider) and the benchmark's deepest pipelines lower to FP8 ``wgmma`` with the activation rows on
+    the instruction's N side (``m64n{BLOCK_M}k32 e4m3 x e4m3``), no e4m3 conversion anywhere (the
+    codes go to the tensor cores untouched), within the H200's 227 KB of shared memory per block."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend compiles sm_90 code")
+    configs = [(32, 64, 128, 8, 4), (32, 128, 128, 4, 4), (64, 64, 128, 8, 4), (64, 128, 128, 1, 4),
+               (64, 128, 256, 2, 3), (64, 128, 128, 2, 6)]
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", _SM90_LOWERING, json.dumps(configs)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
+        pytest.skip("no ptxas in this Triton install")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (bm, *_), got in zip(configs, json.loads(run.stdout.strip().splitlines()[-1])):
+        assert got["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{bm}k32.f32.e4m3.e4m3"], got
+        assert got["converts"] == 0, got
+        assert 0 < got["shared"] <= 227 * 1024, got
 
 
 # Qwen3-8B's decoder projections: (N, K)
