@@ -218,7 +218,7 @@ _WEIGHT_ONLY_SWEEP_MAX_M = 16  # the weight-only kernel is dispatched up to 16 r
 _DOT_SWEEP_MS = (64,)  # the G = 64 decode step, issue #26's target
 _DOT_SWEEP = [  # fp8_dot_matmul overrides, each a compile (shapes share them); {} = the defaults
     dict(block_n=64), dict(block_n=128), dict(block_n=128, split_k=1), dict(block_n=64, split_k=8),
-    dict(swap_ab=False, block_n=128), dict(swap_ab=False, block_n=64), dict(num_warps=8, num_stages=3),
+    dict(swap_ab=False, block_n=128), dict(block_n=256, num_warps=8), dict(num_warps=8, num_stages=3),
     dict(block_k=256, num_stages=3), dict(num_stages=6), dict(precise_acc=False),
 ]
 _LAYER_PROJECTIONS = {"q/o_proj": 2, "k/v_proj": 2, "gate/up_proj": 2, "down_proj": 1}  # one decoder layer
