@@ -27,13 +27,21 @@ which the hook pops before transformers sees the call and turns into ``cu_seqlen
 one document per row, what transformers computes for such a batch.
 
 Deepstack (visual features added to the hidden states of the first decoder layers at the image
-tokens' positions) is transformers' code and only needs the image tokens' positions in the row,
-which packing keeps; the parity test (tests/test_qwen3_vl.py) checks it.
+tokens' positions) only needs the image tokens' positions in the row, which packing keeps; the
+parity test (tests/test_qwen3_vl.py) checks it. transformers adds the features in the text model's
+layer loop, *between* two decoder layers; a patched model adds them at the end of each decoder
+layer's own forward instead (:func:`install_deepstack_in_layers`: the same sum, in the same place
+of the computation), so that a decoder layer's forward maps its input to the next layer's input.
+What recomputes one layer from its input relies on that: offloaded checkpointing's *derived* inputs
+(a layer's input rebuilt in backward by running the layer before once more,
+:mod:`swiftune.training.checkpointing`) would otherwise miss the features (tests/test_vl_offload.py).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from types import MethodType
 from typing import Any
 
 import torch
@@ -54,6 +62,10 @@ VISION_TOWER_MODULES = ("model.visual",)
 VISION_SKIP_MODULES = (*VISION_TOWER_MODULES, "lm_head")
 
 _NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+#: The keyword the text model hands each decoder layer its deepstack features with (:class:`DeepstackFeatures`).
+DEEPSTACK_KWARG = "swiftune_deepstack"
+_DEEPSTACK_LAYER = "_swiftune_deepstack_layer"  # on each decoder layer: (its index, the forward it wraps)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +153,78 @@ class VisionLanguagePackedHook(PackedContextHook):
         return args, kwargs
 
 
+@dataclass(frozen=True)
+class DeepstackFeatures:
+    """The deepstack features of one forward: ``embeds[i]`` (``[image tokens, H]``) is added after
+    decoder layer ``i`` at the tokens where ``visual_pos_masks`` (``[B, S]``) is set."""
+
+    visual_pos_masks: torch.Tensor
+    embeds: tuple[torch.Tensor, ...]
+
+
+class DeepstackIntoLayersHook:
+    """Forward pre-hook of the text model (``Qwen3VLTextModel``, ``Qwen3VLMoeTextModel``): takes
+    ``visual_pos_masks`` / ``deepstack_visual_embeds`` out of the call (so its own loop adds nothing)
+    and passes them as one :data:`DEEPSTACK_KWARG` keyword, which transformers hands to every decoder
+    layer with the call's other keyword arguments."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        embeds = kwargs.get("deepstack_visual_embeds")
+        if embeds is None:
+            return args, kwargs
+        kwargs = dict(kwargs)
+        del kwargs["deepstack_visual_embeds"]
+        mask = kwargs.pop("visual_pos_masks", None)
+        if mask is None:
+            raise ValueError("deepstack_visual_embeds without visual_pos_masks: the features have no positions")
+        kwargs[DEEPSTACK_KWARG] = DeepstackFeatures(mask, tuple(embeds))
+        return args, kwargs
+
+
+def add_deepstack(hidden_states: torch.Tensor, visual_pos_masks: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    """``hidden_states`` with ``embeds`` added at the visual positions (a new tensor, as transformers'
+    ``_deepstack_process``: the layer's output may be saved for backward)."""
+    mask = visual_pos_masks.to(hidden_states.device)
+    out = hidden_states.clone()
+    out[mask, :] = out[mask, :] + embeds.to(hidden_states.device, hidden_states.dtype)
+    return out
+
+
+def _layer_forward_with_deepstack(self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+    """A decoder layer's forward followed by its deepstack features (none past the last merger's layer)."""
+    features: DeepstackFeatures | None = kwargs.pop(DEEPSTACK_KWARG, None)
+    index, inner = self.__dict__[_DEEPSTACK_LAYER]
+    out = (inner or MethodType(type(self).forward, self))(hidden_states, *args, **kwargs)
+    if features is None or index >= len(features.embeds):
+        return out
+    if isinstance(out, tuple):
+        return (add_deepstack(out[0], features.visual_pos_masks, features.embeds[index]), *out[1:])
+    return add_deepstack(out, features.visual_pos_masks, features.embeds[index])
+
+
+def install_deepstack_in_layers(model: nn.Module) -> None:
+    """Move the deepstack addition of a Qwen3-VL text model into its decoder layers' forwards (module
+    docstring): a :class:`DeepstackIntoLayersHook` on the text model and, on each decoder layer
+    instance, a forward that runs the layer's (its instance forward, if it has one, else its class's)
+    and adds its features. Again: nothing changes. Enable offloaded checkpointing after this (what
+    ``FastModel`` and the trainers do), so that its per-layer forward wraps this one."""
+    text = getattr(model.base_model, "language_model", None)
+    layers = getattr(text, "layers", None)
+    if text is None or not isinstance(layers, nn.ModuleList):
+        raise RuntimeError(f"{type(model).__name__} has no language_model.layers: this transformers lays Qwen3-VL "
+                           "out otherwise, and swiftune cannot place its deepstack features")
+    if getattr(model, "_swiftune_offload_checkpointing", False) and _DEEPSTACK_LAYER not in layers[0].__dict__:
+        # the offloaded per-layer forward would run inside this one: its recompute would miss the features
+        raise RuntimeError("swiftune.patch_model on a Qwen3-VL model with offloaded checkpointing already on: "
+                           "patch the model first, then enable the checkpointing (FastModel does it in this order)")
+    if not any(isinstance(h, DeepstackIntoLayersHook) for h in text._forward_pre_hooks.values()):
+        text.register_forward_pre_hook(DeepstackIntoLayersHook(), with_kwargs=True)
+    for index, layer in enumerate(layers):
+        if _DEEPSTACK_LAYER not in layer.__dict__:
+            layer.__dict__[_DEEPSTACK_LAYER] = (index, layer.__dict__.get("forward"))
+            layer.forward = MethodType(_layer_forward_with_deepstack, layer)
+
+
 def install_vision_language_attention(model: nn.Module, backend: str = "auto") -> None:
     """Switch a vision-language model's text decoder to ``"swiftune_packed"`` (the vision tower
     keeps its implementation) and register :class:`VisionLanguagePackedHook` on the multimodal
@@ -159,6 +243,7 @@ def install_vision_language_attention(model: nn.Module, backend: str = "auto") -
             model.set_attn_implementation(choice)
         except (AttributeError, ValueError, TypeError):  # older API: the sub-config attribute is the switch
             text._attn_implementation = name
+    install_deepstack_in_layers(model)
     stack = model.base_model
     hook = packed_context_hook(stack)
     if isinstance(hook, VisionLanguagePackedHook):
