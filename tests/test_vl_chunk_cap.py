@@ -187,3 +187,33 @@ def test_cap_counts_every_copy_on_caches_without_row_repeat(setup, monkeypatch):
     assert [rows for rows, _ in seen.shapes] == [G] * len(prompts)
     for k in range(len(prompts)):
         assert out.completion_ids[G * k:G * k + G] == [greedy[k][:5]] * G, k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_capped_fast_engine_with_cuda_graphs(setup):
+    """On CUDA (fp32, TF32 off): the fast engine with CUDA graphs under a cap that splits the three
+    prompts (the workspace and graphs of one sub-chunk reused or rebuilt for the next), and its
+    default "auto" cap (resolved from free memory: a positive number of tokens); greedy rows equal
+    transformers' generate of the unpatched CUDA model per prompt."""
+    _, base, _, vision, prompts, _ = setup
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        reference = copy.deepcopy(base).cuda()
+        policy = swiftune.patch_model(copy.deepcopy(base).cuda(), attention="auto", kernel_backend="auto")
+        auto = auto_prefill_token_cap(policy, 0.2)
+        assert auto is not None and auto >= 1
+        lengths = [len(p.input_ids) for p in prompts]
+        cap = prefill_tokens(lengths[1:], padded=False)
+        assert len(split_by_prefill_tokens(lengths, cap, padded=False)) == 2
+        params = SamplingParams(max_tokens=N_NEW, temperature=0.0, stop_token_ids=())
+        for max_prefill in (cap, "auto"):
+            engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id,
+                                             max_prefill_tokens=max_prefill)
+            out = vision.generate(engine, prompts, G, params)
+            for k, prompt in enumerate(prompts):
+                want = _greedy(reference, vision, prompt, N_NEW)
+                assert out.completion_ids[G * k:G * k + G] == [want] * G, (max_prefill, k)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
