@@ -60,17 +60,21 @@ def _fp8_slack(device: str, decode: str = "auto", precise_acc: bool = True) -> f
     """Summation error allowed, relative to :func:`_abs_terms`, beyond float32's: 0 where the K loop
     adds in float32 (the interpreter, the ``"bits"`` decoding, GPUs without FP8 tensor cores). Hopper's
     FP8 tensor cores add the products of each BLOCK_K step in a reduced-precision accumulator (about 14
-    significant bits, as DeepSeek-V3 reports) before the float32 add: 2^-10 of the terms allowed; without
-    that promotion (``precise_acc=False``) the whole K loop stays there: 2^-6."""
+    significant bits, as DeepSeek-V3 reports; products aligned to the largest, truncated) before the
+    float32 add: 2^-9 of the terms allowed per output (a worst case: errors of one sign); without that
+    promotion (``precise_acc=False``) the whole K loop stays there: 2^-5. Norm-wise the errors average
+    out, which :func:`_assert_formula` checks far tighter."""
     if device != "cuda" or decode == "bits" or torch.cuda.get_device_capability() < (8, 9):
         return 0.0
-    return 2.0**-10 if precise_acc else 2.0**-6
+    return 2.0**-9 if precise_acc else 2.0**-5
 
 
 def _assert_formula(y: torch.Tensor, want: torch.Tensor, terms: torch.Tensor, dtype: torch.dtype, slack: float,
                     label: object = "") -> None:
     """Within float32 summation error (fp32) or one rounding (bf16/fp16) of the float64 value, plus
-    ``slack`` times the sum of |terms| (:func:`_fp8_slack`); never NaN."""
+    ``slack`` times the sum of |terms| (:func:`_fp8_slack`) per output; never NaN. With a slack, the
+    relative norm of the error also stays within 2e-3 (fp32) / 6e-3 (bf16) with the accumulator's
+    promotion and 3e-2 without: a wrong scale or a lost partial sum is off by O(1)."""
     assert y.dtype == dtype and y.shape == want.shape and torch.isfinite(y).all(), label
     if slack == 0.0:
         _assert_close(y, want, dtype)
@@ -79,6 +83,8 @@ def _assert_formula(y: torch.Tensor, want: torch.Tensor, terms: torch.Tensor, dt
     err = (y.double() - want).abs()
     bound = want.abs() * half_ulp + 1e-6 * want.abs().max() + slack * terms
     assert torch.all(err <= bound), (label, float((err - bound).max()))
+    rel_max = 3e-2 if slack > 2.0**-9 else 2e-3 if dtype == torch.float32 else 6e-3
+    assert _rel(y, want) < rel_max, (label, _rel(y, want))
 
 
 # (m, n, k, split_k, block_n): rows 17..64 (the path's range), K not a multiple of 128, forced splits
@@ -127,10 +133,10 @@ def test_equals_torch_scaled_mm_on_the_same_codes(device):
             err = (ours.double() - theirs.double()).abs()
             if out_dtype == torch.float32:
                 assert torch.all(err <= theirs.double().abs() * 2.0**-20 + 1e-6 * theirs.abs().max() + slack)
-                assert slack.max() > 0 or _rel(ours, theirs) < 1e-6
+                assert _rel(ours, theirs) < (1e-6 if slack.max() == 0 else 2e-3)
             else:
                 assert torch.all(err <= theirs.double().abs() * 2.0**-7 + 1e-6 + slack), float(err.max())
-                assert _rel(ours, theirs) < 4e-3
+                assert _rel(ours, theirs) < (4e-3 if slack.max() == 0 else 6e-3)
     assert theirs.abs().max() > 0
 
 
