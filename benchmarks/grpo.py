@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import importlib.util
 import json
 import os
@@ -78,7 +77,7 @@ from benchmarks import child_env, module_command, results
 
 from benchmarks.memory_profile import format_breakdown, peak_profile
 from benchmarks.time_profile import device_time_profile, format_profile
-from benchmarks.workload import host_rss, word_tokenizer
+from benchmarks.workload import host_rss, reset_cuda_memory, word_tokenizer
 
 BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_liger", "trl_selective"]
 TRL_HEAD_MODES = ("trl_grpo", "trl_liger")  # TRL's fused LM head
@@ -256,9 +255,7 @@ def run_step(args) -> dict:
                 share_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 print(f"# shared-prompt rows failed in the warm-up ({share_error}); using unshared rows", flush=True)
                 model.zero_grad(set_to_none=True)
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
+                reset_cuda_memory(cuda)
                 share = False
                 warm(share)
             tg = time.perf_counter()
@@ -560,10 +557,7 @@ def bisect_one_mode(args) -> dict:
         if record:  # a trial that kills the process (host memory) is then known to the parent
             print("START " + json.dumps({"completion": L}), flush=True)
         if cuda:
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            reset_cuda_memory(synchronize=True, reset_peak=True)
         t0 = time.perf_counter()
         failure = None
         try:
@@ -605,8 +599,7 @@ def bisect_one_mode(args) -> dict:
             row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
         row["host_rss_gb"] = host_rss() / 1e9
         if cuda:
-            gc.collect()
-            torch.cuda.empty_cache()
+            reset_cuda_memory()
         if record:
             trials.append(row)
             print("TRIAL " + json.dumps(row), flush=True)

@@ -55,7 +55,6 @@ import argparse
 from collections.abc import Callable
 import contextlib
 import functools
-import gc
 import json
 import statistics
 import sys
@@ -65,7 +64,7 @@ import time
 import torch
 import torch.nn.functional as F
 from benchmarks import results
-from benchmarks.workload import apply_liger_like_trl, host_rss
+from benchmarks.workload import apply_liger_like_trl, host_rss, reset_cuda_memory
 
 DEFAULT_MODES = ["baseline", "ckpt", "offload", "offload_all"]
 ALL_MODES = ["baseline", "trl", "trl_liger", "ckpt", "offload", "offload_all"]
@@ -212,10 +211,7 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
     record_peak = profile and cuda and getattr(args, "memory_profile", False)
     try:
         for i in range(args.repeats):
-            gc.collect()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            reset_cuda_memory(cuda, empty_cache=False, synchronize=True, reset_peak=True)
             pinned_before = offload_stats(model).get("host_alloc_seconds", 0.0)
             t0 = time.perf_counter()
             profiling = record_peak and i == args.repeats - 1
@@ -242,9 +238,7 @@ def measure(model, mode: str, tokens: int, args, device: torch.device, optimizer
     finally:
         optimizer.zero_grad(set_to_none=True)
         del batch
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        reset_cuda_memory(cuda)
     stats = offload_stats(model)
     if stats:
         row.update(kept=len(stats["keep"]), offloaded=len(stats["offload"]), host_pinned=stats["host_pinned_bytes"])
@@ -548,9 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                     best = bisect(model, mode, max(ok), min(bad), args, device, optimizer, rows)
                     rows.append({"mode": mode, "tokens": best, "status": "max_fit"})
         del model, optimizer
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        reset_cuda_memory(device.type == "cuda")
 
     print("\n# long-context step (LoRA r=16); GB = 1e9 bytes; alloc/pred = measured / planner", flush=True)
     header = True

@@ -23,7 +23,6 @@ memory are reported as OOM and skipped.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import results
+from benchmarks.workload import reset_cuda_memory
 from swiftune.losses import linear_cross_entropy, selective_log_softmax
 
 
@@ -78,10 +78,8 @@ def measure(fn, h0, w, target, T, repeats: int, warmup: int) -> dict:
     for _ in range(repeats):
         h0.grad = None
         w.grad = None
-        gc.collect()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        reset_cuda_memory(True, empty_cache=False, synchronize=True, reset_peak=True)
+        base = torch.cuda.memory_allocated()  # (the peak reset leaves what is allocated as it is)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         value, held = step(base)
@@ -166,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 h0.grad = None
                 w.grad = None
-                gc.collect()
-                torch.cuda.empty_cache()
+                reset_cuda_memory(True)
             if r is not None:
                 grad = r.pop("grad")
                 row.update(status="ok", **r)
@@ -198,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{n:>8} {loss:>5} {method:>9} {'OOM':>9}", flush=True)
         del h0, target, base
-        gc.collect()
-        torch.cuda.empty_cache()
+        reset_cuda_memory(True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),

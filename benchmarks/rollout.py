@@ -44,7 +44,6 @@ The JSON is rewritten after every run, so a run stopped by a time limit keeps wh
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import re
@@ -53,7 +52,7 @@ import time
 import torch
 
 from benchmarks import results as result_rows
-from benchmarks.workload import quantize_linears_4bit, random_model
+from benchmarks.workload import quantize_linears_4bit, random_model, reset_cuda_memory
 
 from swiftune.rl.rollout.fast import kv_bytes_per_token
 
@@ -405,9 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                     base[(rows, static)] = r
                     print(f"{name} generate {'static' if static else 'dynamic'} G={rows}: "
                           f"{r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.1f} ms/step", flush=True)
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    reset_cuda_memory(device.type == "cuda")
         patch_model(model)
         moe = expert_stacks(model)
         routed: dict[int, float] = {}  # rows -> measured distinct experts per MoE layer and decode step
@@ -447,9 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 print(f"{name} fast G={rows} N={new}: {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step "
                       f"(floor {floor_ms:.2f}), capture {r['capture_s']:.1f}s", flush=True)
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                reset_cuda_memory(device.type == "cuda")
         if name == models[0] and a.ab_fused_rows:
             results["fused_ab"] = []
             for rows in a.ab_fused_rows:
@@ -465,9 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         # every reference to the model's modules goes (the expert stacks too), or the next shape's weights
         # meet this one's still on the GPU
         del model, moe
-        gc.collect()
+        reset_cuda_memory(device.type == "cuda")
         if device.type == "cuda":
-            torch.cuda.empty_cache()
             print(f"{name}: freed, {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated", flush=True)
 
     save()

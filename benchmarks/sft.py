@@ -207,18 +207,6 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 **({"host_profile": record["host_profile"]} if "host_profile" in record else {}))
 
 
-def release_gpu_memory() -> None:
-    """Drop what the last run left (model, trainer, optimizer) and reset the peak counter."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b")
@@ -259,6 +247,8 @@ def main(argv=None) -> int:
     if args.load_in_fp8 and (args.full or args.load_in_4bit):
         p.error("--load-in-fp8 trains LoRA adapters on FP8 weights: not with --full or --load-in-4bit")
     if args.one:
+        from benchmarks.workload import reset_cuda_memory
+
         for batch in args.batch:
             try:
                 row = run_one(args.one, args.model, batch, args.steps, args.warmup, args.budget, args.max_length,
@@ -270,7 +260,7 @@ def main(argv=None) -> int:
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
             print("RESULT " + json.dumps(row), flush=True)
-            release_gpu_memory()
+            reset_cuda_memory(reset_peak=True)  # what the last run left (model, trainer, optimizer)
         return 0
     rows = []
     for mode in args.modes:

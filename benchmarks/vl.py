@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import shutil
@@ -415,7 +414,7 @@ def run_grpo_trials(args) -> dict:
     import torch
 
     from benchmarks.grpo import OutOfTime, _is_oom, search_max_fit
-    from benchmarks.workload import host_rss
+    from benchmarks.workload import host_rss, reset_cuda_memory
     from swiftune.rl.multimodal import VisionGRPO
 
     cuda = torch.cuda.is_available()
@@ -433,9 +432,7 @@ def run_grpo_trials(args) -> dict:
             os.rmdir(checkpoint)
         os.replace(partial, checkpoint)
         del base
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        reset_cuda_memory(cuda)
     print(f"# checkpoint {checkpoint} ready after {time.perf_counter() - start:.0f} s", flush=True)
     if cuda and args.gpu_budget_gb is not None:  # a smaller GPU, emulated
         total = torch.cuda.get_device_properties(device).total_memory
@@ -479,10 +476,7 @@ def run_grpo_trials(args) -> dict:
         try:
             for i in range(repeats):
                 if cuda:
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
+                    reset_cuda_memory(synchronize=True, reset_peak=True)
                 t0 = time.perf_counter()
                 if args.simulate_capacity and row["tokens"] > args.simulate_capacity:
                     raise MemoryError(f"simulated: {row['tokens']} tokens > --simulate-capacity {args.simulate_capacity}")
@@ -506,8 +500,7 @@ def run_grpo_trials(args) -> dict:
         if cuda:
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
-            gc.collect()
-            torch.cuda.empty_cache()
+            reset_cuda_memory()
         row["host_rss_gb"] = host_rss() / 1e9
         if record:
             trials.append(row)

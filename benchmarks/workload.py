@@ -9,6 +9,7 @@ this repository travels.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 
 import numpy as np
@@ -16,8 +17,8 @@ import numpy as np
 from swiftune.memory.shapes import KNOWN_MODELS
 
 # The benchmarks' model shapes: swiftune's table of real architectures (what the planner reads,
-# swiftune.memory.KNOWN_MODELS) plus the RoPE base and context length of each model's config, and
-# a tiny shape for CPU runs of the scripts themselves.
+# swiftune.memory.KNOWN_MODELS) plus the RoPE base and context length of each model's config (and
+# what else a forward reads that the planner does not), and tiny shapes for CPU runs of the scripts.
 _CONFIG_EXTRAS: dict[str, dict] = {
     "qwen3-0.6b": dict(rope_theta=1e6, max_position_embeddings=40960),
     "qwen3-1.7b": dict(rope_theta=1e6, max_position_embeddings=40960),
@@ -28,7 +29,26 @@ _CONFIG_EXTRAS: dict[str, dict] = {
     # theta 150,000); its default layer_types alternate sliding (128) and full attention
     "gpt-oss-20b": dict(max_position_embeddings=131072),
     "mixtral-8x7b": dict(),  # RoPE theta and context length are in the shape table already
+    # Qwen3-VL-8B (Qwen/Qwen3-VL-8B-Instruct's config.json on the Hugging Face hub): the text decoder's
+    # activation, norm epsilon, 256K positions and interleaved M-RoPE ([24, 20, 20], theta 5e6), and the
+    # vision tower's GELU; the vision token ids are set by benchmarks/vl.py from its tokenizer
+    "qwen3-vl-8b": dict(
+        text_config=dict(hidden_act="silu", rms_norm_eps=1e-6, max_position_embeddings=262144,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision_config=dict(hidden_act="gelu_pytorch_tanh")),
 }
+
+
+def _with_extras(shape: dict, extras: dict) -> dict:
+    """``shape`` with ``extras`` added; a sub-config (``text_config``, ``vision_config``) is merged
+    key by key rather than replaced, so the shape table stays the one source of its sizes."""
+    merged = dict(shape)
+    for key, value in extras.items():
+        merged[key] = {**shape[key], **value} if isinstance(value, dict) and isinstance(shape.get(key), dict) else value
+    return merged
+
+
 MODEL_SHAPES: dict[str, dict] = {
     "tiny": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
@@ -38,23 +58,7 @@ MODEL_SHAPES: dict[str, dict] = {
                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                      tie_word_embeddings=False, max_position_embeddings=4096),
-    **{name: {**KNOWN_MODELS[name], **extras} for name, extras in _CONFIG_EXTRAS.items()},
-    # Qwen3-VL-8B (Qwen/Qwen3-VL-8B-Instruct's config.json on the Hugging Face hub): a Qwen3-8B-like text
-    # decoder (36 layers, 4096 hidden, 12288 MLP, 32 q / 8 kv heads of 128, interleaved M-RoPE [24, 20, 20],
-    # theta 5e6, 256K positions, untied head) and a 27-block vision tower (1152 hidden, 16 heads, patch 16,
-    # merge 2, deepstack after blocks 8, 16 and 24) whose merger projects to the text's 4096. The vision
-    # token ids are set by benchmarks/vl.py from its tokenizer.
-    "qwen3-vl-8b": dict(
-        model_type="qwen3_vl", tie_word_embeddings=False,
-        text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-                         rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
-        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                           patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
-                           num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
-                           hidden_act="gelu_pytorch_tanh")),
+    **{name: _with_extras(KNOWN_MODELS[name], extras) for name, extras in _CONFIG_EXTRAS.items()},
     # the same layout at CPU size (benchmarks/vl.py's smoke tests)
     "tiny-vl": dict(
         model_type="qwen3_vl", tie_word_embeddings=False,
@@ -67,6 +71,26 @@ MODEL_SHAPES: dict[str, dict] = {
                            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
                            num_position_embeddings=64, deepstack_visual_indexes=[0, 1])),
 }
+
+
+def reset_cuda_memory(cuda: bool | None = None, *, collect_garbage: bool = True, empty_cache: bool = True,
+                      synchronize: bool = False, reset_peak: bool = False) -> None:
+    """Between two measured runs: collect garbage (``collect_garbage``), then, on CUDA only
+    (``cuda``; default: whether CUDA is available), hand the caching allocator's free blocks back
+    (``empty_cache``), wait for the queued work (``synchronize``) and restart the peak counters
+    (``reset_peak``), in that order: what is freed first is then neither cached nor in the peak."""
+    import torch
+
+    if collect_garbage:
+        gc.collect()
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return
+    if empty_cache:
+        torch.cuda.empty_cache()
+    if synchronize:
+        torch.cuda.synchronize()
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
 
 
 def sample_lengths(n: int, seed: int = 0, max_length: int = 1024) -> np.ndarray:
@@ -113,7 +137,6 @@ def quantize_linears_4bit(model, compute_dtype) -> None:
     saved checkpoint of these weights (without writing 16 GB to disk first). Layer by layer, so the
     bf16 copy of one projection at a time is what is alive next to the 4-bit ones."""
     import bitsandbytes as bnb
-    import torch
     from torch import nn
 
     device = next(model.parameters()).device
@@ -132,9 +155,7 @@ def quantize_linears_4bit(model, compute_dtype) -> None:
             setattr(module, name, q.to(device))
             del child
     model.is_loaded_in_4bit = True  # what PEFT and the Trainer read from a model loaded in 4-bit
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    reset_cuda_memory(device.type == "cuda", collect_garbage=False, reset_peak=True)
 
 
 def quantize_linears_fp8(model) -> None:
@@ -142,14 +163,10 @@ def quantize_linears_fp8(model) -> None:
     replaced by swiftune's ``FP8Linear`` (e4m3, a float32 scale per output row), as
     ``FastModel.from_pretrained(..., load_in_fp8=True)`` would load a saved checkpoint of these
     weights; layer by layer, as there."""
-    import torch
-
     from swiftune.models.fp8_linear import quantize_model_fp8
 
     quantize_model_fp8(model)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    reset_cuda_memory(collect_garbage=False, reset_peak=True)
 
 
 def apply_liger_like_trl(model) -> None:

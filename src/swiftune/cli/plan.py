@@ -38,9 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--full_finetune", action="store_true")
     p.add_argument("--gpu_gb", type=float, default=None, help="GPU memory in GB (1e9 bytes); default: this GPU's, or 80")
-    p.add_argument("--host_gb", type=float, default=None, help="the host's memory for pinned offloaded checkpoints, GB; "
-                   "with --world_size each rank plans with its share (divided among --ranks_per_host ranks, as the "
-                   "runtime divides the host's free memory)")
+    p.add_argument("--host_gb", type=float, default=None,
+                   help="the host's memory for pinned offloaded checkpoints, GB; with --world_size each rank plans "
+                        "with its share (divided among --ranks_per_host ranks, as the runtime divides the host's "
+                        "free memory)")
     p.add_argument("--ranks_per_host", type=int, default=None,
                    help="processes of the job on one host, which share --host_gb (torchrun --nproc_per_node; "
                         "default: --world_size, one host)")
