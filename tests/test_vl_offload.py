@@ -110,3 +110,13 @@ def test_offloaded_checkpointing_on_image_rows_of_the_moe_variant(setup):
     stats = offload_stats(patched)
     assert stats["derived"] == (1,) and stats["derived_recomputed"] == 1
     assert any("experts" in n for n, p in patched.named_parameters() if p.grad is not None and p.grad.abs().max() > 0)
+
+
+def test_patching_after_offloaded_checkpointing_is_refused(setup):
+    """Offloaded checkpointing on the unpatched model, then patch_model: the deepstack features would
+    be added outside the offloaded layer's recompute, so the patch refuses with what to do."""
+    proc, base, data = setup
+    model = copy.deepcopy(base)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0)
+    with pytest.raises(RuntimeError, match="patch the model first, then enable the checkpointing"):
+        swiftune.patch_model(model, attention="reference", kernel_backend="reference")
