@@ -9,8 +9,8 @@ runs) and eagerly:
 * ``grouped_mm``: ``rollout_experts_forward(..., decode_kernel=False)``, the path the engine ran before
   (sort, gather, ``F.grouped_mm`` gate/up, SwiGLU, ``F.grouped_mm`` down, routing weight, k-slot combine);
 * ``kernel``: :func:`swiftune.kernels.moe_decode.moe_decode` (what ``rollout_experts_forward`` now runs
-  for these steps), at its default tiles, then a small sweep of tile widths / depths (the fastest reported,
-  to tune the launcher's defaults);
+  for these steps), at its default tiles, then a small sweep of tile widths / depths / warps (the fastest
+  reported, to tune the launcher's defaults);
 * ``floor``: the bytes of the distinct experts the routing reads (gate/up and down of each), over the
   device-to-device copy bandwidth measured here.
 
@@ -42,7 +42,8 @@ from swiftune.models.experts import rollout_experts_forward
 from swiftune.models.families import FAMILIES
 
 SPEC = FAMILIES["qwen3_moe"].experts
-SWEEP = [(16, 128), (32, 64), (32, 256), (64, 128), (128, 128)]  # (block_n, block_k) beside the default
+# (block_n, block_k, num_warps) beside the launcher's defaults
+SWEEP = [(16, 64, 4), (32, 128, 4), (64, 64, 4), (32, 64, 8), (32, 128, 8), (64, 128, 8), (128, 64, 8)]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,9 +119,9 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
         def today():
             return rollout_experts_forward(experts, hidden, index, weights, spec=SPEC, decode_kernel=False)
 
-        def kernel(block_n=None, block_k=128):
+        def kernel(block_n=None, block_k=None, num_warps=None):
             return moe_decode(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
-                              transposed=SPEC.transposed, block_n=block_n, block_k=block_k)
+                              transposed=SPEC.transposed, block_n=block_n, block_k=block_k, num_warps=num_warps)
 
         got, base = kernel(), today()
         want = moe_decode_reference(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
@@ -143,12 +144,12 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
                              floor_ms=floor_ms, **checks))
         if cuda:  # the tile sweep (graph replays), to tune the launcher's defaults
             best = None
-            for block_n, block_k in SWEEP:
-                replay, _ = as_graph(lambda: kernel(block_n, block_k))
+            for block_n, block_k, warps in SWEEP:
+                replay, _ = as_graph(lambda n=block_n, k=block_k, w=warps: kernel(n, k, w))
                 ms = time_ms(replay, iters, cuda)
                 if best is None or ms < best[0]:
-                    best = (ms, block_n, block_k)
-            rows[-1].update(best_ms=best[0], best_block_n=best[1], best_block_k=best[2])
+                    best = (ms, f"{block_n}/{block_k}/{warps}")
+            rows[-1].update(best_ms=best[0], best_tile=best[1])
     return rows
 
 
@@ -191,11 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     data = dict(benchmark="moe_decode", meta=meta, rows=rows)
     print(f"\n{meta}")
     print(f"{'path':<11} {'T':>3} {'experts':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'x floor':>8} "
-          f"{'best ms':>8} {'tile n/k':>9}")
+          f"{'best ms':>8} {'n/k/warps':>10}")
     for r in rows:
         timed = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
         graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
-        best = f"{r['best_ms']:8.4f} {r['best_block_n']:>4}/{r['best_block_k']:<4}" if "best_ms" in r else ""
+        best = f"{r['best_ms']:8.4f} {r['best_tile']:>10}" if "best_ms" in r else ""
         print(f"{r['path']:<11} {r['tokens']:>3} {r['distinct_experts']:>7} {r['eager_ms']:9.4f} {graph} "
               f"{r['floor_ms']:9.4f} {timed / r['floor_ms']:8.2f} {best}")
     if args.out:

@@ -123,6 +123,18 @@ def test_kernel_equals_the_float64_formula(layout, tokens):
     assert reference.dtype == torch.float32 and rel_err(reference, want) < 1e-6  # float64 math, fp32 result
 
 
+def test_kernel_loops_over_row_blocks_beyond_one_tile():
+    """100 tokens (past the wiring's 64, which the launcher still takes): expert 0 has 100 rows, more
+    than one 64-row tile, so its programs loop over two row blocks; the scan over assignments takes
+    five chunks. Equal to the float64 formula per token."""
+    inputs, options = _case("gpt_oss", 100, torch.float32, seed=5, k=3)
+    want = _float64_formula(inputs, options)
+    with torch.no_grad():
+        on_device, on_device_options = _to(inputs, options, DEVICE)
+        got = moe_decode(**on_device, **on_device_options, backend="triton")
+    assert max(rel_err(got[t], want[t]) for t in range(100)) < 1e-5
+
+
 @pytest.mark.parametrize("layout,dtype", [("qwen3_moe", torch.bfloat16), ("gpt_oss", torch.bfloat16),
                                           ("qwen3_moe", torch.float16)])
 def test_kernel_in_half_precision(layout, dtype):

@@ -16,15 +16,15 @@ No backward (decoding runs under ``no_grad``). The combine's order and roundings
 :func:`swiftune.models.experts.rollout_experts_forward` (transformers' experts loop order): the
 kernels use no atomics, so a CUDA-graph replay equals the eager step bit for bit.
 
-Where the work goes. The ``T * k`` assignments are sorted by expert once (a stable ``argsort`` and a
-``searchsorted`` for each expert's block end: static shapes, no host sync, capturable in a graph),
-then:
+Where the work goes: three launches, no sort before them (static shapes, no host sync: capturable
+in a CUDA graph). The ``T * k`` assignments are read in flat order ``a = t k + j``; a program of
+expert ``e`` finds its own (at most ``T``: a token's experts are distinct) by a stream compaction in
+registers (a prefix sum over ``idx == e``), in ascending ``a``, the order a stable sort by expert gives.
 
 * kernel 1, grid ``(E, I / BLOCK_N)``: a program whose expert has no rows returns at once; else it
-  gathers its expert's rows of ``x`` (at most ``T``: a token's experts are distinct), multiplies them
-  by its gate and up column tiles (so every weight byte is read once per step, however many of the
-  expert's rows there are), adds the biases and applies the activation in registers, and stores
-  ``h [T * k, I]`` (sorted order) in the activation dtype;
+  gathers its expert's rows of ``x``, multiplies them by its gate and up column tiles (so every
+  weight byte is read once per step, however many of the expert's rows there are), adds the biases,
+  applies the activation in registers and stores ``h [T * k, I]`` (row ``a``) in the activation dtype;
 * kernel 2, grid ``(E, H / BLOCK_N)``: ``h @ D_e`` (+ bias) times the routing weight, rounded to the
   activation dtype, stored at ``y [t, rank]``, ``rank`` = how many of token ``t``'s experts have a
   smaller id than ``e`` (the slot's place in ascending expert order);
@@ -53,6 +53,8 @@ Activation = Literal["silu", "clamped_swiglu"]
 
 #: the most rows a program multiplies at once (a block of one expert's rows; more rows loop)
 MAX_BLOCK_M = 64
+#: assignments a program scans at once when it looks for its expert's (more loop)
+MAX_BLOCK_A = 64
 
 
 def _gate_up_columns(gate_up_proj: torch.Tensor, transposed: bool, interleaved: bool
@@ -121,23 +123,44 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _expert_rows(order_ptr, ends_ptr, e):
-        """The first and one-past-last sorted row of expert ``e``'s block."""
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
-        return start, end
+    def _expert_count(idx_ptr, num_assign, e, BLOCK_A: tl.constexpr):
+        """How many of the ``num_assign`` flat assignments ``idx`` go to expert ``e``."""
+        count = 0
+        for a0 in range(0, num_assign, BLOCK_A):
+            a = a0 + tl.arange(0, BLOCK_A)
+            ids = tl.load(idx_ptr + a, mask=a < num_assign, other=-1)
+            count += tl.sum((ids == e).to(tl.int32), axis=0)
+        return count
+
+    @triton.jit
+    def _expert_assignments(idx_ptr, num_assign, e, m0, BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr):
+        """The flat indices of expert ``e``'s assignments ``m0 .. m0 + BLOCK_M - 1`` (in ascending order,
+        counting only ``e``'s): a stream compaction in registers, chunk by chunk of ``BLOCK_A``
+        assignments (a running count plus a prefix sum picks each one's place), so no sort runs
+        before the kernel. Places past the expert's count come back 0 (masked by the caller)."""
+        want = m0 + tl.arange(0, BLOCK_M)
+        found = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        seen = 0
+        for a0 in range(0, num_assign, BLOCK_A):
+            a = a0 + tl.arange(0, BLOCK_A)
+            mine = (tl.load(idx_ptr + a, mask=a < num_assign, other=-1) == e).to(tl.int32)
+            place = seen + tl.cumsum(mine, axis=0) - 1  # this chunk's rows' places among e's rows
+            hit = (mine[None, :] > 0) & (place[None, :] == want[:, None])  # [BLOCK_M, BLOCK_A]: one hit per row
+            found += tl.sum(tl.where(hit, a[None, :], 0), axis=1)
+            seen += tl.sum(mine, axis=0)
+        return found
 
     @triton.jit
     def _moe_gate_up_kernel(
-        x_ptr, order_ptr, ends_ptr, w_ptr, b_ptr, h_ptr,
+        x_ptr, idx_ptr, w_ptr, b_ptr, h_ptr,
         s_xt, s_we, s_wk, s_wc, s_be, s_hm,
-        top_k, hidden, inter, col_step, up_offset, alpha, limit,
+        num_assign, top_k, hidden, inter, col_step, up_offset, alpha, limit,
         HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
     ):
         e = tl.program_id(0).to(tl.int64)
-        start, end = _expert_rows(order_ptr, ends_ptr, e)
-        if end <= start:  # no row routed to this expert: nothing read, nothing written
+        count = _expert_count(idx_ptr, num_assign, e, BLOCK_A)
+        if count == 0:  # no row routed to this expert: no weight read, nothing written
             return
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < inter
@@ -145,10 +168,10 @@ if triton is not None:
         up_cols = gate_cols + up_offset
         w_e = w_ptr + e * s_we
         kk = tl.arange(0, BLOCK_K)
-        for m0 in range(start, end, BLOCK_M):  # one block in practice (an expert has <= T rows)
-            rows = m0 + tl.arange(0, BLOCK_M)
-            r_mask = rows < end
-            tokens = tl.load(order_ptr + rows, mask=r_mask, other=0) // top_k
+        for m0 in range(0, count, BLOCK_M):  # one block in practice (an expert has <= T rows)
+            r_mask = m0 + tl.arange(0, BLOCK_M) < count
+            assignment = _expert_assignments(idx_ptr, num_assign, e, m0, BLOCK_M, BLOCK_A).to(tl.int64)
+            tokens = assignment // top_k
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
@@ -171,42 +194,41 @@ if triton is not None:
                 act = (u + 1.0) * (g * tl.sigmoid(alpha * g))
             else:
                 act = acc_g * tl.sigmoid(acc_g) * acc_u
-            tl.store(h_ptr + rows[:, None].to(tl.int64) * s_hm + n[None, :], _bf16_rounded(act, ROUND_BF16).to(h_ptr.dtype.element_ty),
-                     mask=r_mask[:, None] & n_mask[None, :])
+            tl.store(h_ptr + assignment[:, None] * s_hm + n[None, :],
+                     _bf16_rounded(act, ROUND_BF16).to(h_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
     @triton.jit
     def _moe_down_kernel(
-        h_ptr, order_ptr, ends_ptr, idx_ptr, rw_ptr, w_ptr, b_ptr, y_ptr,
-        s_hm, s_it, s_ik, s_rt, s_rk, s_we, s_wk, s_wn, s_be, s_yt, s_yr,
-        top_k, inter, hidden,
-        HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+        h_ptr, idx_ptr, rw_ptr, w_ptr, b_ptr, y_ptr,
+        s_hm, s_rt, s_rk, s_we, s_wk, s_wn, s_be, s_yt, s_yr,
+        num_assign, top_k, inter, hidden,
+        HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
     ):
         e = tl.program_id(0).to(tl.int64)
-        start, end = _expert_rows(order_ptr, ends_ptr, e)
-        if end <= start:
+        count = _expert_count(idx_ptr, num_assign, e, BLOCK_A)
+        if count == 0:
             return
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < hidden
         w_e = w_ptr + e * s_we
         kk = tl.arange(0, BLOCK_K)
         slots = tl.arange(0, BLOCK_SLOTS)
-        for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            r_mask = rows < end
-            assignment = tl.load(order_ptr + rows, mask=r_mask, other=0)
+        for m0 in range(0, count, BLOCK_M):
+            r_mask = m0 + tl.arange(0, BLOCK_M) < count
+            assignment = _expert_assignments(idx_ptr, num_assign, e, m0, BLOCK_M, BLOCK_A).to(tl.int64)
             token = assignment // top_k
             slot = assignment % top_k
             weight = tl.load(rw_ptr + token * s_rt + slot * s_rk, mask=r_mask, other=0.0).to(tl.float32)
             # the slot's place among its token's experts in ascending id order (its experts are distinct)
-            others = tl.load(idx_ptr + token[:, None] * s_it + slots[None, :] * s_ik,
+            others = tl.load(idx_ptr + token[:, None] * top_k + slots[None, :],
                              mask=r_mask[:, None] & (slots[None, :] < top_k), other=e)
             rank = tl.sum((others < e).to(tl.int32), axis=1)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, inter, BLOCK_K):
                 k = k0 + kk
                 k_mask = k < inter
-                hk = tl.load(h_ptr + rows[:, None].to(tl.int64) * s_hm + k[None, :],
+                hk = tl.load(h_ptr + assignment[:, None] * s_hm + k[None, :],
                              mask=r_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_e + k[:, None].to(tl.int64) * s_wk + n[None, :].to(tl.int64) * s_wn,
                             mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -214,7 +236,7 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + e * s_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             out = acc * weight[:, None]
-            dst = y_ptr + token[:, None].to(tl.int64) * s_yt + rank[:, None] * s_yr + n[None, :]
+            dst = y_ptr + token[:, None] * s_yt + rank[:, None] * s_yr + n[None, :]
             tl.store(dst, _bf16_rounded(out, ROUND_BF16).to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
 
     @triton.jit
@@ -287,7 +309,8 @@ def moe_decode(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor, *, transposed: bool, interleaved: bool = False, gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None, activation: Activation = "silu", swiglu_alpha: float = 1.702,
-    swiglu_limit: float = 7.0, backend: Backend = "auto", block_n: int | None = None, block_k: int = 128,
+    swiglu_limit: float = 7.0, backend: Backend = "auto", block_n: int | None = None, block_k: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """The routed experts of a decode step (module docstring): ``[T, H]`` tokens, ``[T, k]`` distinct
     experts and routing weights -> ``[T, H]`` in ``hidden``'s dtype.
@@ -295,9 +318,12 @@ def moe_decode(
     ``gate_up_proj`` / ``down_proj``: ``[E, 2I, H]`` / ``[E, H, I]``, or with ``transposed``
     ``[E, H, 2I]`` / ``[E, I, H]``; ``interleaved``: gate and up columns alternate (gpt-oss), else the
     gate is the first half. ``activation``: ``"silu"`` (``silu(g) u``) or ``"clamped_swiglu"``
-    (gpt-oss's, with ``swiglu_alpha`` / ``swiglu_limit``). ``block_n`` / ``block_k``: the GEMM tiles'
-    output width and reduction depth (``None``: 32 for gate/up, 64 for down). No autograd; where the
-    Triton kernels cannot run (CPU without the interpreter, ``backend="reference"``) the float32 loop.
+    (gpt-oss's, with ``swiglu_alpha`` / ``swiglu_limit``). ``block_n`` / ``block_k`` / ``num_warps``: the
+    GEMM tiles' output width and reduction depth and the warps of a program (``None``: 32 columns for
+    gate/up, 64 for down; depth 64 up to 16 tokens, 128 above, 32 in fp32; 4 warps up to 16 tokens, 8
+    above and in fp32: where sm_90 builds of these tiles hold their registers without spilling). No
+    autograd; where the Triton kernels cannot run (CPU without the interpreter, ``backend="reference"``)
+    the float32 loop.
     """
     _check_inputs(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, transposed, gate_up_bias, down_bias,
                   activation)
@@ -313,12 +339,10 @@ def moe_decode(
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
-    # the sort by expert (stable: a token's rows keep their slot order) and each expert's block end,
-    # on the device with static shapes (no host sync)
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    ends = torch.searchsorted(flat[order], torch.arange(num_experts, device=flat.device, dtype=flat.dtype),
-                              right=True)
+    # each program finds its expert's assignments itself (no sort beforehand): in flat order, [T * k]
+    flat = top_k_index.reshape(-1).contiguous()
+    num_assign = flat.numel()
+    block_a = min(MAX_BLOCK_A, max(16, next_pow2(num_assign)))
     block_m = min(MAX_BLOCK_M, max(16, next_pow2(tokens)))
     interpreted = kernel_is_interpreted(_moe_gate_up_kernel)
     flags = dict(DOT_F32=interpreted or hidden.dtype == torch.float32,
@@ -326,6 +350,12 @@ def moe_decode(
 
     def tile(n: int, default: int) -> int:
         return max(16, min(next_pow2(n), block_n or default))
+
+    fp32 = hidden.dtype == torch.float32
+    if block_k is None:
+        block_k = 32 if fp32 else 64 if block_m <= 16 else 128
+    if num_warps is None:
+        num_warps = 8 if fp32 or block_m > 16 else 4
 
     def depth(n: int) -> int:
         return max(16, min(next_pow2(n), block_k))
@@ -338,11 +368,11 @@ def moe_decode(
     bias = gate_up_bias if gate_up_bias is not None else hidden
     n1 = tile(inter, 32)
     _moe_gate_up_kernel[(num_experts, triton.cdiv(inter, n1))](
-        hidden, order, ends, gate_up_proj, bias, h,
+        hidden, flat, gate_up_proj, bias, h,
         hidden.stride(0), gate_up_proj.stride(0), s_wk, s_wc, bias.stride(0), h.stride(0),
-        top_k, size, inter, col_step, up_offset, float(swiglu_alpha), float(swiglu_limit),
+        num_assign, top_k, size, inter, col_step, up_offset, float(swiglu_alpha), float(swiglu_limit),
         HAS_BIAS=gate_up_bias is not None, CLAMPED=activation == "clamped_swiglu", **flags,
-        BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=depth(size), num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=depth(size), BLOCK_A=block_a, num_warps=num_warps,
     )
     # down: (reduction over I, output column over H) strides
     s_dk, s_dn = (down_proj.stride(1), down_proj.stride(2)) if transposed else (down_proj.stride(2), down_proj.stride(1))
@@ -350,12 +380,12 @@ def moe_decode(
     bias = down_bias if down_bias is not None else hidden
     n2 = tile(size, 64)
     _moe_down_kernel[(num_experts, triton.cdiv(size, n2))](
-        h, order, ends, top_k_index, top_k_weights, down_proj, bias, y,
-        h.stride(0), top_k_index.stride(0), top_k_index.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
+        h, flat, top_k_weights, down_proj, bias, y,
+        h.stride(0), top_k_weights.stride(0), top_k_weights.stride(1),
         down_proj.stride(0), s_dk, s_dn, bias.stride(0), y.stride(0), y.stride(1),
-        top_k, inter, size,
+        num_assign, top_k, inter, size,
         HAS_BIAS=down_bias is not None, **flags, BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=depth(inter),
-        BLOCK_SLOTS=next_pow2(top_k), num_warps=4,
+        BLOCK_A=block_a, BLOCK_SLOTS=next_pow2(top_k), num_warps=num_warps,
     )
     out = torch.empty(tokens, size, dtype=hidden.dtype, device=hidden.device)
     block_h = min(1024, next_pow2(size))
