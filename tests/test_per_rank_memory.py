@@ -62,8 +62,9 @@ def shard_rows(rows: int, rank: int, world: int) -> int:
 # --------------------------------------------------------------------------- the worker
 
 
-def worker(out_dir: str) -> None:
-    """One rank: its host budget and local world, then the pending gradient bytes of an FSDP2 model."""
+def worker(out_dir: str, cuda: bool) -> None:
+    """One rank: its host budget and local world, then the pending gradient bytes of an FSDP2 model
+    (``cuda``: on this rank's GPU, NCCL; else CPU, gloo)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
@@ -73,7 +74,12 @@ def worker(out_dir: str) -> None:
     from swiftune.training.checkpointing import OffloadState, _setup_of, decoder_layers
     from swiftune.training.offload_memory import host_available_bytes, local_world_size
 
-    dist.init_process_group("gloo")
+    if cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))  # torchrun's: this rank's GPU
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     result: dict = {"rank": rank, "world_size": dist.get_world_size(), "local_world_size": local_world_size()}
     result["host"] = bracketed_share(lambda: host_available_bytes(margin_bytes=0), result["local_world_size"])
@@ -83,14 +89,16 @@ def worker(out_dir: str) -> None:
 
     torch.manual_seed(3)
     model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3", vocab_size=ODD_VOCAB), dtype=torch.float32)
+    model.to(device)
     model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)  # frozen: allocates no gradient
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
     state = OffloadState(model, decoder_layers(model), None, None, 2**26, None)
-    x = torch.zeros(1, 64, model.config.hidden_size)
+    x = torch.zeros(1, 64, model.config.hidden_size, device=device)
     result["pending"] = state.pending_grad_bytes(x.device)
     result["reserve_minus_activations"] = state._reserve(x) - step_reserve(model.config, 64, _setup_of(model, x), 0)
+    result["device"] = str(x.device)
     result["params"] = [(name, tuple(p.shape), p.requires_grad, type(p).__name__, p.element_size())
                         for name, p in model.named_parameters()]
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -101,22 +109,32 @@ def worker(out_dir: str) -> None:
 # --------------------------------------------------------------------------- two ranks
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("per-rank")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
+def launch(out, cuda: bool) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "OMP_NUM_THREADS": "1"}
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           os.path.abspath(__file__), "--out", str(out)]
+           os.path.abspath(__file__), "--out", str(out), *(["--cuda"] if cuda else [])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(NPROC)]
+    results = [torch.load(out / f"rank{r}.pt") for r in range(NPROC)]
+    assert [r["device"] for r in results] == ([f"cuda:{r}" for r in range(NPROC)] if cuda else ["cpu"] * NPROC)
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return launch(tmp_path_factory.mktemp("per-rank"), cuda=False)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads the host's MemAvailable from /proc/meminfo")
 def test_each_rank_budgets_its_share_of_the_host(ranks):
     """Each of the 2 ranks on this host may pin (MemAvailable - margin) / 2, not all of it: the
     two budgets together stay within what the host has."""
+    assert_host_shares(ranks)
+
+
+def assert_host_shares(ranks: list[dict]) -> None:
     for r in ranks:
         assert r["world_size"] == NPROC and r["local_world_size"] == NPROC
         assert r["local_world_size_from_group"] == NPROC
@@ -129,6 +147,19 @@ def test_each_rank_budgets_its_share_of_the_host(ranks):
 def test_fsdp2_pending_gradients_count_the_local_shard(ranks):
     """The GPU reserve's pending gradients under FSDP2 are this rank's shard of each trainable
     parameter (rows split over the ranks as torch.chunk splits them), not the whole parameter."""
+    assert_local_shard_pending(ranks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < NPROC
+                    or not os.path.exists("/proc/meminfo"), reason="needs 2 CUDA GPUs (NCCL) and /proc/meminfo")
+def test_two_gpus_budget_host_shares_and_count_local_shards(tmp_path):
+    """The same two checks on 2 GPUs of one host (NCCL, FSDP2 parameters on each rank's GPU)."""
+    results = launch(tmp_path, cuda=True)
+    assert_host_shares(results)
+    assert_local_shard_pending(results)
+
+
+def assert_local_shard_pending(ranks: list[dict]) -> None:
     whole = 0
     for r in ranks:
         params = r["params"]
@@ -207,4 +238,6 @@ def test_swiftune_plan_host_gb_is_the_hosts(capsys):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one rank of tests/test_per_rank_memory.py (under torchrun)")
     parser.add_argument("--out", required=True)
-    worker(parser.parse_args().out)
+    parser.add_argument("--cuda", action="store_true", help="each rank on its GPU (NCCL); default CPU (gloo)")
+    cli = parser.parse_args()
+    worker(cli.out, cli.cuda)
