@@ -357,5 +357,8 @@ case "$part" in
     # 1 and back equal the uninterrupted runs (tests/test_distributed_resume.py; three torchrun launches, ~2-3 min)
     run multi_gpu_resume 300 python3 -m pytest -q -rs -s tests/test_distributed_resume.py -p no:cacheprovider \
       -k fsdp2_checkpoints ;;
+  per-rank-memory)  # (kind nvidia-h200-x2) each rank's pinned host budget is the host's over its 2 ranks and the GPU
+    # reserve counts FSDP2's local shards (tests/test_per_rank_memory.py: one NCCL and one gloo torchrun launch, ~1 min)
+    run per_rank_memory 180 python3 -m pytest -q -rs -s tests/test_per_rank_memory.py -p no:cacheprovider ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
