@@ -6,7 +6,9 @@ plain torch ops here (``max |x| / 448``, IEEE division, torch's own ``float8_e4m
 and torch's own ``torch._scaled_mm`` on the same codes (it runs on CPU). On CPU the kernel runs through the
 Triton interpreter (tests/conftest.py), whose fp8 ``tl.dot`` multiplies the codes exactly in float32: the
 kernel body the GPU compiles, with both K-loop decodings (``"fp8"`` and ``"bits"``), both operand orders
-(``swap_ab``) and the split-K reduction.
+(``swap_ab``) and the split-K reduction. Without a GPU the kernel is also compiled for sm_90 (Triton's
+NVIDIA backend needs none), to check that the codes reach FP8 ``wgmma`` unconverted; on a CUDA machine
+every test runs compiled, and the Qwen3-8B projections add a CUDA-graph replay == eager check.
 """
 
 from __future__ import annotations
