@@ -12,9 +12,10 @@ and a down matrix ``D_e [I, H]`` (+ bias ``bd_e``)::
     act(g, u) = silu(g) u                                    (Qwen3-MoE, Mixtral)
     act(g, u) = (clamp(u, -l, l) + 1) g' sigmoid(alpha g'),  g' = min(g, l)    (gpt-oss, clamped SwiGLU)
 
-No backward (decoding runs under ``no_grad``). The combine's order and roundings are those of
-:func:`swiftune.models.experts.rollout_experts_forward` (transformers' experts loop order): the
-kernels use no atomics, so a CUDA-graph replay equals the eager step bit for bit.
+No backward (decoding runs under ``no_grad``). The combine's order and per-add roundings are those
+of the grouped-GEMM path of :func:`swiftune.models.experts.rollout_experts_forward` (transformers'
+experts loop order; ``h`` and ``y`` themselves are rounded once each here, where that path rounds
+after each op): the kernels use no atomics, so a CUDA-graph replay equals the eager step bit for bit.
 
 Where the work goes: three launches, no sort before them (static shapes, no host sync: capturable
 in a CUDA graph). The ``T * k`` assignments are read in flat order ``a = t k + j``; a program of
