@@ -280,6 +280,10 @@ def test_bad_inputs_are_refused_with_the_fix_named():
             moe_decode(**{**inputs, "hidden": inputs["hidden"].bfloat16()}, **options)
         with pytest.raises(ValueError, match="activation"):
             moe_decode(**inputs, **{**options, "activation": "gelu"})
+    with torch.no_grad():  # no tokens: an empty result, no launch
+        empty = moe_decode(**{**inputs, "hidden": inputs["hidden"][:0], "top_k_index": inputs["top_k_index"][:0],
+                              "top_k_weights": inputs["top_k_weights"][:0]}, **options)
+    assert empty.shape == (0, inputs["hidden"].shape[1])
     weights = inputs["gate_up_proj"].clone().requires_grad_()
     with pytest.raises(RuntimeError, match="no_grad"):
         moe_decode(**{**inputs, "gate_up_proj": weights}, **options)

@@ -337,6 +337,8 @@ def moe_decode(
                                     compute_dtype=torch.float32)
     tokens, top_k = top_k_index.shape
     num_experts, size = gate_up_proj.shape[0], hidden.shape[1]
+    if tokens == 0:  # nothing routed (an empty grid would not launch)
+        return hidden.new_empty(0, size)
     inter = down_proj.shape[1] if transposed else down_proj.shape[2]
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
