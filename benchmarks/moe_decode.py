@@ -113,7 +113,8 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
         _, weights, index = router(hidden)
         weights = weights.to(hidden.dtype)
         distinct = int(index.unique().numel())  # host read, outside anything timed or captured
-        per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
+        width = experts.gate_up_proj.element_size()
+        per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * width
         floor_ms = distinct * per_expert / copy_bw * 1e3
 
         def today():

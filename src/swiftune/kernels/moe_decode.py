@@ -238,7 +238,8 @@ if triton is not None:
                 acc += tl.load(b_ptr + e * s_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             out = acc * weight[:, None]
             dst = y_ptr + token[:, None] * s_yt + rank[:, None] * s_yr + n[None, :]
-            tl.store(dst, _bf16_rounded(out, ROUND_BF16).to(y_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+            tl.store(dst, _bf16_rounded(out, ROUND_BF16).to(y_ptr.dtype.element_ty),
+                     mask=r_mask[:, None] & n_mask[None, :])
 
     @triton.jit
     def _moe_combine_kernel(y_ptr, out_ptr, s_yt, s_yr, s_ot, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -378,7 +379,8 @@ def moe_decode(
         BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=depth(size), BLOCK_A=block_a, num_warps=num_warps,
     )
     # down: (reduction over I, output column over H) strides
-    s_dk, s_dn = (down_proj.stride(1), down_proj.stride(2)) if transposed else (down_proj.stride(2), down_proj.stride(1))
+    s_dk, s_dn = (down_proj.stride(1), down_proj.stride(2)) if transposed else \
+        (down_proj.stride(2), down_proj.stride(1))
     y = torch.empty(tokens, top_k, size, dtype=hidden.dtype, device=hidden.device)
     bias = down_bias if down_bias is not None else hidden
     n2 = tile(size, 64)

@@ -50,7 +50,8 @@ from ..kernels.moe_decode import moe_decode, moe_decode_interpreted
 from .families import ExpertsSpec, Family
 from .state import is_bound, patch_state
 
-__all__ = ["DECODE_KERNEL_MAX_TOKENS", "decode_kernel_applies", "expert_blocks", "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
+__all__ = ["DECODE_KERNEL_MAX_TOKENS", "decode_kernel_applies", "expert_blocks", "grouped_experts_forward",
+           "grouped_linear", "grouped_mm_supported",
            "rollout_experts", "rollout_experts_forward"]
 
 
