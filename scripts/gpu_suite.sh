@@ -357,6 +357,21 @@ case "$part" in
     # 1 and back equal the uninterrupted runs (tests/test_distributed_resume.py; three torchrun launches, ~2-3 min)
     run multi_gpu_resume 300 python3 -m pytest -q -rs -s tests/test_distributed_resume.py -p no:cacheprovider \
       -k fsdp2_checkpoints ;;
+  decode-kernels)  # the MoE and FP8 decode kernels in one call: the MoE decode kernels' compiled tests with the engine
+    # and GRPO cases of MoE / gpt-oss / VL fixed on 2026-12-02, one 30B-A3B layer (kernel vs grouped_mm vs HBM floor),
+    # the engine on Qwen3-30B-A3B with the kernels (G 8/64, N 1024, no baselines: moe-rollout's table has them), then
+    # the FP8 x FP8 decode kernel's tests and the decode matmul table (~9.5 min; pytest stops itself with SIGINT)
+    run recheck_tests 175 timeout -s INT 170 python3 -m pytest -q -rf -p no:cacheprovider tests/test_moe_decode_kernel.py \
+      tests/test_moe_rollout.py::test_grpo_step_on_the_fast_engine_with_moe tests/test_gptoss_rollout.py \
+      "tests/test_moe_rollout.py::test_cuda_graph_decode_equals_eager_bf16" \
+      tests/test_vl_fast_rollout.py::test_cuda_graph_replay_equals_eager_and_transformers tests/test_vl_moe_grpo_router.py \
+      tests/test_cli_errors.py::test_unknown_option_from_the_real_entry_point_exits_2_without_traceback \
+      tests/test_cli_errors.py::test_other_libraries_info_logs_stay_quiet
+    run moe_decode 80 python3 -m benchmarks.moe_decode --out "$OUT/moe_decode.json"
+    run moe_rollout_kernel 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 \
+      --no-baselines --lora-rows --time-budget 125 --out "$OUT/rollout_moe_kernel.json"
+    run fp8_dot_tests 75 timeout -s INT 70 python3 -m pytest -q -rf tests/test_fp8_dot.py -p no:cacheprovider
+    run fp8_matmul_kernels 100 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
   per-rank-memory)  # (kind nvidia-h200-x2) each rank's pinned host budget is the host's over its 2 ranks and the GPU
     # reserve counts FSDP2's local shards (tests/test_per_rank_memory.py: one NCCL and one gloo torchrun launch, ~1 min)
     run per_rank_memory 180 python3 -m pytest -q -rs -s tests/test_per_rank_memory.py -p no:cacheprovider ;;
