@@ -46,6 +46,9 @@ restore overlaps the backward of the lowest kept layer.  Offloaded layers need
 the missing ones are *derived* (layers 1, 3, 5, ...: no input stored; backward recomputes it by
 running the layer before once more, without grad, under that layer's replayed RNG and autocast
 state, from its stored input, :meth:`OffloadState.derive_input`), at most every second layer;
+never a layer whose input transformers changes between the layers (an unpatched Qwen3-VL's
+deepstack features, :func:`inputs_set_between_layers`: a rerun of the layer before would miss
+them), the derived ones moved to later layers instead (:func:`plan_avoiding_inputs`);
 beyond that a :class:`CheckpointBudgetError` is raised at the first layer of the forward, before
 anything is allocated: a clear error instead of a hang or the OOM killer.
 
@@ -71,6 +74,7 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from types import MethodType
 from typing import Any
@@ -86,6 +90,8 @@ from ..memory import model_shape, step_reserve
 from ..memory.planner import PAGE_BYTES, TrainSetup, choose_page_bytes, offload_margin_bytes, pages_for
 from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
+# the mark install_deepstack_in_layers leaves on a decoder layer whose own forward adds its deepstack features
+from ..models.qwen3_vl import _DEEPSTACK_LAYER as _ADDS_ITS_DEEPSTACK
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
 from .lora_casting import lora_inputs_cast
 from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
@@ -243,6 +249,8 @@ class OffloadState:
         self._plan_key: tuple | None = None
         self._handles: dict[tuple[int, int], weakref.ref] = {}
         self.stats = {"offloaded": 0, "kept": 0, "derived_inputs": 0, "restored": 0, "derived_recomputed": 0}
+        # layers whose input is never derived (inputs_set_between_layers); set by enable_offloaded_checkpointing
+        self.underivable: frozenset[int] = frozenset()
 
     def page_bytes_for(self, nbytes: int) -> int:
         return choose_page_bytes(nbytes, self.page_bytes)
@@ -305,8 +313,9 @@ class OffloadState:
         if index == 0 or self.plan is None or key != self._plan_key:
             self.generation += 1
             layer_bytes = x.numel() * x.element_size()
-            self.plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, attention_kernel, max_doc_tokens),
-                                     self.host_budget(), self.page_bytes)
+            plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, attention_kernel, max_doc_tokens),
+                                self.host_budget(), self.page_bytes)
+            self.plan = plan_avoiding_inputs(plan, self.underivable)
             self._plan_key = key
             self._handles = {k: v for k, v in self._handles.items() if v() is not None}
         offload, derived = index in self.plan.offload, index in self.plan.derived
@@ -343,6 +352,65 @@ class OffloadState:
             handle = ref() if ref is not None else None
         if handle is not None:
             handle.prefetch()
+
+
+def _deepstack_feature_count(config: Any) -> int:
+    """How many deepstack feature sets a vision-language config adds to its text decoder
+    (``deepstack_visual_indexes`` of Qwen3-VL's vision config, dense and MoE), looked for through
+    the config's sub-configs; 0 for any other model."""
+    pending = [config]
+    while pending:
+        sub = pending.pop()
+        if sub is None:
+            continue
+        indexes = getattr(sub, "deepstack_visual_indexes", None)
+        if indexes:
+            return len(indexes)
+        pending.extend(getattr(sub, name, None) for name in (getattr(sub, "sub_configs", None) or {}))
+    return 0
+
+
+def inputs_set_between_layers(model: nn.Module, layers: list[nn.Module]) -> frozenset[int]:
+    """Indices of the decoder layers whose input is not the output of the layer before: what a rerun
+    of that layer cannot rebuild, so offloaded checkpointing never derives it.
+
+    transformers' Qwen3-VL text model (dense and MoE) adds deepstack feature set ``i`` to the output
+    of layer ``i`` in its own layer loop, after the layer returns, for each ``i`` below the number of
+    sets: the inputs of layers ``1 .. n`` are the layer before's output *plus* visual features. A layer
+    patched to add its own features (:func:`swiftune.models.qwen3_vl.install_deepstack_in_layers`,
+    which ``patch_model`` runs) maps its input to the next layer's again, and does not count."""
+    count = min(_deepstack_feature_count(getattr(model, "config", None)), len(layers) - 1)
+    return frozenset(i for i in range(1, count + 1) if _ADDS_ITS_DEEPSTACK not in layers[i - 1].__dict__)
+
+
+def plan_avoiding_inputs(plan: OffloadPlan, underivable: frozenset[int]) -> OffloadPlan:
+    """``plan`` with its derived layers moved off ``underivable`` (:func:`inputs_set_between_layers`):
+    as many derived inputs, each at the lowest layer that is not underivable and follows a stored
+    one (never two derived in a row), the other layers offloaded and kept as ``plan`` counts them.
+    Raises :class:`CheckpointBudgetError` when the other layers leave too few to derive."""
+    if not underivable.intersection(plan.derived):
+        return plan
+    derived: list[int] = []
+    for index in range(1, plan.num_layers):
+        if len(derived) == len(plan.derived):
+            break
+        if index not in underivable and (not derived or derived[-1] != index - 1):
+            derived.append(index)
+    if len(derived) < len(plan.derived):
+        raise CheckpointBudgetError(
+            f"swiftune offloaded checkpointing: the host memory holds only {len(plan.offload)} of the "
+            f"{len(plan.offload) + len(plan.derived)} offloaded layer inputs, and the other "
+            f"{len(plan.derived)} would be recomputed in backward by rerunning the layer before; but the "
+            f"inputs of layers {sorted(underivable)} are that layer's output plus features transformers adds "
+            "between the layers (Qwen3-VL's deepstack visual features), which a rerun would miss, and the "
+            f"remaining layers allow only {len(derived)} such recomputes. Patch the model before enabling the "
+            "checkpointing (swiftune.patch_model, or FastModel.from_pretrained: the patched layers add their own "
+            "features, so any input can be recomputed), or use fewer tokens per step or a larger "
+            "host_budget_bytes / gpu_budget_bytes.")
+    chosen = set(derived)
+    stored = [i for i in range(plan.num_layers) if i not in chosen]
+    offloaded = len(plan.offload)
+    return replace(plan, offload=tuple(stored[:offloaded]), keep=tuple(stored[offloaded:]), derived=tuple(derived))
 
 
 def _planner_shape(config: Any) -> Any:
@@ -530,6 +598,7 @@ def enable_offloaded_checkpointing(
     else:
         state.gpu_budget_bytes, state.host_budget_bytes = gpu_budget_bytes, host_budget_bytes
         state.page_bytes, state.host_margin_bytes = page_bytes, host_margin_bytes
+    state.underivable = inputs_set_between_layers(hf, layers)
     for i, layer in enumerate(layers):
         if _LAYER not in layer.__dict__:
             layer.__dict__[_ORIG] = layer.__dict__.get("forward")
@@ -608,8 +677,10 @@ __all__ = [
     "disable_offloaded_checkpointing",
     "enable_offloaded_checkpointing",
     "host_available_bytes",
+    "inputs_set_between_layers",
     "is_offloaded_checkpointing",
     "offload_stats",
+    "plan_avoiding_inputs",
     "release_host_memory",
     "split_layers",
 ]

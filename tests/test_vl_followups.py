@@ -1,0 +1,112 @@
+"""Qwen3-VL follow-ups (issue 28): offloaded checkpointing on an *unpatched* Qwen3-VL, GRPOConfig's
+``max_prefill_tokens``, and LoRA targets that also match vision-tower modules.
+
+Offloaded checkpointing with short host memory *derives* some layer inputs (recomputes them in
+backward by rerunning the layer before, :mod:`swiftune.training.checkpointing`). transformers'
+Qwen3-VL text model adds its deepstack visual features between the first decoder layers, so on a
+model ``patch_model`` did not patch those inputs are not the layer before's output: they must never
+be derived. Reference: the unpatched transformers model on each example alone, no checkpointing;
+compared: the loss and every gradient (non-zero where the reference's is).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from swiftune.memory.planner import pinned_slot_bytes
+from swiftune.training.checkpointing import (CheckpointBudgetError, enable_offloaded_checkpointing,
+                                             inputs_set_between_layers, offload_stats)
+
+from tests.test_qwen3_vl import _grads, _model, _processor, _reference_loss, _rel, _rows, tiny_vl_moe, transformers
+
+pytest.importorskip("PIL")
+
+from swiftune.data.multimodal import prepare_multimodal_dataset  # noqa: E402
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def setup():
+    proc = _processor()
+    return proc, _model(proc), prepare_multimodal_dataset(_rows(), proc)
+
+
+def _with_text_layers(base: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """``base`` (the tiny Qwen3-VL, two deepstack feature sets) with ``num_layers`` decoder layers."""
+    config = transformers.Qwen3VLConfig(
+        text_config={**base.config.text_config.to_dict(), "num_hidden_layers": num_layers},
+        vision_config=base.config.vision_config.to_dict(),
+        **{k: getattr(base.config, k) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                                 "video_token_id")})
+    torch.manual_seed(0)
+    return transformers.Qwen3VLForConditionalGeneration(config).float()
+
+
+def _offloaded_per_example_loss(model, proc, examples, host_layers: int) -> list[dict]:
+    """transformers' own forward on each example alone (backward per example, gradients summed), every
+    layer's input offloaded and the host budget room for ``host_layers`` of them: the others derived.
+    Returns each example's offload stats."""
+    counts = [sum(e["completion_mask"][1:]) for e in examples]
+    stats = []
+    for example, count in zip(examples, counts):
+        layer_bytes = len(example["input_ids"]) * model.config.text_config.hidden_size * 4
+        enable_offloaded_checkpointing(model, gpu_budget_bytes=0, page_bytes=PAGE,
+                                       host_budget_bytes=host_layers * pinned_slot_bytes(layer_bytes, PAGE))
+        loss = _reference_loss(model, proc, [example]) * count / sum(counts)
+        loss.backward()
+        stats.append({**offload_stats(model), "loss": loss.detach()})
+    return stats
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_unpatched_qwen3_vl_never_derives_an_input_after_deepstack(setup, variant):
+    """Four decoder layers, deepstack after layers 0 and 1 (the inputs of layers 1 and 2 carry visual
+    features), host room for three of the four offloaded inputs: one input is derived, and it must be
+    layer 3's (layer 1's, what the plan picks otherwise, would miss the features: wrong gradients)."""
+    proc, base, data = setup
+    model = _with_text_layers(base, 4)
+    if variant == "moe":
+        if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
+            pytest.skip("this transformers has no Qwen3-VL-MoE")
+        model = tiny_vl_moe(model, scale=0.05)
+    reference, offloaded = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    ref_loss = _reference_loss(reference, proc, data.examples)
+    ref_loss.backward()
+    stats = _offloaded_per_example_loss(offloaded, proc, data.examples, host_layers=3)
+    loss = sum(s["loss"] for s in stats)
+    assert _rel(loss, ref_loss.detach()) < 1e-5, (float(loss), float(ref_loss))
+    ref_grads, grads = _grads(reference), _grads(offloaded)
+    assert ref_grads.keys() == grads.keys() and any(".visual." in n for n in ref_grads)
+    for name, ref in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert _rel(grads[name], ref) < 1e-5, (name, _rel(grads[name], ref))
+        if ref.abs().max() > 0:
+            assert grads[name].abs().max() > 0, name
+    # gradients first (what a wrong rebuild breaks), then where the rebuild went
+    assert inputs_set_between_layers(offloaded, offloaded.model.language_model.layers) == {1, 2}
+    for s in stats:
+        assert s["derived"] == (3,) and s["offload"] == (0, 1, 2) and s["host_in_use_bytes"] == 0, s
+    assert stats[-1]["derived_recomputed"] == len(data.examples)  # every example rebuilt layer 3's input
+
+
+def test_unpatched_qwen3_vl_with_no_layer_left_to_derive_is_refused(setup):
+    """Two decoder layers, both followed by deepstack features: the one input a short host budget would
+    derive (layer 1's) cannot be rebuilt, and no other layer can take its place: a clear error."""
+    proc, base, data = setup
+    model = copy.deepcopy(base).train()
+    with pytest.raises(CheckpointBudgetError, match=r"Patch the model before enabling the checkpointing"):
+        _offloaded_per_example_loss(model, proc, data.examples[:1], host_layers=1)
+
+
+def test_patched_qwen3_vl_still_derives_after_its_own_deepstack(setup):
+    """A patched model's layers add their own features, so no input is underivable."""
+    import swiftune
+
+    _, base, _ = setup
+    patched = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
+    assert inputs_set_between_layers(patched, list(patched.model.language_model.layers)) == frozenset()
+    assert inputs_set_between_layers(base, list(base.model.language_model.layers)) == {1}
