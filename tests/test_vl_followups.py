@@ -110,3 +110,81 @@ def test_patched_qwen3_vl_still_derives_after_its_own_deepstack(setup):
     patched = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="reference")
     assert inputs_set_between_layers(patched, list(patched.model.language_model.layers)) == frozenset()
     assert inputs_set_between_layers(base, list(base.model.language_model.layers)) == {1}
+
+
+# ------------------------------------------------------------------ GRPOConfig.max_prefill_tokens
+
+GRPO_FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
+                 logging_steps=1, seed=1, dataloader_pin_memory=False, disable_tqdm=True, use_cpu=True,
+                 num_generations=2, per_device_train_batch_size=4)
+
+
+@pytest.mark.parametrize("value", [0, -5, True, 2.5, "lots", [4096]])
+def test_max_prefill_tokens_bad_values_are_refused_at_config_time(tmp_path, value):
+    from swiftune import GRPOConfig
+    from swiftune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"GRPOConfig: max_prefill_tokens=.* is not a positive number of tokens, "
+                                          r"'auto' or None; set it to"):
+        GRPOConfig(output_dir=str(tmp_path), max_prefill_tokens=value, **GRPO_FAST)
+
+
+@pytest.mark.parametrize("value, want", [(4096, 4096), ("auto", "auto"), (None, None), ("4096", 4096),
+                                         ("none", None), ("AUTO", "auto")])
+def test_max_prefill_tokens_good_values_and_command_line_strings(tmp_path, value, want):
+    from swiftune import GRPOConfig
+
+    assert GRPOConfig(output_dir=str(tmp_path), max_prefill_tokens=value, **GRPO_FAST).max_prefill_tokens == want
+
+
+@pytest.mark.parametrize("option, want", [("4096", 4096), ("none", None), ("auto", "auto")])
+def test_max_prefill_tokens_on_the_command_line(tmp_path, option, want):
+    from swiftune.cli.grpo import parse_grpo_args
+
+    _, args, _ = parse_grpo_args(["--output_dir", str(tmp_path), "--max_prefill_tokens", option, "--use_cpu", "true"])
+    assert args.max_prefill_tokens == want
+
+
+@pytest.mark.parametrize("engine", ["transformers", "fast"])
+def test_trainer_passes_max_prefill_tokens_to_the_vision_engine(setup, tmp_path, caplog, engine):
+    """A cap of 1 token: the engine the trainer builds prefills every image prompt alone and says so
+    (the engines' own behaviour under a cap is tested against transformers in test_vl_fast_rollout /
+    test_qwen3_vl_grpo)."""
+    import logging
+
+    from swiftune import GRPOConfig, GRPOTrainer
+    from swiftune.rl.rollout import SamplingParams
+    from tests.test_qwen3_vl_grpo import _prompt_rows
+
+    proc, base, _ = setup
+    rows = _prompt_rows()[:2]
+    args = GRPOConfig(output_dir=str(tmp_path), rollout_engine=engine, max_prefill_tokens=1, max_steps=1,
+                      **GRPO_FAST)
+    trainer = GRPOTrainer(copy.deepcopy(base), lambda prompts, completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=rows, processing_class=proc)
+    assert trainer.rollout_engine.max_prefill_tokens == 1
+    prompts = [trainer.vision.encode(row) for row in rows]
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        out = trainer.vision.generate(trainer.rollout_engine, prompts, 2, SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out.completion_ids) == 4
+    alone = [r for r in caplog.records if "above max_prefill_tokens=1: prefilled alone" in r.getMessage()]
+    assert len(alone) == len(prompts), [r.getMessage() for r in caplog.records]
+
+
+def test_max_prefill_tokens_on_a_text_model_warns_that_it_has_no_effect(tmp_path, caplog):
+    import logging
+
+    from swiftune import GRPOConfig, GRPOTrainer
+    from swiftune.data import build_tokenizer
+    from tests.test_grpo import tiny_model
+
+    reward = lambda prompts, completions, **kw: [0.0] * len(completions)  # noqa: E731
+    rows = [{"prompt": "abc"}] * 4
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        GRPOTrainer(tiny_model(), reward, GRPOConfig(output_dir=str(tmp_path / "a"), **GRPO_FAST), rows,
+                    processing_class=build_tokenizer())
+        assert not any("max_prefill_tokens" in r.getMessage() for r in caplog.records)  # the default: silent
+        GRPOTrainer(tiny_model(), reward, GRPOConfig(output_dir=str(tmp_path / "b"), max_prefill_tokens=512,
+                                                     **GRPO_FAST), rows, processing_class=build_tokenizer())
+    assert any("max_prefill_tokens=512 has no effect on Qwen3ForCausalLM, a text model" in r.getMessage()
+               for r in caplog.records)

@@ -96,6 +96,13 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
         default=None,
         metadata={"help": "Most completions the built-in rollout engine decodes at once (None: a whole generation)."},
     )
+    max_prefill_tokens: int | str | None = field(
+        default="auto",
+        metadata={"help": "Vision-language policies (Qwen3-VL image prompts): most tokens (text and image) one rollout "
+                          "prefill holds; a generation's prompts are prefilled in chunks under it, a longer prompt "
+                          "alone. auto: from free CUDA memory (no cap on CPU); none: no cap. Text models: no effect "
+                          "(another value than auto warns)."},
+    )
     stop_token_ids: list[int] | None = field(
         default=None,
         metadata={"help": "Extra token ids that end a completion, besides the tokenizer's / generation config's "
@@ -269,6 +276,7 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
                     allow_none=True)
         require_int(self, "max_rollout_batch_size", 1, "the most completions decoded at once, or None for a whole "
                     "generation", allow_none=True)
+        self._resolve_max_prefill_tokens()
         if self.stop_token_ids is not None and not (
                 isinstance(self.stop_token_ids, (list, tuple))
                 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids)):
@@ -292,6 +300,21 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
                     "from free memory", allow_none=True)
         require_number(self, "reward_timeout", "the seconds a reward function may take, or None for no limit",
                        low=0, low_open=True, allow_none=True)
+
+    def _resolve_max_prefill_tokens(self) -> None:
+        """``max_prefill_tokens``: a positive int, ``"auto"`` or ``None``; the command line's strings
+        (``"4096"``, ``"none"``) read as those."""
+        value = self.max_prefill_tokens
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            value = None if lowered in ("none", "null") else int(lowered) if lowered.isdigit() else lowered
+        if not (value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)
+                                                     and value >= 1)):
+            fail(self, "max_prefill_tokens", self.max_prefill_tokens,
+                 "is not a positive number of tokens, 'auto' or None",
+                 "set it to the most tokens one rollout prefill may hold (e.g. 32768), 'auto' (from free GPU "
+                 "memory) or None (no cap)")
+        self.max_prefill_tokens = value
 
     @property
     def completions_per_generation(self) -> int:

@@ -251,10 +251,18 @@ class GRPOTrainer(SwiftuneTrainer):
                 return VisionFastRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
                                                pad_token_id=pad_token_id, seed=seed, tokenizer=self.vision.tokenizer,
                                                max_batch_size=self.args.max_rollout_batch_size,
-                                               attention_backend=self.args.attention_backend)
+                                               attention_backend=self.args.attention_backend,
+                                               max_prefill_tokens=self.args.max_prefill_tokens)
             return VisionRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
                                        pad_token_id=pad_token_id, seed=seed,
-                                       max_batch_size=self.args.max_rollout_batch_size)
+                                       max_batch_size=self.args.max_rollout_batch_size,
+                                       max_prefill_tokens=self.args.max_prefill_tokens)
+        if self.args.max_prefill_tokens != "auto":
+            # as TRL's engine-specific fields (vllm_*) do when that engine does not run: accepted, said once,
+            # so that one config serves text and vision-language runs
+            logger.warning("swiftune: GRPOConfig.max_prefill_tokens=%r has no effect on %s, a text model: it caps "
+                           "the prefills of the vision-language rollout engines only (image prompts)",
+                           self.args.max_prefill_tokens, type(causal_lm_of(self.model)).__name__)
         if choice == "fast":
             return FastRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed, tokenizer=self.processing_class,
                                      max_batch_size=self.args.max_rollout_batch_size,
