@@ -60,6 +60,16 @@ from typing import Literal
 
 import torch
 
+from ._fp8_common import (
+    REDUCE_BLOCK,
+    check_fp8_weight,
+    check_no_grad,
+    check_pow2,
+    check_scale_and_bias,
+    check_split_k,
+    choose_split_k,
+    split_k_ranges,
+)
 from .fp8_quant import fp8_quantize_rowwise
 from .launch import Backend, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2, tl, triton
 
@@ -68,8 +78,6 @@ __all__ = ["fp8_dot_matmul", "fp8_dot_matmul_reference"]
 DotDecode = Literal["auto", "fp8", "bits"]
 
 _DEFAULT_BLOCK_K = 128  # codes of one row a program reads per step: a full cache line, one promotion interval
-_MIN_K_BLOCKS_PER_SPLIT = 4  # a K range of at least 4 steps keeps the loop pipelined (4 stages)
-_REDUCE_BLOCK = 1024  # columns one program of the split-K reduction adds
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -87,7 +95,7 @@ def fp8_dot_matmul_reference(xq: torch.Tensor, x_scale: torch.Tensor, weight: to
 
 
 if triton is not None:
-    from .fp8_matmul import _decode_e4m3, _round_to_bf16, _split_k_reduce_kernel
+    from ._fp8_common import decode_e4m3, round_to_bf16, split_k_reduce_kernel
 
     @triton.jit
     def _fp8_dot_kernel(
@@ -124,8 +132,8 @@ if triton is not None:
                 a = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & in_k, other=0.0)
                 w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & in_k, other=0.0)
             if not FP8_DOT:  # bytes, decoded exactly; bf16 holds every e4m3 value (GPUs without FP8 cores)
-                a = _decode_e4m3(a)
-                w = _decode_e4m3(w)
+                a = decode_e4m3(a)
+                w = decode_e4m3(w)
                 if not BITS_DOT_F32:
                     a = a.to(tl.bfloat16)
                     w = w.to(tl.bfloat16)
@@ -152,7 +160,7 @@ if triton is not None:
             if HAS_BIAS:
                 y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if ROUND_BF16:
-                y = _round_to_bf16(y)
+                y = round_to_bf16(y)
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=mask_m[:, None] & mask_n[None, :])
         else:
@@ -163,32 +171,12 @@ else:  # pragma: no cover
     _fp8_dot_kernel = None
 
 
-def _choose_split(tiles: int, m: int, k: int, block_k: int, device: torch.device) -> int:
-    """Smallest power-of-two split of K that gives 90% of the SMs a program, while each range keeps
-    :data:`_MIN_K_BLOCKS_PER_SPLIT` steps and the partials (``4 SPLIT M N`` bytes, written and read
-    once, mostly in L2) stay within half the weight's ``N K`` bytes (``SPLIT <= K / (8 M)``)."""
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another: nothing to fill
-    sms = torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
-    k_blocks = -(-k // block_k)
-    split = 1
-    while (10 * tiles * split < 9 * sms and (split * 2) * _MIN_K_BLOCKS_PER_SPLIT <= k_blocks
-           and split * 2 * 8 * m <= k):
-        split *= 2
-    return split
-
-
 def _fp8_dot_available(device: torch.device, interpreted: bool) -> bool:
     """Whether ``tl.dot`` on e4m3 operands runs: the interpreter, or a GPU with FP8 tensor cores
     (compute capability >= 8.9: Ada, Hopper, later)."""
     if interpreted:
         return True
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def _check_pow2(name: str, value: int | None, least: int) -> None:
-    if value is not None and (value < least or value & (value - 1)):
-        raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
 
 
 def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -219,12 +207,7 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
                              "(it is quantised per row here)")
         if out_dtype is not None and out_dtype != x.dtype:
             raise ValueError(f"out_dtype is x's dtype ({x.dtype}) for a float x; got {out_dtype}")
-    if weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or weight.dim() != 2:
-        raise TypeError(f"weight must be a 2-D float8_e4m3fn tensor (or its uint8 view), got {weight.dtype} "
-                        f"of shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(f"x's last dimension must be the weight's in_features ({k}), got shape {tuple(x.shape)}")
+    n, k = check_fp8_weight(weight, x)
     rows = math.prod(x.shape[:-1])
     if quantised:
         if x_scale is None or x_scale.dtype != torch.float32 or x_scale.numel() != rows:
@@ -235,25 +218,17 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             raise ValueError(f"out_dtype must be bf16, fp16, fp32 or fp64, got {out_dtype}")
     else:
         out_dtype = x.dtype
-    if scale.dtype != torch.float32 or scale.numel() != n:
-        raise ValueError(f"scale must hold one float32 value per output row ({n}), got {scale.dtype} "
-                         f"of shape {tuple(scale.shape)}")
-    if bias is not None:
-        check_float("bias", bias)
-        if bias.numel() != n:
-            raise ValueError(f"bias must have the weight's out_features ({n}) elements, got {tuple(bias.shape)}")
-    _check_pow2("block_m", block_m, 16)
-    _check_pow2("block_n", block_n, 16)
-    _check_pow2("block_k", block_k, 32)
-    _check_pow2("num_warps", num_warps, 1)
-    if split_k is not None and split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    check_scale_and_bias(scale, bias, n)
+    check_pow2("block_m", block_m, 16)
+    check_pow2("block_n", block_n, 16)
+    check_pow2("block_k", block_k, 32)
+    check_pow2("num_warps", num_warps, 1)
+    check_split_k(split_k)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if decode not in ("auto", "fp8", "bits"):
         raise ValueError(f"decode must be 'auto', 'fp8' or 'bits', got {decode!r}")
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        raise RuntimeError("fp8_dot_matmul has no backward: call it under torch.no_grad() (decoding)")
+    check_no_grad("fp8_dot_matmul", x, bias)
     named = {"x": x, "weight": weight, "scale": scale}
     if x_scale is not None:
         named["x_scale"] = x_scale
@@ -292,9 +267,10 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     block_m = block_m or min(max(16, next_pow2(m)), 64)
     block_n = block_n or (64 if n <= 2048 else 128)
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
-    split = split_k if split_k is not None else _choose_split(m_tiles * n_tiles, m, k, block_k, x.device)
-    k_per_split = -(-(-(-k // block_k)) // split) * block_k  # whole BLOCK_K steps per range
-    split = -(-k // k_per_split)  # ranges past K would only add zeros
+    # programs for 90% of the SMs; SPLIT <= K / (8 M) keeps the partials within half the weight's bytes
+    split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, block_k, x.device,
+                                                              sm_fill_percent=90, min_range_per_row=8)
+    k_per_split, split = split_k_ranges(k, block_k, split)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     int64 = _force_int64 or needs_int64(xq, w, y, partial)
     b = bias if bias is not None else s
@@ -307,9 +283,9 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
         num_warps=num_warps, num_stages=num_stages,
     )
     if split > 1:
-        _split_k_reduce_kernel[(-(-n // _REDUCE_BLOCK), m)](
+        split_k_reduce_kernel[(-(-n // REDUCE_BLOCK), m)](
             partial, s, xs, b, y, m, n, y.stride(0),
-            SPLIT=split, BLOCK=_REDUCE_BLOCK, HAS_ROW_SCALE=True, HAS_BIAS=bias is not None,
+            SPLIT=split, BLOCK=REDUCE_BLOCK, HAS_ROW_SCALE=True, HAS_BIAS=bias is not None,
             ROUND_BF16=round_bf16, INT64=int64, num_warps=4,
         )
     return y.view(*x.shape[:-1], n)

@@ -50,6 +50,16 @@ from typing import Literal
 
 import torch
 
+from ._fp8_common import (
+    REDUCE_BLOCK,
+    check_fp8_weight,
+    check_no_grad,
+    check_pow2,
+    check_scale_and_bias,
+    check_split_k,
+    choose_split_k,
+    split_k_ranges,
+)
 from .launch import Backend, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2, tl, triton
 
 __all__ = ["fp8_weight_only_matmul", "fp8_weight_only_matmul_reference"]
@@ -57,8 +67,6 @@ __all__ = ["fp8_weight_only_matmul", "fp8_weight_only_matmul_reference"]
 Decode = Literal["auto", "native", "bits"]
 
 _BLOCK_K = 128  # codes of one row a program reads per step: 128 bytes, a full cache line
-_MIN_K_BLOCKS_PER_SPLIT = 4  # a K range of at least 4 steps keeps the loop pipelined
-_REDUCE_BLOCK = 1024  # columns one program of the split-K reduction adds
 
 
 def fp8_weight_only_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -75,27 +83,7 @@ def fp8_weight_only_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scal
 
 if triton is not None:
 
-    @triton.jit
-    def _decode_e4m3(code):
-        """e4m3fn bytes (``uint8``) to their float32 values, exactly (see the module docstring)."""
-        c = code.to(tl.int32) & 0xFF
-        mag = c & 0x7F
-        e = mag >> 3
-        m = mag & 7
-        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
-        nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
-        v = tl.where(mag == 0x7F, nan, v)
-        return tl.where(c >= 0x80, -v, v)
-
-    @triton.jit
-    def _round_to_bf16(v):
-        """float32 ``v`` rounded to the nearest bf16, ties to even, still in float32 (finite ``v``):
-        the interpreter's own float32 -> bf16 cast truncates, compiled Triton's rounds; with this
-        the cast that follows is exact on both."""
-        bits = v.to(tl.int32, bitcast=True)
-        kept = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # & 0xFFFF0000
-        return kept.to(tl.float32, bitcast=True)
+    from ._fp8_common import decode_e4m3, round_to_bf16, split_k_reduce_kernel
 
     @triton.jit
     def _fp8_wo_kernel(
@@ -131,7 +119,7 @@ if triton is not None:
             if NATIVE_FP8:
                 w = code.to(tl.float32) if DOT_F32 else code.to(x.dtype)
             else:
-                w = _decode_e4m3(code)
+                w = decode_e4m3(code)
                 if not DOT_F32:
                     w = w.to(x.dtype)  # exact: every e4m3 value is a bf16 and an fp16
             if DOT_F32:  # float32 x, or the interpreter (whose half-precision arithmetic is unreliable)
@@ -143,57 +131,15 @@ if triton is not None:
             if HAS_BIAS:
                 y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if ROUND_BF16:
-                y = _round_to_bf16(y)
+                y = round_to_bf16(y)
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=mask_m[:, None] & mask_n[None, :])
         else:
             part = p_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
             tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
-    def _split_k_reduce_kernel(
-        p_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, M, N, stride_ym,
-        SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-        ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
-    ):
-        """``y[row, cols] = round(s[cols] (xs[row]) sum_i partial[i, row, cols] + b[cols])``, the partial
-        sums added in a fixed order; ``xs``: the row scales of quantised activations
-        (:mod:`swiftune.kernels.fp8_dot`), absent for the weight-only kernel."""
-        row = tl.program_id(1)
-        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        if INT64:
-            row = row.to(tl.int64)
-            cols = cols.to(tl.int64)
-        mask = cols < N
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in tl.static_range(SPLIT):  # a fixed order: deterministic sums
-            acc += tl.load(p_ptr + (i * M + row) * N + cols, mask=mask, other=0.0)
-        y = acc * tl.load(s_ptr + cols, mask=mask, other=0.0)
-        if HAS_ROW_SCALE:
-            y = y * tl.load(xs_ptr + row)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if ROUND_BF16:
-            y = _round_to_bf16(y)
-        tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-
 else:  # pragma: no cover
     _fp8_wo_kernel = None
-
-
-def _choose_split(tiles: int, m: int, k: int, device: torch.device) -> int:
-    """Smallest power-of-two split of K that gives every SM a program, while each range keeps
-    :data:`_MIN_K_BLOCKS_PER_SPLIT` steps and the partials (``4 SPLIT M N`` bytes, written and read
-    once, mostly in L2) stay within half the weight's ``N K`` bytes (``SPLIT <= K / (16 M)``)."""
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another: nothing to fill
-    sms = torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
-    k_blocks = -(-k // _BLOCK_K)
-    split = 1
-    while (tiles * split < sms and (split * 2) * _MIN_K_BLOCKS_PER_SPLIT <= k_blocks
-           and split * 2 * 16 * m <= k):
-        split *= 2
-    return split
 
 
 def _native_fp8(device: torch.device, interpreted: bool) -> bool:
@@ -219,27 +165,13 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     reference.
     """
     check_float("x", x)
-    if weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or weight.dim() != 2:
-        raise TypeError(f"weight must be a 2-D float8_e4m3fn tensor (or its uint8 view), got {weight.dtype} "
-                        f"of shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    if x.dim() == 0 or x.shape[-1] != k:
-        raise ValueError(f"x's last dimension must be the weight's in_features ({k}), got shape {tuple(x.shape)}")
-    if scale.dtype != torch.float32 or scale.numel() != n:
-        raise ValueError(f"scale must hold one float32 value per output row ({n}), got {scale.dtype} "
-                         f"of shape {tuple(scale.shape)}")
-    if bias is not None:
-        check_float("bias", bias)
-        if bias.numel() != n:
-            raise ValueError(f"bias must have the weight's out_features ({n}) elements, got {tuple(bias.shape)}")
-    if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    if split_k is not None and split_k < 1:
-        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    n, k = check_fp8_weight(weight, x)
+    check_scale_and_bias(scale, bias, n)
+    check_pow2("block_n", block_n, 16)
+    check_split_k(split_k)
     if decode not in ("auto", "native", "bits"):
         raise ValueError(f"decode must be 'auto', 'native' or 'bits', got {decode!r}")
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        raise RuntimeError("fp8_weight_only_matmul has no backward: call it under torch.no_grad() (decoding)")
+    check_no_grad("fp8_weight_only_matmul", x, bias)
     named = {"x": x, "weight": weight, "scale": scale}
     if bias is not None:
         named["bias"] = bias
@@ -266,9 +198,10 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     if block_n is None:  # BLOCK_N >= 2 M: x's L2 reads stay within the weight's bytes
         block_n = 32 if m <= 16 else 64 if m <= 32 else 128
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
-    split = split_k if split_k is not None else _choose_split(m_tiles * n_tiles, m, k, x.device)
-    k_per_split = -(-(-(-k // _BLOCK_K)) // split) * _BLOCK_K  # whole BLOCK_K steps per range
-    split = -(-k // k_per_split)  # ranges past K would only add zeros
+    # a program for every SM; SPLIT <= K / (16 M) bounds the float32 partials' bytes (module docstring)
+    split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, _BLOCK_K, x.device,
+                                                              sm_fill_percent=100, min_range_per_row=16)
+    k_per_split, split = split_k_ranges(k, _BLOCK_K, split)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     int64 = _force_int64 or needs_int64(x2, w, y, partial)
     b = bias if bias is not None else s
@@ -280,9 +213,9 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
         EVEN_K=k == split * k_per_split, ROUND_BF16=round_bf16, INT64=int64, num_warps=4, num_stages=4,
     )
     if split > 1:
-        _split_k_reduce_kernel[(-(-n // _REDUCE_BLOCK), m)](
+        split_k_reduce_kernel[(-(-n // REDUCE_BLOCK), m)](
             partial, s, s, b, y, m, n, y.stride(0),
-            SPLIT=split, BLOCK=_REDUCE_BLOCK, HAS_ROW_SCALE=False, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
+            SPLIT=split, BLOCK=REDUCE_BLOCK, HAS_ROW_SCALE=False, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
             INT64=int64,
             num_warps=4,
         )

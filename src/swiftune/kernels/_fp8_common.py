@@ -1,0 +1,133 @@
+"""Pieces shared by the two FP8 decode matmuls (:mod:`.fp8_matmul`, weight-only, and :mod:`.fp8_dot`,
+FP8 x FP8): the exact e4m3 decoding and bf16 rounding used inside their kernels, the deterministic
+split-K reduction both launch, the choice of the K split, and the launchers' argument checks.
+
+The math of the decoding and of split K is in :mod:`.fp8_matmul`'s module docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import check_float, tl, triton
+
+MIN_K_BLOCKS_PER_SPLIT = 4  # a K range of at least 4 steps keeps the loop pipelined (4 stages)
+REDUCE_BLOCK = 1024  # columns one program of the split-K reduction adds
+
+
+if triton is not None:
+
+    @triton.jit
+    def decode_e4m3(code):
+        """e4m3fn bytes (``uint8``) to their float32 values, exactly (see :mod:`.fp8_matmul`)."""
+        c = code.to(tl.int32) & 0xFF
+        mag = c & 0x7F
+        e = mag >> 3
+        m = mag & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m * 2^-9
+        nan = tl.full(v.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+        v = tl.where(mag == 0x7F, nan, v)
+        return tl.where(c >= 0x80, -v, v)
+
+    @triton.jit
+    def round_to_bf16(v):
+        """float32 ``v`` rounded to the nearest bf16, ties to even, still in float32 (finite ``v``):
+        the interpreter's own float32 -> bf16 cast truncates, compiled Triton's rounds; with this
+        the cast that follows is exact on both."""
+        bits = v.to(tl.int32, bitcast=True)
+        kept = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # & 0xFFFF0000
+        return kept.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def split_k_reduce_kernel(
+        p_ptr, s_ptr, xs_ptr, b_ptr, y_ptr, M, N, stride_ym,
+        SPLIT: tl.constexpr, BLOCK: tl.constexpr, HAS_ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
+    ):
+        """``y[row, cols] = round(s[cols] (xs[row]) sum_i partial[i, row, cols] + b[cols])``, the partial
+        sums added in a fixed order; ``xs``: the row scales of quantised activations
+        (:mod:`swiftune.kernels.fp8_dot`), absent for the weight-only kernel."""
+        row = tl.program_id(1)
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        if INT64:
+            row = row.to(tl.int64)
+            cols = cols.to(tl.int64)
+        mask = cols < N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):  # a fixed order: deterministic sums
+            acc += tl.load(p_ptr + (i * M + row) * N + cols, mask=mask, other=0.0)
+        y = acc * tl.load(s_ptr + cols, mask=mask, other=0.0)
+        if HAS_ROW_SCALE:
+            y = y * tl.load(xs_ptr + row)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if ROUND_BF16:
+            y = round_to_bf16(y)
+        tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def choose_split_k(tiles: int, m: int, k: int, block_k: int, device: torch.device, *,
+                   sm_fill_percent: int, min_range_per_row: int) -> int:
+    """Smallest power-of-two split of K that gives ``sm_fill_percent`` % of the SMs a program, while
+    each range keeps :data:`MIN_K_BLOCKS_PER_SPLIT` steps of ``block_k`` and at least
+    ``min_range_per_row * m`` columns of K (``SPLIT <= K / (min_range_per_row M)``: that bounds the
+    float32 partials' ``4 SPLIT M N`` bytes, written and read once, mostly in L2, by a share of the
+    weight's ``N K`` bytes). ``tiles``: the programs one range of K launches."""
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another: nothing to fill
+    sms = torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
+    k_blocks = -(-k // block_k)
+    split = 1
+    while (100 * tiles * split < sm_fill_percent * sms and (split * 2) * MIN_K_BLOCKS_PER_SPLIT <= k_blocks
+           and split * 2 * min_range_per_row * m <= k):
+        split *= 2
+    return split
+
+
+def split_k_ranges(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """``(k_per_split, split)``: K cut into ``split`` ranges of whole ``block_k`` steps, and the number
+    of ranges that actually hold columns (ranges past K would only add zeros)."""
+    k_per_split = -(-(-(-k // block_k)) // split) * block_k
+    return k_per_split, -(-k // k_per_split)
+
+
+def check_fp8_weight(weight: torch.Tensor, x: torch.Tensor) -> tuple[int, int]:
+    """``(N, K)`` of an e4m3 ``weight`` ``[N, K]`` (or its ``uint8`` view) whose ``K`` is ``x``'s last
+    dimension; raises naming what to change otherwise."""
+    if weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or weight.dim() != 2:
+        raise TypeError(f"weight must be a 2-D float8_e4m3fn tensor (or its uint8 view), got {weight.dtype} "
+                        f"of shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"x's last dimension must be the weight's in_features ({k}), got shape {tuple(x.shape)}")
+    return n, k
+
+
+def check_scale_and_bias(scale: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
+    """One float32 weight scale per output row, and a float ``bias`` of ``n`` elements or none."""
+    if scale.dtype != torch.float32 or scale.numel() != n:
+        raise ValueError(f"scale must hold one float32 value per output row ({n}), got {scale.dtype} "
+                         f"of shape {tuple(scale.shape)}")
+    if bias is not None:
+        check_float("bias", bias)
+        if bias.numel() != n:
+            raise ValueError(f"bias must have the weight's out_features ({n}) elements, got {tuple(bias.shape)}")
+
+
+def check_pow2(name: str, value: int | None, least: int) -> None:
+    """A tuning override ``value`` (``None``: not given) must be a power of two >= ``least``."""
+    if value is not None and (value < least or value & (value - 1)):
+        raise ValueError(f"{name} must be a power of two >= {least}, got {value}")
+
+
+def check_split_k(split_k: int | None) -> None:
+    """A ``split_k`` override (``None``: not given) must be at least one range."""
+    if split_k is not None and split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+
+
+def check_no_grad(function: str, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The decode matmuls have no backward: refuse inputs that would need one."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        raise RuntimeError(f"{function} has no backward: call it under torch.no_grad() (decoding)")
