@@ -211,6 +211,26 @@ def backprop_block(
     return torch.mm(gc, w[v0:v1]) if need_h else None
 
 
+def finish_head_grads(
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    hidden_shape: torch.Size,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The chunk loops' gradients as autograd returns them: the flat ``[rows, H]`` hidden gradient
+    shaped like ``hidden``, the float32 (float64) weight and bias accumulators cast to their dtypes."""
+    if grad_h is not None:
+        grad_h = grad_h.view(hidden_shape)
+    if grad_w is not None:
+        grad_w = grad_w.to(weight.dtype)
+    if grad_b is not None:
+        assert bias is not None
+        grad_b = grad_b.to(bias.dtype)
+    return grad_h, grad_w, grad_b
+
+
 # ----------------------------------------------------------------------------------------------
 # Fused path: the same per-block math as Triton kernels over the raw matmul output ``z`` (in its
 # own dtype): one pass for the statistics (swiftune.kernels.logit_stats), one that writes dL/dz

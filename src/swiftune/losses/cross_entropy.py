@@ -63,6 +63,7 @@ from .blocks import (
     block_grad,
     block_stats,
     compute_dtypes,
+    finish_head_grads,
     fused_block_grad_,
     fused_block_stats,
     grad_from_logp_,
@@ -70,7 +71,14 @@ from .blocks import (
     project,
 )
 from .chunking import resolve_chunk_tokens, vocab_blocks
-from .selective_log_softmax import ChunkedLogProb, LogProbConfig, check_labels, use_fused
+from .selective_log_softmax import (
+    ChunkedLogProb,
+    LogProbConfig,
+    check_head_shapes,
+    check_labels,
+    materialised_logits,
+    use_fused,
+)
 
 
 @dataclass(frozen=True)
@@ -203,12 +211,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                     grad_h.index_copy_(0, idx, gh.to(grad_h.dtype))
         if cfg.mean:
             loss = loss / denom
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        if grad_h is not None:
-            grad_h = grad_h.view(hidden.shape)
+        grad_h, grad_w, grad_b = finish_head_grads(grad_h, grad_w, grad_b, hidden.shape, weight, bias)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.mark_non_differentiable(ent_rows, hit_rows)
         return loss, ent_rows, hit_rows
@@ -266,12 +269,7 @@ def linear_cross_entropy(
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} leading shapes differ")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    check_head_shapes(hidden, weight, bias, labels, "labels")
     if num_items is not None and reduction != "mean":
         raise ValueError("num_items only applies to reduction='mean'")
     flat = labels.reshape(-1).long()
@@ -335,12 +333,7 @@ def linear_cross_entropy_reference(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch: materialises the logits (float32, or float64 for float64 inputs)."""
-    z = F.linear(hidden, weight, bias)
-    y = z.to(torch.promote_types(z.dtype, torch.float32))
-    if logit_scale is not None:
-        y = y * logit_scale
-    if logit_softcap is not None:
-        y = logit_softcap * torch.tanh(y / logit_softcap)
+    y = materialised_logits(hidden, weight, bias, logit_scale, logit_softcap)
     losses = F.cross_entropy(
         y.reshape(-1, y.shape[-1]), labels.reshape(-1).long(), ignore_index=ignore_index, reduction="none"
     )

@@ -43,6 +43,7 @@ from .blocks import (
     block_grad,
     block_stats,
     compute_dtypes,
+    finish_head_grads,
     fused_kernel,
 )
 from .chunking import resolve_chunk_tokens, vocab_blocks
@@ -216,12 +217,7 @@ class ChunkedLogProb(torch.autograd.Function):
                         grad_h.index_copy_(0, rows[a:b], gh_acc.to(grad_h.dtype))
         if ctx.offloaded is not None:  # release the pinned buffer now, not when the graph dies
             ctx.offloaded, ctx.offload_released = None, True
-        if grad_h is not None:
-            grad_h = grad_h.view(ctx.hidden_shape)
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
+        grad_h, grad_w, grad_b = finish_head_grads(grad_h, grad_w, grad_b, ctx.hidden_shape, weight, bias)
         return grad_h, grad_w, grad_b, None, None, None
 
 
@@ -237,6 +233,31 @@ def check_labels(labels: torch.Tensor, vocab_size: int, name: str) -> None:
     lo, hi = torch.stack([labels.min(), labels.max()]).tolist()
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name} values must be in [0, {vocab_size}), got range [{lo}, {hi}]")
+
+
+def check_head_shapes(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      targets: torch.Tensor, name: str) -> None:
+    """``hidden [..., H]`` with one target id per row (``targets [...]``, called ``name``), an LM head
+    ``weight [V, H]`` and an optional ``bias [V]``."""
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and {name} {tuple(targets.shape)} leading shapes differ")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def materialised_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        logit_scale: float | None, logit_softcap: float | None) -> torch.Tensor:
+    """The references' whole ``[..., V]`` logits ``softcap(scale * (hidden W^T + b))`` in float32 (float64
+    for float64 inputs), the transforms in :class:`~swiftune.losses.blocks.LogitTransform`'s order."""
+    z = F.linear(hidden, weight, bias)
+    y = z.to(torch.promote_types(z.dtype, torch.float32))
+    if logit_scale is not None:
+        y = y * logit_scale
+    if logit_softcap is not None:
+        y = logit_softcap * torch.tanh(y / logit_softcap)
+    return y
 
 
 def selective_log_softmax(
@@ -276,12 +297,7 @@ def selective_log_softmax(
     Returns:
         float32 ``logp`` shaped like ``index`` (float64 for float64 inputs), or ``(logp, entropy)``.
     """
-    if hidden.shape[:-1] != index.shape:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and index {tuple(index.shape)} leading shapes differ")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    check_head_shapes(hidden, weight, bias, index, "index")
     labels = index.reshape(-1).long()
     check_labels(labels, weight.shape[0], "index")
     cd, acc = compute_dtypes(hidden, weight)
@@ -311,12 +327,7 @@ def selective_log_softmax_reference(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain PyTorch: materialises the logits (float32, or float64 for float64 inputs)."""
-    z = F.linear(hidden, weight, bias)
-    y = z.to(torch.promote_types(z.dtype, torch.float32))
-    if logit_scale is not None:
-        y = y * logit_scale
-    if logit_softcap is not None:
-        y = logit_softcap * torch.tanh(y / logit_softcap)
+    y = materialised_logits(hidden, weight, bias, logit_scale, logit_softcap)
     logp_all = torch.log_softmax(y / temperature, dim=-1)
     logp = logp_all.gather(-1, index.long().unsqueeze(-1)).squeeze(-1)
     if return_entropy:
