@@ -188,3 +188,73 @@ def test_max_prefill_tokens_on_a_text_model_warns_that_it_has_no_effect(tmp_path
                                                      **GRPO_FAST), rows, processing_class=build_tokenizer())
     assert any("max_prefill_tokens=512 has no effect on Qwen3ForCausalLM, a text model" in r.getMessage()
                for r in caplog.records)
+
+
+# ------------------------------------------------------------------ LoRA targets reaching the vision tower
+
+def _lora_wrapped(model, target_modules) -> set[str]:
+    """Names of the modules PEFT's own get_peft_model adapts for ``target_modules``."""
+    import peft
+
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=target_modules, lora_dropout=0.0)
+    wrapped = peft.get_peft_model(copy.deepcopy(model), config)
+    prefix = "base_model.model."
+    return {n[len(prefix):] for n, m in wrapped.named_modules() if hasattr(m, "lora_A") and n.startswith(prefix)}
+
+
+def test_lora_target_proj_warns_about_the_vision_patch_embedding(setup):
+    """``"proj"`` (a suffix) adapts the vision blocks' attention output projections and also the patch
+    embedding's Conv3d: one warning names the Conv3d and a target list without it, and that list,
+    given to PEFT, adapts exactly the other modules."""
+    import warnings
+
+    import swiftune
+    from tests.test_qwen3_vl import SEVEN, VISION_LINEARS
+
+    _, base, _ = setup
+    targets = SEVEN + VISION_LINEARS
+    assert "model.visual.patch_embed.proj" in _lora_wrapped(base, targets)  # PEFT's own behaviour
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=2, lora_alpha=4, target_modules=targets,
+                                          use_gradient_checkpointing=False)
+    ours = [w for w in caught if "LoRA target_modules" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, [str(w.message) for w in caught]
+    message = str(ours[0].message)
+    assert "'proj' also matches model.visual.patch_embed.proj (Conv3d)" in message, message
+    assert "name them (e.g. 'patch_embed.proj')" in message, message
+    suggested = SEVEN + ["qkv", "attn.proj", "linear_fc1", "linear_fc2"]
+    assert f"target_modules={suggested!r}" in message, message
+    assert _lora_wrapped(base, suggested) == _lora_wrapped(base, targets) - {"model.visual.patch_embed.proj"}
+
+
+def test_lora_target_regex_reaching_text_and_vision_warns(setup):
+    """A regular expression that matches text-decoder and vision-tower modules alike: every vision match
+    is named, and the suggested list adapts the text modules only."""
+    import ast
+
+    import swiftune
+
+    _, base, _ = setup
+    with pytest.warns(UserWarning, match=r"'\.\*proj' also matches model\.visual\.") as record:
+        swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=2, lora_alpha=4, target_modules=r".*proj",
+                                          use_gradient_checkpointing=False)
+    message = next(str(w.message) for w in record if "LoRA target_modules" in str(w.message))
+    suggested = ast.literal_eval(message.split("use target_modules=")[1].split("; to adapt")[0])  # as printed
+    wanted = {n for n in _lora_wrapped(base, r".*proj") if ".visual." not in f".{n}."}
+    assert wanted and _lora_wrapped(base, suggested) == wanted
+
+
+@pytest.mark.parametrize("targets", [
+    "all-linear", ["q_proj", "v_proj"], ["qkv", "attn.proj", "linear_fc1", "linear_fc2"], ["patch_embed.proj"],
+    r".*visual.*proj", ["visual.blocks.0.attn.proj"]], ids=str)
+def test_lora_targets_meant_for_what_they_match_do_not_warn(setup, targets):
+    import warnings
+
+    import swiftune
+
+    _, base, _ = setup
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*LoRA target_modules")
+        swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=2, lora_alpha=4, target_modules=targets,
+                                          use_gradient_checkpointing=False)

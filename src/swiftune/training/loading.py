@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -443,6 +444,7 @@ class FastModel:
             task_type="CAUSAL_LM",
             **lora_kwargs,
         )
+        warn_about_vision_tower_targets(model, target_modules)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
                                       offload_host_budget_bytes=offload_host_budget_bytes)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -468,3 +470,83 @@ class FastModel:
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
                                       offload_host_budget_bytes=offload_host_budget_bytes)
         return model.train()
+
+
+# ------------------------------------------------------------------ LoRA targets in the vision tower
+
+#: Module types PEFT's LoRA wraps, i.e. what a target string can adapt.
+_ADAPTABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+
+
+def _target_matches(target: str, name: str, regex: bool) -> bool:
+    """PEFT's rule for one target: a string ``target_modules`` is a regular expression on the whole
+    module name; an entry of a list matches the name itself or a dotted suffix of it."""
+    return re.fullmatch(target, name) is not None if regex else name == target or name.endswith("." + target)
+
+
+def _in_vision_tower(name: str) -> bool:
+    return any(f".{prefix}." in f".{name}." for prefix in VISION_TOWER_MODULES)
+
+
+def _names_vision_tower(target: str) -> bool:
+    """A target that spells the vision tower's attribute (``visual``) asks for its modules on purpose."""
+    return any(prefix.rsplit(".", 1)[-1] in target for prefix in VISION_TOWER_MODULES)
+
+
+def _distinguishing_suffix(name: str, target: str, regex: bool, avoid: set[str]) -> str:
+    """The shortest dotted suffix of ``name`` (no shorter than a list entry ``target``) that no name
+    of ``avoid`` matches as a list entry of ``target_modules``."""
+    parts = name.split(".")
+    for k in range(1 if regex else len(target.split(".")), len(parts) + 1):
+        suffix = ".".join(parts[-k:])
+        if not any(_target_matches(suffix, other, regex=False) for other in avoid):
+            return suffix
+    return name
+
+
+def warn_about_vision_tower_targets(model: nn.Module, target_modules: Any) -> None:
+    """Warn once when LoRA targets reach vision-tower modules the user most likely did not mean.
+
+    A target (an entry of ``target_modules``, or its one regular expression) that spells the
+    vision tower (``visual``) is taken as meant. Any other target that matches vision-tower modules
+    is flagged when it also matches modules outside the tower (the vision matches ride along with
+    the text decoder's), or when its vision matches mix ``nn.Linear`` modules with other types:
+    the others are flagged (Qwen3-VL's ``"proj"``, a suffix, reaches the vision blocks' attention
+    output projection and also the patch embedding's ``Conv3d`` ``model.visual.patch_embed.proj``).
+    The warning names the flagged modules and the ``target_modules`` that adapts the rest only.
+    ``None`` and ``"all-linear"`` (PEFT's own choices) are not checked."""
+    if target_modules is None or target_modules == "all-linear":
+        return
+    regex = isinstance(target_modules, str)
+    targets = [target_modules] if regex else [str(t) for t in target_modules]
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, _ADAPTABLE)]
+    if not any(_in_vision_tower(n) for n, _ in modules):
+        return
+    notes: list[str] = []
+    replacement: list[str] = []
+    example = ""  # a list entry that names the first flagged module alone, for the message
+    for target in targets:
+        matched = [] if _names_vision_tower(target) else [(n, m) for n, m in modules
+                                                           if _target_matches(target, n, regex)]
+        vision = [(n, m) for n, m in matched if _in_vision_tower(n)]
+        if len(vision) < len(matched):
+            unmeant = vision
+        elif any(isinstance(m, nn.Linear) for _, m in vision):
+            unmeant = [(n, m) for n, m in vision if not isinstance(m, nn.Linear)]
+        else:
+            unmeant = []
+        if not unmeant:
+            replacement.append(target)
+            continue
+        avoid = {n for n, _ in unmeant}
+        example = example or ".".join(unmeant[0][0].split(".")[-2:])
+        replacement.extend(sorted({_distinguishing_suffix(n, target, regex, avoid) for n, _ in matched if n not in avoid}))
+        listed = ", ".join(f"{n} ({type(m).__name__})" for n, m in unmeant[:4])
+        more = f" and {len(unmeant) - 4} more" if len(unmeant) > 4 else ""
+        notes.append(f"{target!r} also matches {listed}{more}")
+    if notes:
+        warnings.warn(
+            f"swiftune: LoRA target_modules={target_modules!r}: {'; '.join(notes)} (vision-tower modules the "
+            f"target most likely was not meant for; PEFT adapts them as well). To adapt only the others, use "
+            f"target_modules={replacement!r}; to adapt these on purpose, name them (e.g. {example!r}) or a "
+            "path through 'visual'.", UserWarning, stacklevel=3)
