@@ -74,12 +74,17 @@ if triton is not None:
             return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * du
 
     @triton.jit
-    def _glu_fwd_kernel(g_ptr, u_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr):
+    def _program_block(n, BLOCK: tl.constexpr, INT64: tl.constexpr):
+        """This program's ``BLOCK`` flat offsets (64-bit when ``INT64``) and their mask ``offs < n``."""
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        return offs, offs < n
+
+    @triton.jit
+    def _glu_fwd_kernel(g_ptr, u_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr):
+        offs, mask = _program_block(n, BLOCK, INT64)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         a = _act_fwd(g, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -89,11 +94,7 @@ if triton is not None:
     def _glu_bwd_kernel(
         dout_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr
     ):
-        pid = tl.program_id(0)
-        if INT64:
-            pid = pid.to(tl.int64)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
+        offs, mask = _program_block(n, BLOCK, INT64)
         dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
