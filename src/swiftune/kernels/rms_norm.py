@@ -48,16 +48,23 @@ if triton is not None:
         return r
 
     @triton.jit
-    def _rms_fwd_kernel(
-        x_ptr, w_ptr, y_ptr, r_ptr, n_cols, stride_x, stride_y, eps, offset,
-        BLOCK: tl.constexpr, INT64: tl.constexpr,
-    ):
+    def _load_program_row(x_ptr, stride_x, n_cols, BLOCK: tl.constexpr, INT64: tl.constexpr):
+        """``(row, cols, mask, x)``: this program's row (64-bit when ``INT64``), the column offsets of
+        a one-block row and their mask, and that row of ``x`` in float32 (the forward kernels' start)."""
         row = tl.program_id(0)
         if INT64:
             row = row.to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        return row, cols, mask, x
+
+    @triton.jit
+    def _rms_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, r_ptr, n_cols, stride_x, stride_y, eps, offset,
+        BLOCK: tl.constexpr, INT64: tl.constexpr,
+    ):
+        row, cols, mask, x = _load_program_row(x_ptr, stride_x, n_cols, BLOCK, INT64)
         r = rms_row(x, w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
         tl.store(r_ptr + row, r)
 
@@ -92,12 +99,7 @@ if triton is not None:
         x_ptr, res_ptr, w_ptr, y_ptr, s_ptr, n_cols, stride_x, stride_res, stride_y, stride_s, eps, offset,
         BLOCK: tl.constexpr, INT64: tl.constexpr,
     ):
-        row = tl.program_id(0)
-        if INT64:
-            row = row.to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        row, cols, mask, x = _load_program_row(x_ptr, stride_x, n_cols, BLOCK, INT64)
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         # round the sum to the activation dtype first, as the unfused `x + residual` does, and
         # normalise the rounded value: the new residual stream and y match the unfused path
