@@ -23,6 +23,10 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
   interpreter on CPU when ``TRITON_INTERPRET=1``, else its plain-PyTorch reference). At a few rows the
   product is bound by reading the weight, which this path reads at 1 byte a weight and nothing else;
   ``_scaled_mm`` adds a quantise launch per linear and its FP8 tiles are shaped for large ``M``.
+  From :data:`DECODE_MAX_ROWS` to :data:`DOT_DECODE_MAX_ROWS` rows under ``no_grad``, where
+  ``_scaled_mm`` would run, the FP8 x FP8 decode kernel (:func:`swiftune.kernels.fp8_dot.fp8_dot_matmul`)
+  computes the same product (activations quantised per row, e4m3 on the tensor cores) with tiles
+  for those row counts.
 - the dequantising reference (CPU, older GPUs, other dtypes): ``W_q`` rebuilt in float32 and cast
   to the compute dtype in forward and again in backward (never kept: an FP8 model holds 1 byte per
   base weight, not 3), then a plain matmul. This is exactly plain transformers with
@@ -52,10 +56,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels.fp8_dot import fp8_dot_matmul
 from ..kernels.fp8_matmul import fp8_weight_only_matmul
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
-__all__ = ["DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State", "block_scales_to_layer_scales", "block_size_of",
+__all__ = ["DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State", "block_scales_to_layer_scales", "block_size_of",
            "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear",
            "quantize_activation", "quantize_model_fp8", "quantize_rowwise"]
 
@@ -68,6 +73,11 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 # conversion feeding the tensor cores costs more than the halved weight read saves; figures and
 # command: docs/results/2026-12-02/kernels_fp8_matmul_h200.txt). Wider products take _scaled_mm.
 DECODE_MAX_ROWS = 16
+# The most rows an inference product sends to the FP8 x FP8 decode kernel (above DECODE_MAX_ROWS): the
+# activations quantised per row as for _scaled_mm (the same codes and, measured, the same results), the
+# product on the FP8 tensor cores with tiles for 17-64 rows, where it beat _scaled_mm at every Qwen3-8B
+# projection and bf16 at three of four (same file as above). Wider products take _scaled_mm.
+DOT_DECODE_MAX_ROWS = 64
 
 
 def quantize_rowwise(t: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +198,9 @@ def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: t
         # the Triton kernel on CUDA (and under the interpreter), its float32 reference on plain CPU
         return fp8_weight_only_matmul(x2.to(dtype), weight, state.scale, bias)
     if _use_scaled_mm(state, x2, weight, dtype):
+        if state.inference and x2.shape[0] <= DOT_DECODE_MAX_ROWS:
+            # _scaled_mm's math (per-row e4m3 activations) through the decode kernel's tiles
+            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias)
         xq, xs = quantize_activation(x2)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
     else:
@@ -254,17 +267,8 @@ class FP8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, scaled_mm: bool | None = None) -> FP8Linear:
         """Quantise ``linear``'s weight per output row (its bias kept as it is, frozen)."""
-        w = linear.weight.detach()
-        if scaled_mm is None:
-            scaled_mm = fp8_matmul_supported(w.device)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, device=torch.device("meta"),
-                    compute_dtype=w.dtype, scaled_mm=scaled_mm)
-        q, scale = quantize_rowwise(w)
-        layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = scale
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
-        return layer
+        q, scale = quantize_rowwise(linear.weight.detach())
+        return cls._holding(linear, q, scale, scaled_mm)
 
     @classmethod
     def from_block_fp8(cls, linear: nn.Linear, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -279,12 +283,19 @@ class FP8Linear(nn.Linear):
             raise ValueError(f"a fine-grained FP8 weight must be float8_e4m3fn of the layer's shape {shape}, got "
                              f"{weight.dtype} {tuple(weight.shape)}")
         device = linear.weight.device
-        if scaled_mm is None:
-            scaled_mm = fp8_matmul_supported(device)
         q, scale = block_scales_to_layer_scales(weight.to(device), weight_scale_inv.to(device), block_size)
+        return cls._holding(linear, q, scale, scaled_mm)
+
+    @classmethod
+    def _holding(cls, linear: nn.Linear, codes: torch.Tensor, scale: torch.Tensor,
+                 scaled_mm: bool | None) -> FP8Linear:
+        """A frozen layer of ``linear``'s shape, bias and compute dtype holding the e4m3 ``codes`` and
+        their ``scale`` (``scaled_mm=None``: ``torch._scaled_mm`` where ``linear``'s device has it)."""
+        if scaled_mm is None:
+            scaled_mm = fp8_matmul_supported(linear.weight.device)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, device=torch.device("meta"),
                     compute_dtype=linear.weight.dtype, scaled_mm=scaled_mm)
-        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight = nn.Parameter(codes, requires_grad=False)
         layer.weight_scale = scale
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
