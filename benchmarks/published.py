@@ -139,8 +139,15 @@ FIGURES: list[dict] = [
          command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 "
                  "--no-baselines --lora-rows 8 --time-budget 270 --out rollout_fp8.json"),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
+         settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "
                  "--baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out rollout_moe.json"),
+    # the decode kernels' run: its G=8 row only (the layer sends them at most 16 tokens since; its G=64 row,
+    # the kernels at 64 tokens, is in the raw file and CHANGELOG.md)
+    dict(figure="rollout_moe", file="2026-12-02/rollout_moe_decode_kernels_h200.json", date="2026-12-02",
+         versions=BASE, settings={"experts": "decode kernels"}, keep=lambda r: r.settings.get("rows") == 8,
+         command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 --no-baselines "
+                 "--lora-rows --time-budget 125 --out rollout_moe_kernel.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

@@ -247,16 +247,18 @@ def rollout(fig: Figure) -> str:
     gen = {}
     for mode, model, s, m in fig.groups():
         if mode.startswith("generate_"):
-            gen[(model, s["rows"], s["new_tokens"], mode)] = val(m, "tokens_per_s")
+            # keyed by the run too (its "experts" label): a ratio takes the baseline of its own call only
+            gen[(model, s["rows"], s["new_tokens"], s.get("experts"), mode)] = val(m, "tokens_per_s")
     out = []
     for mode, model, s, m in fig.groups():
         if mode != "fast_engine" or "hbm_floor_ms" not in m:
             continue
-        key = (model, s["rows"], s["new_tokens"])
+        key = (model, s["rows"], s["new_tokens"], s.get("experts"))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         st, dy = gen.get((*key, "generate_static")), gen.get((*key, "generate_dynamic"))
         out.append([MODELS.get(model, model), str(s["rows"]), f"{s['new_tokens']:,}",
-                    "fused layers" if s.get("fused_layers") else "layers' own forward", fmt(tps, thousands=True),
+                    ("fused layers" if s.get("fused_layers") else "layers' own forward")
+                    + (f", experts: {s['experts']}" if s.get("experts") else ""), fmt(tps, thousands=True),
                     fmt(ms), fmt(floor), fmt(ms / floor), fmt(st, thousands=True) if st else "-",
                     fmt(tps / st) if st else "-", fmt(dy, thousands=True) if dy else "-",
                     fmt(tps / dy, 1) if dy else "-"])

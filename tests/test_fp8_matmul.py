@@ -242,3 +242,34 @@ def test_cuda_qwen3_8b_projection_compiled_equals_reference(m):
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+def test_fp8_linear_no_grad_17_to_64_rows_take_the_fp8_dot_kernel(device, monkeypatch):
+    """Under ``no_grad`` with DECODE_MAX_ROWS < M <= DOT_DECODE_MAX_ROWS rows, where ``_scaled_mm`` would run,
+    the layer multiplies with the FP8 x FP8 decode kernel and gives the float64 formula of ``_scaled_mm``'s
+    math (x rounded to e4m3 with its own per-row scale, then ``x_q (Q * s)^T + b``); above the range, or in
+    grad mode, it does not call the kernel. The formula's activation codes come from torch's own e4m3 cast."""
+    from tests.test_fp8 import _require_cpu_scaled_mm
+
+    if device == "cpu":
+        _require_cpu_scaled_mm()
+    elif torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("_scaled_mm needs FP8 tensor cores")
+    torch.manual_seed(0)
+    layer = fl.FP8Linear.from_linear(nn.Linear(96, 80, device=device, dtype=torch.bfloat16), scaled_mm=True)
+    calls: list[int] = []
+    launcher = fl.fp8_dot_matmul
+    monkeypatch.setattr(fl, "fp8_dot_matmul", lambda x2, *a, **k: calls.append(x2.shape[0]) or launcher(x2, *a, **k))
+    x = torch.randn(40, 96, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = layer(x)
+    assert calls == [40]
+    sx = x.double().abs().amax(dim=1, keepdim=True) / 448.0
+    xq = (x.double() / sx).float().to(E4M3).double() * sx  # torch's own rounding to e4m3
+    want = xq @ (layer.weight.double() * layer.weight_scale.double()).t() + layer.bias.double()
+    assert _rel(y, want) < 1e-2  # the bf16 output's rounding and float32 sums
+    assert _rel(y, want) < _rel(y, _float64(x, layer.weight, layer.weight_scale.reshape(-1), layer.bias)) + 1e-3
+    with torch.no_grad():
+        layer(torch.randn(fl.DOT_DECODE_MAX_ROWS + 1, 96, device=device, dtype=torch.bfloat16))
+    layer(x)  # grad mode: the training path
+    assert calls == [40]

@@ -167,8 +167,11 @@ def rollout_experts_forward(
 
 
 #: the most tokens a decode step sends through :func:`swiftune.kernels.moe_decode.moe_decode` (its
-#: tiles hold one expert's rows, at most the token count; prefill keeps the grouped GEMM)
-DECODE_KERNEL_MAX_TOKENS = 64
+#: tiles hold one expert's rows, at most the token count; prefill keeps the grouped GEMM). On the H200,
+#: one Qwen3-30B-A3B layer at 8 tokens took 0.13 ms against the grouped GEMM's 0.27 (graph replays), and
+#: at 64 tokens 0.75 against 0.52 (docs/results/2026-12-02/moe_decode_h200.txt): 16 keeps the measured win
+#: and leaves the measured loss to the grouped GEMM until the kernel's tiles for many rows are tuned.
+DECODE_KERNEL_MAX_TOKENS = 16
 
 
 def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: ExpertsSpec,
