@@ -66,6 +66,49 @@ if triton is not None:
             y = round_to_bf16(y)
         tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
+    # The two decode kernels' tile steps (inlined by Triton: the compiled kernels are the same code).
+
+    @triton.jit
+    def output_tile(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT64: tl.constexpr):
+        """``(offs_m, offs_n, mask_m, mask_n)``: the rows and columns of the ``[BLOCK_M, BLOCK_N]`` tile of
+        ``y`` that program ``(pid_n, ., pid_m)`` computes (64-bit offsets when ``INT64``), and their masks."""
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if INT64:
+            offs_m = offs_m.to(tl.int64)
+            offs_n = offs_n.to(tl.int64)
+        return offs_m, offs_n, offs_m < M, offs_n < N
+
+    @triton.jit
+    def load_k_step(x_rows, w_rows, kk, mask_m, mask_n, K, EVEN_K: tl.constexpr):
+        """One K step: the ``[BLOCK_M, BLOCK_K]`` activations and ``[BLOCK_N, BLOCK_K]`` weight codes at
+        columns ``kk`` of the rows ``x_rows`` / ``w_rows`` (zeros past M, N, and past K unless ``EVEN_K``)."""
+        if EVEN_K:
+            x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            in_k = kk[None, :] < K
+            x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & in_k, other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & in_k, other=0.0)
+        return x, w
+
+    @triton.jit
+    def store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
+                          HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """The unsplit epilogue after the scales: ``y`` (float32, scaled) plus the bias, rounded, stored."""
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if ROUND_BF16:
+            y = round_to_bf16(y)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+    @triton.jit
+    def store_partial_tile(p_ptr, acc, pid_k, M, N, offs_m, offs_n, mask_m, mask_n):
+        """Split K: the float32 partial sums of K range ``pid_k`` into ``partial[pid_k]`` ``[M, N]``."""
+        part = p_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
+
 
 def choose_split_k(tiles: int, m: int, k: int, block_k: int, device: torch.device, *,
                    sm_fill_percent: int, min_range_per_row: int) -> int:

@@ -83,7 +83,14 @@ def fp8_weight_only_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scal
 
 if triton is not None:
 
-    from ._fp8_common import decode_e4m3, round_to_bf16, split_k_reduce_kernel
+    from ._fp8_common import (
+        decode_e4m3,
+        load_k_step,
+        output_tile,
+        split_k_reduce_kernel,
+        store_output_tile,
+        store_partial_tile,
+    )
 
     @triton.jit
     def _fp8_wo_kernel(
@@ -95,27 +102,14 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m, offs_n, mask_m, mask_n = output_tile(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INT64)
         offs_k = tl.arange(0, BLOCK_K)
-        if INT64:
-            offs_m = offs_m.to(tl.int64)
-            offs_n = offs_n.to(tl.int64)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
         k_start = pid_k * k_per_split
         x_rows = x_ptr + offs_m[:, None] * stride_xm
         w_rows = w_ptr + offs_n[:, None] * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
-            kk = k_start + k0 + offs_k
-            if EVEN_K:
-                x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None], other=0.0)
-                code = tl.load(w_rows + kk[None, :], mask=mask_n[:, None], other=0.0)
-            else:
-                in_k = kk[None, :] < K
-                x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & in_k, other=0.0)
-                code = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & in_k, other=0.0)
+            x, code = load_k_step(x_rows, w_rows, k_start + k0 + offs_k, mask_m, mask_n, K, EVEN_K)
             if NATIVE_FP8:
                 w = code.to(tl.float32) if DOT_F32 else code.to(x.dtype)
             else:
@@ -128,15 +122,9 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans(w))
         if SPLIT == 1:
             y = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-            if HAS_BIAS:
-                y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            if ROUND_BF16:
-                y = round_to_bf16(y)
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
-                     mask=mask_m[:, None] & mask_n[None, :])
+            store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
         else:
-            part = p_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
-            tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
+            store_partial_tile(p_ptr, acc, pid_k, M, N, offs_m, offs_n, mask_m, mask_n)
 
 else:  # pragma: no cover
     _fp8_wo_kernel = None
