@@ -48,6 +48,7 @@ __all__ = [
     "backend_available",
     "causal_window_mask",
     "dense_causal_attention",
+    "document_block_mask",
     "flex_token_major",
     "layout_attention_kernel",
     "packed_attention",
@@ -268,25 +269,35 @@ def reference_attention(
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
 
-def _flex_block_mask(packed: PackedBatch, window: int | None, device: torch.device):
-    """The document (+ window) BlockMask of this forward, built once per window size."""
-    key = ("flex_block_mask", window)
+def document_block_mask(packed: PackedBatch, window: int | None, device: torch.device, *, sink_slot: bool = False):
+    """The document (+ window) BlockMask of this forward, built once per window size. With
+    ``sink_slot`` (attention sinks, :mod:`.sinks`): over ``T + 1`` keys, the last one open to every query."""
+    key = ("flex_sink_block_mask" if sink_slot else "flex_block_mask", window)
     if key not in packed.cache:
         total = packed.num_tokens
+        kv_len = total + 1 if sink_slot else total
         # Pad the ids to whole 128-token blocks with -1 so that mask_mod never indexes past the
         # end when the mask is evaluated on block-aligned tiles.
-        padded = -(-total // 128) * 128
+        padded = -(-kv_len // 128) * 128
         doc = torch.full((padded,), -1, dtype=torch.int32, device=device)
         doc[:total] = packed.doc_ids()
 
-        def mask_mod(b, h, q_idx, kv_idx):
+        def same_document(b, h, q_idx, kv_idx):
             same = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
             if window:
                 same = same & (q_idx - kv_idx < window)
             return same
 
+        mask_mod = same_document
+        if sink_slot:
+            sink = torch.tensor(total, dtype=torch.int32, device=device)
+
+            def same_document_or_sink(b, h, q_idx, kv_idx):
+                return same_document(b, h, q_idx, kv_idx) | (kv_idx == sink)
+
+            mask_mod = same_document_or_sink
         packed.cache[key] = create_block_mask(
-            mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device, _compile=device.type == "cuda"
+            mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=kv_len, device=device, _compile=device.type == "cuda"
         )
     return packed.cache[key]
 
@@ -305,7 +316,7 @@ def flex_packed_attention(
     """flex_attention over the whole flat axis with a block-sparse document mask."""
     if dropout:
         raise ValueError("flex attention has no attention dropout")
-    return flex_token_major(q, k, v, _flex_block_mask(packed, window, q.device), scale=scale, softcap=softcap)
+    return flex_token_major(q, k, v, document_block_mask(packed, window, q.device), scale=scale, softcap=softcap)
 
 
 def varlen_expands_kv() -> bool:

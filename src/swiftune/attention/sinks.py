@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backends import FLEX_TRAINING_KERNEL, causal_window_mask, create_block_mask, document_bounds, flex_fn
+from .backends import FLEX_TRAINING_KERNEL, causal_window_mask, document_block_mask, document_bounds, flex_fn
 from .packing import PackedBatch
 
 SINK_BACKENDS = ("flex", "reference")
@@ -73,27 +73,6 @@ def reference_sink_attention(
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
 
-def _flex_sink_block_mask(packed: PackedBatch, window: int | None, device: torch.device):
-    """Document (+ window) mask over ``T + 1`` keys, the last one (the sink slot) open to every query."""
-    key = ("flex_sink_block_mask", window)
-    if key not in packed.cache:
-        total = packed.num_tokens
-        padded = -(-(total + 1) // 128) * 128
-        doc = torch.full((padded,), -1, dtype=torch.int32, device=device)
-        doc[:total] = packed.doc_ids()
-        sink = torch.tensor(total, dtype=torch.int32, device=device)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            same = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
-            if window:
-                same = same & (q_idx - kv_idx < window)
-            return same | (kv_idx == sink)
-
-        packed.cache[key] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total + 1, device=device,
-                                              _compile=device.type == "cuda")
-    return packed.cache[key]
-
-
 def flex_sink_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -122,7 +101,7 @@ def flex_sink_attention(
 
     out = flex_fn(q.device)(
         q.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0), v1.transpose(0, 1).unsqueeze(0),
-        score_mod=score_mod, block_mask=_flex_sink_block_mask(packed, window, q.device), scale=scale,
+        score_mod=score_mod, block_mask=document_block_mask(packed, window, q.device, sink_slot=True), scale=scale,
         enable_gqa=q.shape[1] != k.shape[1], kernel_options=FLEX_TRAINING_KERNEL,
     )
     return out.squeeze(0).transpose(0, 1)
