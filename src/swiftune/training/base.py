@@ -11,7 +11,9 @@ imports the other, so the start-up they share lives here, one layer below them:
 * the progress display: transformers' progress bar and printer give way to the trainer's
   :class:`~swiftune.training.metrics.MetricsCallback` (:meth:`SwiftuneTrainer.use_metrics_callback`);
 * every training step runs with PEFT's LoRA input casts switched off where autocast makes them
-  no-ops (:func:`~swiftune.training.lora_casting.training_step_lora_casting`).
+  no-ops (:func:`~swiftune.training.lora_casting.training_step_lora_casting`);
+* the Trainer's per-step walks over the model (``model.train()``, ``model.zero_grad()``, gradient
+  clipping) go over lists found once per ``train()`` call (:mod:`~swiftune.training.model_walks`).
 
 The NaN/inf guards, complete checkpoints, the run lock and Ctrl-C handling come with
 :class:`~swiftune.training.safety.RunSafetyMixin`, which this class mixes in before ``Trainer``.
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.utils import is_sagemaker_mp_enabled
 
 from ..errors import ConfigError
 from ..models import is_patched, patch_model
@@ -31,6 +35,7 @@ from ..models.patching import fuse_lora_if_patched
 from .loading import FastModel
 from .lora_casting import LoraLayerIndex, training_step_lora_casting
 from .metrics import MetricsCallback
+from .model_walks import ModelWalkIndex, listed_module_walks
 from .quantization import refuse_full_finetuning_of_4bit
 from .safety import RunSafetyMixin
 
@@ -129,7 +134,37 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
     def lora_layer_index(self) -> LoraLayerIndex:
         """The model's PEFT LoRA layers, found once and walked again only when the model or its
         adapters change (the casting switches above and GRPO's generation use it)."""
-        return self.__dict__.setdefault("_lora_layer_index", LoraLayerIndex())
+        index = self.__dict__.get("_lora_layer_index")
+        if index is None:
+            index = self.__dict__["_lora_layer_index"] = LoraLayerIndex()
+        return index
+
+    @property
+    def model_walk_index(self) -> ModelWalkIndex:
+        """The model's modules and parameters, found once per ``train()`` call (and again when the
+        model or its adapters change): what the step's ``train()``, ``zero_grad()`` and clipping walk."""
+        index = self.__dict__.get("_model_walk_index")
+        if index is None:
+            index = self.__dict__["_model_walk_index"] = ModelWalkIndex()
+        return index
+
+    def train(self, *args, **kwargs):
+        # A fresh index per call: modules or parameters changed by hand between two train() calls are
+        # seen. The model's train()/zero_grad() skip their module walks only within this call.
+        self.model_walk_index.clear()
+        with listed_module_walks(self.model, self.model_walk_index):
+            return super().train(*args, **kwargs)
+
+    def _clip_grad_norm(self, model):
+        # The same clipping over the trainable parameters only, in parameters() order: the frozen
+        # ones have no gradient and clip_grad_norm_ skips them, so the norm and the clipped gradients
+        # are the same numbers. Only where accelerate clips the list it is given (one process or DDP);
+        # FSDP, DeepSpeed, XLA, SageMaker and mixed device meshes keep the Trainer's own path.
+        plain = (self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+                 and not (self.args.fp16 and is_sagemaker_mp_enabled()))
+        if not plain or self._has_mixed_mesh_grads(model):
+            return super()._clip_grad_norm(model)
+        return self.accelerator.clip_grad_norm_(self.model_walk_index.trainable(model), self.args.max_grad_norm)
 
 
 __all__ = ["SwiftuneTrainer"]

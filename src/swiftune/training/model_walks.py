@@ -1,0 +1,129 @@
+"""The trainers' per-step walks over the model, done over lists found once.
+
+transformers' ``Trainer`` walks the whole module tree several times a step: ``model.train()`` at
+the start of every ``training_step`` (a recursive call per module), gradient clipping over
+``model.parameters()`` and ``model.zero_grad()`` after the optimizer step (a recursive generator
+per module each). With LoRA on every linear layer of an 8B model that is ~3,000 modules and ~80,000
+Python calls a step, all host time while the GPU waits. None of it changes a number:
+
+* the training flags are already what ``train()`` would set on every step after the first;
+* the parameters without a gradient are skipped by clipping and ``zero_grad`` anyway.
+
+:class:`ModelWalkIndex` keeps the model's modules and parameters (in ``modules()`` /
+``parameters()`` order), found again when a different model object is asked for or the model's
+set of PEFT adapter names changes (``add_adapter`` / ``load_adapter`` / ``delete_adapter``); the
+trainable ones are read from the kept list at each call, so a ``requires_grad`` change is followed
+at once. :func:`listed_module_walks` gives the model, for one ``trainer.train()`` call, a ``train``
+that returns at once when every module is already in the asked mode and a ``zero_grad`` that sets
+the kept parameters' gradients to ``None``; both fall back to ``nn.Module``'s own otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from functools import partial
+from types import MethodType
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from .lora_casting import _adapter_names
+
+#: ``train`` implementations that only set ``training`` flags (transformers' also re-applies hub
+#: kernels, but only when the mode changes): a tree of modules using only these is left as it is when
+#: every flag already has the asked value. Any other (PEFT's DoRA layer, a user's module) walks.
+_FLAG_ONLY_TRAIN = (nn.Module.train, PreTrainedModel.train)
+
+
+class ModelWalkIndex:
+    """The modules and parameters of one model, found once and reused while the model object and
+    its PEFT adapter names stay the same.
+
+    Modules or parameters added by hand without PEFT's adapter API are not seen until :meth:`clear`
+    (the trainers start a new index at every ``train()`` call, so changes between calls are seen).
+    """
+
+    def __init__(self) -> None:
+        self._model: weakref.ref | None = None
+        self._adapters: tuple[str, ...] = ()
+        self._modules: list[nn.Module] = []
+        self._parameters: list[nn.Parameter] = []
+        self._named_parameters: list[tuple[str, nn.Parameter]] = []
+        self._flag_only_train = False
+
+    def _current(self, model: nn.Module) -> None:
+        adapters = _adapter_names(model)
+        if self._model is None or self._model() is not model or adapters != self._adapters:
+            self._model, self._adapters = weakref.ref(model), adapters
+            self._modules = list(model.modules())
+            self._named_parameters = list(model.named_parameters())
+            self._parameters = [p for _, p in self._named_parameters]
+            self._flag_only_train = all(type(m).train in _FLAG_ONLY_TRAIN for m in self._modules)
+
+    def modules(self, model: nn.Module) -> list[nn.Module]:
+        """``list(model.modules())``, kept."""
+        self._current(model)
+        return self._modules
+
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """``list(model.parameters())``, kept."""
+        self._current(model)
+        return self._parameters
+
+    def named_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``list(model.named_parameters())``, kept."""
+        self._current(model)
+        return self._named_parameters
+
+    def trainable(self, model: nn.Module) -> list[nn.Parameter]:
+        """The parameters that require grad now, in ``parameters()`` order (read at every call)."""
+        return [p for p in self.parameters(model) if p.requires_grad]
+
+    def in_mode(self, model: nn.Module, mode: bool) -> bool:
+        """Whether ``model.train(mode)`` would change nothing: every module's flag is ``mode`` and
+        no module's ``train`` does more than set it."""
+        self._current(model)
+        return self._flag_only_train and not [m for m in self._modules if m.training is not mode]
+
+    def clear(self) -> None:
+        self.__init__()
+
+
+def _train_unless_in_mode(index: ModelWalkIndex, model: nn.Module, mode: bool = True) -> nn.Module:
+    if isinstance(mode, bool) and index.in_mode(model, mode):
+        return model
+    return type(model).train(model, mode)  # the class's own (it raises on a non-bool mode)
+
+
+def _zero_grad_listed(index: ModelWalkIndex, model: nn.Module, set_to_none: bool = True) -> None:
+    if not set_to_none or getattr(model, "_is_replica", False):
+        return type(model).zero_grad(model, set_to_none)  # the class's own (zeroing in place, DataParallel's warning)
+    for p in index.parameters(model):
+        if p.grad is not None:
+            p.grad = None
+
+
+_INSTALLED = ("train", "zero_grad")
+
+
+@contextlib.contextmanager
+def listed_module_walks(model: nn.Module, index: ModelWalkIndex) -> Iterator[None]:
+    """Within the block, ``model.train(mode)`` / ``model.eval()`` return at once when nothing would
+    change and ``model.zero_grad()`` walks ``index``'s kept parameters (see the module doc); the
+    model's own methods come back after. A model that already has its own instance attribute of
+    either name is left alone."""
+    if any(name in model.__dict__ for name in _INSTALLED):
+        yield
+        return
+    model.__dict__["train"] = MethodType(partial(_train_unless_in_mode, index), model)
+    model.__dict__["zero_grad"] = MethodType(partial(_zero_grad_listed, index), model)
+    try:
+        yield
+    finally:
+        for name in _INSTALLED:
+            model.__dict__.pop(name, None)
+
+
+__all__ = ["ModelWalkIndex", "listed_module_walks"]
