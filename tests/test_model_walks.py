@@ -130,3 +130,37 @@ def test_sft_steps_equal_transformers_own_walks(tmp_path):
     # the adapters moved from their start (a step that changed nothing would pass the equalities above)
     start = {n: p for n, p in builtin_qwen3(lora=True).named_parameters() if p.requires_grad}
     assert all(not torch.equal(start[n], w) for n, w in weights.items() if "lora_A" in n)
+
+
+def _plain_pending_grad_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+def test_offload_reserve_follows_grads_adapters_and_requires_grad():
+    from swiftune.memory import step_reserve
+    from swiftune.training.checkpointing import _setup_of, enable_offloaded_checkpointing
+
+    model = _tiny_peft_model()
+    enable_offloaded_checkpointing(model, host_budget_bytes=1 << 20)
+    hf = model.get_base_model()
+    state = hf._swiftune_offload_state
+    x = torch.randn(1, 8, hf.config.hidden_size)
+    cpu = x.device
+
+    def check():
+        pending = _plain_pending_grad_bytes(hf)
+        assert state.pending_grad_bytes(cpu) == pending > 0
+        # the budget's reserve: the planner's formula on the walked model's setup and the plain pending bytes
+        assert state._reserve(x) == step_reserve(state._shape, 8, _setup_of(hf, x), pending)
+
+    check()
+    lora = [p for n, p in hf.named_parameters() if "lora_" in n]
+    lora[0].grad = torch.zeros_like(lora[0])  # a gradient allocated: no longer pending
+    check()
+    lora[1].requires_grad_(False)
+    hf.lm_head.weight.requires_grad_(True)
+    check()
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+    model.set_adapter("second")
+    check()
+    assert any("second" in n for n, p in hf.named_parameters() if p.requires_grad)

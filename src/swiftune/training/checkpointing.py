@@ -94,6 +94,7 @@ from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import _DEEPSTACK_LAYER as _ADDS_ITS_DEEPSTACK
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
 from .lora_casting import lora_inputs_cast
+from .model_walks import ModelWalkIndex
 from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
@@ -251,6 +252,9 @@ class OffloadState:
         self.stats = {"offloaded": 0, "kept": 0, "derived_inputs": 0, "restored": 0, "derived_recomputed": 0}
         # layers whose input is never derived (inputs_set_between_layers); set by enable_offloaded_checkpointing
         self.underivable: frozenset[int] = frozenset()
+        # the model's parameters, found once (again on a new adapter set; requires_grad read per call):
+        # the GPU budget of every forward reads them, and a walk of the module tree per forward is host time
+        self.walks = ModelWalkIndex()
 
     def page_bytes_for(self, nbytes: int) -> int:
         return choose_page_bytes(nbytes, self.page_bytes)
@@ -289,7 +293,7 @@ class OffloadState:
         model = self.model_ref()
         if self._shape is None:
             self._shape = _planner_shape(self.config)
-        return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel, max_doc_tokens),
+        return step_reserve(self._shape, tokens, _setup_of(model, x, attention_kernel, max_doc_tokens, self.walks),
                             self.pending_grad_bytes(x.device))
 
     def pending_grad_bytes(self, device: torch.device) -> int:
@@ -300,8 +304,8 @@ class OffloadState:
         if model is None:
             return 0
         pending = 0
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None and p.device == device:
+        for p in self.walks.trainable(model):
+            if p.grad is None and p.device == device:
                 local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor shard (FSDP2): this rank's part
                 pending += local.numel() * local.element_size()
         return pending
@@ -429,20 +433,23 @@ def _planner_shape(config: Any) -> Any:
 
 
 def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | None = None,
-              max_doc_tokens: int | None = None):
+              max_doc_tokens: int | None = None, walks: ModelWalkIndex | None = None):
     """The planner's TrainSetup as far as the model and the step tell: LoRA rank/dtype, tiling,
     full FT, autocast, and the attention kernel's memory (``planner_attention_terms``): K/V
     expanded to the query heads (torch's varlen without GQA) and a float32 dq accumulator (flash)
     by default; flex has neither; per-document sdpa keeps the K/V heads and holds the float32 dq
-    of its longest document (``max_doc_tokens``) only."""
+    of its longest document (``max_doc_tokens``) only. ``walks``: where the parameters are kept
+    (``None``: the model is walked)."""
     rank, lora_bytes, full, casts = 0, 4, False, True
     if model is not None:
-        for name, p in model.named_parameters():
+        named = walks.named_parameters(model) if walks is not None else model.named_parameters()
+        for name, p in named:
             if "lora_A" in name and p.dim() == 2:
                 rank, lora_bytes = p.shape[0], p.element_size()
                 break
         else:
-            full = any(p.requires_grad for p in model.parameters())
+            full = bool(walks.trainable(model)) if walks is not None else any(p.requires_grad
+                                                                              for p in model.parameters())
         if rank:  # PEFT's per-layer input cast, switched off by the trainers (training.lora_casting)
             casts = lora_inputs_cast(model)
     if attention_kernel == "sdpa" and not _every_layer_runs_sdpa(model, x):
@@ -598,6 +605,7 @@ def enable_offloaded_checkpointing(
     else:
         state.gpu_budget_bytes, state.host_budget_bytes = gpu_budget_bytes, host_budget_bytes
         state.page_bytes, state.host_margin_bytes = page_bytes, host_margin_bytes
+        state.walks.clear()  # the model may have changed since (parameters added by hand are seen again)
     state.underivable = inputs_set_between_layers(hf, layers)
     for i, layer in enumerate(layers):
         if _LAYER not in layer.__dict__:
