@@ -156,15 +156,17 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
             return super().train(*args, **kwargs)
 
     def _clip_grad_norm(self, model):
-        # The same clipping over the trainable parameters only, in parameters() order: the frozen
-        # ones have no gradient and clip_grad_norm_ skips them, so the norm and the clipped gradients
-        # are the same numbers. Only where accelerate clips the list it is given (one process or DDP);
+        # The same clipping over the parameters that have a gradient (the trainable ones), in
+        # parameters() order and read from the kept list: clip_grad_norm_ skips the others itself, so
+        # the norm and the clipped gradients are the same numbers. Only where accelerate clips the list it is given (one process, DDP);
         # FSDP, DeepSpeed, XLA, SageMaker and mixed device meshes keep the Trainer's own path.
-        plain = (self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
+        plain = (self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU,
+                                                        DistributedType.MULTI_CPU)
                  and not (self.args.fp16 and is_sagemaker_mp_enabled()))
         if not plain or self._has_mixed_mesh_grads(model):
             return super()._clip_grad_norm(model)
-        return self.accelerator.clip_grad_norm_(self.model_walk_index.trainable(model), self.args.max_grad_norm)
+        with_grads = [p for p in self.model_walk_index.parameters(model) if p.grad is not None]
+        return self.accelerator.clip_grad_norm_(with_grads, self.args.max_grad_norm)
 
 
 __all__ = ["SwiftuneTrainer"]
