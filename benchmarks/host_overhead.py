@@ -25,9 +25,9 @@ with one intra-op thread, each as the median over ``--steps`` steps after ``--wa
 
 Modes: ``swiftune`` (SFTTrainer, padding-free) and ``baseline`` (transformers ``Trainer`` + PEFT,
 unpatched, the same rows padded to the longest). A cProfile of ``--profile-steps`` further
-trainer steps, the top 20 by cumulative time (and by own time), is written per mode to ``--profile-out``;
-its count of Python function calls per step (``calls/step``, exact and free of timing noise) is
-in the table.
+trainer steps, the top 20 by cumulative time (and by own time; then the source files whose
+functions were called most, per step), is written per mode to ``--profile-out``; its count of
+Python function calls per step (``calls/step``, exact and free of timing noise) is in the table.
 
     python -m benchmarks.host_overhead --model-depth 36 --steps 20
     python -m benchmarks.host_overhead --model-depth 36 --steps 20 --modes swiftune --out host.json
@@ -202,14 +202,25 @@ def _optimizer_times(trainer, steps: int) -> list[float]:
     return out
 
 
-def profile_top(profiler: cProfile.Profile, limit: int = 20) -> str:
+def calls_by_file(stats: pstats.Stats, steps: int, limit: int = 20) -> str:
+    """The ``limit`` source files whose functions were called most, in calls per step (builtins as
+    ``~``): where a step's Python calls go, by library, without the timing noise of the rest."""
+    per_file: dict[str, int] = {}
+    for (filename, _line, _name), (_primitive, calls, *_rest) in stats.stats.items():
+        short = filename.split("site-packages/")[-1]
+        per_file[short] = per_file.get(short, 0) + calls
+    top = sorted(per_file.items(), key=lambda kv: -kv[1])[:limit]
+    return "Python calls per step by file\n" + "".join(f"{calls / steps:12.0f}  {name}\n" for name, calls in top)
+
+
+def profile_top(profiler: cProfile.Profile, limit: int = 20, steps: int = 1) -> str:
     """The ``limit`` functions of ``profiler`` with the largest cumulative time, then those with the
-    largest own time, as pstats prints them."""
+    largest own time, as pstats prints them, then the files called most (per step of ``steps``)."""
     buf = io.StringIO()
     stats = pstats.Stats(profiler, stream=buf)
     stats.sort_stats("cumulative").print_stats(limit)
     stats.sort_stats("tottime").print_stats(limit)
-    return buf.getvalue()
+    return buf.getvalue() + calls_by_file(stats, steps, limit)
 
 
 def measure(mode: str, depth: int, hidden: int, batch: int, steps: int, warmup: int, profile_steps: int,
@@ -247,7 +258,7 @@ def measure(mode: str, depth: int, hidden: int, batch: int, steps: int, warmup: 
                 step_ms=step_ms, forward_backward_ms=fwd_bwd_ms, optimizer_ms=_median_ms(optimizer),
                 training_step_ms=training_step_ms, trainer_own_ms=step_ms - training_step_ms,
                 python_calls_per_step=calls,
-                profile=profile_top(profiler) if profile_steps else "")
+                profile=profile_top(profiler, steps=profile_steps) if profile_steps else "")
 
 
 PARTS = (("step", "step_ms"), ("training_step", "training_step_ms"), ("trainer_own", "trainer_own_ms"),

@@ -41,6 +41,7 @@ def test_script_writes_valid_rows(tmp_path):
                                                    "optimizer"}
     text = profile.read_text()
     assert "===== swiftune" in text and "===== baseline" in text and "cumulative" in text
+    assert text.count("Python calls per step by file") == 2 and "torch/nn/modules/module.py" in text
 
 
 def test_script_refuses_the_triton_interpreter():
