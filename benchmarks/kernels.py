@@ -217,7 +217,7 @@ _FP8_MS = (1, 8, 32, 64)  # decode rows: G = 1 .. 64 completions a step
 # the weight-only kernel is dispatched up to 16 rows (models/fp8_linear.py); its sweep at M = 1 matched M = 8's
 # (docs/results/2026-12-02): one M keeps the compiles, and the whole table, within 90 s
 _WEIGHT_ONLY_SWEEP_MS = (8,)
-_DOT_SWEEP_MS = (64,)  # the G = 64 decode step, issue #26's target
+_DOT_SWEEP_MS = (64,)  # the G = 64 decode step (FP8's decode target)
 _DOT_SWEEP = [  # fp8_dot_matmul overrides, each a compile (shapes share them); {} = the defaults
     dict(block_n=64), dict(block_n=128), dict(block_n=128, split_k=1), dict(block_n=64, split_k=8),
     dict(swap_ab=False, block_n=128), dict(block_n=256, num_warps=8), dict(num_warps=8, num_stages=3),

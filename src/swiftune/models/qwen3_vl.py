@@ -67,6 +67,12 @@ _NAMED_INPUTS = ("input_ids", "attention_mask", "position_ids")
 DEEPSTACK_KWARG = "swiftune_deepstack"
 _DEEPSTACK_LAYER = "_swiftune_deepstack_layer"  # on each decoder layer: (its index, the forward it wraps)
 
+
+def adds_its_own_deepstack(layer: nn.Module) -> bool:
+    """Whether this decoder layer's own forward adds its deepstack visual features (patch_model installs
+    that), so re-running the layer rebuilds the next layer's input whole (offloaded checkpointing asks)."""
+    return _DEEPSTACK_LAYER in layer.__dict__
+
 logger = logging.getLogger(__name__)
 
 

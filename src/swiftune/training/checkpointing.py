@@ -90,8 +90,7 @@ from ..memory import model_shape, step_reserve
 from ..memory.planner import PAGE_BYTES, TrainSetup, choose_page_bytes, offload_margin_bytes, pages_for
 from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
-# the mark install_deepstack_in_layers leaves on a decoder layer whose own forward adds its deepstack features
-from ..models.qwen3_vl import _DEEPSTACK_LAYER as _ADDS_ITS_DEEPSTACK
+from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
 from .lora_casting import lora_inputs_cast
 from .model_walks import ModelWalkIndex
@@ -384,7 +383,7 @@ def inputs_set_between_layers(model: nn.Module, layers: list[nn.Module]) -> froz
     patched to add its own features (:func:`swiftune.models.qwen3_vl.install_deepstack_in_layers`,
     which ``patch_model`` runs) maps its input to the next layer's again, and does not count."""
     count = min(_deepstack_feature_count(getattr(model, "config", None)), len(layers) - 1)
-    return frozenset(i for i in range(1, count + 1) if _ADDS_ITS_DEEPSTACK not in layers[i - 1].__dict__)
+    return frozenset(i for i in range(1, count + 1) if not adds_its_own_deepstack(layers[i - 1]))
 
 
 def plan_avoiding_inputs(plan: OffloadPlan, underivable: frozenset[int]) -> OffloadPlan:

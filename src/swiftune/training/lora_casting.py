@@ -39,7 +39,7 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_lora_layer(m)]
 
 
-def _adapter_names(model: nn.Module) -> tuple[str, ...]:
+def peft_adapter_names(model: nn.Module) -> tuple[str, ...]:
     """The names of ``model``'s PEFT adapters (a DDP-style ``.module`` wrapper unwrapped)."""
     configs = getattr(model, "peft_config", None)
     if configs is None:
@@ -63,7 +63,7 @@ class LoraLayerIndex:
         self._layers: list[nn.Module] = []
 
     def layers(self, model: nn.Module) -> list[nn.Module]:
-        adapters = _adapter_names(model)
+        adapters = peft_adapter_names(model)
         if self._model is None or self._model() is not model or adapters != self._adapters:
             self._model, self._adapters, self._layers = weakref.ref(model), adapters, _lora_layers(model)
         return self._layers
@@ -119,4 +119,4 @@ def training_step_lora_casting(model: nn.Module, args: Any,
 
 
 __all__ = ["LORA_CAST_FLAG", "LoraLayerIndex", "can_skip_lora_input_casts", "lora_input_casting", "lora_inputs_cast",
-           "training_step_lora_casting"]
+           "peft_adapter_names", "training_step_lora_casting"]

@@ -29,7 +29,7 @@ from types import MethodType
 from torch import nn
 from transformers import PreTrainedModel
 
-from .lora_casting import _adapter_names
+from .lora_casting import peft_adapter_names
 
 #: ``train`` implementations that only set ``training`` flags (transformers' also re-applies hub
 #: kernels, but only when the mode changes): a tree of modules using only these is left as it is when
@@ -54,7 +54,7 @@ class ModelWalkIndex:
         self._flag_only_train = False
 
     def _current(self, model: nn.Module) -> None:
-        adapters = _adapter_names(model)
+        adapters = peft_adapter_names(model)
         if self._model is None or self._model() is not model or adapters != self._adapters:
             self._model, self._adapters = weakref.ref(model), adapters
             self._modules = list(model.modules())
