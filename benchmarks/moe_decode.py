@@ -36,6 +36,7 @@ import torch
 import transformers
 
 from benchmarks import results
+from benchmarks.kernels import bench
 from benchmarks.workload import model_config
 from swiftune.kernels.moe_decode import moe_decode, moe_decode_reference
 from swiftune.models.experts import rollout_experts_forward
@@ -53,22 +54,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def time_ms(fn, iters: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, the wall clock on the CPU)."""
+    """Median milliseconds of ``fn()`` (CUDA events on a GPU: benchmarks.kernels.bench; the wall clock on the CPU)."""
+    if cuda:
+        return bench(fn, warmup=2, iters=iters)
     for _ in range(2):
         fn()
     times = []
     for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
     return sorted(times)[len(times) // 2]
 
 
