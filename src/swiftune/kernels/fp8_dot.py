@@ -37,12 +37,13 @@ Triton interpreter and the ``"bits"`` decoding accumulate in float32 throughout.
 
 Memory traffic. ``N K`` bytes of weight codes against ``M K`` bytes of activation codes (re-read from
 L2 once per column tile) and ``2 M N`` of y; the quantisation of x is one more launch reading ``2 M
-K`` and writing ``M K + 4 M`` bytes (``torch._scaled_mm``'s path has the same launch). Split K: when
-the column tiles leave SMs idle, K is cut into ``SPLIT`` ranges whose float32 partial sums (``4 SPLIT M
-N`` bytes, kept within half the weight's bytes) are added in a fixed order by the weight-only
-kernel's reduction, which also applies both scales and the bias. No atomics: the result is
-deterministic, a CUDA graph replay equals the eager call bit for bit, and the launcher reads no
-device value (no host sync), so the rollout engine's graphs capture it.
+K`` and writing ``M K + 4 M`` bytes (``torch._scaled_mm``'s path has the same launch), made once for
+all the weights that multiply one ``x`` when the caller quantises it with :func:`fp8_dot_quantize` and
+passes the codes. Split K: when the column tiles leave SMs idle, K is cut into ``SPLIT`` ranges whose
+float32 partial sums (``4 SPLIT M N`` bytes, kept within half the weight's bytes) are added in a fixed
+order by the weight-only kernel's reduction, which also applies both scales and the bias. No atomics:
+the result is deterministic, a CUDA graph replay equals the eager call bit for bit, and the launcher
+reads no device value (no host sync), so the rollout engine's graphs capture it.
 
 Three ways to run the K loop's product (``decode``): ``"fp8"`` ``tl.dot`` on ``float8e4nv`` operands
 (CUDA with compute capability >= 8.9; the Triton interpreter, which converts the codes to fp16 exactly
@@ -73,7 +74,7 @@ from ._fp8_common import (
 from .fp8_quant import fp8_quantize_rowwise
 from .launch import Backend, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2, tl, triton
 
-__all__ = ["fp8_dot_matmul", "fp8_dot_matmul_reference"]
+__all__ = ["fp8_dot_matmul", "fp8_dot_matmul_reference", "fp8_dot_quantize"]
 
 DotDecode = Literal["auto", "fp8", "bits"]
 
@@ -167,6 +168,21 @@ def _fp8_dot_available(device: torch.device, interpreted: bool) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _quantize(x: torch.Tensor, chosen: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # the fused per-row quantise kernel (its torch reference where the matmul takes its reference)
+    return fp8_quantize_rowwise(x.detach(), backend="reference" if chosen == "reference" else "auto")
+
+
+def fp8_dot_quantize(x: torch.Tensor, *, backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q(x), sx)``: ``x``'s per-row e4m3 codes (``x``'s shape) and float32 scales (``[..., 1]``), made
+    exactly as :func:`fp8_dot_matmul` quantises a float ``x`` given the same ``backend``. Passed back as
+    ``fp8_dot_matmul(q(x), ..., x_scale=sx, out_dtype=x.dtype)``, they give bit for bit what the call on
+    ``x`` itself gives, so several weights that multiply one input (a decoder layer's q/k/v, its gate/up)
+    need one quantise launch instead of one each. No autograd."""
+    check_float("x", x)
+    return _quantize(x, choose_backend(backend, _fp8_dot_kernel, {"x": x}))
+
+
 def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, *,
                    x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                    backend: Backend = "auto", block_m: int | None = None, block_n: int | None = None,
@@ -230,8 +246,8 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     x2 = x.reshape(-1, k)
     if quantised:
         xq, xs = x2, x_scale.reshape(-1)
-    else:  # the fused per-row quantise kernel (its torch reference where the matmul takes its reference)
-        xq, xs = fp8_quantize_rowwise(x2.detach(), backend="reference" if chosen == "reference" else "auto")
+    else:
+        xq, xs = _quantize(x2, chosen)
         xs = xs.reshape(-1)
     if chosen == "reference" or out_dtype == torch.float64:
         return fp8_dot_matmul_reference(xq, xs, weight, scale, bias, out_dtype).view(*x.shape[:-1], n)

@@ -26,7 +26,10 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
   From :data:`DECODE_MAX_ROWS` to :data:`DOT_DECODE_MAX_ROWS` rows under ``no_grad``, where
   ``_scaled_mm`` would run, the FP8 x FP8 decode kernel (:func:`swiftune.kernels.fp8_dot.fp8_dot_matmul`)
   computes the same product (activations quantised per row, e4m3 on the tensor cores) with tiles
-  for those row counts.
+  for those row counts. Layers that read one input there (a decoder layer's q/k/v, its gate/up) can
+  share its quantisation: :func:`quantize_shared_input` makes the codes once (a
+  :class:`QuantizedActivation`) and ``layer(x, quantized=...)`` multiplies them, with the same bits as
+  each layer quantising ``x`` itself (the rollout engine's decode step does this).
 - the dequantising reference (CPU, older GPUs, other dtypes): ``W_q`` rebuilt in float32 and cast
   to the compute dtype in forward and again in backward (never kept: an FP8 model holds 1 byte per
   base weight, not 3), then a plain matmul. This is exactly plain transformers with
@@ -51,18 +54,20 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..kernels.fp8_dot import fp8_dot_matmul
+from ..kernels.fp8_dot import fp8_dot_matmul, fp8_dot_quantize
 from ..kernels.fp8_matmul import fp8_weight_only_matmul
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
-__all__ = ["DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State", "block_scales_to_layer_scales", "block_size_of",
-           "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear",
-           "quantize_activation", "quantize_model_fp8", "quantize_rowwise"]
+__all__ = ["DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State",
+           "QuantizedActivation", "block_scales_to_layer_scales", "block_size_of", "dequantize_rowwise",
+           "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear", "quantize_activation",
+           "quantize_model_fp8", "quantize_rowwise", "quantize_shared_input"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -191,16 +196,70 @@ def _use_weight_only(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dt
             and tuple(state.scale.shape) == (weight.shape[0], 1))
 
 
+def _use_fp8_dot(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    # where _scaled_mm would run at decode row counts (fewer rows take the weight-only kernel first)
+    return (state.inference and x2.shape[0] <= DOT_DECODE_MAX_ROWS and not _use_weight_only(state, x2, weight, dtype)
+            and _use_scaled_mm(state, x2, weight, dtype))
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """One input's per-row e4m3 codes and float32 scales, made once (:func:`quantize_shared_input`)
+    for several :class:`FP8Linear` that read it: ``layer(source, quantized=qa)`` multiplies ``codes``
+    instead of quantising ``source`` again. ``source`` is the input itself (a layer refuses codes made
+    from another tensor), ``codes`` ``[N, in]`` its rows' e4m3 codes, ``scales`` ``[N, 1]``."""
+
+    source: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    # the autocast dtype when autocast is on, else the input's (as nn.Linear computes in its weight's)
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def quantize_shared_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> QuantizedActivation | None:
+    """``x`` quantised once for all of ``layers`` when each is an :class:`FP8Linear` whose call on ``x``
+    multiplies with the FP8 x FP8 decode kernel (under ``torch.no_grad``, more than
+    :data:`DECODE_MAX_ROWS` and at most :data:`DOT_DECODE_MAX_ROWS` rows, ``_scaled_mm``'s conditions);
+    ``None`` otherwise, and each layer then runs as it does alone. The codes are those each layer would
+    make (:func:`swiftune.kernels.fp8_dot.fp8_dot_quantize` of ``x`` in the compute dtype), so
+    ``layer(x, quantized=...)`` gives the bits of ``layer(x)``."""
+    if torch.is_grad_enabled() or not layers or not all(isinstance(m, FP8Linear) for m in layers):
+        return None
+    dtype = _compute_dtype(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    if not all(_use_fp8_dot(FP8State(m.weight_scale, m.scaled_mm, inference=True), x2, m.weight, dtype)
+               for m in layers):
+        return None
+    codes, scales = fp8_dot_quantize(x2.to(dtype))
+    return QuantizedActivation(x, codes, scales)
+
+
 def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x2 (Q * s)^T + b`` for ``x2`` ``[N, in]``, in ``dtype`` (see the module doc for the three paths)."""
+               bias: torch.Tensor | None = None, quantized: QuantizedActivation | None = None) -> torch.Tensor:
+    """``x2 (Q * s)^T + b`` for ``x2`` ``[N, in]``, in ``dtype`` (see the module doc for the three paths).
+    ``quantized``: ``x2``'s codes made already (:func:`quantize_shared_input`), for the FP8 x FP8 decode
+    path only."""
+    if _use_fp8_dot(state, x2, weight, dtype):
+        # _scaled_mm's math (per-row e4m3 activations) through the decode kernel's tiles
+        if quantized is None:
+            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias)
+        if quantized.codes.shape != x2.shape:
+            raise ValueError(f"quantized codes of shape {tuple(quantized.codes.shape)} for an input of shape "
+                             f"{tuple(x2.shape)}")
+        return fp8_dot_matmul(quantized.codes, weight, state.scale.view(-1), bias, x_scale=quantized.scales,
+                              out_dtype=dtype)
+    if quantized is not None:
+        raise ValueError("a QuantizedActivation is for the FP8 x FP8 decode path (no_grad, "
+                         f"{DECODE_MAX_ROWS + 1}..{DOT_DECODE_MAX_ROWS} rows, _scaled_mm's conditions); "
+                         "make it with quantize_shared_input, which says None elsewhere")
     if _use_weight_only(state, x2, weight, dtype):
         # the Triton kernel on CUDA (and under the interpreter), its float32 reference on plain CPU
         return fp8_weight_only_matmul(x2.to(dtype), weight, state.scale, bias)
     if _use_scaled_mm(state, x2, weight, dtype):
-        if state.inference and x2.shape[0] <= DOT_DECODE_MAX_ROWS:
-            # _scaled_mm's math (per-row e4m3 activations) through the decode kernel's tiles
-            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias)
         xq, xs = quantize_activation(x2)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
     else:
@@ -310,15 +369,19 @@ class FP8Linear(nn.Linear):
         """``Q * s`` in ``dtype`` (default: the compute dtype): what the reference path multiplies by."""
         return dequantize_rowwise(self.weight, self.weight_scale, dtype or self.compute_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
+        """``quantized``: ``x``'s codes shared with other layers that read ``x``
+        (:func:`quantize_shared_input`; decoding only)."""
+        dtype = _compute_dtype(x)
+        if quantized is not None and (quantized.source is not x or torch.is_grad_enabled()):
+            raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, under "
+                             "torch.no_grad")
         if torch.is_grad_enabled():
             return FP8LinearFunction.apply(x, self.weight, self.weight_scale, self.bias, dtype, self.scaled_mm)
         # no_grad (the rollout engine's decoding, evaluation): no autograd node, and few rows take the
         # weight-only kernel (grad mode, not x.requires_grad, decides: training keeps one path)
         state = FP8State(self.weight_scale, self.scaled_mm, inference=True)
-        y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight, state, dtype, self.bias)
+        y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight, state, dtype, self.bias, quantized)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _apply(self, fn, recurse: bool = True):
