@@ -14,6 +14,11 @@ Modes:
   swiftune_peft_lora
                     swiftune SFTTrainer, padding-free, with PEFT's own LoRA forwards (the fused LoRA
                     linear of swiftune.models.lora_linear switched off: its A/B)
+  swiftune_graphs   swiftune SFTTrainer, padding-free, each decoder layer's forward and backward replayed
+                    as CUDA graphs (SFTConfig.cuda_graph_layers; an A/B mode: captures per token bucket
+                    happen in the first steps, so give it --warmup enough to see the run's buckets)
+  swiftune_budget_graphs
+                    micro-batches of --budget tokens with graphed layers
   swiftune_offload  swiftune SFTTrainer, padding-free batches, every layer checkpoint in pinned host
                     memory (the least GPU memory at a batch size; an A/B mode)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
@@ -47,7 +52,7 @@ from benchmarks import child_env, module_command, results
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 # A/B modes, run only when named in --modes
-EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload"]
+EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_graphs", "swiftune_budget_graphs"]
 
 
 class CountingCollator:
@@ -162,6 +167,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}
         if logit_chunk_tokens is not None:
             extra["logit_chunk_tokens"] = logit_chunk_tokens
+        if mode.endswith("_graphs"):
+            extra["cuda_graph_layers"] = True
         common.pop("gradient_checkpointing_kwargs")
         common["gradient_checkpointing"] = False  # already enabled by get_peft_model / for_training
         trainer = swiftune.SFTTrainer(
@@ -204,7 +211,14 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 padding_fraction=1 - counter.tokens / max(counter.slots, 1),
                 **({"peak_profile": record["peak_profile"]} if "peak_profile" in record else {}),
                 **({"time_profile": record["profile"]} if "profile" in record else {}),
-                **({"host_profile": record["host_profile"]} if "host_profile" in record else {}))
+                **({"host_profile": record["host_profile"]} if "host_profile" in record else {}),
+                **({"graphs": _graph_stats(trainer.model)} if mode.endswith("_graphs") else {}))
+
+
+def _graph_stats(model) -> dict:
+    from swiftune.training import graphed_layer_stats
+
+    return graphed_layer_stats(model)
 
 
 def main(argv=None) -> int:

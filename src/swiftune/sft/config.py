@@ -172,6 +172,12 @@ class SFTConfig(TrainingArguments):
         default=None,
         metadata={"help": "Tokens per chunk of the fused LM head + cross entropy (None: chosen from free memory)."},
     )
+    cuda_graph_layers: bool = field(
+        default=False,
+        metadata={"help": "swiftune: run each decoder layer's forward and backward as CUDA graph replays (LoRA, "
+                          "padding-free rows, checkpointing on the GPU; token counts padded to buckets). Steps "
+                          "another layout or setup cannot replay run as before."},
+    )
     # ---------------------------------------------------------------------- outputs
     metrics_file: str | None = field(
         default="metrics.jsonl",
@@ -226,6 +232,12 @@ class SFTConfig(TrainingArguments):
         if self.max_tokens_per_batch is not None and self.packing:
             raise ConfigError("SFTConfig: max_tokens_per_batch and packing=True are alternatives: packed rows "
                              "already fix the tokens per row; set only one of them")
+        if self.cuda_graph_layers and self.activation_offloading:
+            raise ConfigError("SFTConfig: cuda_graph_layers=True keeps every layer input on the GPU and "
+                              "activation_offloading=True moves them to the host; set only one of them")
+        if self.cuda_graph_layers and not self.padding_free:
+            raise ConfigError("SFTConfig: cuda_graph_layers=True replays one padding-free row per step; set "
+                              "padding_free=True (the default without packing) or cuda_graph_layers=False")
         if self.max_length is not None and self.max_tokens_per_batch is not None \
                 and self.max_tokens_per_batch < self.max_length:
             raise ConfigError(f"SFTConfig: max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least "

@@ -47,7 +47,14 @@ from ..losses.cross_entropy import TokenStats
 from ..models.heads import hidden_states_and_head
 from ..models.support import batch_layout_for
 from ..models.qwen3_vl import rope_index_of
-from ..training import MetricsCallback, StepFlops, SwiftuneTrainer, TokenMeter, enable_gradient_checkpointing
+from ..training import (
+    MetricsCallback,
+    StepFlops,
+    SwiftuneTrainer,
+    TokenMeter,
+    enable_gradient_checkpointing,
+    enable_graphed_layers,
+)
 from ..training.router_aux import RouterAuxLoss, real_token_mask
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .config import SFTConfig
@@ -145,6 +152,8 @@ class SFTTrainer(SwiftuneTrainer):
         apply_tokenizer_fields(args, processing_class, model)
         if args.activation_offloading:  # TRL's offloaded activations: swiftune's offloaded checkpointing
             enable_gradient_checkpointing(model, "offload")
+        if args.cuda_graph_layers:
+            enable_graphed_layers(model)
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
         vision = multimodal_processor(processing_class, train_dataset)  # image-text rows: docs/vision.md
         if vision is not None:

@@ -1,6 +1,6 @@
 """Training runtime shared by the trainers (:mod:`swiftune.sft`, :mod:`swiftune.rl`), which never
 import each other: model loading and LoRA adapters (:class:`FastModel`; :class:`FastLanguageModel`
-under Unsloth's names), offloaded gradient checkpointing and its host page pool, LoRA input casting
+under Unsloth's names), offloaded gradient checkpointing and its host page pool, CUDA-graphed decoder layers, LoRA input casting
 under autocast, the trainers' common start-up (:class:`SwiftuneTrainer`), metrics, checkpoints that
 are complete before they are visible and resuming from them, the output_dir lock, Ctrl-C handling
 and the NaN/inf guards (:class:`RunSafetyMixin`).
@@ -19,6 +19,7 @@ from .checkpointing import (
 from .checkpoints import CheckpointSaveError, newest_complete_checkpoint, resolve_resume
 from .guards import NonFiniteError
 from .interrupt import TrainingInterrupted
+from .layer_graphs import disable_graphed_layers, enable_graphed_layers, graphed_layer_stats
 from .loading import FastModel, enable_gradient_checkpointing, ensure_pad_token
 from .metrics import MetricsCallback, StepFlops, TokenMeter, read_metrics, truncate_metrics
 from .run_lock import RunLock, RunLockedError
@@ -39,10 +40,13 @@ __all__ = [
     "SwiftuneTrainer",
     "TokenMeter",
     "TrainingInterrupted",
+    "disable_graphed_layers",
     "disable_offloaded_checkpointing",
+    "enable_graphed_layers",
     "enable_gradient_checkpointing",
     "enable_offloaded_checkpointing",
     "ensure_pad_token",
+    "graphed_layer_stats",
     "newest_complete_checkpoint",
     "offload_stats",
     "read_metrics",

@@ -1,0 +1,519 @@
+"""CUDA-graphed decoder layers for LoRA training: one graph replay per layer forward, one per backward.
+
+Why: at a few thousand tokens a step, an 8B LoRA step spends most of its wall time in the host
+(Python, module calls, autograd nodes and kernel launches of 36 layers, three passes each), not on
+the GPU. A CUDA graph replays a layer's kernels from one call. The figures are in
+docs/benchmarks.md.
+
+What runs is gradient checkpointing, with the layer's work in two graphs:
+
+* forward: the layer under ``no_grad`` reads its input buffer and writes the next layer's input
+  buffer. Only the input stays alive until backward, as with checkpointing.
+* backward: the recompute with grad, then ``torch.autograd.grad`` of the output with respect to the
+  input and the layer's LoRA parameters. The upstream gradient is read from a static buffer, and the
+  results go back into that buffer and into one static buffer per parameter.
+
+:class:`GraphedLayerFunction` ties the two into autograd. The parameters are its inputs, so their
+gradients reach ``.grad`` through autograd's own accumulation.
+
+Static shapes. A graph replays fixed addresses and shapes, but a padding-free step has ``T`` tokens in
+``N`` documents, both different every step. So the row is padded to a bucket of ``Tb`` tokens
+(:func:`token_bucket`, at most about 1/8 more) by one extra document of zeros. Zeros stay zeros
+through RMSNorm, attention and the gated MLP. No real token attends to that document, and its
+upstream gradient is zero, so it adds nothing to any gradient. The document offsets are padded to a
+power-of-two slot count with zero-length documents, and the kernel's longest-document bound is
+``Tb``. Graphs are kept per ``(Tb, slots, autocast)``, in one memory pool shared by every graph:
+replays never overlap, and each graph's only live results are its static buffers.
+
+When it applies. Each forward is checked, and anything else runs the layer as before under
+non-reentrant checkpointing. The conditions: CUDA; training with grad; one padding-free row (batch
+1, no padding mask, the packed layout of :mod:`swiftune.attention`); no KV cache; a varlen
+attention kernel that takes the layer (no sliding window, soft-cap or sinks); the layer's trainable
+parameters all LoRA adapters, with no active dropout; the same parameter tensors as at capture.
+A second forward before the backward of the first would overwrite the saved inputs, so that
+backward raises instead of computing wrong gradients.
+
+Off CUDA (the tests) the same buffers, buckets and autograd node run, with each "graph" a Python
+closure called in place of a replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from types import MethodType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..attention.backends import unsupported_reason
+from ..attention.hf import PACKED_KWARG
+from ..attention.packing import PackedBatch
+from ..models.patching import causal_lm_of
+from .checkpointing import decoder_layers, is_offloaded_checkpointing
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GraphedLayerFunction", "disable_graphed_layers", "enable_graphed_layers", "graphed_layer_stats",
+           "is_graphed", "token_bucket"]
+
+_STACK = "_swiftune_graphed_stack"  # on the transformers model: the GraphedStack
+_LAYER = "_swiftune_graphed_layer"  # on each decoder layer: (stack ref, index)
+_ORIG = "_swiftune_graphed_orig_forward"  # the layer instance's forward before ours (None: the class's)
+_GC_FLAG = "_swiftune_graphed_prev_gc"
+# keyword arguments a decoder layer may get that the graphs replace or that must be empty
+_HANDLED_KWARGS = frozenset({"attention_mask", "position_ids", "position_embeddings", PACKED_KWARG, "use_cache",
+                             "cache", "past_key_values", "past_key_value", "cache_position"})
+_VARLEN_KERNELS = ("varlen", "flash_attn")
+MIN_SLOTS = 8
+
+
+def token_bucket(tokens: int) -> int:
+    """The padded token count of a step's graphs: ``tokens`` rounded up to a multiple of
+    ``max(256, 2**(floor(log2 tokens) - 3))``, so fewer than ``max(256, tokens / 8)`` more (and far fewer distinct
+    shapes, hence captures, over a run)."""
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    step = max(256, 2 ** (int(math.log2(tokens)) - 3))
+    return -(-tokens // step) * step
+
+
+def doc_slots(num_docs: int) -> int:
+    """Document offsets per graph: a power of two > ``num_docs`` (one slot for the padding document)."""
+    return max(MIN_SLOTS, 1 << num_docs.bit_length())
+
+
+class _Closure:
+    """Off CUDA: the "graph" is the captured function itself, called on replay."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@dataclass
+class _StepLayout:
+    tokens: int
+    bucket: int
+    slots: int
+    autocast: tuple
+    packed: PackedBatch  # the real step's layout (identity: which forward this is)
+    generation: int
+    flags: tuple  # ((name, None or False), ...): the layer's other arguments, replayed as given
+
+
+class _LayerGraphs:
+    """The forward and backward graphs of one layer for one ``(bucket, slots, autocast)``."""
+
+    def __init__(self, forward: Any, backward: Any, params: list[nn.Parameter], param_grads: list[torch.Tensor],
+                 param_ptrs: tuple[int, ...]) -> None:
+        self.forward, self.backward = forward, backward
+        self.params, self.param_grads, self.param_ptrs = params, param_grads, param_ptrs
+
+
+class GraphedStack:
+    """Buffers, graphs and per-step layout of one model's graphed decoder layers."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], use_cuda_graphs: bool | None) -> None:
+        self.model_ref = weakref.ref(model)
+        self.layers = [weakref.ref(layer) for layer in layers]
+        self.use_cuda_graphs = use_cuda_graphs
+        self.capacity = 0
+        self.acts: list[torch.Tensor] = []  # L + 1 buffers [1, capacity, H]: layer i reads acts[i], writes acts[i+1]
+        self.grad: torch.Tensor | None = None  # [1, capacity, H]: upstream gradient in, input gradient out
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.offsets: dict[int, torch.Tensor] = {}  # slots -> int32 [slots + 1]
+        # (bucket, slots) -> the layout the layers see; its per-forward cache (document bounds read on the
+        # host by the reference kernel off CUDA) is emptied every step, and a captured kernel may not use one
+        self.layouts: dict[tuple[int, int], PackedBatch] = {}
+        self.graphs: dict[tuple, _LayerGraphs] = {}  # (layer, bucket, slots, autocast) -> graphs
+        self.pool: Any = None
+        self.step: _StepLayout | None = None
+        self.generation = 0
+        self.kernel: str | None = None
+        self.broken: str | None = None  # a capture failed: every later forward falls back, with this reason
+        self.stats = {"graphed_forwards": 0, "fallback_forwards": 0, "captures": 0, "last_fallback": ""}
+
+    # -- eligibility
+    def cuda_graphs(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self.use_cuda_graphs is not False
+
+    def _fallback(self, why: str) -> None:
+        self.step = None
+        self.stats["fallback_forwards"] += 1
+        self.stats["last_fallback"] = why
+
+    def begin_step(self, x: torch.Tensor, kwargs: dict) -> None:
+        """At layer 0 of a forward with grad: the step's layout, or ``None`` (the reason kept in stats)."""
+        self.step = None
+        packed = kwargs.get(PACKED_KWARG)
+        if self.broken is not None:
+            return self._fallback(self.broken)
+        if x.dim() != 3 or x.shape[0] != 1:
+            return self._fallback(f"input of shape {tuple(x.shape)}: one padding-free row is graphed")
+        if not isinstance(packed, PackedBatch) or packed.indices is not None or packed.batch_size != 1 \
+                or packed.seq_len != x.shape[1]:
+            return self._fallback("no packed padding-free layout in the layer's arguments")
+        if x.device.type != "cuda" and self.use_cuda_graphs:
+            return self._fallback("CUDA graphs need a CUDA tensor")
+        # other arguments (output_attentions, ...) are replayed as they are when unset
+        flags = tuple(sorted((k, v) for k, v in kwargs.items() if k not in _HANDLED_KWARGS))
+        if any(v is not None and v is not False for _, v in flags):
+            return self._fallback(f"layer arguments it does not replay: {[k for k, v in flags if v]}")
+        if kwargs.get("attention_mask") is not None:
+            return self._fallback("a padding mask")
+        if any(kwargs.get(k) is not None for k in ("cache", "past_key_values", "past_key_value")) or \
+                kwargs.get("use_cache"):
+            return self._fallback("a KV cache")
+        cos_sin = kwargs.get("position_embeddings")
+        if not (isinstance(cos_sin, tuple) and len(cos_sin) == 2 and all(isinstance(t, torch.Tensor) for t in cos_sin)
+                and cos_sin[0].dim() == 3 and cos_sin[0].shape[:2] == x.shape[:2]):
+            return self._fallback("no [1, T, D] rotary tables in position_embeddings")
+        autocast = (torch.is_autocast_enabled(x.device.type),
+                    torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None)
+        tokens = x.shape[1]
+        self.generation += 1
+        self.step = _StepLayout(tokens, token_bucket(tokens), doc_slots(packed.num_docs), autocast, packed,
+                                self.generation, flags)
+        self._fill_step_buffers(x, cos_sin, packed)
+
+    def _ensure_capacity(self, x: torch.Tensor, cos: torch.Tensor, bucket: int) -> None:
+        num_layers = len(self.layers)
+        fits = (self.capacity >= bucket and self.acts and self.acts[0].dtype == x.dtype
+                and self.acts[0].shape[-1] == x.shape[-1] and self.acts[0].device == x.device
+                and self.cos is not None and self.cos.dtype == cos.dtype and self.cos.shape[-1] == cos.shape[-1])
+        if fits:
+            return
+        # a larger step than any so far: new buffers, every graph captured again; a quarter more than
+        # the old capacity at least, so that a run's first steps grow it a few times, not at every new bucket
+        self.graphs.clear()
+        self.offsets.clear()
+        self.layouts.clear()
+        self.pool = None
+        capacity = max(bucket, token_bucket(self.capacity + self.capacity // 4)) if self.capacity else bucket
+        hidden = x.shape[-1]
+        self.acts = [torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device) for _ in range(num_layers + 1)]
+        self.grad = torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device)
+        self.cos = torch.ones(1, capacity, cos.shape[-1], dtype=cos.dtype, device=x.device)
+        self.sin = torch.zeros(1, capacity, cos.shape[-1], dtype=cos.dtype, device=x.device)
+        self.positions = torch.zeros(1, capacity, dtype=torch.long, device=x.device)
+        self.capacity = capacity
+
+    def _fill_step_buffers(self, x: torch.Tensor, cos_sin: tuple, packed: PackedBatch) -> None:
+        step = self.step
+        assert step is not None
+        cos, sin = cos_sin
+        self._ensure_capacity(x, cos, step.bucket)
+        t, tb = step.tokens, step.bucket
+        self.cos[:, :t].copy_(cos)
+        self.sin[:, :t].copy_(sin)
+        if tb > t:  # the padding document: zeros in, an identity rotation
+            self.acts[0].data[:, t:tb].zero_()
+            self.cos[:, t:tb].fill_(1)
+            self.sin[:, t:tb].zero_()
+        offsets = self.offsets.get(step.slots)
+        if offsets is None:
+            offsets = self.offsets[step.slots] = torch.empty(step.slots + 1, dtype=torch.int32, device=x.device)
+        n = packed.num_docs
+        offsets[: n + 1].copy_(packed.cu_seqlens)
+        offsets[n + 1:].fill_(tb)  # the padding document [t, tb), then zero-length ones
+        for layout in self.layouts.values():
+            layout.cache.clear()
+
+    def static_kwargs(self) -> dict:
+        step = self.step
+        assert step is not None
+        tb = step.bucket
+        layout = self.layouts.get((tb, step.slots))
+        if layout is None:
+            layout = self.layouts[(tb, step.slots)] = PackedBatch(self.offsets[step.slots], tb, 1, tb, None,
+                                                                  self.kernel or "varlen")
+        return {"attention_mask": None, "position_ids": self.positions[:, :tb],
+                "position_embeddings": (self.cos[:, :tb], self.sin[:, :tb]), PACKED_KWARG: layout,
+                "use_cache": False, **dict(step.flags)}
+
+    # -- capture
+    def layer_graphs(self, index: int, layer: nn.Module, orig: Callable) -> _LayerGraphs | None:
+        step = self.step
+        assert step is not None
+        params = [p for p in layer.parameters() if p.requires_grad]
+        key = (index, step.bucket, step.slots, step.autocast, step.flags)
+        graphs = self.graphs.get(key)
+        ptrs = tuple(p.data_ptr() for p in params)
+        if graphs is not None and graphs.param_ptrs == ptrs and len(graphs.params) == len(params):
+            return graphs
+        try:
+            graphs = self._capture(index, layer, orig, params, ptrs)
+        except Exception as e:  # noqa: BLE001 - e.g. a kernel that syncs the host: no graph, said once
+            self.broken = f"capturing layer {index} failed ({type(e).__name__}: {e})"
+            logger.warning("swiftune graphed layers: %s; the layers run with plain checkpointing from now on",
+                           self.broken)
+            return None
+        self.graphs[key] = graphs
+        self.stats["captures"] += 1
+        return graphs
+
+    def _capture(self, index: int, layer: nn.Module, orig: Callable, params: list[nn.Parameter],
+                 ptrs: tuple[int, ...]) -> _LayerGraphs:
+        step = self.step
+        assert step is not None and self.grad is not None
+        tb = step.bucket
+        x_in, x_out, grad = self.acts[index][:, :tb], self.acts[index + 1][:, :tb], self.grad[:, :tb]
+        kwargs = self.static_kwargs()
+        param_grads = [torch.zeros_like(p) for p in params]
+        enabled, dtype = step.autocast
+        device_type = x_in.device.type
+
+        def autocast():
+            if not enabled:
+                return torch.autocast(device_type, enabled=False)
+            return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+        def run_forward() -> None:
+            with torch.no_grad(), autocast():
+                _write(x_out, _first(orig(x_in, **kwargs)))
+
+        def run_backward() -> None:
+            with torch.enable_grad(), autocast():
+                x = x_in.detach().requires_grad_(True)
+                y = _first(orig(x, **kwargs))
+                grads = torch.autograd.grad(y, [x, *params], grad, allow_unused=True)
+            _write(grad, grads[0])
+            for buf, g in zip(param_grads, grads[1:]):
+                if g is None:
+                    buf.zero_()
+                else:
+                    _write(buf, g)
+
+        if not self.cuda_graphs(x_in.device):
+            return _LayerGraphs(_Closure(run_forward), _Closure(run_backward), params, param_grads, ptrs)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        # warm-up outside capture (Triton compiles and autotunes, cuBLAS picks its kernels), on a side
+        # stream as capture requires; it writes only buffers the step overwrites anyway
+        side = torch.cuda.Stream(device=x_in.device)
+        side.wait_stream(torch.cuda.current_stream(x_in.device))
+        with torch.cuda.stream(side):
+            run_forward()
+            run_backward()
+        torch.cuda.current_stream(x_in.device).wait_stream(side)
+        forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(forward, pool=self.pool):
+            run_forward()
+        with torch.cuda.graph(backward, pool=self.pool):
+            run_backward()
+        layout = kwargs[PACKED_KWARG]
+        if layout.cache:  # host-side values of one step baked into a graph would be wrong the next
+            raise RuntimeError(f"swiftune graphed layers: the {self.kernel} attention kept per-step values "
+                               f"({sorted(map(str, layout.cache))}) in a captured layer")
+        return _LayerGraphs(forward, backward, params, param_grads, ptrs)
+
+
+def _write(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy into a static buffer without bumping its autograd version: a graph replay writes the
+    same buffers unseen by autograd, and the closures off CUDA must behave the same (the stale-input
+    check is :attr:`GraphedStack.generation`, on every device)."""
+    buffer.data.copy_(value)
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+class GraphedLayerFunction(torch.autograd.Function):
+    """One decoder layer as one autograd node: forward and backward are graph replays (see the
+    module doc). Inputs: the stack, the layer index, its graphs, ``x [1, T, H]``, then the layer's
+    trainable parameters (so autograd accumulates their gradients)."""
+
+    @staticmethod
+    def forward(ctx, stack: GraphedStack, index: int, graphs: _LayerGraphs, x: torch.Tensor,  # type: ignore[override]
+                *params: torch.Tensor) -> torch.Tensor:
+        step = stack.step
+        assert step is not None
+        t = step.tokens
+        x_in = stack.acts[index]
+        if x.data_ptr() != x_in.data_ptr() or x.shape[1] != t:
+            _write(x_in[:, :t], x)
+        graphs.forward.replay()
+        ctx.stack, ctx.index, ctx.graphs, ctx.tokens, ctx.bucket = stack, index, graphs, t, step.bucket
+        ctx.generation = step.generation
+        return stack.acts[index + 1][:, :t]
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        stack: GraphedStack = ctx.stack
+        if ctx.generation != stack.generation:
+            raise RuntimeError(
+                "swiftune graphed layers: another forward with grad ran between this forward and its backward, and "
+                "its layer inputs replaced this one's; run backward before the next forward, or disable the graphs "
+                "(swiftune.training.disable_graphed_layers(model), SFTConfig(cuda_graph_layers=False))")
+        t, tb = ctx.tokens, ctx.bucket
+        grad = stack.grad
+        assert grad is not None
+        if grad_out.data_ptr() != grad.data_ptr() or grad_out.shape[1] != t:
+            _write(grad[:, :t], grad_out)
+            if tb > t:
+                grad.data[:, t:tb].zero_()
+        ctx.graphs.backward.replay()
+        # the input gradient stays in the static buffer for the layer below (whose backward comes next
+        # and reads it in place); the first layer's leaves the graphed stack as a tensor of its own
+        grad_x = grad[:, :t] if ctx.index > 0 else grad[:, :t].clone()
+        return (None, None, None, grad_x, *ctx.graphs.param_grads)
+
+
+def _graphed_forward(self: nn.Module, *args, **kwargs):
+    stack_ref, index = getattr(self, _LAYER)
+    stack: GraphedStack | None = stack_ref()
+    orig = self.__dict__.get(_ORIG) or MethodType(type(self).forward, self)
+    if stack is None or not (self.training and torch.is_grad_enabled()):
+        return orig(*args, **kwargs)
+    if getattr(self, "gradient_checkpointing", False):
+        self.gradient_checkpointing = False  # re-enabled by transformers after us: never checkpoint twice
+    if args:
+        x, rest = args[0], args[1:]
+    elif "hidden_states" in kwargs:
+        x, rest = kwargs.pop("hidden_states"), ()
+    else:
+        return orig(*args, **kwargs)
+    if index == 0:
+        if rest:
+            stack._fallback("positional layer arguments")
+        else:
+            stack.begin_step(x, kwargs)
+    step = stack.step
+    if step is not None and (step.packed is not kwargs.get(PACKED_KWARG) or rest):
+        stack._fallback("a layer of the forward saw another layout")
+        step = None
+    reason = None if step is None else _layer_refuses(self, x, stack)
+    if step is None or reason is not None:
+        if reason is not None:
+            stack._fallback(reason)
+        for k in ("cache", "past_key_values", "past_key_value"):
+            if kwargs.get(k) is not None:
+                kwargs[k] = None
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        return checkpoint(partial(orig, **kwargs), x, *rest, use_reentrant=False)
+    graphs = stack.layer_graphs(index, self, orig)
+    if graphs is None:
+        stack._fallback(stack.broken or "capture failed")
+        return checkpoint(partial(orig, **kwargs), x, *rest, use_reentrant=False)
+    if index == 0:
+        stack.stats["graphed_forwards"] += 1
+    return GraphedLayerFunction.apply(stack, index, graphs, x, *graphs.params)
+
+
+def _layer_refuses(layer: nn.Module, x: torch.Tensor, stack: GraphedStack) -> str | None:
+    """Why this layer cannot be graphed this step, or ``None``. Read per forward (cheap attribute
+    checks): the parameters' trainability may change between steps."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None or getattr(attn, "sinks", None) is not None:
+        return "not a plain attention decoder layer (attention sinks or no self_attn)"
+    config = getattr(attn, "config", None)
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout"
+    if getattr(attn, "sliding_window", None) or getattr(config, "attn_logit_softcapping", None):
+        return "a sliding window or soft-capped attention"
+    if getattr(layer, "mlp", None) is None or hasattr(layer.mlp, "experts"):
+        return "a mixture-of-experts MLP"
+    for name, p in layer.named_parameters():
+        if p.requires_grad and "lora_" not in name:
+            return f"a trainable base parameter ({name}): graphs take LoRA adapters only"
+    for m in layer.modules():
+        if isinstance(m, nn.Dropout) and m.p > 0 and m.training:
+            return "active dropout"
+    if stack.kernel is None:
+        stack.kernel = _varlen_kernel(attn, x)
+        if stack.kernel is None:
+            return "no varlen attention kernel takes this layer"
+    return None
+
+
+def _varlen_kernel(attn: nn.Module, x: torch.Tensor) -> str | None:
+    if x.device.type != "cuda":
+        return "reference"  # off CUDA: the per-document reference (the closures are not graphs)
+    heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+    q = torch.empty(1, heads, attn.head_dim, dtype=dtype, device=x.device)
+    k = torch.empty(1, kv_heads, attn.head_dim, dtype=dtype, device=x.device)
+    for name in _VARLEN_KERNELS:
+        if unsupported_reason(name, q, k, None, None, 0.0) is None:
+            return name
+    return None
+
+
+def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = None) -> nn.Module:
+    """Run every decoder layer of a LoRA model as CUDA graphs in training (see the module doc).
+
+    Args:
+        model: a transformers causal LM or a PEFT model wrapping one, patched by swiftune (its packed
+            attention gives the layers their layout). Checkpointing is implied: do not also enable
+            offloaded checkpointing.
+        use_cuda_graphs: ``None`` (default): graphs on CUDA, closures elsewhere; ``False``: closures
+            everywhere (the same buffers and node, no capture; for tests and debugging).
+    Returns ``model``.
+    """
+    hf = causal_lm_of(model)
+    if is_offloaded_checkpointing(hf):
+        raise ValueError("graphed layers replace checkpointing and keep every layer input on the GPU; they do not "
+                         "combine with offloaded checkpointing (use_gradient_checkpointing='offload'): use one")
+    layers = decoder_layers(hf)
+    stack = getattr(hf, _STACK, None)
+    if stack is None:
+        stack = GraphedStack(hf, layers, use_cuda_graphs)
+        setattr(hf, _STACK, stack)
+    stack.use_cuda_graphs = use_cuda_graphs
+    for i, layer in enumerate(layers):
+        if _LAYER not in layer.__dict__:
+            layer.__dict__[_ORIG] = layer.__dict__.get("forward")
+            layer.__dict__[_GC_FLAG] = layer.__dict__.get("gradient_checkpointing")
+            layer.forward = MethodType(_graphed_forward, layer)
+        layer.__dict__[_LAYER] = (weakref.ref(stack), i)
+        if getattr(layer, "gradient_checkpointing", False):
+            layer.gradient_checkpointing = False
+    if getattr(hf, "config", None) is not None:
+        hf.config.use_cache = False
+    return model
+
+
+def disable_graphed_layers(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable_graphed_layers`; the graphs and buffers are freed."""
+    hf = causal_lm_of(model)
+    for layer in decoder_layers(hf):
+        if _LAYER not in layer.__dict__:
+            continue
+        orig = layer.__dict__.pop(_ORIG, None)
+        if orig is None:
+            layer.__dict__.pop("forward", None)
+        else:
+            layer.forward = orig
+        prev = layer.__dict__.pop(_GC_FLAG, None)
+        if prev is None:
+            layer.__dict__.pop("gradient_checkpointing", None)
+        else:
+            layer.gradient_checkpointing = prev
+        del layer.__dict__[_LAYER]
+    hf.__dict__.pop(_STACK, None)
+    return model
+
+
+def is_graphed(model: nn.Module) -> bool:
+    return getattr(causal_lm_of(model), _STACK, None) is not None
+
+
+def graphed_layer_stats(model: nn.Module) -> dict[str, Any]:
+    """Counters: graphed and fallback forwards, captures, the last fallback's reason, the buffers' capacity."""
+    stack: GraphedStack | None = getattr(causal_lm_of(model), _STACK, None)
+    if stack is None:
+        return {}
+    return {**stack.stats, "capacity_tokens": stack.capacity, "graph_sets": len(stack.graphs)}
