@@ -28,6 +28,7 @@
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
 #                                     # time by library in the 8B and 0.6B steps (~6 min)
+#   scripts/gpu_suite.sh sft-graphs   # graphed decoder layers: CUDA tests, Qwen3-8B batch 16 and 16K-token A/B (~9 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
 #   scripts/gpu_suite.sh small-rows   # loss-curve + sft-full in one call (~8 min)
@@ -187,6 +188,14 @@ case "$part" in
       run "sft_host_$m" 150 python3 -m benchmarks.sft --model "$m" --batch 16 --steps 6 --warmup 3 \
         --host-profile --modes swiftune trl_liger --out "$OUT/sft_host_$m.json"
     done ;;
+  sft-graphs)  # CUDA-graphed decoder layers (SFTConfig.cuda_graph_layers): their CUDA tests (real captures against
+    # the unpatched model per document), then the Qwen3-8B step A/B in one call: batch 16 (warm-up long enough to
+    # capture the run's token buckets) and 16K-token micro-batches, each mode in its own process
+    run layer_graphs_tests 150 python3 -m pytest -q -rf tests/test_layer_graphs.py -k cuda -p no:cacheprovider
+    run sft_graphs_b16 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 40 --warmup 28 \
+      --modes swiftune swiftune_graphs --out "$OUT/sft_graphs_qwen3-8b_b16.json"
+    run sft_graphs_16k 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 14 --warmup 6 \
+      --modes swiftune_budget swiftune_budget_graphs --out "$OUT/sft_graphs_qwen3-8b_16k.json" ;;
   sft-full)
     run sft_full 200 python3 -m benchmarks.sft --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;
