@@ -78,9 +78,17 @@ def timing_callback(warmup: int, record: dict):
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            now, tokens = time.perf_counter(), record["counter"].tokens
             if state.global_step == warmup:
-                record["t0"], record["tokens0"] = time.perf_counter(), record["counter"].tokens
-            record["t1"], record["tokens1"] = time.perf_counter(), record["counter"].tokens
+                record["t0"], record["tokens0"] = now, tokens
+            if state.global_step > warmup:  # per timed step: its seconds, tokens and (graphed layers) captures
+                captures = record["captures"]() if "captures" in record else 0
+                record.setdefault("per_step", []).append(
+                    (now - record["t1"], tokens - record["tokens1"], captures - record.get("captures1", 0)))
+                record["captures1"] = captures
+            elif "captures" in record:
+                record["captures1"] = record["captures"]()
+            record["t1"], record["tokens1"] = now, tokens
 
     return Timer()
 
@@ -196,6 +204,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         from benchmarks.time_profile import host_time_profile
 
         trainer.add_callback(step_context_callback(warmup, lambda: host_time_profile(record)))
+    if mode.endswith("_graphs"):
+        record["captures"] = lambda: _graph_stats(trainer.model).get("captures", 0)
     trainer.add_callback(timing_callback(warmup, record))
     trainer.train()
     elapsed = record["t1"] - record["t0"]
@@ -212,7 +222,17 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 **({"peak_profile": record["peak_profile"]} if "peak_profile" in record else {}),
                 **({"time_profile": record["profile"]} if "profile" in record else {}),
                 **({"host_profile": record["host_profile"]} if "host_profile" in record else {}),
-                **({"graphs": _graph_stats(trainer.model)} if mode.endswith("_graphs") else {}))
+                **({"graphs": _graph_stats(trainer.model), **_steady_state(record)} if mode.endswith("_graphs") else {}))
+
+
+def _steady_state(record: dict) -> dict:
+    """The timed steps that captured no graph (a long run's steps once its token buckets are captured):
+    their tokens/s, and how many timed steps captured."""
+    steps = record.get("per_step", [])
+    steady = [(s, t) for s, t, c in steps if c == 0]
+    seconds = sum(s for s, _ in steady)
+    return {"steps_capturing": len(steps) - len(steady), "steady_steps": len(steady),
+            "steady_tokens_per_s": sum(t for _, t in steady) / seconds if seconds else None}
 
 
 def _graph_stats(model) -> dict:

@@ -192,10 +192,15 @@ case "$part" in
     # the unpatched model per document), then the Qwen3-8B step A/B in one call: batch 16 (warm-up long enough to
     # capture the run's token buckets) and 16K-token micro-batches, each mode in its own process
     run layer_graphs_tests 150 python3 -m pytest -q -rf tests/test_layer_graphs.py -k cuda -p no:cacheprovider
-    run sft_graphs_b16 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 40 --warmup 28 \
+    run sft_graphs_b16 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
       --modes swiftune swiftune_graphs --out "$OUT/sft_graphs_qwen3-8b_b16.json"
-    run sft_graphs_16k 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 14 --warmup 6 \
+    run sft_graphs_16k 170 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 22 --warmup 8 \
       --modes swiftune_budget swiftune_budget_graphs --out "$OUT/sft_graphs_qwen3-8b_16k.json" ;;
+  fp8-g64)  # the FP8 decode step at G=64 only (shared activation quantisation for q/k/v and gate/up) against bf16
+    run fp8_g64_bf16 100 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 --no-baselines \
+      --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_g64_bf16.json"
+    run fp8_g64 110 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 \
+      --no-baselines --no-checks --lora-rows --time-budget 90 --out "$OUT/rollout_g64_fp8.json" ;;
   sft-full)
     run sft_full 200 python3 -m benchmarks.sft --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;

@@ -225,8 +225,8 @@ GPU_TOL = 2e-2  # the GPU parity suite's bound (tests/test_gradient_parity.py), 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family):
-    """Real captures on the GPU, bf16 under autocast as the trainers run: three steps (the third
-    replays the first's graphs) against the unpatched fp32 model per document, within the GPU parity
+    """Real captures on the GPU, bf16 under autocast as the trainers run: four steps (the last
+    replays the one before's graphs) against the unpatched fp32 model per document, within the GPU parity
     suite's bound (or 3x transformers' own bf16 error on a tensor), and against swiftune's eager path."""
     base = tiny_model(family, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64).cuda().train()
@@ -240,8 +240,8 @@ def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family):
     eager.load_state_dict(reference.state_dict())
     graphed = copy.deepcopy(eager)
     enable_graphed_layers(graphed)
-    for step, lengths in enumerate([(40, 17, 33, 9), (25, 60, 11), (40, 17, 33, 9)]):
-        examples = _examples(lengths, seed=step % 2)
+    for step, lengths in enumerate([(40, 17, 33, 9), (25, 60, 11, 200, 30), (40, 17, 33, 9), (40, 17, 33, 9)]):
+        examples = _examples(lengths, seed=min(step, 1))
         expected_loss, expected = _reference_step(reference, examples)
         _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), examples)
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -253,8 +253,10 @@ def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family):
         assert rel_err(loss, eager_loss) < 1e-2
         assert_gradients_match(eager_grads, grads, _trainable(reference), 2e-2)
     stats = graphed_layer_stats(graphed)
-    assert stats["graphed_forwards"] == 3 and stats["fallback_forwards"] == 0, stats
-    assert stats["captures"] == 2 * base.config.num_hidden_layers, stats  # the third step replayed the first's
+    assert stats["graphed_forwards"] == 4 and stats["fallback_forwards"] == 0, stats
+    # 99 tokens (bucket 256), then 326 (bucket 512: larger buffers, so the third step captures 256 again);
+    # the fourth step replays the third's graphs
+    assert stats["captures"] == 3 * base.config.num_hidden_layers, stats
 
 
 @pytest.mark.gpu
