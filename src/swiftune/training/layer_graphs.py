@@ -141,6 +141,7 @@ class GraphedStack:
         self.step: _StepLayout | None = None
         self.generation = 0
         self.kernel: str | None = None
+        self.warmed: set[tuple] = set()  # (autocast, flags) already run once outside capture
         self.broken: str | None = None  # a capture failed: every later forward falls back, with this reason
         self.stats = {"graphed_forwards": 0, "fallback_forwards": 0, "captures": 0, "last_fallback": ""}
 
@@ -299,14 +300,18 @@ class GraphedStack:
             return _LayerGraphs(_Closure(run_forward), _Closure(run_backward), params, param_grads, ptrs)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # warm-up outside capture (Triton compiles and autotunes, cuBLAS picks its kernels), on a side
-        # stream as capture requires; it writes only buffers the step overwrites anyway
-        side = torch.cuda.Stream(device=x_in.device)
-        side.wait_stream(torch.cuda.current_stream(x_in.device))
-        with torch.cuda.stream(side):
-            run_forward()
-            run_backward()
-        torch.cuda.current_stream(x_in.device).wait_stream(side)
+        warm_key = (step.autocast, step.flags)
+        if warm_key not in self.warmed:
+            # one warm-up outside capture (Triton compiles its kernels, cuBLAS sets up), on a side stream as
+            # capture requires; it writes only buffers the step overwrites anyway. Once per setup, not per
+            # bucket: buckets are multiples of 256 tokens, so no kernel specialises differently on them
+            side = torch.cuda.Stream(device=x_in.device)
+            side.wait_stream(torch.cuda.current_stream(x_in.device))
+            with torch.cuda.stream(side):
+                run_forward()
+                run_backward()
+            torch.cuda.current_stream(x_in.device).wait_stream(side)
+            self.warmed.add(warm_key)
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.graph(forward, pool=self.pool):
             run_forward()
