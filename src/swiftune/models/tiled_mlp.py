@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
+from itertools import chain
 from types import MethodType
 
 import torch
@@ -186,12 +187,51 @@ def tiled_apply(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
     return TiledApply.apply(f, x, int(tile_tokens), with_rng, skip_output, *params)
 
 
+# ----------------------------------------------------------------------------- kept subtree walks
+#
+# A tiled module's forward needs its trainable parameters and whether a dropout of it is active: two
+# walks of its subtree (a LoRA-wrapped MLP: some 35 modules) at every call, forward and recompute, of
+# every layer. They are kept on the module with the identities of everything its modules' module and
+# parameter dicts hold, and walked again when one differs: any module or parameter added, deleted or
+# swapped anywhere in the subtree (PEFT wrapping a projection or adding an adapter, FSDP's sharded
+# parameters, a module replaced by hand) is a change to one of those dicts. Comparing them is a pass
+# over dicts in C, not a recursive walk. The kept modules and parameters are held, so an identity
+# cannot be reused while kept (the module's descendants only: holding the module itself in its own
+# ``__dict__`` would make a reference cycle, freed by the garbage collector instead of at once).
+# ``requires_grad``, ``training`` and a dropout's ``p`` are read at every call.
+
+_SUBTREE = "_swiftune_kept_subtree"  # on a tiled module: _Subtree
+
+
+def _held_ids(dicts: list[dict]) -> tuple[int, ...]:
+    return tuple(map(id, chain.from_iterable(map(dict.values, dicts))))
+
+
+class _Subtree:
+    __slots__ = ("descendants", "dicts", "ids", "params", "dropouts")
+
+    def __init__(self, module: nn.Module) -> None:
+        modules = list(module.modules())
+        self.descendants = modules[1:]
+        self.dicts = [d for m in modules for d in (m._modules, m._parameters)]
+        self.ids = _held_ids(self.dicts)
+        self.params = list(module.parameters())
+        self.dropouts = [m for m in self.descendants if isinstance(m, nn.Dropout)]
+
+
+def _subtree(module: nn.Module) -> _Subtree:
+    kept = module.__dict__.get(_SUBTREE)
+    if kept is None or _held_ids(kept.dicts) != kept.ids:
+        kept = module.__dict__[_SUBTREE] = _Subtree(module)
+    return kept
+
+
 def _trainable(module: nn.Module) -> list[torch.Tensor]:
-    return [p for p in module.parameters() if p.requires_grad]
+    return [p for p in _subtree(module).params if p.requires_grad]
 
 
 def _has_dropout(module: nn.Module) -> bool:
-    return module.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+    return module.training and any(m.p > 0 for m in _subtree(module).dropouts)
 
 
 def _untiled(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -388,8 +428,21 @@ def replace_untiled_forward(module: nn.Module, forward: Callable | None) -> bool
     return True
 
 
+# Replaced whenever a module gains or loses its tiled forward: the token under which the trainers keep
+# an is_tiled answer (training.model_walks.ModelWalkIndex.answer) instead of walking the model per forward.
+_tiling_token = [object()]
+
+
+def tiling_token() -> object:
+    """An object replaced whenever :func:`enable_tiled_mlp` or :func:`disable_tiled_mlp` changes which
+    modules (of any model) are tiled: an :func:`is_tiled` answer kept under it stays true while it
+    is the same object and the module tree is unchanged."""
+    return _tiling_token[0]
+
+
 def _bind_tiled(module: nn.Module, tile_tokens: int | None, forward: Callable = _tiled_forward) -> None:
     if not has_tiled_forward(module):
+        _tiling_token[0] = object()
         module.__dict__[_ORIG] = module.__dict__.get("forward")  # None: the class forward
     setattr(module, _TILE, tile_tokens)
     module.forward = MethodType(forward, module)
@@ -433,6 +486,7 @@ def disable_tiled_mlp(model: nn.Module) -> nn.Module:
     """Restore the forwards :func:`enable_tiled_mlp` replaced."""
     for module in model.modules():
         if has_tiled_forward(module):
+            _tiling_token[0] = object()
             orig = module.__dict__.pop(_ORIG)
             if orig is None:
                 module.__dict__.pop("forward", None)
@@ -468,4 +522,5 @@ __all__ = [
     "tiled_apply",
     "tiled_mlp_forward",
     "tiled_moe_forward",
+    "tiling_token",
 ]

@@ -437,8 +437,8 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
     full FT, autocast, and the attention kernel's memory (``planner_attention_terms``): K/V
     expanded to the query heads (torch's varlen without GQA) and a float32 dq accumulator (flash)
     by default; flex has neither; per-document sdpa keeps the K/V heads and holds the float32 dq
-    of its longest document (``max_doc_tokens``) only. ``walks``: where the parameters are kept
-    (``None``: the model is walked)."""
+    of its longest document (``max_doc_tokens``) only. ``walks``: where the parameters and the
+    answers found by walking the model are kept, asked at every forward (``None``: the model is walked)."""
     rank, lora_bytes, full, casts = 0, 4, False, True
     if model is not None:
         named = walks.named_parameters(model) if walks is not None else model.named_parameters()
@@ -450,25 +450,28 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
             full = bool(walks.trainable(model)) if walks is not None else any(p.requires_grad
                                                                               for p in model.parameters())
         if rank:  # PEFT's per-layer input cast, switched off by the trainers (training.lora_casting)
-            casts = lora_inputs_cast(model)
-    if attention_kernel == "sdpa" and not _every_layer_runs_sdpa(model, x):
+            casts = lora_inputs_cast(model, walks)
+    if attention_kernel == "sdpa" and not _every_layer_runs_sdpa(model, x, walks):
         attention_kernel = None  # planned as varlen: some layer (or the dtype) takes another kernel
+    tiled = walks.is_tiled if walks is not None else is_tiled  # kept: asked at every forward
     return TrainSetup(
         lora_rank=rank, full_finetune=full, dtype_bytes=x.element_size(), lora_dtype_bytes=lora_bytes,
-        tiled_mlp=model is not None and is_tiled(model),
-        tiled_projections=model is not None and is_tiled(model, projections=True),
+        tiled_mlp=model is not None and tiled(model),
+        tiled_projections=model is not None and tiled(model, projections=True),
         autocast=torch.is_autocast_enabled(x.device.type), lora_input_casts=casts,
         **planner_attention_terms(attention_kernel, max_doc_tokens),
     )
 
 
-def _every_layer_runs_sdpa(model: nn.Module | None, x: torch.Tensor) -> bool:
+def _every_layer_runs_sdpa(model: nn.Module | None, x: torch.Tensor, walks: ModelWalkIndex | None = None) -> bool:
     """Whether the layout's ``"sdpa"`` holds for every layer: patched attention without sliding
     windows or soft-caps (:func:`~swiftune.models.patching.attention_is_plain`), in a half
     precision (directly or under autocast; in float32 the fused kernels may refuse grouped K/V
-    heads and the retry expands them)."""
+    heads and the retry expands them). ``walks``: where that answer is kept (``None``: the model is walked)."""
     half = x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(x.device.type)
-    return model is not None and half and attention_is_plain(model)
+    if model is None or not half:
+        return False
+    return walks.attention_is_plain(model) if walks is not None else attention_is_plain(model)
 
 
 # ------------------------------------------------------------------------------ the wrapper

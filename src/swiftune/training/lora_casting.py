@@ -16,17 +16,20 @@ training step without autocast, so it switches casting back on around it.
 Which modules are LoRA layers is found by one walk over the module tree (thousands of modules for
 an 8B model with LoRA on every linear layer); the trainers keep the answer in a
 :class:`LoraLayerIndex` across steps, walked again only when the model or its set of adapters
-changes, so a step does not walk the tree.
+changes (:class:`~swiftune.training.model_walks.ModelKey`), so a step does not walk the tree;
+:func:`lora_inputs_cast`, asked by offloaded checkpointing at every forward, keeps its layer in the
+caller's :class:`~swiftune.training.model_walks.ModelWalkIndex` the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+
+from .model_walks import ModelKey, ModelWalkIndex, peft_adapter_names
 
 LORA_CAST_FLAG = "cast_input_dtype_enabled"  # peft.tuners.tuners_utils.BaseTunerLayer's attribute
 
@@ -39,12 +42,10 @@ def _lora_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _is_lora_layer(m)]
 
 
-def peft_adapter_names(model: nn.Module) -> tuple[str, ...]:
-    """The names of ``model``'s PEFT adapters (a DDP-style ``.module`` wrapper unwrapped)."""
-    configs = getattr(model, "peft_config", None)
-    if configs is None:
-        configs = getattr(getattr(model, "module", None), "peft_config", None)
-    return tuple(configs) if isinstance(configs, dict) else ()
+def first_lora_layer(model: nn.Module) -> nn.Module | None:
+    """The first PEFT LoRA layer of ``model`` in ``modules()`` order, ``None`` without one (a walk
+    that stops there)."""
+    return next((m for m in model.modules() if _is_lora_layer(m)), None)
 
 
 class LoraLayerIndex:
@@ -58,25 +59,25 @@ class LoraLayerIndex:
     """
 
     def __init__(self) -> None:
-        self._model: weakref.ref | None = None
-        self._adapters: tuple[str, ...] = ()
+        self._key = ModelKey()
         self._layers: list[nn.Module] = []
 
     def layers(self, model: nn.Module) -> list[nn.Module]:
-        adapters = peft_adapter_names(model)
-        if self._model is None or self._model() is not model or adapters != self._adapters:
-            self._model, self._adapters, self._layers = weakref.ref(model), adapters, _lora_layers(model)
+        if self._key.changed(model):
+            self._layers = _lora_layers(model)
         return self._layers
 
     def clear(self) -> None:
-        self._model, self._adapters, self._layers = None, (), []
+        self._key.clear()
+        self._layers = []
 
 
-def lora_inputs_cast(model: nn.Module) -> bool:
+def lora_inputs_cast(model: nn.Module, walks: ModelWalkIndex | None = None) -> bool:
     """Whether ``model``'s PEFT LoRA layers copy their inputs to the adapter dtype right now
     (PEFT's default; False inside :func:`lora_input_casting` ``(enabled=False)``). True without
-    LoRA layers. Reads the first layer only: the flag is switched for all of them together."""
-    layer = next((m for m in model.modules() if _is_lora_layer(m)), None)
+    LoRA layers. Reads the first layer only: the flag is switched for all of them together.
+    ``walks``: where that layer is kept (its flag is read at every call); ``None``: the model is walked."""
+    layer = walks.answer(model, first_lora_layer) if walks is not None else first_lora_layer(model)
     return layer is None or bool(getattr(layer, LORA_CAST_FLAG))
 
 
@@ -118,5 +119,5 @@ def training_step_lora_casting(model: nn.Module, args: Any,
     return contextlib.nullcontext()
 
 
-__all__ = ["LORA_CAST_FLAG", "LoraLayerIndex", "can_skip_lora_input_casts", "lora_input_casting", "lora_inputs_cast",
-           "peft_adapter_names", "training_step_lora_casting"]
+__all__ = ["LORA_CAST_FLAG", "LoraLayerIndex", "can_skip_lora_input_casts", "first_lora_layer", "lora_input_casting",
+           "lora_inputs_cast", "peft_adapter_names", "training_step_lora_casting"]

@@ -22,19 +22,60 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from types import MethodType
+from typing import Any, TypeVar
 
 from torch import nn
 from transformers import PreTrainedModel
 
-from .lora_casting import peft_adapter_names
+from ..models.patching import attention_is_plain, causal_lm_of
+from ..models.state import model_patch
+from ..models.tiled_mlp import is_tiled, tiling_token
+
+T = TypeVar("T")
 
 #: ``train`` implementations that only set ``training`` flags (transformers' also re-applies hub
 #: kernels, but only when the mode changes): a tree of modules using only these is left as it is when
 #: every flag already has the asked value. Any other (PEFT's DoRA layer, a user's module) walks.
 _FLAG_ONLY_TRAIN = (nn.Module.train, PreTrainedModel.train)
+
+
+def peft_adapter_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s PEFT adapters (a DDP-style ``.module`` wrapper unwrapped). PEFT sets
+    the same ``peft_config`` dict on the transformers model it wraps, so its names are read there too."""
+    configs = getattr(model, "peft_config", None)
+    if configs is None:
+        configs = getattr(getattr(model, "module", None), "peft_config", None)
+    return tuple(configs) if isinstance(configs, dict) else ()
+
+
+class ModelKey:
+    """Which model a walk of the module tree was made on: the model object (held weakly) and its set
+    of PEFT adapter names, the ways the trainers' models gain or lose modules (``get_peft_model``,
+    ``add_adapter`` / ``load_adapter`` / ``delete_adapter``). Checking it costs a dict read, not a walk.
+
+    Modules swapped in or out by hand without PEFT's adapter API do not change it: whoever keeps a
+    walk says so and offers a ``clear``."""
+
+    __slots__ = ("_model", "_adapters")
+
+    def __init__(self) -> None:
+        self._model: weakref.ref | None = None
+        self._adapters: tuple[str, ...] = ()
+
+    def changed(self, model: nn.Module) -> bool:
+        """Whether ``model`` is another object than the one recorded, or its adapter names differ
+        (always True the first time); records ``model``'s either way."""
+        adapters = peft_adapter_names(model)
+        if self._model is not None and self._model() is model and adapters == self._adapters:
+            return False
+        self._model, self._adapters = weakref.ref(model), adapters
+        return True
+
+    def clear(self) -> None:
+        self._model, self._adapters = None, ()
 
 
 class ModelWalkIndex:
@@ -46,17 +87,16 @@ class ModelWalkIndex:
     """
 
     def __init__(self) -> None:
-        self._model: weakref.ref | None = None
-        self._adapters: tuple[str, ...] = ()
+        self._key = ModelKey()
         self._modules: list[nn.Module] = []
         self._parameters: list[nn.Parameter] = []
         self._named_parameters: list[tuple[str, nn.Parameter]] = []
         self._flag_only_train = False
+        self._answers: dict[tuple, tuple[object, Any]] = {}
 
     def _current(self, model: nn.Module) -> None:
-        adapters = peft_adapter_names(model)
-        if self._model is None or self._model() is not model or adapters != self._adapters:
-            self._model, self._adapters = weakref.ref(model), adapters
+        if self._key.changed(model):
+            self._answers = {}
             self._modules = list(model.modules())
             self._named_parameters = list(model.named_parameters())
             self._parameters = [p for _, p in self._named_parameters]
@@ -86,6 +126,33 @@ class ModelWalkIndex:
         no module's ``train`` does more than set it."""
         self._current(model)
         return self._flag_only_train and not [m for m in self._modules if m.training is not mode]
+
+    def answer(self, model: nn.Module, compute: Callable[..., T], *args: Any, token: object = None) -> T:
+        """``compute(model, *args)``, kept: computed again when the model object or its adapter names
+        change (as the lists) or when ``token`` is not the object given with the kept answer.
+        ``token``: an object its owner replaces whenever something ``compute`` reads beside the
+        module tree changes (:func:`~swiftune.models.tiled_mlp.tiling_token`, the model's patch
+        record); compared by identity. An answer that must follow a value changing every step (a
+        flag) keeps the module to read it from, not the value."""
+        self._current(model)
+        key = (compute, args)
+        kept = self._answers.get(key)
+        if kept is not None and kept[0] is token:
+            return kept[1]
+        value = compute(model, *args)
+        self._answers[key] = (token, value)
+        return value
+
+    def is_tiled(self, model: nn.Module, projections: bool = False) -> bool:
+        """:func:`~swiftune.models.tiled_mlp.is_tiled`, kept while the model, its adapters and the
+        tiling (:func:`~swiftune.models.tiled_mlp.tiling_token`) stay the same."""
+        return self.answer(model, is_tiled, projections, token=tiling_token())
+
+    def attention_is_plain(self, model: nn.Module) -> bool:
+        """:func:`~swiftune.models.patching.attention_is_plain`, kept while the model, its adapters and
+        its patch record stay the same (:func:`~swiftune.patch_model` records a new one at every call,
+        which is what sets the attention modules' specs)."""
+        return self.answer(model, attention_is_plain, token=model_patch(causal_lm_of(model)))
 
     def clear(self) -> None:
         self.__init__()
@@ -126,4 +193,4 @@ def listed_module_walks(model: nn.Module, index: ModelWalkIndex) -> Iterator[Non
             model.__dict__.pop(name, None)
 
 
-__all__ = ["ModelWalkIndex", "listed_module_walks"]
+__all__ = ["ModelKey", "ModelWalkIndex", "listed_module_walks", "peft_adapter_names"]
