@@ -22,6 +22,11 @@ def _modes(*modes):
     return lambda row: row.mode in modes
 
 
+def _not_rows(rows: int):
+    """Every row of a rollout figure's file but those of ``rows`` sequences (measured again later)."""
+    return lambda row: row.settings.get("rows") != rows
+
+
 FIGURES: list[dict] = [
     dict(figure="kernels", file="kernels_h200.json", date="2026-11-30", versions=BASE,
          command="python -m benchmarks.kernels --out kernels.json"),
@@ -42,6 +47,14 @@ FIGURES: list[dict] = [
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_16k_offload_after_qk_fix_h200.json",
          date="2026-12-01", versions=WITH_TRL,
          command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune_budget_offload --out sft_16k.json"),
+    dict(figure="sft_graphs_qwen3-8b", file="2026-12-02/sft_graphs_qwen3-8b_b16_h200.json", date="2026-12-02",
+         versions=BASE,
+         command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --modes swiftune "
+                 "swiftune_graphs --out sft_graphs_b16.json"),
+    dict(figure="sft_graphs_qwen3-8b", file="2026-12-02/sft_graphs_qwen3-8b_16k_h200.json", date="2026-12-02",
+         versions=BASE,
+         command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 22 --warmup 8 --modes swiftune_budget "
+                 "swiftune_budget_graphs --out sft_graphs_16k.json"),
     dict(figure="sft_sweep_qwen3-8b", file="2026-12-01/sft_qwen3-8b_sweep_h200.json", date="2026-12-01",
          versions=WITH_TRL, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
     dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/qlora_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
@@ -133,11 +146,22 @@ FIGURES: list[dict] = [
          command="python -m benchmarks.rollout --merge docs/results/rollout_1024_h200.json "
                  "docs/results/rollout_8192_h200.json --out docs/results/rollout_h200.json"),
     dict(figure="rollout_fp8", file="2026-12-02/rollout_fp8_bf16_h200.json", date="2026-12-02", versions=BASE,
+         keep=_not_rows(64),
          command="python -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--no-checks --lora-rows --time-budget 170 --out rollout_fp8_bf16.json"),
     dict(figure="rollout_fp8", file="2026-12-02/rollout_fp8_h200.json", date="2026-12-02", versions=BASE,
+         keep=_not_rows(64),
          command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 --new-tokens 1024 "
                  "--no-baselines --lora-rows 8 --time-budget 270 --out rollout_fp8.json"),
+    # G=64 again, later the same day: FP8 x FP8 kernel at 17-64 rows, one activation quantisation per shared input
+    dict(figure="rollout_fp8", file="2026-12-02/rollout_g64_bf16_shared_quant_h200.json", date="2026-12-02",
+         versions=BASE,
+         command="python -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 --no-baselines "
+                 "--no-checks --lora-rows --time-budget 80 --out rollout_g64_bf16.json"),
+    dict(figure="rollout_fp8", file="2026-12-02/rollout_g64_fp8_shared_quant_h200.json", date="2026-12-02",
+         versions=BASE,
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 "
+                 "--no-baselines --no-checks --lora-rows --time-budget 90 --out rollout_g64_fp8.json"),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
          settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "

@@ -21,7 +21,8 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "trl_liger": "TRL + Liger", "swiftune": "**swiftune**", "swiftune_budget": "swiftune, 16K-token budget",
           "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
           "swiftune_peft_lora": "swiftune, PEFT's LoRA forwards",
-          "swiftune_offload": "swiftune, checkpoints on host", "unsloth": "Unsloth", "unsloth_packed": "Unsloth, packed",
+          "swiftune_offload": "swiftune, checkpoints on host", "swiftune_graphs": "swiftune, graphed layers",
+          "swiftune_budget_graphs": "swiftune, 16K-token budget, graphed layers", "unsloth": "Unsloth", "unsloth_packed": "Unsloth, packed",
           "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
           "baseline": "transformers + PEFT", "ckpt": "swiftune, checkpoints on the GPU",
           "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
@@ -116,6 +117,28 @@ def sft(fig: Figure) -> str:
     header = ["mode", "batch", "tok/s", "x padded", "x TRL + Liger"] + (["x Unsloth"] if with_unsloth else [])
     header += ["peak GB", "s / step", "padding"]
     return table(header, out, set(range(1, len(header))))
+
+
+def sft_graphs(fig: Figure) -> str:
+    """Graphed layers against swiftune's eager step, same call: tok/s over every timed step, and over the
+    timed steps that captured no graph (a long run's steps once its token buckets are captured)."""
+    eager = {}
+    for mode, _, s, m in fig.groups():
+        if not mode.endswith("_graphs"):
+            eager[mode.startswith("swiftune_budget")] = val(m, "tokens_per_s")
+    out = []
+    for mode, model, s, m in sorted(fig.groups(), key=lambda g: (g[0].startswith("swiftune_budget"), g[0])):
+        budget = mode.startswith("swiftune_budget")
+        tps, steady = val(m, "tokens_per_s"), val(m, "steady_tokens_per_s")
+        best = steady if steady is not None else tps
+        ref = eager.get(budget)
+        capturing = val(m, "steps_capturing")
+        steps = f"{s.get('timed_steps', '')}" + (f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        out.append([LABELS.get(mode, mode), "(~16K tok)" if budget else str(s["batch"]), fmt(tps, thousands=True),
+                    fmt(steady, thousands=True), fmt(best / ref) if ref and mode.endswith("_graphs") else "",
+                    fmt(val(m, "peak_gb"), 1), steps])
+    return table(["mode", "batch", "tok/s, timed steps", "tok/s, steps without a capture", "x eager", "peak GB",
+                  "timed steps"], out, {1, 2, 3, 4, 5, 6})
 
 
 def kernels(fig: Figure) -> str:
@@ -304,7 +327,7 @@ def attention(fig: Figure) -> str:
                  set(range(1, 7)))
 
 
-RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
+RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,

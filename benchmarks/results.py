@@ -37,7 +37,8 @@ UNITS: dict[str, str] = {
     "hbm_floor_ms": "ms", "tb_per_s": "TB/s", "copy_fraction": "fraction", "gb_moved": "GB", "tflop_per_s": "TFLOP/s",
     "saved_bytes_per_token": "B/token", "backward_bytes_per_token": "B/token", "extra_gb": "GB",
     "max_abs_diff": "loss", "mean_abs_diff": "loss", "max_rel_diff": "fraction", "final_loss": "loss",
-    "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms",
+    "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms", "steady_tokens_per_s": "tok/s",
+    "steps_capturing": "steps",
 }
 # the libraries a row may name; torch always, the rest where the tool used them
 VERSION_KEYS = ("torch", "transformers", "triton", "peft", "trl", "liger", "unsloth")
@@ -264,6 +265,9 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
             one("device_ms", r["time_profile"]["device_ms"])
         if _num((r.get("host_profile") or {}).get("host_ms")):
             one("host_ms", r["host_profile"]["host_ms"])
+        if _num(r.get("steady_tokens_per_s")):  # graphed layers: the timed steps that captured no graph
+            one("steady_tokens_per_s", r["steady_tokens_per_s"])
+            one("steps_capturing", r["steps_capturing"])
     return out
 
 
