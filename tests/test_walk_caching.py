@@ -158,9 +158,9 @@ def test_tiled_forward_kept_subtree_follows_adapters_and_swaps(monkeypatch):
     mlp = model.get_base_model().model.layers[0].mlp
     enable_tiled_mlp(model, tile_tokens=4)
     x = torch.randn(1, 12, 16)
-    plain = type(mlp).forward.__get__(mlp)  # the class forward: untiled, PEFT's layers underneath
 
-    def check():
+    def check(mlp=mlp):
+        plain = type(mlp).forward.__get__(mlp)  # the class forward: untiled, PEFT's layers underneath
         trainable = [n for n, p in mlp.named_parameters() if p.requires_grad]
         ref_out, ref = _mlp_grads(mlp, plain, x)
         out, grads = _mlp_grads(mlp, mlp, x)
@@ -169,6 +169,11 @@ def test_tiled_forward_kept_subtree_follows_adapters_and_swaps(monkeypatch):
         return grads
 
     assert all("default" in n for n in check())
+    twin = copy.deepcopy(model)  # a copy made after a tiled forward (a reference model) tiles its own tensors
+    twin_mlp = twin.get_base_model().model.layers[0].mlp
+    for p in mlp.parameters():
+        p.grad = None
+    assert check(twin_mlp) and all(p.grad is None for p in mlp.parameters())
     counter = _CountedWalks(monkeypatch)
     mlp(x).sum().backward()  # the tiled forward and backward, the subtree kept: no walk
     assert counter.calls == 0

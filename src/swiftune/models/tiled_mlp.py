@@ -203,35 +203,39 @@ def tiled_apply(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile
 _SUBTREE = "_swiftune_kept_subtree"  # on a tiled module: _Subtree
 
 
-def _held_ids(dicts: list[dict]) -> tuple[int, ...]:
-    return tuple(map(id, chain.from_iterable(map(dict.values, dicts))))
+def _held_ids(views: list) -> tuple[int, ...]:
+    return tuple(map(id, chain.from_iterable(views)))
 
 
 class _Subtree:
-    __slots__ = ("descendants", "dicts", "ids", "params", "dropouts")
+    __slots__ = ("descendants", "views", "ids", "params", "dropouts")
 
     def __init__(self, module: nn.Module) -> None:
         modules = list(module.modules())
         self.descendants = modules[1:]
-        self.dicts = [d for m in modules for d in (m._modules, m._parameters)]
-        self.ids = _held_ids(self.dicts)
+        # live views of the dicts (a dict's values() follows it), made once rather than at every check
+        self.views = [d.values() for m in modules for d in (m._modules, m._parameters)]
+        self.ids = _held_ids(self.views)
         self.params = list(module.parameters())
         self.dropouts = [m for m in self.descendants if isinstance(m, nn.Dropout)]
+
+    def __reduce__(self):  # a copied or pickled module walks its own subtree again (views cannot be copied)
+        return type(None), ()
 
 
 def _subtree(module: nn.Module) -> _Subtree:
     kept = module.__dict__.get(_SUBTREE)
-    if kept is None or _held_ids(kept.dicts) != kept.ids:
+    if kept is None or _held_ids(kept.views) != kept.ids:
         kept = module.__dict__[_SUBTREE] = _Subtree(module)
     return kept
 
 
-def _trainable(module: nn.Module) -> list[torch.Tensor]:
-    return [p for p in _subtree(module).params if p.requires_grad]
+def _trainable(module: nn.Module, kept: _Subtree | None = None) -> list[torch.Tensor]:
+    return [p for p in (kept or _subtree(module)).params if p.requires_grad]
 
 
-def _has_dropout(module: nn.Module) -> bool:
-    return module.training and any(m.p > 0 for m in _subtree(module).dropouts)
+def _has_dropout(module: nn.Module, kept: _Subtree | None = None) -> bool:
+    return module.training and any(m.p > 0 for m in (kept or _subtree(module)).dropouts)
 
 
 def _untiled(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -261,7 +265,8 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int | None =
     if x.numel() // max(x.shape[-1], 1) <= tile:
         return f(x)
     skip = bool(mlp.__dict__.get(_OUTPUT_UNUSED)) and _is_gated_mlp(mlp)
-    return tiled_apply(f, x, tile, _trainable(mlp), with_rng=_has_dropout(mlp), skip_output=skip)
+    kept = _subtree(mlp)  # checked once for both
+    return tiled_apply(f, x, tile, _trainable(mlp, kept), with_rng=_has_dropout(mlp, kept), skip_output=skip)
 
 
 @contextlib.contextmanager
@@ -474,7 +479,8 @@ def enable_tiled_mlp(model: nn.Module, tile_tokens: int | None = None, *, projec
         elif _moe_parts(module) is not None:
             _bind_tiled(module, tile_tokens, _tiled_moe)
             n += 1
-        elif projections and name.rsplit(".", 1)[-1] in _PROJECTIONS and _trainable(module):
+        elif (projections and name.rsplit(".", 1)[-1] in _PROJECTIONS
+              and any(p.requires_grad for p in module.parameters())):
             _bind_tiled(module, tile_tokens)
     if n == 0:
         raise ValueError(f"{type(model).__name__} has no gated MLP (gate_proj/up_proj/down_proj) or "
