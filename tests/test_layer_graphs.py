@@ -188,6 +188,18 @@ def test_padded_batches_fall_back_to_checkpointing_and_stay_correct(family_model
     assert "padding-free" in stats["last_fallback"] or "padding mask" in stats["last_fallback"]
 
 
+def test_a_deep_copy_of_a_graphed_model_trains_ungraphed_and_correctly(family_models):
+    base, reference = family_models
+    examples = _examples()
+    expected = _reference_step(reference, examples)
+    model = _graphed_model(base, reference)
+    _swiftune_step(model, examples)
+    clone = copy.deepcopy(model)  # e.g. a frozen reference copy: graphs are not copied
+    assert graphed_layer_stats(clone) == {}
+    _assert_parity(expected, _swiftune_step(clone, examples), _trainable(reference))
+    assert graphed_layer_stats(model)["graphed_forwards"] == 1  # the copy never used the original's graphs
+
+
 def test_full_finetuning_is_not_graphed():
     base = tiny_model("qwen3").train()
     model = patch_model(copy.deepcopy(base), kernel_backend="reference")

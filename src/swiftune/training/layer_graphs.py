@@ -145,6 +145,11 @@ class GraphedStack:
         self.broken: str | None = None  # a capture failed: every later forward falls back, with this reason
         self.stats = {"graphed_forwards": 0, "fallback_forwards": 0, "captures": 0, "last_fallback": ""}
 
+    def __deepcopy__(self, memo: dict) -> None:
+        # graphs cannot be copied, and a copy's layers are other modules: a deep copy of a graphed model
+        # (a reference model, say) runs its layers ungraphed (see _graphed_forward)
+        return None
+
     # -- eligibility
     def cuda_graphs(self, device: torch.device) -> bool:
         return device.type == "cuda" and self.use_cuda_graphs is not False
@@ -380,8 +385,10 @@ def _graphed_forward(self: nn.Module, *args, **kwargs):
     stack_ref, index = getattr(self, _LAYER)
     stack: GraphedStack | None = stack_ref()
     orig = self.__dict__.get(_ORIG) or MethodType(type(self).forward, self)
-    if stack is None or not (self.training and torch.is_grad_enabled()):
+    if not (self.training and torch.is_grad_enabled()):
         return orig(*args, **kwargs)
+    if stack is None or stack.layers[index]() is not self:  # a deep copy's layer: checkpointed, not graphed
+        return checkpoint(partial(orig, **kwargs), *args, use_reentrant=False)
     if getattr(self, "gradient_checkpointing", False):
         self.gradient_checkpointing = False  # re-enabled by transformers after us: never checkpoint twice
     if args:
@@ -434,6 +441,8 @@ def _layer_refuses(layer: nn.Module, x: torch.Tensor, stack: GraphedStack) -> st
     for name, p in layer.named_parameters():
         if p.requires_grad and "lora_" not in name:
             return f"a trainable base parameter ({name}): graphs take LoRA adapters only"
+        if hasattr(p, "to_local"):
+            return "sharded (DTensor) parameters: FSDP's gathers are not captured"
     for m in layer.modules():
         if isinstance(m, nn.Dropout) and m.p > 0 and m.training:
             return "active dropout"
