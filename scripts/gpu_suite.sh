@@ -28,6 +28,7 @@
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
 #                                     # time by library in the 8B and 0.6B steps (~6 min)
+#   scripts/gpu_suite.sh sft-unsloth-graphs [MODEL] # batch 16: swiftune eager + graphed, TRL + Liger, Unsloth, GPU busy of a graphed step (carry .shared; ~9.5 min)
 #   scripts/gpu_suite.sh sft-graphs   # graphed decoder layers: CUDA tests, Qwen3-8B batch 16 and 16K-token A/B (~9 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
@@ -145,6 +146,19 @@ case "$part" in
       --out "$OUT/unsloth_sft_$model.json"
     run sft_busy 150 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 6 --warmup 3 --time-profile \
       --modes swiftune --out "$OUT/sft_busy_$model.json" ;;
+  sft-unsloth-graphs)  # the batch-16 row with graphed layers side by side with Unsloth and TRL + Liger in one call:
+    # swiftune eager and graphed (warm-up long enough to capture most of the run's token buckets; the steady-state
+    # figure counts the timed steps that captured nothing), TRL + Liger, Unsloth (carry .shared), then the device
+    # time of one graphed step against its wall time (GPU busy)
+    model=${2:-qwen3-8b}
+    run sft_graphs 240 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
+      --modes swiftune swiftune_graphs --out "$OUT/sft_graphs_b16_$model.json"
+    run sft_trl 100 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+      --modes trl_liger --out "$OUT/sft_trl_b16_$model.json"
+    run unsloth_sft 150 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 \
+      --out "$OUT/unsloth_sft_$model.json"
+    run sft_graphs_busy 90 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 42 --warmup 40 \
+      --time-profile --modes swiftune_graphs --out "$OUT/sft_graphs_busy_$model.json" ;;
   unsloth-flow)  # tests/compat/test_unsloth_flow.py: Unsloth's SFT notebook (tiny Qwen3 / Llama, 16-bit and 4-bit)
     # through Unsloth and through swiftune, each in its own process; Unsloth's wheels (carry .shared) go to
     # /tmp/site-unsloth, where the test looks for them (~4 min)
