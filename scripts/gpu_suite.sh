@@ -148,17 +148,15 @@ case "$part" in
       --modes swiftune --out "$OUT/sft_busy_$model.json" ;;
   sft-unsloth-graphs)  # the batch-16 row with graphed layers side by side with Unsloth and TRL + Liger in one call:
     # swiftune eager and graphed (warm-up long enough to capture most of the run's token buckets; the steady-state
-    # figure counts the timed steps that captured nothing), TRL + Liger, Unsloth (carry .shared), then the device
-    # time of one graphed step against its wall time (GPU busy)
+    # figure counts the timed steps that captured nothing; the last warm-up step's device time against its wall
+    # time: GPU busy), TRL + Liger, Unsloth padding-free and packed (carry .shared)
     model=${2:-qwen3-8b}
-    run sft_graphs 240 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
+    run sft_graphs 240 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 --time-profile \
       --modes swiftune swiftune_graphs --out "$OUT/sft_graphs_b16_$model.json"
-    run sft_trl 100 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+    run sft_trl 90 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
       --modes trl_liger --out "$OUT/sft_trl_b16_$model.json"
-    run unsloth_sft 150 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 \
-      --out "$OUT/unsloth_sft_$model.json"
-    run sft_graphs_busy 90 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 42 --warmup 40 \
-      --time-profile --modes swiftune_graphs --out "$OUT/sft_graphs_busy_$model.json" ;;
+    run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
+      --out "$OUT/unsloth_sft_$model.json" ;;
   unsloth-flow)  # tests/compat/test_unsloth_flow.py: Unsloth's SFT notebook (tiny Qwen3 / Llama, 16-bit and 4-bit)
     # through Unsloth and through swiftune, each in its own process; Unsloth's wheels (carry .shared) go to
     # /tmp/site-unsloth, where the test looks for them (~4 min)
