@@ -76,7 +76,6 @@ import weakref
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
-from types import MethodType
 from typing import Any
 
 import torch
@@ -92,15 +91,15 @@ from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
+from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, previous_forward, \
+    unbind_layer_forwards
 from .lora_casting import lora_inputs_cast
 from .model_walks import ModelWalkIndex
 from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
-_LAYER = "_swiftune_offload_layer"  # on each decoder layer: (state, index)
-_ORIG = "_swiftune_offload_orig_forward"  # the layer instance's forward before ours (None: class's)
-_GC_FLAG = "_swiftune_offload_prev_gc"  # transformers' per-layer checkpointing flag before ours
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+# on each decoder layer: (state, index), the instance's forward before ours, transformers' flag before ours
+_KEYS = LayerForwardKeys("_swiftune_offload_layer", "_swiftune_offload_orig_forward", "_swiftune_offload_prev_gc")
 
 
 # ------------------------------------------------------------------------------ layer inputs
@@ -527,9 +526,9 @@ def _run_on(orig, rest: tuple, kwargs: dict, x: torch.Tensor):
 
 
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
-    state_ref, index = getattr(self, _LAYER)
+    state_ref, index = getattr(self, _KEYS.layer)
     state: OffloadState | None = state_ref()
-    orig = self.__dict__.get(_ORIG) or MethodType(type(self).forward, self)
+    orig = previous_forward(self, _KEYS)
     if state is None or not (self.training and torch.is_grad_enabled()):
         return orig(*args, **kwargs)
     if getattr(self, "gradient_checkpointing", False):
@@ -540,12 +539,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         x, rest = kwargs.pop("hidden_states"), ()
     else:
         return orig(*args, **kwargs)
-    # As transformers' checkpointing does: a cache would be updated again by the recompute.
-    for k in _CACHE_KWARGS:
-        if kwargs.get(k) is not None:
-            kwargs[k] = None
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
+    drop_cache_arguments(kwargs)
     handle = state.layer_input(index, x, *_attention_hint(kwargs))
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
         handle.rerun = partial(_run_on, orig, rest, kwargs)
@@ -609,14 +603,7 @@ def enable_offloaded_checkpointing(
         state.page_bytes, state.host_margin_bytes = page_bytes, host_margin_bytes
         state.walks.clear()  # the model may have changed since (parameters added by hand are seen again)
     state.underivable = inputs_set_between_layers(hf, layers)
-    for i, layer in enumerate(layers):
-        if _LAYER not in layer.__dict__:
-            layer.__dict__[_ORIG] = layer.__dict__.get("forward")
-            layer.__dict__[_GC_FLAG] = layer.__dict__.get("gradient_checkpointing")
-            layer.forward = MethodType(_offloaded_forward, layer)
-        layer.__dict__[_LAYER] = (weakref.ref(state), i)
-        if getattr(layer, "gradient_checkpointing", False):
-            layer.gradient_checkpointing = False
+    bind_layer_forwards(layers, _offloaded_forward, state, _KEYS)
     if getattr(hf, "config", None) is not None:
         hf.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
     hf._swiftune_offload_checkpointing = True
@@ -627,20 +614,7 @@ def disable_offloaded_checkpointing(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_offloaded_checkpointing`: the layers' previous forwards and transformers'
     checkpointing flags come back; the free pinned pages are released."""
     hf = causal_lm_of(model)
-    for layer in decoder_layers(hf):
-        if _LAYER not in layer.__dict__:
-            continue
-        orig = layer.__dict__.pop(_ORIG, None)
-        if orig is None:
-            layer.__dict__.pop("forward", None)
-        else:
-            layer.forward = orig
-        prev = layer.__dict__.pop(_GC_FLAG, None)
-        if prev is None:
-            layer.__dict__.pop("gradient_checkpointing", None)
-        else:
-            layer.gradient_checkpointing = prev
-        del layer.__dict__[_LAYER]
+    unbind_layer_forwards(decoder_layers(hf), _KEYS)
     state = hf.__dict__.pop(_STATE, None)
     if state is not None:
         state.pool.clear()

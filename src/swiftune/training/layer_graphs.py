@@ -45,7 +45,6 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from types import MethodType
 from typing import Any
 
 import torch
@@ -57,6 +56,8 @@ from ..attention.hf import PACKED_KWARG
 from ..attention.packing import PackedBatch
 from ..models.patching import causal_lm_of
 from .checkpointing import decoder_layers, is_offloaded_checkpointing
+from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, previous_forward, \
+    unbind_layer_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,8 @@ __all__ = ["GraphedLayerFunction", "disable_graphed_layers", "enable_graphed_lay
            "is_graphed", "token_bucket"]
 
 _STACK = "_swiftune_graphed_stack"  # on the transformers model: the GraphedStack
-_LAYER = "_swiftune_graphed_layer"  # on each decoder layer: (stack ref, index)
-_ORIG = "_swiftune_graphed_orig_forward"  # the layer instance's forward before ours (None: the class's)
-_GC_FLAG = "_swiftune_graphed_prev_gc"
+# on each decoder layer: (stack ref, index), the instance's forward before ours, transformers' flag before ours
+_KEYS = LayerForwardKeys("_swiftune_graphed_layer", "_swiftune_graphed_orig_forward", "_swiftune_graphed_prev_gc")
 # keyword arguments a decoder layer may get that the graphs replace or that must be empty
 _HANDLED_KWARGS = frozenset({"attention_mask", "position_ids", "position_embeddings", PACKED_KWARG, "use_cache",
                              "cache", "past_key_values", "past_key_value", "cache_position"})
@@ -382,9 +382,9 @@ class GraphedLayerFunction(torch.autograd.Function):
 
 
 def _graphed_forward(self: nn.Module, *args, **kwargs):
-    stack_ref, index = getattr(self, _LAYER)
+    stack_ref, index = getattr(self, _KEYS.layer)
     stack: GraphedStack | None = stack_ref()
-    orig = self.__dict__.get(_ORIG) or MethodType(type(self).forward, self)
+    orig = previous_forward(self, _KEYS)
     if not (self.training and torch.is_grad_enabled()):
         return orig(*args, **kwargs)
     if stack is None or stack.layers[index]() is not self:  # a deep copy's layer: checkpointed, not graphed
@@ -410,11 +410,7 @@ def _graphed_forward(self: nn.Module, *args, **kwargs):
     if step is None or reason is not None:
         if reason is not None:
             stack._fallback(reason)
-        for k in ("cache", "past_key_values", "past_key_value"):
-            if kwargs.get(k) is not None:
-                kwargs[k] = None
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
+        drop_cache_arguments(kwargs)
         return checkpoint(partial(orig, **kwargs), x, *rest, use_reentrant=False)
     graphs = stack.layer_graphs(index, self, orig)
     if graphs is None:
@@ -487,14 +483,7 @@ def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = No
         stack = GraphedStack(hf, layers, use_cuda_graphs)
         setattr(hf, _STACK, stack)
     stack.use_cuda_graphs = use_cuda_graphs
-    for i, layer in enumerate(layers):
-        if _LAYER not in layer.__dict__:
-            layer.__dict__[_ORIG] = layer.__dict__.get("forward")
-            layer.__dict__[_GC_FLAG] = layer.__dict__.get("gradient_checkpointing")
-            layer.forward = MethodType(_graphed_forward, layer)
-        layer.__dict__[_LAYER] = (weakref.ref(stack), i)
-        if getattr(layer, "gradient_checkpointing", False):
-            layer.gradient_checkpointing = False
+    bind_layer_forwards(layers, _graphed_forward, stack, _KEYS)
     if getattr(hf, "config", None) is not None:
         hf.config.use_cache = False
     return model
@@ -503,20 +492,7 @@ def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = No
 def disable_graphed_layers(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_graphed_layers`; the graphs and buffers are freed."""
     hf = causal_lm_of(model)
-    for layer in decoder_layers(hf):
-        if _LAYER not in layer.__dict__:
-            continue
-        orig = layer.__dict__.pop(_ORIG, None)
-        if orig is None:
-            layer.__dict__.pop("forward", None)
-        else:
-            layer.forward = orig
-        prev = layer.__dict__.pop(_GC_FLAG, None)
-        if prev is None:
-            layer.__dict__.pop("gradient_checkpointing", None)
-        else:
-            layer.gradient_checkpointing = prev
-        del layer.__dict__[_LAYER]
+    unbind_layer_forwards(decoder_layers(hf), _KEYS)
     hf.__dict__.pop(_STACK, None)
     return model
 
