@@ -91,8 +91,8 @@ from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
-from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, previous_forward, \
-    unbind_layer_forwards
+from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, layer_input, \
+    previous_forward, unbind_layer_forwards
 from .lora_casting import lora_inputs_cast
 from .model_walks import ModelWalkIndex
 from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
@@ -533,12 +533,10 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         return orig(*args, **kwargs)
     if getattr(self, "gradient_checkpointing", False):
         self.gradient_checkpointing = False  # re-enabled by transformers after us: never checkpoint twice
-    if args:
-        x, rest = args[0], args[1:]
-    elif "hidden_states" in kwargs:
-        x, rest = kwargs.pop("hidden_states"), ()
-    else:
+    found = layer_input(args, kwargs)
+    if found is None:
         return orig(*args, **kwargs)
+    x, rest = found
     drop_cache_arguments(kwargs)
     handle = state.layer_input(index, x, *_attention_hint(kwargs))
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's

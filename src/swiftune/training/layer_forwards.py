@@ -18,8 +18,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CACHE_KWARGS", "LayerForwardKeys", "bind_layer_forwards", "drop_cache_arguments", "previous_forward",
-           "unbind_layer_forwards"]
+__all__ = ["CACHE_KWARGS", "LayerForwardKeys", "bind_layer_forwards", "drop_cache_arguments", "layer_input",
+           "previous_forward", "unbind_layer_forwards"]
 
 #: what transformers names a layer's KV cache argument across versions and families
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
@@ -69,6 +69,17 @@ def unbind_layer_forwards(layers: list[nn.Module], keys: LayerForwardKeys) -> No
 def previous_forward(layer: nn.Module, keys: LayerForwardKeys) -> Callable:
     """The forward the layer had before the runtime bound its own (the class's when none)."""
     return layer.__dict__.get(keys.previous) or MethodType(type(layer).forward, layer)
+
+
+def layer_input(args: tuple, kwargs: dict) -> tuple[Any, tuple] | None:
+    """``(hidden_states, other positional arguments)`` of a decoder layer call (``hidden_states`` popped
+    from ``kwargs`` when given by name), or ``None`` when the call has none. Also switches transformers'
+    per-layer checkpointing flag off again where transformers set it back."""
+    if args:
+        return args[0], args[1:]
+    if "hidden_states" in kwargs:
+        return kwargs.pop("hidden_states"), ()
+    return None
 
 
 def drop_cache_arguments(kwargs: dict) -> None:
