@@ -73,8 +73,7 @@ def previous_forward(layer: nn.Module, keys: LayerForwardKeys) -> Callable:
 
 def layer_input(args: tuple, kwargs: dict) -> tuple[Any, tuple] | None:
     """``(hidden_states, other positional arguments)`` of a decoder layer call (``hidden_states`` popped
-    from ``kwargs`` when given by name), or ``None`` when the call has none. Also switches transformers'
-    per-layer checkpointing flag off again where transformers set it back."""
+    from ``kwargs`` when given by name), or ``None`` when the call has none."""
     if args:
         return args[0], args[1:]
     if "hidden_states" in kwargs:
