@@ -134,6 +134,29 @@ def test_graphed_layers_equal_the_unpatched_model_per_document(family_models):
     assert stats["captures"] == layers and stats["capacity_tokens"] == token_bucket(30)
 
 
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma"])
+def test_graphed_layers_equal_the_unpatched_model_in_the_other_plain_families(family):
+    base = tiny_model(family).train()
+    reference = _lora_reference(base).train()
+    examples = _examples()
+    expected = _reference_step(reference, examples)
+    model = _graphed_model(base, reference)
+    _assert_parity(expected, _swiftune_step(model, examples), _trainable(reference))
+    assert graphed_layer_stats(model)["graphed_forwards"] == 1, graphed_layer_stats(model)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_windowed_or_soft_capped_families_fall_back_and_stay_correct(family):
+    base = tiny_model(family, window=True).train()
+    reference = _lora_reference(base).train()
+    examples = _examples()
+    expected = _reference_step(reference, examples)
+    model = _graphed_model(base, reference)
+    _assert_parity(expected, _swiftune_step(model, examples), _trainable(reference))
+    stats = graphed_layer_stats(model)
+    assert stats["graphed_forwards"] == 0 and "sliding window or soft-capped" in stats["last_fallback"], stats
+
+
 def test_steps_reuse_graphs_across_token_counts_and_optimizer_updates(family_models):
     base, reference = family_models
     model = _graphed_model(base, reference)
