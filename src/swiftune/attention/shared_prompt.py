@@ -26,6 +26,12 @@ window nor soft-cap, else flex; reference elsewhere. ``varlen``/``flash_attn`` (
 documents only) mean the same as ``auto`` for shared rows; plain packed rows use the requested
 backend as it is.
 
+Attention sinks (gpt-oss: one logit per head joining every softmax, :mod:`.sinks`) run on shared rows
+through ``reference`` (each group eagerly, the mask above plus the sink column) or ``flex`` (the same
+mask_mod over one extra key slot whose score is the sink); ``auto`` takes flex on CUDA, reference
+elsewhere; sdpa has no hook for the extra logit and is refused by name
+(:meth:`RowLayout.shared_sink_backend`).
+
 How it reaches the model without editing anyone's source:
 :func:`swiftune.attention.registry.register_grpo_attention` registers :func:`grpo_attention_forward`
 with transformers' ``AttentionInterface`` (and swiftune's packed mask function with
@@ -51,7 +57,7 @@ from .backends import dense_causal_attention, flex_token_major, packed_attention
 from .hf import packed_attention_forward
 from .kernel_choice import layout_attention_kernel, prefers_sdpa
 from .packing import PackedBatch
-from .sinks import sink_attention
+from .sinks import dense_sink_scores, flex_sink_with_mask, sink_attention
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
 LAYOUT_KWARG = "swiftune_row_layout"
@@ -107,6 +113,19 @@ class RowLayout:
             return "flex"
         return "sdpa" if dense_ok else "reference"  # torch without flex
 
+    def shared_sink_backend(self, on_cuda: bool) -> str:
+        """The backend a shared row with attention sinks (gpt-oss) runs: ``flex`` or ``reference`` when
+        asked for; otherwise (``auto``, or a varlen kernel, as :meth:`shared_backend`) flex on CUDA,
+        reference off it. ``sdpa`` has no hook for the sink logit: asked for by name it is refused,
+        since running it without the sink would compute another attention (as
+        :func:`~swiftune.attention.sinks.sink_attention` refuses it on plain rows)."""
+        if self.backend in ("flex", "reference"):
+            return self.backend
+        if self.backend == "sdpa":
+            raise ValueError("the sdpa backend has no attention sinks (gpt-oss); use 'flex', 'reference' or 'auto' "
+                             "for this model")
+        return "flex" if on_cuda and flex_attention is not None else "reference"
+
     @property
     def attention_kernel(self) -> str | None:
         """The kernel this row's attention runs, as far as the row decides it: ``"flex"`` (GQA in
@@ -157,9 +176,6 @@ def grpo_attention_forward(
         return packed_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          sliding_window=sliding_window, softcap=softcap, **kwargs)
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks
-    if sinks is not None and layout.shared:
-        raise ValueError("shared-prompt GRPO rows do not support attention sinks (gpt-oss) yet; set "
-                         "share_prompt=False")
     bsz, heads, q_len, head_dim = query.shape
     if bsz != 1 or key.shape[2] != q_len:
         raise ValueError(f"a GRPO policy row is one row [1, T] without cache; got query {tuple(query.shape)}, "
@@ -172,8 +188,13 @@ def grpo_attention_forward(
     if sinks is not None:
         if cap:
             raise ValueError("attention sinks with a soft-cap: no family has both, and no backend computes it")
-        out = sink_attention(q, k, v, layout.packed, scale=scaling, sinks=sinks, window=window, dropout=dropout,
-                             backend=layout.backend)
+        if not layout.shared:
+            out = sink_attention(q, k, v, layout.packed, scale=scaling, sinks=sinks, window=window, dropout=dropout,
+                                 backend=layout.backend)
+        else:
+            if dropout:
+                raise ValueError("attention dropout is not supported in shared-prompt rows; set share_prompt=False")
+            out = shared_prompt_sink_attention(q, k, v, layout, scale=scaling, sinks=sinks, window=window)
     elif not layout.shared:
         out = packed_attention(q, k, v, layout.packed, scale=scaling, window=window, softcap=cap, dropout=dropout,
                                backend=layout.backend)
@@ -260,6 +281,78 @@ def shared_prompt_flex(
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex attention needs torch >= 2.5")
     return flex_token_major(q, k, v, _shared_block_mask(layout, window, q.device), scale=scale, softcap=softcap)
+
+
+def shared_prompt_sink_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float, sinks: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Eager attention per group with the shared-prompt mask and the sink column (gpt-oss): the mask of
+    :func:`shared_prompt_reference`, the softmax of :func:`~swiftune.attention.sinks.reference_sink_attention`
+    (transformers' gpt-oss eager arithmetic). A completion's row of scores holds its prompt and its own
+    tokens, each at its unshared distance, plus ``sinks[h]``: the unshared softmax exactly."""
+    groups = q.shape[1] // k.shape[1]
+    bounds = layout.packed.cu_seqlens.tolist()
+    seg, pos = layout.seg, layout.position_ids
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qd = q[start:end].transpose(0, 1)
+        kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
+        scores = torch.matmul(qd, kd.transpose(1, 2)) * scale
+        allowed = _allowed(seg[start:end], seg[start:end], pos[start:end], pos[start:end], window)
+        probs = dense_sink_scores(scores.masked_fill(~allowed, float("-inf")), sinks)
+        outs.append(torch.matmul(probs.to(vd.dtype), vd).transpose(0, 1))
+    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+
+
+def _shared_sink_block_mask(layout: RowLayout, window: int | None, device: torch.device):
+    """The shared-prompt rule over ``T + 1`` keys, the last (the sink slot) open to every query."""
+    key = ("shared_sink_block_mask", window)
+    if key not in layout.cache:
+        total = layout.packed.num_tokens
+        padded = -(-(total + 1) // 128) * 128  # whole 128-token tiles over the keys, sink slot included
+        doc = torch.full((padded,), -1, dtype=torch.int32, device=device)
+        doc[:total] = layout.packed.doc_ids()
+        seg = torch.zeros(padded, dtype=torch.int32, device=device)
+        seg[:total] = layout.seg
+        pos = torch.zeros(padded, dtype=torch.int32, device=device)
+        pos[:total] = layout.position_ids.to(torch.int32)
+        sink = torch.tensor(total, dtype=torch.int32, device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx) & ((seg[kv_idx] == 0) | (seg[kv_idx] == seg[q_idx]))
+            if window:
+                ok = ok & (pos[q_idx] - pos[kv_idx] < window)
+            return ok | (kv_idx == sink)
+
+        layout.cache[key] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total + 1,
+                                              device=device, _compile=device.type == "cuda")
+    return layout.cache[key]
+
+
+def shared_prompt_sink_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float, sinks: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``flex_attention`` over the whole row with the shared-prompt block mask plus the sink slot
+    (:func:`~swiftune.attention.sinks.flex_sink_with_mask`; GPU path, forward-only off CUDA)."""
+    if flex_attention is None:  # pragma: no cover
+        raise RuntimeError("flex attention needs torch >= 2.5")
+    return flex_sink_with_mask(q, k, v, _shared_sink_block_mask(layout, window, q.device), scale=scale, sinks=sinks)
+
+
+def shared_prompt_sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float, sinks: torch.Tensor,
+    window: int | None = None,
+) -> torch.Tensor:
+    """A shared-prompt row with attention sinks through :meth:`RowLayout.shared_sink_backend`."""
+    backend = layout.shared_sink_backend(q.is_cuda)
+    if backend == "flex":
+        if not q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or sinks.requires_grad):
+            raise ValueError("flex attention has no backward off CUDA; use backend='reference'")
+        return shared_prompt_sink_flex(q, k, v, layout, scale=scale, sinks=sinks, window=window)
+    return shared_prompt_sink_reference(q, k, v, layout, scale=scale, sinks=sinks, window=window)
 
 
 def shared_prompt_sdpa(

@@ -20,9 +20,14 @@ Two ways, both O(T) in the keys a token sees, never across documents:
   CUDA, at O(T) memory plus the block table; the sinks' gradient flows through the captured tensor.
 
 The varlen / flash / sdpa kernels have no hook for an extra logit; ``auto`` takes flex on CUDA.
+GRPO's shared-prompt rows (:mod:`.shared_prompt`) reuse :func:`dense_sink_scores` and
+:func:`flex_sink_with_mask` under their own mask.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +37,8 @@ from .packing import PackedBatch
 
 SINK_BACKENDS = ("flex", "reference")
 
-__all__ = ["SINK_BACKENDS", "dense_sink_scores", "flex_sink_attention", "reference_sink_attention",
-           "sink_attention"]
+__all__ = ["SINK_BACKENDS", "dense_sink_scores", "flex_sink_attention", "flex_sink_with_mask",
+           "reference_sink_attention", "sink_attention"]
 
 
 def dense_sink_scores(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -87,9 +92,19 @@ def flex_sink_attention(
     """flex_attention over the flat axis plus one sink slot (module docstring)."""
     if dropout:
         raise ValueError("flex attention has no attention dropout")
+    return flex_sink_with_mask(q, k, v, document_block_mask(packed, window, q.device, sink_slot=True), scale=scale,
+                               sinks=sinks)
+
+
+def flex_sink_with_mask(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, *, scale: float, sinks: torch.Tensor,
+) -> torch.Tensor:
+    """flex_attention of token-major ``q [T, Hq, D]``, ``k, v [T, Hk, D]`` plus the sink slot (key ``T``,
+    zero key and value, its score replaced by ``sinks[h]``) under ``block_mask``, a mask over ``T + 1``
+    keys that must open the last one to every query. Shared by the packed rows here and GRPO's
+    shared-prompt rows (:mod:`.shared_prompt`), which differ only in the mask."""
     total = q.shape[0]
-    zero = k.new_zeros(1, *k.shape[1:])
-    k1 = torch.cat([k, zero], dim=0)
+    k1 = torch.cat([k, k.new_zeros(1, *k.shape[1:])], dim=0)
     v1 = torch.cat([v, v.new_zeros(1, *v.shape[1:])], dim=0)
     sink_logits = sinks.float()
     # a device tensor, not a Python int: compiled for dynamic shapes, dynamo would lift the int to a
@@ -99,11 +114,14 @@ def flex_sink_attention(
     def score_mod(score, b, h, q_idx, kv_idx):
         return torch.where(kv_idx == sink_slot, sink_logits[h].to(score.dtype), score)
 
-    out = flex_fn(q.device)(
-        q.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0), v1.transpose(0, 1).unsqueeze(0),
-        score_mod=score_mod, block_mask=document_block_mask(packed, window, q.device, sink_slot=True), scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1], kernel_options=FLEX_TRAINING_KERNEL,
-    )
+    with warnings.catch_warnings():
+        # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        out = flex_fn(q.device)(
+            q.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0), v1.transpose(0, 1).unsqueeze(0),
+            score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+            kernel_options=FLEX_TRAINING_KERNEL,
+        )
     return out.squeeze(0).transpose(0, 1)
 
 
