@@ -19,6 +19,9 @@ Modes:
                     happen in the first steps, so give it --warmup enough to see the run's buckets)
   swiftune_budget_graphs
                     micro-batches of --budget tokens with graphed layers
+  swiftune_budget_fit
+                    micro-batches of --budget tokens, offloaded checkpointing with its automatic GPU budget:
+                    only the layer inputs the GPU (or --gpu-budget-gb) cannot hold go to pinned host memory
   swiftune_offload  swiftune SFTTrainer, padding-free batches, every layer checkpoint in pinned host
                     memory (the least GPU memory at a batch size; an A/B mode)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
@@ -52,7 +55,8 @@ from benchmarks import child_env, module_command, results
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 # A/B modes, run only when named in --modes
-EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_graphs", "swiftune_budget_graphs"]
+EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_graphs", "swiftune_budget_graphs",
+               "swiftune_budget_fit"]
 
 
 class CountingCollator:
@@ -163,7 +167,9 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         from swiftune.data import FormattingStats, TokenizedDataset
 
         offload = mode in ("swiftune_budget_offload", "swiftune_offload")
-        gc_mode = "offload" if offload else True
+        # swiftune_budget_fit: offloaded checkpointing with its automatic GPU budget (only the layer inputs the
+        # GPU cannot hold go to the host): with --gpu-budget-gb, the least offloading that fits that GPU
+        gc_mode = "offload" if offload or mode == "swiftune_budget_fit" else True
         budget_0 = 0 if offload else None  # every layer input to the host, not only those the GPU cannot hold
         if full:
             swiftune.FastModel.for_training(model, use_gradient_checkpointing=gc_mode, offload_gpu_budget_bytes=budget_0)

@@ -29,6 +29,7 @@
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
 #                                     # time by library in the 8B and 0.6B steps (~6 min)
 #   scripts/gpu_suite.sh sft-unsloth-graphs [MODEL] # batch 16: swiftune eager + graphed, TRL + Liger, Unsloth, GPU busy of a graphed step (carry .shared; ~9.5 min)
+#   scripts/gpu_suite.sh sft-16k-fit [MODEL] # the 16K-token row on a 20.7 GB budget (Unsloth's packed peak), partial offload, beside Unsloth (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh sft-graphs   # graphed decoder layers: CUDA tests, Qwen3-8B batch 16 and 16K-token A/B (~9 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
 #   scripts/gpu_suite.sh loss-curve   # 200 steps packed vs padded, Qwen3-0.6B (~5 min)
@@ -146,6 +147,16 @@ case "$part" in
       --out "$OUT/unsloth_sft_$model.json"
     run sft_busy 150 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 6 --warmup 3 --time-profile \
       --modes swiftune --out "$OUT/sft_busy_$model.json" ;;
+  sft-16k-fit)  # the 16K-token row at no more than Unsloth's packed peak (19.3 GiB = 20.7 GB): offloaded
+    # checkpointing with its automatic GPU budget on a 20.7 GB GPU (only what does not fit goes to the host), beside
+    # the unconstrained 16K row and Unsloth's packed row (carry .shared)
+    model=${2:-qwen3-8b}
+    run sft_16k_fit 200 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+      --gpu-budget-gb 20.7 --modes swiftune_budget_fit swiftune_budget_offload --out "$OUT/sft_16k_fit_$model.json"
+    run sft_16k 120 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+      --modes swiftune_budget --out "$OUT/sft_16k_$model.json"
+    run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
+      --out "$OUT/unsloth_sft_$model.json" ;;
   sft-unsloth-graphs)  # the batch-16 row with graphed layers side by side with Unsloth and TRL + Liger in one call:
     # swiftune eager and graphed (warm-up long enough to capture most of the run's token buckets; the steady-state
     # figure counts the timed steps that captured nothing; the last warm-up step's device time against its wall
