@@ -29,7 +29,9 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
   for those row counts. Layers that read one input there (a decoder layer's q/k/v, its gate/up) can
   share its quantisation: :func:`quantize_shared_input` makes the codes once (a
   :class:`QuantizedActivation`) and ``layer(x, quantized=...)`` multiplies them, with the same bits as
-  each layer quantising ``x`` itself (the rollout engine's decode step does this).
+  each layer quantising ``x`` itself (the rollout engine's decode step does this). PEFT LoRA layers
+  over an FP8 base with swiftune's fused forward (LoRA at run time) take the codes for their base
+  product (:func:`swiftune.models.lora_linear.fp8_product_layer`).
 - the dequantising reference (CPU, older GPUs, other dtypes): ``W_q`` rebuilt in float32 and cast
   to the compute dtype in forward and again in backward (never kept: an FP8 model holds 1 byte per
   base weight, not 3), then a plain matmul. This is exactly plain transformers with
@@ -226,7 +228,9 @@ def quantize_shared_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> Quant
     :data:`DECODE_MAX_ROWS` and at most :data:`DOT_DECODE_MAX_ROWS` rows, ``_scaled_mm``'s conditions);
     ``None`` otherwise, and each layer then runs as it does alone. The codes are those each layer would
     make (:func:`swiftune.kernels.fp8_dot.fp8_dot_quantize` of ``x`` in the compute dtype), so
-    ``layer(x, quantized=...)`` gives the bits of ``layer(x)``."""
+    ``layer(x, quantized=...)`` gives the bits of ``layer(x)``. A PEFT LoRA layer over an FP8 base is
+    given here as that base (:func:`swiftune.models.lora_linear.fp8_product_layer`) and takes the codes
+    for its base product."""
     if torch.is_grad_enabled() or not layers or not all(isinstance(m, FP8Linear) for m in layers):
         return None
     dtype = _compute_dtype(x)

@@ -33,7 +33,11 @@ autocast, or with one dtype throughout), so generation keeps bitsandbytes' infer
 FP8 base layers (:class:`~swiftune.models.fp8_linear.FP8Linear` under PEFT's ``lora.Linear``): the
 base product and ``g W`` through :func:`~swiftune.models.fp8_linear.fp8_matmul` /
 :func:`~swiftune.models.fp8_linear.fp8_grad_input` (``torch._scaled_mm`` on FP8 GPUs, else ``W``
-dequantised in forward and again in backward), under the same dtype rules as ``nn.Linear``.
+dequantised in forward and again in backward), under the same dtype rules as ``nn.Linear``. Under
+``no_grad`` at the FP8 x FP8 decode kernel's row counts the layer also takes ``quantized=``, its input's
+e4m3 codes made once for several projections (:func:`~swiftune.models.fp8_linear.quantize_shared_input`,
+given the base by :func:`fp8_product_layer`): the base product multiplies those codes, the
+adapter product the input itself, as without them.
 
 :func:`fuse_lora_linears` binds :func:`fused_lora_forward` on each PEFT ``lora.Linear`` /
 ``lora.Linear4bit`` instance (under a tiled forward's tiling if one is there);
@@ -50,10 +54,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp8_linear import FP8State, fp8_grad_input, fp8_matmul, is_fp8_linear
+from .fp8_linear import FP8State, QuantizedActivation, fp8_grad_input, fp8_matmul, is_fp8_linear
 from .tiled_mlp import replace_untiled_forward
 
-__all__ = ["LoRALinearFunction", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora", "unfuse_lora_linears"]
+__all__ = ["LoRALinearFunction", "fp8_product_layer", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora",
+           "unfuse_lora_linears"]
 
 _FUSED = "_swiftune_fused_lora"  # instance-dict marker: fused_lora_forward is bound (or under the tiling)
 
@@ -61,11 +66,13 @@ _FUSED = "_swiftune_fused_lora"  # instance-dict marker: fused_lora_forward is b
 class LoRALinearFunction(torch.autograd.Function):
     """``y = x W^T + b + scaling (x A^T) B^T``: the base product in ``base_dtype``, the adapter
     product in ``lora_dtype`` (their sum in ``lora_dtype``, returned in ``base_dtype``, as PEFT
-    adds a float32 adapter output to a half-precision base output); see the module doc."""
+    adds a float32 adapter output to a half-precision base output); see the module doc.
+    ``quantized``: ``x``'s e4m3 codes for an FP8 base product under ``no_grad`` (see :func:`fp8_matmul`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float,  # type: ignore[override]
-                base_dtype: torch.dtype, lora_dtype: torch.dtype, quant_state=None):
+                base_dtype: torch.dtype, lora_dtype: torch.dtype, quant_state=None,
+                quantized: QuantizedActivation | None = None):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xb, xl = x2.to(base_dtype), x2.to(lora_dtype)
@@ -74,7 +81,9 @@ class LoRALinearFunction(torch.autograd.Function):
         a, b = lora_a.to(lora_dtype), lora_b.to(lora_dtype)
         h = torch.mm(xl, a.t())
         if fp8:
-            y = fp8_matmul(xb, weight, quant_state, base_dtype, bias)
+            y = fp8_matmul(xb, weight, quant_state, base_dtype, bias, quantized)
+        elif quantized is not None:
+            raise ValueError("quantized= is for an FP8 base product")
         else:
             y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
         if lora_dtype == base_dtype:
@@ -118,7 +127,7 @@ class LoRALinearFunction(torch.autograd.Function):
             dw = torch.mm(g.t(), xb).to(w_dtype)
         if need_bias:
             dbias = g.sum(0).to(bias_dtype)
-        return dx, dw, dbias, da, db, None, None, None, None
+        return dx, dw, dbias, da, db, None, None, None, None, None
 
 
 def _base_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -195,10 +204,34 @@ def _fused_4bit_operands(layer: nn.Module, base: nn.Module, name: str, x: torch.
     return None
 
 
-def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def fp8_product_layer(layer: nn.Module, x: torch.Tensor) -> nn.Module | None:
+    """The :class:`~swiftune.models.fp8_linear.FP8Linear` whose product ``layer(x)`` computes with
+    :func:`~swiftune.models.fp8_linear.fp8_matmul` on ``x`` in ``x``'s compute dtype (autocast's, else
+    its own): ``layer`` itself, or the FP8 base of a PEFT LoRA layer that runs :func:`fused_lora_forward`
+    (bound by :func:`fuse_lora_linears`, not under a tiling) as one node on ``x``; else None (PEFT's own
+    forward, other bases, other layers). What
+    :func:`~swiftune.models.fp8_linear.quantize_shared_input` is given for it."""
+    if is_fp8_linear(layer):
+        return layer
+    # two attribute reads first: the decode step asks this of every projection of every model
+    if (not is_fp8_linear(getattr(layer, "base_layer", None))
+            or getattr(layer.__dict__.get("forward"), "__func__", None) is not fused_lora_forward):
+        return None
+    operands = _fused_operands(layer, x)
+    # operands[1], the base product's dtype, is the compute dtype FP8Linear itself takes
+    return operands[3] if operands is not None and operands[6] else None
+
+
+def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: QuantizedActivation | None = None,
+                       **kwargs: Any) -> torch.Tensor:
     """PEFT ``lora.Linear.forward`` as one :class:`LoRALinearFunction` node where that is the same
-    arithmetic (see the module doc); PEFT's own forward otherwise."""
+    arithmetic (see the module doc); PEFT's own forward otherwise. ``quantized``: ``x``'s codes from
+    :func:`~swiftune.models.fp8_linear.quantize_shared_input` for an FP8 base's product (no_grad only)."""
     operands = None if (args or kwargs) else _fused_operands(self, x)
+    if quantized is not None and (operands is None or not operands[6] or quantized.source is not x
+                                  or torch.is_grad_enabled()):
+        raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, under "
+                         "torch.no_grad, for a fused LoRA layer over an FP8 base")
     if operands is None:
         return type(self).forward(self, x, *args, **kwargs)
     name, base_dtype, lora_dtype, base, lora_a, lora_b, fp8 = operands
@@ -209,7 +242,7 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     else:
         quant_state = getattr(weight, "quant_state", None) if type(base) is not nn.Linear else None
     return LoRALinearFunction.apply(x, weight, base.bias, lora_a.weight, lora_b.weight, float(self.scaling[name]),
-                                    base_dtype, lora_dtype, quant_state)
+                                    base_dtype, lora_dtype, quant_state, quantized)
 
 
 def _is_peft_lora_linear(module: nn.Module) -> bool:

@@ -15,7 +15,9 @@ kernel (:func:`swiftune.kernels.decode_qkv`) before the engine's attention. The 
 of the unfused layer (the kernel rounds the sum to the activation dtype before normalising it).
 FP8 projections that multiply with the FP8 x FP8 decode kernel (17-64 rows) quantise their shared
 input once in decode steps: once for q/k/v, once for gate/up
-(:func:`swiftune.models.fp8_linear.quantize_shared_input`), with the bits of each quantising its own.
+(:func:`swiftune.models.fp8_linear.quantize_shared_input`), with the bits of each quantising its own;
+LoRA layers over FP8 bases (adapters at run time) too: their base products share the codes, their
+adapter products multiply the input itself.
 
 It runs only on models patched by :func:`swiftune.patch_model`, whose norms already compute with
 swiftune's RMSNorm kernel, so the fused path equals the layers' own forward exactly. Gemma
@@ -34,6 +36,7 @@ from ...kernels import add_rms_norm, decode_qkv, geglu, rms_norm, swiglu
 from ...models.families import FAMILIES
 from ...models.forwards import fused_mlp_forward
 from ...models.fp8_linear import quantize_shared_input
+from ...models.lora_linear import fp8_product_layer
 from ...models.state import is_bound, patch_state
 
 #: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
@@ -126,16 +129,17 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
 
 def _shared_fp8_input(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> dict[str, Any]:
     """The keyword that hands FP8 ``projections`` one quantisation of their common input ``x`` (one
-    launch instead of one each) where they would all quantise it; none otherwise (other layers, row
-    counts, LoRA-wrapped bases)."""
-    quantized = quantize_shared_input(x, projections)
+    launch instead of one each) where they would all quantise it (FP8 layers, or fused LoRA layers
+    over them); none otherwise (other layers, row counts, PEFT's own LoRA forward)."""
+    # a fused LoRA layer over FP8 shares the codes for its base product (the adapters multiply x itself)
+    quantized = quantize_shared_input(x, [fp8_product_layer(p, x) for p in projections])
     return {} if quantized is None else {"quantized": quantized}
 
 
 def decode_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The MLP of one decode step: its own forward, except that a fused gated MLP
     (:func:`~swiftune.models.forwards.fused_mlp_forward`) whose gate and up projections are FP8 at
-    17-64 rows runs that forward's arithmetic with ``x`` quantised once for both."""
+    17-64 rows (bare or under fused LoRA) runs that forward's arithmetic with ``x`` quantised once for both."""
     state = patch_state(mlp)
     # MoE blocks, tiled or unpatched MLPs (and hooked ones: their forward is another function) run as they are
     if getattr(mlp.forward, "__func__", None) is not fused_mlp_forward or state is None:
