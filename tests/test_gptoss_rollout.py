@@ -214,7 +214,7 @@ def test_grpo_step_on_the_fast_engine_with_gpt_oss(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, learning_rate=1e-2, rollout_engine="fast", kernel_backend="reference",
                       attention_backend="reference", report_to="none", save_strategy="no", disable_tqdm=True,
-                      dataloader_pin_memory=False, seed=1, share_prompt=False)  # shared-prompt rows: no sinks yet
+                      dataloader_pin_memory=False, seed=1)
     trainer = GRPOTrainer(model, [lambda completions, **kw: [float(len(c)) for c in completions]], args=args,
                           train_dataset=[{"prompt": "Reverse: abcdef\n"}, {"prompt": "Hi there\n"}] * 2,
                           processing_class=build_tokenizer())

@@ -447,8 +447,8 @@ def test_flex_sink_attention_forward_equals_reference():
 
 def test_gpt_oss_grpo_policy_logprobs_equal_unpatched_model():
     """GRPO's policy forward (swiftune's GRPO attention on a policy row) on gpt-oss: each completion
-    token's log-probability equals the unpatched model's on the sequence alone, sinks included;
-    shared-prompt rows, which have no sink path yet, are refused rather than computed without sinks."""
+    token's log-probability equals the unpatched model's on the sequence alone, sinks included, in plain
+    and in shared-prompt rows."""
     from swiftune.rl import build_policy_row, completion_logprobs
     from swiftune.rl.policy import install_grpo_attention
 
@@ -466,8 +466,8 @@ def test_gpt_oss_grpo_policy_logprobs_equal_unpatched_model():
         got, _ = completion_logprobs(model, row, kernel_backend="reference")
         assert rel_err(got, torch.stack(want)) < 1e-5
         shared = build_policy_row(prompts, completions, share_prompt=True, group_ids=[0, 0, 1, 1])
-        with pytest.raises(ValueError, match="share_prompt=False"):
-            completion_logprobs(model, shared, kernel_backend="reference")
+        got_shared, _ = completion_logprobs(model, shared, kernel_backend="reference")
+        assert rel_err(got_shared, torch.stack(want)) < 1e-5
 
 
 # ----------------------------------------------------------------------------- grouped experts
