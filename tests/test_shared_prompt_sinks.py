@@ -35,6 +35,7 @@ from tests.helpers import assert_gradients_match, rel_err
 from tests.test_moe_parity import ATTENTION, tiny_gpt_oss
 
 TOL = 1e-5
+SINK_GRAD_TOL_CUDA = 1e-4
 # three groups (3, 2 and 2 completions), each one document of the shared row
 PROMPTS = [[5, 6, 7]] * 3 + [[8, 9, 10, 11, 12]] * 2 + [[13, 14, 15, 16]] * 2
 COMPLETIONS = [[20, 21, 22, 23, 24], [25, 26], [27, 28, 29, 30, 31, 32], [33, 34, 35], [36, 37, 38, 39],
@@ -205,4 +206,7 @@ def test_shared_prompt_sink_flex_rows_equal_the_unpatched_model_on_cuda(lora):
     model.zero_grad(set_to_none=True)
     _objective(got).backward()
     grads = {n: g.cpu() for n, g in _grads(model).items()}
-    assert_gradients_match(want_grads, grads, _trainable(model), TOL)
+    # a sink's gradient sums -p_sink * (dO . O) over every query row of its head, terms that nearly cancel;
+    # the compiled kernel sums them in another order than the CPU reference (1.05e-5 seen on the H200)
+    bounds = {n: SINK_GRAD_TOL_CUDA if n.endswith(".sinks") else TOL for n in want_grads}
+    assert_gradients_match(want_grads, grads, _trainable(model), bounds)
