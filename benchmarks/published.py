@@ -55,6 +55,32 @@ FIGURES: list[dict] = [
          versions=BASE,
          command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 22 --warmup 8 --modes swiftune_budget "
                  "swiftune_budget_graphs --out sft_graphs_16k.json"),
+    # one device call: swiftune eager and graphed, TRL + Liger, Unsloth (its padding-free row; the process reached
+    # its 230 s limit before the packed mode, so the file holds the row it printed, copied from the call's log)
+    dict(figure="sft_graphs_side_by_side_qwen3-8b", file="2026-12-02/sft_graphs_side_by_side_qwen3-8b_b16_h200.json",
+         date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --time-profile "
+                 "--modes swiftune swiftune_graphs --out sft_graphs_b16.json"),
+    dict(figure="sft_graphs_side_by_side_qwen3-8b", file="2026-12-02/sft_trl_liger_side_by_side_qwen3-8b_b16_h200.json",
+         date="2026-12-02", versions=WITH_TRL,
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes trl_liger --out sft_trl_b16.json"),
+    dict(figure="sft_graphs_side_by_side_qwen3-8b",
+         file="2026-12-02/unsloth_sft_side_by_side_qwen3-8b_b16_from_log_h200.json", date="2026-12-02",
+         versions={**BASE, "unsloth": "2026.10.9"},
+         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
+                 "--out unsloth_sft.json"),
+    # one device call: the 16K-token row on a 20.7 GB GPU (Unsloth's packed peak) beside the unconstrained row
+    # and Unsloth's rows (the automatic-budget mode ran out of memory: its row is in the raw file, not here)
+    dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/sft_16k_fit_qwen3-8b_h200.json", date="2026-12-02",
+         versions=BASE,
+         command=f"{SFT} --model qwen3-8b --batch 16 --gpu-budget-gb 20.7 --modes swiftune_budget_fit "
+                 "swiftune_budget_offload --out sft_16k_fit.json"),
+    dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/sft_16k_unconstrained_qwen3-8b_h200.json", date="2026-12-02",
+         versions=BASE, command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune_budget --out sft_16k.json"),
+    dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/unsloth_sft_16k_fit_call_qwen3-8b_h200.json",
+         date="2026-12-02", versions={**BASE, "unsloth": "2026.10.9"},
+         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
+                 "--out unsloth_sft.json"),
     dict(figure="sft_sweep_qwen3-8b", file="2026-12-01/sft_qwen3-8b_sweep_h200.json", date="2026-12-01",
          versions=WITH_TRL, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
     dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/qlora_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
@@ -172,6 +198,9 @@ FIGURES: list[dict] = [
          versions=BASE, settings={"experts": "decode kernels"}, keep=lambda r: r.settings.get("rows") == 8,
          command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--lora-rows --time-budget 125 --out rollout_moe_kernel.json"),
+    dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_h200.json", date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --baseline-kinds "
+                 "dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out rollout_gptoss.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

@@ -122,24 +122,34 @@ def sft(fig: Figure) -> str:
 
 def sft_graphs(fig: Figure) -> str:
     """Graphed layers against swiftune's eager step, same call: tok/s over every timed step, and over the
-    timed steps that captured no graph (a long run's steps once its token buckets are captured)."""
-    eager = {}
+    timed steps that captured no graph (a long run's steps once its token buckets are captured). Where the
+    call also measured TRL + Liger or Unsloth (padding-free), their rows follow and each swiftune row gets its
+    ratio against them (the steady figure where there is one)."""
+    eager, others = {}, {}
     for mode, _, s, m in fig.groups():
-        if not mode.endswith("_graphs"):
+        if mode.startswith("swiftune") and not mode.endswith("_graphs"):
             eager[mode.startswith("swiftune_budget")] = val(m, "tokens_per_s")
+        elif not mode.startswith("swiftune"):
+            others[mode] = val(m, "tokens_per_s")
+    side = [mode for mode in ("trl_liger", "unsloth") if mode in others]
     out = []
-    for mode, model, s, m in sorted(fig.groups(), key=lambda g: (g[0].startswith("swiftune_budget"), g[0])):
+    for mode, model, s, m in sorted(fig.groups(), key=lambda g: (not g[0].startswith("swiftune"),
+                                                                  g[0].startswith("swiftune_budget"), g[0])):
+        ours = mode.startswith("swiftune")
         budget = mode.startswith("swiftune_budget")
         tps, steady = val(m, "tokens_per_s"), val(m, "steady_tokens_per_s")
         best = steady if steady is not None else tps
         ref = eager.get(budget)
         capturing = val(m, "steps_capturing")
-        steps = f"{s.get('timed_steps', '')}" + (f" ({capturing:.0f} capturing)" if capturing is not None else "")
-        out.append([LABELS.get(mode, mode), "(~16K tok)" if budget else str(s["batch"]), fmt(tps, thousands=True),
-                    fmt(steady, thousands=True), fmt(best / ref) if ref and mode.endswith("_graphs") else "",
-                    fmt(val(m, "peak_gb"), 1), steps])
-    return table(["mode", "batch", "tok/s, timed steps", "tok/s, steps without a capture", "x eager", "peak GB",
-                  "timed steps"], out, {1, 2, 3, 4, 5, 6})
+        steps = f"{s.get('timed_steps', s.get('steps', ''))}" + (
+            f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        row = [LABELS.get(mode, mode), "(~16K tok)" if budget else str(s["batch"]), fmt(tps, thousands=True),
+               fmt(steady, thousands=True), fmt(best / ref) if ref and mode.endswith("_graphs") else ""]
+        row += [fmt(best / others[o]) if ours and not budget and others[o] else "" for o in side]
+        out.append(row + [fmt(val(m, "peak_gb"), 1), steps])
+    header = ["mode", "batch", "tok/s, timed steps", "tok/s, steps without a capture", "x eager"]
+    header += [{"trl_liger": "x TRL + Liger", "unsloth": "x Unsloth"}[o] for o in side] + ["peak GB", "timed steps"]
+    return table(header, out, set(range(1, len(header))))
 
 
 def kernels(fig: Figure) -> str:
@@ -328,7 +338,8 @@ def attention(fig: Figure) -> str:
                  set(range(1, 7)))
 
 
-RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
+RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_graphs_side_by_side_qwen3-8b": sft_graphs,
+          "sft_16k_fit_qwen3-8b": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
