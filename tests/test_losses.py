@@ -368,3 +368,29 @@ def test_cuda_bf16_large_vocab_against_reference():
     (loss, grads), (ref, ref_grads) = _run_ce(h, w, b, lab, chunk_tokens=100, vocab_chunk=2048)
     assert rel_err(loss, ref) < BF16_TOL
     _check(grads, ref_grads, BF16_TOL)
+
+
+def test_free_gpu_bytes_respects_the_per_process_memory_fraction(monkeypatch):
+    """A process capped by ``set_per_process_memory_fraction`` (a shared GPU, an emulated smaller one) can
+    allocate only up to its cap, though the driver reports the whole GPU free: the budgets that size
+    offloaded checkpointing and loss chunks must see the cap, or they plan for memory the allocator refuses."""
+    from types import SimpleNamespace
+
+    from swiftune.losses.chunking import gpu_capacity_bytes
+
+    GB = 10**9
+    state = {"fraction": 20.7 / 140}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (120 * GB, 140 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 18 * GB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 17 * GB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: SimpleNamespace(total_memory=140 * GB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda dev=None: state["fraction"],
+                        raising=False)
+    assert gpu_capacity_bytes("cuda:0") == pytest.approx(20.7 * GB, rel=1e-9)
+    # 2.7 GB left under the cap + 1 GB reserved by the allocator but not handed out
+    assert free_gpu_bytes("cuda:0") == pytest.approx(3.7 * GB, rel=1e-9)
+    state["fraction"] = 1.0  # no cap: the driver's free memory + the allocator's cached bytes
+    assert free_gpu_bytes("cuda:0") == 121 * GB
+    state["fraction"] = 0.1  # already over the cap (14 GB < 18 GB reserved): only the cached bytes
+    assert free_gpu_bytes("cuda:0") == 1 * GB

@@ -85,19 +85,33 @@ def choose_chunk_tokens(
     return max(1, min(balanced, num_tokens))
 
 
+def gpu_capacity_bytes(device: torch.device | str) -> int:
+    """GPU memory this process may reserve on ``device``: the device's total memory times the
+    per-process fraction (``torch.cuda.set_per_process_memory_fraction``: a shared GPU, or a smaller
+    GPU emulated), which the caching allocator enforces but ``mem_get_info`` does not report."""
+    dev = torch.device(device)
+    total = torch.cuda.get_device_properties(dev).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(dev) if hasattr(
+        torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return int(total * min(1.0, fraction))
+
+
 def free_gpu_bytes(device: torch.device | str | None = None) -> int:
     """Bytes a new allocation can use on ``device``.
 
     CUDA: the driver's free memory plus what PyTorch's caching allocator has reserved but not
-    handed out (that memory is reusable by us but invisible to ``mem_get_info``).  CPU (or no
-    CUDA): the fixed :data:`CPU_BUDGET_BYTES`.
+    handed out (that memory is reusable by us but invisible to ``mem_get_info``), capped by the
+    process's own limit (:func:`gpu_capacity_bytes` minus what the allocator has reserved).  CPU
+    (or no CUDA): the fixed :data:`CPU_BUDGET_BYTES`.
     """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda" or not torch.cuda.is_available():
         return CPU_BUDGET_BYTES
     free, _total = torch.cuda.mem_get_info(dev)
-    cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
-    return int(free + max(cached, 0))
+    reserved = torch.cuda.memory_reserved(dev)
+    cached = reserved - torch.cuda.memory_allocated(dev)
+    free = min(free, gpu_capacity_bytes(dev) - reserved)
+    return int(max(free, 0) + max(cached, 0))
 
 
 def resolve_chunk_tokens(

@@ -53,9 +53,9 @@ beyond that a :class:`CheckpointBudgetError` is raised at the first layer of the
 anything is allocated: a clear error instead of a hang or the OOM killer.
 
 Budgets: ``gpu_budget_bytes=None`` on CUDA is measured at the first layer of every forward: free
-GPU memory minus what the rest of the step needs (:func:`swiftune.memory.step_reserve`: one
-layer's recompute and backward, the loss, two transfer buffers, gradients still to be allocated)
-and a margin of 5% of the GPU + 1 GiB.  ``host_budget_bytes=None`` is ``MemAvailable`` (psutil or
+GPU memory (within the process's memory fraction) minus what the rest of the step needs
+(:func:`swiftune.memory.step_reserve`: one layer's recompute and backward, the loss, two transfer
+buffers, gradients still to be allocated) and a margin of 5% of what the process may use + 1 GiB.  ``host_budget_bytes=None`` is ``MemAvailable`` (psutil or
 ``/proc/meminfo``) minus ``max(4 GiB, 10% of MemTotal)``, divided among the ranks of this host
 (``LOCAL_WORLD_SIZE``: each pins its own pages), plus the pinned pages already held; an explicit
 budget is capped by the same figure.
@@ -84,7 +84,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention.backends import planner_attention_terms
-from ..losses.chunking import free_gpu_bytes
+from ..losses.chunking import free_gpu_bytes, gpu_capacity_bytes
 from ..memory import model_shape, step_reserve
 from ..memory.planner import PAGE_BYTES, TrainSetup, choose_page_bytes, offload_margin_bytes, pages_for
 from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
@@ -278,7 +278,7 @@ class OffloadState:
             return int(self.gpu_budget_bytes)
         if x.device.type != "cuda":
             return 2**62  # CPU: everything stays, i.e. plain checkpointing
-        total = torch.cuda.get_device_properties(x.device).total_memory
+        total = gpu_capacity_bytes(x.device)  # the margin scales with what this process may use
         reserve = self._reserve(x, attention_kernel, max_doc_tokens)
         return max(0, free_gpu_bytes(x.device) - reserve - offload_margin_bytes(total))
 
