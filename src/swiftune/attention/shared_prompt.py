@@ -227,11 +227,10 @@ def _allowed(seg_q: torch.Tensor, seg_k: torch.Tensor, pos_q: torch.Tensor, pos_
     return allowed
 
 
-def shared_prompt_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float,
-    window: int | None = None, softcap: float | None = None,
-) -> torch.Tensor:
-    """Eager attention per group with the shared-prompt mask (the arithmetic of swiftune's reference)."""
+def _per_group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float,
+                         window: int | None, probabilities) -> torch.Tensor:
+    """Eager attention one group (one document of the row) at a time under the shared-prompt mask:
+    ``probabilities(scores, allowed)`` turns a group's ``(heads, n, n)`` scores and mask into weights."""
     groups = q.shape[1] // k.shape[1]
     bounds = layout.packed.cu_seqlens.tolist()
     seg, pos = layout.seg, layout.position_ids
@@ -241,34 +240,50 @@ def shared_prompt_reference(
         kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
         scores = torch.matmul(qd, kd.transpose(1, 2)) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
         allowed = _allowed(seg[start:end], seg[start:end], pos[start:end], pos[start:end], window)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-        outs.append(torch.matmul(probs, vd).transpose(0, 1))
+        probs = probabilities(scores, allowed)
+        outs.append(torch.matmul(probs.to(vd.dtype), vd).transpose(0, 1))
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
 
-def _shared_block_mask(layout: RowLayout, window: int | None, device: torch.device):
-    key = ("shared_block_mask", window)
+def shared_prompt_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float,
+    window: int | None = None, softcap: float | None = None,
+) -> torch.Tensor:
+    """Eager attention per group with the shared-prompt mask (the arithmetic of swiftune's reference)."""
+
+    def probabilities(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+
+    return _per_group_attention(q, k, v, layout, scale=scale, window=window, probabilities=probabilities)
+
+
+def _shared_block_mask(layout: RowLayout, window: int | None, device: torch.device, *, sink_slot: bool = False):
+    """The shared-prompt rule as a flex block mask over the row; ``sink_slot``: over ``T + 1`` keys, the
+    last (the sink slot of :func:`~swiftune.attention.sinks.flex_sink_with_mask`) open to every query."""
+    key = ("shared_sink_block_mask" if sink_slot else "shared_block_mask", window)
     if key not in layout.cache:
         total = layout.packed.num_tokens
-        padded = -(-total // 128) * 128  # whole 128-token tiles; the tail is its own document (-1)
+        keys = total + int(sink_slot)
+        padded = -(-keys // 128) * 128  # whole 128-token tiles; the tail is its own document (-1)
         doc = torch.full((padded,), -1, dtype=torch.int32, device=device)
         doc[:total] = layout.packed.doc_ids()
         seg = torch.zeros(padded, dtype=torch.int32, device=device)
         seg[:total] = layout.seg
         pos = torch.zeros(padded, dtype=torch.int32, device=device)
         pos[:total] = layout.position_ids.to(torch.int32)
+        sink = torch.tensor(total, dtype=torch.int32, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
             ok = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx) & ((seg[kv_idx] == 0) | (seg[kv_idx] == seg[q_idx]))
             if window:
                 ok = ok & (pos[q_idx] - pos[kv_idx] < window)
-            return ok
+            return ok | (kv_idx == sink) if sink_slot else ok
 
-        layout.cache[key] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total, device=device,
+        layout.cache[key] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=keys, device=device,
                                               _compile=device.type == "cuda")
     return layout.cache[key]
 
@@ -291,44 +306,9 @@ def shared_prompt_sink_reference(
     :func:`shared_prompt_reference`, the softmax of :func:`~swiftune.attention.sinks.reference_sink_attention`
     (transformers' gpt-oss eager arithmetic). A completion's row of scores holds its prompt and its own
     tokens, each at its unshared distance, plus ``sinks[h]``: the unshared softmax exactly."""
-    groups = q.shape[1] // k.shape[1]
-    bounds = layout.packed.cu_seqlens.tolist()
-    seg, pos = layout.seg, layout.position_ids
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qd = q[start:end].transpose(0, 1)
-        kd = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        vd = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)
-        scores = torch.matmul(qd, kd.transpose(1, 2)) * scale
-        allowed = _allowed(seg[start:end], seg[start:end], pos[start:end], pos[start:end], window)
-        probs = dense_sink_scores(scores.masked_fill(~allowed, float("-inf")), sinks)
-        outs.append(torch.matmul(probs.to(vd.dtype), vd).transpose(0, 1))
-    return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
-
-
-def _shared_sink_block_mask(layout: RowLayout, window: int | None, device: torch.device):
-    """The shared-prompt rule over ``T + 1`` keys, the last (the sink slot) open to every query."""
-    key = ("shared_sink_block_mask", window)
-    if key not in layout.cache:
-        total = layout.packed.num_tokens
-        padded = -(-(total + 1) // 128) * 128  # whole 128-token tiles over the keys, sink slot included
-        doc = torch.full((padded,), -1, dtype=torch.int32, device=device)
-        doc[:total] = layout.packed.doc_ids()
-        seg = torch.zeros(padded, dtype=torch.int32, device=device)
-        seg[:total] = layout.seg
-        pos = torch.zeros(padded, dtype=torch.int32, device=device)
-        pos[:total] = layout.position_ids.to(torch.int32)
-        sink = torch.tensor(total, dtype=torch.int32, device=device)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            ok = (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx) & ((seg[kv_idx] == 0) | (seg[kv_idx] == seg[q_idx]))
-            if window:
-                ok = ok & (pos[q_idx] - pos[kv_idx] < window)
-            return ok | (kv_idx == sink)
-
-        layout.cache[key] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=total, KV_LEN=total + 1,
-                                              device=device, _compile=device.type == "cuda")
-    return layout.cache[key]
+    return _per_group_attention(
+        q, k, v, layout, scale=scale, window=window,
+        probabilities=lambda scores, allowed: dense_sink_scores(scores.masked_fill(~allowed, float("-inf")), sinks))
 
 
 def shared_prompt_sink_flex(
@@ -339,7 +319,7 @@ def shared_prompt_sink_flex(
     (:func:`~swiftune.attention.sinks.flex_sink_with_mask`; GPU path, forward-only off CUDA)."""
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex attention needs torch >= 2.5")
-    return flex_sink_with_mask(q, k, v, _shared_sink_block_mask(layout, window, q.device), scale=scale, sinks=sinks)
+    return flex_sink_with_mask(q, k, v, _shared_block_mask(layout, window, q.device, sink_slot=True), scale=scale, sinks=sinks)
 
 
 def shared_prompt_sink_attention(
