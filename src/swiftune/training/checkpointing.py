@@ -91,8 +91,8 @@ from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
-from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, layer_input, \
-    previous_forward, unbind_layer_forwards
+from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, \
+    previous_forward, take_layer_input, unbind_layer_forwards
 from .lora_casting import lora_inputs_cast
 from .model_walks import ModelWalkIndex
 from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
@@ -531,9 +531,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     orig = previous_forward(self, _KEYS)
     if state is None or not (self.training and torch.is_grad_enabled()):
         return orig(*args, **kwargs)
-    if getattr(self, "gradient_checkpointing", False):
-        self.gradient_checkpointing = False  # re-enabled by transformers after us: never checkpoint twice
-    found = layer_input(args, kwargs)
+    found = take_layer_input(self, args, kwargs)
     if found is None:
         return orig(*args, **kwargs)
     x, rest = found

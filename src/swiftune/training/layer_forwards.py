@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["CACHE_KWARGS", "LayerForwardKeys", "bind_layer_forwards", "drop_cache_arguments", "layer_input",
-           "previous_forward", "unbind_layer_forwards"]
+           "previous_forward", "take_layer_input", "unbind_layer_forwards"]
 
 #: what transformers names a layer's KV cache argument across versions and families
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
@@ -79,6 +79,15 @@ def layer_input(args: tuple, kwargs: dict) -> tuple[Any, tuple] | None:
     if "hidden_states" in kwargs:
         return kwargs.pop("hidden_states"), ()
     return None
+
+
+def take_layer_input(layer: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, tuple] | None:
+    """:func:`layer_input`, after turning off transformers' own per-layer checkpointing flag on ``layer``
+    (transformers sets it again after our forward is bound): a runtime forward that checkpoints or
+    graphs the layer itself must never have it checkpointed twice."""
+    if getattr(layer, "gradient_checkpointing", False):
+        layer.gradient_checkpointing = False
+    return layer_input(args, kwargs)
 
 
 def drop_cache_arguments(kwargs: dict) -> None:

@@ -56,8 +56,8 @@ from ..attention.hf import PACKED_KWARG
 from ..attention.packing import PackedBatch
 from ..models.patching import causal_lm_of
 from .checkpointing import decoder_layers, is_offloaded_checkpointing
-from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, layer_input, \
-    previous_forward, unbind_layer_forwards
+from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, \
+    previous_forward, take_layer_input, unbind_layer_forwards
 
 logger = logging.getLogger(__name__)
 
@@ -390,9 +390,7 @@ def _graphed_forward(self: nn.Module, *args, **kwargs):
     if stack is None or stack.layers[index]() is not self:  # a deep copy's layer: checkpointed, not graphed
         drop_cache_arguments(kwargs)
         return checkpoint(partial(orig, **kwargs), *args, use_reentrant=False)
-    if getattr(self, "gradient_checkpointing", False):
-        self.gradient_checkpointing = False  # re-enabled by transformers after us: never checkpoint twice
-    found = layer_input(args, kwargs)
+    found = take_layer_input(self, args, kwargs)
     if found is None:
         return orig(*args, **kwargs)
     x, rest = found
