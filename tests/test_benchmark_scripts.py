@@ -77,7 +77,8 @@ def grpo_bisect_json(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loss_curve_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("loss") / "loss_curve.json"
-    run_script("loss_curve.py", "--model", "tiny", "--steps", "10", "--out", str(out))
+    run_script("loss_curve.py", "--model", "tiny", "--steps", "10", "--batch", "4", "--max_length", "256",
+               "--out", str(out))
     return out
 
 
