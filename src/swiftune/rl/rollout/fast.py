@@ -87,6 +87,7 @@ from ...attention.registry import register_rollout_attention
 from ...models.experts import rollout_experts
 from ...models.families import FAMILIES
 from ...models.patching import causal_lm_of
+from ...losses import free_gpu_bytes
 from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
@@ -519,7 +520,7 @@ class FastRolloutEngine:
             per_chunk = max(1, self.max_batch_size // n)
         device = next(self.model.parameters()).device
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
+            free = free_gpu_bytes(device)  # within the process's memory fraction, cached bytes included
             held = self._ws.nbytes() if self._ws is not None else 0
             length = max(len(p) for p in prompts) + params.max_tokens
             fit = int((free + held) * self.memory_fraction) // max(1, self._row_bytes(length) * n)

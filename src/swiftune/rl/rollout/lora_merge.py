@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...losses import free_gpu_bytes
+
 
 def _quantised(weight: torch.Tensor) -> bool:
     """Packed (bitsandbytes' uint8) or 1-byte float (e4m3 / e5m2) weights: e4m3 counts as floating
@@ -47,7 +49,7 @@ def merge_lora(model: nn.Module, mode: str) -> list[tuple[torch.Tensor, torch.Te
         if weight.device.type != "cuda":
             return None
         copy_bytes = sum(_adapted_weight(m).numel() for m in layers) * weight.element_size()
-        if copy_bytes > torch.cuda.mem_get_info(weight.device)[0] // 4:
+        if copy_bytes > free_gpu_bytes(weight.device) // 4:
             return None
     saved = [(w, w.detach().clone()) for w in map(_adapted_weight, layers)]
     model.merge_adapter()

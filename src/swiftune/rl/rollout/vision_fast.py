@@ -48,6 +48,7 @@ from ...data.multimodal import rope_positions
 from ...memory.shapes import model_shape
 from ...models.patching import causal_lm_of
 from ...models.qwen3_vl import text_config_of
+from ...losses import free_gpu_bytes
 from .fast import FastRolloutEngine
 from .kv_cache import DecodeContext, Workspace
 from .protocol import Rollouts, SamplingParams
@@ -96,7 +97,7 @@ def auto_prefill_token_cap(model: nn.Module, memory_share: float) -> int | None:
     param = next(model.parameters())
     if param.device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(param.device)
+    free = free_gpu_bytes(param.device)
     config = causal_lm_of(model).config
     per_token = prefill_bytes_per_token(config, max(param.element_size(), 2))  # quantised weights: bf16 activations
     return max(1, int(free * memory_share) // per_token)
