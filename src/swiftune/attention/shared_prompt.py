@@ -319,7 +319,8 @@ def shared_prompt_sink_flex(
     (:func:`~swiftune.attention.sinks.flex_sink_with_mask`; GPU path, forward-only off CUDA)."""
     if flex_attention is None:  # pragma: no cover
         raise RuntimeError("flex attention needs torch >= 2.5")
-    return flex_sink_with_mask(q, k, v, _shared_block_mask(layout, window, q.device, sink_slot=True), scale=scale, sinks=sinks)
+    mask = _shared_block_mask(layout, window, q.device, sink_slot=True)
+    return flex_sink_with_mask(q, k, v, mask, scale=scale, sinks=sinks)
 
 
 def shared_prompt_sink_attention(

@@ -55,8 +55,9 @@ anything is allocated: a clear error instead of a hang or the OOM killer.
 Budgets: ``gpu_budget_bytes=None`` on CUDA is measured at the first layer of every forward: free
 GPU memory (within the process's memory fraction) minus what the rest of the step needs
 (:func:`swiftune.memory.step_reserve`: one layer's recompute and backward, the loss, two transfer
-buffers, gradients still to be allocated) and a margin of 5% of what the process may use + 1 GiB.  ``host_budget_bytes=None`` is ``MemAvailable`` (psutil or
-``/proc/meminfo``) minus ``max(4 GiB, 10% of MemTotal)``, divided among the ranks of this host
+buffers, gradients still to be allocated) and a margin of 5% of what the process may use + 1 GiB.
+``host_budget_bytes=None`` is ``MemAvailable`` (psutil or ``/proc/meminfo``) minus
+``max(4 GiB, 10% of MemTotal)``, divided among the ranks of this host
 (``LOCAL_WORLD_SIZE``: each pins its own pages), plus the pinned pages already held; an explicit
 budget is capped by the same figure.
 

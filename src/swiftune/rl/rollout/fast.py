@@ -84,10 +84,10 @@ from torch import nn
 from ...attention import build_packed_batch
 from ...attention.kv_cache import ROLLOUT_KWARG
 from ...attention.registry import register_rollout_attention
+from ...losses import free_gpu_bytes
 from ...models.experts import rollout_experts
 from ...models.families import FAMILIES
 from ...models.patching import causal_lm_of
-from ...losses import free_gpu_bytes
 from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora

@@ -45,10 +45,10 @@ from torch import nn
 
 from ...attention.kv_cache import ROLLOUT_KWARG
 from ...data.multimodal import rope_positions
+from ...losses import free_gpu_bytes
 from ...memory.shapes import model_shape
 from ...models.patching import causal_lm_of
 from ...models.qwen3_vl import text_config_of
-from ...losses import free_gpu_bytes
 from .fast import FastRolloutEngine
 from .kv_cache import DecodeContext, Workspace
 from .protocol import Rollouts, SamplingParams
