@@ -1,8 +1,9 @@
 """One MoE layer's routed experts in a decode step: the fused decode kernels vs today's grouped-GEMM path.
 
 Qwen3-30B-A3B's experts (128 experts top-8, hidden 2048, expert intermediate 768; the shape table of
-benchmarks/workload.py), bf16, transformers' own experts module and router with random weights, routing
-from that router on random hidden states, at T = 8 and 64 tokens (the rollout engine's G = 8 / 64 rows).
+benchmarks/workload.py), or gpt-oss-20b's (32 experts top-4, hidden and intermediate 2,880; transposed
+stacks with interleaved gate/up columns, biases, clamped SwiGLU), bf16, transformers' own experts module
+and router with random weights, routing from that router on random hidden states, at T = 8 and 64 tokens (the rollout engine's G = 8 / 64 rows).
 Timed on the same tensors in one process, each as a CUDA graph replay (how the engine's decode step
 runs) and eagerly:
 
@@ -19,6 +20,7 @@ path within bf16 tolerance; ``rollout_experts_forward`` (kernel allowed) returns
 for bit; a graph replay equals the eager call bit for bit.
 
     python -m benchmarks.moe_decode --out moe_decode.json      # H200: well under a minute
+    python -m benchmarks.moe_decode --model gpt-oss-20b --out moe_decode_gptoss.json
     python -m benchmarks.moe_decode --model tiny-moe --tokens 4 --iters 2 --out /tmp/m.json   # CPU smoke
 
 On a machine without CUDA the kernel column is the plain-PyTorch reference (no interpreter) and
@@ -42,7 +44,6 @@ from swiftune.kernels.moe_decode import moe_decode, moe_decode_reference
 from swiftune.models.experts import rollout_experts_forward
 from swiftune.models.families import FAMILIES
 
-SPEC = FAMILIES["qwen3_moe"].experts
 # (block_n, block_k, num_warps) beside the launcher's defaults
 # (each compiles both GEMM kernels once: a few seconds apiece, within the script's minute)
 SWEEP = [(16, 64, 4), (64, 64, 4), (32, 128, 8), (64, 128, 8)]
@@ -89,45 +90,64 @@ def copy_bandwidth(cuda: bool, iters: int) -> float:
     return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
+#: the experts module and router classes of each family this benchmark takes (transformers' own)
+LAYERS = {"qwen3_moe": ("qwen3_moe", "Qwen3MoeExperts", "Qwen3MoeTopKRouter"),
+          "gpt_oss": ("gpt_oss", "GptOssExperts", "GptOssTopKRouter")}
+
+
 def build_layer(model: str, device: str, dtype: torch.dtype):
-    """transformers' Qwen3-MoE experts module and router of ``model``'s config, random weights."""
+    """transformers' experts module and router of ``model``'s config (Qwen3-MoE or gpt-oss), random
+    weights; ``None`` for another family."""
     config = model_config(model)
-    mod = transformers.models.qwen3_moe.modeling_qwen3_moe
+    if config.model_type not in LAYERS:
+        return None, None, config
+    package, experts_cls, router_cls = LAYERS[config.model_type]
+    mod = getattr(transformers.models, package)
+    mod = getattr(mod, f"modeling_{package}")
     torch.manual_seed(0)
     with torch.device(device):  # built where it runs: 30B-A3B's expert stacks are 2.4 GB in float32
-        experts, router = mod.Qwen3MoeExperts(config), mod.Qwen3MoeTopKRouter(config)
+        experts, router = getattr(mod, experts_cls)(config), getattr(mod, router_cls)(config)
     with torch.no_grad():
         for p in list(experts.parameters()) + list(router.parameters()):
             p.normal_(0.0, 0.02)
     return experts.to(device, dtype).eval(), router.to(device, dtype).eval(), config
 
 
+def spec_of(config) -> object:
+    return FAMILIES[config.model_type].experts
+
+
 def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_bw: float, sweep: bool
             ) -> list[dict]:
     device = experts.gate_up_proj.device
+    spec = spec_of(config)
+    gpt_oss = dict(interleaved=True, gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
+                   activation="clamped_swiglu", swiglu_alpha=float(experts.alpha),
+                   swiglu_limit=float(experts.limit)) if spec.interleaved else {}
     hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=experts.gate_up_proj.dtype)
     with torch.no_grad():
         _, weights, index = router(hidden)
         weights = weights.to(hidden.dtype)
         distinct = int(index.unique().numel())  # host read, outside anything timed or captured
         width = experts.gate_up_proj.element_size()
-        per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * width
+        per_expert = sum(p[0].numel() for p in experts.parameters()) * width  # (and the biases)
         floor_ms = distinct * per_expert / copy_bw * 1e3
 
         def today():
-            return rollout_experts_forward(experts, hidden, index, weights, spec=SPEC, decode_kernel=False)
+            return rollout_experts_forward(experts, hidden, index, weights, spec=spec, decode_kernel=False)
 
         def kernel(block_n=None, block_k=None, num_warps=None):
             return moe_decode(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
-                              transposed=SPEC.transposed, block_n=block_n, block_k=block_k, num_warps=num_warps)
+                              transposed=spec.transposed, **gpt_oss, block_n=block_n, block_k=block_k,
+                              num_warps=num_warps)
 
         got, base = kernel(), today()
         want = moe_decode_reference(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
-                                    transposed=SPEC.transposed, compute_dtype=torch.float32)
+                                    transposed=spec.transposed, **gpt_oss, compute_dtype=torch.float32)
         checks = dict(vs_reference=rel_err(got, want), vs_grouped_mm=rel_err(got, base))
         assert checks["vs_reference"] < 1e-2 and checks["vs_grouped_mm"] < 2e-2, checks
         if cuda:
-            assert torch.equal(rollout_experts_forward(experts, hidden, index, weights, spec=SPEC), got)
+            assert torch.equal(rollout_experts_forward(experts, hidden, index, weights, spec=spec), got)
         rows = []
         for name, fn in (("grouped_mm", today), ("kernel", kernel)):
             eager_ms = time_ms(fn, iters, cuda)
@@ -167,7 +187,7 @@ def to_result_rows(data: dict, ctx: results.Context) -> list[results.Row]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen3-30b-a3b", help="a Qwen3-MoE shape of benchmarks/workload.py")
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a Qwen3-MoE or gpt-oss shape of benchmarks/workload.py")
     p.add_argument("--tokens", default="8,64", help="comma-separated token counts of the decode step")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
@@ -177,17 +197,18 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     dtype = torch.bfloat16
     experts, router, config = build_layer(args.model, "cuda" if cuda else "cpu", dtype)
-    if config.model_type != "qwen3_moe":
-        print(f"--model {args.model} is a {config.model_type} shape; give a Qwen3-MoE one (qwen3-30b-a3b, tiny-moe)",
-              file=sys.stderr)
+    if experts is None:
+        print(f"--model {args.model} is a {config.model_type} shape; give a Qwen3-MoE or gpt-oss one "
+              "(qwen3-30b-a3b, gpt-oss-20b, tiny-moe, tiny-gpt-oss)", file=sys.stderr)
         return 2
     copy_bw = copy_bandwidth(cuda, args.iters)
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         rows += measure(experts, router, config, tokens, args.iters, cuda, copy_bw, not args.no_sweep)
     meta = dict(model=args.model, dtype=str(dtype).removeprefix("torch."), gpu=torch.cuda.get_device_name() if cuda
-                else "cpu", torch=torch.__version__, copy_tb_s=copy_bw / 1e12, experts=config.num_experts,
-                top_k=config.num_experts_per_tok, hidden=config.hidden_size, inter=config.moe_intermediate_size)
+                else "cpu", torch=torch.__version__, copy_tb_s=copy_bw / 1e12, experts=experts.num_experts,
+                top_k=config.num_experts_per_tok, hidden=config.hidden_size, inter=experts.down_proj.shape[1]
+                if spec_of(config).transposed else experts.down_proj.shape[2])
     data = dict(benchmark="moe_decode", meta=meta, rows=rows)
     print(f"\n{meta}")
     print(f"{'path':<11} {'T':>3} {'experts':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'x floor':>8} "

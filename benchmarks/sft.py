@@ -228,7 +228,17 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 **({"peak_profile": record["peak_profile"]} if "peak_profile" in record else {}),
                 **({"time_profile": record["profile"]} if "profile" in record else {}),
                 **({"host_profile": record["host_profile"]} if "host_profile" in record else {}),
-                **({"graphs": _graph_stats(trainer.model), **_steady_state(record)} if mode.endswith("_graphs") else {}))
+                **({"graphs": _graph_stats(trainer.model), **_steady_state(record)} if mode.endswith("_graphs") else {}),
+                **({"offload": _offload_counts(trainer.model)} if mode.startswith("swiftune") and gc_mode == "offload" else {}))
+
+
+def _offload_counts(model) -> dict:
+    """How the last step's plan placed the layer inputs: kept on the GPU, sent to the host, re-derived."""
+    from swiftune.training import offload_stats
+
+    stats = offload_stats(model)
+    return {"kept": len(stats.get("keep", ())), "offloaded": len(stats.get("offload", ())),
+            "derived": len(stats.get("derived", ()))}
 
 
 def _steady_state(record: dict) -> dict:

@@ -58,6 +58,11 @@ MODEL_SHAPES: dict[str, dict] = {
                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                      tie_word_embeddings=False, max_position_embeddings=4096),
+    # gpt-oss's expert layout (transposed, interleaved gate/up, biases; 8 experts top-2) at CPU size
+    "tiny-gpt-oss": dict(model_type="gpt_oss", hidden_size=64, intermediate_size=32, num_local_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=512, sliding_window=16, tie_word_embeddings=False,
+                         max_position_embeddings=4096),
     **{name: _with_extras(KNOWN_MODELS[name], extras) for name, extras in _CONFIG_EXTRAS.items()},
     # the same layout at CPU size (benchmarks/vl.py's smoke tests)
     "tiny-vl": dict(

@@ -23,6 +23,7 @@
 #   scripts/gpu_suite.sh fp8-dot      # the FP8 x FP8 decode kernel (17-64 rows): its tests compiled (Qwen3-8B projections, graph replay == eager), then the decode matmul table with its columns and sweep (~3 min)
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
 #   scripts/gpu_suite.sh gptoss-rollout # gpt-oss on the engine (sinks, sliding/full layers, YaRN): its CUDA tests, then the gpt-oss-20b shape, G 8/64, N 1024, vs the HBM floor of its routed experts + the rest + KV, and LoRA r=16 at G=8 (~6 min; apart from moe-rollout, which fills its 10-minute call)
+#   scripts/gpu_suite.sh gptoss-decode # the decode kernels on gpt-oss's experts: tests compiled, one layer vs grouped GEMM, the engine's G 8/64 rows (~7 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -155,8 +156,10 @@ case "$part" in
       --gpu-budget-gb 20.7 --modes swiftune_budget_fit swiftune_budget_offload --out "$OUT/sft_16k_fit_$model.json"
     run sft_16k 120 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
       --modes swiftune_budget --out "$OUT/sft_16k_$model.json"
+    # only Unsloth's packed row (the one this row is set against): its padding-free row first left the packed
+    # one past the part's limit
     run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
-      --out "$OUT/unsloth_sft_$model.json" ;;
+      --modes unsloth_packed --out "$OUT/unsloth_sft_packed_$model.json" ;;
   sft-unsloth-graphs)  # the batch-16 row with graphed layers side by side with Unsloth and TRL + Liger in one call:
     # swiftune eager and graphed (warm-up long enough to capture most of the run's token buckets; the steady-state
     # figure counts the timed steps that captured nothing; the last warm-up step's device time against its wall
@@ -321,6 +324,14 @@ case "$part" in
     run gptoss_rollout_tests 150 python3 -m pytest -q tests/test_gptoss_rollout.py -k cuda -p no:cacheprovider
     run gptoss_rollout 380 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 \
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_gptoss.json" ;;
+  gptoss-decode)  # the decode kernels on gpt-oss's expert layout (one contiguous tile of interleaved gate/up
+    # columns): their tests compiled, one layer of gpt-oss-20b's experts kernel vs grouped GEMM, then the engine's
+    # G 8/64 rows against the HBM floor (no generate baselines: gptoss-rollout has them) (~7 min)
+    run moe_decode_tests 150 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
+    run moe_decode_gptoss 120 python3 -m benchmarks.moe_decode --model gpt-oss-20b --tokens 8,16,64 \
+      --out "$OUT/moe_decode_gptoss.json"
+    run gptoss_engine 230 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 \
+      --no-baselines --time-budget 180 --out "$OUT/rollout_gptoss_kernel.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \

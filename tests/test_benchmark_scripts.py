@@ -376,6 +376,10 @@ def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path
     assert "x hf_padded" in proc.stdout.splitlines()[-5]  # the table is printed last
     assert all(0 < r["trainable_fraction"] < 0.2 and r["finetune"] == "lora r=16" for r in rows.values())
     assert not any("time_profile" in r for r in rows.values())  # --time-profile is CUDA's: a no-op here
+    # every layer input of the offloaded mode went to the host (budget 0); the others carry no placement
+    n_layers = rows["swiftune_budget_offload"]["offload"]["kept"] + rows["swiftune_budget_offload"]["offload"]["offloaded"]
+    assert rows["swiftune_budget_offload"]["offload"]["kept"] == 0 and n_layers > 0
+    assert not any("offload" in rows[m] for m in ("hf_padded", "swiftune", "swiftune_budget"))
     result_rows = assert_rows(out, "sft", {"tokens_per_s", "peak_gb", "step_s", "padding_fraction"})
     assert {r.mode for r in result_rows} == set(modes)
     assert {r.tool for r in result_rows} == {"transformers+peft", "swiftune"}
@@ -624,11 +628,13 @@ def test_rollout_tiny_checks_ab_rows_and_log_round_trip(tmp_path):
         run_script("rollout.py", "--merge", str(out), str(again), "--out", str(merged))
 
 
-def test_moe_decode_tiny_rows(tmp_path):
-    """benchmarks/moe_decode.py on the tiny Qwen3-MoE shape (CPU: both paths eager, the kernel column
-    the reference loop): its checks pass and it writes both paths' times and the HBM floor as rows."""
+@pytest.mark.parametrize("model", ["tiny-moe", "tiny-gpt-oss"])
+def test_moe_decode_tiny_rows(tmp_path, model):
+    """benchmarks/moe_decode.py on the tiny Qwen3-MoE and gpt-oss shapes (CPU: both paths eager, the
+    kernel column the reference loop): its checks pass and it writes both paths' times and the HBM
+    floor as rows."""
     out = tmp_path / "moe_decode.json"
-    run_script("moe_decode.py", "--model", "tiny-moe", "--tokens", "4,64", "--iters", "2", "--out", str(out))
+    run_script("moe_decode.py", "--model", model, "--tokens", "4,64", "--iters", "2", "--out", str(out))
     r = json.loads(out.read_text())
     assert [(x["path"], x["tokens"]) for x in r["rows"]] == [("grouped_mm", 4), ("kernel", 4), ("grouped_mm", 64),
                                                             ("kernel", 64)]

@@ -123,6 +123,26 @@ def test_kernel_equals_the_float64_formula(layout, tokens):
     assert reference.dtype == torch.float32 and rel_err(reference, want) < 1e-6  # float64 math, fp32 result
 
 
+@pytest.mark.parametrize("stack", ["untransposed", "strided_view"])
+def test_interleaved_columns_from_a_stack_without_unit_column_stride(stack):
+    """Interleaved gate/up columns are read as one contiguous tile; a stack whose columns are not
+    contiguous (the untransposed ``[E, 2I, H]`` layout, or a transposed view of one) is copied to
+    ``[E, H, 2I]`` first and gives the float64 formula's result all the same."""
+    inputs, options = _case("gpt_oss", 7, torch.float32, seed=11)
+    want = _float64_formula(inputs, options)
+    if stack == "untransposed":  # gate_up [E, 2I, H], down [E, H, I]
+        inputs = dict(inputs, gate_up_proj=inputs["gate_up_proj"].transpose(1, 2).contiguous(),
+                      down_proj=inputs["down_proj"].transpose(1, 2).contiguous())
+        options = dict(options, transposed=False)
+    else:  # the same [E, H, 2I] values, column stride H
+        inputs = dict(inputs, gate_up_proj=inputs["gate_up_proj"].transpose(1, 2).contiguous().transpose(1, 2))
+        assert inputs["gate_up_proj"].stride(2) != 1
+    with torch.no_grad():
+        on_device, on_device_options = _to(inputs, options, DEVICE)
+        got = moe_decode(**on_device, **on_device_options, backend="triton")
+    assert max(rel_err(got[t], want[t]) for t in range(7)) < 1e-5
+
+
 def test_kernel_loops_over_row_blocks_beyond_one_tile():
     """100 tokens (past the wiring's 64, which the launcher still takes): expert 0 has 100 rows, more
     than one 64-row tile, so its programs loop over two row blocks; the scan over assignments takes

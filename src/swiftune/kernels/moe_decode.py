@@ -36,7 +36,9 @@ bf16/fp16); ``h`` and ``y`` are rounded once each to the activation dtype.
 
 Both weight layouts of transformers' fused experts are read through strides: ``[E, 2I, H]`` /
 ``[E, H, I]`` (``x W^T``: Qwen3-MoE, Mixtral; gate = first ``I`` rows) and, ``transposed``, ``[E, H, 2I]``
-/ ``[E, I, H]`` (``x W``: gpt-oss, whose gate and up columns alternate: ``interleaved``).
+/ ``[E, I, H]`` (``x W``: gpt-oss, whose gate and up columns alternate: ``interleaved``). Interleaved
+columns are read as one contiguous tile of ``2 BLOCK_N`` fused columns and one dot, the accumulator
+split into gate (even) and up (odd) columns after the reduction.
 """
 
 from __future__ import annotations
@@ -152,12 +154,63 @@ if triton is not None:
         return found
 
     @triton.jit
+    def _gate_up_halves(x_ptr, w_e, b_e, tokens, r_mask, s_xt, s_wk, s_wc, hidden, inter, n, n_mask,
+                        HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Gate and up accumulators of columns ``n`` when the gate is the first half (``n``, ``I + n``):
+        two weight tiles, each read along its own contiguous axis."""
+        kk = tl.arange(0, BLOCK_K)
+        gate_cols = n.to(tl.int64)
+        up_cols = gate_cols + inter
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + kk
+            k_mask = k < hidden
+            x = tl.load(x_ptr + tokens[:, None] * s_xt + k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            w_rows = w_e + k[:, None].to(tl.int64) * s_wk
+            acc_g = _dot(x, tl.load(w_rows + gate_cols[None, :] * s_wc, mask=w_mask, other=0.0), acc_g, DOT_F32)
+            acc_u = _dot(x, tl.load(w_rows + up_cols[None, :] * s_wc, mask=w_mask, other=0.0), acc_u, DOT_F32)
+        if HAS_BIAS:
+            acc_g += tl.load(b_e + gate_cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_e + up_cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        return acc_g, acc_u
+
+    @triton.jit
+    def _gate_up_interleaved(x_ptr, w_e, b_e, tokens, r_mask, s_xt, s_wk, hidden, inter, n0,
+                             HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Gate and up accumulators of columns ``n0 .. n0 + BLOCK_N - 1`` when gate and up alternate
+        (gpt-oss, ``[E, H, 2I]`` with unit column stride): one contiguous ``[BLOCK_K, 2 BLOCK_N]`` tile
+        of fused columns ``2 n0 ..`` a step and one dot, split into even (gate) and odd (up) columns
+        once at the end. Two stride-2 tiles would each load every other element, which breaks the
+        vector loads the decode step's bandwidth rests on."""
+        kk = tl.arange(0, BLOCK_K)
+        c = 2 * n0 + tl.arange(0, 2 * BLOCK_N)
+        c_mask = c < 2 * inter
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + kk
+            k_mask = k < hidden
+            x = tl.load(x_ptr + tokens[:, None] * s_xt + k[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(w_e + k[:, None].to(tl.int64) * s_wk + c[None, :], mask=k_mask[:, None] & c_mask[None, :],
+                        other=0.0)
+            acc = _dot(x, w, acc, DOT_F32)
+        if HAS_BIAS:
+            acc += tl.load(b_e + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+
+    @triton.jit
     def _moe_gate_up_kernel(
         x_ptr, idx_ptr, w_ptr, b_ptr, h_ptr,
         s_xt, s_we, s_wk, s_wc, s_be, s_hm,
-        num_assign, top_k, hidden, inter, col_step, up_offset, alpha, limit,
-        HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr,
+        num_assign, top_k, hidden, inter, alpha, limit,
+        HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, INTERLEAVED: tl.constexpr, DOT_F32: tl.constexpr,
+        ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_A: tl.constexpr,
     ):
         e = tl.program_id(0).to(tl.int64)
         count = _expert_count(idx_ptr, num_assign, e, BLOCK_A)
@@ -165,30 +218,18 @@ if triton is not None:
             return
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n < inter
-        gate_cols = n.to(tl.int64) * col_step  # interleaved (gpt-oss): 2n and 2n + 1, else n and I + n
-        up_cols = gate_cols + up_offset
         w_e = w_ptr + e * s_we
-        kk = tl.arange(0, BLOCK_K)
         for m0 in range(0, count, BLOCK_M):  # one block in practice (an expert has <= T rows)
             r_mask = m0 + tl.arange(0, BLOCK_M) < count
             assignment = _expert_assignments(idx_ptr, num_assign, e, m0, BLOCK_M, BLOCK_A).to(tl.int64)
             tokens = assignment // top_k
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                k = k0 + kk
-                k_mask = k < hidden
-                x = tl.load(x_ptr + tokens[:, None] * s_xt + k[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                            other=0.0)
-                w_mask = k_mask[:, None] & n_mask[None, :]
-                w_rows = w_e + k[:, None].to(tl.int64) * s_wk
-                wg = tl.load(w_rows + gate_cols[None, :] * s_wc, mask=w_mask, other=0.0)
-                wu = tl.load(w_rows + up_cols[None, :] * s_wc, mask=w_mask, other=0.0)
-                acc_g = _dot(x, wg, acc_g, DOT_F32)
-                acc_u = _dot(x, wu, acc_u, DOT_F32)
-            if HAS_BIAS:
-                acc_g += tl.load(b_ptr + e * s_be + gate_cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                acc_u += tl.load(b_ptr + e * s_be + up_cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if INTERLEAVED:
+                acc_g, acc_u = _gate_up_interleaved(x_ptr, w_e, b_ptr + e * s_be, tokens, r_mask, s_xt, s_wk,
+                                                    hidden, inter, tl.program_id(1) * BLOCK_N, HAS_BIAS, DOT_F32,
+                                                    BLOCK_M, BLOCK_N, BLOCK_K)
+            else:
+                acc_g, acc_u = _gate_up_halves(x_ptr, w_e, b_ptr + e * s_be, tokens, r_mask, s_xt, s_wk, s_wc,
+                                               hidden, inter, n, n_mask, HAS_BIAS, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K)
             if CLAMPED:  # gpt-oss: gate clamped above, up clamped both ways, sigmoid(alpha g), (up + 1)
                 g = tl.minimum(acc_g, limit)
                 u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -364,18 +405,21 @@ def moe_decode(
     def depth(n: int) -> int:
         return max(16, min(next_pow2(n), block_k))
 
-    # gate/up columns: (k, column) strides of the fused stack; interleaved columns step by 2
+    # gate/up columns: (k, column) strides of the fused stack
     s_wk, s_wc = (gate_up_proj.stride(1), gate_up_proj.stride(2)) if transposed else \
         (gate_up_proj.stride(2), gate_up_proj.stride(1))
-    col_step, up_offset = (2, 1) if interleaved else (1, inter)
+    if interleaved and s_wc != 1:  # the interleaved tile is read as contiguous columns: an [E, H, 2I] copy
+        # (gpt-oss's own stacks are already so; only a strided view or the untransposed layout pays it)
+        gate_up_proj = (gate_up_proj if transposed else gate_up_proj.transpose(1, 2)).contiguous()
+        s_wk, s_wc = gate_up_proj.stride(1), 1
     h = torch.empty(tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
     bias = gate_up_bias if gate_up_bias is not None else hidden
     n1 = tile(inter, 32)
     _moe_gate_up_kernel[(num_experts, triton.cdiv(inter, n1))](
         hidden, flat, gate_up_proj, bias, h,
         hidden.stride(0), gate_up_proj.stride(0), s_wk, s_wc, bias.stride(0), h.stride(0),
-        num_assign, top_k, size, inter, col_step, up_offset, float(swiglu_alpha), float(swiglu_limit),
-        HAS_BIAS=gate_up_bias is not None, CLAMPED=activation == "clamped_swiglu", **flags,
+        num_assign, top_k, size, inter, float(swiglu_alpha), float(swiglu_limit),
+        HAS_BIAS=gate_up_bias is not None, CLAMPED=activation == "clamped_swiglu", INTERLEAVED=interleaved, **flags,
         BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=depth(size), BLOCK_A=block_a, num_warps=num_warps,
     )
     # down: (reduction over I, output column over H) strides
