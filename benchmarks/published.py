@@ -81,6 +81,17 @@ FIGURES: list[dict] = [
          date="2026-12-02", versions={**BASE, "unsloth": "2026.10.9"},
          command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
                  "--out unsloth_sft.json"),
+    # a second device call of the same row: the automatic budget after the memory-fraction fix (it kept no
+    # layer input on the GPU: the margin is larger than what the 20.7 GB leave), beside Unsloth's packed row only
+    dict(figure="sft_16k_fit_second_call_qwen3-8b", file="2026-12-02/sft_16k_fit_second_call_qwen3-8b_h200.json",
+         date="2026-12-02", versions=BASE,
+         command=f"{SFT} --model qwen3-8b --batch 16 --gpu-budget-gb 20.7 --modes swiftune_budget_fit "
+                 "swiftune_budget_offload --out sft_16k_fit.json"),
+    dict(figure="sft_16k_fit_second_call_qwen3-8b",
+         file="2026-12-02/unsloth_sft_packed_16k_fit_second_call_qwen3-8b_h200.json", date="2026-12-02",
+         versions={**BASE, "unsloth": "2026.10.9"},
+         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
+                 "--modes unsloth_packed --out unsloth_sft_packed.json"),
     dict(figure="sft_sweep_qwen3-8b", file="2026-12-01/sft_qwen3-8b_sweep_h200.json", date="2026-12-01",
          versions=WITH_TRL, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
     dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/qlora_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
