@@ -157,10 +157,12 @@ def test_kernel_loops_over_row_blocks_beyond_one_tile():
 
 @pytest.mark.parametrize("layout,dtype", [("qwen3_moe", torch.bfloat16), ("gpt_oss", torch.bfloat16),
                                           ("qwen3_moe", torch.float16)])
-def test_kernel_in_half_precision(layout, dtype):
+@pytest.mark.parametrize("tokens", [7, 40])
+def test_kernel_in_half_precision(layout, dtype, tokens):
     """bf16 / fp16 inputs (rounded h, y and per-add combine): within the 16-bit tolerance of the float64
-    formula on the same (rounded) inputs; the output is in the activation dtype."""
-    inputs, options = _case(layout, 7, dtype, seed=3)
+    formula on the same (rounded) inputs; the output is in the activation dtype. 40 tokens take the
+    launcher's tiles for more than 16 rows (gpt-oss's wider ones among them)."""
+    inputs, options = _case(layout, tokens, dtype, seed=3)
     want = _float64_formula(inputs, options)
     with torch.no_grad():
         on_device, on_device_options = _to(inputs, options, DEVICE)
@@ -239,13 +241,13 @@ def test_rollout_experts_forward_takes_the_kernel_for_decode_steps(family, monke
     """Inside rollout_experts, a patched model's MoE block with kernel_backend='triton' runs the decode
     kernel for a few tokens (a spy counts the calls) and equals the unpatched block; a prefill-sized call,
     kernel_backend='reference', and autograd keep the grouped-GEMM path."""
-    from swiftune.models.experts import DECODE_KERNEL_MAX_TOKENS, rollout_experts
+    from swiftune.models.experts import DECODE_KERNEL_MAX_TOKENS as cap, rollout_experts
 
     calls = []
     real = experts_module.moe_decode
     monkeypatch.setattr(experts_module, "moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     reference = tiny_moe(family).to(DEVICE)
-    for backend, tokens, expect_kernel in (("triton", 5, True), ("triton", DECODE_KERNEL_MAX_TOKENS + 1, False),
+    for backend, tokens, expect_kernel in (("triton", 5, True), ("triton", cap, True), ("triton", cap + 1, False),
                                            ("reference", 5, False)):
         if backend == "triton" and DEVICE == "cuda":
             backend = "auto"
