@@ -210,8 +210,15 @@ FIGURES: list[dict] = [
          command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--lora-rows --time-budget 125 --out rollout_moe_kernel.json"),
     dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_h200.json", date="2026-12-02", versions=BASE,
+         settings={"experts": "kernels <= 16 tokens, strided gate/up loads"},
          command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --baseline-kinds "
                  "dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out rollout_gptoss.json"),
+    # session 20: the decode kernels read gpt-oss's interleaved gate/up columns as one contiguous tile (the G=8
+    # step; G=64 keeps the grouped GEMM, measured again); no generate baselines in this call
+    dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_contiguous_tile_h200.json", date="2026-12-02",
+         versions=BASE, settings={"experts": "kernels <= 16 tokens, one gate/up tile"},
+         command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
+                 "--time-budget 180 --out rollout_gptoss_kernel.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]
