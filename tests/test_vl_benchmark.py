@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.test_benchmark_scripts import ROOT, assert_rows, run_script
+from tests.bench_helpers import ROOT, assert_rows, run_script
 
 pytest.importorskip("PIL")
 pytest.importorskip("trl")

@@ -139,6 +139,22 @@ def test_kept_attention_is_plain_follows_patching():
     assert walks.attention_is_plain(hf) is attention_is_plain(hf) is False
 
 
+def test_attention_with_sinks_is_not_plain():
+    """gpt-oss with every layer on full attention (no window) still has sinks, which per-document sdpa
+    cannot take: not plain, so the checkpointing budget plans its attention as another kernel's."""
+    import swiftune
+    from swiftune.models.patching import attention_is_plain
+    from tests.test_moe_parity import tiny_gpt_oss
+
+    model = tiny_gpt_oss(layer_types=["full_attention", "full_attention"])
+    swiftune.patch_model(model, attention=None, kernel_backend="reference")
+    assert all(layer.self_attn.sliding_window is None for layer in model.model.layers)
+    assert attention_is_plain(model) is False
+    for layer in model.model.layers:  # the same layers without sinks are plain
+        layer.self_attn.sinks = None
+    assert attention_is_plain(model) is True
+
+
 def _mlp_grads(mlp: nn.Module, forward, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     for p in mlp.parameters():
         p.grad = None

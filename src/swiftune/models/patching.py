@@ -211,9 +211,9 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
 
 def attention_is_plain(model: nn.Module) -> bool:
-    """Whether every patched attention layer of ``model`` calls attention without a sliding window
-    or soft-cap (what per-document sdpa cannot run, so ``auto`` takes another kernel for such
-    layers); ``False`` when no attention layer is patched (nothing is known)."""
+    """Whether every patched attention layer of ``model`` calls attention without a sliding window,
+    soft-cap or attention sinks (gpt-oss: what per-document sdpa cannot run, so ``auto`` takes
+    another kernel for such layers); ``False`` when no attention layer is patched (nothing is known)."""
     found = False
     for module in model.modules():
         state = patch_state(module)
@@ -222,6 +222,8 @@ def attention_is_plain(model: nn.Module) -> bool:
             continue
         found = True
         if spec.window(module) is not None or (spec.softcap and getattr(module, "attn_logit_softcapping", None)):
+            return False
+        if getattr(module, "sinks", None) is not None:
             return False
     return found
 

@@ -465,7 +465,7 @@ def _setup_of(model: nn.Module | None, x: torch.Tensor, attention_kernel: str | 
 
 def _every_layer_runs_sdpa(model: nn.Module | None, x: torch.Tensor, walks: ModelWalkIndex | None = None) -> bool:
     """Whether the layout's ``"sdpa"`` holds for every layer: patched attention without sliding
-    windows or soft-caps (:func:`~swiftune.models.patching.attention_is_plain`), in a half
+    windows, soft-caps or sinks (:func:`~swiftune.models.patching.attention_is_plain`), in a half
     precision (directly or under autocast; in float32 the fused kernels may refuse grouped K/V
     heads and the retry expands them). ``walks``: where that answer is kept (``None``: the model is walked)."""
     half = x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(x.device.type)

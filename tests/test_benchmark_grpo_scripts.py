@@ -1,0 +1,337 @@
+"""Smoke tests of the GRPO benchmark scripts (the step, the largest-completion bisection and its merge, the
+end-to-end step beside TRL / Unsloth) and of the loss curve and the plots, each in its tiny mode in a
+subprocess (tests/bench_helpers.py): the JSON keys the docs and benchmarks.plots read, and result rows
+that validate against benchmarks.results' schema."""
+
+import importlib
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from tests.bench_helpers import ROOT, assert_rows, load_bench_module, run_script
+
+
+COMMITTED = [os.path.join(ROOT, "docs", "results", f)
+             for f in ("sft_qwen3-8b_b16.json", "sft_qwen3-8b_sweep_h200.json", "longctx_qwen3-8b_32k.json",
+                       "longctx_qwen3-8b_sweep_h200.json", "rollout_h200.json", "grpo_step_qwen3-1.7b_h200.json",
+                       "grpo_figure3_qwen3-8b_h200.json", "longctx_figure3_llama3-8b_h200.json",
+                       "longctx_figure3_qwen3-8b_h200.json")]
+
+
+@pytest.fixture(scope="module")
+def grpo_step_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "grpo_step.json"
+    proc = run_script("grpo.py", "--model", "tiny", "--out", str(out))
+    assert "GRPO step" in proc.stdout  # the table is printed last
+    return out
+
+
+@pytest.fixture(scope="module")
+def grpo_bisect_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo") / "grpo_bisect.json"
+    modes = ["trl_grpo", "swiftune"] if importlib.util.find_spec("trl") else ["hf_full_logits", "swiftune"]
+    run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", *modes,
+               "--simulate-capacity", "1500", "--completion-lengths", "96", "--out", str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loss_curve_json(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loss") / "loss_curve.json"
+    run_script("loss_curve.py", "--model", "tiny", "--steps", "10", "--batch", "4", "--max_length", "256",
+               "--out", str(out))
+    return out
+
+
+def test_grpo_step_tiny(grpo_step_json):
+    r = json.loads(grpo_step_json.read_text())
+    for key in ("model", "generations", "prompt_tokens", "max_completion_length", "completion_lengths", "step_s",
+                "peak_gb", "phases", "generation_tokens_per_s", "reward", "reward_std", "share_prompt", "device"):
+        assert key in r, key
+    assert r["benchmark"] == "grpo_step" and "error" not in r
+    assert set(r["phases"]) >= {"generation", "logps_no_grad", "policy_forward", "policy_backward", "other"}
+    # no stop token: every completion ran to max_completion_length
+    assert r["all_full_length"] and r["completion_lengths"] == [r["max_completion_length"]] * r["generations"]
+    assert r["reward_std"] > 0  # the reward gives non-zero advantages
+    assert all(v["s"] >= 0 for k, v in r["phases"].items() if k != "other")
+    assert_rows(grpo_step_json, "grpo", {"step_s", "peak_gb", "phase_s"})
+
+
+def test_search_max_fit_brackets_within_tolerance():
+    grpo = load_bench_module("grpo")
+    for capacity in (100, 1000, 1234, 40_000, 300_000):
+        tried = []
+
+        def fits(n, capacity=capacity):
+            tried.append(n)
+            return n <= capacity
+
+        lo, hi, status = grpo.search_max_fit(fits, 512, 2**20, tol=0.05, granularity=16)
+        assert status == "converged", (capacity, lo, hi, status)
+        if capacity < 16:
+            continue
+        assert lo <= capacity < hi and (hi <= lo * 1.05 or hi - lo <= 16), (capacity, lo, hi)
+        assert len(tried) < 30
+    # nothing above the largest size: reported, not invented
+    assert grpo.search_max_fit(lambda n: True, 64, 1024, granularity=16) == (1024, None, "no_limit_found")
+    # resuming from a bracket tries only sizes inside it
+    seen = []
+    lo, hi, status = grpo.search_max_fit(lambda n: seen.append(n) or n <= 5000, 64, 2**20, granularity=16,
+                                         lo=4096, hi=8192)
+    assert status == "converged" and all(4096 < n < 8192 for n in seen) and lo <= 5000 < hi
+
+    # running out of time keeps the bracket found so far
+    def timed(n):
+        if n > 2048:
+            raise grpo.OutOfTime
+        return True
+
+    assert grpo.search_max_fit(timed, 512, 2**20, granularity=16) == (2048, None, "out_of_time")
+
+
+def test_grpo_bisect_tiny(grpo_bisect_json):
+    r = json.loads(grpo_bisect_json.read_text())
+    assert r["benchmark"] == "grpo_bisect" and r["rows"] == 2 and r["prompt_tokens"] == 256
+    for mode, res in r["modes"].items():
+        assert {"label", "max_fit", "first_fail", "status", "trials"} <= set(res), mode
+        assert res["status"] == "converged", res
+        # the simulated capacity is 1500 tokens = 2 x (256 + L): L <= 494
+        assert res["max_fit"] <= 494 < res["first_fail"] and res["first_fail"] <= res["max_fit"] * 1.05 + 16
+        lengths = [t["completion"] for t in res["trials"]]
+        assert lengths[0] == 96  # the fixed length first, then the search
+        assert all({"completion", "tokens", "status", "s"} <= set(t) for t in res["trials"])
+    rows = assert_rows(grpo_bisect_json, "grpo", {"fits", "max_fit_completion", "first_fail_completion", "step_s"})
+    assert {r.tool for r in rows} >= {"swiftune"} and all(r.settings["rows"] == 2 for r in rows)
+
+
+def test_grpo_bisect_prints_the_planners_largest_completion(grpo_bisect_json):
+    r = json.loads(grpo_bisect_json.read_text())
+    plan = r["planner"]
+    P, R = r["prompt_tokens"], r["rows"]
+    per_row = (plan["tokens"] - P) // R if r["share_prompt"] else plan["tokens"] // R - P
+    assert plan["completion"] == per_row > 0
+    assert plan["attention"] in ("sdpa", "flex" if r["share_prompt"] else "varlen")
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("gpu", [int(12e9), int(3.5e9)])
+def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
+    """At small budgets the answer is a real boundary: the planner fits its token count, not one more,
+    with the memory of the kernel such rows run: sdpa when they are long (K/V unexpanded, a float32 dq
+    for one prompt + completion), else flex (no K/V expansion, bf16 dq) for shared-prompt rows and
+    varlen for unshared ones."""
+    import argparse
+
+    from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
+    from swiftune.memory import plan_memory
+
+    grpo = load_bench_module("grpo")
+    from benchmarks.workload import MODEL_SHAPES
+
+    args = argparse.Namespace(model="qwen3-0.6b", share_prompt=share, prompt_tokens=256, bisect_rows=2)
+    host = int(8e9)
+    plan = grpo.planner_max_completion(args, gpu_bytes=gpu, host_bytes=host)
+    long_rows = 256 + plan["completion"] >= SDPA_MIN_MEAN_DOC_TOKENS
+    assert plan["attention"] == ("sdpa" if long_rows else "flex" if share else "varlen")
+    sdpa = plan["attention"] == "sdpa"
+    assert plan["longest"] == (256 + plan["completion"] if sdpa else None)  # sdpa: the answer's own sequence
+    kernel = None if plan["attention"] == "varlen" else plan["attention"]
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host, autocast=True,
+              lora_input_casts=False)
+
+    def fits(t):  # sdpa: the float32 dq of one prompt + completion of a row of t tokens
+        longest = 256 + ((t - 256) // 2 if share else t // 2 - 256) if sdpa else None
+        return plan_memory(dict(MODEL_SHAPES["qwen3-0.6b"]), t, 16, gpu_bytes=gpu, **kw,
+                           **planner_attention_terms(kernel, longest)).fits
+
+    assert fits(plan["tokens"]) and not fits(plan["tokens"] + 1)
+    tokens_per_step = 256 + 2 * plan["completion"] if share else 2 * (256 + plan["completion"])
+    assert tokens_per_step <= plan["tokens"] < tokens_per_step + 2  # the rest does not make a whole token per row
+
+
+def test_grpo_bisect_repeats_fixed_trials_and_offloads_every_layer(tmp_path):
+    """--trial-repeats reports the last of N steps (the first one's time kept), and
+    --swiftune-checkpointing offload_all runs the swiftune step with every layer input offloaded."""
+    out = tmp_path / "repeats.json"
+    run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+               "--swiftune-checkpointing", "offload_all", "--trial-repeats", "2", "--fixed-only",
+               "--completion-lengths", "96", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["trial_repeats"] == 2 and r["swiftune_checkpointing"] == "offload_all"
+    (t,) = r["modes"]["swiftune"]["trials"]
+    assert t["status"] == "ok" and t["completion"] == 96 and t["first_s"] > 0 and t["s"] > 0
+
+
+def test_grpo_bisect_host_budget_caps_the_offloaded_checkpoints(tmp_path):
+    """--host-budget-gb reaches swiftune's offloaded checkpoints: with every layer input sent to the
+    host, a cap below one input makes the trial fail as out of host memory, a cap above all of them
+    lets it run; the cap and margin are recorded."""
+    results = {}
+    for cap in ("0.000001", "1"):
+        out = tmp_path / f"cap_{cap}.json"
+        run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+                   "--swiftune-checkpointing", "offload_all", "--fixed-only", "--completion-lengths", "96",
+                   "--host-budget-gb", cap, "--host-margin-gb", "0", "--out", str(out))
+        results[cap] = json.loads(out.read_text())
+    (starved,) = results["0.000001"]["modes"]["swiftune"]["trials"]
+    (capped,) = results["1"]["modes"]["swiftune"]["trials"]
+    assert starved["status"] == "oom_host", starved
+    assert capped["status"] == "ok", capped
+    assert results["1"]["host_budget_gb"] == 1.0 and results["1"]["host_margin_gb"] == 0.0
+
+
+def test_grpo_completion_from_planner_tries_both_sides_of_its_answer(tmp_path):
+    """--completion-from-planner measures 2% above and 2.5% below the planner's largest completion
+    (largest first), multiples of the granularity, a bracket within 5% when both land on either side;
+    the plan used is the one recorded (trials fail at once here: --simulate-capacity)."""
+    planner_bracket = load_bench_module("grpo").planner_bracket
+
+    hi, lo = planner_bracket(444_677, 256)
+    assert hi % 256 == 0 and lo % 256 == 0 and lo < 444_677 < hi and hi / lo < 1.05
+    assert abs(hi - 1.02 * 444_677) < 256 and abs(lo - 0.975 * 444_677) < 256
+    assert planner_bracket(10, 16) == [16, 16]  # never below one granule
+    out = tmp_path / "edge.json"
+    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+                      "--completion-from-planner", "--simulate-capacity", "1", "--out", str(out))
+    r = json.loads(out.read_text())
+    planned = r["planner"]["completion"]
+    trials = r["modes"]["swiftune"]["trials"]
+    assert [t["completion"] for t in trials] == planner_bracket(planned, 16)
+    assert all(t["status"] == "oom" for t in trials) and r["modes"]["swiftune"]["status"] == "fixed_only"
+    assert f"{planned:,} completion tokens per row fit" in proc.stdout
+
+
+def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
+    """A trial that kills the process (host memory) counts as not fitting; a new process resumes."""
+    out = tmp_path / "killed.json"
+    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "hf_full_logits",
+                      "--simulate-kill-above", "1400", "--bisect-lo", "256", "--bisect-hi", "512", "--out", str(out))
+    assert "resuming" in proc.stdout
+    res = json.loads(out.read_text())["modes"]["hf_full_logits"]
+    killed = [t["completion"] for t in res["trials"] if t["status"] == "oom_killed"]
+    assert killed and all(2 * (256 + n) > 1400 for n in killed)
+    # 2 x (256 + L) <= 1400: L <= 444
+    assert res["status"] == "converged" and res["max_fit"] <= 444 < res["first_fail"] <= res["max_fit"] * 1.05 + 16
+
+
+def test_loss_curve_tiny_curves_coincide(loss_curve_json):
+    r = json.loads(loss_curve_json.read_text())
+    for key in ("max_abs_diff", "max_rel_diff", "abs_diff", "same_data", "same_init", "modes", "steps"):
+        assert key in r, key
+    assert r["same_data"] and r["same_init"]
+    base, ours = r["modes"]["hf_padded"]["losses"], r["modes"]["swiftune_packed"]["losses"]
+    assert len(base) == len(ours) == 10
+    assert r["dtype"] == "float32"
+    assert_rows(loss_curve_json, "loss_curve", {"max_abs_diff", "mean_abs_diff", "final_loss", "train_s"})
+    assert r["max_rel_diff"] < (1e-3 if torch.cuda.is_available() else 1e-4), r["max_rel_diff"]
+    if importlib.util.find_spec("matplotlib"):
+        assert os.path.getsize(r["png"]) > 10_000
+
+
+def test_plots_render_committed_and_smoke_results(tmp_path, grpo_step_json, grpo_bisect_json, loss_curve_json):
+    pytest.importorskip("matplotlib")
+    files = [*COMMITTED, str(grpo_step_json), str(grpo_bisect_json), str(loss_curve_json)]
+    proc = run_script("plots.py", *files, "--outdir", str(tmp_path))
+    for f in files:
+        png = tmp_path / (os.path.splitext(os.path.basename(f))[0] + ".png")
+        assert png.exists() and png.stat().st_size > 10_000, (png, proc.stdout)
+
+
+def test_merge_bisect_renames_keeps_provenance_and_refuses_other_shapes(tmp_path, grpo_bisect_json):
+    merge_bisect = load_bench_module("merge_bisect")
+    data = json.loads(grpo_bisect_json.read_text())
+    mode = next(iter(data["modes"]))
+    other = dict(data, modes={mode: dict(data["modes"][mode], max_fit=12345)}, swiftune_checkpointing="offload_all")
+    other_path = tmp_path / "other.json"
+    other_path.write_text(json.dumps(other))
+    out = tmp_path / "merged.json"
+    run_script("merge_bisect.py", "--out", str(out), f"{grpo_bisect_json}:{mode}", f"{other_path}:{mode}=second")
+    merged = json.loads(out.read_text())
+    assert list(merged["modes"]) == [mode, "second"]
+    assert merged["modes"][mode]["max_fit"] == data["modes"][mode]["max_fit"]
+    assert merged["modes"]["second"]["max_fit"] == 12345 and merged["modes"]["second"]["mode"] == "second"
+    assert merged["sources"]["second"]["swiftune_checkpointing"] == "offload_all"
+    assert {k: merged[k] for k in merge_bisect.SAME} == {k: data[k] for k in merge_bisect.SAME}
+    with pytest.raises(ValueError, match="rows"):
+        merge_bisect.merge([("a", data, [(mode, mode)]), ("b", dict(other, rows=8), [(mode, "b")])])
+    with pytest.raises(ValueError, match="two modes"):
+        merge_bisect.merge([("a", data, [(mode, mode)]), ("b", other, [(mode, mode)])])
+    with pytest.raises(ValueError, match="no mode"):
+        merge_bisect.merge([("a", data, [("nonexistent", "x")])])
+    assert merge_bisect.parse_spec("dir:with/colon.json:a,b=c") == ("dir:with/colon.json", [("a", "a"), ("b", "c")])
+
+
+def test_merge_bisect_joins_one_modes_trials_from_two_runs(tmp_path, grpo_bisect_json):
+    """``MODE=+NAME``: the fit of one run and the first failure of another make one bracket."""
+    merge_bisect = load_bench_module("merge_bisect")
+    data = json.loads(grpo_bisect_json.read_text())
+    mode = next(iter(data["modes"]))
+
+    def run(*trials):
+        return dict(data, modes={mode: {"mode": mode, "status": "fixed_only", "max_fit": None, "first_fail": None,
+                                        "trials": [{"completion": c, "status": st} for c, st in trials]}})
+
+    fails = run((417, "oom_host"), (398, "oom_host"))
+    fits = run((380, "ok"))
+    paths = [tmp_path / "fails.json", tmp_path / "fits.json"]
+    for path, d in zip(paths, (fails, fits)):
+        path.write_text(json.dumps(d))
+    out = tmp_path / "merged.json"
+    run_script("merge_bisect.py", "--out", str(out), f"{paths[1]}:{mode}=swift", f"{paths[0]}:{mode}=+swift")
+    merged = json.loads(out.read_text())
+    assert list(merged["modes"]) == ["swift"]
+    assert_rows(out, "merge_bisect", {"max_fit_completion", "first_fail_completion"})
+    joined = merged["modes"]["swift"]
+    assert (joined["max_fit"], joined["first_fail"], joined["status"]) == (380, 398, "joined")
+    assert [t["completion"] for t in joined["trials"]] == [380, 417, 398]
+    assert merged["sources"]["swift"]["file"] == str(paths[1])
+    assert [j["file"] for j in merged["sources"]["swift"]["joined"]] == [str(paths[0])]
+    # a failure below the fit does not bound it; without a failure above, the first run's status stays
+    alone = merge_bisect.joined_mode(fits["modes"][mode], run((100, "oom"))["modes"][mode])
+    assert (alone["max_fit"], alone["first_fail"], alone["status"]) == (380, None, "fixed_only")
+    with pytest.raises(ValueError, match="earlier file"):
+        merge_bisect.merge([("a", fits, [(mode, mode)]), ("b", fails, [(mode, "+other")])])
+    with pytest.raises(ValueError, match="no mode"):
+        merge_bisect.merge([("a", fits, [(mode, mode)]), ("b", fails, [("nonexistent", "+" + mode)])])
+
+
+def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
+    """benchmarks.grpo_e2e: swiftune's whole GRPOTrainer step (generation to optimizer step) on the
+    tiny shape, every completion full length, the phases adding up to the step; TRL's where TRL is
+    installed; a tool whose process fails gives an error record, not a crash; the Unsloth mode's
+    checkpoint is a plain transformers model + tokenizer that loads back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from benchmarks import grpo_e2e
+
+    out = tmp_path / "e2e.json"
+    modes = ["swiftune"] + (["trl"] if importlib.util.find_spec("trl") else [])
+    run_script("grpo_e2e", "--model", "tiny", "--prompts", "2", "--generations", "2", "--prompt-tokens", "8",
+               "--completion-tokens", "12", "--micro-batch", "2", "--modes", *modes, "--out", str(out))
+    records = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in records] == modes
+    for r in records:
+        assert "error" not in r, r
+        assert r["completions"] == 4 and r["generated_tokens"] == 4 * 12 and r["all_full_length"]
+        assert r["phases"]["generation"] > 0 and r["phases"]["policy"] > 0
+        assert abs(sum(r["phases"].values()) - r["step_s"]) < 1e-6
+    rows = assert_rows(out, "grpo_e2e", {"step_s", "peak_gb", "phase_s"})
+    assert {r.settings["phase"] for r in rows if r.metric == "phase_s"} == {"generation", "scoring", "policy", "other"}
+
+    ck = tmp_path / "ck"
+    assert grpo_e2e.main(["--save-checkpoint", str(ck), "--model", "tiny"]) == 0
+    tok = AutoTokenizer.from_pretrained(str(ck))
+    assert tok.eos_token == "t1" and tok("t5 t7")["input_ids"] == [5, 7]
+    assert AutoModelForCausalLM.from_pretrained(str(ck)).config.vocab_size == tok.vocab_size
+
+    site = tmp_path / "site"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text("raise ImportError('Unsloth needs a GPU')\n")
+    out = tmp_path / "u.json"
+    assert grpo_e2e.main(["--model", "tiny", "--modes", "unsloth", "--site", str(site), "--model-dir", str(ck),
+                          "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["rows"]
+    assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
