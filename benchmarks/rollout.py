@@ -196,7 +196,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
     return {"wall_s": wall, "new_tokens": new_tokens, "tokens_per_s": rows * new_tokens / gen_s,
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
-            "fused_layers": engine.fused_layers}
+            "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens}
 
 
 def lora_runs(model, name: str, prompt: list[int], rows_list: list[int], new_tokens: int,
@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-steps", type=int, default=None, help="tokens per generate baseline (64; tiny 8)")
     p.add_argument("--kv-bucket", type=int, default=256)
     p.add_argument("--no-baselines", action="store_true")
+    p.add_argument("--moe-decode-max-tokens", type=int, default=None,
+                   help="MoE shapes: the most tokens a decode step sends through the fused decode kernels "
+                        "(FastRolloutEngine(moe_decode_max_tokens=...); default: the library's)")
     p.add_argument("--baseline-kinds", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"],
                    help="which generate baselines to time (static compiles the forward: minutes on MoE shapes)")
     p.add_argument("--time-budget", type=float, default=420.0,
@@ -424,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                     results["skipped"].append({"model": name, "rows": rows, "new_tokens": new, "estimated_s": est})
                     print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
                     continue
-                r = time_fast(model, prompt, rows, new, a.kv_bucket)
+                r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens)
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
                 read = moe_read_bytes(model, routed[rows]) if moe else wbytes

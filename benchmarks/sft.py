@@ -233,12 +233,15 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
 
 
 def _offload_counts(model) -> dict:
-    """How the last step's plan placed the layer inputs: kept on the GPU, sent to the host, re-derived."""
+    """How the last step's plan placed the layer inputs (kept on the GPU, sent to the host, re-derived),
+    and the seconds the run spent allocating pinned host pages (the pool grows with the largest
+    micro-batch seen; a later mode in the same process may reuse torch's cached pinned blocks)."""
     from swiftune.training import offload_stats
 
     stats = offload_stats(model)
     return {"kept": len(stats.get("keep", ())), "offloaded": len(stats.get("offload", ())),
-            "derived": len(stats.get("derived", ()))}
+            "derived": len(stats.get("derived", ())), "host_alloc_s": stats.get("host_alloc_seconds", 0.0),
+            "host_pinned_gb": stats.get("host_pinned_bytes", 0) / 1e9}
 
 
 def _steady_state(record: dict) -> dict:

@@ -326,12 +326,17 @@ case "$part" in
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_gptoss.json" ;;
   gptoss-decode)  # the decode kernels on gpt-oss's expert layout (one contiguous tile of interleaved gate/up
     # columns): their tests compiled, one layer of gpt-oss-20b's experts kernel vs grouped GEMM, then the engine's
-    # G 8/64 rows against the HBM floor (no generate baselines: gptoss-rollout has them) (~7 min)
+    # G 8/64 rows against the HBM floor (no generate baselines: gptoss-rollout has them), then G=64 with the kernels
+    # up to 64 tokens (~8 min)
     run moe_decode_tests 150 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
     run moe_decode_gptoss 120 python3 -m benchmarks.moe_decode --model gpt-oss-20b --tokens 8,16,64 \
       --out "$OUT/moe_decode_gptoss.json"
     run gptoss_engine 230 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 \
-      --no-baselines --time-budget 180 --out "$OUT/rollout_gptoss_kernel.json" ;;
+      --no-baselines --time-budget 180 --out "$OUT/rollout_gptoss_kernel.json"
+    # A/B in the same call: the decode kernels up to 64 tokens (the G=64 step off the grouped GEMM)
+    run gptoss_engine_cap64 150 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 \
+      --no-baselines --no-checks --moe-decode-max-tokens 64 --time-budget 100 \
+      --out "$OUT/rollout_gptoss_kernel_cap64.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \

@@ -247,8 +247,9 @@ def test_rollout_experts_forward_takes_the_kernel_for_decode_steps(family, monke
     real = experts_module.moe_decode
     monkeypatch.setattr(experts_module, "moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     reference = tiny_moe(family).to(DEVICE)
-    for backend, tokens, expect_kernel in (("triton", 5, True), ("triton", cap, True), ("triton", cap + 1, False),
-                                           ("reference", 5, False)):
+    for backend, tokens, expect_kernel, raised in (("triton", 5, True, None), ("triton", cap, True, None),
+                                                   ("triton", cap + 1, False, None), ("triton", cap + 1, True, cap + 8),
+                                                   ("triton", 5, False, 4), ("reference", 5, False, None)):
         if backend == "triton" and DEVICE == "cuda":
             backend = "auto"
         model = patch_model(copy.deepcopy(reference), attention="reference", kernel_backend=backend)
@@ -257,11 +258,11 @@ def test_rollout_experts_forward_takes_the_kernel_for_decode_steps(family, monke
         calls.clear()
         with torch.no_grad():
             want = ref_block(x)
-            with rollout_experts(model, FAMILIES[family]):
+            with rollout_experts(model, FAMILIES[family], decode_kernel_max_tokens=raised):  # None: the default
                 got = block(x)
         got = got[0] if isinstance(got, tuple) else got
         want = want[0] if isinstance(want, tuple) else want
-        assert calls == ([tokens] if expect_kernel else []), (backend, tokens)
+        assert calls == ([tokens] if expect_kernel else []), (backend, tokens, raised)
         assert rel_err(got, want) < 1e-5
         if expect_kernel:
             kernel_model = model
@@ -289,6 +290,19 @@ def test_engine_greedy_with_the_kernel_equals_generate(family, monkeypatch):
         PROMPTS, 1, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=()))
     assert calls.count(len(PROMPTS)) == 5 * sparse_layers  # every decode step after the prefill took it
     assert out.completion_ids == [_hf_greedy(reference, p, 6) for p in PROMPTS]
+    # the engine's cap: 0 sends every step to the grouped GEMM, same tokens; one below the rows' count too
+    for cap in (0, len(PROMPTS) - 1):
+        calls.clear()
+        capped = FastRolloutEngine(policy, pad_token_id=PAD, kv_bucket=4, moe_decode_max_tokens=cap).generate(
+            PROMPTS, 1, SamplingParams(max_tokens=6, temperature=0, stop_token_ids=()))
+        assert calls == [] and capped.completion_ids == out.completion_ids, cap
+
+
+def test_engine_refuses_a_bad_moe_decode_cap():
+    model = tiny_moe("qwen3_moe")
+    for bad in (-1, 2.5, True, "16"):
+        with pytest.raises(ValueError, match="whole number >= 0"):
+            FastRolloutEngine(model, moe_decode_max_tokens=bad)
 
 
 def test_bad_inputs_are_refused_with_the_fix_named():

@@ -364,7 +364,8 @@ def moe_decode(
     (gpt-oss's, with ``swiglu_alpha`` / ``swiglu_limit``). ``block_n`` / ``block_k`` / ``num_warps``: the
     GEMM tiles' output width and reduction depth and the warps of a program (``None``: 32 columns for
     gate/up, 64 for down; depth 64 up to 16 tokens, 128 above, 32 in fp32; 4 warps up to 16 tokens, 8
-    above and in fp32: where sm_90 builds of these tiles hold their registers without spilling). No
+    above and in fp32: where sm_90 builds of these tiles hold their registers without spilling; the
+    interleaved layout above 16 tokens in 16-bit: 64 columns for both, depth 64, 4 warps). No
     autograd; where the Triton kernels cannot run (CPU without the interpreter, ``backend="reference"``)
     the float32 loop.
     """
@@ -397,10 +398,15 @@ def moe_decode(
         return max(16, min(next_pow2(n), block_n or default))
 
     fp32 = hidden.dtype == torch.float32
+    # the interleaved layout (gpt-oss) above 16 rows: 64-column tiles (a 128-column fused gate/up tile), depth
+    # 64, 4 warps: the fastest of benchmarks.moe_decode's sweep at 32 and 64 tokens on the H200
+    wide = interleaved and not fp32 and block_m > 16
+    if block_n is None and wide:
+        block_n = 64
     if block_k is None:
-        block_k = 32 if fp32 else 64 if block_m <= 16 else 128
+        block_k = 32 if fp32 else 64 if block_m <= 16 or wide else 128
     if num_warps is None:
-        num_warps = 8 if fp32 or block_m > 16 else 4
+        num_warps = 8 if fp32 or (block_m > 16 and not wide) else 4
 
     def depth(n: int) -> int:
         return max(16, min(next_pow2(n), block_k))

@@ -50,8 +50,8 @@ from ..kernels.moe_decode import moe_decode, moe_decode_interpreted
 from .families import ExpertsSpec, Family
 from .state import is_bound, patch_state
 
-__all__ = ["DECODE_KERNEL_MAX_TOKENS", "decode_kernel_applies", "expert_blocks", "grouped_experts_forward",
-           "grouped_linear", "grouped_mm_supported",
+__all__ = ["DECODE_KERNEL_MAX_TOKENS", "check_decode_kernel_max_tokens", "decode_kernel_applies", "expert_blocks",
+           "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
            "rollout_experts", "rollout_experts_forward"]
 
 
@@ -141,15 +141,18 @@ def grouped_experts_forward(
 def rollout_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *, spec: ExpertsSpec, adapters: dict[str, LowRank] | None = None, decode_kernel: bool = True,
+    decode_kernel_max_tokens: int | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_experts_forward` for the rollout engine (module docstring): on CUDA no host sync
     (capturable), and each token's expert outputs added in ascending expert order, deterministically.
     ``adapters``: weight name -> LoRA factors ``(lhs, rhs, s)`` with the adapted weight ``W + s lhs @ rhs``
     (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``.
     ``decode_kernel``: whether a decode step may take the fused kernels (:func:`decode_kernel_applies`);
-    ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times)."""
+    ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times).
+    ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :data:`DECODE_KERNEL_MAX_TOKENS`)."""
     _check_fused_layout(self)
-    if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters):
+    cap = DECODE_KERNEL_MAX_TOKENS if decode_kernel_max_tokens is None else decode_kernel_max_tokens
+    if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, cap):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
                                   static=hidden_states.is_cuda, adapters=adapters or {})
@@ -174,18 +177,26 @@ def rollout_experts_forward(
 DECODE_KERNEL_MAX_TOKENS = 16
 
 
+def check_decode_kernel_max_tokens(max_tokens: int) -> int:
+    """``max_tokens`` as the decode kernels' token cap (a whole number >= 0; 0: never the kernels)."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise ValueError(f"the MoE decode kernels' token cap must be a whole number >= 0 (0: the grouped GEMM "
+                         f"always), got {max_tokens!r}")
+    return max_tokens
+
+
 def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: ExpertsSpec,
-                          adapters: dict[str, LowRank] | None) -> bool:
+                          adapters: dict[str, LowRank] | None, max_tokens: int = DECODE_KERNEL_MAX_TOKENS) -> bool:
     """Whether a rollout step's experts run the fused decode kernels: no autograd, at most
-    :data:`DECODE_KERNEL_MAX_TOKENS` tokens, no LoRA factors (merged adapters leave plain weights),
-    fp16/bf16/fp32 weights of the activation dtype, SiLU (or gpt-oss's clamped SwiGLU), and compiled
-    Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"`` asks for kernels
-    (the tests); everything else keeps the grouped-GEMM path."""
+    ``max_tokens`` tokens (default :data:`DECODE_KERNEL_MAX_TOKENS`), no LoRA factors (merged adapters
+    leave plain weights), fp16/bf16/fp32 weights of the activation dtype, SiLU (or gpt-oss's clamped
+    SwiGLU), and compiled Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"``
+    asks for kernels (the tests); everything else keeps the grouped-GEMM path."""
     state = patch_state(module)
     backend = state.kernel_backend if state is not None else "auto"
     if backend == "reference" or adapters or torch.is_grad_enabled():
         return False
-    if hidden_states.dim() != 2 or hidden_states.shape[0] > DECODE_KERNEL_MAX_TOKENS:
+    if hidden_states.dim() != 2 or hidden_states.shape[0] > max_tokens:
         return False
     if hidden_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
@@ -321,12 +332,16 @@ def _adapted_rollout_forward(
 
 
 @contextlib.contextmanager
-def rollout_experts(model: nn.Module, family: Family) -> Iterator[tuple[int, int]]:
+def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: int | None = None
+                    ) -> Iterator[tuple[int, int]]:
     """Within the block, every experts module of ``model`` that :func:`swiftune.patch_model` bound runs
     :func:`rollout_experts_forward`, and the outermost PEFT ``target_parameters`` wrapper around one runs
     :func:`_adapted_rollout_forward` (both restored on exit); yields ``(bound, total)`` experts modules
     of the family's class, so a caller can tell whether transformers' own experts forward (with its host
-    syncs) would still run somewhere."""
+    syncs) would still run somewhere. ``decode_kernel_max_tokens``: the most tokens a step sends
+    through the fused decode kernels (``None``: :data:`DECODE_KERNEL_MAX_TOKENS`)."""
+    if decode_kernel_max_tokens is not None:
+        check_decode_kernel_max_tokens(decode_kernel_max_tokens)
     if family.experts is None:
         yield (0, 0)
         return
@@ -345,7 +360,8 @@ def rollout_experts(model: nn.Module, family: Family) -> Iterator[tuple[int, int
     saved = [(m, m.__dict__.get("forward")) for m in bound + [w for w, _, _ in outer]]
     try:
         for m in bound:
-            m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts), m)
+            m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts,
+                                           decode_kernel_max_tokens=decode_kernel_max_tokens), m)
         for w, chain, experts in outer:
             w.forward = MethodType(partial(_adapted_rollout_forward, chain=chain, experts=experts, spec=family.experts,
                                            peft_forward=w.forward), w)

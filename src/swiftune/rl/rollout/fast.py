@@ -85,7 +85,7 @@ from ...attention import build_packed_batch
 from ...attention.kv_cache import ROLLOUT_KWARG
 from ...attention.registry import register_rollout_attention
 from ...losses import free_gpu_bytes
-from ...models.experts import rollout_experts
+from ...models.experts import check_decode_kernel_max_tokens, rollout_experts
 from ...models.families import FAMILIES
 from ...models.patching import causal_lm_of
 from .kv_cache import DecodeContext, Workspace
@@ -184,6 +184,10 @@ class FastRolloutEngine:
             kernel; the same numbers as the layers' own forward, with fewer kernel launches per
             layer (the step time is in docs/benchmarks.md). Other architectures, or ``False``,
             run each layer's own forward.
+        moe_decode_max_tokens: mixture-of-experts models: the most tokens a decode step sends through
+            the fused decode kernels (:mod:`swiftune.kernels.moe_decode`) rather than the grouped GEMM
+            (``None``: :data:`swiftune.models.experts.DECODE_KERNEL_MAX_TOKENS`, where the kernels
+            won on the H200 for every family; 0: the grouped GEMM always).
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -193,7 +197,7 @@ class FastRolloutEngine:
                  stop_strings: Sequence[str] = (), max_batch_size: int | None = None, use_cuda_graph: bool = True,
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
-                 compact_finished: bool = True, fused_layers: bool = True):
+                 compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -214,6 +218,8 @@ class FastRolloutEngine:
         self.memory_fraction = memory_fraction
         self.compact_finished = compact_finished
         self.fused_layers = fused_layers
+        self.moe_decode_max_tokens = (None if moe_decode_max_tokens is None
+                                      else check_decode_kernel_max_tokens(moe_decode_max_tokens))
         self._generator: torch.Generator | None = None
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
@@ -250,7 +256,8 @@ class FastRolloutEngine:
         backups = None
         self.model.eval()
         try:
-            with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type]) as (bound, total):
+            with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type],
+                                                          self.moe_decode_max_tokens) as (bound, total):
                 if bound < total:
                     self._check_unbound_experts(total - bound)
                 backups = merge_lora(self.model, self.lora)
