@@ -11,7 +11,8 @@ What runs is gradient checkpointing, with the layer's work in two graphs:
   buffer. Only the input stays alive until backward, as with checkpointing.
 * backward: the recompute with grad, then ``torch.autograd.grad`` of the output with respect to the
   input and the layer's LoRA parameters. The upstream gradient is read from a static buffer, and the
-  results go back into that buffer and into one static buffer per parameter.
+  results go back into that buffer and into one static buffer per parameter (one set per layer,
+  shared by the layer's graphs of every bucket).
 
 :class:`GraphedLayerFunction` ties the two into autograd. The parameters are its inputs, so their
 gradients reach ``.grad`` through autograd's own accumulation.
@@ -137,6 +138,10 @@ class GraphedStack:
         # host by the reference kernel off CUDA) is emptied every step, and a captured kernel may not use one
         self.layouts: dict[tuple[int, int], PackedBatch] = {}
         self.graphs: dict[tuple, _LayerGraphs] = {}  # (layer, bucket, slots, autocast) -> graphs
+        # layer -> (parameter addresses, static gradient buffers): one set per layer, written by the backward
+        # graph of every bucket (a layer's backward replays once a pass, and autograd adds the buffers into
+        # .grad before that layer's next replay), not one set per bucket
+        self.param_grads: dict[int, tuple[tuple[int, ...], list[torch.Tensor]]] = {}
         self.pool: Any = None
         self.step: _StepLayout | None = None
         self.generation = 0
@@ -269,6 +274,16 @@ class GraphedStack:
         self.stats["captures"] += 1
         return graphs
 
+    def gradient_buffers(self, index: int, params: list[nn.Parameter], ptrs: tuple[int, ...]) -> list[torch.Tensor]:
+        """Layer ``index``'s static parameter-gradient buffers, shared by its graphs of every bucket;
+        new ones when its trainable parameters are other tensors than when they were made."""
+        kept = self.param_grads.get(index)
+        if kept is not None and kept[0] == ptrs:
+            return kept[1]
+        buffers = [torch.zeros_like(p) for p in params]
+        self.param_grads[index] = (ptrs, buffers)
+        return buffers
+
     def _capture(self, index: int, layer: nn.Module, orig: Callable, params: list[nn.Parameter],
                  ptrs: tuple[int, ...]) -> _LayerGraphs:
         step = self.step
@@ -276,7 +291,7 @@ class GraphedStack:
         tb = step.bucket
         x_in, x_out, grad = self.acts[index][:, :tb], self.acts[index + 1][:, :tb], self.grad[:, :tb]
         kwargs = self.static_kwargs()
-        param_grads = [torch.zeros_like(p) for p in params]
+        param_grads = self.gradient_buffers(index, params, ptrs)
         enabled, dtype = step.autocast
         device_type = x_in.device.type
 
@@ -499,8 +514,13 @@ def is_graphed(model: nn.Module) -> bool:
 
 
 def graphed_layer_stats(model: nn.Module) -> dict[str, Any]:
-    """Counters: graphed and fallback forwards, captures, the last fallback's reason, the buffers' capacity."""
+    """Counters: graphed and fallback forwards, captures, the last fallback's reason, the buffers' capacity,
+    and the bytes of the static parameter-gradient buffers (one set per layer, whatever the buckets)."""
     stack: GraphedStack | None = getattr(causal_lm_of(model), _STACK, None)
     if stack is None:
         return {}
-    return {**stack.stats, "capacity_tokens": stack.capacity, "graph_sets": len(stack.graphs)}
+    # the distinct buffers the kept graphs write (a set per graph, were they not shared)
+    buffers = {id(b): b for graphs in stack.graphs.values() for b in graphs.param_grads}
+    grad_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
+    return {**stack.stats, "capacity_tokens": stack.capacity, "graph_sets": len(stack.graphs),
+            "gradient_buffer_bytes": grad_bytes}
