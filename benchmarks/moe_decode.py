@@ -44,9 +44,12 @@ from swiftune.kernels.moe_decode import moe_decode, moe_decode_reference
 from swiftune.models.experts import DECODE_KERNEL_MAX_TOKENS, rollout_experts_forward
 from swiftune.models.families import FAMILIES
 
-# (block_n, block_k, num_warps) beside the launcher's defaults
-# (each compiles both GEMM kernels once: a few seconds apiece, within the script's minute)
-SWEEP = [(16, 64, 4), (64, 64, 4), (32, 128, 8), (64, 128, 8)]
+# the tiles timed beside the launcher's defaults (each compiles both GEMM kernels once: a few seconds apiece,
+# within the script's minute), each checked against the float32 reference first:
+# (block_n, block_k, num_warps, block_m): block_m None is the launcher's (the token count's power of two); 16 is
+# one tensor-core tile of rows, which at 64 tokens wastes less work on experts that hold a few rows each
+SWEEP = [(16, 64, 4, None), (64, 64, 4, None), (32, 128, 8, None), (64, 128, 8, None),
+         (32, 64, 4, 16), (64, 64, 4, 16), (64, 128, 8, 16)]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -136,10 +139,10 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
         def today():
             return rollout_experts_forward(experts, hidden, index, weights, spec=spec, decode_kernel=False)
 
-        def kernel(block_n=None, block_k=None, num_warps=None):
+        def kernel(block_n=None, block_k=None, num_warps=None, block_m=None):
             return moe_decode(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
                               transposed=spec.transposed, **gpt_oss, block_n=block_n, block_k=block_k,
-                              num_warps=num_warps)
+                              num_warps=num_warps, block_m=block_m)
 
         got, base = kernel(), today()
         want = moe_decode_reference(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
@@ -164,11 +167,14 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
                              floor_ms=floor_ms, **checks))
         if cuda and sweep:  # the tile sweep (graph replays), to tune the launcher's defaults
             best = None
-            for block_n, block_k, warps in SWEEP:
-                replay, _ = as_graph(lambda n=block_n, k=block_k, w=warps: kernel(n, k, w))
+            for block_n, block_k, warps, block_m in SWEEP:
+                tile = (block_n, block_k, warps, block_m)
+                err = rel_err(kernel(*tile), want)
+                assert err < 1e-2, (tile, err)  # every tile computes the same experts
+                replay, _ = as_graph(lambda t=tile: kernel(*t))
                 ms = time_ms(replay, iters, cuda)
                 if best is None or ms < best[0]:
-                    best = (ms, f"{block_n}/{block_k}/{warps}")
+                    best = (ms, f"{block_n}/{block_k}/{warps}" + (f"/m{block_m}" if block_m else ""))
             rows[-1].update(best_ms=best[0], best_tile=best[1])
     return rows
 
@@ -214,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     data = dict(benchmark="moe_decode", meta=meta, rows=rows)
     print(f"\n{meta}")
     print(f"{'path':<11} {'T':>3} {'experts':>7} {'eager ms':>9} {'graph ms':>9} {'floor ms':>9} {'x floor':>8} "
-          f"{'best ms':>8} {'n/k/warps':>10}")
+          f"{'best ms':>8} {'n/k/warps[/m]':>14}")
     for r in rows:
         timed = r["graph_ms"] if r["graph_ms"] is not None else r["eager_ms"]
         graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
-        best = f"{r['best_ms']:8.4f} {r['best_tile']:>10}" if "best_ms" in r else ""
+        best = f"{r['best_ms']:8.4f} {r['best_tile']:>14}" if "best_ms" in r else ""
         print(f"{r['path']:<11} {r['tokens']:>3} {r['distinct_experts']:>7} {r['eager_ms']:9.4f} {graph} "
               f"{r['floor_ms']:9.4f} {timed / r['floor_ms']:8.2f} {best}")
     if args.out:

@@ -143,6 +143,22 @@ def test_interleaved_columns_from_a_stack_without_unit_column_stride(stack):
     assert max(rel_err(got[t], want[t]) for t in range(7)) < 1e-5
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_smaller_row_tile_loops_over_an_experts_rows(layout):
+    """``block_m=16`` at 40 tokens: experts 0 (every token) and others hold more rows than the tile, so
+    their programs loop over row blocks, reading their weights again; equal to the float64 formula per
+    token. A tile that is not a power of two >= 16 is refused."""
+    inputs, options = _case(layout, 40, torch.float32, seed=8)
+    want = _float64_formula(inputs, options)
+    with torch.no_grad():
+        on_device, on_device_options = _to(inputs, options, DEVICE)
+        got = moe_decode(**on_device, **on_device_options, backend="triton", block_m=16)
+        assert max(rel_err(got[t], want[t]) for t in range(40)) < 1e-5
+        for bad in (8, 24):
+            with pytest.raises(ValueError, match="power of two >= 16"):
+                moe_decode(**on_device, **on_device_options, backend="triton", block_m=bad)
+
+
 def test_kernel_loops_over_row_blocks_beyond_one_tile():
     """100 tokens (past the wiring's 64, which the launcher still takes): expert 0 has 100 rows, more
     than one 64-row tile, so its programs loop over two row blocks; the scan over assignments takes

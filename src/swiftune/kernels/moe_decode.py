@@ -353,7 +353,7 @@ def moe_decode(
     down_proj: torch.Tensor, *, transposed: bool, interleaved: bool = False, gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None, activation: Activation = "silu", swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0, backend: Backend = "auto", block_n: int | None = None, block_k: int | None = None,
-    num_warps: int | None = None,
+    num_warps: int | None = None, block_m: int | None = None,
 ) -> torch.Tensor:
     """The routed experts of a decode step (module docstring): ``[T, H]`` tokens, ``[T, k]`` distinct
     experts and routing weights -> ``[T, H]`` in ``hidden``'s dtype.
@@ -365,7 +365,9 @@ def moe_decode(
     GEMM tiles' output width and reduction depth and the warps of a program (``None``: 32 columns for
     gate/up, 64 for down; depth 64 up to 16 tokens, 128 above, 32 in fp32; 4 warps up to 16 tokens, 8
     above and in fp32: where sm_90 builds of these tiles hold their registers without spilling; the
-    interleaved layout above 16 tokens in 16-bit: 64 columns for both, depth 64, 4 warps). No
+    interleaved layout above 16 tokens in 16-bit: 64 columns for both, depth 64, 4 warps). ``block_m``:
+    the rows of one expert a program multiplies at once, a power of two >= 16 (``None``: the token
+    count's next power of two, 16 to 64; an expert with more rows loops, reading its weights again). No
     autograd; where the Triton kernels cannot run (CPU without the interpreter, ``backend="reference"``)
     the float32 loop.
     """
@@ -389,7 +391,11 @@ def moe_decode(
     flat = top_k_index.reshape(-1).contiguous()
     num_assign = flat.numel()
     block_a = min(MAX_BLOCK_A, max(16, next_pow2(num_assign)))
-    block_m = min(MAX_BLOCK_M, max(16, next_pow2(tokens)))
+    many = tokens > 16
+    if block_m is None:
+        block_m = min(MAX_BLOCK_M, max(16, next_pow2(tokens)))
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16 (the tensor cores' smallest tile), got {block_m}")
     interpreted = kernel_is_interpreted(_moe_gate_up_kernel)
     flags = dict(DOT_F32=interpreted or hidden.dtype == torch.float32,
                  ROUND_BF16=interpreted and hidden.dtype == torch.bfloat16)
@@ -400,13 +406,13 @@ def moe_decode(
     fp32 = hidden.dtype == torch.float32
     # the interleaved layout (gpt-oss) above 16 rows: 64-column tiles (a 128-column fused gate/up tile), depth
     # 64, 4 warps: the fastest of benchmarks.moe_decode's sweep at 32 and 64 tokens on the H200
-    wide = interleaved and not fp32 and block_m > 16
+    wide = interleaved and not fp32 and many
     if block_n is None and wide:
         block_n = 64
     if block_k is None:
-        block_k = 32 if fp32 else 64 if block_m <= 16 or wide else 128
+        block_k = 32 if fp32 else 64 if not many or wide else 128
     if num_warps is None:
-        num_warps = 8 if fp32 or (block_m > 16 and not wide) else 4
+        num_warps = 8 if fp32 or (many and not wide) else 4
 
     def depth(n: int) -> int:
         return max(16, min(next_pow2(n), block_k))
