@@ -260,6 +260,17 @@ def test_cli_offload_gpu_budget_checks():
             build_model(args, config=None, builtin=True)
 
 
+@pytest.mark.parametrize("value,message", [(float("nan"), "must be a finite number >= 0"),
+                                           (float("inf"), "must be a finite number >= 0"),
+                                           (-1.0, "learning_rate=-1.0 must be >= 0")])
+def test_config_names_a_non_finite_learning_rate_as_such(tmp_path, value, message):
+    """nan and inf are refused as non-finite, not as if they were negative; a negative value as negative."""
+    from swiftune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        SFTConfig(output_dir=str(tmp_path / "o"), learning_rate=value, use_cpu=True)
+
+
 @pytest.mark.parametrize("bf16", [True, False])
 def test_training_step_leaves_lora_inputs_in_the_autocast_dtype_under_bf16(tokenizer, rows, tmp_path, bf16):
     """With bf16 (autocast) the trainer switches PEFT's LoRA input casts off for the step, forward and

@@ -65,6 +65,8 @@ def require_number(config: Any, name: str, fix: str, *, low: float | None = None
             need = f"must be {'<' if high_open else '<='} {high}"
         else:
             need = "must be a finite number"
+        if (low is not None or high is not None) and not _is_number(value):
+            need = "must be a finite number " + need.removeprefix("must be ")  # nan / inf / not a number
         fail(config, name, value, need + (" or None" if allow_none else ""), f"set {name} to {fix}")
 
 
