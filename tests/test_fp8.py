@@ -97,16 +97,22 @@ def test_load_in_fp8_stores_e4m3_per_row_and_logits_stay_close(checkpoints, fami
 # padding-free rows against documents alone; offloaded checkpointing also tiles the MLP and the
 # projections (the FP8 layers run per tile under PEFT)
 @pytest.mark.parametrize("family,layout,checkpointing", [("llama", "padding_free", False),
-                                                         ("qwen3", "padding_free", "offload")])
+                                                         ("qwen3", "padding_free", "offload"),
+                                                         ("qwen3", "padding_free", "graphed")])
 def test_fp8_lora_loss_and_gradients_equal_transformers_peft_on_dequantised_weights(
         checkpoints, family, layout, checkpointing, monkeypatch):
+    """``graphed``: checkpointing with CUDA-graphed decoder layers (closures in place of replays off CUDA)."""
     from swiftune.models.lora_linear import LoRALinearFunction
+    from swiftune.training.layer_graphs import enable_graphed_layers, graphed_layer_stats
 
     path = checkpoints[family]
     model, _ = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
     budget = {"offload_gpu_budget_bytes": 0} if checkpointing == "offload" else {}
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
-                                     use_gradient_checkpointing=checkpointing, init_lora_weights=False, **budget)
+                                     use_gradient_checkpointing=True if checkpointing == "graphed" else checkpointing,
+                                     init_lora_weights=False, **budget)
+    if checkpointing == "graphed":
+        enable_graphed_layers(model)
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
     reference = peft.get_peft_model(_plain_with_weights(path, model), config).train()
@@ -122,6 +128,9 @@ def test_fp8_lora_loss_and_gradients_equal_transformers_peft_on_dequantised_weig
     monkeypatch.setattr(LoRALinearFunction, "apply", lambda *a: calls.append(1) or apply(*a))
     loss, grads = _swiftune_step(model.train(), _examples(), layout)
     assert calls, "the FP8 projections train through the fused LoRA node"
+    if checkpointing == "graphed":
+        stats = graphed_layer_stats(model)
+        assert stats["graphed_forwards"] == 1 and stats["fallback_forwards"] == 0, stats
     assert rel_err(loss, ref_loss) < 1e-5, (float(loss), float(ref_loss))
     assert_gradients_match(ref_grads, grads, _trainable(reference), 1e-4)
     assert set(ref_grads) == set(_trainable(reference)), "every adapter gets a gradient"

@@ -90,6 +90,23 @@ def test_qlora_gradients_equal_peft_bitsandbytes(checkpoints, references, family
     assert set(ref_grads) == set(_trainable(reference)), "every adapter gets a gradient"
 
 
+def test_graphed_layers_on_a_4bit_base_equal_peft_bitsandbytes(checkpoints, references):
+    """CUDA-graphed decoder layers (closures in place of replays off CUDA) on NF4 base weights: a
+    padding-free step's loss and every LoRA gradient equal transformers + bitsandbytes + PEFT per
+    document, and every layer took the graphed path (none fell back)."""
+    from swiftune.training.layer_graphs import enable_graphed_layers, graphed_layer_stats
+
+    reference, ref_loss, ref_grads = references("qwen3")
+    model = _swiftune(checkpoints["qwen3"], reference, True)
+    enable_graphed_layers(model)
+    loss, grads = _swiftune_step(model, _examples(), "padding_free")
+    stats = graphed_layer_stats(model)
+    assert stats["graphed_forwards"] == 1 and stats["fallback_forwards"] == 0, stats
+    assert stats["captures"] == model.get_base_model().config.num_hidden_layers, stats
+    assert rel_err(loss, ref_loss) < 1e-5, (float(loss), float(ref_loss))
+    assert_gradients_match(ref_grads, grads, _trainable(reference), 1e-4)
+
+
 def test_qlora_bf16_compute_gradients_equal_peft_bitsandbytes(checkpoints, references):
     """bf16 compute against the float32 truth (the same NF4 checkpoint): within the plain libraries'
     own bf16 error on each tensor (three times it, at least 2e-2)."""
