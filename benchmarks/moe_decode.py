@@ -42,7 +42,7 @@ from benchmarks.kernels import bench
 from benchmarks.workload import model_config
 from swiftune.kernels.moe_decode import moe_decode, moe_decode_reference
 from swiftune.models.experts import DECODE_KERNEL_MAX_TOKENS, rollout_experts_forward
-from swiftune.models.families import FAMILIES
+from swiftune.models.families import FAMILIES, ExpertsSpec
 
 # the tiles timed beside the launcher's defaults (each compiles both GEMM kernels once: a few seconds apiece,
 # within the script's minute), each checked against the float32 reference first:
@@ -116,7 +116,8 @@ def build_layer(model: str, device: str, dtype: torch.dtype):
     return experts.to(device, dtype).eval(), router.to(device, dtype).eval(), config
 
 
-def spec_of(config) -> object:
+def spec_of(config) -> ExpertsSpec:
+    """How the config's family stores its expert stacks."""
     return FAMILIES[config.model_type].experts
 
 
@@ -124,9 +125,10 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
             ) -> list[dict]:
     device = experts.gate_up_proj.device
     spec = spec_of(config)
-    gpt_oss = dict(interleaved=True, gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
-                   activation="clamped_swiglu", swiglu_alpha=float(experts.alpha),
-                   swiglu_limit=float(experts.limit)) if spec.interleaved else {}
+    # gpt-oss: interleaved gate/up columns, biases and its clamped SwiGLU (the module's own constants)
+    layout_options = dict(interleaved=True, gate_up_bias=experts.gate_up_proj_bias,
+                          down_bias=experts.down_proj_bias, activation="clamped_swiglu",
+                          swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit)) if spec.interleaved else {}
     hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=experts.gate_up_proj.dtype)
     with torch.no_grad():
         _, weights, index = router(hidden)
@@ -141,12 +143,12 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
 
         def kernel(block_n=None, block_k=None, num_warps=None, block_m=None):
             return moe_decode(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
-                              transposed=spec.transposed, **gpt_oss, block_n=block_n, block_k=block_k,
+                              transposed=spec.transposed, **layout_options, block_n=block_n, block_k=block_k,
                               num_warps=num_warps, block_m=block_m)
 
         got, base = kernel(), today()
         want = moe_decode_reference(hidden, index, weights, experts.gate_up_proj, experts.down_proj,
-                                    transposed=spec.transposed, **gpt_oss, compute_dtype=torch.float32)
+                                    transposed=spec.transposed, **layout_options, compute_dtype=torch.float32)
         checks = dict(vs_reference=rel_err(got, want), vs_grouped_mm=rel_err(got, base))
         assert checks["vs_reference"] < 1e-2 and checks["vs_grouped_mm"] < 2e-2, checks
         if cuda:
