@@ -252,3 +252,33 @@ def test_offloaded_tiled_lora_forward_walks_nothing_after_the_first(monkeypatch)
         assert_gradients_match({n: p.grad for n, p in ref_params.items() if p.grad is not None}, grads, trainable,
                                1e-4)
     assert calls[0] > 0 and calls[1:] == [0, 0], calls
+
+
+def test_a_deleted_offloaded_model_is_freed_without_the_cycle_collector():
+    """After a step under offloaded checkpointing, dropping the last reference to the model frees it at
+    once: the state the model holds keeps its walk of the module tree without holding the model (or
+    a module that holds the state) strongly. A reference cycle would keep its tensors, GPU memory
+    included, until Python's cycle collector runs (``del model; torch.cuda.empty_cache()`` freeing
+    nothing)."""
+    import gc
+    import weakref
+
+    import swiftune
+    from swiftune.training.checkpointing import enable_offloaded_checkpointing
+
+    model = _lora(_qwen3(), ["q_proj", "v_proj", *MLP])
+    swiftune.patch_model(model, attention=None, kernel_backend="reference")
+    hf = model.get_base_model()
+    enable_offloaded_checkpointing(hf, host_budget_bytes=1 << 20)
+    ids = torch.randint(0, 64, (1, 12))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert hf._swiftune_offload_state.walks.parameters(hf)  # the walk is kept
+    refs = [weakref.ref(model), weakref.ref(hf)]
+    gc.collect()  # the garbage of the step and of earlier tests, before the collector is held off
+    gc.disable()
+    try:
+        del model, hf  # only reference counting may free them now
+        assert [r() is None for r in refs] == [True, True]
+    finally:
+        gc.enable()

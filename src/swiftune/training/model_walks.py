@@ -88,7 +88,10 @@ class ModelWalkIndex:
 
     def __init__(self) -> None:
         self._key = ModelKey()
-        self._modules: list[nn.Module] = []
+        # weak: the model holds what holds this index (offloaded checkpointing's state, the trainers), so a
+        # strong list of its modules, the model among them, would be a reference cycle that keeps the model,
+        # GPU memory and all, alive after its last reference goes, until Python's cycle collector runs
+        self._modules: list[weakref.ref] = []
         self._parameters: list[nn.Parameter] = []
         self._named_parameters: list[tuple[str, nn.Parameter]] = []
         self._flag_only_train = False
@@ -97,15 +100,16 @@ class ModelWalkIndex:
     def _current(self, model: nn.Module) -> None:
         if self._key.changed(model):
             self._answers = {}
-            self._modules = list(model.modules())
+            modules = list(model.modules())
+            self._modules = [weakref.ref(m) for m in modules]
             self._named_parameters = list(model.named_parameters())
             self._parameters = [p for _, p in self._named_parameters]
-            self._flag_only_train = all(type(m).train in _FLAG_ONLY_TRAIN for m in self._modules)
+            self._flag_only_train = all(type(m).train in _FLAG_ONLY_TRAIN for m in modules)
 
     def modules(self, model: nn.Module) -> list[nn.Module]:
         """``list(model.modules())``, kept."""
         self._current(model)
-        return self._modules
+        return [m for m in (r() for r in self._modules) if m is not None]
 
     def parameters(self, model: nn.Module) -> list[nn.Parameter]:
         """``list(model.parameters())``, kept."""
@@ -125,7 +129,7 @@ class ModelWalkIndex:
         """Whether ``model.train(mode)`` would change nothing: every module's flag is ``mode`` and
         no module's ``train`` does more than set it."""
         self._current(model)
-        return self._flag_only_train and not [m for m in self._modules if m.training is not mode]
+        return self._flag_only_train and not [m for m in self.modules(model) if m.training is not mode]
 
     def answer(self, model: nn.Module, compute: Callable[..., T], *args: Any, token: object = None) -> T:
         """``compute(model, *args)``, kept: computed again when the model object or its adapter names
