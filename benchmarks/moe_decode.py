@@ -3,7 +3,8 @@
 Qwen3-30B-A3B's experts (128 experts top-8, hidden 2048, expert intermediate 768; the shape table of
 benchmarks/workload.py), or gpt-oss-20b's (32 experts top-4, hidden and intermediate 2,880; transposed
 stacks with interleaved gate/up columns, biases, clamped SwiGLU), bf16, transformers' own experts module
-and router with random weights, routing from that router on random hidden states, at T = 8 and 64 tokens (the rollout engine's G = 8 / 64 rows).
+and router with random weights, routing from that router on random hidden states, at T = 8 and 64 tokens
+(the rollout engine's G = 8 / 64 rows) by default.
 Timed on the same tensors in one process, each as a CUDA graph replay (how the engine's decode step
 runs) and eagerly:
 
@@ -126,9 +127,11 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
     device = experts.gate_up_proj.device
     spec = spec_of(config)
     # gpt-oss: interleaved gate/up columns, biases and its clamped SwiGLU (the module's own constants)
-    layout_options = dict(interleaved=True, gate_up_bias=experts.gate_up_proj_bias,
-                          down_bias=experts.down_proj_bias, activation="clamped_swiglu",
-                          swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit)) if spec.interleaved else {}
+    layout_options = {}
+    if spec.interleaved:
+        layout_options = dict(interleaved=True, gate_up_bias=experts.gate_up_proj_bias,
+                              down_bias=experts.down_proj_bias, activation="clamped_swiglu",
+                              swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit))
     hidden = torch.randn(tokens, config.hidden_size, device=device, dtype=experts.gate_up_proj.dtype)
     with torch.no_grad():
         _, weights, index = router(hidden)
