@@ -14,8 +14,10 @@ from __future__ import annotations
 
 BASE = {"torch": "2.11.0+cu130", "transformers": "5.17.0", "triton": "3.6.0", "peft": "0.21.0"}
 WITH_TRL = {**BASE, "trl": "1.16.0", "liger": "0.8.5"}
+WITH_UNSLOTH = {**BASE, "unsloth": "2026.10.9"}
 
 SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
+UNSLOTH_SFT = "python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16"
 
 
 def _modes(*modes):
@@ -35,8 +37,8 @@ FIGURES: list[dict] = [
          command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_peft_lora trl_liger "
                  "--out sft_b16.json"),
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/unsloth_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
-         versions={**BASE, "unsloth": "2026.10.9"},
-         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --out unsloth_sft.json"),
+         versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --out unsloth_sft.json"),
     dict(figure="sft_qwen3-8b_b16", file="2026-12-01/sft_qwen3-8b_b16_after_qk_fix_h200.json", date="2026-12-01",
          versions=WITH_TRL, keep=_modes("swiftune_budget"),
          command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_budget trl_liger "
@@ -66,8 +68,8 @@ FIGURES: list[dict] = [
          command=f"{SFT} --model qwen3-8b --batch 16 --modes trl_liger --out sft_trl_b16.json"),
     dict(figure="sft_graphs_side_by_side_qwen3-8b",
          file="2026-12-02/unsloth_sft_side_by_side_qwen3-8b_b16_from_log_h200.json", date="2026-12-02",
-         versions={**BASE, "unsloth": "2026.10.9"},
-         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
+         versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --steps 12 "
                  "--out unsloth_sft.json"),
     # one device call: the 16K-token row on a 20.7 GB GPU (Unsloth's packed peak) beside the unconstrained row
     # and Unsloth's rows (the automatic-budget mode ran out of memory: its row is in the raw file, not here)
@@ -78,8 +80,8 @@ FIGURES: list[dict] = [
     dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/sft_16k_unconstrained_qwen3-8b_h200.json", date="2026-12-02",
          versions=BASE, command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune_budget --out sft_16k.json"),
     dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/unsloth_sft_16k_fit_call_qwen3-8b_h200.json",
-         date="2026-12-02", versions={**BASE, "unsloth": "2026.10.9"},
-         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
+         date="2026-12-02", versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --steps 12 "
                  "--out unsloth_sft.json"),
     # a second device call of the same row: the automatic budget after the memory-fraction fix (it kept no
     # layer input on the GPU: the margin is larger than what the 20.7 GB leave), beside Unsloth's packed row only
@@ -89,8 +91,8 @@ FIGURES: list[dict] = [
                  "swiftune_budget_offload --out sft_16k_fit.json"),
     dict(figure="sft_16k_fit_second_call_qwen3-8b",
          file="2026-12-02/unsloth_sft_packed_16k_fit_second_call_qwen3-8b_h200.json", date="2026-12-02",
-         versions={**BASE, "unsloth": "2026.10.9"},
-         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --steps 12 "
+         versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --steps 12 "
                  "--modes unsloth_packed --out unsloth_sft_packed.json"),
     dict(figure="sft_sweep_qwen3-8b", file="2026-12-01/sft_qwen3-8b_sweep_h200.json", date="2026-12-01",
          versions=WITH_TRL, command=f"{SFT} --model qwen3-8b --batch 1 2 4 8 16 32 --out sft_qwen3-8b.json"),
@@ -99,8 +101,8 @@ FIGURES: list[dict] = [
          command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune swiftune_budget trl_liger "
                  "--out qlora_sft.json"),
     dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/unsloth_qlora_sft_qwen3-8b_b16_h200.json", date="2026-12-01",
-         versions={**BASE, "unsloth": "2026.10.9"},
-         command="python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit "
+         versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --4bit "
                  "--out unsloth_qlora_sft.json"),
     dict(figure="qlora_sft_qwen3-8b", file="2026-12-01/qlora_sft_qwen3-8b_16k_24gb_h200.json", date="2026-12-01",
          versions=BASE,
