@@ -128,8 +128,8 @@ class ModelWalkIndex:
     def in_mode(self, model: nn.Module, mode: bool) -> bool:
         """Whether ``model.train(mode)`` would change nothing: every module's flag is ``mode`` and
         no module's ``train`` does more than set it."""
-        self._current(model)
-        return self._flag_only_train and not [m for m in self.modules(model) if m.training is not mode]
+        modules = self.modules(model)  # walks again (and sets the flag below) when the model changed
+        return self._flag_only_train and all(m.training is mode for m in modules)
 
     def answer(self, model: nn.Module, compute: Callable[..., T], *args: Any, token: object = None) -> T:
         """``compute(model, *args)``, kept: computed again when the model object or its adapter names
