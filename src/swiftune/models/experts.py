@@ -169,12 +169,11 @@ def rollout_experts_forward(
     return out
 
 
-#: the most tokens a decode step sends through :func:`swiftune.kernels.moe_decode.moe_decode` (its
-#: tiles hold one expert's rows, at most the token count; prefill keeps the grouped GEMM). On the H200,
-#: one Qwen3-30B-A3B layer at 8 tokens took 0.13 ms against the grouped GEMM's 0.27 (graph replays), and
-#: at 64 tokens 0.75 against 0.52 (docs/results/2026-12-02/moe_decode_h200.txt): 16 keeps the measured win
-#: and leaves the measured loss to the grouped GEMM until the kernel's tiles for many rows are tuned.
-DECODE_KERNEL_MAX_TOKENS = 16
+#: the most tokens a decode step sends through :func:`swiftune.kernels.moe_decode.moe_decode` (prefill and
+#: larger steps keep the grouped GEMM). On the H200, one layer at 64 tokens with the kernel's 16-row tiles:
+#: Qwen3-30B-A3B 0.36 ms against the grouped GEMM's 0.52, gpt-oss-20b 0.40 against 0.71 (graph replays,
+#: docs/results/2026-12-03/); above 64 rows the kernel is unmeasured.
+DECODE_KERNEL_MAX_TOKENS = 64
 
 
 def check_decode_kernel_max_tokens(max_tokens: int) -> int:
