@@ -343,11 +343,11 @@ case "$part" in
     # gpt-oss-20b at the new default (~7 min)
     run moe_decode_tests 120 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
     run qwen3_moe_cap16 110 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --moe-decode-max-tokens 16 --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap16.json"
+      --no-baselines --no-checks --lora-rows --moe-decode-max-tokens 16 --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap16.json"
     run qwen3_moe_cap64 110 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
-      --no-baselines --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap64.json"
+      --no-baselines --lora-rows --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap64.json"
     run gptoss_cap64 110 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --time-budget 80 --out "$OUT/rollout_gptoss_cap64_m16.json" ;;
+      --no-baselines --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_gptoss_cap64_m16.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
