@@ -42,7 +42,7 @@ from benchmarks import results
 from benchmarks.kernels import bench
 from benchmarks.workload import model_config
 from swiftune.kernels.moe_decode import moe_decode, moe_decode_reference
-from swiftune.models.experts import DECODE_KERNEL_MAX_TOKENS, rollout_experts_forward
+from swiftune.models.experts import default_decode_kernel_cap, rollout_experts_forward
 from swiftune.models.families import FAMILIES, ExpertsSpec
 
 # the tiles timed beside the launcher's defaults (each compiles both GEMM kernels once: a few seconds apiece,
@@ -155,8 +155,8 @@ def measure(experts, router, config, tokens: int, iters: int, cuda: bool, copy_b
         checks = dict(vs_reference=rel_err(got, want), vs_grouped_mm=rel_err(got, base))
         assert checks["vs_reference"] < 1e-2 and checks["vs_grouped_mm"] < 2e-2, checks
         if cuda:
-            # the layer takes the kernel up to DECODE_KERNEL_MAX_TOKENS tokens, the grouped GEMM above
-            routed = got if tokens <= DECODE_KERNEL_MAX_TOKENS else base
+            # the layer takes the kernel up to its layout's default cap, the grouped GEMM above
+            routed = got if tokens <= default_decode_kernel_cap(spec) else base
             assert torch.equal(rollout_experts_forward(experts, hidden, index, weights, spec=spec), routed)
         rows = []
         for name, fn in (("grouped_mm", today), ("kernel", kernel)):

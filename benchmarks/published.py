@@ -71,6 +71,18 @@ FIGURES: list[dict] = [
          versions=WITH_UNSLOTH,
          command=f"{UNSLOTH_SFT} --steps 12 "
                  "--out unsloth_sft.json"),
+    # session 21, one device call: the same row after the graphed layers' gradient buffers became one set per
+    # layer (shared by every token bucket), beside TRL + Liger and Unsloth (padding-free and packed)
+    dict(figure="sft_graphs_shared_buffers_qwen3-8b",
+         file="2026-12-02/sft_graphs_shared_buffers_qwen3-8b_b16_h200.json", date="2026-12-02", versions=BASE,
+         command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --time-profile "
+                 "--modes swiftune swiftune_graphs --out sft_graphs_b16.json"),
+    dict(figure="sft_graphs_shared_buffers_qwen3-8b",
+         file="2026-12-02/sft_trl_liger_shared_buffers_call_qwen3-8b_b16_h200.json", date="2026-12-02",
+         versions=WITH_TRL, command=f"{SFT} --model qwen3-8b --batch 16 --modes trl_liger --out sft_trl_b16.json"),
+    dict(figure="sft_graphs_shared_buffers_qwen3-8b",
+         file="2026-12-02/unsloth_sft_shared_buffers_call_qwen3-8b_b16_h200.json", date="2026-12-02",
+         versions=WITH_UNSLOTH, command=f"{UNSLOTH_SFT} --steps 12 --out unsloth_sft.json"),
     # one device call: the 16K-token row on a 20.7 GB GPU (Unsloth's packed peak) beside the unconstrained row
     # and Unsloth's rows (the automatic-budget mode ran out of memory: its row is in the raw file, not here)
     dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/sft_16k_fit_qwen3-8b_h200.json", date="2026-12-02",
@@ -221,6 +233,17 @@ FIGURES: list[dict] = [
          versions=BASE, settings={"experts": "kernels <= 16 tokens, one gate/up tile"},
          command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--time-budget 180 --out rollout_gptoss_kernel.json"),
+    # session 21, one device call: gpt-oss-20b's G=64 step with the decode kernels up to 64 tokens (64-row
+    # tiles, 64 columns, depth 64, 4 warps) against the grouped GEMM (the cap of 16), same call
+    dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_cap_ab_cap16_h200.json", date="2026-12-02",
+         versions=BASE, settings={"experts": "kernels <= 16 tokens (G=64: grouped GEMM), A/B call"},
+         keep=lambda r: r.settings.get("rows") == 64,
+         command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
+                 "--time-budget 180 --out rollout_gptoss_kernel.json"),
+    dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_cap_ab_cap64_h200.json", date="2026-12-02",
+         versions=BASE, settings={"experts": "kernels <= 64 tokens, A/B call"},
+         command="python -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 --no-baselines "
+                 "--no-checks --moe-decode-max-tokens 64 --time-budget 100 --out rollout_gptoss_kernel_cap64.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

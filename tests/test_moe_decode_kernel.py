@@ -257,12 +257,14 @@ def test_rollout_experts_forward_takes_the_kernel_for_decode_steps(family, monke
     """Inside rollout_experts, a patched model's MoE block with kernel_backend='triton' runs the decode
     kernel for a few tokens (a spy counts the calls) and equals the unpatched block; a prefill-sized call,
     kernel_backend='reference', and autograd keep the grouped-GEMM path."""
-    from swiftune.models.experts import DECODE_KERNEL_MAX_TOKENS as cap, rollout_experts
+    from swiftune.models.experts import default_decode_kernel_cap, rollout_experts
 
     calls = []
     real = experts_module.moe_decode
     monkeypatch.setattr(experts_module, "moe_decode", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     reference = tiny_moe(family).to(DEVICE)
+    cap = default_decode_kernel_cap(FAMILIES[family].experts)
+    assert cap == (64 if family == "gpt_oss" else 16)  # the layout's cap, as measured (experts.py)
     for backend, tokens, expect_kernel, raised in (("triton", 5, True, None), ("triton", cap, True, None),
                                                    ("triton", cap + 1, False, None), ("triton", cap + 1, True, cap + 8),
                                                    ("triton", 5, False, 4), ("reference", 5, False, None)):

@@ -362,12 +362,12 @@ def moe_decode(
     ``[E, H, 2I]`` / ``[E, I, H]``; ``interleaved``: gate and up columns alternate (gpt-oss), else the
     gate is the first half. ``activation``: ``"silu"`` (``silu(g) u``) or ``"clamped_swiglu"``
     (gpt-oss's, with ``swiglu_alpha`` / ``swiglu_limit``). ``block_n`` / ``block_k`` / ``num_warps``: the
-    GEMM tiles' output width and reduction depth and the warps of a program (``None``: up to 16 tokens
-    32 columns for gate/up and 64 for down, above 16 tokens in 16-bit 64 for both; depth 64, 32 in fp32;
-    4 warps, 8 in fp32: where sm_90 builds of these tiles hold their registers without spilling).
-    ``block_m``: the rows of one expert a program multiplies at once, a power of two >= 16 (``None``: 16
-    above 16 tokens in 16-bit, else the token count's next power of two, 16 to 64; an expert with more
-    rows loops, reading its weights again). No
+    GEMM tiles' output width and reduction depth and the warps of a program (``None``: 32 columns for
+    gate/up, 64 for down; depth 64 up to 16 tokens, 128 above, 32 in fp32; 4 warps up to 16 tokens, 8
+    above and in fp32: where sm_90 builds of these tiles hold their registers without spilling; the
+    interleaved layout above 16 tokens in 16-bit: 64 columns for both, depth 64, 4 warps). ``block_m``:
+    the rows of one expert a program multiplies at once, a power of two >= 16 (``None``: the token
+    count's next power of two, 16 to 64; an expert with more rows loops, reading its weights again). No
     autograd; where the Triton kernels cannot run (CPU without the interpreter, ``backend="reference"``)
     the float32 loop.
     """
@@ -392,13 +392,8 @@ def moe_decode(
     num_assign = flat.numel()
     block_a = min(MAX_BLOCK_A, max(16, next_pow2(num_assign)))
     many = tokens > 16
-    fp32 = hidden.dtype == torch.float32
-    # 16-bit above 16 rows: 16-row tiles (an expert holds few of a step's rows: ~4 of 64 on Qwen3-30B-A3B, ~11 on
-    # gpt-oss-20b; a 64-row tile would multiply mostly masked rows), 64 columns, depth 64, 4 warps, for both
-    # layouts: the fastest of benchmarks.moe_decode's sweep at 64 tokens on the H200 for each model
-    wide = many and not fp32
     if block_m is None:
-        block_m = 16 if wide else min(MAX_BLOCK_M, max(16, next_pow2(tokens)))
+        block_m = min(MAX_BLOCK_M, max(16, next_pow2(tokens)))
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two >= 16 (the tensor cores' smallest tile), got {block_m}")
     interpreted = kernel_is_interpreted(_moe_gate_up_kernel)
@@ -408,12 +403,16 @@ def moe_decode(
     def tile(n: int, default: int) -> int:
         return max(16, min(next_pow2(n), block_n or default))
 
+    fp32 = hidden.dtype == torch.float32
+    # the interleaved layout (gpt-oss) above 16 rows: 64-column tiles (a 128-column fused gate/up tile), depth
+    # 64, 4 warps: the fastest of benchmarks.moe_decode's sweep at 32 and 64 tokens on the H200
+    wide = interleaved and not fp32 and many
     if block_n is None and wide:
         block_n = 64
     if block_k is None:
-        block_k = 32 if fp32 else 64
+        block_k = 32 if fp32 else 64 if not many or wide else 128
     if num_warps is None:
-        num_warps = 8 if fp32 else 4
+        num_warps = 8 if fp32 or (many and not wide) else 4
 
     def depth(n: int) -> int:
         return max(16, min(next_pow2(n), block_k))

@@ -26,7 +26,7 @@ order in the activation dtype (the order and roundings of transformers' experts 
 ``index_add_`` on the CPU), where ``index_add_`` on CUDA adds them with atomics in an order that
 changes from run to run (bf16 sums then differ, and a replayed step would not equal the eager one).
 
-A decode step (at most :data:`DECODE_KERNEL_MAX_TOKENS` tokens, no LoRA factors on the experts, on
+A decode step (at most :func:`default_decode_kernel_cap` tokens, no LoRA factors on the experts, on
 CUDA) skips the gather / grouped GEMM / combine chain: :func:`swiftune.kernels.moe_decode.moe_decode`
 runs it as three Triton kernels that read each routed expert's weights once, with the same
 ascending-expert, rounded-per-add combine and no atomics (:func:`decode_kernel_applies` says when).
@@ -50,7 +50,8 @@ from ..kernels.moe_decode import moe_decode, moe_decode_interpreted
 from .families import ExpertsSpec, Family
 from .state import is_bound, patch_state
 
-__all__ = ["DECODE_KERNEL_MAX_TOKENS", "check_decode_kernel_max_tokens", "decode_kernel_applies", "expert_blocks",
+__all__ = ["DECODE_KERNEL_MAX_TOKENS", "INTERLEAVED_DECODE_KERNEL_MAX_TOKENS", "check_decode_kernel_max_tokens",
+           "default_decode_kernel_cap", "decode_kernel_applies", "expert_blocks",
            "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
            "rollout_experts", "rollout_experts_forward"]
 
@@ -149,9 +150,9 @@ def rollout_experts_forward(
     (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``.
     ``decode_kernel``: whether a decode step may take the fused kernels (:func:`decode_kernel_applies`);
     ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times).
-    ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :data:`DECODE_KERNEL_MAX_TOKENS`)."""
+    ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :func:`default_decode_kernel_cap`)."""
     _check_fused_layout(self)
-    cap = DECODE_KERNEL_MAX_TOKENS if decode_kernel_max_tokens is None else decode_kernel_max_tokens
+    cap = default_decode_kernel_cap(spec) if decode_kernel_max_tokens is None else decode_kernel_max_tokens
     if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, cap):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
@@ -169,11 +170,24 @@ def rollout_experts_forward(
     return out
 
 
-#: the most tokens a decode step sends through :func:`swiftune.kernels.moe_decode.moe_decode` (prefill and
-#: larger steps keep the grouped GEMM). On the H200, one layer at 64 tokens with the kernel's 16-row tiles:
-#: Qwen3-30B-A3B 0.36 ms against the grouped GEMM's 0.52, gpt-oss-20b 0.40 against 0.71 (graph replays,
-#: docs/results/2026-12-03/); above 64 rows the kernel is unmeasured.
-DECODE_KERNEL_MAX_TOKENS = 64
+#: the most tokens a decode step sends through :func:`swiftune.kernels.moe_decode.moe_decode` for the
+#: gate-then-up layout (Qwen3-MoE, Mixtral; prefill and larger steps keep the grouped GEMM). On the H200,
+#: one Qwen3-30B-A3B layer at 8 tokens took 0.13 ms against the grouped GEMM's 0.27 (graph replays), and at
+#: 64 tokens 0.75 against 0.52 (docs/results/2026-12-02/moe_decode_h200.txt); with 16-row tiles the layer
+#: won at 64 tokens (0.36 ms), but the engine's G=64 step did not (14.96 ms against 14.55 at this cap,
+#: docs/results/2026-12-03/): the random-init router sends a step's rows to ~12 of 128 experts.
+DECODE_KERNEL_MAX_TOKENS = 16
+
+#: the same for the interleaved layout (gpt-oss), whose tiles above 16 rows are 64 columns wide: the
+#: gpt-oss-20b engine's G=64 step took 15.52 ms with the kernels against 19.94 with the grouped GEMM
+#: (docs/results/2026-12-03/); the tiles hold at most 64 rows of an expert.
+INTERLEAVED_DECODE_KERNEL_MAX_TOKENS = 64
+
+
+def default_decode_kernel_cap(spec: ExpertsSpec) -> int:
+    """The most tokens a decode step sends through the fused decode kernels when no cap is given, by the
+    experts' layout: :data:`INTERLEAVED_DECODE_KERNEL_MAX_TOKENS` or :data:`DECODE_KERNEL_MAX_TOKENS`."""
+    return INTERLEAVED_DECODE_KERNEL_MAX_TOKENS if spec.interleaved else DECODE_KERNEL_MAX_TOKENS
 
 
 def check_decode_kernel_max_tokens(max_tokens: int) -> int:
@@ -185,9 +199,9 @@ def check_decode_kernel_max_tokens(max_tokens: int) -> int:
 
 
 def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: ExpertsSpec,
-                          adapters: dict[str, LowRank] | None, max_tokens: int = DECODE_KERNEL_MAX_TOKENS) -> bool:
+                          adapters: dict[str, LowRank] | None, max_tokens: int | None = None) -> bool:
     """Whether a rollout step's experts run the fused decode kernels: no autograd, at most
-    ``max_tokens`` tokens (default :data:`DECODE_KERNEL_MAX_TOKENS`), no LoRA factors (merged adapters
+    ``max_tokens`` tokens (``None``: :func:`default_decode_kernel_cap`), no LoRA factors (merged adapters
     leave plain weights), fp16/bf16/fp32 weights of the activation dtype, SiLU (or gpt-oss's clamped
     SwiGLU), and compiled Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"``
     asks for kernels (the tests); everything else keeps the grouped-GEMM path."""
@@ -195,6 +209,8 @@ def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: 
     backend = state.kernel_backend if state is not None else "auto"
     if backend == "reference" or adapters or torch.is_grad_enabled():
         return False
+    if max_tokens is None:
+        max_tokens = default_decode_kernel_cap(spec)
     if hidden_states.dim() != 2 or hidden_states.shape[0] > max_tokens:
         return False
     if hidden_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -338,7 +354,7 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
     :func:`_adapted_rollout_forward` (both restored on exit); yields ``(bound, total)`` experts modules
     of the family's class, so a caller can tell whether transformers' own experts forward (with its host
     syncs) would still run somewhere. ``decode_kernel_max_tokens``: the most tokens a step sends
-    through the fused decode kernels (``None``: :data:`DECODE_KERNEL_MAX_TOKENS`)."""
+    through the fused decode kernels (``None``: :func:`default_decode_kernel_cap`)."""
     if decode_kernel_max_tokens is not None:
         check_decode_kernel_max_tokens(decode_kernel_max_tokens)
     if family.experts is None:

@@ -186,8 +186,8 @@ class FastRolloutEngine:
             run each layer's own forward.
         moe_decode_max_tokens: mixture-of-experts models: the most tokens a decode step sends through
             the fused decode kernels (:mod:`swiftune.kernels.moe_decode`) rather than the grouped GEMM
-            (``None``: :data:`swiftune.models.experts.DECODE_KERNEL_MAX_TOKENS`, where the kernels
-            won on the H200 for every family; 0: the grouped GEMM always).
+            (``None``: :func:`swiftune.models.experts.default_decode_kernel_cap`, 16 tokens, 64 for
+            gpt-oss's interleaved layout, where the kernels won on the H200; 0: the grouped GEMM always).
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
