@@ -18,6 +18,8 @@ WITH_UNSLOTH = {**BASE, "unsloth": "2026.10.9"}
 
 SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
 UNSLOTH_SFT = "python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16"
+GPTOSS_ENGINE = ("python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
+                 "--time-budget 180 --out rollout_gptoss_kernel.json")
 
 
 def _modes(*modes):
@@ -231,15 +233,13 @@ FIGURES: list[dict] = [
     # step; G=64 keeps the grouped GEMM, measured again); no generate baselines in this call
     dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_contiguous_tile_h200.json", date="2026-12-02",
          versions=BASE, settings={"experts": "kernels <= 16 tokens, one gate/up tile"},
-         command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
-                 "--time-budget 180 --out rollout_gptoss_kernel.json"),
+         command=GPTOSS_ENGINE),
     # session 21, one device call: gpt-oss-20b's G=64 step with the decode kernels up to 64 tokens (64-row
     # tiles, 64 columns, depth 64, 4 warps) against the grouped GEMM (the cap of 16), same call
     dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_cap_ab_cap16_h200.json", date="2026-12-02",
          versions=BASE, settings={"experts": "kernels <= 16 tokens (G=64: grouped GEMM), A/B call"},
          keep=lambda r: r.settings.get("rows") == 64,
-         command="python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
-                 "--time-budget 180 --out rollout_gptoss_kernel.json"),
+         command=GPTOSS_ENGINE),
     dict(figure="rollout_moe", file="2026-12-02/rollout_gptoss_cap_ab_cap64_h200.json", date="2026-12-02",
          versions=BASE, settings={"experts": "kernels <= 64 tokens, A/B call"},
          command="python -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 --no-baselines "

@@ -24,7 +24,7 @@
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
 #   scripts/gpu_suite.sh gptoss-rollout # gpt-oss on the engine (sinks, sliding/full layers, YaRN): its CUDA tests, then the gpt-oss-20b shape, G 8/64, N 1024, vs the HBM floor of its routed experts + the rest + KV, and LoRA r=16 at G=8 (~6 min; apart from moe-rollout, which fills its 10-minute call)
 #   scripts/gpu_suite.sh gptoss-decode # the decode kernels on gpt-oss's experts: tests compiled, one layer vs grouped GEMM, the engine's G 8/64 rows (~7 min)
-#   scripts/gpu_suite.sh moe-decode-cap # the decode kernels up to 64 tokens (16-row tiles): tests compiled, G=64 engine A/B, Qwen3-30B-A3B and gpt-oss-20b (~7 min)
+#   scripts/gpu_suite.sh moe-decode-cap # the decode kernels' cap: tests compiled, Qwen3-30B-A3B G=64 at caps 16 / 64, gpt-oss-20b G=64 at its default (~7 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -338,16 +338,15 @@ case "$part" in
     run gptoss_engine_cap64 150 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 \
       --no-baselines --no-checks --moe-decode-max-tokens 64 --time-budget 100 \
       --out "$OUT/rollout_gptoss_kernel_cap64.json" ;;
-  moe-decode-cap)  # the decode kernels' default cap of 64 tokens with 16-row tiles above 16: their tests compiled,
-    # then the engine at G=64 on Qwen3-30B-A3B with the old cap of 16 (the grouped GEMM) and the new default, and
-    # gpt-oss-20b at the new default (~7 min)
+  moe-decode-cap)  # the decode kernels' token cap: their tests compiled, then the engine at G=64 on Qwen3-30B-A3B
+    # at its default cap of 16 (the grouped GEMM) and at 64, and gpt-oss-20b at its default of 64 (~7 min)
     run moe_decode_tests 120 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
     run qwen3_moe_cap16 110 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
       --no-baselines --no-checks --lora-rows --moe-decode-max-tokens 16 --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap16.json"
     run qwen3_moe_cap64 110 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
-      --no-baselines --lora-rows --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap64.json"
+      --no-baselines --lora-rows --moe-decode-max-tokens 64 --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap64.json"
     run gptoss_cap64 110 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_gptoss_cap64_m16.json" ;;
+      --no-baselines --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_gptoss_cap64.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
     detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \

@@ -152,8 +152,7 @@ def rollout_experts_forward(
     ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times).
     ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :func:`default_decode_kernel_cap`)."""
     _check_fused_layout(self)
-    cap = default_decode_kernel_cap(spec) if decode_kernel_max_tokens is None else decode_kernel_max_tokens
-    if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, cap):
+    if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, decode_kernel_max_tokens):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
                                   static=hidden_states.is_cuda, adapters=adapters or {})
@@ -175,12 +174,12 @@ def rollout_experts_forward(
 #: one Qwen3-30B-A3B layer at 8 tokens took 0.13 ms against the grouped GEMM's 0.27 (graph replays), and at
 #: 64 tokens 0.75 against 0.52 (docs/results/2026-12-02/moe_decode_h200.txt); with 16-row tiles the layer
 #: won at 64 tokens (0.36 ms), but the engine's G=64 step did not (14.96 ms against 14.55 at this cap,
-#: docs/results/2026-12-03/): the random-init router sends a step's rows to ~12 of 128 experts.
+#: docs/results/2026-12-02/): the random-init router sends a step's rows to ~12 of 128 experts.
 DECODE_KERNEL_MAX_TOKENS = 16
 
 #: the same for the interleaved layout (gpt-oss), whose tiles above 16 rows are 64 columns wide: the
 #: gpt-oss-20b engine's G=64 step took 15.52 ms with the kernels against 19.94 with the grouped GEMM
-#: (docs/results/2026-12-03/); the tiles hold at most 64 rows of an expert.
+#: (docs/results/2026-12-02/); the tiles hold at most 64 rows of an expert.
 INTERLEAVED_DECODE_KERNEL_MAX_TOKENS = 64
 
 
