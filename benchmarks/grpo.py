@@ -77,7 +77,7 @@ from benchmarks import child_env, module_command, results
 
 from benchmarks.memory_profile import format_breakdown, peak_profile
 from benchmarks.time_profile import device_time_profile, format_profile
-from benchmarks.workload import host_rss, reset_cuda_memory, word_tokenizer
+from benchmarks.workload import emulate_gpu_budget, host_rss, reset_cuda_memory, word_tokenizer
 
 BASELINE_MODES = ["hf_full_logits", "trl_grpo", "trl_liger", "trl_selective"]
 TRL_HEAD_MODES = ("trl_grpo", "trl_liger")  # TRL's fused LM head
@@ -543,8 +543,7 @@ def bisect_one_mode(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     if cuda and getattr(args, "gpu_budget_gb", None) is not None:  # a smaller GPU, emulated
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
+        emulate_gpu_budget(args.gpu_budget_gb)
     start = time.perf_counter()
     model = build_bisect_model(mode, args.model, device, args)
     trials: list[dict] = []

@@ -112,12 +112,12 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     import torch
     from peft import LoraConfig
 
-    from benchmarks.workload import random_model, random_token_rows, sample_lengths, step_context_callback, word_tokenizer
+    from benchmarks.workload import (emulate_gpu_budget, random_model, random_token_rows, sample_lengths,
+                                     step_context_callback, word_tokenizer)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: smoke test of the script
     if gpu_budget_gb is not None and device == "cuda":
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_budget_gb * 1e9 / total))
+        emulate_gpu_budget(gpu_budget_gb)
     model = random_model(model_name, device, torch.bfloat16)
     if load_in_4bit:
         from benchmarks.workload import quantize_linears_4bit

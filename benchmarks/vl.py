@@ -60,6 +60,7 @@ import warnings
 from typing import Any
 
 from benchmarks import child_env, module_command, results
+from benchmarks.memory_profile import format_breakdown, peak_profile
 
 SFT_MODES = ["swiftune", "trl"]
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -414,7 +415,7 @@ def run_grpo_trials(args) -> dict:
     import torch
 
     from benchmarks.grpo import OutOfTime, _is_oom, search_max_fit
-    from benchmarks.workload import host_rss, reset_cuda_memory
+    from benchmarks.workload import emulate_gpu_budget, host_rss, reset_cuda_memory
     from swiftune.rl.multimodal import VisionGRPO
 
     cuda = torch.cuda.is_available()
@@ -435,8 +436,7 @@ def run_grpo_trials(args) -> dict:
         reset_cuda_memory(cuda)
     print(f"# checkpoint {checkpoint} ready after {time.perf_counter() - start:.0f} s", flush=True)
     if cuda and args.gpu_budget_gb is not None:  # a smaller GPU, emulated
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_budget_gb * 1e9 / total), device)
+        emulate_gpu_budget(args.gpu_budget_gb)
     out = dict(mode="swiftune_vl", label=mode_label(args), trials=[], max_fit=None, first_fail=None)
     model, refusal = load_policy(args, checkpoint, device)
     if args.checkpoint is None:  # a temporary copy (17.5 GB for the 8B shape): the model is in memory now
@@ -480,7 +480,9 @@ def run_grpo_trials(args) -> dict:
                 t0 = time.perf_counter()
                 if args.simulate_capacity and row["tokens"] > args.simulate_capacity:
                     raise MemoryError(f"simulated: {row['tokens']} tokens > --simulate-capacity {args.simulate_capacity}")
-                row["tokens"] = policy_step(model, vision, prompt, L, args, device)
+                mem_profiled = cuda and record and i == repeats - 1 and L == args.memory_profile_completion
+                with peak_profile(row) if mem_profiled else contextlib.nullcontext():  # (a slower step)
+                    row["tokens"] = policy_step(model, vision, prompt, L, args, device)
                 if cuda:
                     torch.cuda.synchronize()
                 model.zero_grad(set_to_none=True)
@@ -504,7 +506,9 @@ def run_grpo_trials(args) -> dict:
         row["host_rss_gb"] = host_rss() / 1e9
         if record:
             trials.append(row)
-            print("TRIAL " + json.dumps(row), flush=True)  # (what a run cut short by the device's limit leaves)
+            print("TRIAL " + json.dumps(row), flush=True)
+            if row.get("peak_profile"):
+                print(f"# memory at the peak of the step at {L}\n{format_breakdown(row['peak_profile'])}", flush=True)  # (what a run cut short by the device's limit leaves)
         return row
 
     def estimate(L: int) -> float:  # the next trial's time from the largest finished one (quadratic: attention)
@@ -618,6 +622,9 @@ def build_parser() -> argparse.ArgumentParser:
     grpo.add_argument("--bisect-lo", type=int, default=None, help="resume: a completion known to fit")
     grpo.add_argument("--bisect-hi", type=int, default=None, help="resume: a completion known not to fit")
     grpo.add_argument("--time-budget", type=float, default=480.0, help="seconds for loading, trials and search")
+    grpo.add_argument("--memory-profile-completion", type=int, default=None,
+                      help="the trial at this completion records the caching allocator's history; what is alive "
+                           "at its peak, by allocation site, is printed and kept in the JSON (benchmarks/memory_profile.py)")
     grpo.add_argument("--simulate-capacity", type=int, default=None,
                       help="smoke tests: trials above this many tokens count as out of memory")
     return p

@@ -98,6 +98,18 @@ def reset_cuda_memory(cuda: bool | None = None, *, collect_garbage: bool = True,
         torch.cuda.reset_peak_memory_stats()
 
 
+def emulate_gpu_budget(gb: float) -> float:
+    """A GPU of ``gb`` GB (1e9 bytes) emulated on the current CUDA device: caps this process's caching
+    allocator with ``torch.cuda.set_per_process_memory_fraction`` and returns the fraction it set (at most
+    1). The device is passed as its index: torch 2.11 refuses a ``torch.device("cuda")`` without one."""
+    import torch
+
+    index = torch.cuda.current_device()
+    fraction = min(1.0, gb * 1e9 / torch.cuda.get_device_properties(index).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
 def sample_lengths(n: int, seed: int = 0, max_length: int = 1024) -> np.ndarray:
     """Token lengths of n instruction rows (the shared reference distribution)."""
     rng = np.random.default_rng(seed)

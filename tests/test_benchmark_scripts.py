@@ -289,3 +289,20 @@ def test_docs_tables_are_generated_from_the_committed_rows():
         assert stale not in page.lower(), stale
     for png in set(re.findall(r"\(plots/([^)]+\.png)\)", page)):
         assert os.path.exists(os.path.join(ROOT, "docs", "plots", png)), png
+
+
+def test_emulated_gpu_budget_passes_the_device_index(monkeypatch):
+    """torch 2.11 refuses ``set_per_process_memory_fraction(f, torch.device("cuda"))`` (no index): the
+    benchmarks' budget goes through one helper that passes the current device's index, capped at 1."""
+    workload = load_bench_module("workload")
+    calls = []
+
+    class Props:
+        total_memory = 150e9
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    assert workload.emulate_gpu_budget(24) == pytest.approx(0.16)
+    assert workload.emulate_gpu_budget(400) == 1.0
+    assert [d for _, d in calls] == [3, 3] and all(isinstance(d, int) for _, d in calls)
