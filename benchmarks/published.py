@@ -20,6 +20,7 @@ SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
 UNSLOTH_SFT = "python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16"
 GPTOSS_ENGINE = ("python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--time-budget 180 --out rollout_gptoss_kernel.json")
+VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
 def _modes(*modes):
@@ -244,6 +245,29 @@ FIGURES: list[dict] = [
          versions=BASE, settings={"experts": "kernels <= 64 tokens, A/B call"},
          command="python -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 --no-baselines "
                  "--no-checks --moe-decode-max-tokens 64 --time-budget 100 --out rollout_gptoss_kernel_cap64.json"),
+    # session 22, one device call: the engine decoding from NF4 (bitsandbytes) weights, LoRA r=16 at run time at
+    # G=8, beside transformers' generate on the same 4-bit model
+    dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_qwen3-8b_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "nf4"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --new-tokens 1024 "
+                 "--no-checks --lora-rows 8 --time-budget 480 --out rollout_nf4.json"),
+    # session 22, the same device call as rollout_nf4: Qwen3-VL-8B SFT on image-text rows, swiftune vs TRL 1.16
+    dict(figure="vl_sft_qwen3-vl-8b", file="2026-12-03/vl_sft_qwen3-vl-8b_b16_h200.json", date="2026-12-03",
+         versions={**BASE, "trl": "1.16.0"},
+         command="python -m benchmarks.vl sft --model qwen3-vl-8b --batch 16 --steps 10 --warmup 3 --mode-timeout 255 "
+                 "--out vl_sft_qwen3-vl-8b.json"),
+    # session 22, two device calls of the same search on a 24 GB budget: PyTorch's default allocator, then growable
+    # segments (what `swiftune grpo` now asks for), resumed from the first call's bracket
+    dict(figure="vl_grpo_qwen3-vl-8b_24gb", file="2026-12-03/vl_grpo_qwen3-vl-8b_24gb_default_allocator_h200.json",
+         date="2026-12-03", versions=BASE,
+         settings={"allocator": "default", "load_in_4bit": True, "gpu_budget_gb": 24.0},
+         command=f"{VL_GRPO_24GB} --completion-lengths 32768 --bisect-start 65536 --time-budget 470 "
+                 "--out vl_grpo_qwen3-vl-8b_24gb.json"),
+    dict(figure="vl_grpo_qwen3-vl-8b_24gb", file="2026-12-03/vl_grpo_qwen3-vl-8b_24gb_expandable_h200.json",
+         date="2026-12-03", versions=BASE,
+         settings={"allocator": "expandable_segments:True", "load_in_4bit": True, "gpu_budget_gb": 24.0},
+         command=f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True {VL_GRPO_24GB} --bisect-lo 57344 --bisect-hi 73728 "
+                 "--time-budget 380 --out vl_grpo_24gb_expandable.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

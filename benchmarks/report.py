@@ -323,6 +323,42 @@ def rollout_fp8(fig: Figure) -> str:
                  set(range(1, 9)) - {3})
 
 
+def vl_sft(fig: Figure) -> str:
+    """Image-text SFT: swiftune against TRL's VLM SFTTrainer (the ``trl`` mode), same rows, one call."""
+    runs = {mode: m for mode, model, s, m in fig.groups() if not s.get("excl_collate")}
+    excl = {mode: val(m, "tokens_per_s") for mode, model, s, m in fig.groups() if s.get("excl_collate")}
+    trl = runs.get("trl")
+    out = []
+    for mode, m in sorted(runs.items(), key=lambda kv: kv[0] != "trl"):
+        tps, gb = val(m, "tokens_per_s"), val(m, "peak_gb")
+        out.append([LABELS.get(mode, mode) if mode != "trl" else "TRL 1.16 SFTTrainer (VLM collator)",
+                    fmt(tps, thousands=True), fmt(tps / val(trl, "tokens_per_s")) if trl else "",
+                    fmt(excl[mode], thousands=True) if excl.get(mode) else "", fmt(gb, 1),
+                    fmt(gb / val(trl, "peak_gb")) if trl else "", fmt(val(m, "step_s")),
+                    f"{100 * val(m, 'padding_fraction'):.1f}%"])
+    return table(["mode", "tok/s", "x TRL", "tok/s without the collator", "peak GB", "x TRL memory", "s / step",
+                  "padding"], out, set(range(1, 8)))
+
+
+def grpo_budget_largest(fig: Figure) -> str:
+    """The largest completion per row on an emulated GPU budget, one row per allocator setting (each a
+    search of its own), with the step at the largest fitting length."""
+    best, steps = {}, {}
+    for mode, model, s, m in fig.groups():
+        if "max_fit_completion" in m:
+            best[s.get("allocator", "")] = (val(m, "max_fit_completion"), val(m, "first_fail_completion"))
+        elif "step_s" in m:
+            steps[(s.get("allocator", ""), s["completion"])] = (s.get("tokens"), m)
+    out = []
+    for allocator, (fit, fail) in best.items():
+        tokens, m = steps.get((allocator, fit), (None, {}))
+        out.append([allocator, f"{fit:,}", f"{fail:,}" if fail else "", f"{tokens:,}" if tokens else "",
+                    fmt(val(m, "step_s")) if m else "", fmt(val(m, "peak_gb"), 1) if m else "",
+                    fmt(val(m, "host_rss_gb"), 1) if m else ""])
+    return table(["CUDA allocator", "largest completion / row that fitted", "first that failed", "tokens / step",
+                  "s / step there", "peak GPU GB", "host RSS GB"], out, set(range(1, 7)))
+
+
 def attention(fig: Figure) -> str:
     out, ref = [], {}
     groups = list(fig.groups())
@@ -344,7 +380,8 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
-          "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention}
+          "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
+          "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest}
 
 
 def commands(rows) -> str:

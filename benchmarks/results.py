@@ -81,7 +81,8 @@ def validate(row: Row) -> None:
         raise ValueError(f"versions must name torch and only {VERSION_KEYS}: {row.versions}")
     if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", row.date):
         raise ValueError(f"date must be YYYY-MM-DD: {row.date!r}")
-    if not (row.command.startswith("python -m benchmarks.") or row.command.startswith("scripts/")):
+    # (an environment the run was given, e.g. PYTORCH_CUDA_ALLOC_CONF=..., is part of its command)
+    if not re.match(r"(?:[A-Z][A-Z0-9_]*=\S+ )*(?:python -m benchmarks\.|scripts/)", row.command):
         raise ValueError(f"command must be how the figure is made (python -m benchmarks.NAME ...): {row.command!r}")
 
 
