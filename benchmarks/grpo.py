@@ -742,7 +742,7 @@ def run_bisect(args) -> dict:
                 host_budget_gb=args.host_budget_gb, host_margin_gb=args.host_margin_gb,
                 simulate_capacity=args.simulate_capacity,
                 simulate_kill_above=args.simulate_kill_above, modes=results, wall_s=time.perf_counter() - start,
-                **versions())
+                cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **versions())
 
 
 def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int | None = None) -> dict:

@@ -561,7 +561,8 @@ def run_grpo(args, argv) -> int:
     data = dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=mode.get("prompt_row_tokens", args.prompt_tokens),
                 rows=args.generations, tolerance=args.bisect_tol, share_prompt=args.share_prompt,
                 swiftune_checkpointing=args.checkpointing, load_in_4bit=args.load_in_4bit, offload_logits=args.offload_logits,
-                gpu_budget_gb=args.gpu_budget_gb, image_size=args.image_size, modes={"swiftune_vl": mode})
+                gpu_budget_gb=args.gpu_budget_gb, image_size=args.image_size, modes={"swiftune_vl": mode},
+                cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     print(f"\n# GRPO policy loss + backward on image prompts, {args.model} shape, G={args.generations}, one "
           f"{args.image_size}x{args.image_size} image ({mode.get('prompt_image_tokens')} tokens) + "
           f"{mode.get('prompt_text_tokens')} text tokens, {mode['label']}, GPU budget {args.gpu_budget_gb or 'all'} GB")

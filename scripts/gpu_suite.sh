@@ -54,6 +54,7 @@
 #   scripts/gpu_suite.sh grpo-memory  # what is alive at the peak of a GRPO step, 2 x 65,536 and 2 x 131,072 (~8 min)
 #   scripts/gpu_suite.sh longctx-trl [MODEL] # TRL + Liger's largest single sequence, bisected (~9 min)
 #   scripts/gpu_suite.sh vl-sft       # Qwen3-VL-8B SFT on image-text rows (448x448), batch 16: swiftune vs TRL 1.16's VLM SFTTrainer (carry .whl with TRL; ~5-8 min)
+#   scripts/gpu_suite.sh vl-gpu-tests # the Qwen3-VL tests not yet run on a GPU: GRPO parity, batched rollouts, VisionFastRolloutEngine (~5 min)
 #   scripts/gpu_suite.sh vl-grpo [BUDGET_GB] [ARGS...] # Qwen3-VL-8B QLoRA GRPO on image prompts, G=2: step at 2 x 32,768, then the largest completion per row on a 24 GB budget (carry .whl with bitsandbytes; ~9 min; resumable with --bisect-lo/--bisect-hi)
 #
 # Each part writes JSON and logs under $OUT and prints its table last; `python -m benchmarks.plots` turns
@@ -252,10 +253,16 @@ case "$part" in
     # its own process
     run vl_sft 530 python3 -m benchmarks.vl sft --model qwen3-vl-8b --batch 16 --steps 10 --warmup 3 \
       --mode-timeout 255 --out "$OUT/vl_sft_qwen3-vl-8b.json" ;;
+  vl-gpu-tests)  # issue 28's tests that have not run on a GPU: GRPO parity on image prompts (compiled kernels, packed
+    # and shared-prompt attention, fp32 / bf16), batched rollouts vs transformers, VisionFastRolloutEngine (~5 min)
+    run vl_gpu_tests 540 python3 -m pytest -q -rf -p no:cacheprovider tests/test_qwen3_vl_grpo.py \
+      tests/test_vl_rollout_batched.py tests/test_vl_fast_rollout.py ;;
   vl-grpo)  # issue 28's GRPO target: QLoRA, one 448x448 image + 256 prompt tokens, G=2, largest completion per row
     # on a BUDGET_GB (24) GPU; the random checkpoint stays in /tmp/vl8b_ckpt for the next call on a warm machine
     budget=${2:-24}
-    run vl_grpo 540 python3 -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb "$budget" \
+    # growable CUDA segments, as `swiftune grpo` sets them (57,344 -> 65,536 per row on 24 GB: docs/memory.md)
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+      run vl_grpo 540 python3 -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb "$budget" \
       --completion-lengths 32768 --bisect-start 65536 --time-budget 470 --checkpoint /tmp/vl8b_ckpt "${@:3}" \
       --out "$OUT/vl_grpo_qwen3-vl-8b_${budget}gb.json" ;;
   grpo-bisect)  # swiftune as GRPOTrainer runs it (shared prompt: sdpa for long completions, flex for short): 2 x 65,536 first, then upwards
@@ -349,7 +356,8 @@ case "$part" in
       --no-baselines --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_gptoss_cap64.json" ;;
   qlora-grpo)  # GRPO's largest completion per row, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB budget,
     # bracketed around the planner's answer: detached, poll with qlora-grpo-wait
-    detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+      detach qlora_grpo python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --load-in-4bit --gpu-budget-gb 80 --completion-from-planner --time-budget 2700 \
       --out /tmp/qlora_grpo.json
     wait_for qlora_grpo 54 8 ;;
