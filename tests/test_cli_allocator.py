@@ -23,10 +23,12 @@ def test_commands_without_training_leave_the_allocator_alone(command):
     assert environ == {}
 
 
-def test_the_users_own_allocator_settings_win():
-    environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+@pytest.mark.parametrize("own", ["max_split_size_mb:512", ""])
+def test_the_users_own_allocator_settings_win(own):
+    """Set or empty (PyTorch's default allocator, on purpose), the user's value stays."""
+    environ = {"PYTORCH_CUDA_ALLOC_CONF": own}
     cli.default_allocator_settings("grpo", environ)
-    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": own}
 
 
 def test_main_sets_it_before_the_command_runs(monkeypatch):
