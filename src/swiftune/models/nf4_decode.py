@@ -1,0 +1,91 @@
+"""Decode steps through bitsandbytes NF4 layers without a bf16 copy of their weights.
+
+bitsandbytes' ``Linear4bit`` multiplies more than one row by dequantising its whole weight to the compute dtype
+first (a write and a read of ``2 N K`` bytes besides the ``N K / 2`` of codes), which made the rollout
+engine's NF4 decode step 10x the time to read the codes (docs/benchmarks.md, "rollout_nf4").
+:func:`nf4_decode_forward` runs such a layer through :func:`swiftune.kernels.nf4_weight_only_matmul`
+instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MAX_ROWS`) without
+gradients, on CUDA (or the Triton interpreter); every other call goes to the layer's own forward.
+:func:`bind_nf4_decode` binds it on every NF4 layer of a model, on the instance; :func:`unbind_nf4_decode`
+restores them. LoRA layers over NF4 bases reach it through PEFT's call of their base layer.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernels.nf4_matmul import NF4Weight, nf4_kernel_runs_on, nf4_weight_only_matmul
+
+#: rows up to which a decode step multiplies through the NF4 kernel (a G=16 step of one prompt);
+#: more rows go to bitsandbytes, whose dequantised copy is then shared by more rows
+NF4_DECODE_MAX_ROWS = 16
+_BOUND_ATTR = "swiftune_nf4_decode"
+
+
+def is_nf4_linear(module: nn.Module) -> bool:
+    """A bitsandbytes ``Linear4bit`` holding NF4 codes (not FP4, not yet quantised)."""
+    state = getattr(getattr(module, "weight", None), "quant_state", None)
+    return (type(module).__name__ == "Linear4bit" and state is not None
+            and getattr(state, "quant_type", None) == "nf4")
+
+
+def nf4_weight_of(module: nn.Module) -> NF4Weight:
+    """The tensors of an NF4 ``Linear4bit``'s weight, as bitsandbytes' ``quant_state`` holds them."""
+    state = module.weight.quant_state
+    out_features, in_features = (int(d) for d in state.shape)
+    nested = getattr(state, "nested", False)
+    return NF4Weight(
+        packed=module.weight.data, absmax=state.absmax, code=state.code, blocksize=int(state.blocksize),
+        out_features=out_features, in_features=in_features,
+        absmax2=state.state2.absmax if nested else None, code2=state.state2.code if nested else None,
+        offset=float(state.offset) if nested else 0.0,
+        blocksize2=int(state.state2.blocksize) if nested else 256,
+    )
+
+
+def nf4_decode_applies(x: torch.Tensor, max_rows: int = NF4_DECODE_MAX_ROWS) -> bool:
+    """Whether a call with input ``x`` goes through the kernel: no gradients, at most ``max_rows`` rows,
+    on CUDA (or on CPU when the kernels are interpreted: the tests)."""
+    if torch.is_grad_enabled() or x.numel() // max(1, x.shape[-1]) > max_rows:
+        return False
+    return nf4_kernel_runs_on(x.device)
+
+
+def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Bound on an NF4 ``Linear4bit``: few rows without gradients through the NF4 kernel, in the layer's
+    compute dtype as bitsandbytes would multiply them; the rest through the layer's own forward."""
+    original = getattr(self, _BOUND_ATTR)
+    if args or kwargs or not nf4_decode_applies(x):
+        return original(x, *args, **kwargs)
+    dtype = getattr(self, "compute_dtype", None) or x.dtype
+    y = nf4_weight_only_matmul(x.to(dtype), nf4_weight_of(self), self.bias)
+    return y.to(x.dtype)
+
+
+def bind_nf4_decode(model: nn.Module) -> int:
+    """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once); returns how many are bound."""
+    count = 0
+    for module in model.modules():
+        if is_nf4_linear(module) and getattr(module, _BOUND_ATTR, None) is None:
+            setattr(module, _BOUND_ATTR, module.forward)
+            module.forward = types.MethodType(nf4_decode_forward, module)
+            count += 1
+    return count
+
+
+def unbind_nf4_decode(model: nn.Module) -> int:
+    """Restore the forwards :func:`bind_nf4_decode` replaced; returns how many."""
+    count = 0
+    for module in model.modules():
+        original = getattr(module, _BOUND_ATTR, None)
+        if original is not None:
+            del module.forward  # the instance's binding; an own forward bound before ours comes back below
+            if getattr(original, "__func__", None) is not type(module).forward:
+                module.forward = original
+            delattr(module, _BOUND_ATTR)
+            count += 1
+    return count

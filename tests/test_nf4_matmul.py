@@ -1,0 +1,111 @@
+"""The weight-only NF4 decode kernel (``swiftune.kernels.nf4_matmul``) and its binding on bitsandbytes layers.
+
+Reference: bitsandbytes itself, never swiftune: its ``Linear4bit`` forward (dequantise, then multiply) on the
+same codes, and its ``dequantize_4bit`` for the weight the kernel decodes in registers. On CPU the kernel
+runs through the Triton interpreter (tests/conftest.py); on a GPU compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from swiftune.kernels.nf4_matmul import nf4_dequantize_reference, nf4_weight_only_matmul  # noqa: E402
+from swiftune.models.nf4_decode import (  # noqa: E402
+    bind_nf4_decode,
+    nf4_decode_applies,
+    nf4_weight_of,
+    unbind_nf4_decode,
+)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _layer(k: int, n: int, dtype: torch.dtype, nested: bool, bias: bool, device: str, seed: int = 0):
+    """A bitsandbytes NF4 ``Linear4bit`` quantised from random weights of a few magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0.5, n).reshape(-1, 1)
+    layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=dtype, compress_statistics=nested, quant_type="nf4",
+                              device="meta")
+    layer.weight = bnb.nn.Params4bit(w.to(dtype), requires_grad=False, compress_statistics=nested, quant_type="nf4")
+    if bias:
+        layer.bias = nn.Parameter(torch.randn(n, generator=g).to(dtype), requires_grad=False)
+    layer = layer.to(device)
+    layer.support_avx512bf16_for_cpu = False  # keep the layout it was quantised in (training.quantization)
+    return layer
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nested", [True, False])
+def test_decoded_weight_is_bitsandbytes_dequantize_4bit(device, nested):
+    """The kernel's decoding formula (its plain-PyTorch form) gives bitsandbytes' own dequantised weight, bit for bit."""
+    layer = _layer(256, 96, torch.bfloat16, nested, False, device)
+    ref = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    got = nf4_dequantize_reference(nf4_weight_of(layer), torch.bfloat16)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("m,bias,split_k", [(1, False, None), (5, True, None), (16, False, 1), (16, True, 3),
+                                            (17, False, 2)])
+def test_kernel_equals_bitsandbytes_linear4bit(device, dtype, nested, m, bias, split_k):
+    """``y`` against bitsandbytes' ``Linear4bit`` forward on the same codes; K not a multiple of the K step."""
+    k, n = 320, 80
+    layer = _layer(k, n, dtype, nested, bias, device, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    with torch.no_grad():
+        ref = layer(x)
+        got = nf4_weight_only_matmul(x, nf4_weight_of(layer), layer.bias, split_k=split_k)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 8e-3)
+
+
+def test_refusals_say_what_to_change():
+    layer = _layer(64, 32, torch.float32, True, False, "cpu")
+    w = nf4_weight_of(layer)
+    with pytest.raises(ValueError, match="in_features"):
+        nf4_weight_only_matmul(torch.randn(2, 63), w)
+    with pytest.raises(ValueError, match="block_n"):
+        nf4_weight_only_matmul(torch.randn(2, 64), w, block_n=24)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        nf4_weight_only_matmul(torch.randn(2, 64, requires_grad=True), w)
+
+
+def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch):
+    """bind_nf4_decode: a no-grad call of <= 16 rows runs the kernel (and equals bitsandbytes); more rows, or
+    gradients, run bitsandbytes' own forward; unbinding restores the class's forward."""
+    model = nn.Sequential(_layer(128, 64, torch.float32, True, True, "cpu"), nn.ReLU(),
+                          _layer(64, 32, torch.float32, True, False, "cpu", seed=1))
+    x = torch.randn(4, 128)
+    with torch.no_grad():
+        ref = model(x)
+    assert bind_nf4_decode(model) == 2 and bind_nf4_decode(model) == 0
+    import swiftune.models.nf4_decode as nd
+
+    calls = []
+    real = nd.nf4_weight_only_matmul
+    monkeypatch.setattr(nd, "nf4_weight_only_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        got = model(x)
+        model(torch.randn(17, 128))
+    assert len(calls) == 2 and _rel(got, ref) < 1e-5
+    model(x)  # gradients enabled: bitsandbytes
+    assert len(calls) == 2
+    assert not nf4_decode_applies(torch.randn(2, 8))  # gradients enabled
+    with torch.no_grad():
+        assert nf4_decode_applies(torch.randn(2, 8, 8)) and not nf4_decode_applies(torch.randn(3, 6, 8))
+    assert unbind_nf4_decode(model) == 2
+    assert all("forward" not in m.__dict__ for m in model)
+    with torch.no_grad():
+        model(x)
+    assert len(calls) == 2
