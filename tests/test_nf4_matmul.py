@@ -109,3 +109,21 @@ def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch)
     with torch.no_grad():
         model(x)
     assert len(calls) == 2
+
+
+def test_peft_qlora_layers_keep_their_adapters():
+    """PEFT's QLoRA layer is also named ``Linear4bit`` and exposes its base's ``weight``: only the bitsandbytes
+    base is bound, so a bound model's no-grad output still holds the adapters (equal to PEFT's unbound)."""
+    import peft
+
+    model = nn.Sequential()
+    model.add_module("proj", _layer(128, 64, torch.float32, True, False, "cpu"))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"],
+                                                       init_lora_weights=False))
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        ref = model(x)
+        assert bind_nf4_decode(model) == 1
+        got = model(x)
+    assert _rel(got, ref) < 1e-5
+    assert _rel(got, model.base_model.model.proj.base_layer(x)) > 1e-3  # the adapters count

@@ -152,8 +152,16 @@ def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(c
         assert torch.allclose(p.float(), after[name].detach().float(), atol=1e-2, rtol=1e-2), name
 
 
-def test_rollout_engine_generates_from_4bit_weights(checkpoints):
+@pytest.mark.parametrize("nf4_kernel", [False, True])
+def test_rollout_engine_generates_from_4bit_weights(checkpoints, nf4_kernel, monkeypatch):
+    """Greedy tokens equal transformers' generate on the same 4-bit + LoRA model; with nf4_decode_kernel the
+    decode steps' base products go through swiftune's NF4 kernel (counted), and only during the call."""
+    import swiftune.models.nf4_decode as nf4_decode
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+
+    calls = []
+    kernel = nf4_decode.nf4_weight_only_matmul
+    monkeypatch.setattr(nf4_decode, "nf4_weight_only_matmul", lambda *a, **k: calls.append(1) or kernel(*a, **k))
 
     model, tokenizer = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=True, dtype=torch.float32,
                                                  device_map="cpu")
@@ -164,8 +172,11 @@ def test_rollout_engine_generates_from_4bit_weights(checkpoints):
                 p.normal_(0, 0.05)
     model.eval()
     prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
-    out = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3).generate(
-        prompts, 1, SamplingParams(max_tokens=10, temperature=0))
+    out = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
+                            nf4_decode_kernel=nf4_kernel).generate(prompts, 1, SamplingParams(max_tokens=10, temperature=0))
+    assert bool(calls) == nf4_kernel
+    assert not any("swiftune_nf4_decode" in vars(m) for m in model.modules())  # unbound after the call
+    calls.clear()
     for prompt, got in zip(prompts, out.completion_ids):
         ref = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=10, pad_token_id=tokenizer.pad_token_id)

@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .fp8_linear import FP8State, QuantizedActivation, fp8_grad_input, fp8_matmul, is_fp8_linear
+from .nf4_decode import takes_nf4_decode
 from .tiled_mlp import replace_untiled_forward
 
 __all__ = ["LoRALinearFunction", "fp8_product_layer", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora",
@@ -232,8 +233,8 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
                                   or torch.is_grad_enabled()):
         raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, under "
                          "torch.no_grad, for a fused LoRA layer over an FP8 base")
-    if operands is None:
-        return type(self).forward(self, x, *args, **kwargs)
+    if operands is None or (not operands[6] and takes_nf4_decode(operands[3], x)):
+        return type(self).forward(self, x, *args, **kwargs)  # (an NF4 decode step: PEFT's base call takes the kernel)
     name, base_dtype, lora_dtype, base, lora_a, lora_b, fp8 = operands
     weight = base.weight
     if fp8:

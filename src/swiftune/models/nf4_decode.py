@@ -7,12 +7,16 @@ engine's NF4 decode step 10x the time to read the codes (docs/benchmarks.md, "ro
 instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MAX_ROWS`) without
 gradients, on CUDA (or the Triton interpreter); every other call goes to the layer's own forward.
 :func:`bind_nf4_decode` binds it on every NF4 layer of a model, on the instance; :func:`unbind_nf4_decode`
-restores them. LoRA layers over NF4 bases reach it through PEFT's call of their base layer.
+restores them. A LoRA layer over a bound NF4 base (adapters at run time) then runs PEFT's own forward for such
+calls (:func:`takes_nf4_decode`), whose call of its base layer reaches the kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,10 +31,13 @@ _BOUND_ATTR = "swiftune_nf4_decode"
 
 
 def is_nf4_linear(module: nn.Module) -> bool:
-    """A bitsandbytes ``Linear4bit`` holding NF4 codes (not FP4, not yet quantised)."""
-    state = getattr(getattr(module, "weight", None), "quant_state", None)
-    return (type(module).__name__ == "Linear4bit" and state is not None
-            and getattr(state, "quant_type", None) == "nf4")
+    """A bitsandbytes ``Linear4bit`` holding NF4 codes (not FP4, not yet quantised). Not PEFT's QLoRA layer,
+    whose class has the same name and whose ``weight`` is its base layer's: binding it would drop the adapters."""
+    bnb = sys.modules.get("bitsandbytes")  # a model with 4-bit layers has imported it
+    if bnb is None or not isinstance(module, bnb.nn.Linear4bit):
+        return False
+    state = getattr(module.weight, "quant_state", None)
+    return state is not None and getattr(state, "quant_type", None) == "nf4"
 
 
 def nf4_weight_of(module: nn.Module) -> NF4Weight:
@@ -55,6 +62,12 @@ def nf4_decode_applies(x: torch.Tensor, max_rows: int = NF4_DECODE_MAX_ROWS) -> 
     return nf4_kernel_runs_on(x.device)
 
 
+def takes_nf4_decode(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``module`` (a base layer) is bound by :func:`bind_nf4_decode` and a call with ``x`` takes the kernel:
+    a fused LoRA node over it then runs PEFT's own forward, whose base call reaches the kernel."""
+    return getattr(module, _BOUND_ATTR, None) is not None and nf4_decode_applies(x)
+
+
 def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Bound on an NF4 ``Linear4bit``: few rows without gradients through the NF4 kernel, in the layer's
     compute dtype as bitsandbytes would multiply them; the rest through the layer's own forward."""
@@ -66,26 +79,48 @@ def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     return y.to(x.dtype)
 
 
+def _bind(module: nn.Module) -> None:
+    setattr(module, _BOUND_ATTR, module.forward)
+    module.forward = types.MethodType(nf4_decode_forward, module)
+
+
+def _unbind(module: nn.Module) -> None:
+    original = getattr(module, _BOUND_ATTR)
+    del module.forward  # the instance's binding; an own forward bound before ours comes back below
+    if getattr(original, "__func__", None) is not type(module).forward:
+        module.forward = original
+    delattr(module, _BOUND_ATTR)
+
+
+def _unbound_nf4_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_nf4_linear(m) and getattr(m, _BOUND_ATTR, None) is None]
+
+
 def bind_nf4_decode(model: nn.Module) -> int:
     """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once); returns how many are bound."""
-    count = 0
-    for module in model.modules():
-        if is_nf4_linear(module) and getattr(module, _BOUND_ATTR, None) is None:
-            setattr(module, _BOUND_ATTR, module.forward)
-            module.forward = types.MethodType(nf4_decode_forward, module)
-            count += 1
-    return count
+    layers = _unbound_nf4_layers(model)
+    for module in layers:
+        _bind(module)
+    return len(layers)
 
 
 def unbind_nf4_decode(model: nn.Module) -> int:
     """Restore the forwards :func:`bind_nf4_decode` replaced; returns how many."""
-    count = 0
-    for module in model.modules():
-        original = getattr(module, _BOUND_ATTR, None)
-        if original is not None:
-            del module.forward  # the instance's binding; an own forward bound before ours comes back below
-            if getattr(original, "__func__", None) is not type(module).forward:
-                module.forward = original
-            delattr(module, _BOUND_ATTR)
-            count += 1
-    return count
+    layers = [m for m in model.modules() if getattr(m, _BOUND_ATTR, None) is not None]
+    for module in layers:
+        _unbind(module)
+    return len(layers)
+
+
+@contextlib.contextmanager
+def nf4_decode_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """:func:`bind_nf4_decode` for the ``with`` block (when ``enabled``), yielding how many layers it bound;
+    after it, exactly those are unbound again (layers bound before stay bound)."""
+    layers = _unbound_nf4_layers(model) if enabled else []
+    for module in layers:
+        _bind(module)
+    try:
+        yield len(layers)
+    finally:
+        for module in layers:
+            _unbind(module)
