@@ -196,11 +196,12 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
     return {"wall_s": wall, "new_tokens": new_tokens, "tokens_per_s": rows * new_tokens / gen_s,
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
-            "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens}
+            "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens,
+            "nf4_decode_kernel": engine.nf4_decode_kernel}
 
 
 def lora_runs(model, name: str, prompt: list[int], rows_list: list[int], new_tokens: int,
-              kv_bucket: int) -> list[dict]:
+              kv_bucket: int, **engine_options) -> list[dict]:
     """The engine on a PEFT LoRA model (r=16, all linear layers): adapters run as PEFT layers vs merged."""
     from swiftune.training import FastModel
 
@@ -215,7 +216,7 @@ def lora_runs(model, name: str, prompt: list[int], rows_list: list[int], new_tok
     modes = ("runtime",) if quantized or expert_stacks(model) else ("runtime", "merge")
     for rows in rows_list:
         for lora in modes:
-            r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora)
+            r = time_fast(peft_model, prompt, rows, new_tokens, kv_bucket, lora=lora, **engine_options)
             runs.append({"model": name, "rows": rows, "new_tokens": new_tokens, "lora": lora, "fast": r})
             print(f"LoRA r=16 {lora:<8} G={rows} N={new_tokens}: {r['tokens_per_s']:.0f} tok/s, "
                   f"{r['step_ms']:.2f} ms/step", flush=True)
@@ -328,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-decode-max-tokens", type=int, default=None,
                    help="MoE shapes: the most tokens a decode step sends through the fused decode kernels "
                         "(FastRolloutEngine(moe_decode_max_tokens=...); default: the library's)")
+    p.add_argument("--nf4-decode-kernel", action="store_true",
+                   help="--load-in-4bit: decode steps of <= 16 rows through swiftune's NF4 kernel "
+                        "(FastRolloutEngine(nf4_decode_kernel=True)) instead of bitsandbytes' dequantise-then-multiply")
     p.add_argument("--baseline-kinds", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"],
                    help="which generate baselines to time (static compiles the forward: minutes on MoE shapes)")
     p.add_argument("--time-budget", type=float, default=420.0,
@@ -427,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                     results["skipped"].append({"model": name, "rows": rows, "new_tokens": new, "estimated_s": est})
                     print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
                     continue
-                r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens)
+                r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens,
+                              nf4_decode_kernel=a.nf4_decode_kernel)
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
                 read = moe_read_bytes(model, routed[rows]) if moe else wbytes
@@ -459,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['step_ms']:.2f} ms/step", flush=True)
             save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
-            results["lora"] = lora_runs(model, name, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket)
+            results["lora"] = lora_runs(model, name, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket,
+                                        nf4_decode_kernel=a.nf4_decode_kernel)
         # every reference to the model's modules goes (the expert stacks too), or the next shape's weights
         # meet this one's still on the GPU
         del model, moe
