@@ -506,9 +506,9 @@ def run_grpo_trials(args) -> dict:
         row["host_rss_gb"] = host_rss() / 1e9
         if record:
             trials.append(row)
-            print("TRIAL " + json.dumps(row), flush=True)
+            print("TRIAL " + json.dumps(row), flush=True)  # (what a run cut short by the device's limit leaves)
             if row.get("peak_profile"):
-                print(f"# memory at the peak of the step at {L}\n{format_breakdown(row['peak_profile'])}", flush=True)  # (what a run cut short by the device's limit leaves)
+                print(f"# memory at the peak of the step at {L}\n{format_breakdown(row['peak_profile'])}", flush=True)
         return row
 
     def estimate(L: int) -> float:  # the next trial's time from the largest finished one (quadratic: attention)
