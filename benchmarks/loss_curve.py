@@ -12,6 +12,14 @@ and compared), with the same optimizer (AdamW, constant learning rate), each in 
                    baseline, packed into rows of ``max_length`` (``packing=True`` would bin-pack the
                    whole dataset, so its steps would hold other examples than the baseline's)
 
+``--compare fp8`` draws FP8's curve instead (issue 26: within 1% of bf16 on the same rows): both modes
+are swiftune's packed SFTTrainer on the same rows, one on the bf16 base and one on the same base with
+every decoder linear weight quantised to FP8 (e4m3, a float32 scale per row: ``load_in_fp8=True``'s
+layers) before the same LoRA initialisation (the adapters' checksum is compared, not the base's):
+
+  swiftune_packed      the bf16 base (the reference of this comparison)
+  swiftune_packed_fp8  the FP8 base
+
 The loss of each step (the value ``compute_loss`` returns: mean over the step's trained tokens)
 is recorded; reported are the maximum per-step absolute and relative differences. bf16 on CUDA
 (as a user trains), float32 on CPU and for ``--model tiny``.
@@ -23,6 +31,7 @@ each row, as the loss never predicts it (this keeps transformers' token count eq
 of loss terms in every version).
 
     python -m benchmarks.loss_curve --out loss_curve.json   # + .png; qwen3-0.6b, b8, 200 steps: ~2-3 min (H200)
+    python -m benchmarks.loss_curve --compare fp8 --out loss_curve_fp8.json     # FP8 base vs bf16 base, same rows
     python -m benchmarks.loss_curve --model tiny --steps 10                       # CPU smoke test (~20 s)
     python -m benchmarks.loss_curve --one swiftune_packed --model tiny --steps 3  # one mode, JSON on stdout
 """
@@ -41,6 +50,10 @@ from benchmarks import child_env, module_command, results
 
 
 MODES = ["hf_padded", "swiftune_packed"]
+# the two modes of each comparison: (reference, measured)
+COMPARISONS = {"hf": ("hf_padded", "swiftune_packed"), "fp8": ("swiftune_packed", "swiftune_packed_fp8")}
+LABELS = {"hf_padded": "transformers + PEFT, padded (baseline 1)", "swiftune_packed": "swiftune, packed rows",
+          "swiftune_packed_fp8": "swiftune, packed rows, FP8 base weights"}
 LORA_SEED = 1234
 
 
@@ -80,13 +93,20 @@ class RecordingCollator:
         return self.inner(examples)
 
 
-def build_model(name: str, dtype, device):
+def build_model(name: str, dtype, device, fp8: bool = False):
+    """The random-init model of ``name`` with LoRA r=16 on every linear layer (seeded: the same adapters
+    in every mode); ``fp8``: its decoder's linear weights quantised to FP8 first, as
+    ``load_in_fp8=True`` loads them."""
     import peft
     import torch
 
     from benchmarks.workload import random_model
 
     model = random_model(name, device, dtype)
+    if fp8:
+        from swiftune.models.fp8_linear import quantize_model_fp8
+
+        quantize_model_fp8(model)
     lora = peft.LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
@@ -95,11 +115,13 @@ def build_model(name: str, dtype, device):
     return model
 
 
-def checksum(model) -> float:
+def checksum(model, trainable_only: bool = False) -> float:
+    """A position-weighted sum of the parameters (of the trainable ones: the LoRA adapters)."""
     import torch
 
+    params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
     with torch.no_grad():
-        return float(sum(p.detach().double().sum() * (i % 7 + 1) for i, p in enumerate(model.parameters())))
+        return float(sum(p.detach().double().sum() * (i % 7 + 1) for i, p in enumerate(params)))
 
 
 def sequential(trainer_cls):
@@ -119,7 +141,7 @@ def run_one(mode: str, args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fp32 = device == "cpu" or args.model == "tiny" or args.dtype == "float32"
     dtype = torch.float32 if fp32 else torch.bfloat16
-    model = build_model(args.model, dtype, device)
+    model = build_model(args.model, dtype, device, fp8=mode == "swiftune_packed_fp8")
     rows = bigram_rows(args.steps * args.batch, model.config.vocab_size, seed=args.seed, max_length=args.max_length)
     common = dict(output_dir=f"/tmp/bench_loss_curve_{mode}", max_steps=args.steps,
                   per_device_train_batch_size=args.batch, learning_rate=args.lr, lr_scheduler_type="constant",
@@ -135,7 +157,7 @@ def run_one(mode: str, args) -> dict:
         from benchmarks.workload import pad_to_longest as pad_collate
 
         collator = RecordingCollator(pad_collate)
-        init = checksum(model)
+        init = checksum(model, trainable_only=args.compare == "fp8")
         trainer = sequential(Trainer)(model=model, args=TrainingArguments(remove_unused_columns=False, **common),
                                       train_dataset=rows, data_collator=collator)
     else:
@@ -148,7 +170,7 @@ def run_one(mode: str, args) -> dict:
         examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         collator = RecordingCollator(make_collator("packed", max_length=args.max_length, pad_token_id=0))
-        init = checksum(model)
+        init = checksum(model, trainable_only=args.compare == "fp8")
         from benchmarks.workload import word_tokenizer
 
         trainer = sequential(swiftune.SFTTrainer)(
@@ -193,11 +215,12 @@ def plot(result: dict, path: str) -> bool:
     except ImportError:
         print("# matplotlib is not installed: no PNG (benchmarks/plots.py draws it from the JSON)")
         return False
-    base, ours = result["modes"]["hf_padded"], result["modes"]["swiftune_packed"]
+    ref_mode, our_mode = COMPARISONS[result.get("compare", "hf")]
+    base, ours = result["modes"][ref_mode], result["modes"][our_mode]
     steps = list(range(1, len(base["losses"]) + 1))
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
-    ax.plot(steps, base["losses"], label="transformers + PEFT, padded (baseline 1)", lw=2.2, color="#999999")
-    ax.plot(steps, ours["losses"], label="swiftune, packed rows", lw=1.0, color="#d62728", ls="--")
+    ax.plot(steps, base["losses"], label=LABELS[ref_mode], lw=2.2, color="#999999")
+    ax.plot(steps, ours["losses"], label=LABELS[our_mode], lw=1.0, color="#d62728", ls="--")
     ax.set_ylabel("training loss")
     ax.set_title(f"SFT loss, {result['model']} shape, LoRA r=16, batch {result['batch']}, {result['dtype']}")
     ax.legend()
@@ -222,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_length", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["auto", "float32"], default="auto", help="auto: bf16 on CUDA, float32 on CPU")
-    p.add_argument("--one", choices=MODES, help="run a single mode in this process and print its JSON")
+    p.add_argument("--compare", choices=sorted(COMPARISONS), default="hf",
+                   help="hf: swiftune packed vs transformers + PEFT padded; fp8: FP8 base weights vs bf16 (swiftune)")
+    p.add_argument("--one", choices=[*MODES, "swiftune_packed_fp8"],
+                   help="run a single mode in this process and print its JSON")
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
                    "(default: the --out path with .rows.jsonl)")
@@ -233,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     runs: dict[str, dict] = {}
-    for mode in MODES:
-        cmd = [*module_command("loss_curve", "--one", mode), "--model", args.model, "--batch",
+    ref_mode, our_mode = COMPARISONS[args.compare]
+    for mode in (ref_mode, our_mode):
+        cmd = [*module_command("loss_curve", "--one", mode), "--compare", args.compare, "--model", args.model, "--batch",
                str(args.batch), "--steps", str(args.steps), "--lr", str(args.lr), "--max_length", str(args.max_length),
                "--seed", str(args.seed), "--dtype", args.dtype]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
@@ -247,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[mode]
         print(f"# {mode}: {len(r['losses'])} steps in {r['train_s']:.1f} s, loss {r['losses'][0]:.4f} -> "
               f"{r['losses'][-1]:.4f}", flush=True)
-    base, ours = runs["hf_padded"], runs["swiftune_packed"]
-    result = dict(benchmark="loss_curve", model=args.model, batch=args.batch, steps=args.steps, lr=args.lr,
+    base, ours = runs[ref_mode], runs[our_mode]
+    result = dict(benchmark="loss_curve", compare=args.compare, reference=ref_mode, measured=our_mode, model=args.model, batch=args.batch, steps=args.steps, lr=args.lr,
                   max_length=args.max_length, dtype=base["dtype"], device=base["device"],
                   same_data=base["fingerprints"] == ours["fingerprints"],
                   same_init=abs(base["init_checksum"] - ours["init_checksum"]) <= 1e-9 * abs(base["init_checksum"]),
@@ -267,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n# SFT loss per step, {args.model} shape, LoRA r=16, batch {args.batch}, {result['dtype']}, "
           f"{args.steps} steps ({result['device']}); same data: {result['same_data']}, "
           f"same init: {result['same_init']}")
-    print(f"{'step':>5} {'hf_padded':>10} {'swiftune':>10} {'|diff|':>9} {'rel':>9}")
+    print(f"{'step':>5} {ref_mode:>16} {our_mode:>19} {'|diff|':>9} {'rel':>9}")
     n = len(base["losses"])
     show = sorted(set([0, 1, 2, n // 4, n // 2, 3 * n // 4, n - 1, result["max_abs_diff_step"] - 1]))
     for i in show:
         if 0 <= i < n:
-            print(f"{i + 1:>5} {base['losses'][i]:10.5f} {ours['losses'][i]:10.5f} {result['abs_diff'][i]:9.2e} "
+            print(f"{i + 1:>5} {base['losses'][i]:16.5f} {ours['losses'][i]:19.5f} {result['abs_diff'][i]:9.2e} "
                   f"{result['rel_diff'][i]:9.2e}")
     print(f"max |diff| {result['max_abs_diff']:.3e} at step {result['max_abs_diff_step']}, max relative "
           f"{result['max_rel_diff']:.3e}, mean |diff| {result['mean_abs_diff']:.3e}; "

@@ -273,7 +273,9 @@ def loss_curve(fig: Figure) -> str:
     out = []
     for mode, model, s, m in fig.groups():
         for metric, r in m.items():
-            out.append([LABELS.get(mode, mode) + (" vs padded" if "against" in s else ""), metric, f"{r.value:.6g}"])
+            against = s.get("against")
+            vs = f" vs {LABELS.get(against, against)}" if against else ""
+            out.append([LABELS.get(mode, mode) + vs, metric, f"{r.value:.6g}"])
     return table(["mode", "metric", "value"], out, {2})
 
 

@@ -38,7 +38,7 @@ UNITS: dict[str, str] = {
     "saved_bytes_per_token": "B/token", "backward_bytes_per_token": "B/token", "extra_gb": "GB",
     "max_abs_diff": "loss", "mean_abs_diff": "loss", "max_rel_diff": "fraction", "final_loss": "loss",
     "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms", "steady_tokens_per_s": "tok/s",
-    "steps_capturing": "steps",
+    "steps_capturing": "steps", "reward_first_fifth": "reward", "reward_last_fifth": "reward",
 }
 # the libraries a row may name; torch always, the rest where the tool used them
 VERSION_KEYS = ("torch", "transformers", "triton", "peft", "trl", "liger", "unsloth")
@@ -224,7 +224,7 @@ def kind_of(data) -> str | None:
         return "sft"
     if isinstance(data, dict):
         if data.get("benchmark") in ("grpo_step", "grpo_bisect", "grpo_e2e", "loss_curve", "rollout", "attention",
-                                     "losses", "tune_kernels"):
+                                     "losses", "tune_kernels", "reward_curve"):
             return data["benchmark"]
         if {"meta", "rows"} <= set(data):
             return "kernels"
@@ -362,7 +362,8 @@ def rows_from_grpo_step(data: dict, ctx: Context) -> list[Row]:
 def rows_from_loss_curve(data: dict, ctx: Context) -> list[Row]:
     model = data.get("model", "?")
     s = {k: data.get(k) for k in ("batch", "steps", "lr", "dtype", "max_length")}
-    out = [ctx.row("swiftune", "swiftune_packed", model, {**s, "against": "hf_padded"}, metric, data[key])
+    measured, reference = data.get("measured", "swiftune_packed"), data.get("reference", "hf_padded")
+    out = [ctx.row("swiftune", measured, model, {**s, "against": reference}, metric, data[key])
            for metric, key in (("max_abs_diff", "max_abs_diff"), ("mean_abs_diff", "mean_abs_diff"),
                                ("max_rel_diff", "max_rel_diff")) if _num(data.get(key))]
     for mode, m in (data.get("modes") or {}).items():
@@ -370,6 +371,17 @@ def rows_from_loss_curve(data: dict, ctx: Context) -> list[Row]:
             out.append(ctx.row(tool_of(mode), mode, model, s, "final_loss", m["losses"][-1]))
         if _num(m.get("train_s")):
             out.append(ctx.row(tool_of(mode), mode, model, s, "train_s", m["train_s"]))
+    return out
+
+
+def rows_from_reward_curve(data: dict, ctx: Context) -> list[Row]:
+    """The built-in GRPO task's reward, first and last fifth, per base-weight format."""
+    out = []
+    for name, r in (data.get("runs") or {}).items():
+        s = {"weights": name, "steps": data.get("steps"), "seed": data.get("seed")}
+        for metric, key in (("reward_first_fifth", "first_fifth"), ("reward_last_fifth", "last_fifth")):
+            if _num(r.get(key)):
+                out.append(ctx.row("swiftune", "grpo_builtin_lora", "tiny-qwen3", s, metric, r[key]))
     return out
 
 
@@ -471,7 +483,7 @@ def rows_from_grpo_e2e(data: dict, ctx: Context) -> list[Row]:
 CONVERTERS = {"sft": rows_from_sft, "grpo_e2e": rows_from_grpo_e2e, "longctx": rows_from_longctx, "grpo_bisect": rows_from_grpo_bisect,
               "grpo_step": rows_from_grpo_step, "loss_curve": rows_from_loss_curve, "rollout": rows_from_rollout,
               "kernels": rows_from_kernels, "attention": rows_from_attention, "losses": rows_from_losses,
-              "tune_kernels": rows_from_tune_kernels}
+              "tune_kernels": rows_from_tune_kernels, "reward_curve": rows_from_reward_curve}
 
 
 # -------------------------------------------------------------------- the published figures' rows

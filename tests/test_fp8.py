@@ -414,8 +414,34 @@ def test_cli_refuses_fp8_full_finetuning_and_mixed_quantisation():
         check_model_args(ModelArguments(model_name_or_path="some/model", load_in_fp8=True, use_lora=False))
     with pytest.raises(ConfigError, match="exclusive"):
         check_model_args(ModelArguments(model_name_or_path="some/model", load_in_fp8=True, load_in_4bit=True))
-    with pytest.raises(ConfigError, match="needs --model_name_or_path"):
-        check_model_args(ModelArguments(load_in_fp8=True))
+    check_model_args(ModelArguments(load_in_fp8=True))  # the built-in tiny model: quantised after its warm-up
+
+
+def test_builtin_model_is_quantised_after_its_warm_up(tmp_path):
+    """``swiftune grpo --load_in_fp8 true`` on the built-in task (the FP8 reward curve of issue 26):
+    the warm-up trains the bf16 model, then every decoder linear layer becomes FP8 and LoRA trains
+    on top of it (a bare built-in run fine-tunes the whole model)."""
+    from swiftune.cli.arguments import ModelArguments
+    from swiftune.cli.runs import build_model
+    from swiftune.models.fp8_linear import FP8Linear
+    from swiftune.sft import SFTConfig
+
+    seen = {}
+
+    def warm_up(model, tokenizer):
+        seen["fp8_during_warm_up"] = any(isinstance(m, FP8Linear) for m in model.modules())
+        seen["trainable_during_warm_up"] = all(p.requires_grad for p in model.parameters())
+
+    config = SFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    model, _, use_lora = build_model(ModelArguments(load_in_fp8=True), config, builtin=True, prepare_builtin=warm_up)
+    assert seen == {"fp8_during_warm_up": False, "trainable_during_warm_up": True}
+    assert use_lora
+    fp8 = [n for n, m in model.named_modules() if isinstance(m, FP8Linear)]
+    assert len(fp8) == 2 * 7  # q, k, v, o, gate, up, down in each of the two layers
+    assert all(m.weight.dtype == torch.float8_e4m3fn and not m.weight.requires_grad
+               for m in model.modules() if isinstance(m, FP8Linear))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
 
 
 def test_planner_counts_fp8_weights(capsys):

@@ -375,8 +375,9 @@ def check_model_args(model_args: ModelArguments) -> None:
         if model_args.use_lora is False:
             raise ConfigError(f"--{flag} true with --use_lora false: {model} cannot be fully fine-tuned ({frozen}); "
                               "drop --use_lora false to train LoRA adapters")
-        if not model_args.model_name_or_path:
-            raise ConfigError(f"--{flag} true needs --model_name_or_path (the built-in tiny model is not quantised)")
+        if not model_args.model_name_or_path and flag == "load_in_4bit":
+            raise ConfigError(f"--{flag} true needs --model_name_or_path (the built-in tiny model is not quantised "
+                              "to 4 bits; --load_in_fp8 true quantises it to FP8)")
 
 
 def check_paths(model_args: ModelArguments, config: Any) -> None:

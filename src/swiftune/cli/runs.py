@@ -67,6 +67,13 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
         if prepare_builtin is not None:
             prepare_builtin(model, tokenizer)
         use_lora = bool(model_args.use_lora)
+        if getattr(model_args, "load_in_fp8", False):
+            # after the warm-up (which trains the whole model), as --load_in_fp8 would load a saved
+            # checkpoint of it; FP8 weights are frozen, so LoRA adapters train on top
+            from ..models.fp8_linear import quantize_model_fp8
+
+            quantize_model_fp8(model)
+            use_lora = True
     else:
         model, tokenizer = FastModel.from_pretrained(
             model_args.model_name_or_path, max_seq_length=getattr(config, "max_length", None),
