@@ -12,7 +12,7 @@ and compared), with the same optimizer (AdamW, constant learning rate), each in 
                    baseline, packed into rows of ``max_length`` (``packing=True`` would bin-pack the
                    whole dataset, so its steps would hold other examples than the baseline's)
 
-``--compare fp8`` draws FP8's curve instead (issue 26: within 1% of bf16 on the same rows): both modes
+``--compare fp8`` draws FP8's curve instead (to be within 1% of bf16 on the same rows): both modes
 are swiftune's packed SFTTrainer on the same rows, one on the bf16 base and one on the same base with
 every decoder linear weight quantised to FP8 (e4m3, a float32 scale per row: ``load_in_fp8=True``'s
 layers) before the same LoRA initialisation (the adapters' checksum is compared, not the base's):

@@ -274,7 +274,7 @@ def loss_curve(fig: Figure) -> str:
     for mode, model, s, m in fig.groups():
         for metric, r in m.items():
             against = s.get("against")
-            vs = f" vs {LABELS.get(against, against)}" if against else ""
+            vs = "" if not against else " vs padded" if against == "hf_padded" else f" vs {against}"
             out.append([LABELS.get(mode, mode) + vs, metric, f"{r.value:.6g}"])
     return table(["mode", "metric", "value"], out, {2})
 

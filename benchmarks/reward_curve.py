@@ -1,4 +1,4 @@
-"""GRPO reward curves of the built-in task: FP8 base weights against bf16 (issue 26).
+"""GRPO reward curves of the built-in task: FP8 base weights against bf16.
 
 Both runs are ``swiftune grpo`` on its built-in reversal task (a random tiny Qwen3-shaped model, an SFT
 warm-up of the whole model, then GRPO), each in its own process with the same seed, so the same
