@@ -268,6 +268,16 @@ FIGURES: list[dict] = [
          settings={"allocator": "expandable_segments:True", "load_in_4bit": True, "gpu_budget_gb": 24.0},
          command=f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True {VL_GRPO_24GB} --bisect-lo 57344 --bisect-hi 73728 "
                  "--time-budget 380 --out vl_grpo_24gb_expandable.json"),
+    # session 23, one device call: Qwen3-8B LoRA SFT on FP8 base weights against swiftune's own bf16 base, batch 16
+    # and 16K-token micro-batches, then the 200-step loss curve of both bases on the same rows
+    dict(figure="fp8_sft_qwen3-8b", file="2026-12-03/fp8_sft_qwen3-8b_bf16_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "bf16"},
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune swiftune_budget --out fp8_sft_bf16.json"),
+    dict(figure="fp8_sft_qwen3-8b", file="2026-12-03/fp8_sft_qwen3-8b_fp8_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "fp8"},
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-fp8 --modes swiftune swiftune_budget --out fp8_sft.json"),
+    dict(figure="loss_curve_fp8", file="2026-12-03/loss_curve_fp8_qwen3-0.6b_h200.json", date="2026-12-03",
+         versions=BASE, command="python -m benchmarks.loss_curve --compare fp8 --out loss_curve_fp8.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

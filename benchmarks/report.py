@@ -120,6 +120,23 @@ def sft(fig: Figure) -> str:
     return table(header, out, set(range(1, len(header))))
 
 
+def sft_fp8(fig: Figure) -> str:
+    """swiftune on FP8 base weights against its own bf16 base, same call: one row per (mode, weights)."""
+    cells = {(mode, s["weights"]): m for mode, _, s, m in fig.groups()}
+    out = []
+    for mode in sorted({mode for mode, _ in cells}, key=lambda x: MODE_ORDER.index(x) if x in MODE_ORDER else 99):
+        bf16 = cells.get((mode, "bf16"))
+        for weights in ("bf16", "fp8"):
+            m = cells.get((mode, weights))
+            if m is None:
+                continue
+            size = "(~16K tok)" if mode.startswith("swiftune_budget") else "16"
+            out.append([LABELS.get(mode, mode), size, weights, fmt(val(m, "tokens_per_s"), thousands=True),
+                        fmt(val(m, "tokens_per_s") / val(bf16, "tokens_per_s")) if bf16 else "",
+                        fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s"))])
+    return table(["mode", "batch", "base weights", "tok/s", "x bf16", "peak GB", "s / step"], out, {1, 3, 4, 5, 6})
+
+
 def sft_graphs(fig: Figure) -> str:
     """Graphed layers against swiftune's eager step, same call: tok/s over every timed step, and over the
     timed steps that captured no graph (a long run's steps once its token buckets are captured). Where the
@@ -383,7 +400,8 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
-          "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest}
+          "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
+          "fp8_sft_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve}
 
 
 def commands(rows) -> str:
