@@ -84,9 +84,10 @@ def test_refusals_say_what_to_change():
 def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch):
     """bind_nf4_decode: a no-grad call of <= 16 rows runs the kernel (and equals bitsandbytes); more rows, or
     gradients, run bitsandbytes' own forward; unbinding restores the class's forward."""
-    model = nn.Sequential(_layer(128, 64, torch.float32, True, True, "cpu"), nn.ReLU(),
-                          _layer(64, 32, torch.float32, True, False, "cpu", seed=1))
-    x = torch.randn(4, 128)
+    device = DEVICES[-1]  # where the kernel runs: CUDA when there is one (CPU only interpreted)
+    model = nn.Sequential(_layer(128, 64, torch.float32, True, True, device), nn.ReLU(),
+                          _layer(64, 32, torch.float32, True, False, device, seed=1))
+    x = torch.randn(4, 128, device=device)
     with torch.no_grad():
         ref = model(x)
     assert bind_nf4_decode(model) == 2 and bind_nf4_decode(model) == 0
@@ -95,15 +96,21 @@ def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch)
     calls = []
     real = nd.nf4_weight_only_matmul
     monkeypatch.setattr(nd, "nf4_weight_only_matmul", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def reads_quant_state(module):  # a bound call must not: its offset is a device tensor (a sync in a capture)
+        raise AssertionError("the bound forward read the layer's quant_state")
+
+    monkeypatch.setattr(nd, "nf4_weight_of", reads_quant_state)
     with torch.no_grad():
         got = model(x)
-        model(torch.randn(17, 128))
+        model(torch.randn(17, 128, device=device))
     assert len(calls) == 2 and _rel(got, ref) < 1e-5
     model(x)  # gradients enabled: bitsandbytes
     assert len(calls) == 2
     assert not nf4_decode_applies(torch.randn(2, 8))  # gradients enabled
     with torch.no_grad():
-        assert nf4_decode_applies(torch.randn(2, 8, 8)) and not nf4_decode_applies(torch.randn(3, 6, 8))
+        assert nf4_decode_applies(torch.randn(2, 8, 8, device=device))
+        assert not nf4_decode_applies(torch.randn(3, 6, 8, device=device))
     assert unbind_nf4_decode(model) == 2
     assert all("forward" not in m.__dict__ for m in model)
     with torch.no_grad():

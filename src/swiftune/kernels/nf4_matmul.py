@@ -199,7 +199,10 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = min(max(16, next_pow2(m)), 64)
     if block_n is None:
-        block_n = 32 if m <= 16 else 64
+        block_n = 32
+    # the pipelined x and decoded-weight tiles: [16, 32] tiles in 4 stages fit an H100 / H200's shared memory
+    # (227 KiB a block), larger ones need fewer stages ([32, 64] in 4 stages asked for 237-377 KB)
+    stages = 4 if block_m * block_n <= 16 * 32 else 2
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
     split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, _BLOCK_K, x.device,
                                                               sm_fill_percent=100, min_range_per_row=16)
@@ -217,7 +220,7 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
         BLOCKSIZE=w.blocksize, BLOCKSIZE2=w.blocksize2, NESTED=w.nested,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, SPLIT=split, HAS_BIAS=bias is not None,
         DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_W_BF16=round_bf16, ROUND_BF16=round_bf16,
-        INT64=int64, num_warps=4, num_stages=4,
+        INT64=int64, num_warps=4, num_stages=stages,
     )
     if split > 1:
         split_k_reduce_kernel[(-(-n // REDUCE_BLOCK), m)](

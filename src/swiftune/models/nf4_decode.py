@@ -28,6 +28,9 @@ from ..kernels.nf4_matmul import NF4Weight, nf4_kernel_runs_on, nf4_weight_only_
 #: more rows go to bitsandbytes, whose dequantised copy is then shared by more rows
 NF4_DECODE_MAX_ROWS = 16
 _BOUND_ATTR = "swiftune_nf4_decode"
+# the layer's NF4Weight, read once at binding: bitsandbytes keeps the double quantisation's offset as a
+# device tensor, and reading it (a device-to-host copy) inside a CUDA-graph capture makes the capture fail
+_WEIGHT_ATTR = "swiftune_nf4_weight"
 
 
 def is_nf4_linear(module: nn.Module) -> bool:
@@ -75,11 +78,12 @@ def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     if args or kwargs or not nf4_decode_applies(x):
         return original(x, *args, **kwargs)
     dtype = getattr(self, "compute_dtype", None) or x.dtype
-    y = nf4_weight_only_matmul(x.to(dtype), nf4_weight_of(self), self.bias)
+    y = nf4_weight_only_matmul(x.to(dtype), getattr(self, _WEIGHT_ATTR), self.bias)
     return y.to(x.dtype)
 
 
 def _bind(module: nn.Module) -> None:
+    setattr(module, _WEIGHT_ATTR, nf4_weight_of(module))
     setattr(module, _BOUND_ATTR, module.forward)
     module.forward = types.MethodType(nf4_decode_forward, module)
 
@@ -90,6 +94,7 @@ def _unbind(module: nn.Module) -> None:
     if getattr(original, "__func__", None) is not type(module).forward:
         module.forward = original
     delattr(module, _BOUND_ATTR)
+    delattr(module, _WEIGHT_ATTR)
 
 
 def _unbound_nf4_layers(model: nn.Module) -> list[nn.Module]:
@@ -97,7 +102,8 @@ def _unbound_nf4_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def bind_nf4_decode(model: nn.Module) -> int:
-    """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once); returns how many are bound."""
+    """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once); returns how many are bound.
+    Each layer's codes and scales are taken at binding: move or re-quantise the model only while unbound."""
     layers = _unbound_nf4_layers(model)
     for module in layers:
         _bind(module)
