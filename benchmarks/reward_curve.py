@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         r = runs[name]
         print(f"# {name}: {len(r['rewards'])} steps in {r['wall_s']:.0f} s, reward {r['first_fifth']:.3f} -> "
               f"{r['last_fifth']:.3f}", flush=True)
+        if args.out:  # each finished run on disk at once: a time limit after it loses only the comparison
+            with open(args.out, "w") as f:
+                json.dump(dict(benchmark="reward_curve_partial", seed=args.seed, runs=runs), f, indent=1)
     result = dict(benchmark="reward_curve", seed=args.seed, steps=len(runs["bf16"]["rewards"]), runs=runs,
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   last_fifth_diff=runs["fp8"]["last_fifth"] - runs["bf16"]["last_fifth"])
