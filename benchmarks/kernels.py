@@ -11,6 +11,7 @@ outputs written once) and is compared with a device-to-device copy measured here
     python -m benchmarks.kernels                 # sizes of several GB, prints a table
     python -m benchmarks.kernels --out k.json    # also writes the rows as JSON
     python -m benchmarks.kernels --fp8-matmul --out f.json   # only the FP8 decode matmul table (below)
+    python -m benchmarks.kernels --nf4-matmul --out n.json   # only the NF4 decode matmul table (below)
 
 The FP8 decode matmul (no grad) has a table of its own: Qwen3-8B's projection shapes at M = 1, 8,
 32, 64 rows, four ways to run that product on the same tensors: the weight-only kernel
@@ -25,6 +26,14 @@ FP8 kernel's tiles, splits, operand order, warps, stages and accumulator promoti
 G = 64 decode step), to tune the launchers' heuristics. The dot path's result is checked against
 ``_scaled_mm``'s on the same codes (``dot_rel_err``), and a last line adds up one decoder layer's seven
 projections per M: the fastest FP8 path of each against bf16.
+
+The NF4 decode matmul table (``--nf4-matmul``, needs bitsandbytes) times, on Qwen3-8B's projection shapes at
+M = 1, 8, 16 rows (the NF4 kernel's rows in the rollout engine), swiftune's weight-only NF4 kernel
+(``nf4_weight_only_matmul``: codes and double-quantised absmax decoded in registers) against bitsandbytes'
+own ``Linear4bit`` forward on the same layer (what the engine runs without the kernel: a fused
+matrix-vector product at one row, dequantise-then-multiply above) and a bf16 matmul, with the same
+L2-defeating copies; GB/s counts the codes, the absmax, x and y. Each kernel result is checked against
+bitsandbytes' on the same codes (``rel_err``).
 """
 
 from __future__ import annotations
@@ -368,6 +377,87 @@ def fp8_matmul_main(argv, args, copy_bw: float) -> int:
     return 0
 
 
+_NF4_MS = (1, 8, 16)  # the rows the engine sends through the NF4 kernel (models.nf4_decode)
+
+
+def nf4_layers(n: int, k: int, copies: int, device: str) -> list:
+    """``copies`` bitsandbytes NF4 ``Linear4bit`` layers ``[n, k]`` (double quantisation, bf16 compute) of
+    random weights, quantised on ``device``."""
+    import bitsandbytes as bnb
+
+    out = []
+    for _ in range(copies):
+        layer = bnb.nn.Linear4bit(k, n, bias=False, compute_dtype=torch.bfloat16, compress_statistics=True,
+                                  quant_type="nf4", device="meta")
+        w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
+        layer.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4")
+        out.append(layer.to(device))
+    return out
+
+
+def nf4_matmul_rows(copy_bw: float, shapes: dict | None = None, ms: tuple = _NF4_MS, device: str = "cuda",
+                    timed=None, copies: int | None = None) -> list[dict]:
+    """The NF4 decode matmul table (see the module doc). ``timed(fn, copies)``: milliseconds of ``fn(i)``
+    (default: :func:`graph_ms`, falling back to eager timing where a path cannot be captured); ``shapes``,
+    ``device``, ``timed`` and ``copies`` (default: enough for 256 MB of bf16 weights) let the CPU test run
+    it small."""
+    fixed_copies = copies
+    from swiftune.kernels.nf4_matmul import nf4_weight_only_matmul
+    from swiftune.models.nf4_decode import nf4_weight_of
+
+    def default_timed(fn, copies):
+        try:
+            return graph_ms(fn, copies)
+        except RuntimeError as e:  # a path that syncs or allocates where a capture cannot
+            print(f"nf4_matmul: timed eagerly ({e})", file=sys.stderr)
+            return bench(lambda: [fn(i) for i in range(copies)]) / copies
+
+    timed = timed or default_timed
+    rows = []
+    for name, (n, k) in (shapes or QWEN3_8B_PROJECTIONS).items():
+        copies = fixed_copies or max(2, -(-(256 * 2**20) // (2 * n * k)))
+        layers = nf4_layers(n, k, copies, device)
+        weights = [nf4_weight_of(layer) for layer in layers]
+        w16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                ref = layers[0](x)
+                err = float((nf4_weight_only_matmul(x, weights[0]).float() - ref.float()).norm() / ref.float().norm())
+                t_ours = timed(lambda i: nf4_weight_only_matmul(x, weights[i]), copies)
+                t_bnb = timed(lambda i: layers[i](x), copies)
+                t_bf16 = timed(lambda i: torch.mm(x, w16[i].t()), copies)
+            nf4_bytes = n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n  # codes, 8-bit absmax per 64, x, y
+            rows.append(dict(kernel="nf4_matmul", shape=f"{name} N{n} K{k} M{m}", m=m, weight_mb=n * k / 1e6,
+                             ours_ms=t_ours, bnb_ms=t_bnb, bf16_ms=t_bf16, vs_bnb=t_bnb / t_ours,
+                             vs_bf16=t_bf16 / t_ours, ours_gb_s=nf4_bytes / (t_ours * 1e-3) / 1e9,
+                             of_copy=nf4_bytes / (t_ours * 1e-3) / copy_bw, rel_err=err))
+        layers = weights = w16 = None  # this shape's copies freed before the next shape's
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def nf4_matmul_main(argv, args, copy_bw: float) -> int:
+    start = time.perf_counter()
+    rows = nf4_matmul_rows(copy_bw)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12,
+                seconds=time.perf_counter() - start)
+    print(f"\n{meta}")
+    print(f"{'nf4 matmul':<34} {'M':>3} {'ours ms':>8} {'GB/s':>6} {'%copy':>6} {'bnb ms':>8} {'bf16 ms':>8} "
+          f"{'x bnb':>6} {'x bf16':>6} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['shape']:<34} {r['m']:>3} {r['ours_ms']:8.4f} {r['ours_gb_s']:6.0f} {100 * r['of_copy']:5.0f}% "
+              f"{r['bnb_ms']:8.4f} {r['bf16_ms']:8.4f} {r['vs_bnb']:6.2f} {r['vs_bf16']:6.2f} {r['rel_err']:8.1e}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    results.save("kernels_nf4_matmul", argv, dict(meta=meta, rows=rows), args.out, args.rows)
+    # bitsandbytes' bf16 product and the kernel's float32 sums of the same codes: bf16 rounding apart
+    assert all(math.isfinite(r["ours_ms"]) and r["rel_err"] < 1e-2 for r in rows), rows
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", type=float, default=1.0, help="multiply the token counts (1.0 = several GB)")
@@ -376,6 +466,8 @@ def main(argv=None) -> int:
                    "(default: the --out path with .rows.jsonl)")
     p.add_argument("--fp8-matmul", action="store_true",
                    help="only the FP8 decode matmul table (weight-only kernel vs _scaled_mm path vs bf16)")
+    p.add_argument("--nf4-matmul", action="store_true",
+                   help="only the NF4 decode matmul table (swiftune's NF4 kernel vs bitsandbytes vs bf16)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -383,6 +475,8 @@ def main(argv=None) -> int:
     copy_bw = copy_bandwidth()
     if args.fp8_matmul:
         return fp8_matmul_main(argv, args, copy_bw)
+    if args.nf4_matmul:
+        return nf4_matmul_main(argv, args, copy_bw)
     rows = []
     for name, shape, nbytes, ours, eager, compiled in cases(args.scale):
         t_ours, t_eager, t_comp = bench(ours), bench(eager), bench(compiled)

@@ -20,7 +20,7 @@
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh fp8-curves   # FP8 vs bf16 base: 200-step SFT loss curve (Qwen3-0.6B, same rows) and the built-in GRPO task's reward curve (~8 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
-#   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~8 min; carry .whl with bitsandbytes)
+#   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, its matmul table vs bitsandbytes, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~9 min; carry .whl with bitsandbytes)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
 #   scripts/gpu_suite.sh fp8-dot      # the FP8 x FP8 decode kernel (17-64 rows): its tests compiled (Qwen3-8B projections, graph replay == eager), then the decode matmul table with its columns and sweep (~3 min)
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
@@ -307,6 +307,7 @@ case "$part" in
   qlora-rollout-nf4)  # the NF4 decode kernel: its tests compiled, then the engine with it and without (bitsandbytes'
     # dequantise-then-multiply) on the same 4-bit model in one call, G 8/16 (the kernel's rows) and 64 (~8 min)
     run nf4_tests 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_nf4_matmul.py
+    run nf4_matmul_kernels 120 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul.json"
     run nf4_rollout_kernel 240 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --nf4-decode-kernel \
       --rows 8 16 64 --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out "$OUT/rollout_nf4_kernel.json"
     run nf4_rollout_bnb 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 16 \

@@ -134,3 +134,33 @@ def test_peft_qlora_layers_keep_their_adapters():
         got = model(x)
     assert _rel(got, ref) < 1e-5
     assert _rel(got, model.base_model.model.proj.base_layer(x)) > 1e-3  # the adapters count
+
+
+def test_kernel_benchmark_table_checks_the_kernel_against_bitsandbytes():
+    """``benchmarks.kernels --nf4-matmul``'s rows, on one small shape on CPU (the kernel interpreted): the
+    kernel's product is compared with bitsandbytes' own on the same layer, and a wrong one is caught."""
+    import benchmarks.kernels as kb
+
+    calls = []
+
+    def timed(fn, copies):
+        for i in range(copies):
+            fn(i)
+        calls.append(copies)
+        return 1.0
+
+    rows = kb.nf4_matmul_rows(1e9, shapes={"tiny": (64, 256)}, ms=(1, 3), device="cpu", timed=timed,
+                               copies=2)
+    assert [r["m"] for r in rows] == [1, 3] and calls == [2] * 6  # ours, bitsandbytes, bf16 at each M
+    assert all(r["rel_err"] < 1e-2 and r["vs_bnb"] == 1.0 for r in rows), rows
+    # the check is live: a kernel that drops the absmax scale is far from bitsandbytes
+    import swiftune.kernels.nf4_matmul as nm
+
+    real = nm.nf4_weight_only_matmul
+    try:
+        nm.nf4_weight_only_matmul = lambda x, w, *a, **k: 2 * real(x, w, *a, **k)
+        bad = kb.nf4_matmul_rows(1e9, shapes={"tiny": (64, 256)}, ms=(1,), device="cpu", timed=timed,
+                                   copies=2)
+    finally:
+        nm.nf4_weight_only_matmul = real
+    assert bad[0]["rel_err"] > 0.5
