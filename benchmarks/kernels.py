@@ -401,32 +401,31 @@ def nf4_matmul_rows(copy_bw: float, shapes: dict | None = None, ms: tuple = _NF4
     (default: :func:`graph_ms`, falling back to eager timing where a path cannot be captured); ``shapes``,
     ``device``, ``timed`` and ``copies`` (default: enough for 256 MB of bf16 weights) let the CPU test run
     it small."""
-    fixed_copies = copies
     from swiftune.kernels.nf4_matmul import nf4_weight_only_matmul
     from swiftune.models.nf4_decode import nf4_weight_of
 
-    def default_timed(fn, copies):
+    def default_timed(fn, n_copies):
         try:
-            return graph_ms(fn, copies)
+            return graph_ms(fn, n_copies)
         except RuntimeError as e:  # a path that syncs or allocates where a capture cannot
             print(f"nf4_matmul: timed eagerly ({e})", file=sys.stderr)
-            return bench(lambda: [fn(i) for i in range(copies)]) / copies
+            return bench(lambda: [fn(i) for i in range(n_copies)]) / n_copies
 
     timed = timed or default_timed
     rows = []
     for name, (n, k) in (shapes or QWEN3_8B_PROJECTIONS).items():
-        copies = fixed_copies or max(2, -(-(256 * 2**20) // (2 * n * k)))
-        layers = nf4_layers(n, k, copies, device)
+        n_copies = copies or max(2, -(-(256 * 2**20) // (2 * n * k)))
+        layers = nf4_layers(n, k, n_copies, device)
         weights = [nf4_weight_of(layer) for layer in layers]
-        w16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        w16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(n_copies)]
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 ref = layers[0](x)
                 err = float((nf4_weight_only_matmul(x, weights[0]).float() - ref.float()).norm() / ref.float().norm())
-                t_ours = timed(lambda i: nf4_weight_only_matmul(x, weights[i]), copies)
-                t_bnb = timed(lambda i: layers[i](x), copies)
-                t_bf16 = timed(lambda i: torch.mm(x, w16[i].t()), copies)
+                t_ours = timed(lambda i: nf4_weight_only_matmul(x, weights[i]), n_copies)
+                t_bnb = timed(lambda i: layers[i](x), n_copies)
+                t_bf16 = timed(lambda i: torch.mm(x, w16[i].t()), n_copies)
             nf4_bytes = n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n  # codes, 8-bit absmax per 64, x, y
             rows.append(dict(kernel="nf4_matmul", shape=f"{name} N{n} K{k} M{m}", m=m, weight_mb=n * k / 1e6,
                              ours_ms=t_ours, bnb_ms=t_bnb, bf16_ms=t_bf16, vs_bnb=t_bnb / t_ours,

@@ -136,7 +136,7 @@ def test_peft_qlora_layers_keep_their_adapters():
     assert _rel(got, model.base_model.model.proj.base_layer(x)) > 1e-3  # the adapters count
 
 
-def test_kernel_benchmark_table_checks_the_kernel_against_bitsandbytes():
+def test_kernel_benchmark_table_checks_the_kernel_against_bitsandbytes(monkeypatch):
     """``benchmarks.kernels --nf4-matmul``'s rows, on one small shape on CPU (the kernel interpreted): the
     kernel's product is compared with bitsandbytes' own on the same layer, and a wrong one is caught."""
     import benchmarks.kernels as kb
@@ -157,10 +157,6 @@ def test_kernel_benchmark_table_checks_the_kernel_against_bitsandbytes():
     import swiftune.kernels.nf4_matmul as nm
 
     real = nm.nf4_weight_only_matmul
-    try:
-        nm.nf4_weight_only_matmul = lambda x, w, *a, **k: 2 * real(x, w, *a, **k)
-        bad = kb.nf4_matmul_rows(1e9, shapes={"tiny": (64, 256)}, ms=(1,), device="cpu", timed=timed,
-                                   copies=2)
-    finally:
-        nm.nf4_weight_only_matmul = real
+    monkeypatch.setattr(nm, "nf4_weight_only_matmul", lambda x, w, *a, **k: 2 * real(x, w, *a, **k))
+    bad = kb.nf4_matmul_rows(1e9, shapes={"tiny": (64, 256)}, ms=(1,), device="cpu", timed=timed, copies=2)
     assert bad[0]["rel_err"] > 0.5
