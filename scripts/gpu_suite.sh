@@ -19,6 +19,8 @@
 #   scripts/gpu_suite.sh qlora-sft    # QLoRA SFT Qwen3-8B: swiftune, TRL + Liger, Unsloth --4bit, and a 24 GB budget (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh fp8-curves   # FP8 vs bf16 base: 200-step SFT loss curve (Qwen3-0.6B, same rows) and the built-in GRPO task's reward curve (~8 min)
+#   scripts/gpu_suite.sh fp8-reward   # only fp8-curves' GRPO reward curve (~4.5 min)
+#   scripts/gpu_suite.sh fp8-graphs   # FP8 base weights with graphed decoder layers vs eager, and bf16 graphed, Qwen3-8B batch 16 (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, its matmul table vs bitsandbytes, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~9 min; carry .whl with bitsandbytes)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
@@ -200,6 +202,14 @@ case "$part" in
     # adapters' initialisation, 200 steps) and the GRPO reward of the built-in task, FP8 vs bf16, 100 steps each
     run loss_curve_fp8 300 python3 -m benchmarks.loss_curve --compare fp8 --out "$OUT/loss_curve_fp8.json"
     run reward_curve_fp8 280 python3 -m benchmarks.reward_curve --out "$OUT/reward_curve_fp8.json" ;;
+  fp8-reward)  # only the reward curve of fp8-curves (~4.5 min)
+    run reward_curve_fp8 280 python3 -m benchmarks.reward_curve --out "$OUT/reward_curve_fp8.json" ;;
+  fp8-graphs)  # FP8 base weights with graphed decoder layers (the batch-16 step is host-bound): FP8 eager and graphed,
+    # then bf16 graphed, Qwen3-8B batch 16, in one call (warm-up long enough to capture the token buckets; ~7 min)
+    run fp8_graphs_b16 260 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --load-in-fp8 \
+      --modes swiftune swiftune_graphs --out "$OUT/fp8_graphs_qwen3-8b_b16.json"
+    run bf16_graphs_b16 170 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
+      --modes swiftune_graphs --out "$OUT/bf16_graphs_qwen3-8b_b16.json" ;;
   sft-memory)  # the allocation sites alive at the peak of a step, per mode (batch 16 and 16K-token micro-batches)
     run sft_memory 420 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 5 --warmup 3 --memory-profile \
       --modes trl_liger swiftune swiftune_budget swiftune_budget_offload --out "$OUT/sft_memory_qwen3-8b.json" ;;
