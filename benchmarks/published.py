@@ -278,6 +278,18 @@ FIGURES: list[dict] = [
          command=f"{SFT} --model qwen3-8b --batch 16 --load-in-fp8 --modes swiftune swiftune_budget --out fp8_sft.json"),
     dict(figure="loss_curve_fp8", file="2026-12-03/loss_curve_fp8_qwen3-0.6b_h200.json", date="2026-12-03",
          versions=BASE, command="python -m benchmarks.loss_curve --compare fp8 --out loss_curve_fp8.json"),
+    # session 24, one device call: FP8 eager and graphed, then bf16 graphed, Qwen3-8B batch 16, 40 timed steps
+    dict(figure="fp8_graphs_qwen3-8b", file="2026-12-03/fp8_graphs_qwen3-8b_b16_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "fp8"},
+         command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --load-in-fp8 "
+                 "--modes swiftune swiftune_graphs --out fp8_graphs_qwen3-8b_b16.json"),
+    dict(figure="fp8_graphs_qwen3-8b", file="2026-12-03/bf16_graphs_qwen3-8b_b16_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "bf16"},
+         command="python -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --modes swiftune_graphs "
+                 "--out bf16_graphs_qwen3-8b_b16.json"),
+    # session 24: the GRPO reward curve of the built-in task, FP8 base against bf16 base (its JSON this time)
+    dict(figure="reward_curve_fp8", file="2026-12-03/reward_curve_fp8_h200.json", date="2026-12-03",
+         versions=BASE, command="python -m benchmarks.reward_curve --out reward_curve_fp8.json"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

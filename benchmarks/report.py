@@ -169,6 +169,48 @@ def sft_graphs(fig: Figure) -> str:
     return table(header, out, set(range(1, len(header))))
 
 
+def sft_fp8_graphs(fig: Figure) -> str:
+    """Graphed layers on FP8 base weights against FP8 eager and bf16 graphed, one call: tok/s over every timed
+    step and over the timed steps that captured no graph; "x eager" is the graphed row's steady figure over the
+    eager row of the same weights; "x bf16 graphed" and "x bf16 graphed memory" a graphed row's steady figure
+    and its peak memory over the bf16 graphed row's."""
+    cells = {(mode, s["weights"]): (s, m) for mode, _, s, m in fig.groups()}
+
+    def best(m):
+        steady = val(m, "steady_tokens_per_s")
+        return steady if steady is not None else val(m, "tokens_per_s")
+
+    eager = {w: best(m) for (mode, w), (_, m) in cells.items() if not mode.endswith("_graphs")}
+    ref = cells.get(("swiftune_graphs", "bf16"), (None, None))[1]
+    out = []
+    for (mode, weights), (s, m) in sorted(cells.items(), key=lambda kv: (kv[0][0].endswith("_graphs"),
+                                                                        kv[0][1] != "fp8", kv[0][0])):
+        graphed = mode.endswith("_graphs")
+        capturing = val(m, "steps_capturing")
+        steps = f"{s.get('timed_steps', '')}" + (f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        out.append([LABELS.get(mode, mode), str(s["batch"]), weights, fmt(val(m, "tokens_per_s"), thousands=True),
+                    fmt(val(m, "steady_tokens_per_s"), thousands=True),
+                    fmt(best(m) / eager[weights]) if graphed and eager.get(weights) else "",
+                    fmt(best(m) / best(ref)) if graphed and ref else "", fmt(val(m, "peak_gb"), 1),
+                    fmt(val(m, "peak_gb") / val(ref, "peak_gb")) if graphed and ref else "", steps])
+    return table(["mode", "batch", "base weights", "tok/s, timed steps", "tok/s, steps without a capture", "x eager",
+                  "x bf16 graphed", "peak GB", "x bf16 graphed memory", "timed steps"], out, set(range(1, 10)) - {2})
+
+
+def reward_curve(fig: Figure) -> str:
+    """The built-in GRPO task's mean reward over the first and the last fifth of each run, per base-weight
+    format, and each run's last fifth against the bf16 run's."""
+    runs = {s["weights"]: (s, m) for _, _, s, m in fig.groups()}
+    bf16 = val(runs["bf16"][1], "reward_last_fifth") if "bf16" in runs else None
+    out = []
+    for weights, (s, m) in sorted(runs.items(), key=lambda kv: kv[0] != "bf16"):
+        first, last = val(m, "reward_first_fifth"), val(m, "reward_last_fifth")
+        out.append([weights, str(s.get("steps", "")), fmt(first, 3), fmt(last, 3), f"{last - first:+.3f}",
+                    f"{last - bf16:+.3f}" if bf16 is not None and weights != "bf16" else ""])
+    return table(["base weights", "GRPO steps", "reward, first fifth", "reward, last fifth", "rise",
+                  "last fifth - bf16's"], out, {1, 2, 3, 4, 5})
+
+
 def kernels(fig: Figure) -> str:
     per = defaultdict(dict)
     for r in fig.rows:  # three tools per kernel: by tool, not by mode
@@ -401,7 +443,8 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
-          "fp8_sft_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve}
+          "fp8_sft_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
+          "fp8_graphs_qwen3-8b": sft_fp8_graphs, "reward_curve_fp8": reward_curve}
 
 
 def commands(rows) -> str:
