@@ -39,6 +39,7 @@ bitsandbytes' on the same codes (``rel_err``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -437,9 +438,52 @@ def nf4_matmul_rows(copy_bw: float, shapes: dict | None = None, ms: tuple = _NF4
     return rows
 
 
+_NF4_SWEEP = {"q/o_proj": ((4096, 4096), 8), "gate/up_proj": ((12288, 4096), 16), "down_proj": ((4096, 12288), 1)}
+
+
+def nf4_sweep_rows(copy_bw: float, shapes: dict | None = None, device: str = "cuda", timed=None,
+                   copies: int | None = None, block_ns: tuple = (32, 64, 128), splits: tuple = (None, 1, 2, 4, 8),
+                   stages: tuple = (2, 4)) -> list[dict]:
+    """The NF4 kernel's tile widths, K splits and pipeline depths on one (shape, M) each (``shapes``: name ->
+    ((N, K), M)), to tune the launcher's defaults; each result checked against bitsandbytes' as in the table."""
+    from swiftune.kernels.nf4_matmul import nf4_weight_only_matmul
+    from swiftune.models.nf4_decode import nf4_weight_of
+
+    timed = timed or graph_ms
+    rows = []
+    for name, ((n, k), m) in (shapes or _NF4_SWEEP).items():
+        n_copies = copies or max(2, -(-(256 * 2**20) // (2 * n * k)))
+        layers = nf4_layers(n, k, n_copies, device)
+        weights = [nf4_weight_of(layer) for layer in layers]
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        nf4_bytes = n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n
+        with torch.no_grad():
+            ref = layers[0](x).float()
+            for block_n, split_k, depth in itertools.product(block_ns, splits, stages):
+                def run(i, block_n=block_n, split_k=split_k, depth=depth):
+                    return nf4_weight_only_matmul(x, weights[i], block_n=block_n, split_k=split_k, num_stages=depth)
+
+                err = float((run(0).float() - ref).norm() / ref.norm())
+                ms = timed(run, n_copies)
+                rows.append(dict(kernel="nf4_matmul_sweep", shape=f"{name} N{n} K{k} M{m}", m=m, block_n=block_n,
+                                 split_k=split_k or "auto", num_stages=depth, ours_ms=ms, rel_err=err,
+                                 of_copy=nf4_bytes / (ms * 1e-3) / copy_bw))
+        layers = weights = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def nf4_matmul_main(argv, args, copy_bw: float) -> int:
     start = time.perf_counter()
     rows = nf4_matmul_rows(copy_bw)
+    sweep = nf4_sweep_rows(copy_bw)
+    for shape in dict.fromkeys(r["shape"] for r in sweep):
+        mine = sorted((r for r in sweep if r["shape"] == shape), key=lambda r: r["ours_ms"])
+        default = next(r for r in mine if r["block_n"] == 64 and r["split_k"] == "auto" and r["num_stages"] == 4)
+        print(f"nf4 sweep {shape}: default {default['ours_ms']:.4f} ms ({100 * default['of_copy']:.0f}% copy); best "
+              + ", ".join(f"block_n {r['block_n']} split {r['split_k']} stages {r['num_stages']}: {r['ours_ms']:.4f} ms"
+                          f" ({100 * r['of_copy']:.0f}%)" for r in mine[:4]))
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12,
                 seconds=time.perf_counter() - start)
     print(f"\n{meta}")
@@ -450,10 +494,10 @@ def nf4_matmul_main(argv, args, copy_bw: float) -> int:
               f"{r['bnb_ms']:8.4f} {r['bf16_ms']:8.4f} {r['vs_bnb']:6.2f} {r['vs_bf16']:6.2f} {r['rel_err']:8.1e}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=meta, rows=rows, sweep=sweep), f, indent=1)
     results.save("kernels_nf4_matmul", argv, dict(meta=meta, rows=rows), args.out, args.rows)
     # bitsandbytes' bf16 product and the kernel's float32 sums of the same codes: bf16 rounding apart
-    assert all(math.isfinite(r["ours_ms"]) and r["rel_err"] < 1e-2 for r in rows), rows
+    assert all(math.isfinite(r["ours_ms"]) and r["rel_err"] < 1e-2 for r in rows + sweep), rows + sweep
     return 0
 
 

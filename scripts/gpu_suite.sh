@@ -317,7 +317,7 @@ case "$part" in
   qlora-rollout-nf4)  # the NF4 decode kernel: its tests compiled, then the engine with it and without (bitsandbytes'
     # dequantise-then-multiply) on the same 4-bit model in one call, G 8/16 (the kernel's rows) and 64 (~8 min)
     run nf4_tests 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_nf4_matmul.py
-    run nf4_matmul_kernels 120 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul.json"
+    run nf4_matmul_kernels 200 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul.json"
     run nf4_rollout_kernel 240 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --nf4-decode-kernel \
       --rows 8 16 64 --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out "$OUT/rollout_nf4_kernel.json"
     run nf4_rollout_bnb 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 16 \

@@ -13,7 +13,11 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from swiftune.kernels.nf4_matmul import nf4_dequantize_reference, nf4_weight_only_matmul  # noqa: E402
+from swiftune.kernels.nf4_matmul import (  # noqa: E402
+    nf4_dequantize_reference,
+    nf4_kernel_takes,
+    nf4_weight_only_matmul,
+)
 from swiftune.models.nf4_decode import (  # noqa: E402
     bind_nf4_decode,
     nf4_decode_applies,
@@ -24,13 +28,15 @@ from swiftune.models.nf4_decode import (  # noqa: E402
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _layer(k: int, n: int, dtype: torch.dtype, nested: bool, bias: bool, device: str, seed: int = 0):
+def _layer(k: int, n: int, dtype: torch.dtype, nested: bool, bias: bool, device: str, seed: int = 0,
+           blocksize: int = 64):
     """A bitsandbytes NF4 ``Linear4bit`` quantised from random weights of a few magnitudes."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * torch.logspace(-2, 0.5, n).reshape(-1, 1)
     layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=dtype, compress_statistics=nested, quant_type="nf4",
                               device="meta")
-    layer.weight = bnb.nn.Params4bit(w.to(dtype), requires_grad=False, compress_statistics=nested, quant_type="nf4")
+    layer.weight = bnb.nn.Params4bit(w.to(dtype), requires_grad=False, compress_statistics=nested, quant_type="nf4",
+                                     blocksize=blocksize)
     if bias:
         layer.bias = nn.Parameter(torch.randn(n, generator=g).to(dtype), requires_grad=False)
     layer = layer.to(device)
@@ -70,6 +76,40 @@ def test_kernel_equals_bitsandbytes_linear4bit(device, dtype, nested, m, bias, s
     assert _rel(got, ref) < (1e-5 if dtype == torch.float32 else 8e-3)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("blocksize,k", [(32, 160), (128, 384), (256, 512)])
+def test_kernel_takes_other_absmax_blocks(device, blocksize, k):
+    """Absmax blocks of 32 (a K step of 32 columns), 128 and 256 (steps of 128 inside one block): the kernel
+    itself (``backend="triton"``), against bitsandbytes' forward, with K split into ranges and tiles of 16 rows."""
+    layer = _layer(k, 48, torch.bfloat16, True, True, device, blocksize=blocksize)
+    w = nf4_weight_of(layer)
+    assert w.blocksize == blocksize and nf4_kernel_takes(w)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        ref = layer(x)
+        for split_k, block_n, stages in [(None, None, None), (2, 16, 2)]:
+            got = nf4_weight_only_matmul(x, w, layer.bias, backend="triton", split_k=split_k, block_n=block_n,
+                                         num_stages=stages)
+            assert _rel(got, ref) < 8e-3
+
+
+def test_rows_straddling_absmax_blocks_are_refused_and_left_unbound():
+    """K = 96 with blocks of 64: a row's codes start inside a block, which the kernel's one-absmax-per-step loop
+    cannot read (and bitsandbytes' CPU layout of such a weight is not the flat formula): the matmul refuses it
+    with what to do, and bind_nf4_decode leaves the layer on bitsandbytes' forward (equal to its unbound output)."""
+    model = nn.Sequential(_layer(96, 40, torch.float32, True, False, "cpu"), nn.ReLU(),
+                          _layer(40, 64, torch.float32, True, False, "cpu", seed=1))
+    w = nf4_weight_of(model[0])
+    assert not nf4_kernel_takes(w) and not nf4_kernel_takes(nf4_weight_of(model[2]))  # 40 % 64 != 0
+    with pytest.raises(ValueError, match="multiple of the absmax blocksize"):
+        nf4_weight_only_matmul(torch.randn(2, 96), w)
+    x = torch.randn(2, 96)
+    with torch.no_grad():
+        ref = model(x)
+        assert bind_nf4_decode(model) == 0
+        assert torch.equal(model(x), ref)
+
+
 def test_refusals_say_what_to_change():
     layer = _layer(64, 32, torch.float32, True, False, "cpu")
     w = nf4_weight_of(layer)
@@ -77,6 +117,8 @@ def test_refusals_say_what_to_change():
         nf4_weight_only_matmul(torch.randn(2, 63), w)
     with pytest.raises(ValueError, match="block_n"):
         nf4_weight_only_matmul(torch.randn(2, 64), w, block_n=24)
+    with pytest.raises(ValueError, match="num_stages"):
+        nf4_weight_only_matmul(torch.randn(2, 64), w, num_stages=0)
     with pytest.raises(RuntimeError, match="no_grad"):
         nf4_weight_only_matmul(torch.randn(2, 64, requires_grad=True), w)
 
@@ -160,3 +202,14 @@ def test_kernel_benchmark_table_checks_the_kernel_against_bitsandbytes(monkeypat
     monkeypatch.setattr(nm, "nf4_weight_only_matmul", lambda x, w, *a, **k: 2 * real(x, w, *a, **k))
     bad = kb.nf4_matmul_rows(1e9, shapes={"tiny": (64, 256)}, ms=(1,), device="cpu", timed=timed, copies=2)
     assert bad[0]["rel_err"] > 0.5
+
+
+def test_kernel_sweep_checks_every_setting_against_bitsandbytes():
+    """``--nf4-matmul``'s sweep of tile widths, K splits and pipeline depths, on a small shape on CPU: every
+    setting runs the kernel and its product is checked against bitsandbytes' on the same layer."""
+    import benchmarks.kernels as kb
+
+    rows = kb.nf4_sweep_rows(1e9, shapes={"tiny": ((48, 256), 3)}, device="cpu", timed=lambda fn, copies: 1.0,
+                             copies=2, block_ns=(16, 32), splits=(None, 2), stages=(2,))
+    assert [(r["block_n"], r["split_k"]) for r in rows] == [(16, "auto"), (16, 2), (32, "auto"), (32, 2)]
+    assert all(r["rel_err"] < 1e-2 for r in rows), rows

@@ -17,12 +17,16 @@ so the two differ only in the order of the float32 additions. No backward: decod
 Memory traffic. bitsandbytes multiplies more than one row of ``x`` by dequantising the whole weight to a
 bf16 copy first: it reads ``N K / 2`` bytes of codes, writes ``2 N K`` and reads them back. This kernel
 reads the codes and the absmax codes once (``N K / 2 + N K / 64`` bytes) and never writes a weight, so its
-floor is a quarter of a bf16 weight's. A program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y``; each
-K step loads the tile's ``[BLOCK_N, BLOCK_K]`` codes (each byte serves two neighbouring columns, a second
-load of it hits the cache), looks them up in the 16-entry table, scales them by their block's absmax and
-multiplies with ``tl.dot``. As in :mod:`.fp8_matmul`, K is split into ranges when the column tiles alone
-leave SMs idle, the float32 partial sums added in a fixed order by a second kernel (deterministic: a CUDA
-graph replay equals the eager run). The launcher reads no device value, so CUDA graphs capture it.
+floor is a quarter of a bf16 weight's. A program computes a ``[BLOCK_M, BLOCK_N]`` tile of ``y``. Each K
+step covers ``STEP`` columns (128, or the absmax block when it is smaller, so that a step of a row has one
+absmax: ``K`` must be a multiple of ``blocksize``, as in every model's projections). It loads the
+tile's ``[BLOCK_N, STEP / 2]`` bytes contiguously, one absmax per row (decoded from its code when nested),
+splits the bytes into their high nibbles (the even columns) and low nibbles (the odd columns), looks both up
+in the 16-entry table, scales them, and multiplies them with ``x``'s even and odd columns in two ``tl.dot``
+calls, so the weight is never interleaved back. As in :mod:`.fp8_matmul`, K is split into ranges when the
+column tiles alone leave SMs idle, the float32 partial sums added in a fixed order by a second kernel
+(deterministic: a CUDA graph replay equals the eager run). The launcher reads no device value, so CUDA graphs
+capture it.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from ._fp8_common import REDUCE_BLOCK, check_no_grad, check_pow2, check_split_k,
 from .launch import Backend, INT32_MAX, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2
 from .launch import tl, triton
 
-__all__ = ["NF4Weight", "nf4_dequantize_reference", "nf4_kernel_runs_on", "nf4_weight_only_matmul",
-           "nf4_weight_only_matmul_reference"]
+__all__ = ["NF4Weight", "nf4_dequantize_reference", "nf4_kernel_runs_on", "nf4_kernel_takes",
+           "nf4_weight_only_matmul", "nf4_weight_only_matmul_reference"]
 
-_BLOCK_K = 128  # codes of one row a program decodes per step: 64 bytes
+_MAX_STEP = 128  # columns of one row a program decodes per K step (64 bytes; fewer when the absmax block is smaller)
+_STAGES = 4  # the pipeline's depth: a stage's byte and x tiles are a few KB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,13 @@ class NF4Weight:
         return self.absmax2 is not None
 
 
+def nf4_kernel_takes(w: NF4Weight) -> bool:
+    """Whether the kernel decodes ``w`` (else :func:`nf4_weight_only_matmul` takes the reference): every weight
+    row starts on an absmax block (``in_features`` a multiple of ``blocksize``), a power of two >= 32."""
+    b = w.blocksize
+    return b >= 32 and b & (b - 1) == 0 and w.in_features % b == 0
+
+
 def _check_weight(w: NF4Weight, x: torch.Tensor) -> None:
     n, k = w.out_features, w.in_features
     if k != x.shape[-1]:
@@ -71,6 +83,10 @@ def _check_weight(w: NF4Weight, x: torch.Tensor) -> None:
         raise ValueError(f"packed must hold N K / 2 = {n * k // 2} uint8 bytes, got {w.packed.numel()} {w.packed.dtype}")
     if w.code.dtype != torch.float32 or w.code.numel() != 16:
         raise ValueError(f"code must be the 16 float32 NF4 values, got {w.code.numel()} {w.code.dtype}")
+    if not nf4_kernel_takes(w):
+        raise ValueError(f"in_features ({k}) must be a multiple of the absmax blocksize ({w.blocksize}, a power of "
+                         "two >= 32): each weight row must start on an absmax block; keep bitsandbytes' own "
+                         "forward for this layer (bind_nf4_decode skips it)")
     blocks = -(-n * k // w.blocksize)
     if w.blocksize < 1 or w.absmax.numel() != blocks:
         raise ValueError(f"absmax must hold one value per block of {w.blocksize} elements ({blocks}), "
@@ -86,7 +102,8 @@ def _check_weight(w: NF4Weight, x: torch.Tensor) -> None:
 
 def nf4_dequantize_reference(w: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
     """Plain PyTorch: ``W`` ``[N, K]`` in ``dtype``, each value the float32 product of its NF4 value and its
-    block's absmax, rounded once (bitsandbytes' ``dequantize_4bit``)."""
+    block's absmax, rounded once (bitsandbytes' ``dequantize_4bit``, checked where ``K`` is a multiple of the
+    block: bitsandbytes' CPU layout differs from this formula when rows straddle blocks)."""
     flat = w.packed.reshape(-1)
     codes = torch.stack([flat >> 4, flat & 15], dim=1).reshape(-1).long()
     absmax = w.absmax
@@ -109,9 +126,9 @@ if triton is not None:
     @triton.jit
     def _nf4_wo_kernel(
         x_ptr, q_ptr, a_ptr, code_ptr, code2_ptr, a2_ptr, offset, b_ptr, y_ptr, p_ptr,
-        M, N, K, stride_xm, stride_ym, k_per_split,
+        M, N, K, stride_xm, stride_ym, stride_q, blocks_per_row, k_per_split,
         BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, ROUND_W_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
         INT64: tl.constexpr,
     ):
@@ -119,34 +136,37 @@ if triton is not None:
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         offs_m, offs_n, mask_m, mask_n = output_tile(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, INT64)
-        offs_k = tl.arange(0, BLOCK_K)
+        HALF: tl.constexpr = STEP // 2
+        offs_j = tl.arange(0, HALF)  # byte j of a step holds columns k0 + 2 j (high nibble) and k0 + 2 j + 1 (low)
         k_start = pid_k * k_per_split
-        x_rows = x_ptr + offs_m[:, None] * stride_xm
-        row_start = offs_n[:, None] * K  # flat index of each weight row's first element
+        k_end = tl.minimum(k_start + k_per_split, K)
+        x_even = x_ptr + offs_m[:, None] * stride_xm + 2 * offs_j[None, :]
+        q_rows = q_ptr + offs_n[:, None] * stride_q + offs_j[None, :]
+        a_rows = offs_n * blocks_per_row  # each row's first absmax: rows start on a block (K % BLOCKSIZE == 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, k_per_split, BLOCK_K):
-            kk = k_start + k0 + offs_k
-            in_k = kk < K
-            x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & in_k[None, :], other=0.0)
-            w_mask = mask_n[:, None] & in_k[None, :]
-            flat = row_start + kk[None, :]
-            byte = tl.load(q_ptr + flat // 2, mask=w_mask, other=0).to(tl.int32)
-            nibble = tl.where((flat % 2) == 0, byte >> 4, byte & 15)
-            value = tl.load(code_ptr + nibble)  # the 16-entry table stays in L1
-            block = flat // BLOCKSIZE
+        for k0 in range(k_start, k_end, STEP):  # STEP divides BLOCKSIZE: one absmax per row and step
+            byte = tl.load(q_rows + k0 // 2, mask=mask_n[:, None], other=0).to(tl.int32)
+            block = a_rows + k0 // BLOCKSIZE
             if NESTED:
-                a_code = tl.load(a_ptr + block, mask=w_mask, other=0).to(tl.int32)
-                absmax = tl.load(code2_ptr + a_code) * tl.load(a2_ptr + block // BLOCKSIZE2, mask=w_mask, other=0.0)
+                a_code = tl.load(a_ptr + block, mask=mask_n, other=0).to(tl.int32)
+                absmax = tl.load(code2_ptr + a_code) * tl.load(a2_ptr + block // BLOCKSIZE2, mask=mask_n, other=0.0)
                 absmax = absmax + offset
             else:
-                absmax = tl.load(a_ptr + block, mask=w_mask, other=0.0)
-            w = tl.where(w_mask, value * absmax, 0.0)
+                absmax = tl.load(a_ptr + block, mask=mask_n, other=0.0)
+            # the 16-entry table stays in L1; the float32 products are bitsandbytes' dequantised values
+            w_hi = tl.load(code_ptr + (byte >> 4)) * absmax[:, None]
+            w_lo = tl.load(code_ptr + (byte & 15)) * absmax[:, None]
+            x_hi = tl.load(x_even + k0, mask=mask_m[:, None], other=0.0)
+            x_lo = tl.load(x_even + (k0 + 1), mask=mask_m[:, None], other=0.0)
             if DOT_F32:  # float32 x, or the interpreter (whose half-precision arithmetic is unreliable)
                 if ROUND_W_BF16:  # the weight bitsandbytes would have written in bf16
-                    w = round_to_bf16(w)
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+                    w_hi = round_to_bf16(w_hi)
+                    w_lo = round_to_bf16(w_lo)
+                acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+                acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
             else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
         if SPLIT == 1:
             store_output_tile(acc, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
         else:
@@ -167,20 +187,23 @@ def nf4_kernel_runs_on(device: torch.device) -> bool:
 
 def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None, *,
                            backend: Backend = "auto", block_n: int | None = None,
-                           split_k: int | None = None) -> torch.Tensor:
+                           split_k: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """``x W^T + b`` in ``x``'s dtype from NF4 codes, accumulated in float32 (see the module docstring).
 
     ``x`` ``[..., K]`` (bf16, fp16 or fp32; the last axis contiguous), ``w`` an :class:`NF4Weight` of
     ``[N, K]``, ``bias`` ``[N]`` or ``None``. Returns ``[..., N]``. Meant for decoding (``M`` up to 16 rows);
-    larger ``M`` works, decoding the weight once per 64 rows. No autograd. ``block_n`` (a power of two >= 16)
-    and ``split_k`` override the tile width and the K split chosen from ``M``, ``N``, ``K`` and the SM count.
-    A ``float64`` ``x`` takes the reference."""
+    larger ``M`` works, decoding the weight once per 64 rows. No autograd. ``block_n`` (a power of two >= 16),
+    ``split_k`` and ``num_stages`` override the tile width, the K split chosen from ``M``, ``N``, ``K`` and the
+    SM count, and the software pipeline's depth. A ``float64`` ``x`` takes the reference. A weight whose rows
+    straddle absmax blocks is refused (:func:`nf4_kernel_takes`)."""
     check_float("x", x)
     _check_weight(w, x)
     if bias is not None and bias.numel() != w.out_features:
         raise ValueError(f"bias must hold {w.out_features} values, got {bias.numel()}")
     check_pow2("block_n", block_n, 16)
     check_split_k(split_k)
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     check_no_grad("nf4_weight_only_matmul", x, bias)
     named = {"x": x, "packed": w.packed, "absmax": w.absmax, "code": w.code}
     if w.nested:
@@ -198,15 +221,12 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = min(max(16, next_pow2(m)), 64)
-    if block_n is None:
-        block_n = 32
-    # the pipelined x and decoded-weight tiles: [16, 32] tiles in 4 stages fit an H100 / H200's shared memory
-    # (227 KiB a block), larger ones need fewer stages ([32, 64] in 4 stages asked for 237-377 KB)
-    stages = 4 if block_m * block_n <= 16 * 32 else 2
+    block_n = block_n or 64
+    step = min(w.blocksize, _MAX_STEP)
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
-    split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, _BLOCK_K, x.device,
-                                                              sm_fill_percent=100, min_range_per_row=16)
-    k_per_split, split = split_k_ranges(k, _BLOCK_K, split)
+    split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, step, x.device,
+                                                              sm_fill_percent=200, min_range_per_row=16)
+    k_per_split, split = split_k_ranges(k, step, split)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     int64 = n * k > INT32_MAX or needs_int64(x2, y, partial)
     code2 = w.code2 if w.nested else w.code  # (unread without NESTED: any pointer)
@@ -216,11 +236,11 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     round_bf16 = interpreted and x.dtype == torch.bfloat16
     _nf4_wo_kernel[(n_tiles, split, m_tiles)](
         x2, w.packed, w.absmax, w.code, code2, absmax2, float(w.offset), b, y, partial,
-        m, n, k, x2.stride(0), y.stride(0), k_per_split,
+        m, n, k, x2.stride(0), y.stride(0), k // 2, k // w.blocksize, k_per_split,
         BLOCKSIZE=w.blocksize, BLOCKSIZE2=w.blocksize2, NESTED=w.nested,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, SPLIT=split, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, STEP=step, SPLIT=split, HAS_BIAS=bias is not None,
         DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_W_BF16=round_bf16, ROUND_BF16=round_bf16,
-        INT64=int64, num_warps=4, num_stages=stages,
+        INT64=int64, num_warps=4, num_stages=num_stages or _STAGES,
     )
     if split > 1:
         split_k_reduce_kernel[(-(-n // REDUCE_BLOCK), m)](

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.nf4_matmul import NF4Weight, nf4_kernel_runs_on, nf4_weight_only_matmul
+from ..kernels.nf4_matmul import NF4Weight, nf4_kernel_runs_on, nf4_kernel_takes, nf4_weight_only_matmul
 
 #: rows up to which a decode step multiplies through the NF4 kernel (a G=16 step of one prompt);
 #: more rows go to bitsandbytes, whose dequantised copy is then shared by more rows
@@ -82,8 +82,8 @@ def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: A
     return y.to(x.dtype)
 
 
-def _bind(module: nn.Module) -> None:
-    setattr(module, _WEIGHT_ATTR, nf4_weight_of(module))
+def _bind(module: nn.Module, weight: NF4Weight) -> None:
+    setattr(module, _WEIGHT_ATTR, weight)
     setattr(module, _BOUND_ATTR, module.forward)
     module.forward = types.MethodType(nf4_decode_forward, module)
 
@@ -97,17 +97,24 @@ def _unbind(module: nn.Module) -> None:
     delattr(module, _WEIGHT_ATTR)
 
 
-def _unbound_nf4_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if is_nf4_linear(m) and getattr(m, _BOUND_ATTR, None) is None]
+def _bind_unbound_layers(model: nn.Module) -> list[nn.Module]:
+    """Bind every NF4 layer not bound yet whose rows start on absmax blocks; returns the layers bound."""
+    bound = []
+    for module in model.modules():
+        if is_nf4_linear(module) and getattr(module, _BOUND_ATTR, None) is None:
+            weight = nf4_weight_of(module)
+            if nf4_kernel_takes(weight):
+                _bind(module, weight)
+                bound.append(module)
+    return bound
 
 
 def bind_nf4_decode(model: nn.Module) -> int:
-    """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once); returns how many are bound.
-    Each layer's codes and scales are taken at binding: move or re-quantise the model only while unbound."""
-    layers = _unbound_nf4_layers(model)
-    for module in layers:
-        _bind(module)
-    return len(layers)
+    """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once) whose rows start on absmax blocks
+    (:func:`~swiftune.kernels.nf4_matmul.nf4_kernel_takes`; the others keep bitsandbytes' forward); returns how
+    many are bound. Each layer's codes and scales are taken at binding: move or re-quantise the model only while
+    unbound."""
+    return len(_bind_unbound_layers(model))
 
 
 def unbind_nf4_decode(model: nn.Module) -> int:
@@ -122,9 +129,7 @@ def unbind_nf4_decode(model: nn.Module) -> int:
 def nf4_decode_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     """:func:`bind_nf4_decode` for the ``with`` block (when ``enabled``), yielding how many layers it bound;
     after it, exactly those are unbound again (layers bound before stay bound)."""
-    layers = _unbound_nf4_layers(model) if enabled else []
-    for module in layers:
-        _bind(module)
+    layers = _bind_unbound_layers(model) if enabled else []
     try:
         yield len(layers)
     finally:
