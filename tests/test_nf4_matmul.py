@@ -15,6 +15,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 from swiftune.kernels.nf4_matmul import (  # noqa: E402
     nf4_dequantize_reference,
+    nf4_kernel_runs_on,
     nf4_kernel_takes,
     nf4_weight_only_matmul,
 )
@@ -81,15 +82,17 @@ def test_kernel_equals_bitsandbytes_linear4bit(device, dtype, nested, m, bias, s
 def test_kernel_takes_other_absmax_blocks(device, blocksize, k):
     """Absmax blocks of 32 (a K step of 32 columns), 128 and 256 (steps of 128 inside one block): the kernel
     itself (``backend="triton"``), against bitsandbytes' forward, with K split into ranges and tiles of 16 rows."""
+    if not nf4_kernel_runs_on(torch.device(device)):
+        pytest.skip("the kernel runs on this device only interpreted (the CPU run of the suite covers it)")
     layer = _layer(k, 48, torch.bfloat16, True, True, device, blocksize=blocksize)
     w = nf4_weight_of(layer)
     assert w.blocksize == blocksize and nf4_kernel_takes(w)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(device)
     with torch.no_grad():
         ref = layer(x)
-        for split_k, block_n, stages in [(None, None, None), (2, 16, 2)]:
+        for split_k, block_n, stages, lookup in [(None, None, None, None), (2, 16, 2, 1), (None, 32, 3, 2)]:
             got = nf4_weight_only_matmul(x, w, layer.bias, backend="triton", split_k=split_k, block_n=block_n,
-                                         num_stages=stages)
+                                         num_stages=stages, lookup=lookup)
             assert _rel(got, ref) < 8e-3
 
 
@@ -119,6 +122,8 @@ def test_refusals_say_what_to_change():
         nf4_weight_only_matmul(torch.randn(2, 64), w, block_n=24)
     with pytest.raises(ValueError, match="num_stages"):
         nf4_weight_only_matmul(torch.randn(2, 64), w, num_stages=0)
+    with pytest.raises(ValueError, match="lookup"):
+        nf4_weight_only_matmul(torch.randn(2, 64), w, lookup=3)
     with pytest.raises(RuntimeError, match="no_grad"):
         nf4_weight_only_matmul(torch.randn(2, 64, requires_grad=True), w)
 
@@ -210,6 +215,8 @@ def test_kernel_sweep_checks_every_setting_against_bitsandbytes():
     import benchmarks.kernels as kb
 
     rows = kb.nf4_sweep_rows(1e9, shapes={"tiny": ((48, 256), 3)}, device="cpu", timed=lambda fn, copies: 1.0,
-                             copies=2, block_ns=(16, 32), splits=(None, 2), stages=(2,))
-    assert [(r["block_n"], r["split_k"]) for r in rows] == [(16, "auto"), (16, 2), (32, "auto"), (32, 2)]
+                             copies=2, block_ns=(16, 32), splits=(None, 2), stages=(2,), lookups=(0, 2))
+    assert [(r["block_n"], r["split_k"], r["lookup"]) for r in rows] == [
+        (16, "auto", 0), (16, "auto", 2), (16, 2, 0), (16, 2, 2), (32, "auto", 0), (32, "auto", 2), (32, 2, 0),
+        (32, 2, 2)]
     assert all(r["rel_err"] < 1e-2 for r in rows), rows

@@ -43,6 +43,7 @@ __all__ = ["NF4Weight", "nf4_dequantize_reference", "nf4_kernel_runs_on", "nf4_k
            "nf4_weight_only_matmul", "nf4_weight_only_matmul_reference"]
 
 _MAX_STEP = 128  # columns of one row a program decodes per K step (64 bytes; fewer when the absmax block is smaller)
+_LOOKUP = 0  # the table lookup (see _nf4_lookup)
 _STAGES = 4  # the pipeline's depth: a stage's byte and x tiles are a few KB
 
 
@@ -124,11 +125,38 @@ if triton is not None:
     from ._fp8_common import output_tile, round_to_bf16, split_k_reduce_kernel, store_output_tile, store_partial_tile
 
     @triton.jit
+    def _select(c, bit: tl.constexpr, if_set, if_clear):
+        return tl.where((c & bit) != 0, if_set, if_clear)
+
+    @triton.jit
+    def _nf4_lookup(code_ptr, c, table, LOOKUP: tl.constexpr):
+        """The NF4 values of the 4-bit codes ``c`` ``[BLOCK_N, STEP / 2]``: ``LOOKUP`` 0 loads them from the
+        table in memory (a gather the L1 serves), 1 gathers them from the table held in registers per row
+        (``table`` ``[BLOCK_N, 16]``), 2 selects them with a tree of 15 ``where`` over the code's bits."""
+        if LOOKUP == 0:
+            v = tl.load(code_ptr + c)
+        elif LOOKUP == 1:
+            v = tl.gather(table, c, axis=1)
+        else:
+            p0 = _select(c, 1, tl.load(code_ptr + 1), tl.load(code_ptr + 0))
+            p1 = _select(c, 1, tl.load(code_ptr + 3), tl.load(code_ptr + 2))
+            p2 = _select(c, 1, tl.load(code_ptr + 5), tl.load(code_ptr + 4))
+            p3 = _select(c, 1, tl.load(code_ptr + 7), tl.load(code_ptr + 6))
+            p4 = _select(c, 1, tl.load(code_ptr + 9), tl.load(code_ptr + 8))
+            p5 = _select(c, 1, tl.load(code_ptr + 11), tl.load(code_ptr + 10))
+            p6 = _select(c, 1, tl.load(code_ptr + 13), tl.load(code_ptr + 12))
+            p7 = _select(c, 1, tl.load(code_ptr + 15), tl.load(code_ptr + 14))
+            low = _select(c, 4, _select(c, 2, p3, p2), _select(c, 2, p1, p0))
+            high = _select(c, 4, _select(c, 2, p7, p6), _select(c, 2, p5, p4))
+            v = _select(c, 8, high, low)
+        return v
+
+    @triton.jit
     def _nf4_wo_kernel(
         x_ptr, q_ptr, a_ptr, code_ptr, code2_ptr, a2_ptr, offset, b_ptr, y_ptr, p_ptr,
         M, N, K, stride_xm, stride_ym, stride_q, blocks_per_row, k_per_split,
         BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr, LOOKUP: tl.constexpr,
         HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, ROUND_W_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
         INT64: tl.constexpr,
     ):
@@ -144,6 +172,7 @@ if triton is not None:
         q_rows = q_ptr + offs_n[:, None] * stride_q + offs_j[None, :]
         a_rows = offs_n * blocks_per_row  # each row's first absmax: rows start on a block (K % BLOCKSIZE == 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        table = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
         for k0 in range(k_start, k_end, STEP):  # STEP divides BLOCKSIZE: one absmax per row and step
             byte = tl.load(q_rows + k0 // 2, mask=mask_n[:, None], other=0).to(tl.int32)
             block = a_rows + k0 // BLOCKSIZE
@@ -153,9 +182,9 @@ if triton is not None:
                 absmax = absmax + offset
             else:
                 absmax = tl.load(a_ptr + block, mask=mask_n, other=0.0)
-            # the 16-entry table stays in L1; the float32 products are bitsandbytes' dequantised values
-            w_hi = tl.load(code_ptr + (byte >> 4)) * absmax[:, None]
-            w_lo = tl.load(code_ptr + (byte & 15)) * absmax[:, None]
+            # the float32 products are bitsandbytes' dequantised values
+            w_hi = _nf4_lookup(code_ptr, byte >> 4, table, LOOKUP) * absmax[:, None]
+            w_lo = _nf4_lookup(code_ptr, byte & 15, table, LOOKUP) * absmax[:, None]
             x_hi = tl.load(x_even + k0, mask=mask_m[:, None], other=0.0)
             x_lo = tl.load(x_even + (k0 + 1), mask=mask_m[:, None], other=0.0)
             if DOT_F32:  # float32 x, or the interpreter (whose half-precision arithmetic is unreliable)
@@ -187,14 +216,16 @@ def nf4_kernel_runs_on(device: torch.device) -> bool:
 
 def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None, *,
                            backend: Backend = "auto", block_n: int | None = None,
-                           split_k: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                           split_k: int | None = None, num_stages: int | None = None,
+                           lookup: int | None = None) -> torch.Tensor:
     """``x W^T + b`` in ``x``'s dtype from NF4 codes, accumulated in float32 (see the module docstring).
 
     ``x`` ``[..., K]`` (bf16, fp16 or fp32; the last axis contiguous), ``w`` an :class:`NF4Weight` of
     ``[N, K]``, ``bias`` ``[N]`` or ``None``. Returns ``[..., N]``. Meant for decoding (``M`` up to 16 rows);
     larger ``M`` works, decoding the weight once per 64 rows. No autograd. ``block_n`` (a power of two >= 16),
-    ``split_k`` and ``num_stages`` override the tile width, the K split chosen from ``M``, ``N``, ``K`` and the
-    SM count, and the software pipeline's depth. A ``float64`` ``x`` takes the reference. A weight whose rows
+    ``split_k``, ``num_stages`` and ``lookup`` (0, 1, 2: how codes become NF4 values, see ``_nf4_lookup``)
+    override the tile width, the K split chosen from ``M``, ``N``, ``K`` and the SM count, the software
+    pipeline's depth and the table lookup. A ``float64`` ``x`` takes the reference. A weight whose rows
     straddle absmax blocks is refused (:func:`nf4_kernel_takes`)."""
     check_float("x", x)
     _check_weight(w, x)
@@ -204,6 +235,9 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     check_split_k(split_k)
     if num_stages is not None and num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if lookup not in (None, 0, 1, 2):
+        raise ValueError(f"lookup must be 0 (table in memory), 1 (table in registers) or 2 (select tree), "
+                         f"got {lookup}")
     check_no_grad("nf4_weight_only_matmul", x, bias)
     named = {"x": x, "packed": w.packed, "absmax": w.absmax, "code": w.code}
     if w.nested:
@@ -238,7 +272,8 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
         x2, w.packed, w.absmax, w.code, code2, absmax2, float(w.offset), b, y, partial,
         m, n, k, x2.stride(0), y.stride(0), k // 2, k // w.blocksize, k_per_split,
         BLOCKSIZE=w.blocksize, BLOCKSIZE2=w.blocksize2, NESTED=w.nested,
-        BLOCK_M=block_m, BLOCK_N=block_n, STEP=step, SPLIT=split, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, STEP=step, SPLIT=split, LOOKUP=_LOOKUP if lookup is None else lookup,
+        HAS_BIAS=bias is not None,
         DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_W_BF16=round_bf16, ROUND_BF16=round_bf16,
         INT64=int64, num_warps=4, num_stages=num_stages or _STAGES,
     )
