@@ -129,8 +129,8 @@ def test_refusals_say_what_to_change():
 
 
 def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch):
-    """bind_nf4_decode: a no-grad call of <= 16 rows runs the kernel (and equals bitsandbytes); more rows, or
-    gradients, run bitsandbytes' own forward; unbinding restores the class's forward."""
+    """bind_nf4_decode: a no-grad call of 2-16 rows runs the kernel (and equals bitsandbytes); one row, more rows,
+    or gradients, run bitsandbytes' own forward; unbinding restores the class's forward."""
     device = DEVICES[-1]  # where the kernel runs: CUDA when there is one (CPU only interpreted)
     model = nn.Sequential(_layer(128, 64, torch.float32, True, True, device), nn.ReLU(),
                           _layer(64, 32, torch.float32, True, False, device, seed=1))
@@ -158,6 +158,9 @@ def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch)
     with torch.no_grad():
         assert nf4_decode_applies(torch.randn(2, 8, 8, device=device))
         assert not nf4_decode_applies(torch.randn(3, 6, 8, device=device))
+        assert not nf4_decode_applies(torch.randn(1, 1, 8, device=device))  # bitsandbytes' one-row kernel
+        model(x[:1])
+    assert len(calls) == 2
     assert unbind_nf4_decode(model) == 2
     assert all("forward" not in m.__dict__ for m in model)
     with torch.no_grad():

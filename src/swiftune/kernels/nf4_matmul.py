@@ -22,7 +22,7 @@ step covers ``STEP`` columns (128, or the absmax block when it is smaller, so th
 absmax: ``K`` must be a multiple of ``blocksize``, as in every model's projections). It loads the
 tile's ``[BLOCK_N, STEP / 2]`` bytes contiguously, one absmax per row (decoded from its code when nested),
 splits the bytes into their high nibbles (the even columns) and low nibbles (the odd columns), looks both up
-in the 16-entry table, scales them, and multiplies them with ``x``'s even and odd columns in two ``tl.dot``
+in the 16-entry table (held in registers per row and gathered from there), scales them, and multiplies them with ``x``'s even and odd columns in two ``tl.dot``
 calls, so the weight is never interleaved back. As in :mod:`.fp8_matmul`, K is split into ranges when the
 column tiles alone leave SMs idle, the float32 partial sums added in a fixed order by a second kernel
 (deterministic: a CUDA graph replay equals the eager run). The launcher reads no device value, so CUDA graphs
@@ -43,7 +43,9 @@ __all__ = ["NF4Weight", "nf4_dequantize_reference", "nf4_kernel_runs_on", "nf4_k
            "nf4_weight_only_matmul", "nf4_weight_only_matmul_reference"]
 
 _MAX_STEP = 128  # columns of one row a program decodes per K step (64 bytes; fewer when the absmax block is smaller)
-_LOOKUP = 0  # the table lookup (see _nf4_lookup)
+_LOOKUP = 1  # the table lookup (see _nf4_lookup): the register gather was the fastest of the three on the H200
+# output columns a program computes (swept with 64 and 256: docs/results/2026-12-03/nf4_lookup_sweep_h200.txt)
+_BLOCK_N = 128
 _STAGES = 4  # the pipeline's depth: a stage's byte and x tiles are a few KB
 
 
@@ -255,7 +257,7 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = min(max(16, next_pow2(m)), 64)
-    block_n = block_n or 64
+    block_n = block_n or _BLOCK_N
     step = min(w.blocksize, _MAX_STEP)
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
     split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, step, x.device,

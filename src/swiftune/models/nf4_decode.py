@@ -4,8 +4,8 @@ bitsandbytes' ``Linear4bit`` multiplies more than one row by dequantising its wh
 first (a write and a read of ``2 N K`` bytes besides the ``N K / 2`` of codes), which made the rollout
 engine's NF4 decode step 10x the time to read the codes (docs/benchmarks.md, "rollout_nf4").
 :func:`nf4_decode_forward` runs such a layer through :func:`swiftune.kernels.nf4_weight_only_matmul`
-instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MAX_ROWS`) without
-gradients, on CUDA (or the Triton interpreter); every other call goes to the layer's own forward.
+instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MIN_ROWS` to
+:data:`NF4_DECODE_MAX_ROWS`) without gradients, on CUDA (or the Triton interpreter); every other call goes to the layer's own forward.
 :func:`bind_nf4_decode` binds it on every NF4 layer of a model, on the instance; :func:`unbind_nf4_decode`
 restores them. A LoRA layer over a bound NF4 base (adapters at run time) then runs PEFT's own forward for such
 calls (:func:`takes_nf4_decode`), whose call of its base layer reaches the kernel.
@@ -27,6 +27,9 @@ from ..kernels.nf4_matmul import NF4Weight, nf4_kernel_runs_on, nf4_kernel_takes
 #: rows up to which a decode step multiplies through the NF4 kernel (a G=16 step of one prompt);
 #: more rows go to bitsandbytes, whose dequantised copy is then shared by more rows
 NF4_DECODE_MAX_ROWS = 16
+#: rows from which it does: one row stays on bitsandbytes' own matrix-vector kernel, which reads no bf16 copy
+#: either and was faster than the NF4 kernel at one row (docs/results/2026-12-03/nf4_lookup_sweep_h200.txt)
+NF4_DECODE_MIN_ROWS = 2
 _BOUND_ATTR = "swiftune_nf4_decode"
 # the layer's NF4Weight, read once at binding: bitsandbytes keeps the double quantisation's offset as a
 # device tensor, and reading it (a device-to-host copy) inside a CUDA-graph capture makes the capture fail
@@ -58,9 +61,10 @@ def nf4_weight_of(module: nn.Module) -> NF4Weight:
 
 
 def nf4_decode_applies(x: torch.Tensor, max_rows: int = NF4_DECODE_MAX_ROWS) -> bool:
-    """Whether a call with input ``x`` goes through the kernel: no gradients, at most ``max_rows`` rows,
-    on CUDA (or on CPU when the kernels are interpreted: the tests)."""
-    if torch.is_grad_enabled() or x.numel() // max(1, x.shape[-1]) > max_rows:
+    """Whether a call with input ``x`` goes through the kernel: no gradients, :data:`NF4_DECODE_MIN_ROWS` to
+    ``max_rows`` rows, on CUDA (or on CPU when the kernels are interpreted: the tests)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    if torch.is_grad_enabled() or not NF4_DECODE_MIN_ROWS <= rows <= max_rows:
         return False
     return nf4_kernel_runs_on(x.device)
 
