@@ -443,8 +443,9 @@ _NF4_SWEEP = {"q/o_proj": ((4096, 4096), 8), "gate/up_proj": ((12288, 4096), 16)
 
 def nf4_sweep_rows(copy_bw: float, shapes: dict | None = None, device: str = "cuda", timed=None,
                    copies: int | None = None, block_ns: tuple = (32, 64, 128), splits: tuple = (None, 1, 2, 4, 8),
-                   stages: tuple = (2, 4), lookups: tuple = (0, 1, 2)) -> list[dict]:
-    """The NF4 kernel's tile widths, K splits, pipeline depths and table lookups on one (shape, M) each (``shapes``: name ->
+                   stages: tuple = (2, 4), lookups: tuple = (0, 1, 2), unrolls: tuple = (1,)) -> list[dict]:
+    """The NF4 kernel's tile widths, K splits, pipeline depths, table lookups and K steps an iteration on one
+    (shape, M) each (``shapes``: name ->
     ((N, K), M)), to tune the launcher's defaults; each result checked against bitsandbytes' as in the table."""
     from swiftune.kernels.nf4_matmul import nf4_weight_only_matmul
     from swiftune.models.nf4_decode import nf4_weight_of
@@ -459,15 +460,17 @@ def nf4_sweep_rows(copy_bw: float, shapes: dict | None = None, device: str = "cu
         nf4_bytes = n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n
         with torch.no_grad():
             ref = layers[0](x).float()
-            for block_n, split_k, depth, lookup in itertools.product(block_ns, splits, stages, lookups):
-                def run(i, block_n=block_n, split_k=split_k, depth=depth, lookup=lookup):
+            for block_n, split_k, depth, lookup, unroll in itertools.product(block_ns, splits, stages, lookups,
+                                                                              unrolls):
+                def run(i, block_n=block_n, split_k=split_k, depth=depth, lookup=lookup, unroll=unroll):
                     return nf4_weight_only_matmul(x, weights[i], block_n=block_n, split_k=split_k, num_stages=depth,
-                                                  lookup=lookup)
+                                                  lookup=lookup, unroll=unroll)
 
                 err = float((run(0).float() - ref).norm() / ref.norm())
                 ms = timed(run, n_copies)
                 rows.append(dict(kernel="nf4_matmul_sweep", shape=f"{name} N{n} K{k} M{m}", m=m, block_n=block_n,
-                                 split_k=split_k or "auto", num_stages=depth, lookup=lookup, ours_ms=ms, rel_err=err,
+                                 split_k=split_k or "auto", num_stages=depth, lookup=lookup, unroll=unroll, ours_ms=ms,
+                                 rel_err=err,
                                  of_copy=nf4_bytes / (ms * 1e-3) / copy_bw))
         layers = weights = None
         if device == "cuda":
@@ -478,11 +481,12 @@ def nf4_sweep_rows(copy_bw: float, shapes: dict | None = None, device: str = "cu
 def nf4_matmul_main(argv, args, copy_bw: float) -> int:
     start = time.perf_counter()
     rows = nf4_matmul_rows(copy_bw)
-    sweep = nf4_sweep_rows(copy_bw, block_ns=(64, 128, 256), splits=(None, 8), stages=(2, 4))
+    sweep = nf4_sweep_rows(copy_bw, block_ns=(128,), splits=(None,), stages=(2, 4), lookups=(1, 2), unrolls=(1, 2, 4))
     for shape in dict.fromkeys(r["shape"] for r in sweep):
         mine = sorted((r for r in sweep if r["shape"] == shape), key=lambda r: r["ours_ms"])
         print(f"nf4 sweep {shape}, fastest first: "
-              + ", ".join(f"block_n {r['block_n']} split {r['split_k']} stages {r['num_stages']} lookup {r['lookup']}: "
+              + ", ".join(f"block_n {r['block_n']} split {r['split_k']} stages {r['num_stages']} lookup {r['lookup']} "
+                          f"unroll {r['unroll']}: "
                           f"{r['ours_ms']:.4f} ms ({100 * r['of_copy']:.0f}%)" for r in mine[:6]))
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12,
                 seconds=time.perf_counter() - start)

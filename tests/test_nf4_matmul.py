@@ -96,6 +96,24 @@ def test_kernel_takes_other_absmax_blocks(device, blocksize, k):
             assert _rel(got, ref) < 8e-3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nested", [True, False])
+def test_unrolled_k_loops_equal_bitsandbytes(device, nested):
+    """2 and 4 K steps an iteration (their loads first), alone and with K split into ranges; K = 320 (5 steps of
+    64) takes one step an iteration whatever is asked."""
+    if not nf4_kernel_runs_on(torch.device(device)):
+        pytest.skip("the kernel runs on this device only interpreted (the CPU run of the suite covers it)")
+    for k in (1024, 320):
+        layer = _layer(k, 40, torch.bfloat16, nested, True, device, seed=k)
+        x = torch.randn(6, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(device)
+        with torch.no_grad():
+            ref = layer(x)
+            for unroll, split_k in [(2, None), (4, None), (4, 2), (2, 3)]:
+                got = nf4_weight_only_matmul(x, nf4_weight_of(layer), layer.bias, backend="triton", unroll=unroll,
+                                             split_k=split_k)
+                assert _rel(got, ref) < 8e-3, (k, unroll, split_k)
+
+
 def test_rows_straddling_absmax_blocks_are_refused_and_left_unbound():
     """K = 96 with blocks of 64: a row's codes start inside a block, which the kernel's one-absmax-per-step loop
     cannot read (and bitsandbytes' CPU layout of such a weight is not the flat formula): the matmul refuses it
@@ -124,6 +142,8 @@ def test_refusals_say_what_to_change():
         nf4_weight_only_matmul(torch.randn(2, 64), w, num_stages=0)
     with pytest.raises(ValueError, match="lookup"):
         nf4_weight_only_matmul(torch.randn(2, 64), w, lookup=3)
+    with pytest.raises(ValueError, match="unroll"):
+        nf4_weight_only_matmul(torch.randn(2, 64), w, unroll=3)
     with pytest.raises(RuntimeError, match="no_grad"):
         nf4_weight_only_matmul(torch.randn(2, 64, requires_grad=True), w)
 
@@ -218,8 +238,8 @@ def test_kernel_sweep_checks_every_setting_against_bitsandbytes():
     import benchmarks.kernels as kb
 
     rows = kb.nf4_sweep_rows(1e9, shapes={"tiny": ((48, 256), 3)}, device="cpu", timed=lambda fn, copies: 1.0,
-                             copies=2, block_ns=(16, 32), splits=(None, 2), stages=(2,), lookups=(0, 2))
-    assert [(r["block_n"], r["split_k"], r["lookup"]) for r in rows] == [
-        (16, "auto", 0), (16, "auto", 2), (16, 2, 0), (16, 2, 2), (32, "auto", 0), (32, "auto", 2), (32, 2, 0),
-        (32, 2, 2)]
+                             copies=2, block_ns=(16, 32), splits=(None, 2), stages=(2,), lookups=(0, 2),
+                             unrolls=(1, 2))
+    assert [(r["block_n"], r["split_k"], r["lookup"], r["unroll"]) for r in rows] == [
+        (b, s, lookup, u) for b in (16, 32) for s in ("auto", 2) for lookup in (0, 2) for u in (1, 2)]
     assert all(r["rel_err"] < 1e-2 for r in rows), rows

@@ -22,8 +22,8 @@ step covers ``STEP`` columns (128, or the absmax block when it is smaller, so th
 absmax: ``K`` must be a multiple of ``blocksize``, as in every model's projections). It loads the
 tile's ``[BLOCK_N, STEP / 2]`` bytes contiguously, one absmax per row (decoded from its code when nested),
 splits the bytes into their high nibbles (the even columns) and low nibbles (the odd columns), looks both up
-in the 16-entry table (held in registers per row and gathered from there), scales them, and multiplies them with ``x``'s even and odd columns in two ``tl.dot``
-calls, so the weight is never interleaved back. As in :mod:`.fp8_matmul`, K is split into ranges when the
+in the 16-entry table (held in registers per row and gathered from there), scales them, and multiplies them
+with ``x``'s even and odd columns in two ``tl.dot`` calls, so the weight is never interleaved back. As in :mod:`.fp8_matmul`, K is split into ranges when the
 column tiles alone leave SMs idle, the float32 partial sums added in a fixed order by a second kernel
 (deterministic: a CUDA graph replay equals the eager run). The launcher reads no device value, so CUDA graphs
 capture it.
@@ -46,6 +46,7 @@ _MAX_STEP = 128  # columns of one row a program decodes per K step (64 bytes; fe
 _LOOKUP = 1  # the table lookup (see _nf4_lookup): the register gather was the fastest of the three on the H200
 # output columns a program computes (swept with 64 and 256: docs/results/2026-12-03/nf4_lookup_sweep_h200.txt)
 _BLOCK_N = 128
+_UNROLL = 1  # K steps an iteration (2 and 4: swept, not yet measured)
 _STAGES = 4  # the pipeline's depth: a stage's byte and x tiles are a few KB
 
 
@@ -154,13 +155,48 @@ if triton is not None:
         return v
 
     @triton.jit
+    def _nf4_load_step(q_rows, a_ptr, code2_ptr, a2_ptr, offset, a_rows, k0, mask_n,
+                       BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr):
+        """The codes of the K step at ``k0`` (``[BLOCK_N, STEP / 2]`` bytes as int32) and each row's absmax there
+        (one: ``STEP`` divides ``BLOCKSIZE`` and rows start on a block)."""
+        byte = tl.load(q_rows + k0 // 2, mask=mask_n[:, None], other=0).to(tl.int32)
+        block = a_rows + k0 // BLOCKSIZE
+        if NESTED:
+            a_code = tl.load(a_ptr + block, mask=mask_n, other=0).to(tl.int32)
+            absmax = tl.load(code2_ptr + a_code) * tl.load(a2_ptr + block // BLOCKSIZE2, mask=mask_n, other=0.0)
+            absmax = absmax + offset
+        else:
+            absmax = tl.load(a_ptr + block, mask=mask_n, other=0.0)
+        return byte, absmax
+
+    @triton.jit
+    def _nf4_multiply_step(acc, byte, absmax, x_even, k0, mask_m, code_ptr, table, LOOKUP: tl.constexpr,
+                           DOT_F32: tl.constexpr, ROUND_W_BF16: tl.constexpr):
+        """``acc`` plus the K step at ``k0``: the codes decoded (float32 products: bitsandbytes' dequantised
+        values) and multiplied with ``x``'s even (high nibbles) and odd (low nibbles) columns."""
+        w_hi = _nf4_lookup(code_ptr, byte >> 4, table, LOOKUP) * absmax[:, None]
+        w_lo = _nf4_lookup(code_ptr, byte & 15, table, LOOKUP) * absmax[:, None]
+        x_hi = tl.load(x_even + k0, mask=mask_m[:, None], other=0.0)
+        x_lo = tl.load(x_even + (k0 + 1), mask=mask_m[:, None], other=0.0)
+        if DOT_F32:  # float32 x, or the interpreter (whose half-precision arithmetic is unreliable)
+            if ROUND_W_BF16:  # the weight bitsandbytes would have written in bf16
+                w_hi = round_to_bf16(w_hi)
+                w_lo = round_to_bf16(w_lo)
+            acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
+            acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
+        else:
+            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
+            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+        return acc
+
+    @triton.jit
     def _nf4_wo_kernel(
         x_ptr, q_ptr, a_ptr, code_ptr, code2_ptr, a2_ptr, offset, b_ptr, y_ptr, p_ptr,
         M, N, K, stride_xm, stride_ym, stride_q, blocks_per_row, k_per_split,
         BLOCKSIZE: tl.constexpr, BLOCKSIZE2: tl.constexpr, NESTED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, SPLIT: tl.constexpr, LOOKUP: tl.constexpr,
-        HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, ROUND_W_BF16: tl.constexpr, ROUND_BF16: tl.constexpr,
-        INT64: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP: tl.constexpr, UNROLL: tl.constexpr, SPLIT: tl.constexpr,
+        LOOKUP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, ROUND_W_BF16: tl.constexpr,
+        ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -175,29 +211,28 @@ if triton is not None:
         a_rows = offs_n * blocks_per_row  # each row's first absmax: rows start on a block (K % BLOCKSIZE == 0)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         table = tl.broadcast_to(tl.load(code_ptr + tl.arange(0, 16))[None, :], (BLOCK_N, 16))
-        for k0 in range(k_start, k_end, STEP):  # STEP divides BLOCKSIZE: one absmax per row and step
-            byte = tl.load(q_rows + k0 // 2, mask=mask_n[:, None], other=0).to(tl.int32)
-            block = a_rows + k0 // BLOCKSIZE
-            if NESTED:
-                a_code = tl.load(a_ptr + block, mask=mask_n, other=0).to(tl.int32)
-                absmax = tl.load(code2_ptr + a_code) * tl.load(a2_ptr + block // BLOCKSIZE2, mask=mask_n, other=0.0)
-                absmax = absmax + offset
-            else:
-                absmax = tl.load(a_ptr + block, mask=mask_n, other=0.0)
-            # the float32 products are bitsandbytes' dequantised values
-            w_hi = _nf4_lookup(code_ptr, byte >> 4, table, LOOKUP) * absmax[:, None]
-            w_lo = _nf4_lookup(code_ptr, byte & 15, table, LOOKUP) * absmax[:, None]
-            x_hi = tl.load(x_even + k0, mask=mask_m[:, None], other=0.0)
-            x_lo = tl.load(x_even + (k0 + 1), mask=mask_m[:, None], other=0.0)
-            if DOT_F32:  # float32 x, or the interpreter (whose half-precision arithmetic is unreliable)
-                if ROUND_W_BF16:  # the weight bitsandbytes would have written in bf16
-                    w_hi = round_to_bf16(w_hi)
-                    w_lo = round_to_bf16(w_lo)
-                acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi), input_precision="ieee")
-                acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo), input_precision="ieee")
-            else:
-                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)))
-                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)))
+        # UNROLL steps an iteration, all their loads issued before the first multiply: more bytes in flight
+        for k0 in range(k_start, k_end, STEP * UNROLL):
+            byte0, absmax0 = _nf4_load_step(q_rows, a_ptr, code2_ptr, a2_ptr, offset, a_rows, k0, mask_n,
+                                            BLOCKSIZE, BLOCKSIZE2, NESTED)
+            if UNROLL >= 2:
+                byte1, absmax1 = _nf4_load_step(q_rows, a_ptr, code2_ptr, a2_ptr, offset, a_rows, k0 + STEP, mask_n,
+                                                BLOCKSIZE, BLOCKSIZE2, NESTED)
+            if UNROLL >= 4:
+                byte2, absmax2 = _nf4_load_step(q_rows, a_ptr, code2_ptr, a2_ptr, offset, a_rows, k0 + 2 * STEP,
+                                                mask_n, BLOCKSIZE, BLOCKSIZE2, NESTED)
+                byte3, absmax3 = _nf4_load_step(q_rows, a_ptr, code2_ptr, a2_ptr, offset, a_rows, k0 + 3 * STEP,
+                                                mask_n, BLOCKSIZE, BLOCKSIZE2, NESTED)
+            acc = _nf4_multiply_step(acc, byte0, absmax0, x_even, k0, mask_m, code_ptr, table, LOOKUP, DOT_F32,
+                                     ROUND_W_BF16)
+            if UNROLL >= 2:
+                acc = _nf4_multiply_step(acc, byte1, absmax1, x_even, k0 + STEP, mask_m, code_ptr, table, LOOKUP,
+                                         DOT_F32, ROUND_W_BF16)
+            if UNROLL >= 4:
+                acc = _nf4_multiply_step(acc, byte2, absmax2, x_even, k0 + 2 * STEP, mask_m, code_ptr, table,
+                                         LOOKUP, DOT_F32, ROUND_W_BF16)
+                acc = _nf4_multiply_step(acc, byte3, absmax3, x_even, k0 + 3 * STEP, mask_m, code_ptr, table,
+                                         LOOKUP, DOT_F32, ROUND_W_BF16)
         if SPLIT == 1:
             store_output_tile(acc, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
         else:
@@ -219,16 +254,17 @@ def nf4_kernel_runs_on(device: torch.device) -> bool:
 def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | None = None, *,
                            backend: Backend = "auto", block_n: int | None = None,
                            split_k: int | None = None, num_stages: int | None = None,
-                           lookup: int | None = None) -> torch.Tensor:
+                           lookup: int | None = None, unroll: int | None = None) -> torch.Tensor:
     """``x W^T + b`` in ``x``'s dtype from NF4 codes, accumulated in float32 (see the module docstring).
 
     ``x`` ``[..., K]`` (bf16, fp16 or fp32; the last axis contiguous), ``w`` an :class:`NF4Weight` of
     ``[N, K]``, ``bias`` ``[N]`` or ``None``. Returns ``[..., N]``. Meant for decoding (``M`` up to 16 rows);
     larger ``M`` works, decoding the weight once per 64 rows. No autograd. ``block_n`` (a power of two >= 16),
-    ``split_k``, ``num_stages`` and ``lookup`` (0, 1, 2: how codes become NF4 values, see ``_nf4_lookup``)
-    override the tile width, the K split chosen from ``M``, ``N``, ``K`` and the SM count, the software
-    pipeline's depth and the table lookup. A ``float64`` ``x`` takes the reference. A weight whose rows
-    straddle absmax blocks is refused (:func:`nf4_kernel_takes`)."""
+    ``split_k``, ``num_stages``, ``lookup`` (0, 1, 2: how codes become NF4 values, see ``_nf4_lookup``) and
+    ``unroll`` (1, 2, 4 K steps an iteration, their loads issued first; 1 where K is not a multiple of that
+    many steps) override the tile width, the K split chosen from ``M``, ``N``, ``K`` and the SM count, the
+    software pipeline's depth, the table lookup and the loop's unrolling. A ``float64`` ``x`` takes the
+    reference. A weight whose rows straddle absmax blocks is refused (:func:`nf4_kernel_takes`)."""
     check_float("x", x)
     _check_weight(w, x)
     if bias is not None and bias.numel() != w.out_features:
@@ -237,6 +273,8 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     check_split_k(split_k)
     if num_stages is not None and num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if unroll not in (None, 1, 2, 4):
+        raise ValueError(f"unroll must be 1, 2 or 4 K steps an iteration, got {unroll}")
     if lookup not in (None, 0, 1, 2):
         raise ValueError(f"lookup must be 0 (table in memory), 1 (table in registers) or 2 (select tree), "
                          f"got {lookup}")
@@ -259,10 +297,13 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
     block_m = min(max(16, next_pow2(m)), 64)
     block_n = block_n or _BLOCK_N
     step = min(w.blocksize, _MAX_STEP)
+    unroll = unroll or _UNROLL
+    if k % (step * unroll):
+        unroll = 1
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
-    split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, step, x.device,
+    split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, step * unroll, x.device,
                                                               sm_fill_percent=200, min_range_per_row=16)
-    k_per_split, split = split_k_ranges(k, step, split)
+    k_per_split, split = split_k_ranges(k, step * unroll, split)
     partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     int64 = n * k > INT32_MAX or needs_int64(x2, y, partial)
     code2 = w.code2 if w.nested else w.code  # (unread without NESTED: any pointer)
@@ -274,8 +315,8 @@ def nf4_weight_only_matmul(x: torch.Tensor, w: NF4Weight, bias: torch.Tensor | N
         x2, w.packed, w.absmax, w.code, code2, absmax2, float(w.offset), b, y, partial,
         m, n, k, x2.stride(0), y.stride(0), k // 2, k // w.blocksize, k_per_split,
         BLOCKSIZE=w.blocksize, BLOCKSIZE2=w.blocksize2, NESTED=w.nested,
-        BLOCK_M=block_m, BLOCK_N=block_n, STEP=step, SPLIT=split, LOOKUP=_LOOKUP if lookup is None else lookup,
-        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, STEP=step, UNROLL=unroll, SPLIT=split,
+        LOOKUP=_LOOKUP if lookup is None else lookup, HAS_BIAS=bias is not None,
         DOT_F32=x.dtype == torch.float32 or interpreted, ROUND_W_BF16=round_bf16, ROUND_BF16=round_bf16,
         INT64=int64, num_warps=4, num_stages=num_stages or _STAGES,
     )
