@@ -23,10 +23,10 @@ absmax: ``K`` must be a multiple of ``blocksize``, as in every model's projectio
 tile's ``[BLOCK_N, STEP / 2]`` bytes contiguously, one absmax per row (decoded from its code when nested),
 splits the bytes into their high nibbles (the even columns) and low nibbles (the odd columns), looks both up
 in the 16-entry table (held in registers per row and gathered from there), scales them, and multiplies them
-with ``x``'s even and odd columns in two ``tl.dot`` calls, so the weight is never interleaved back. As in :mod:`.fp8_matmul`, K is split into ranges when the
-column tiles alone leave SMs idle, the float32 partial sums added in a fixed order by a second kernel
-(deterministic: a CUDA graph replay equals the eager run). The launcher reads no device value, so CUDA graphs
-capture it.
+with ``x``'s even and odd columns in two ``tl.dot`` calls, so the weight is never interleaved back. As in
+:mod:`.fp8_matmul`, K is split into ranges when the column tiles alone leave SMs idle, the float32 partial sums
+added in a fixed order by a second kernel (deterministic: a CUDA graph replay equals the eager run). The
+launcher reads no device value, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ class NF4Weight:
 
 
 def nf4_kernel_takes(w: NF4Weight) -> bool:
-    """Whether the kernel decodes ``w`` (else :func:`nf4_weight_only_matmul` takes the reference): every weight
-    row starts on an absmax block (``in_features`` a multiple of ``blocksize``), a power of two >= 32."""
+    """Whether the kernel can decode ``w`` (else :func:`nf4_weight_only_matmul` refuses it): every weight row
+    starts on an absmax block (``in_features`` a multiple of ``blocksize``), a power of two >= 32."""
     b = w.blocksize
     return b >= 32 and b & (b - 1) == 0 and w.in_features % b == 0
 
@@ -92,7 +92,7 @@ def _check_weight(w: NF4Weight, x: torch.Tensor) -> None:
                          "two >= 32): each weight row must start on an absmax block; keep bitsandbytes' own "
                          "forward for this layer (bind_nf4_decode skips it)")
     blocks = -(-n * k // w.blocksize)
-    if w.blocksize < 1 or w.absmax.numel() != blocks:
+    if w.absmax.numel() != blocks:  # (blocksize >= 32: nf4_kernel_takes above)
         raise ValueError(f"absmax must hold one value per block of {w.blocksize} elements ({blocks}), "
                          f"got {w.absmax.numel()}")
     if w.nested:

@@ -5,7 +5,8 @@ first (a write and a read of ``2 N K`` bytes besides the ``N K / 2`` of codes), 
 engine's NF4 decode step 10x the time to read the codes (docs/benchmarks.md, "rollout_nf4").
 :func:`nf4_decode_forward` runs such a layer through :func:`swiftune.kernels.nf4_weight_only_matmul`
 instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MIN_ROWS` to
-:data:`NF4_DECODE_MAX_ROWS`) without gradients, on CUDA (or the Triton interpreter); every other call goes to the layer's own forward.
+:data:`NF4_DECODE_MAX_ROWS`) without gradients, on CUDA (or the Triton interpreter); every other call goes to
+the layer's own forward.
 :func:`bind_nf4_decode` binds it on every NF4 layer of a model, on the instance; :func:`unbind_nf4_decode`
 restores them. A LoRA layer over a bound NF4 base (adapters at run time) then runs PEFT's own forward for such
 calls (:func:`takes_nf4_decode`), whose call of its base layer reaches the kernel.
