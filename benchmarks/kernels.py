@@ -396,6 +396,30 @@ def nf4_layers(n: int, k: int, copies: int, device: str) -> list:
     return out
 
 
+def _nf4_copies(n: int, k: int, copies: int | None, device: str) -> tuple[list, list]:
+    """``(layers, weights)``: ``copies`` NF4 layers ``[n, k]`` (default: enough for 256 MB of bf16 weights, so
+    that none is read from L2) and their :class:`NF4Weight`. The caller drops both and calls
+    :func:`_free_cached` before the next shape's."""
+    from swiftune.models.nf4_decode import nf4_weight_of
+
+    layers = nf4_layers(n, k, copies or max(2, -(-(256 * 2**20) // (2 * n * k))), device)
+    return layers, [nf4_weight_of(layer) for layer in layers]
+
+
+def _free_cached(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _nf4_bytes(n: int, k: int, m: int) -> int:
+    """What an NF4 product of ``m`` rows must move: codes, 8-bit absmax per 64, x, y."""
+    return n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).norm() / ref.float().norm())
+
+
 def nf4_matmul_rows(copy_bw: float, shapes: dict | None = None, ms: tuple = _NF4_MS, device: str = "cuda",
                     timed=None, copies: int | None = None) -> list[dict]:
     """The NF4 decode matmul table (see the module doc). ``timed(fn, copies)``: milliseconds of ``fn(i)``
@@ -403,7 +427,6 @@ def nf4_matmul_rows(copy_bw: float, shapes: dict | None = None, ms: tuple = _NF4
     ``device``, ``timed`` and ``copies`` (default: enough for 256 MB of bf16 weights) let the CPU test run
     it small."""
     from swiftune.kernels.nf4_matmul import nf4_weight_only_matmul
-    from swiftune.models.nf4_decode import nf4_weight_of
 
     def default_timed(fn, n_copies):
         try:
@@ -415,26 +438,24 @@ def nf4_matmul_rows(copy_bw: float, shapes: dict | None = None, ms: tuple = _NF4
     timed = timed or default_timed
     rows = []
     for name, (n, k) in (shapes or QWEN3_8B_PROJECTIONS).items():
-        n_copies = copies or max(2, -(-(256 * 2**20) // (2 * n * k)))
-        layers = nf4_layers(n, k, n_copies, device)
-        weights = [nf4_weight_of(layer) for layer in layers]
+        layers, weights = _nf4_copies(n, k, copies, device)
+        n_copies = len(layers)
         w16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(n_copies)]
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             with torch.no_grad():
                 ref = layers[0](x)
-                err = float((nf4_weight_only_matmul(x, weights[0]).float() - ref.float()).norm() / ref.float().norm())
+                err = _rel_err(nf4_weight_only_matmul(x, weights[0]), ref)
                 t_ours = timed(lambda i: nf4_weight_only_matmul(x, weights[i]), n_copies)
                 t_bnb = timed(lambda i: layers[i](x), n_copies)
                 t_bf16 = timed(lambda i: torch.mm(x, w16[i].t()), n_copies)
-            nf4_bytes = n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n  # codes, 8-bit absmax per 64, x, y
+            nf4_bytes = _nf4_bytes(n, k, m)
             rows.append(dict(kernel="nf4_matmul", shape=f"{name} N{n} K{k} M{m}", m=m, weight_mb=n * k / 1e6,
                              ours_ms=t_ours, bnb_ms=t_bnb, bf16_ms=t_bf16, vs_bnb=t_bnb / t_ours,
                              vs_bf16=t_bf16 / t_ours, ours_gb_s=nf4_bytes / (t_ours * 1e-3) / 1e9,
                              of_copy=nf4_bytes / (t_ours * 1e-3) / copy_bw, rel_err=err))
         layers = weights = w16 = None  # this shape's copies freed before the next shape's
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _free_cached(device)
     return rows
 
 
@@ -442,46 +463,40 @@ _NF4_SWEEP = {"q/o_proj": ((4096, 4096), 8), "gate/up_proj": ((12288, 4096), 16)
 
 
 def nf4_sweep_rows(copy_bw: float, shapes: dict | None = None, device: str = "cuda", timed=None,
-                   copies: int | None = None, block_ns: tuple = (32, 64, 128), splits: tuple = (None, 1, 2, 4, 8),
-                   stages: tuple = (2, 4), lookups: tuple = (0, 1, 2), unrolls: tuple = (1,)) -> list[dict]:
+                   copies: int | None = None, block_ns: tuple = (128,), splits: tuple = (None,),
+                   stages: tuple = (2, 4), lookups: tuple = (1, 2), unrolls: tuple = (1, 2, 4)) -> list[dict]:
     """The NF4 kernel's tile widths, K splits, pipeline depths, table lookups and K steps an iteration on one
-    (shape, M) each (``shapes``: name ->
-    ((N, K), M)), to tune the launcher's defaults; each result checked against bitsandbytes' as in the table."""
+    (shape, M) each (``shapes``: name -> ((N, K), M)), to tune the launcher's defaults; each result checked
+    against bitsandbytes' as in the table."""
     from swiftune.kernels.nf4_matmul import nf4_weight_only_matmul
-    from swiftune.models.nf4_decode import nf4_weight_of
 
     timed = timed or graph_ms
     rows = []
     for name, ((n, k), m) in (shapes or _NF4_SWEEP).items():
-        n_copies = copies or max(2, -(-(256 * 2**20) // (2 * n * k)))
-        layers = nf4_layers(n, k, n_copies, device)
-        weights = [nf4_weight_of(layer) for layer in layers]
+        layers, weights = _nf4_copies(n, k, copies, device)
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        nf4_bytes = n * k // 2 + n * k // 64 + 2 * m * k + 2 * m * n
         with torch.no_grad():
-            ref = layers[0](x).float()
+            ref = layers[0](x)
             for block_n, split_k, depth, lookup, unroll in itertools.product(block_ns, splits, stages, lookups,
                                                                               unrolls):
                 def run(i, block_n=block_n, split_k=split_k, depth=depth, lookup=lookup, unroll=unroll):
                     return nf4_weight_only_matmul(x, weights[i], block_n=block_n, split_k=split_k, num_stages=depth,
                                                   lookup=lookup, unroll=unroll)
 
-                err = float((run(0).float() - ref).norm() / ref.norm())
-                ms = timed(run, n_copies)
+                err = _rel_err(run(0), ref)
+                ms = timed(run, len(layers))
                 rows.append(dict(kernel="nf4_matmul_sweep", shape=f"{name} N{n} K{k} M{m}", m=m, block_n=block_n,
-                                 split_k=split_k or "auto", num_stages=depth, lookup=lookup, unroll=unroll, ours_ms=ms,
-                                 rel_err=err,
-                                 of_copy=nf4_bytes / (ms * 1e-3) / copy_bw))
+                                 split_k=split_k or "auto", num_stages=depth, lookup=lookup, unroll=unroll,
+                                 ours_ms=ms, rel_err=err, of_copy=_nf4_bytes(n, k, m) / (ms * 1e-3) / copy_bw))
         layers = weights = None
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        _free_cached(device)
     return rows
 
 
 def nf4_matmul_main(argv, args, copy_bw: float) -> int:
     start = time.perf_counter()
     rows = nf4_matmul_rows(copy_bw)
-    sweep = nf4_sweep_rows(copy_bw, block_ns=(128,), splits=(None,), stages=(2, 4), lookups=(1, 2), unrolls=(1, 2, 4))
+    sweep = nf4_sweep_rows(copy_bw)
     for shape in dict.fromkeys(r["shape"] for r in sweep):
         mine = sorted((r for r in sweep if r["shape"] == shape), key=lambda r: r["ours_ms"])
         print(f"nf4 sweep {shape}, fastest first: "

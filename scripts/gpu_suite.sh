@@ -198,11 +198,11 @@ case "$part" in
       --modes swiftune swiftune_budget --out "$OUT/fp8_sft_bf16.json"
     run fp8_sft 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-fp8 \
       --modes swiftune swiftune_budget --out "$OUT/fp8_sft.json" ;;
-  fp8-curves)  # issue 26's accuracy figures: the SFT loss curve on an FP8 base vs the bf16 base (same rows, same
-    # adapters' initialisation, 200 steps) and the GRPO reward of the built-in task, FP8 vs bf16, 100 steps each
-    run loss_curve_fp8 300 python3 -m benchmarks.loss_curve --compare fp8 --out "$OUT/loss_curve_fp8.json"
-    run reward_curve_fp8 280 python3 -m benchmarks.reward_curve --out "$OUT/reward_curve_fp8.json" ;;
-  fp8-reward)  # only the reward curve of fp8-curves (~4.5 min)
+  fp8-curves|fp8-reward)  # issue 26's accuracy figures: the SFT loss curve on an FP8 base vs the bf16 base (same
+    # rows, same adapters' initialisation, 200 steps; not in fp8-reward) and the GRPO reward of the built-in task,
+    # FP8 vs bf16, 100 steps each
+    [ "$part" = fp8-curves ] && run loss_curve_fp8 300 python3 -m benchmarks.loss_curve --compare fp8 \
+      --out "$OUT/loss_curve_fp8.json"
     run reward_curve_fp8 280 python3 -m benchmarks.reward_curve --out "$OUT/reward_curve_fp8.json" ;;
   fp8-graphs)  # FP8 base weights with graphed decoder layers (the batch-16 step is host-bound): FP8 eager and graphed,
     # then bf16 graphed, Qwen3-8B batch 16, in one call (warm-up long enough to capture the token buckets; ~7 min)
