@@ -158,26 +158,31 @@ def even_token_reward(prompts, completions, completion_ids=None, **kwargs) -> li
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
-def base_model(name: str, device, load_in_4bit: bool = False):
+def base_model(name: str, device, load_in_4bit: bool = False, load_in_fp8: bool = False):
     """Random-init model of shape ``name`` (bf16 on CUDA), its decoder's linear weights in NF4 with
-    ``load_in_4bit`` (QLoRA)."""
+    ``load_in_4bit`` (QLoRA) or in e4m3 with per-row scales with ``load_in_fp8``."""
     import torch
 
-    from benchmarks.workload import quantize_linears_4bit, random_model
+    from benchmarks.workload import quantize_linears_4bit, quantize_linears_fp8, random_model
 
+    if load_in_4bit and load_in_fp8:
+        raise ValueError("load_in_4bit and load_in_fp8 are two formats of the same weights: pick one")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(name, device, dtype)
     if load_in_4bit:
         quantize_linears_4bit(model, dtype)
+    if load_in_fp8:
+        quantize_linears_fp8(model)
     return model
 
 
 def build_swiftune_model(name: str, device, checkpointing, offload_gpu_budget_bytes: int | None = None,
-                         offload_host_budget_bytes: int | None = None, load_in_4bit: bool = False):
+                         offload_host_budget_bytes: int | None = None, load_in_4bit: bool = False,
+                         load_in_fp8: bool = False):
     """Random-init model of shape ``name``, patched by swiftune, LoRA r=16 on all linear layers."""
     import swiftune
 
-    model = base_model(name, device, load_in_4bit)
+    model = base_model(name, device, load_in_4bit, load_in_fp8)
     swiftune.patch_model(model)
     return swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=checkpointing,
                                              offload_gpu_budget_bytes=offload_gpu_budget_bytes,
@@ -438,7 +443,7 @@ def build_bisect_model(mode: str, name: str, device, args):
         budget = 0 if args.swiftune_checkpointing == "offload_all" else None  # 0: no layer input on the GPU
         host = host_budget_bytes(args) if offload else None
         model = build_swiftune_model(name, device, "offload" if offload else True, budget, host,
-                                     getattr(args, "load_in_4bit", False))
+                                     getattr(args, "load_in_4bit", False), getattr(args, "load_in_fp8", False))
         if offload and args.host_margin_gb is not None:  # calling again updates the budgets, margin included
             from swiftune.training.checkpointing import enable_offloaded_checkpointing
 
@@ -446,7 +451,7 @@ def build_bisect_model(mode: str, name: str, device, args):
         return model
     import peft
 
-    model = base_model(name, device, getattr(args, "load_in_4bit", False))
+    model = base_model(name, device, getattr(args, "load_in_4bit", False), getattr(args, "load_in_fp8", False))
     model.config.use_cache = False
     if mode == "trl_liger":
         from benchmarks.workload import apply_liger_like_trl
@@ -671,6 +676,8 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         cmd.append("--share-prompt")
     if getattr(args, "load_in_4bit", False):
         cmd.append("--load-in-4bit")
+    if getattr(args, "load_in_fp8", False):
+        cmd.append("--load-in-fp8")
     if args.fixed_only:
         cmd.append("--fixed-only")
     if args.profile_completion:
@@ -745,6 +752,13 @@ def run_bisect(args) -> dict:
                 cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **versions())
 
 
+def weight_quantization_of(args) -> str | None:
+    """The planner's name of the base weights' format the flags ask for (``None``: bf16)."""
+    if getattr(args, "load_in_4bit", False):
+        return "nf4_double_quant"
+    return "fp8" if getattr(args, "load_in_fp8", False) else None
+
+
 def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int | None = None) -> dict:
     """The planner's largest completion per row for the swiftune mode, to print beside its search:
     offloaded checkpoints, tiled MLP and projections, bf16 autocast, and the memory of the attention
@@ -772,7 +786,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     # the swiftune step: bf16 autocast, LoRA input casts off (policy_step), projections tiled
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
               lora_input_casts=False,
-              weight_quantization="nf4_double_quant" if getattr(args, "load_in_4bit", False) else None)
+              weight_quantization=weight_quantization_of(args))
     shape = dict(MODEL_SHAPES[args.model])
 
     def completion_of(tokens: int) -> int:
@@ -944,6 +958,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the decoder's linear weights in bitsandbytes NF4 (double quantisation), every mode")
+    p.add_argument("--load-in-fp8", action="store_true",
+                   help="the decoder's linear weights in FP8 (e4m3, per-row scales), every mode (LoRA adapters in bf16)")
     p.add_argument("--gpu-budget-gb", type=float, default=None,
                    help="bisection: emulate a GPU of this many GB (1e9 bytes; set_per_process_memory_fraction)")
     p.add_argument("--one-bisect", choices=ALL_BISECT_MODES, help=argparse.SUPPRESS)
@@ -954,7 +970,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.load_in_4bit and args.load_in_fp8:
+        parser.error("--load-in-4bit and --load-in-fp8 are two formats of the same base weights: pick one")
     tiny = args.model == "tiny"
     if args.completion_tokens is None:
         args.completion_tokens = 32 if tiny else 4096

@@ -20,6 +20,7 @@
 #   scripts/gpu_suite.sh fp8-sft      # FP8 base weights vs bf16, Qwen3-8B SFT: swiftune batch 16 and 16K-token micro-batches, both in one call (~7 min)
 #   scripts/gpu_suite.sh fp8-curves   # FP8 vs bf16 base: 200-step SFT loss curve (Qwen3-0.6B, same rows) and the built-in GRPO task's reward curve (~8 min)
 #   scripts/gpu_suite.sh fp8-reward   # only fp8-curves' GRPO reward curve (~4.5 min)
+#   scripts/gpu_suite.sh fp8-grpo     # GRPO's largest completion per row, Qwen3-8B, G=2, on a 24 GB budget: bf16 base, then FP8 base, each around the planner's answer (~6 min)
 #   scripts/gpu_suite.sh fp8-graphs   # FP8 base weights with graphed decoder layers vs eager, and bf16 graphed, Qwen3-8B batch 16 (~7 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, its matmul table vs bitsandbytes and its settings sweep, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~9 min; carry .whl with bitsandbytes)
@@ -204,6 +205,15 @@ case "$part" in
     [ "$part" = fp8-curves ] && run loss_curve_fp8 300 python3 -m benchmarks.loss_curve --compare fp8 \
       --out "$OUT/loss_curve_fp8.json"
     run reward_curve_fp8 280 python3 -m benchmarks.reward_curve --out "$OUT/reward_curve_fp8.json" ;;
+  fp8-grpo)  # issue 26's "GRPO largest completion per row vs bf16": Qwen3-8B, G=2, prompt 256 shared, LoRA r=16, on
+    # a 24 GB budget (where the base weights' 16.4 vs 8.2 GB matter most), bf16 then FP8, each measured 2% above and
+    # 2.5% below the planner's answer (growable segments in both, as the CLI sets them)
+    for w in bf16 fp8; do
+      flags=(); [ "$w" = fp8 ] && flags=(--load-in-fp8)
+      run "grpo_edge_24gb_$w" 280 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.grpo \
+        --bisect-completion --model qwen3-8b --bisect-modes swiftune --share-prompt "${flags[@]}" --gpu-budget-gb 24 \
+        --completion-from-planner --time-budget 240 --out "$OUT/grpo_edge_24gb_$w.json"
+    done ;;
   fp8-graphs)  # FP8 base weights with graphed decoder layers (the batch-16 step is host-bound): FP8 eager and graphed,
     # then bf16 graphed, Qwen3-8B batch 16, in one call (warm-up long enough to capture the token buckets; ~7 min)
     run fp8_graphs_b16 260 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 --load-in-fp8 \

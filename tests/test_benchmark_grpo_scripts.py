@@ -335,3 +335,32 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
                           "--out", str(out)]) == 0
     (record,) = json.loads(out.read_text())["rows"]
     assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
+
+
+def test_grpo_bisect_load_in_fp8_runs_fp8_weights_and_plans_their_bytes(tmp_path):
+    """--load-in-fp8: the bisection's trial runs on e4m3 base weights (the dequantising reference on
+    CPU), the planner counts one byte a weight (between NF4's answer and bf16's on the same budget),
+    and --load-in-4bit with --load-in-fp8 is refused before any model is built."""
+    import subprocess
+    import sys
+
+    grpo = load_bench_module("grpo")
+    model = grpo.base_model("tiny", torch.device("cpu"), load_in_fp8=True)
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "FP8Linear" in kinds and type(model.lm_head).__name__ == "Linear"
+    out = tmp_path / "fp8.json"
+    run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+               "--load-in-fp8", "--completion-lengths", "64", "--fixed-only", "--out", str(out))
+    trials = json.loads(out.read_text())["modes"]["swiftune"]["trials"]
+    assert [(t["completion"], t["status"]) for t in trials] == [(64, "ok")], trials
+    args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "qwen3-8b", "--share-prompt",
+                                           "--gpu-budget-gb", "24"])
+    plain = grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"]
+    args.load_in_fp8 = True
+    fp8 = grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"]
+    args.load_in_fp8, args.load_in_4bit = False, True
+    nf4 = grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"]
+    assert plain < fp8 < nf4, (plain, fp8, nf4)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo", "--model", "tiny", "--load-in-4bit", "--load-in-fp8"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "pick one" in proc.stderr
