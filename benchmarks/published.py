@@ -20,6 +20,8 @@ SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
 UNSLOTH_SFT = "python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16"
 GPTOSS_ENGINE = ("python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--time-budget 180 --out rollout_gptoss_kernel.json")
+GRPO_24GB = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
+             "--model qwen3-8b --bisect-modes swiftune --share-prompt --gpu-budget-gb 24")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -248,9 +250,19 @@ FIGURES: list[dict] = [
     # session 22, one device call: the engine decoding from NF4 (bitsandbytes) weights, LoRA r=16 at run time at
     # G=8, beside transformers' generate on the same 4-bit model
     dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_qwen3-8b_h200.json", date="2026-12-03",
-         versions=BASE, settings={"weights": "nf4"},
-         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --new-tokens 1024 "
-                 "--no-checks --lora-rows 8 --time-budget 480 --out rollout_nf4.json"),
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "bitsandbytes"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --no-nf4-decode-kernel --rows 8 64 "
+                 "--new-tokens 1024 --no-checks --lora-rows 8 --time-budget 480 --out rollout_nf4.json"),
+    # session 25, one device call: the engine with swiftune's NF4 decode kernel (2-16 rows; G=64 stays on
+    # bitsandbytes), then with bitsandbytes' path only, G 8/16 (the kernel's CUDA tests and its matmul table first)
+    dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_kernel_s25_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "swiftune kernel (2-16 rows)"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --nf4-decode-kernel --rows 8 16 64 "
+                 "--new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out rollout_nf4_kernel.json"),
+    dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_bnb_s25_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "bitsandbytes, same call"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --no-nf4-decode-kernel --rows 8 16 "
+                 "--new-tokens 1024 --no-baselines --no-checks --time-budget 160 --out rollout_nf4_bnb.json"),
     # session 22, the same device call as rollout_nf4: Qwen3-VL-8B SFT on image-text rows, swiftune vs TRL 1.16
     dict(figure="vl_sft_qwen3-vl-8b", file="2026-12-03/vl_sft_qwen3-vl-8b_b16_h200.json", date="2026-12-03",
          versions={**BASE, "trl": "1.16.0"},
@@ -290,6 +302,23 @@ FIGURES: list[dict] = [
     # session 24: the GRPO reward curve of the built-in task, FP8 base against bf16 base (its JSON this time)
     dict(figure="reward_curve_fp8", file="2026-12-03/reward_curve_fp8_h200.json", date="2026-12-03",
          versions=BASE, command="python -m benchmarks.reward_curve --out reward_curve_fp8.json"),
+    # session 25: GRPO's largest completion per row on a 24 GB budget, bf16 against FP8 base weights, each around
+    # the planner's answer (one device call), then upwards until a length failed (two more calls); trials joined
+    dict(figure="grpo_fp8_24gb_qwen3-8b", file="2026-12-03/grpo_fp8_24gb_bf16_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "bf16", "gpu_budget_gb": 24.0},
+         command=f"{GRPO_24GB} --completion-from-planner --time-budget 240 --out grpo_edge_24gb_bf16.json && "
+                 f"{GRPO_24GB} --completion-lengths 26368 27648 29184 --fixed-only --time-budget 230 "
+                 "--out grpo_edge_24gb_bf16_up.json && "
+                 f"{GRPO_24GB} --completion-lengths 30720 32256 33792 35328 --fixed-only --time-budget 260 "
+                 "--out grpo_edge_24gb_bf16_up2.json && python -m benchmarks.merge_bisect --out grpo_fp8_24gb_bf16.json "
+                 "grpo_edge_24gb_bf16.json:swiftune grpo_edge_24gb_bf16_up.json:swiftune=+swiftune "
+                 "grpo_edge_24gb_bf16_up2.json:swiftune=+swiftune"),
+    dict(figure="grpo_fp8_24gb_qwen3-8b", file="2026-12-03/grpo_fp8_24gb_fp8_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "fp8", "gpu_budget_gb": 24.0},
+         command=f"{GRPO_24GB} --load-in-fp8 --completion-from-planner --time-budget 240 --out grpo_edge_24gb_fp8.json && "
+                 f"{GRPO_24GB} --load-in-fp8 --completion-lengths 58368 61184 64000 --fixed-only --time-budget 230 "
+                 "--out grpo_edge_24gb_fp8_up.json && python -m benchmarks.merge_bisect --out grpo_fp8_24gb_fp8.json "
+                 "grpo_edge_24gb_fp8.json:swiftune grpo_edge_24gb_fp8_up.json:swiftune=+swiftune"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
 ]

@@ -342,18 +342,19 @@ def rollout(fig: Figure) -> str:
     gen = {}
     for mode, model, s, m in fig.groups():
         if mode.startswith("generate_"):
-            # keyed by the run too (its "experts" label): a ratio takes the baseline of its own call only
-            gen[(model, s["rows"], s["new_tokens"], s.get("experts"), mode)] = val(m, "tokens_per_s")
+            # keyed by the run too (its "experts" / "nf4_matmul" label): a ratio takes the baseline of its own call only
+            gen[(model, s["rows"], s["new_tokens"], s.get("experts"), s.get("nf4_matmul"), mode)] = val(m, "tokens_per_s")
     out = []
     for mode, model, s, m in fig.groups():
         if mode != "fast_engine" or "hbm_floor_ms" not in m:
             continue
-        key = (model, s["rows"], s["new_tokens"], s.get("experts"))
+        key = (model, s["rows"], s["new_tokens"], s.get("experts"), s.get("nf4_matmul"))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         st, dy = gen.get((*key, "generate_static")), gen.get((*key, "generate_dynamic"))
         out.append([MODELS.get(model, model), str(s["rows"]), f"{s['new_tokens']:,}",
                     ("fused layers" if s.get("fused_layers") else "layers' own forward")
-                    + (f", experts: {s['experts']}" if s.get("experts") else ""), fmt(tps, thousands=True),
+                    + (f", experts: {s['experts']}" if s.get("experts") else "")
+                    + (f", NF4 matmul: {s['nf4_matmul']}" if s.get("nf4_matmul") else ""), fmt(tps, thousands=True),
                     fmt(ms), fmt(floor), fmt(ms / floor), fmt(st, thousands=True) if st else "-",
                     fmt(tps / st) if st else "-", fmt(dy, thousands=True) if dy else "-",
                     fmt(tps / dy, 1) if dy else "-"])
@@ -401,22 +402,23 @@ def vl_sft(fig: Figure) -> str:
                   "padding"], out, set(range(1, 8)))
 
 
-def grpo_budget_largest(fig: Figure) -> str:
-    """The largest completion per row on an emulated GPU budget, one row per allocator setting (each a
-    search of its own), with the step at the largest fitting length."""
+def grpo_budget_largest(fig: Figure, key: str = "allocator", header: str = "CUDA allocator") -> str:
+    """The largest completion per row on an emulated GPU budget, one row per value of the setting ``key``
+    (the CUDA allocator, the base weights' format: each a search of its own), with the step at the largest
+    fitting length."""
     best, steps = {}, {}
     for mode, model, s, m in fig.groups():
         if "max_fit_completion" in m:
-            best[s.get("allocator", "")] = (val(m, "max_fit_completion"), val(m, "first_fail_completion"))
+            best[s.get(key, "")] = (val(m, "max_fit_completion"), val(m, "first_fail_completion"))
         elif "step_s" in m:
-            steps[(s.get("allocator", ""), s["completion"])] = (s.get("tokens"), m)
+            steps[(s.get(key, ""), s["completion"])] = (s.get("tokens"), m)
     out = []
     for allocator, (fit, fail) in best.items():
         tokens, m = steps.get((allocator, fit), (None, {}))
         out.append([allocator, f"{fit:,}", f"{fail:,}" if fail else "", f"{tokens:,}" if tokens else "",
                     fmt(val(m, "step_s")) if m else "", fmt(val(m, "peak_gb"), 1) if m else "",
                     fmt(val(m, "host_rss_gb"), 1) if m else ""])
-    return table(["CUDA allocator", "largest completion / row that fitted", "first that failed", "tokens / step",
+    return table([header, "largest completion / row that fitted", "first that failed", "tokens / step",
                   "s / step there", "peak GPU GB", "host RSS GB"], out, set(range(1, 7)))
 
 
@@ -444,7 +446,8 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
           "fp8_sft_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
-          "fp8_graphs_qwen3-8b": sft_fp8_graphs, "reward_curve_fp8": reward_curve}
+          "fp8_graphs_qwen3-8b": sft_fp8_graphs, "reward_curve_fp8": reward_curve,
+          "grpo_fp8_24gb_qwen3-8b": lambda fig: grpo_budget_largest(fig, "weights", "base weights")}
 
 
 def commands(rows) -> str:

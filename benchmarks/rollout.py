@@ -329,9 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-decode-max-tokens", type=int, default=None,
                    help="MoE shapes: the most tokens a decode step sends through the fused decode kernels "
                         "(FastRolloutEngine(moe_decode_max_tokens=...); default: the library's)")
-    p.add_argument("--nf4-decode-kernel", action="store_true",
-                   help="--load-in-4bit: decode steps of <= 16 rows through swiftune's NF4 kernel "
-                        "(FastRolloutEngine(nf4_decode_kernel=True)) instead of bitsandbytes' dequantise-then-multiply")
+    p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="--load-in-4bit: decode steps of 2-16 rows through swiftune's NF4 kernel (the engine's "
+                        "default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
+                        "(FastRolloutEngine(nf4_decode_kernel=False)), the baseline")
     p.add_argument("--baseline-kinds", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"],
                    help="which generate baselines to time (static compiles the forward: minutes on MoE shapes)")
     p.add_argument("--time-budget", type=float, default=420.0,

@@ -321,7 +321,7 @@ case "$part" in
     detach grpo_edge python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt "${lengths[@]}" --time-budget 2700 --out /tmp/grpo_edge.json
     wait_for grpo_edge 54 8 ;;
-  qlora-rollout)  # decode step against the HBM floor of the 4-bit weights + KV cache (bitsandbytes' kernels)
+  qlora-rollout)  # decode step against the HBM floor of the 4-bit weights + KV cache (the NF4 kernel at 2-16 rows, bitsandbytes above)
     run qlora_rollout 560 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --new-tokens 1024 \
       --no-checks --lora-rows 8 --time-budget 480 --out "$OUT/rollout_nf4.json" ;;
   qlora-rollout-nf4)  # the NF4 decode kernel: its tests compiled, then the engine with it and without (bitsandbytes'
@@ -330,7 +330,7 @@ case "$part" in
     run nf4_matmul_kernels 200 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul.json"
     run nf4_rollout_kernel 240 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --nf4-decode-kernel \
       --rows 8 16 64 --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out "$OUT/rollout_nf4_kernel.json"
-    run nf4_rollout_bnb 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 16 \
+    run nf4_rollout_bnb 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --no-nf4-decode-kernel --rows 8 16 \
       --new-tokens 1024 --no-baselines --no-checks --time-budget 160 --out "$OUT/rollout_nf4_bnb.json" ;;
   fp8-dot)  # fp8_dot_matmul: every test of its file compiled (small shapes with the FP8 tensor cores' slack, the
     # Qwen3-8B projections at 17 and 64 rows, graph replay == eager), then the decode matmul table (weight-only,

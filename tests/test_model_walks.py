@@ -95,7 +95,8 @@ def _train_two_clipped_steps(trainer_class, tmp_path):
     rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")]
     args = swiftune.SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
                               logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-                              max_grad_norm=1e-3)  # small: the gradients are clipped on both steps
+                              max_grad_norm=1e-3,  # small: the gradients are clipped on both steps
+                              kernel_backend="reference")  # the walks are the subject; the kernels have their own tests
     trainer = trainer_class(model=model, args=args, train_dataset=rows, processing_class=build_tokenizer())
     seen = _SeesListedWalks()
     trainer.add_callback(seen)

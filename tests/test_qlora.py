@@ -152,10 +152,11 @@ def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(c
         assert torch.allclose(p.float(), after[name].detach().float(), atol=1e-2, rtol=1e-2), name
 
 
-@pytest.mark.parametrize("nf4_kernel", [False, True])
+@pytest.mark.parametrize("nf4_kernel", [False, None], ids=["bitsandbytes", "default"])
 def test_rollout_engine_generates_from_4bit_weights(checkpoints, nf4_kernel, monkeypatch):
-    """Greedy tokens equal transformers' generate on the same 4-bit + LoRA model; with nf4_decode_kernel the
-    decode steps' base products go through swiftune's NF4 kernel (counted), and only during the call."""
+    """Greedy tokens equal transformers' generate on the same 4-bit + LoRA model; by default
+    (``nf4_decode_kernel=True``) the decode steps' base products go through swiftune's NF4 kernel (counted), and
+    only during the call; with ``False`` never."""
     import swiftune.models.nf4_decode as nf4_decode
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
 
@@ -172,9 +173,10 @@ def test_rollout_engine_generates_from_4bit_weights(checkpoints, nf4_kernel, mon
                 p.normal_(0, 0.05)
     model.eval()
     prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
+    choice = {} if nf4_kernel is None else {"nf4_decode_kernel": nf4_kernel}
     out = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
-                            nf4_decode_kernel=nf4_kernel).generate(prompts, 1, SamplingParams(max_tokens=10, temperature=0))
-    assert bool(calls) == nf4_kernel
+                            **choice).generate(prompts, 1, SamplingParams(max_tokens=10, temperature=0))
+    assert bool(calls) == (nf4_kernel is not False)
     assert not any("swiftune_nf4_decode" in vars(m) for m in model.modules())  # unbound after the call
     calls.clear()
     for prompt, got in zip(prompts, out.completion_ids):

@@ -189,10 +189,11 @@ class FastRolloutEngine:
             the fused decode kernels (:mod:`swiftune.kernels.moe_decode`) rather than the grouped GEMM
             (``None``: :func:`swiftune.models.experts.default_decode_kernel_cap`, 16 tokens, 64 for
             gpt-oss's interleaved layout, where the kernels won on the H200; 0: the grouped GEMM always).
-        nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of up to 16 rows multiply through
+        nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to 16 rows multiply through
             swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which decodes the 4-bit
-            codes in registers, instead of bitsandbytes' dequantise-then-multiply. Off by default until it
-            is measured on a GPU against bitsandbytes' path (docs/benchmarks.md, "rollout_nf4").
+            codes in registers, instead of bitsandbytes' dequantise-then-multiply (faster at G=8 and 16 on
+            the H200: docs/benchmarks.md, "rollout_nf4"); ``False``: bitsandbytes' own forward always.
+            Models without NF4 layers, and devices where the kernel does not run, are unaffected.
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -203,7 +204,7 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 nf4_decode_kernel: bool = False):
+                 nf4_decode_kernel: bool = True):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
