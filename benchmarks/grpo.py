@@ -444,10 +444,12 @@ def build_bisect_model(mode: str, name: str, device, args):
         host = host_budget_bytes(args) if offload else None
         model = build_swiftune_model(name, device, "offload" if offload else True, budget, host,
                                      getattr(args, "load_in_4bit", False), getattr(args, "load_in_fp8", False))
-        if offload and args.host_margin_gb is not None:  # calling again updates the budgets, margin included
+        kept = getattr(args, "attention_output_layers", 0)
+        if offload and (args.host_margin_gb is not None or kept):  # calling again updates the budgets
             from swiftune.training.checkpointing import enable_offloaded_checkpointing
 
-            enable_offloaded_checkpointing(model, budget, host, host_margin_bytes=int(args.host_margin_gb * 1e9))
+            margin = None if args.host_margin_gb is None else int(args.host_margin_gb * 1e9)
+            enable_offloaded_checkpointing(model, budget, host, host_margin_bytes=margin, attention_output_layers=kept)
         return model
     import peft
 
@@ -678,6 +680,8 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         cmd.append("--load-in-4bit")
     if getattr(args, "load_in_fp8", False):
         cmd.append("--load-in-fp8")
+    if getattr(args, "attention_output_layers", 0):
+        cmd += ["--attention-output-layers", str(args.attention_output_layers)]
     if args.fixed_only:
         cmd.append("--fixed-only")
     if args.profile_completion:
@@ -746,7 +750,7 @@ def run_bisect(args) -> dict:
     return dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=args.prompt_tokens, rows=args.bisect_rows,
                 tolerance=args.bisect_tol, share_prompt=args.share_prompt, offload_logits=args.offload_logits,
                 swiftune_checkpointing=args.swiftune_checkpointing, trial_repeats=args.trial_repeats,
-                host_budget_gb=args.host_budget_gb, host_margin_gb=args.host_margin_gb,
+                attention_output_layers=args.attention_output_layers, host_budget_gb=args.host_budget_gb, host_margin_gb=args.host_margin_gb,
                 simulate_capacity=args.simulate_capacity,
                 simulate_kill_above=args.simulate_kill_above, modes=results, wall_s=time.perf_counter() - start,
                 cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **versions())
@@ -958,6 +962,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the decoder's linear weights in bitsandbytes NF4 (double quantisation), every mode")
+    p.add_argument("--attention-output-layers", type=int, default=0,
+                   help="swiftune mode, offloaded checkpointing: the last N decoder layers keep their sdpa attention "
+                        "outputs on the GPU through the recompute instead of running the kernel again "
+                        "(enable_offloaded_checkpointing(attention_output_layers=N)); the planner does not count them")
     p.add_argument("--load-in-fp8", action="store_true",
                    help="the decoder's linear weights in FP8 (e4m3, per-row scales), every mode (LoRA adapters in bf16)")
     p.add_argument("--gpu-budget-gb", type=float, default=None,

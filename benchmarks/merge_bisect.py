@@ -35,7 +35,8 @@ from benchmarks import results
 #: what must agree between the merged runs for their trials to be comparable
 SAME = ("benchmark", "model", "prompt_tokens", "rows")
 #: what each mode keeps of the run it came from
-PROVENANCE = ("torch", "transformers", "peft", "trl", "device", "swiftune_checkpointing", "share_prompt",
+PROVENANCE = ("torch", "transformers", "peft", "trl", "device", "swiftune_checkpointing", "attention_output_layers",
+              "share_prompt",
               "trial_repeats", "planner")
 
 

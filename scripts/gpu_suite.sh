@@ -52,6 +52,7 @@
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
+#   scripts/gpu_suite.sh grpo-65k-attn # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -308,6 +309,21 @@ case "$part" in
     run grpo_32k_profile 130 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --swiftune-checkpointing offload_all --completion-lengths 32768 --fixed-only \
       --profile-completion 32768 --time-budget 120 --out "$OUT/grpo_32k_profile.json" ;;
+  grpo-65k-attn)  # issue 23's GRPO row with the attention outputs kept through the recompute: swiftune at 2 x 65,536,
+    # every layer input on the host, without and with all 36 layers keeping their sdpa outputs (+38.6 GB on the
+    # GPU: the row stays under Unsloth's 66.5 GiB), then Unsloth's anchor in its own process, one call (carry .shared)
+    for kept in 0 36; do
+      run "grpo_65k_attn$kept" 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
+        swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$kept" \
+        --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_attn$kept.json"
+    done
+    if [ -d .shared ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-unsloth .shared/wheels/unsloth/*.whl
+      anchor=(env PYTHONPATH=/tmp/site-unsloth HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 python3 anchors/unsloth_anchor.py)
+      (cd .shared && run unsloth_ckpt 150 "${anchor[@]}" --save-model-only --model qwen3-8b --model-dir /tmp/ck8b)
+      (cd .shared && run unsloth_grpo_65k 200 "${anchor[@]}" --mode grpo --model qwen3-8b --model-dir /tmp/ck8b \
+        --num-generations 2 --completion-length 65536 --repeats 2 --out-jsonl "$OUT/unsloth_grpo_65k.jsonl")
+    fi ;;
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
     detach grpo_3x python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json

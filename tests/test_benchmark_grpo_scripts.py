@@ -337,10 +337,11 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
     assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
 
 
-def test_grpo_bisect_load_in_fp8_runs_fp8_weights_and_plans_their_bytes(tmp_path):
+def test_grpo_bisect_load_in_fp8_and_kept_attention_outputs(tmp_path):
     """--load-in-fp8: the bisection's trial runs on e4m3 base weights (the dequantising reference on
     CPU), the planner counts one byte a weight (between NF4's answer and bf16's on the same budget),
-    and --load-in-4bit with --load-in-fp8 is refused before any model is built."""
+    and --load-in-4bit with --load-in-fp8 is refused before any model is built. The same trial with
+    --attention-output-layers 1 (the last layer keeps its sdpa outputs through the recompute) records it."""
     import subprocess
     import sys
 
@@ -350,7 +351,9 @@ def test_grpo_bisect_load_in_fp8_runs_fp8_weights_and_plans_their_bytes(tmp_path
     assert "FP8Linear" in kinds and type(model.lm_head).__name__ == "Linear"
     out = tmp_path / "fp8.json"
     run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
-               "--load-in-fp8", "--completion-lengths", "64", "--fixed-only", "--out", str(out))
+               "--load-in-fp8", "--completion-lengths", "64", "--fixed-only", "--attention-output-layers", "1",
+               "--out", str(out))
+    assert json.loads(out.read_text())["attention_output_layers"] == 1
     trials = json.loads(out.read_text())["modes"]["swiftune"]["trials"]
     assert [(t["completion"], t["status"]) for t in trials] == [(64, "ok")], trials
     args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "qwen3-8b", "--share-prompt",

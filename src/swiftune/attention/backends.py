@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernel_choice import SDPA_MIN_MEAN_DOC_TOKENS, layout_attention_kernel, prefers_sdpa
+from .kept_outputs import kept_attention_outputs
 from .packing import PackedBatch
 
 _SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
@@ -458,8 +459,9 @@ def sdpa_packed_attention(
     """Every document alone through :func:`dense_causal_attention`; outputs concatenated."""
     if window or softcap:
         raise ValueError("per-document sdpa supports neither a sliding window nor soft-capping")
-    outs = [dense_causal_attention(q[a:b], k[a:b], v[a:b], scale=scale, dropout=dropout)
-            for a, b in document_bounds(packed) if b > a]
+    with kept_attention_outputs():  # a checkpointed layer that keeps them: stored, or served in its recompute
+        outs = [dense_causal_attention(q[a:b], k[a:b], v[a:b], scale=scale, dropout=dropout)
+                for a, b in document_bounds(packed) if b > a]
     if not outs:
         return q.new_zeros(q.shape)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

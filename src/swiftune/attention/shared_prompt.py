@@ -55,6 +55,7 @@ from torch import nn
 
 from .backends import dense_causal_attention, flex_token_major, packed_attention
 from .hf import packed_attention_forward
+from .kept_outputs import kept_attention_outputs
 from .kernel_choice import layout_attention_kernel, prefers_sdpa
 from .packing import PackedBatch
 from .sinks import dense_sink_scores, flex_sink_with_mask, sink_attention
@@ -348,6 +349,13 @@ def shared_prompt_sdpa(
     Gradients reach the shared prompt's k/v from every completion through the copies."""
     if layout.sequences is None:
         raise ValueError("this RowLayout has no host-side sequence table; build it with build_policy_row")
+    with kept_attention_outputs():  # a checkpointed layer that keeps them: stored, or served in its recompute
+        pieces = _completion_sequences_sdpa(q, k, v, layout, scale)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _completion_sequences_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout,
+                               scale: float) -> list[torch.Tensor]:
     pieces: list[torch.Tensor] = []
     emitted = 0  # flat tokens whose outputs are in ``pieces``
     for ps, pe, cs, ce in layout.sequences:
@@ -364,4 +372,4 @@ def shared_prompt_sdpa(
         emitted = ce
     if emitted != q.shape[0]:
         raise ValueError(f"the sequence table covers {emitted} of the row's {q.shape[0]} tokens")
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    return pieces

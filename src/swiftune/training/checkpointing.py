@@ -81,7 +81,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention.backends import planner_attention_terms
@@ -92,6 +92,7 @@ from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
+from ..attention.kept_outputs import attention_output_bytes, attention_outputs_context, check_attention_output_layers
 from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, \
     previous_forward, take_layer_input, unbind_layer_forwards
 from .lora_casting import lora_inputs_cast
@@ -251,6 +252,8 @@ class OffloadState:
         self.stats = {"offloaded": 0, "kept": 0, "derived_inputs": 0, "restored": 0, "derived_recomputed": 0}
         # layers whose input is never derived (inputs_set_between_layers); set by enable_offloaded_checkpointing
         self.underivable: frozenset[int] = frozenset()
+        # the last this many layers keep their sdpa attention outputs through the recompute (.attention_outputs)
+        self.attention_output_layers = 0
         # the model's parameters, found once (again on a new adapter set; requires_grad read per call):
         # the GPU budget of every forward reads them, and a walk of the module tree per forward is host time
         self.walks = ModelWalkIndex()
@@ -280,8 +283,25 @@ class OffloadState:
         if x.device.type != "cuda":
             return 2**62  # CPU: everything stays, i.e. plain checkpointing
         total = gpu_capacity_bytes(x.device)  # the margin scales with what this process may use
-        reserve = self._reserve(x, attention_kernel, max_doc_tokens)
+        reserve = self._reserve(x, attention_kernel, max_doc_tokens) + self.kept_attention_bytes(x)
         return max(0, free_gpu_bytes(x.device) - reserve - offload_margin_bytes(total))
+
+    def keeps_attention_output(self, index: int) -> bool:
+        """Whether layer ``index`` keeps its attention outputs through its recompute (the last
+        ``attention_output_layers`` layers)."""
+        return index >= self.num_layers - self.attention_output_layers
+
+    def kept_attention_bytes(self, x: torch.Tensor) -> int:
+        """Device bytes the kept attention outputs of one forward of input ``x`` take, all layers together."""
+        if not self.attention_output_layers:
+            return 0
+        if self._shape is None:
+            self._shape = _planner_shape(self.config)
+        autocast = torch.is_autocast_enabled(x.device.type)
+        act_bytes = (torch.get_autocast_dtype(x.device.type) if autocast else x.dtype).itemsize
+        tokens = x.numel() // x.shape[-1]
+        return self.attention_output_layers * attention_output_bytes(self._shape.heads, self._shape.head_dim, tokens,
+                                                                     act_bytes)
 
     def _reserve(self, x: torch.Tensor, attention_kernel: str | None = None, max_doc_tokens: int | None = None) -> int:
         """GPU bytes the rest of the step needs (the planner's formulas).
@@ -541,8 +561,9 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
         handle.rerun = partial(_run_on, orig, rest, kwargs)
     try:
+        context_fn = attention_outputs_context if state.keeps_attention_output(index) else noop_context_fn
         return checkpoint(partial(_run_layer, orig, _mlp_to_skip_in_recompute(self), **kwargs), handle, *rest,
-                          use_reentrant=False, preserve_rng_state=False)
+                          use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
     finally:
         handle.forward_done()
 
@@ -570,6 +591,7 @@ def enable_offloaded_checkpointing(
     *,
     page_bytes: int = PAGE_BYTES,
     host_margin_bytes: int | None = None,
+    attention_output_layers: int = 0,
 ) -> nn.Module:
     """Checkpoint every decoder layer, keeping the inputs that do not fit ``gpu_budget_bytes`` in
     pinned host memory (``use_gradient_checkpointing="offload"``).
@@ -584,6 +606,12 @@ def enable_offloaded_checkpointing(
             machine has available (``MemAvailable`` minus a margin).
         page_bytes: host page size (a power of two).
         host_margin_bytes: host memory to leave free (default ``max(4 GiB, 10% of MemTotal)``).
+        attention_output_layers: the last this many decoder layers keep the outputs of their fused sdpa
+            attention kernels on the device from the forward to their backward, and the recompute
+            takes them instead of running the kernel again (:mod:`.attention_outputs`): for long
+            sequences most of a recompute's time, for ``T x Hq x (D x 2 + 4)`` bytes a layer (bf16),
+            which an automatic GPU budget sets aside before it keeps layer inputs. ``0`` (default):
+            every layer recomputes its attention. Other attention kernels are recomputed either way.
 
     Returns ``model``; calling again updates the budgets.
     """
@@ -591,6 +619,7 @@ def enable_offloaded_checkpointing(
         raise ValueError(f"page_bytes must be a power of two, got {page_bytes}")
     hf = causal_lm_of(model)
     layers = decoder_layers(hf)
+    attention_output_layers = check_attention_output_layers(attention_output_layers, len(layers))
     state = getattr(hf, _STATE, None)
     if state is None:
         state = OffloadState(hf, layers, gpu_budget_bytes, host_budget_bytes, page_bytes, host_margin_bytes)
@@ -600,6 +629,7 @@ def enable_offloaded_checkpointing(
         state.page_bytes, state.host_margin_bytes = page_bytes, host_margin_bytes
         state.walks.clear()  # the model may have changed since (parameters added by hand are seen again)
     state.underivable = inputs_set_between_layers(hf, layers)
+    state.attention_output_layers = attention_output_layers
     bind_layer_forwards(layers, _offloaded_forward, state, _KEYS)
     if getattr(hf, "config", None) is not None:
         hf.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
@@ -633,6 +663,7 @@ def offload_stats(model: nn.Module) -> dict[str, Any]:
         "host_pinned_bytes": state.pool.held_bytes,
         "host_in_use_bytes": state.pool.in_use_bytes,
         "host_alloc_seconds": state.pool.alloc_seconds,
+        "attention_output_layers": state.attention_output_layers,
         **state.stats,
     }
 

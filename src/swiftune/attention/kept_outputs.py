@@ -1,0 +1,108 @@
+"""Attention outputs kept through a checkpointed layer's recompute.
+
+A checkpointed decoder layer runs its forward twice: once in the forward pass, once more in backward to
+rebuild what its backward needs. For long sequences the attention kernel is most of that second forward
+(its cost grows with the square of the sequence, the projections' only linearly), and its result is small
+next to that cost: the output, ``T x Hq x D`` in the activation dtype, and the log-sum-exp of each query
+row, ``T x Hq`` in float32. Keeping those two through the recompute (PyTorch's selective activation
+checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``) lets the recompute take
+them instead of running the kernel again; the backward kernel then gets the same ``q, k, v`` (recomputed,
+bit-identical: the projections run again on the same input), output and log-sum-exp as without it, so the
+gradients are the same.
+
+Only the fused attention kernels that ``F.scaled_dot_product_attention`` dispatches to are kept
+(:func:`sdpa_kernel_ops`: cuDNN's, FlashAttention's, the memory-efficient one, and the CPU flash kernel);
+everything else in the layer is recomputed as before. Other attention kernels (flex attention, varlen)
+are recomputed as they were. The offloaded checkpointing
+(:func:`swiftune.training.checkpointing.enable_offloaded_checkpointing`, ``attention_output_layers``)
+keeps them for the last ``n`` decoder layers, on the device, from each layer's forward to its backward:
+:func:`attention_output_bytes` a layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+#: the operators ``F.scaled_dot_product_attention`` dispatches to; those this torch lacks are skipped
+SDPA_KERNEL_OP_NAMES = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+@functools.lru_cache(maxsize=1)
+def sdpa_kernel_ops() -> frozenset:
+    """The ``aten`` overloads of the fused sdpa kernels this torch has."""
+    ops = []
+    for name in SDPA_KERNEL_OP_NAMES:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    return frozenset(ops)
+
+
+def _keep_sdpa_outputs(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in sdpa_kernel_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# the keeping or the serving half of the checkpointed layer running now (None: no layer keeps its outputs);
+# set only inside a layer's checkpointed function, by the contexts of attention_outputs_context
+_LAYER_MODE: ContextVar[Any] = ContextVar("swiftune_kept_attention_outputs", default=None)
+
+
+class _LayerScope:
+    """One half of a layer's pair: names the pair's dispatch mode as the current layer's while the layer runs."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+        self._token: Any = None
+
+    def __enter__(self) -> None:
+        self._token = _LAYER_MODE.set(self.mode)
+
+    def __exit__(self, *exc: Any) -> None:
+        _LAYER_MODE.reset(self._token)
+
+
+def attention_outputs_context() -> tuple[_LayerScope, _LayerScope]:
+    """``context_fn`` of a non-reentrant ``checkpoint`` whose layer keeps its sdpa outputs: a fresh pair of
+    selective-checkpointing modes (sharing one store) for the forward and the recompute, entered only around
+    the attention call (:func:`kept_attention_outputs`), not around the whole layer, whose recompute may run
+    other operators than its forward (an offloaded input is copied back, a tiled MLP skips its output)."""
+    keeping, serving = create_selective_checkpoint_contexts(_keep_sdpa_outputs)
+    return _LayerScope(keeping), _LayerScope(serving)
+
+
+@contextlib.contextmanager
+def kept_attention_outputs() -> Iterator[None]:
+    """Around one layer's attention (every document of it): in a layer that keeps its outputs, the forward
+    stores the sdpa kernels' outputs and the recompute takes them back in the same order; elsewhere nothing."""
+    mode = _LAYER_MODE.get()
+    if mode is None:
+        yield
+        return
+    token = _LAYER_MODE.set(None)  # one entry a layer call: the serving mode counts its kernels from its entry
+    try:
+        with mode:
+            yield
+    finally:
+        _LAYER_MODE.reset(token)
+
+
+def attention_output_bytes(heads: int, head_dim: int, tokens: int, activation_bytes: int) -> int:
+    """Device bytes one layer's kept attention outputs take for ``tokens`` query tokens: the output
+    (``heads x head_dim`` activation elements a token) and the float32 log-sum-exp (one a head)."""
+    return int(tokens) * int(heads) * (int(head_dim) * int(activation_bytes) + 4)
+
+
+def check_attention_output_layers(value: Any, num_layers: int) -> int:
+    """``attention_output_layers`` as an int in ``0..num_layers``, or a ``ValueError`` saying what to pass."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= num_layers:
+        raise ValueError(f"attention_output_layers must be an int from 0 (keep none) to the model's {num_layers} "
+                         f"decoder layers (keep every layer's), got {value!r}")
+    return value

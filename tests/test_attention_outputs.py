@@ -1,0 +1,122 @@
+"""Attention outputs kept through the recompute (``enable_offloaded_checkpointing(attention_output_layers=n)``).
+
+The reference is transformers' own model (eager attention) with PEFT's LoRA, each document alone
+(tests/test_gradient_parity.py's step); swiftune runs per-document sdpa attention with every layer input
+offloaded, with and without the kept outputs. The loss and every trainable tensor's gradient must equal the
+reference's, and the fused sdpa kernel must run once per document and layer in the forward and, in the
+recompute, only in the layers that do not keep their outputs (counted at the dispatcher, under the
+checkpoint's own caching)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from swiftune.attention.kept_outputs import attention_output_bytes, check_attention_output_layers, sdpa_kernel_ops
+from swiftune.training.checkpointing import enable_offloaded_checkpointing, offload_stats
+from tests.test_gradient_parity import (_assert_parity, _examples, _lora_reference, _reference_step, _swiftune_model,
+                                        _swiftune_step, _trainable)
+from tests.helpers import assert_gradients_match, tiny_model
+
+
+class CountSdpaKernels(TorchDispatchMode):
+    """Counts the fused sdpa kernels that really run (a kernel whose output the checkpoint serves from
+    its cache never reaches this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in sdpa_kernel_ops():
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def qwen3_reference():
+    base = tiny_model("qwen3", num_hidden_layers=3)
+    reference = _lora_reference(base).train()
+    return base, reference, _reference_step(reference, _examples())
+
+
+def _sdpa_model(base, reference, kept: int):
+    # the kernels' plain-PyTorch references (the attention is the subject), per-document sdpa, every input offloaded
+    model = _swiftune_model(base, reference, True, "offload", kernel_backend="reference")
+    from swiftune.models import patch_model
+
+    patch_model(model, attention="sdpa", kernel_backend="reference")
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, attention_output_layers=kept)
+    return model
+
+
+@pytest.mark.parametrize("kept", [0, 2, 3])
+def test_kept_attention_outputs_give_the_unpatched_models_gradients_and_skip_the_kernel(qwen3_reference, kept):
+    base, reference, expected = qwen3_reference
+    model = _sdpa_model(base, reference, kept)
+    docs, layers = len(_examples()), 3
+    counter = CountSdpaKernels()
+    with counter:
+        got = _swiftune_step(model, _examples(), "padding_free")
+    if not counter.calls:
+        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    _assert_parity(expected, got, _trainable(reference))
+    assert set(got[1]) == set(_trainable(reference)), "every adapter gets a gradient"
+    # forward: every layer and document; recompute: only the layers that do not keep their outputs
+    assert counter.calls == docs * layers + docs * (layers - kept), counter.calls
+    assert offload_stats(model)["attention_output_layers"] == kept
+    assert offload_stats(model)["offloaded"] > 0  # the layer inputs went to the host as before
+
+
+def test_attention_output_layers_are_checked_and_budgeted(qwen3_reference):
+    base, reference, _ = qwen3_reference
+    model = _sdpa_model(base, reference, 0)
+    for bad in (-1, 4, 1.5, True, "all"):
+        with pytest.raises(ValueError, match="attention_output_layers must be an int from 0"):
+            enable_offloaded_checkpointing(model, attention_output_layers=bad)
+    assert check_attention_output_layers(3, 3) == 3
+    # a bf16 Qwen3-8B layer at 131,584 tokens: 32 heads x (128 x 2 + 4) bytes a token
+    assert attention_output_bytes(32, 128, 131_584, 2) == 131_584 * 32 * 260
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, attention_output_layers=2)
+    state = model.get_base_model()._swiftune_offload_state
+    x = torch.zeros(1, 10, 64)
+    assert state.kept_attention_bytes(x) == 2 * attention_output_bytes(4, 16, 10, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert state.kept_attention_bytes(x) == 2 * attention_output_bytes(4, 16, 10, 2)
+    assert [state.keeps_attention_output(i) for i in range(3)] == [False, True, True]
+
+
+def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gradients(qwen3_reference):
+    """GRPO's shared-prompt row (one prompt, two completions, each ``prompt + completion`` through sdpa)
+    with every layer keeping its outputs: the summed completion log-probs and every adapter's gradient
+    equal transformers' own model + PEFT on each ``prompt + completion`` alone; the recompute runs no
+    sdpa kernel."""
+    from swiftune.rl import build_policy_row, completion_logprobs
+
+    base, reference, _ = qwen3_reference
+    prompt, completions = [5, 6, 7], [[8, 9, 10, 11], [12, 13]]
+    reference.zero_grad(set_to_none=True)
+    want = 0.0
+    for completion in completions:
+        ids = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(reference(input_ids=ids, use_cache=False).logits[0].double(), -1)
+        targets = ids[0, len(prompt):]
+        want = want + logp[len(prompt) - 1:-1].gather(1, targets[:, None]).sum()
+    want.backward()
+    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+
+    model = _sdpa_model(base, reference, 3)
+    row = build_policy_row([prompt, prompt], completions, share_prompt=True, attention_backend="sdpa")
+    assert row.layout.shared and row.layout.sequences is not None
+    model.zero_grad(set_to_none=True)
+    counter = CountSdpaKernels()
+    with counter:
+        logps, _ = completion_logprobs(model, row, kernel_backend="reference")
+        logps.sum().backward()
+    if not counter.calls:
+        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    assert counter.calls == 3 * len(completions)  # the forward's only: every layer served its recompute
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert abs(float(logps.sum()) - float(want)) < 1e-5 * max(1.0, abs(float(want)))
+    assert_gradients_match(ref_grads, got, _trainable(reference), 1e-5)
