@@ -118,6 +118,14 @@ def test_token_buckets_bound_the_padding_and_the_shapes():
     assert doc_slots(5) == 8 and doc_slots(7) == 8 and doc_slots(8) == 16 and doc_slots(16) == 32
     with pytest.raises(ValueError):
         token_bucket(0)
+    # a smaller least step (enable_graphed_layers(min_bucket_tokens=...)) pads less, within the same bound
+    for t in (1, 7, 30, 255, 1000):
+        b = token_bucket(t, 16)
+        assert t <= b < t + max(16, t / 8) and b % 16 == 0
+    assert token_bucket(30, 16) == 32 and token_bucket(30) == 256
+    for bad in (0, -16, 1.5, True):
+        with pytest.raises(ValueError, match="min_bucket_tokens must be a positive int"):
+            enable_graphed_layers(torch.nn.Linear(2, 2), min_bucket_tokens=bad)
 
 
 def test_graphed_layers_equal_the_unpatched_model_per_document(family_models):

@@ -75,13 +75,17 @@ _VARLEN_KERNELS = ("varlen", "flash_attn")
 MIN_SLOTS = 8
 
 
-def token_bucket(tokens: int) -> int:
+#: the smallest step of the token buckets: multiples of it keep the kernels from specialising differently per bucket
+MIN_BUCKET_STEP = 256
+
+
+def token_bucket(tokens: int, min_step: int = MIN_BUCKET_STEP) -> int:
     """The padded token count of a step's graphs: ``tokens`` rounded up to a multiple of
-    ``max(256, 2**(floor(log2 tokens) - 3))``, so fewer than ``max(256, tokens / 8)`` more (and far fewer distinct
-    shapes, hence captures, over a run)."""
+    ``max(min_step, 2**(floor(log2 tokens) - 3))``, so fewer than ``max(min_step, tokens / 8)`` more (and far fewer
+    distinct shapes, hence captures, over a run)."""
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
-    step = max(256, 2 ** (int(math.log2(tokens)) - 3))
+    step = max(min_step, 2 ** (int(math.log2(tokens)) - 3))
     return -(-tokens // step) * step
 
 
@@ -127,6 +131,7 @@ class GraphedStack:
         self.model_ref = weakref.ref(model)
         self.layers = [weakref.ref(layer) for layer in layers]
         self.use_cuda_graphs = use_cuda_graphs
+        self.min_bucket_step = MIN_BUCKET_STEP  # enable_graphed_layers' min_bucket_tokens
         self.capacity = 0
         self.acts: list[torch.Tensor] = []  # L + 1 buffers [1, capacity, H]: layer i reads acts[i], writes acts[i+1]
         self.grad: torch.Tensor | None = None  # [1, capacity, H]: upstream gradient in, input gradient out
@@ -194,7 +199,8 @@ class GraphedStack:
                     torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None)
         tokens = x.shape[1]
         self.generation += 1
-        self.step = _StepLayout(tokens, token_bucket(tokens), doc_slots(packed.num_docs), autocast, packed,
+        self.step = _StepLayout(tokens, token_bucket(tokens, self.min_bucket_step), doc_slots(packed.num_docs), autocast,
+                                packed,
                                 self.generation, flags)
         self._fill_step_buffers(x, cos_sin, packed)
 
@@ -211,7 +217,8 @@ class GraphedStack:
         self.offsets.clear()
         self.layouts.clear()
         self.pool = None
-        capacity = max(bucket, token_bucket(self.capacity + self.capacity // 4)) if self.capacity else bucket
+        capacity = (max(bucket, token_bucket(self.capacity + self.capacity // 4, self.min_bucket_step)) if self.capacity
+                    else bucket)
         hidden = x.shape[-1]
         self.acts = [torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device) for _ in range(num_layers + 1)]
         self.grad = torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device)
@@ -474,7 +481,8 @@ def _varlen_kernel(attn: nn.Module, x: torch.Tensor) -> str | None:
     return None
 
 
-def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = None) -> nn.Module:
+def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = None,
+                          min_bucket_tokens: int = MIN_BUCKET_STEP) -> nn.Module:
     """Run every decoder layer of a LoRA model as CUDA graphs in training (see the module doc).
 
     Args:
@@ -483,8 +491,12 @@ def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = No
             offloaded checkpointing.
         use_cuda_graphs: ``None`` (default): graphs on CUDA, closures elsewhere; ``False``: closures
             everywhere (the same buffers and node, no capture; for tests and debugging).
+        min_bucket_tokens: the smallest step of the token buckets (:func:`token_bucket`); the default keeps
+            the kernels' shapes multiples of 256; tests off CUDA pass less to pad their few tokens less.
     Returns ``model``.
     """
+    if isinstance(min_bucket_tokens, bool) or not isinstance(min_bucket_tokens, int) or min_bucket_tokens < 1:
+        raise ValueError(f"min_bucket_tokens must be a positive int, got {min_bucket_tokens!r}")
     hf = causal_lm_of(model)
     if is_offloaded_checkpointing(hf):
         raise ValueError("graphed layers replace checkpointing and keep every layer input on the GPU; they do not "
@@ -495,6 +507,7 @@ def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = No
         stack = GraphedStack(hf, layers, use_cuda_graphs)
         setattr(hf, _STACK, stack)
     stack.use_cuda_graphs = use_cuda_graphs
+    stack.min_bucket_step = min_bucket_tokens
     bind_layer_forwards(layers, _graphed_forward, stack, _KEYS)
     if getattr(hf, "config", None) is not None:
         hf.config.use_cache = False
