@@ -790,7 +790,8 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     # the swiftune step: bf16 autocast, LoRA input casts off (policy_step), projections tiled
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
               lora_input_casts=False,
-              weight_quantization=weight_quantization_of(args))
+              weight_quantization=weight_quantization_of(args),
+              attention_output_layers=getattr(args, "attention_output_layers", 0))
     shape = dict(MODEL_SHAPES[args.model])
 
     def completion_of(tokens: int) -> int:
@@ -965,7 +966,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-output-layers", type=int, default=0,
                    help="swiftune mode, offloaded checkpointing: the last N decoder layers keep their sdpa attention "
                         "outputs on the GPU through the recompute instead of running the kernel again "
-                        "(enable_offloaded_checkpointing(attention_output_layers=N)); the planner does not count them")
+                        "(enable_offloaded_checkpointing(attention_output_layers=N)); the planner counts them")
     p.add_argument("--load-in-fp8", action="store_true",
                    help="the decoder's linear weights in FP8 (e4m3, per-row scales), every mode (LoRA adapters in bf16)")
     p.add_argument("--gpu-budget-gb", type=float, default=None,

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from swiftune.attention.kept_outputs import attention_output_bytes, check_attention_output_layers, sdpa_kernel_ops
+from swiftune.attention.kept_outputs import check_attention_output_layers, sdpa_kernel_ops
+from swiftune.memory.planner import attention_output_bytes, plan_memory
 from swiftune.training.checkpointing import enable_offloaded_checkpointing, offload_stats
 from tests.test_gradient_parity import (_assert_parity, _examples, _lora_reference, _reference_step, _swiftune_model,
                                         _swiftune_step, _trainable)
@@ -120,3 +121,24 @@ def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gra
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert abs(float(logps.sum()) - float(want)) < 1e-5 * max(1.0, abs(float(want)))
     assert_gradients_match(ref_grads, got, _trainable(reference), 1e-5)
+
+
+def test_the_planner_counts_kept_attention_outputs_as_the_runtime_does():
+    """plan_memory(attention_output_layers=n): n layers' outputs in the checkpoints, set aside before layer
+    inputs are kept on the GPU (fewer kept inputs on a budget), refused without offloading; the GRPO
+    benchmark's planner answer shrinks with them."""
+    plain = plan_memory("qwen3-8b", 131_584, gradient_checkpointing="offload", gpu_bytes=int(80e9))
+    kept = plan_memory("qwen3-8b", 131_584, gradient_checkpointing="offload", gpu_bytes=int(80e9),
+                       attention_output_layers=36)
+    per_layer = attention_output_bytes(32, 128, 131_584, 2)
+    assert kept.checkpoints - kept.kept_layers * 131_584 * 4096 * 2 == 36 * per_layer
+    assert kept.kept_layers < plain.kept_layers and kept.total > plain.total - plain.kept_layers * 131_584 * 8192
+    with pytest.raises(ValueError, match="needs gradient_checkpointing='offload'"):
+        plan_memory("qwen3-8b", 1024, gradient_checkpointing=True, attention_output_layers=1)
+    from benchmarks import grpo
+
+    args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "qwen3-8b", "--share-prompt",
+                                           "--gpu-budget-gb", "80"])
+    before = grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"]
+    args.attention_output_layers = 36
+    assert grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"] < before

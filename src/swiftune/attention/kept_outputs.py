@@ -16,7 +16,7 @@ everything else in the layer is recomputed as before. Other attention kernels (f
 are recomputed as they were. The offloaded checkpointing
 (:func:`swiftune.training.checkpointing.enable_offloaded_checkpointing`, ``attention_output_layers``)
 keeps them for the last ``n`` decoder layers, on the device, from each layer's forward to its backward:
-:func:`attention_output_bytes` a layer.
+:func:`swiftune.memory.planner.attention_output_bytes` a layer.
 """
 
 from __future__ import annotations
@@ -92,12 +92,6 @@ def kept_attention_outputs() -> Iterator[None]:
             yield
     finally:
         _LAYER_MODE.reset(token)
-
-
-def attention_output_bytes(heads: int, head_dim: int, tokens: int, activation_bytes: int) -> int:
-    """Device bytes one layer's kept attention outputs take for ``tokens`` query tokens: the output
-    (``heads x head_dim`` activation elements a token) and the float32 log-sum-exp (one a head)."""
-    return int(tokens) * int(heads) * (int(head_dim) * int(activation_bytes) + 4)
 
 
 def check_attention_output_layers(value: Any, num_layers: int) -> int:

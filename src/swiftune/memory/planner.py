@@ -532,6 +532,13 @@ def _quantized_matmul_bytes(shape: ModelShape, tokens: int, quantization: str, s
     return max(weight * (4 + s.dtype_bytes), widest + weight)
 
 
+def attention_output_bytes(heads: int, head_dim: int, tokens: int, activation_bytes: int) -> int:
+    """Device bytes one layer's attention outputs kept through the recompute take for ``tokens`` query tokens
+    (:mod:`swiftune.attention.kept_outputs`): the output (``heads x head_dim`` activation elements a token)
+    and the float32 log-sum-exp (one a head)."""
+    return int(tokens) * int(heads) * (int(head_dim) * int(activation_bytes) + 4)
+
+
 def plan_memory(
     model_config: Any,
     tokens: int,
@@ -549,6 +556,7 @@ def plan_memory(
     world_size: int = 1,
     fsdp: bool = False,
     ranks_per_host: int | None = None,
+    attention_output_layers: int = 0,
     **setup: Any,
 ) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
@@ -585,6 +593,9 @@ def plan_memory(
             held gathered at once (:func:`fsdp_gathered_params`).
         ranks_per_host: the processes of the job on one host, which share its ``host_bytes``
             (torchrun's ``--nproc_per_node``); default ``world_size`` (one host).
+        attention_output_layers: with ``"offload"``, the last this many layers keep their sdpa attention
+            outputs on the GPU through the recompute (:func:`attention_output_bytes` each, counted in
+            ``checkpoints`` and set aside before layer inputs are kept, as the runtime does).
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -592,6 +603,9 @@ def plan_memory(
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     if gradient_checkpointing not in (True, False, "offload"):
         raise ValueError(f"gradient_checkpointing must be True, False or 'offload', got {gradient_checkpointing!r}")
+    if attention_output_layers and gradient_checkpointing != "offload":
+        raise ValueError("attention_output_layers keeps attention outputs through the offloaded checkpointing's "
+                         "recompute: it needs gradient_checkpointing='offload'")
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
     shape = model_shape(model_config)
@@ -667,6 +681,9 @@ def plan_memory(
         checkpoints = L * per_layer
     else:
         transfer = 2 * per_layer  # the restored layer input and the prefetched one
+        # attention outputs the last layers keep from their forward to their backward (set aside first)
+        kept_attention = int(attention_output_layers) * attention_output_bytes(shape.heads, shape.head_dim, T,
+                                                                                 dtype_bytes)
         if gpu_bytes is None:
             kept = 0
         else:
@@ -674,7 +691,7 @@ def plan_memory(
             # parameters, optimizer states and the first layer's input exist, minus step_reserve,
             # minus the same margin
             resident = weights + trainable + grads + optim + distributed + per_layer + vision
-            reserve = (max(working, loss, vision_working) + transfer) * (1 + FRAGMENTATION)
+            reserve = (max(working, loss, vision_working) + transfer) * (1 + FRAGMENTATION) + kept_attention
             room = gpu_bytes - CUDA_CONTEXT_BYTES - offload_margin_bytes(gpu_bytes) - resident - reserve
             kept = max(0, min(L, int(room // per_layer)))
         if kept == L:
@@ -688,7 +705,7 @@ def plan_memory(
                 off -= derived
                 notes.append(f"{derived} layer inputs are recomputed in backward instead of stored (host memory "
                              f"holds {off} of the offloaded ones): one more forward of {derived} layers")
-        checkpoints = kept * per_layer
+        checkpoints = kept * per_layer + kept_attention
         host = off * slot
     if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections and not s.autocast:
         notes.append("LoRA adapters in float32 save a float32 copy of each projection's input; "

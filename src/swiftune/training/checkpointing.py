@@ -87,12 +87,13 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from ..attention.backends import planner_attention_terms
 from ..losses.chunking import free_gpu_bytes, gpu_capacity_bytes
 from ..memory import model_shape, step_reserve
-from ..memory.planner import PAGE_BYTES, TrainSetup, choose_page_bytes, offload_margin_bytes, pages_for
+from ..memory.planner import (PAGE_BYTES, TrainSetup, attention_output_bytes, choose_page_bytes, offload_margin_bytes,
+                              pages_for)
 from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
-from ..attention.kept_outputs import attention_output_bytes, attention_outputs_context, check_attention_output_layers
+from ..attention.kept_outputs import attention_outputs_context, check_attention_output_layers
 from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, \
     previous_forward, take_layer_input, unbind_layer_forwards
 from .lora_casting import lora_inputs_cast
