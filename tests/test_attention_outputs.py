@@ -142,3 +142,17 @@ def test_the_planner_counts_kept_attention_outputs_as_the_runtime_does():
     before = grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"]
     args.attention_output_layers = 36
     assert grpo.planner_max_completion(args, host_bytes=int(100e9))["completion"] < before
+
+
+def test_get_peft_model_takes_the_kept_attention_layers_with_offloading_only():
+    from swiftune.training import FastModel
+
+    model = FastModel.get_peft_model(tiny_model("qwen3", num_hidden_layers=3), r=4, lora_alpha=8,
+                                     use_gradient_checkpointing="offload", offload_attention_output_layers=2)
+    assert offload_stats(model)["attention_output_layers"] == 2
+    with pytest.raises(ValueError, match="offload_attention_output_layers needs use_gradient_checkpointing='offload'"):
+        FastModel.get_peft_model(tiny_model("qwen3"), r=4, use_gradient_checkpointing=True,
+                                 offload_attention_output_layers=1)
+    with pytest.raises(ValueError, match="attention_output_layers must be an int from 0"):
+        FastModel.get_peft_model(tiny_model("qwen3", num_hidden_layers=3), r=4, use_gradient_checkpointing="offload",
+                                 offload_attention_output_layers=4)

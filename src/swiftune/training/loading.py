@@ -236,7 +236,7 @@ def check_checkpointing_mode(mode: Any) -> None:
 
 def enable_gradient_checkpointing(
     model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
-    offload_host_budget_bytes: int | None = None,
+    offload_host_budget_bytes: int | None = None, offload_attention_output_layers: int = 0,
 ) -> nn.Module:
     """Turn on non-reentrant gradient checkpointing of every decoder layer.
 
@@ -246,9 +246,13 @@ def enable_gradient_checkpointing(
     ``offload_gpu_budget_bytes`` (``None``: what is free at each forward, less the rest of the step;
     ``0``: every layer input on the host, the least GPU memory) and ``offload_host_budget_bytes``
     (a cap on the pinned host memory it may take, e.g. on a host shared with other jobs; ``None``:
-    what the machine has available less a margin).
+    what the machine has available less a margin). ``offload_attention_output_layers``: the last this many
+    layers keep their sdpa attention outputs on the GPU through the recompute instead of running the kernel
+    again (long sequences: most of a recompute's time; :mod:`swiftune.attention.kept_outputs`).
     """
     check_checkpointing_mode(mode)
+    if offload_attention_output_layers and mode not in ("offload", "unsloth"):
+        raise ValueError("offload_attention_output_layers needs use_gradient_checkpointing='offload'")
     for name, value in (("offload_gpu_budget_bytes", offload_gpu_budget_bytes),
                         ("offload_host_budget_bytes", offload_host_budget_bytes)):
         if value is not None and mode not in ("offload", "unsloth"):
@@ -267,7 +271,8 @@ def enable_gradient_checkpointing(
     if mode in ("offload", "unsloth"):
         # takes over from transformers' per-layer flag
         enable_offloaded_checkpointing(hf_model, gpu_budget_bytes=offload_gpu_budget_bytes,
-                                       host_budget_bytes=offload_host_budget_bytes)
+                                       host_budget_bytes=offload_host_budget_bytes,
+                                       attention_output_layers=offload_attention_output_layers)
     else:
         hf_model._swiftune_offload_checkpointing = False
     return model
@@ -414,6 +419,7 @@ class FastModel:
         modules_to_save: list[str] | None = None,
         offload_gpu_budget_bytes: int | None = None,
         offload_host_budget_bytes: int | None = None,
+        offload_attention_output_layers: int = 0,
         **lora_kwargs: Any,
     ) -> nn.Module:
         """Add LoRA adapters through PEFT; the result is a normal ``peft.PeftModel``.
@@ -429,6 +435,9 @@ class FastModel:
                 (``None``: as many as fit; ``0``: all on the host).
             offload_host_budget_bytes: with ``"offload"``, a cap on the pinned host memory the
                 offloaded inputs may take (``None``: what the machine has available).
+            offload_attention_output_layers: with ``"offload"``, the last this many layers keep their sdpa
+                attention outputs on the GPU through the recompute (``0``: none; see
+                :func:`enable_gradient_checkpointing`).
             random_state: seed of the adapter initialisation (the global RNG is left untouched).
         """
         from peft import LoraConfig, get_peft_model
@@ -446,7 +455,8 @@ class FastModel:
         )
         warn_about_vision_tower_targets(model, target_modules)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
-                                      offload_host_budget_bytes=offload_host_budget_bytes)
+                                      offload_host_budget_bytes=offload_host_budget_bytes,
+                                      offload_attention_output_layers=offload_attention_output_layers)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
@@ -461,14 +471,16 @@ class FastModel:
     @staticmethod
     def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True,
                      offload_gpu_budget_bytes: int | None = None,
-                     offload_host_budget_bytes: int | None = None) -> nn.Module:
+                     offload_host_budget_bytes: int | None = None,
+                     offload_attention_output_layers: int = 0) -> nn.Module:
         """Full fine-tuning: every parameter trainable, gradient checkpointing (budgets as in
         :meth:`get_peft_model`), train mode. A 4-bit or FP8 model is refused (add LoRA adapters instead)."""
         refuse_full_finetuning_of_4bit(model, "FastModel.for_training")
         for p in model.parameters():
             p.requires_grad_(True)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
-                                      offload_host_budget_bytes=offload_host_budget_bytes)
+                                      offload_host_budget_bytes=offload_host_budget_bytes,
+                                      offload_attention_output_layers=offload_attention_output_layers)
         return model.train()
 
 
