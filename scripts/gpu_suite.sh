@@ -311,7 +311,9 @@ case "$part" in
       --profile-completion 32768 --time-budget 120 --out "$OUT/grpo_32k_profile.json" ;;
   grpo-65k-attn)  # issue 23's GRPO row with the attention outputs kept through the recompute: swiftune at 2 x 65,536,
     # every layer input on the host, without and with all 36 layers keeping their sdpa outputs (+38.6 GB on the
-    # GPU: the row stays under Unsloth's 66.5 GiB), then Unsloth's anchor in its own process, one call (carry .shared)
+    # GPU: the row stays under Unsloth's 66.5 GiB), then Unsloth's anchor in its own process, one call (carry .shared);
+    # the kept outputs' tests first (their CUDA case: bit-identical to the recompute, and the unpatched model's)
+    run attention_outputs_tests 120 python3 -m pytest -q tests/test_attention_outputs.py -p no:cacheprovider
     for kept in 0 36; do
       run "grpo_65k_attn$kept" 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
         swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$kept" \

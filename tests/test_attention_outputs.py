@@ -9,6 +9,8 @@ checkpoint's own caching)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -16,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from swiftune.attention.kept_outputs import check_attention_output_layers, sdpa_kernel_ops
 from swiftune.memory.planner import attention_output_bytes, plan_memory
 from swiftune.training.checkpointing import enable_offloaded_checkpointing, offload_stats
-from tests.test_gradient_parity import (_assert_parity, _examples, _lora_reference, _reference_step, _swiftune_model,
-                                        _swiftune_step, _trainable)
-from tests.helpers import assert_gradients_match, tiny_model
+from tests.test_gradient_parity import (GPU_TOL, QWEN3_8B_LAYER, _assert_parity, _examples, _lora_reference,
+                                        _reference_step, _swiftune_model, _swiftune_step, _trainable)
+from tests.helpers import assert_gradients_match, rel_err, tiny_model
 
 
 class CountSdpaKernels(TorchDispatchMode):
@@ -156,3 +158,33 @@ def test_get_peft_model_takes_the_kept_attention_layers_with_offloading_only():
     with pytest.raises(ValueError, match="attention_output_layers must be an int from 0"):
         FastModel.get_peft_model(tiny_model("qwen3", num_hidden_layers=3), r=4, use_gradient_checkpointing="offload",
                                  offload_attention_output_layers=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+def test_gpu_bf16_kept_outputs_equal_the_recomputed_ones_and_the_unpatched_model():
+    """On CUDA in bf16 (cuDNN's or FlashAttention's sdpa kernel), one Qwen3-8B-shaped layer: the step with the
+    layer keeping its attention outputs gives bit for bit the gradients of the step that recomputes them
+    (the forward kernel is deterministic), runs the kernel once a document instead of twice, and both are
+    within bf16 tolerance of the unpatched model in fp32 on each document alone."""
+    base = tiny_model("qwen3", **QWEN3_8B_LAYER).cuda().train()
+    reference = _lora_reference(base)
+    with torch.no_grad():  # the same bf16-representable weights on every side
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    expected_loss, expected = _reference_step(reference, _examples())
+    _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
+    runs = {}
+    for kept in (0, 1):
+        model = _sdpa_model(base.to(torch.bfloat16), reference, kept)
+        model.load_state_dict(reference.state_dict())
+        counter = CountSdpaKernels()
+        with counter:
+            runs[kept] = _swiftune_step(model, _examples(), "padding_free")
+        assert counter.calls == len(_examples()) * (2 - kept), (kept, counter.calls)
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1].keys() == runs[1][1].keys() and all(torch.equal(runs[0][1][n], g) for n, g in runs[1][1].items())
+    loss, grads = runs[1]
+    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
+    assert_gradients_match(expected, grads, _trainable(reference), allowed)
