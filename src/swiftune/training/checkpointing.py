@@ -85,6 +85,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention.backends import planner_attention_terms
+from ..attention.kept_outputs import attention_outputs_context, check_attention_output_layers
 from ..losses.chunking import free_gpu_bytes, gpu_capacity_bytes
 from ..memory import model_shape, step_reserve
 from ..memory.planner import (PAGE_BYTES, TrainSetup, attention_output_bytes, choose_page_bytes, offload_margin_bytes,
@@ -93,7 +94,6 @@ from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
-from ..attention.kept_outputs import attention_outputs_context, check_attention_output_layers
 from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, \
     previous_forward, take_layer_input, unbind_layer_forwards
 from .lora_casting import lora_inputs_cast
@@ -253,7 +253,7 @@ class OffloadState:
         self.stats = {"offloaded": 0, "kept": 0, "derived_inputs": 0, "restored": 0, "derived_recomputed": 0}
         # layers whose input is never derived (inputs_set_between_layers); set by enable_offloaded_checkpointing
         self.underivable: frozenset[int] = frozenset()
-        # the last this many layers keep their sdpa attention outputs through the recompute (.attention_outputs)
+        # the last this many layers keep their sdpa attention outputs through the recompute (attention.kept_outputs)
         self.attention_output_layers = 0
         # the model's parameters, found once (again on a new adapter set; requires_grad read per call):
         # the GPU budget of every forward reads them, and a walk of the module tree per forward is host time
