@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -256,6 +257,18 @@ def test_cli_offload_gpu_budget_checks():
     for gc, budget, message in (("true", 0.0, "needs --use_gradient_checkpointing offload"),
                                 ("offload", -1.0, "must be >= 0")):
         args = ModelArguments(use_gradient_checkpointing=gc, offload_gpu_budget_gb=budget)
+        with pytest.raises(ConfigError, match=message):
+            build_model(args, config=None, builtin=True)
+    # --offload_attention_output_layers reaches the offloaded checkpointing of the model it builds ...
+    from swiftune.training.checkpointing import offload_stats
+
+    config = SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none")
+    args = ModelArguments(use_gradient_checkpointing="offload", offload_attention_output_layers=1)
+    assert offload_stats(build_model(args, config, builtin=True)[0])["attention_output_layers"] == 1
+    # ... and is checked as the budget is
+    for gc, kept, message in (("true", 2, "--offload_attention_output_layers needs --use_gradient_checkpointing offload"),
+                              ("offload", -1, "must be a whole number of decoder layers >= 0")):
+        args = ModelArguments(use_gradient_checkpointing=gc, offload_attention_output_layers=kept)
         with pytest.raises(ConfigError, match=message):
             build_model(args, config=None, builtin=True)
 

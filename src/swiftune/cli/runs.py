@@ -87,9 +87,11 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
             model, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
             target_modules=lora_targets(model_args.lora_target_modules), use_gradient_checkpointing=gc,
             offload_gpu_budget_bytes=budget_bytes,
+            offload_attention_output_layers=model_args.offload_attention_output_layers,
         )
     elif gc:
-        FastModel.for_training(model, use_gradient_checkpointing=gc, offload_gpu_budget_bytes=budget_bytes)
+        FastModel.for_training(model, use_gradient_checkpointing=gc, offload_gpu_budget_bytes=budget_bytes,
+                               offload_attention_output_layers=model_args.offload_attention_output_layers)
     return model, tokenizer, use_lora
 
 
