@@ -187,8 +187,9 @@ case "$part" in
     run unsloth_flow 290 python3 -m pytest -q -rs tests/compat/test_unsloth_flow.py -p no:cacheprovider ;;
   qlora-sft)  # QLoRA (NF4 base) SFT Qwen3-8B side by side: swiftune batch 16 and 16K-token micro-batches, TRL +
     # Liger, Unsloth --4bit; then the 16K-token step on a 24 GB budget (carry .shared)
-    run qlora_sft 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-4bit \
-      --modes swiftune swiftune_budget trl_liger --out "$OUT/qlora_sft.json"
+    # swiftune_offload: batch 16 with the layer inputs on the host, for the "at <= Unsloth's memory" half of the row
+    run qlora_sft 330 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-4bit \
+      --modes swiftune swiftune_offload swiftune_budget trl_liger --out "$OUT/qlora_sft.json"
     run unsloth_qlora 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
       --out "$OUT/unsloth_qlora_sft.json"
     run qlora_24gb 150 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 6 --warmup 2 --load-in-4bit \
