@@ -188,3 +188,30 @@ def test_gpu_bf16_kept_outputs_equal_the_recomputed_ones_and_the_unpatched_model
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
     allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
+
+
+def test_derived_layer_inputs_rerun_their_attention_apart_from_the_kept_outputs():
+    """Host memory for only some offloaded inputs: layers 1 and 3 derive theirs in backward by running the layer
+    before once more (no grad) inside their own recompute. That rerun computes its attention itself and does
+    not touch the kept outputs of the layer being recomputed: the loss and every gradient still equal the
+    unpatched model's, and the kernel runs once a document and layer in the forward plus once a document for
+    each of the two reruns."""
+    base = tiny_model("qwen3", num_hidden_layers=6)
+    reference = _lora_reference(base).train()
+    expected = _reference_step(reference, _examples())
+    model = _sdpa_model(base, reference, 6)
+    tokens = sum(len(e["input_ids"]) for e in _examples())
+    page = 4096
+    per_layer_host = -(-(tokens * 64 * 4) // page) * page
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=4 * per_layer_host, page_bytes=page,
+                                   attention_output_layers=6)
+    counter = CountSdpaKernels()
+    with counter:
+        got = _swiftune_step(model, _examples(), "padding_free")
+    if not counter.calls:
+        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    stats = offload_stats(model)
+    assert stats["derived"] == (1, 3) and stats["derived_recomputed"] == 2, stats
+    _assert_parity(expected, got, _trainable(reference))
+    docs = len(_examples())
+    assert counter.calls == docs * 6 + docs * 2, counter.calls

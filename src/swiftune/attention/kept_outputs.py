@@ -100,3 +100,15 @@ def check_attention_output_layers(value: Any, num_layers: int) -> int:
         raise ValueError(f"attention_output_layers must be an int from 0 (keep none) to the model's {num_layers} "
                          f"decoder layers (keep every layer's), got {value!r}")
     return value
+
+
+@contextlib.contextmanager
+def apart_from_kept_attention_outputs() -> Iterator[None]:
+    """Around work inside a layer's checkpointed function that is not the layer's own forward (the offloaded
+    checkpointing's rerun of the layer before, deriving an input): its attention runs as it would elsewhere,
+    and the layer's stored outputs are left for the layer's own attention."""
+    token = _LAYER_MODE.set(None)
+    try:
+        yield
+    finally:
+        _LAYER_MODE.reset(token)

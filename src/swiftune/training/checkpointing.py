@@ -85,7 +85,8 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention.backends import planner_attention_terms
-from ..attention.kept_outputs import attention_outputs_context, check_attention_output_layers
+from ..attention.kept_outputs import (apart_from_kept_attention_outputs, attention_outputs_context,
+                                      check_attention_output_layers)
 from ..losses.chunking import free_gpu_bytes, gpu_capacity_bytes
 from ..memory import model_shape, step_reserve
 from ..memory.planner import (PAGE_BYTES, TrainSetup, attention_output_bytes, choose_page_bytes, offload_margin_bytes,
@@ -537,7 +538,8 @@ def _mlp_to_skip_in_recompute(layer: nn.Module) -> nn.Module | None:
 
 def _run_layer(orig, mlp_to_skip: nn.Module | None, handle: LayerInput, *args, **kwargs):
     recompute = handle.in_recompute
-    x = handle.materialize()  # a derived input is recomputed under its own layer's replayed state
+    with apart_from_kept_attention_outputs():  # a derived input reruns the layer before: not this layer's attention
+        x = handle.materialize()  # a derived input is recomputed under its own layer's replayed state
     replay = handle.forward_state.replay() if recompute else nullcontext()
     with replay, recompute_output_unused(mlp_to_skip if recompute else None):
         return orig(x, *args, **kwargs)
