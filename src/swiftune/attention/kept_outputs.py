@@ -17,8 +17,8 @@ are recomputed as they were. The offloaded checkpointing
 (:func:`swiftune.training.checkpointing.enable_offloaded_checkpointing`, ``attention_output_layers``)
 keeps them for the last ``n`` decoder layers, on the device, from each layer's forward to its backward:
 :func:`swiftune.memory.planner.attention_output_bytes` a layer. As with any selective checkpointing, a
-graph through such a layer takes one backward (``retain_graph=True`` and a second backward raise PyTorch's
-"backward an extra time" error); the trainers run one backward a forward.
+graph through such a layer takes one backward (after ``retain_graph=True`` a second backward raises a
+``RuntimeError`` from PyTorch's selective checkpointing); the trainers run one backward a forward.
 """
 
 from __future__ import annotations
