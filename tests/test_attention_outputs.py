@@ -215,3 +215,19 @@ def test_derived_layer_inputs_rerun_their_attention_apart_from_the_kept_outputs(
     _assert_parity(expected, got, _trainable(reference))
     docs = len(_examples())
     assert counter.calls == docs * 6 + docs * 2, counter.calls
+
+
+def test_a_second_backward_through_kept_outputs_raises(qwen3_reference):
+    """Selective checkpointing serves each kept output once: after retain_graph=True a second backward raises
+    (as the module says), rather than computing gradients from consumed outputs."""
+    from swiftune.data import make_collator
+    from swiftune.sft.trainer import sft_loss
+
+    base, reference, _ = qwen3_reference
+    model = _sdpa_model(base, reference, 3)
+    batch = make_collator("padding_free", max_length=24, pad_token_id=299)(_examples())
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
+    loss, _ = sft_loss(model, inputs, batch["labels"], num_items_in_batch=batch["num_trained_tokens"])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError):
+        loss.backward()
