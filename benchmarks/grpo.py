@@ -750,7 +750,8 @@ def run_bisect(args) -> dict:
     return dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=args.prompt_tokens, rows=args.bisect_rows,
                 tolerance=args.bisect_tol, share_prompt=args.share_prompt, offload_logits=args.offload_logits,
                 swiftune_checkpointing=args.swiftune_checkpointing, trial_repeats=args.trial_repeats,
-                attention_output_layers=args.attention_output_layers, host_budget_gb=args.host_budget_gb, host_margin_gb=args.host_margin_gb,
+                attention_output_layers=args.attention_output_layers, host_budget_gb=args.host_budget_gb,
+                host_margin_gb=args.host_margin_gb,
                 simulate_capacity=args.simulate_capacity,
                 simulate_kill_above=args.simulate_kill_above, modes=results, wall_s=time.perf_counter() - start,
                 cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), **versions())
@@ -968,7 +969,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "outputs on the GPU through the recompute instead of running the kernel again "
                         "(enable_offloaded_checkpointing(attention_output_layers=N)); the planner counts them")
     p.add_argument("--load-in-fp8", action="store_true",
-                   help="the decoder's linear weights in FP8 (e4m3, per-row scales), every mode (LoRA adapters in bf16)")
+                   help="the decoder's linear weights in FP8 (e4m3, per-row scales), every mode "
+                        "(LoRA adapters in bf16)")
     p.add_argument("--gpu-budget-gb", type=float, default=None,
                    help="bisection: emulate a GPU of this many GB (1e9 bytes; set_per_process_memory_fraction)")
     p.add_argument("--one-bisect", choices=ALL_BISECT_MODES, help=argparse.SUPPRESS)

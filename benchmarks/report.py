@@ -343,7 +343,8 @@ def rollout(fig: Figure) -> str:
     for mode, model, s, m in fig.groups():
         if mode.startswith("generate_"):
             # keyed by the run too (its "experts" / "nf4_matmul" label): a ratio takes the baseline of its own call only
-            gen[(model, s["rows"], s["new_tokens"], s.get("experts"), s.get("nf4_matmul"), mode)] = val(m, "tokens_per_s")
+            key = (model, s["rows"], s["new_tokens"], s.get("experts"), s.get("nf4_matmul"), mode)
+            gen[key] = val(m, "tokens_per_s")
     out = []
     for mode, model, s, m in fig.groups():
         if mode != "fast_engine" or "hbm_floor_ms" not in m:
@@ -413,9 +414,9 @@ def grpo_budget_largest(fig: Figure, key: str = "allocator", header: str = "CUDA
         elif "step_s" in m:
             steps[(s.get(key, ""), s["completion"])] = (s.get("tokens"), m)
     out = []
-    for allocator, (fit, fail) in best.items():
-        tokens, m = steps.get((allocator, fit), (None, {}))
-        out.append([allocator, f"{fit:,}", f"{fail:,}" if fail else "", f"{tokens:,}" if tokens else "",
+    for label, (fit, fail) in best.items():
+        tokens, m = steps.get((label, fit), (None, {}))
+        out.append([label, f"{fit:,}", f"{fail:,}" if fail else "", f"{tokens:,}" if tokens else "",
                     fmt(val(m, "step_s")) if m else "", fmt(val(m, "peak_gb"), 1) if m else "",
                     fmt(val(m, "host_rss_gb"), 1) if m else ""])
     return table([header, "largest completion / row that fitted", "first that failed", "tokens / step",

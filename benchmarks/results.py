@@ -322,7 +322,8 @@ def rows_from_grpo_bisect(data: dict, ctx: Context) -> list[Row]:
         if tool == "swiftune":
             s0.update(share_prompt=src.get("share_prompt", data.get("share_prompt")),
                       checkpointing=src.get("swiftune_checkpointing", data.get("swiftune_checkpointing")),
-                      attention_output_layers=src.get("attention_output_layers", data.get("attention_output_layers")) or None)
+                      attention_output_layers=src.get("attention_output_layers",
+                                                      data.get("attention_output_layers")) or None)
         s0 = {k: v for k, v in s0.items() if v is not None}
         for metric, key in (("max_fit_completion", "max_fit"), ("first_fail_completion", "first_fail")):
             if _num(m.get(key)):

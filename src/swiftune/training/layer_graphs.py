@@ -199,9 +199,8 @@ class GraphedStack:
                     torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None)
         tokens = x.shape[1]
         self.generation += 1
-        self.step = _StepLayout(tokens, token_bucket(tokens, self.min_bucket_step), doc_slots(packed.num_docs), autocast,
-                                packed,
-                                self.generation, flags)
+        self.step = _StepLayout(tokens, token_bucket(tokens, self.min_bucket_step), doc_slots(packed.num_docs),
+                                autocast, packed, self.generation, flags)
         self._fill_step_buffers(x, cos_sin, packed)
 
     def _ensure_capacity(self, x: torch.Tensor, cos: torch.Tensor, bucket: int) -> None:
