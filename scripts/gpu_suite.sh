@@ -22,6 +22,7 @@
 #   scripts/gpu_suite.sh fp8-reward   # only fp8-curves' GRPO reward curve (~4.5 min)
 #   scripts/gpu_suite.sh fp8-grpo     # GRPO's largest completion per row, Qwen3-8B, G=2, on a 24 GB budget: bf16 base, then FP8 base, each around the planner's answer (~6 min)
 #   scripts/gpu_suite.sh fp8-graphs   # FP8 base weights with graphed decoder layers vs eager, and bf16 graphed, Qwen3-8B batch 16 (~7 min)
+#   scripts/gpu_suite.sh qlora-sft-offload # QLoRA SFT batch 16: swiftune with / without the layer inputs on the host, Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, its matmul table vs bitsandbytes and its settings sweep, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~9 min; carry .whl with bitsandbytes)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
@@ -52,7 +53,7 @@
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
-#   scripts/gpu_suite.sh grpo-65k-attn # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
+#   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -315,7 +316,8 @@ case "$part" in
     # GPU: the row stays under Unsloth's 66.5 GiB), then Unsloth's anchor in its own process, one call (carry .shared);
     # the kept outputs' tests first (their CUDA case: bit-identical to the recompute, and the unpatched model's)
     run attention_outputs_tests 120 python3 -m pytest -q tests/test_attention_outputs.py -p no:cacheprovider
-    for kept in 0 36; do
+    layers=("${@:2}"); [ ${#layers[@]} = 0 ] && layers=(0 36)
+    for kept in "${layers[@]}"; do
       run "grpo_65k_attn$kept" 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
         swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$kept" \
         --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_attn$kept.json"
@@ -327,6 +329,12 @@ case "$part" in
       (cd .shared && run unsloth_grpo_65k 200 "${anchor[@]}" --mode grpo --model qwen3-8b --model-dir /tmp/ck8b \
         --num-generations 2 --completion-length 65536 --repeats 2 --out-jsonl "$OUT/unsloth_grpo_65k.jsonl")
     fi ;;
+  qlora-sft-offload)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak (8.3 GB): swiftune with and without the layer
+    # inputs on the host, then Unsloth --4bit in its own process, one call (carry .shared and .whl; ~9 min)
+    run qlora_sft_offload 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      --load-in-4bit --modes swiftune swiftune_offload --out "$OUT/qlora_sft_offload.json"
+    run unsloth_qlora 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
+      --out "$OUT/unsloth_qlora_sft.json" ;;
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
     detach grpo_3x python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json
