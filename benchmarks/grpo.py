@@ -624,7 +624,7 @@ def bisect_one_mode(args) -> dict:
             raise OutOfTime
         return trial(L)["status"] == "ok"
 
-    warm = trial(min(args.bisect_start, 1024 if args.model != "tiny" else 64), record=False)  # compile kernels
+    warm = trial(min(args.bisect_start, 64 if args.model.startswith("tiny") else 1024), record=False)  # compile kernels
     for L in args.completion_lengths or []:
         if time.perf_counter() - start + estimate(L) * args.trial_repeats > args.time_budget:
             trials.append({"mode": mode, "completion": L, "status": "skipped"})
@@ -734,7 +734,7 @@ def run_bisect(args) -> dict:
             if result is not None:
                 break
             earlier += new
-            if killed is None or (budget < 60 and args.model != "tiny"):
+            if killed is None or (budget < 60 and not args.model.startswith("tiny")):
                 break
             fixed = [L for L in fixed if L not in {t["completion"] for t in earlier}]
             lo, hi = bracket_from_trials(earlier, args.bisect_lo, args.bisect_hi)
@@ -798,7 +798,11 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     def completion_of(tokens: int) -> int:
         return (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)
 
-    for kind in ("sdpa", "flex" if share else "varlen"):
+    from swiftune.memory.shapes import model_shape
+
+    # attention sinks (gpt-oss): sdpa and varlen have no hook for the sink logit, every row runs flex
+    kinds = ("flex",) if model_shape(shape).attention_sinks else ("sdpa", "flex" if share else "varlen")
+    for kind in kinds:
         # the rows tell the runtime their kernel (RowLayout.attention_kernel) and, for sdpa, the
         # longest sequence one call covers, prompt + completion: its float32 dq covers that many
         # tokens, which grows with the answer (sdpa_rows_max_tokens)
@@ -985,7 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.load_in_4bit and args.load_in_fp8:
         parser.error("--load-in-4bit and --load-in-fp8 are two formats of the same base weights: pick one")
-    tiny = args.model == "tiny"
+    tiny = args.model.startswith("tiny")  # the CPU shapes of workload.py (tiny, tiny-moe, tiny-gpt-oss)
     if args.completion_tokens is None:
         args.completion_tokens = 32 if tiny else 4096
     if args.bisect_start is None:
@@ -998,7 +1002,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not tiny and not torch.cuda.is_available():
-        print("benchmarks/grpo.py: real shapes need a CUDA device (use --model tiny on CPU)", file=sys.stderr)
+        print("benchmarks/grpo.py: real shapes need a CUDA device (use a tiny shape on CPU: tiny, tiny-moe, tiny-gpt-oss)", file=sys.stderr)
         return 2
     if args.one_bisect:
         result = bisect_one_mode(args)

@@ -54,6 +54,8 @@
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
+#   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -335,6 +337,25 @@ case "$part" in
       --load-in-4bit --modes swiftune swiftune_offload --out "$OUT/qlora_sft_offload.json"
     run unsloth_qlora 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
       --out "$OUT/unsloth_qlora_sft.json" ;;
+  moe-sft)  # issue 25's SFT row: batch 16 on the reference lengths, LoRA r=16 on every linear and the experts,
+    # swiftune against TRL 1.16 padding-free and TRL + Liger (where Liger covers the family), each in its own
+    # process; moe-sft MODEL...: those shapes (default Qwen3-30B-A3B then gpt-oss-20b, ~4-5 min a shape)
+    models=("${@:2}"); [ ${#models[@]} = 0 ] && models=(qwen3-30b-a3b gpt-oss-20b)
+    for model in "${models[@]}"; do
+      run "moe_sft_$model" 290 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 8 --warmup 3 \
+        --modes swiftune trl_padding_free trl_liger --out "$OUT/moe_sft_$model.json"
+    done ;;
+  gptoss-grpo)  # issue 25's GRPO row: gpt-oss-20b, G=2, shared 256-token prompt, LoRA r=16, on an 80 GB budget
+    # (gptoss-grpo GB: another): TRL's loss path bisected to 5%, then swiftune 2% above and 2.5% below the
+    # planner's answer (flex attention with the sinks); detached (~15-20 min), poll with gptoss-grpo-wait
+    gb=${2:-80}
+    grpo=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.grpo --bisect-completion
+      --model gpt-oss-20b --share-prompt --gpu-budget-gb "$gb")
+    detach gptoss_grpo bash -c "${grpo[*]} --bisect-modes trl_grpo --time-budget 500 --out /tmp/gptoss_grpo_trl.json;
+      ${grpo[*]} --bisect-modes swiftune --completion-from-planner --time-budget 700 --out /tmp/gptoss_grpo.json"
+    wait_for gptoss_grpo 54 12 ;;
+  gptoss-grpo-wait)
+    wait_for gptoss_grpo 56 12; cp /tmp/gptoss_grpo_trl.json "$OUT/" 2>/dev/null ;;
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
     detach grpo_3x python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --completion-lengths 294912 --fixed-only --time-budget 1500 --out /tmp/grpo_3x.json

@@ -152,6 +152,33 @@ def test_planner_max_completion_is_the_largest_that_fits(share, gpu):
     assert tokens_per_step <= plan["tokens"] < tokens_per_step + 2  # the rest does not make a whole token per row
 
 
+def test_planner_max_completion_plans_flex_for_attention_sinks():
+    """gpt-oss's sinks have no sdpa or varlen path: its rows run flex whatever their length, so the
+    planner's answer is the largest row that fits with flex's terms (bf16 dq, K/V heads kept), never
+    sdpa's float32 dq, on the shape the GRPO row of the benchmarks uses."""
+    import argparse
+
+    from swiftune.attention.backends import planner_attention_terms
+    from swiftune.memory import plan_memory
+
+    grpo = load_bench_module("grpo")
+    from benchmarks.workload import MODEL_SHAPES
+
+    args = argparse.Namespace(model="gpt-oss-20b", share_prompt=True, prompt_tokens=256, bisect_rows=2)
+    gpu, host = int(80e9), int(100e9)
+    plan = grpo.planner_max_completion(args, gpu_bytes=gpu, host_bytes=host)
+    assert plan["attention"] == "flex" and plan["longest"] is None
+    kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host, autocast=True,
+              lora_input_casts=False)
+
+    def fits(t):
+        return plan_memory(dict(MODEL_SHAPES["gpt-oss-20b"]), t, 16, gpu_bytes=gpu, **kw,
+                           **planner_attention_terms("flex")).fits
+
+    assert fits(plan["tokens"]) and not fits(plan["tokens"] + 1)
+    assert plan["completion"] == (plan["tokens"] - 256) // 2
+
+
 def test_grpo_bisect_repeats_fixed_trials_and_offloads_every_layer(tmp_path):
     """--trial-repeats reports the last of N steps (the first one's time kept), and
     --swiftune-checkpointing offload_all runs the swiftune step with every layer input offloaded, within a
