@@ -197,7 +197,15 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
             "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens,
-            "nf4_decode_kernel": engine.nf4_decode_kernel}
+            "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows}
+
+
+def nf4_options(a) -> dict:
+    """The engine's NF4 options the command line names (the library's defaults where it names none)."""
+    options = {"nf4_decode_kernel": a.nf4_decode_kernel}
+    if a.nf4_decode_max_rows is not None:
+        options["nf4_decode_max_rows"] = a.nf4_decode_max_rows
+    return options
 
 
 def lora_runs(model, name: str, prompt: list[int], rows_list: list[int], new_tokens: int,
@@ -333,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--load-in-4bit: decode steps of 2-16 rows through swiftune's NF4 kernel (the engine's "
                         "default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
                         "(FastRolloutEngine(nf4_decode_kernel=False)), the baseline")
+    p.add_argument("--nf4-decode-max-rows", type=int, default=None,
+                   help="--load-in-4bit: the most rows a decode step sends through the NF4 kernel, 2-64 "
+                        "(FastRolloutEngine(nf4_decode_max_rows=...); default: the library's, 16)")
     p.add_argument("--baseline-kinds", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"],
                    help="which generate baselines to time (static compiles the forward: minutes on MoE shapes)")
     p.add_argument("--time-budget", type=float, default=420.0,
@@ -433,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
                     continue
                 r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens,
-                              nf4_decode_kernel=a.nf4_decode_kernel)
+                              **nf4_options(a))
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
                 read = moe_read_bytes(model, routed[rows]) if moe else wbytes
@@ -466,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
             results["lora"] = lora_runs(model, name, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket,
-                                        nf4_decode_kernel=a.nf4_decode_kernel)
+                                        **nf4_options(a))
         # every reference to the model's modules goes (the expert stacks too), or the next shape's weights
         # meet this one's still on the GPU
         del model, moe

@@ -25,6 +25,7 @@
 #   scripts/gpu_suite.sh qlora-sft-offload # QLoRA SFT batch 16: swiftune with / without the layer inputs on the host, Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, its matmul table vs bitsandbytes and its settings sweep, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~9 min; carry .whl with bitsandbytes)
+#   scripts/gpu_suite.sh qlora-rollout-nf4-64 # the NF4 kernel to 64 rows: tests, matmul table 1-64 rows, the engine at G=32/64 bound to 64 vs 16 rows (~8 min; carry .whl)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
 #   scripts/gpu_suite.sh fp8-dot      # the FP8 x FP8 decode kernel (17-64 rows): its tests compiled (Qwen3-8B projections, graph replay == eager), then the decode matmul table with its columns and sweep (~3 min)
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
@@ -380,6 +381,17 @@ case "$part" in
       --rows 8 16 64 --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out "$OUT/rollout_nf4_kernel.json"
     run nf4_rollout_bnb 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --no-nf4-decode-kernel --rows 8 16 \
       --new-tokens 1024 --no-baselines --no-checks --time-budget 160 --out "$OUT/rollout_nf4_bnb.json" ;;
+  qlora-rollout-nf4-64)  # the NF4 kernel above 16 rows (FastRolloutEngine(nf4_decode_max_rows=64)): its tests
+    # compiled, its matmul table at 1-64 rows against bitsandbytes, then the engine at G=32/64 bound to 64 rows
+    # against the default bound of 16 (bitsandbytes' dequantise-then-multiply above it), Qwen3-8B, N 1024 (~8 min)
+    run nf4_tests 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_nf4_matmul.py
+    run nf4_matmul_kernels 150 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul_64.json"
+    for rows in 64 16; do  # the engine's checks (its tokens against generate's) at 64 only
+      checks=(); [ "$rows" = 16 ] && checks=(--no-checks)
+      run "nf4_rollout_max$rows" 170 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 32 64 \
+        --nf4-decode-max-rows "$rows" --new-tokens 1024 --no-baselines --lora-rows "${checks[@]}" --time-budget 150 \
+        --out "$OUT/rollout_nf4_max$rows.json"
+    done ;;
   fp8-dot)  # fp8_dot_matmul: every test of its file compiled (small shapes with the FP8 tensor cores' slack, the
     # Qwen3-8B projections at 17 and 64 rows, graph replay == eager), then the decode matmul table (weight-only,
     # dot, _scaled_mm, bf16 at M 1/8/32/64, the dot sweep at 64, one decoder layer's total per M)

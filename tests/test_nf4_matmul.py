@@ -167,6 +167,7 @@ def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch)
     def reads_quant_state(module):  # a bound call must not: its offset is a device tensor (a sync in a capture)
         raise AssertionError("the bound forward read the layer's quant_state")
 
+    real_weight_of = nd.nf4_weight_of
     monkeypatch.setattr(nd, "nf4_weight_of", reads_quant_state)
     with torch.no_grad():
         got = model(x)
@@ -186,6 +187,24 @@ def test_bound_layers_run_the_kernel_for_few_rows_without_gradients(monkeypatch)
     with torch.no_grad():
         model(x)
     assert len(calls) == 2
+    # a binding of up to 32 rows: 17 and 32 rows take the kernel, 33 does not; bounds outside 2..64 are refused
+    x17 = torch.randn(17, 128, device=device)
+    with torch.no_grad():
+        ref17 = model(x17)
+    monkeypatch.setattr(nd, "nf4_weight_of", real_weight_of)  # binding reads it; bound calls do not (above)
+    assert bind_nf4_decode(model, max_rows=32) == 2
+    with torch.no_grad():
+        assert _rel(model(x17), ref17) < 1e-5
+        assert len(calls) == 4
+        model(torch.randn(32, 128, device=device))
+        assert len(calls) == 6
+        model(torch.randn(33, 128, device=device))
+        assert len(calls) == 6
+    unbind_nf4_decode(model)
+    for bad in (1, 65, 16.0, True):
+        with pytest.raises(ValueError, match="max_rows"):
+            bind_nf4_decode(model, max_rows=bad)
+    assert all("forward" not in m.__dict__ for m in model)  # a refused bound binds nothing
 
 
 def test_peft_qlora_layers_keep_their_adapters():

@@ -4,8 +4,8 @@ bitsandbytes' ``Linear4bit`` multiplies more than one row by dequantising its wh
 first (a write and a read of ``2 N K`` bytes besides the ``N K / 2`` of codes), which made the rollout
 engine's NF4 decode step 10x the time to read the codes (docs/benchmarks.md, "rollout_nf4").
 :func:`nf4_decode_forward` runs such a layer through :func:`swiftune.kernels.nf4_weight_only_matmul`
-instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MIN_ROWS` to
-:data:`NF4_DECODE_MAX_ROWS`) without gradients, on CUDA (or the Triton interpreter); every other call goes to
+instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MIN_ROWS` to the binding's
+``max_rows``, :data:`NF4_DECODE_MAX_ROWS` by default) without gradients, on CUDA (or the Triton interpreter); every other call goes to
 the layer's own forward.
 :func:`bind_nf4_decode` binds it on every NF4 layer of a model, on the instance; :func:`unbind_nf4_decode`
 restores them. A LoRA layer over a bound NF4 base (adapters at run time) then runs PEFT's own forward for such
@@ -25,13 +25,18 @@ from torch import nn
 
 from ..kernels.nf4_matmul import NF4Weight, nf4_kernel_runs_on, nf4_kernel_takes, nf4_weight_only_matmul
 
-#: rows up to which a decode step multiplies through the NF4 kernel (a G=16 step of one prompt);
-#: more rows go to bitsandbytes, whose dequantised copy is then shared by more rows
+#: rows up to which a decode step multiplies through the NF4 kernel by default (a G=16 step of one prompt);
+#: more rows go to bitsandbytes, whose dequantised copy is then shared by more rows. Binding takes another
+#: bound (``max_rows``, up to :data:`NF4_KERNEL_MAX_ROWS`): the kernel decodes each weight tile once per 64 rows
 NF4_DECODE_MAX_ROWS = 16
+#: the most rows a binding may send to the kernel: one tile of rows (its ``BLOCK_M`` is at most 64), so a step's
+#: codes are still read once
+NF4_KERNEL_MAX_ROWS = 64
 #: rows from which it does: one row stays on bitsandbytes' own matrix-vector kernel, which reads no bf16 copy
 #: either and was faster than the NF4 kernel at one row (docs/results/2026-12-03/nf4_lookup_sweep_h200.txt)
 NF4_DECODE_MIN_ROWS = 2
 _BOUND_ATTR = "swiftune_nf4_decode"
+_MAX_ROWS_ATTR = "swiftune_nf4_max_rows"  # the binding's bound on the rows a call sends to the kernel
 # the layer's NF4Weight, read once at binding: bitsandbytes keeps the double quantisation's offset as a
 # device tensor, and reading it (a device-to-host copy) inside a CUDA-graph capture makes the capture fail
 _WEIGHT_ATTR = "swiftune_nf4_weight"
@@ -73,22 +78,23 @@ def nf4_decode_applies(x: torch.Tensor, max_rows: int = NF4_DECODE_MAX_ROWS) -> 
 def takes_nf4_decode(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module`` (a base layer) is bound by :func:`bind_nf4_decode` and a call with ``x`` takes the kernel:
     a fused LoRA node over it then runs PEFT's own forward, whose base call reaches the kernel."""
-    return getattr(module, _BOUND_ATTR, None) is not None and nf4_decode_applies(x)
+    return getattr(module, _BOUND_ATTR, None) is not None and nf4_decode_applies(x, getattr(module, _MAX_ROWS_ATTR))
 
 
 def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """Bound on an NF4 ``Linear4bit``: few rows without gradients through the NF4 kernel, in the layer's
     compute dtype as bitsandbytes would multiply them; the rest through the layer's own forward."""
     original = getattr(self, _BOUND_ATTR)
-    if args or kwargs or not nf4_decode_applies(x):
+    if args or kwargs or not nf4_decode_applies(x, getattr(self, _MAX_ROWS_ATTR)):
         return original(x, *args, **kwargs)
     dtype = getattr(self, "compute_dtype", None) or x.dtype
     y = nf4_weight_only_matmul(x.to(dtype), getattr(self, _WEIGHT_ATTR), self.bias)
     return y.to(x.dtype)
 
 
-def _bind(module: nn.Module, weight: NF4Weight) -> None:
+def _bind(module: nn.Module, weight: NF4Weight, max_rows: int) -> None:
     setattr(module, _WEIGHT_ATTR, weight)
+    setattr(module, _MAX_ROWS_ATTR, max_rows)
     setattr(module, _BOUND_ATTR, module.forward)
     module.forward = types.MethodType(nf4_decode_forward, module)
 
@@ -100,26 +106,39 @@ def _unbind(module: nn.Module) -> None:
         module.forward = original
     delattr(module, _BOUND_ATTR)
     delattr(module, _WEIGHT_ATTR)
+    delattr(module, _MAX_ROWS_ATTR)
 
 
-def _bind_unbound_layers(model: nn.Module) -> list[nn.Module]:
+def check_nf4_decode_max_rows(max_rows: int) -> int:
+    """``max_rows`` if a binding may take it (an int from :data:`NF4_DECODE_MIN_ROWS` to
+    :data:`NF4_KERNEL_MAX_ROWS`), else a ``ValueError`` saying so."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not \
+            NF4_DECODE_MIN_ROWS <= max_rows <= NF4_KERNEL_MAX_ROWS:
+        raise ValueError(f"max_rows must be an int from {NF4_DECODE_MIN_ROWS} to {NF4_KERNEL_MAX_ROWS} (the rows of "
+                         f"one tile of the NF4 kernel), got {max_rows!r}")
+    return max_rows
+
+
+def _bind_unbound_layers(model: nn.Module, max_rows: int) -> list[nn.Module]:
     """Bind every NF4 layer not bound yet whose rows start on absmax blocks; returns the layers bound."""
+    check_nf4_decode_max_rows(max_rows)
     bound = []
     for module in model.modules():
         if is_nf4_linear(module) and getattr(module, _BOUND_ATTR, None) is None:
             weight = nf4_weight_of(module)
             if nf4_kernel_takes(weight):
-                _bind(module, weight)
+                _bind(module, weight, max_rows)
                 bound.append(module)
     return bound
 
 
-def bind_nf4_decode(model: nn.Module) -> int:
+def bind_nf4_decode(model: nn.Module, max_rows: int = NF4_DECODE_MAX_ROWS) -> int:
     """Bind :func:`nf4_decode_forward` on every NF4 layer of ``model`` (once) whose rows start on absmax blocks
     (:func:`~swiftune.kernels.nf4_matmul.nf4_kernel_takes`; the others keep bitsandbytes' forward); returns how
-    many are bound. Each layer's codes and scales are taken at binding: move or re-quantise the model only while
-    unbound."""
-    return len(_bind_unbound_layers(model))
+    many are bound. Calls of :data:`NF4_DECODE_MIN_ROWS` to ``max_rows`` rows (at most
+    :data:`NF4_KERNEL_MAX_ROWS`) take the kernel. Each layer's codes and scales are taken at binding: move or
+    re-quantise the model only while unbound."""
+    return len(_bind_unbound_layers(model, max_rows))
 
 
 def unbind_nf4_decode(model: nn.Module) -> int:
@@ -131,10 +150,10 @@ def unbind_nf4_decode(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def nf4_decode_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+def nf4_decode_layers(model: nn.Module, enabled: bool = True, max_rows: int = NF4_DECODE_MAX_ROWS) -> Iterator[int]:
     """:func:`bind_nf4_decode` for the ``with`` block (when ``enabled``), yielding how many layers it bound;
     after it, exactly those are unbound again (layers bound before stay bound)."""
-    layers = _bind_unbound_layers(model) if enabled else []
+    layers = _bind_unbound_layers(model, max_rows) if enabled else []
     try:
         yield len(layers)
     finally:

@@ -87,7 +87,7 @@ from ...attention.registry import register_rollout_attention
 from ...losses import free_gpu_bytes
 from ...models.experts import check_decode_kernel_max_tokens, rollout_experts
 from ...models.families import FAMILIES
-from ...models.nf4_decode import nf4_decode_layers
+from ...models.nf4_decode import NF4_DECODE_MAX_ROWS, check_nf4_decode_max_rows, nf4_decode_layers
 from ...models.patching import causal_lm_of
 from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
@@ -189,11 +189,13 @@ class FastRolloutEngine:
             the fused decode kernels (:mod:`swiftune.kernels.moe_decode`) rather than the grouped GEMM
             (``None``: :func:`swiftune.models.experts.default_decode_kernel_cap`, 16 tokens, 64 for
             gpt-oss's interleaved layout, where the kernels won on the H200; 0: the grouped GEMM always).
-        nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to 16 rows multiply through
-            swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which decodes the 4-bit
-            codes in registers, instead of bitsandbytes' dequantise-then-multiply (faster at G=8 and 16 on
-            the H200: docs/benchmarks.md, "rollout_nf4"); ``False``: bitsandbytes' own forward always.
+        nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to ``nf4_decode_max_rows``
+            rows multiply through swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which
+            decodes the 4-bit codes in registers, instead of bitsandbytes' dequantise-then-multiply (faster at
+            G=8 and 16 on the H200: docs/benchmarks.md, "rollout_nf4"); ``False``: bitsandbytes' own forward always.
             Models without NF4 layers, and devices where the kernel does not run, are unaffected.
+        nf4_decode_max_rows: the most rows such a step sends through the NF4 kernel (2 to 64; default 16, a
+            G=16 step); larger steps take bitsandbytes' forward, whose dequantised copy more rows share.
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -204,7 +206,7 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 nf4_decode_kernel: bool = True):
+                 nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -228,6 +230,7 @@ class FastRolloutEngine:
         self.moe_decode_max_tokens = (None if moe_decode_max_tokens is None
                                       else check_decode_kernel_max_tokens(moe_decode_max_tokens))
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
+        self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows)
         self._generator: torch.Generator | None = None
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
@@ -266,7 +269,7 @@ class FastRolloutEngine:
         try:
             with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type],
                                                           self.moe_decode_max_tokens) as (bound, total), \
-                    nf4_decode_layers(self.model, self.nf4_decode_kernel):
+                    nf4_decode_layers(self.model, self.nf4_decode_kernel, self.nf4_decode_max_rows):
                 if bound < total:
                     self._check_unbound_experts(total - bound)
                 backups = merge_lora(self.model, self.lora)
