@@ -57,6 +57,7 @@
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
+#   scripts/gpu_suite.sh qlora-grpo-unsloth # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -325,13 +326,13 @@ case "$part" in
         swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$kept" \
         --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_attn$kept.json"
     done
-    if [ -d .shared ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-unsloth .shared/wheels/unsloth/*.whl
-      anchor=(env PYTHONPATH=/tmp/site-unsloth HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 python3 anchors/unsloth_anchor.py)
-      (cd .shared && run unsloth_ckpt 150 "${anchor[@]}" --save-model-only --model qwen3-8b --model-dir /tmp/ck8b)
-      (cd .shared && run unsloth_grpo_65k 200 "${anchor[@]}" --mode grpo --model qwen3-8b --model-dir /tmp/ck8b \
-        --num-generations 2 --completion-length 65536 --repeats 2 --out-jsonl "$OUT/unsloth_grpo_65k.jsonl")
-    fi ;;
+    [ -d .shared ] && run unsloth_grpo_65k 330 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
+      --completion-lengths 65536 --repeats 2 --time-budget 200 --model-dir /tmp/ck8b --out "$OUT/unsloth_grpo_65k.json" ;;
+  qlora-grpo-unsloth)  # issue 24's "Unsloth's own largest on the same budget": Unsloth --4bit, G=2, prompt 256, on an
+    # 80 GB budget, doubling from 65,536 then bisected to 5% (carry .shared; ~8-9 min)
+    run unsloth_qlora_grpo 560 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
+      --gpu-budget-gb 80 --scan --scan-start 65536 --repeats 2 --time-budget 420 --model-dir /tmp/ck8b \
+      --out "$OUT/unsloth_qlora_grpo_80gb.json" ;;
   qlora-sft-offload)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak (8.3 GB): swiftune with and without the layer
     # inputs on the host, then Unsloth --4bit in its own process, one call (carry .shared and .whl; ~9 min)
     run qlora_sft_offload 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \

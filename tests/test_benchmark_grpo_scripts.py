@@ -385,3 +385,65 @@ def test_grpo_bisect_load_in_fp8_builds_fp8_weights_and_plans_their_bytes():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.grpo", "--model", "tiny", "--load-in-4bit", "--load-in-fp8"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "pick one" in proc.stderr
+
+
+def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path):
+    """benchmarks.unsloth_grpo runs the anchor in a child process (here a stand-in printing the anchor's
+    RESULT records: fixed probes, then a scan's probes and summary) and writes a benchmarks.grpo bisection
+    JSON of mode ``unsloth`` (GiB -> GB, the first call apart, OOM probes as failed trials) and its rows."""
+    from benchmarks import unsloth_grpo
+    from benchmarks.results import read_rows
+
+    shared = tmp_path / "shared"
+    (shared / "anchors").mkdir(parents=True)
+    (shared / "anchors" / "unsloth_anchor.py").write_text(
+        "import json, os, sys\n"
+        "args = sys.argv[1:]\n"
+        "def out(r): print('RESULT ' + json.dumps(dict(r, versions=dict(unsloth='2026.10.9'))))\n"
+        "if '--save-model-only' in args:\n"
+        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
+        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
+        "    sys.exit(0)\n"
+        "assert args[args.index('--num-generations') + 1] == '2' and '--4bit' in args\n"
+        "def probe(c, scan=False):\n"
+        "    if c > 3100:\n"
+        "        return dict(completion_length=c, status='oom', oom_kind='cuda', mode='grpo', scan_probe=scan)\n"
+        "    return dict(completion_length=c, status='ok', fwd_bwd_s_median=c / 1000, peak_mem_gib=c / 100,\n"
+        "                first_call=dict(fwd_bwd_s=c / 500), mode='grpo', scan_probe=scan)\n"
+        "for c in args[args.index('--completion-length') + 1].split(','):\n"
+        "    out(probe(int(c)))\n"
+        "if '--scan' in args:\n"
+        "    for c in (1024, 2048, 4096, 3072):\n"
+        "        out(probe(c, True))\n"
+        "    out(dict(mode='grpo-scan', status='ok', max_ok_completion_length=3072, min_failed_completion_length=3200,\n"
+        "             stop_reason='oom', probes=[]))\n")
+    out = tmp_path / "u.json"
+    assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
+                              "--model", "tiny", "--4bit", "--completion-lengths", "2000", "--scan",
+                              "--scan-start", "1024", "--out", str(out)]) == 0
+    data = json.load(open(out))
+    mode = data["modes"]["unsloth"]
+    assert (mode["max_fit"], mode["first_fail"], mode["status"]) == (3072, 3200, "converged")
+    first = mode["trials"][0]
+    assert first["completion"] == 2000 and first["tokens"] == 2 * (256 + 2000)
+    assert first["s"] == 2.0 and first["first_s"] == 4.0 and abs(first["peak_gb"] - 20 * 2**30 / 1e9) < 1e-9
+    assert [t["status"] for t in mode["trials"]] == ["ok", "ok", "ok", "oom", "ok"]
+    rows = read_rows(str(tmp_path / "u.rows.jsonl"))
+    assert {r.tool for r in rows} == {"unsloth"} and all(r.versions["unsloth"] == "2026.10.9" for r in rows)
+    assert {(r.metric, r.value) for r in rows if r.metric.endswith("_completion")} == {
+        ("max_fit_completion", 3072), ("first_fail_completion", 3200)}
+    # fixed lengths only: the bracket comes from the trials; an anchor that prints nothing fails the run
+    assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
+                              "--model", "tiny", "--4bit", "--completion-lengths", "2000", "4000",
+                              "--out", str(out)]) == 0
+    mode = json.load(open(out))["modes"]["unsloth"]
+    assert (mode["max_fit"], mode["first_fail"], mode["status"]) == (2000, 4000, "fixed_only")
+    (shared / "anchors" / "unsloth_anchor.py").write_text(
+        "import os, sys\nargs = sys.argv[1:]\n"
+        "if '--save-model-only' in args:\n"
+        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
+        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
+        "else:\n    sys.exit('ImportError: no unsloth')\n")
+    assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
+                              "--completion-lengths", "2000", "--out", str(out)]) == 1
+    assert "no unsloth" in json.load(open(out))["modes"]["unsloth"]["error"]
