@@ -21,7 +21,7 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "trl_liger": "TRL + Liger", "swiftune": "**swiftune**", "swiftune_budget": "swiftune, 16K-token budget",
           "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
           "swiftune_peft_lora": "swiftune, PEFT's LoRA forwards",
-          "swiftune_offload": "swiftune, checkpoints on host", "swiftune_graphs": "swiftune, graphed layers",
+          "swiftune_offload": "swiftune, checkpoints on host", "swiftune_offload_untiled": "swiftune, checkpoints on host, MLP untiled", "swiftune_graphs": "swiftune, graphed layers",
           "swiftune_budget_graphs": "swiftune, 16K-token budget, graphed layers",
           "swiftune_budget_fit": "swiftune, 16K-token budget, checkpoints offloaded as needed", "unsloth": "Unsloth", "unsloth_packed": "Unsloth, packed",
           "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
@@ -29,7 +29,7 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
 MODELS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B", "qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
 MODE_ORDER = ["hf_padded", "trl_padding_free", "trl_liger", "unsloth", "unsloth_packed", "swiftune_peft_lora", "swiftune",
-              "swiftune_offload", "swiftune_budget", "swiftune_budget_offload"]
+              "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget", "swiftune_budget_offload"]
 
 
 class Figure:

@@ -13,7 +13,8 @@ of ``python -m benchmarks.grpo --bisect-completion`` (``docs/benchmarks.md`` ren
 * ``--scan``: the anchor doubles from ``--scan-start`` until a length runs out of memory, then bisects
   to ``--tolerance``: ``max_fit`` / ``first_fail`` of the ``unsloth`` mode.
 
-``--gpu-budget-gb`` emulates a smaller GPU as ``benchmarks.grpo`` does (the anchor's
+``--records FILE`` converts the RESULT records an earlier anchor run appended to ``FILE`` (its
+``--out-jsonl``) instead of running it. ``--gpu-budget-gb`` emulates a smaller GPU as ``benchmarks.grpo`` does (the anchor's
 ``--gpu-mem-fraction``: that many GB of this GPU's memory); ``--4bit`` is Unsloth's QLoRA (NF4).
 
     python -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --completion-lengths 65536 \\
@@ -93,7 +94,8 @@ def unsloth_mode(records: list[dict], rows: int, prompt: int, scanned: bool) -> 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shared", required=True, help="a copy of the workplace's shared folder (anchors/, data/)")
+    p.add_argument("--shared", default=None, help="a copy of the workplace's shared folder (anchors/, data/); "
+                   "needed unless --records")
     p.add_argument("--site", default=None, help="folder with Unsloth's wheels installed (pip --target); "
                    "default: install <shared>/wheels/unsloth into a temporary folder")
     p.add_argument("--model", default="qwen3-8b")
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=900, help="seconds for the anchor's run (its scan stops "
                    "before a probe predicted to end past it)")
     p.add_argument("--model-dir", default="/tmp/unsloth_anchor_ckpt")
+    p.add_argument("--records", default=None, help="the anchor's --out-jsonl of an earlier run: convert its "
+                   "records, run nothing")
     p.add_argument("--out", help="write the JSON here")
     p.add_argument("--rows", default=None, help="result rows (JSON Lines); default: the --out path with .rows.jsonl")
     args = p.parse_args(argv)
@@ -116,14 +120,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --completion-lengths, --scan, or both")
     if any(c < 1 for c in args.completion_lengths):
         p.error("--completion-lengths must be >= 1")
+    if not args.shared and not args.records:
+        p.error("give --shared (a copy of the shared folder with anchors/ and wheels/unsloth/) or --records")
+    start = time.perf_counter()
+    if args.records:
+        with open(args.records) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    else:
+        records = run_unsloth(args)
+    return report(args, argv, records, time.perf_counter() - start)
+
+
+def run_unsloth(args) -> list[dict]:
+    """The anchor's RESULT records for ``args``' lengths / scan (its checkpoint written first)."""
     fraction = gpu_fraction(args.gpu_budget_gb)
     shared = os.path.abspath(args.shared)
     site = args.site or install_wheels(os.path.join(shared, "wheels", "unsloth"))
     start = time.perf_counter()
     saved = run_anchor(shared, site, ["--save-model-only", "--model", args.model, "--model-dir", args.model_dir], 600)
     if not os.path.exists(os.path.join(args.model_dir, "unsloth_anchor_model.json")):
-        print(f"no checkpoint in {args.model_dir}: {saved[-1].get('error', saved[-1])}", file=sys.stderr)
-        return 1
+        return [{"status": "error", "error": f"no checkpoint in {args.model_dir}: {saved[-1].get('error', saved[-1])}"}]
     anchor = ["--mode", "grpo", "--model", args.model, "--model-dir", args.model_dir,
               "--num-generations", str(args.generations), "--prompt-length", str(args.prompt_tokens),
               "--repeats", str(args.repeats)]
@@ -137,13 +153,17 @@ def main(argv: list[str] | None = None) -> int:
         anchor.append("--4bit")
     if fraction:
         anchor += ["--gpu-mem-fraction", f"{fraction:.6f}"]
-    records = run_anchor(shared, site, anchor, args.time_budget + 120)
+    return run_anchor(shared, site, anchor, args.time_budget + 120)
+
+
+def report(args, argv: list[str] | None, records: list[dict], wall_s: float) -> int:
+    """Print the trials, write the JSON and its rows; 0 when at least one trial was measured."""
     mode = unsloth_mode(records, args.generations, args.prompt_tokens, args.scan)
     version = next((r.get("versions", {}).get("unsloth") for r in records if r.get("versions")), None)
     data = {"benchmark": "grpo_bisect", "model": args.model, "prompt_tokens": args.prompt_tokens,
             "rows": args.generations, "tolerance": args.tolerance, "share_prompt": False,
             "load_in_4bit": args.load_in_4bit, "gpu_budget_gb": args.gpu_budget_gb, "unsloth": version,
-            "modes": {"unsloth": mode}, "wall_s": time.perf_counter() - start}
+            "modes": {"unsloth": mode}, "wall_s": wall_s}
     print(f"\n# Unsloth GRPO policy step, {args.model}, G={args.generations}, prompt {args.prompt_tokens}"
           + (", QLoRA" if args.load_in_4bit else "") + (f", {args.gpu_budget_gb} GB" if args.gpu_budget_gb else ""))
     print(f"{'completion':>10} {'status':>7} {'s':>8} {'first s':>8} {'peak GB':>8}")

@@ -57,6 +57,7 @@
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
+#   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
@@ -328,6 +329,13 @@ case "$part" in
     done
     [ -d .shared ] && run unsloth_grpo_65k 330 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
       --completion-lengths 65536 --repeats 2 --time-budget 200 --model-dir /tmp/ck8b --out "$OUT/unsloth_grpo_65k.json" ;;
+  qlora-sft-untiled)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak: every layer input on the host with the
+    # MLP untiled (a batch of short rows needs no tiles), against Unsloth --4bit in its own process, one call (carry
+    # .shared and .whl; ~9 min)
+    run qlora_sft_untiled 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      --load-in-4bit --modes swiftune_offload_untiled swiftune --out "$OUT/qlora_sft_untiled.json"
+    run unsloth_qlora 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
+      --modes unsloth --out "$OUT/unsloth_qlora_sft.json" ;;
   qlora-grpo-unsloth)  # issue 24's "Unsloth's own largest on the same budget": Unsloth --4bit, G=2, prompt 256, on an
     # 80 GB budget, doubling from 65,536 then bisected to 5% (carry .shared; ~8-9 min)
     run unsloth_qlora_grpo 560 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \

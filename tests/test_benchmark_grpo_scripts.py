@@ -438,6 +438,13 @@ def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path):
                               "--out", str(out)]) == 0
     mode = json.load(open(out))["modes"]["unsloth"]
     assert (mode["max_fit"], mode["first_fail"], mode["status"]) == (2000, 4000, "fixed_only")
+    # --records: an earlier run's --out-jsonl, converted without running anything
+    records = tmp_path / "anchor.jsonl"
+    records.write_text(json.dumps(dict(completion_length=65536, status="ok", fwd_bwd_s_median=31.6,
+                                       peak_mem_gib=66.5, mode="grpo")) + "\n")
+    assert unsloth_grpo.main(["--records", str(records), "--completion-lengths", "65536", "--out", str(out)]) == 0
+    mode = json.load(open(out))["modes"]["unsloth"]
+    assert mode["max_fit"] == 65536 and mode["trials"][0]["s"] == 31.6 and "first_s" not in mode["trials"][0]
     (shared / "anchors" / "unsloth_anchor.py").write_text(
         "import os, sys\nargs = sys.argv[1:]\n"
         "if '--save-model-only' in args:\n"
