@@ -25,9 +25,11 @@ Modes:
   swiftune_offload  swiftune SFTTrainer, padding-free batches, every layer checkpoint in pinned host
                     memory (the least GPU memory at a batch size; an A/B mode)
   swiftune_offload_untiled
-                    the same with the MLP and LoRA projections untiled (``swiftune.models.disable_tiled_mlp``
-                    after ``get_peft_model``): tiles bound a long row's temporaries, which a batch of short rows
+                    the same with the MLP and LoRA projections untiled (``get_peft_model(..., tiled_mlp=False)``):
+                    tiles bound a long row's temporaries, which a batch of short rows
                     does not need, and each tile is more launches and a recompute of its MLP
+  swiftune_budget_offload_untiled
+                    swiftune_budget_offload with the MLP and projections untiled (the same A/B)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
   swiftune_budget_offload
                     the same with every layer checkpoint in pinned host memory and the LoRA
@@ -59,7 +61,8 @@ from benchmarks import child_env, module_command, results
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 # A/B modes, run only when named in --modes
-EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_offload_untiled", "swiftune_graphs", "swiftune_budget_graphs",
+EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget_offload_untiled",
+               "swiftune_graphs", "swiftune_budget_graphs",
                "swiftune_budget_fit"]
 
 
@@ -170,7 +173,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         import swiftune
         from swiftune.data import FormattingStats, TokenizedDataset
 
-        offload = mode in ("swiftune_budget_offload", "swiftune_offload", "swiftune_offload_untiled")
+        offload = mode.removesuffix("_untiled") in ("swiftune_budget_offload", "swiftune_offload")
         # swiftune_budget_fit: offloaded checkpointing with its automatic GPU budget (only the layer inputs the
         # GPU cannot hold go to the host): with --gpu-budget-gb, the least offloading that fits that GPU
         gc_mode = "offload" if offload or mode == "swiftune_budget_fit" else True
@@ -179,9 +182,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
             swiftune.FastModel.for_training(model, use_gradient_checkpointing=gc_mode, offload_gpu_budget_bytes=budget_0)
         else:
             model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=gc_mode,
-                                                      offload_gpu_budget_bytes=budget_0)
-        if mode == "swiftune_offload_untiled":
-            swiftune.models.disable_tiled_mlp(model)
+                                                      offload_gpu_budget_bytes=budget_0,
+                                                      tiled_mlp=False if mode.endswith("_untiled") else None)
         examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}

@@ -698,3 +698,31 @@ def test_sft_trainer_keeps_the_tiling_of_an_offloaded_peft_model(tmp_path):
     mlp = decoder_layers(trainer.model)[0].mlp
     assert mlp.forward.__func__.__name__ == "_tiled_forward"
     assert mlp.__dict__["_swiftune_untiled_forward"].__func__ is fused_mlp_forward
+
+
+def test_get_peft_model_offload_without_tiles_equals_peft():
+    """``get_peft_model(use_gradient_checkpointing="offload", tiled_mlp=False)``: every layer input on the host and
+    the MLP untiled, with the loss and every adapter's gradient equal to PEFT's own LoRA model (no checkpointing)
+    on the same weights; the default tiles, ``True`` tiles plain checkpointing, anything else is refused."""
+    import copy
+
+    import peft
+    import swiftune
+
+    base = AutoModelForCausalLM.from_config(tiny_model_config("qwen3", vocab_size=320, attn_implementation="eager"))
+    torch.manual_seed(3407)  # get_peft_model's random_state: the same adapters on both sides
+    ref_model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                         init_lora_weights=False))
+    model = swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, lora_alpha=8, init_lora_weights=False,
+                                              use_gradient_checkpointing="offload", offload_gpu_budget_bytes=0,
+                                              tiled_mlp=False)
+    assert not is_tiled(model, projections=True)
+    ids = torch.randint(0, 320, (2, 24))
+    ref, got = _step(ref_model.train(), ids), _step(model.train(), ids)
+    assert offload_stats(model)["offload"] == tuple(range(model.config.num_hidden_layers))
+    assert all(k.count("lora_") for k in ref[1]) and all(ref[1][k].abs().sum() > 0 for k in ref[1])
+    _assert_same(ref, got, tol=1e-5)
+    assert is_tiled(swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, use_gradient_checkpointing="offload"))
+    assert is_tiled(swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, tiled_mlp=True))
+    with pytest.raises(ValueError, match="tiled_mlp must be True, False or None"):
+        swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, tiled_mlp="no")

@@ -273,6 +273,26 @@ def test_cli_offload_gpu_budget_checks():
             build_model(args, config=None, builtin=True)
 
 
+def test_cli_tiled_mlp_reaches_the_model_and_needs_lora():
+    """--tiled_mlp false builds an offloaded LoRA model with the MLP untiled (the default tiles it), --tiled_mlp
+    tiles a plainly checkpointed one; with full fine-tuning it is refused before any model is built (explicit
+    --use_lora false) or once the built-in model has decided (its default is full fine-tuning)."""
+    from swiftune.cli.arguments import ModelArguments
+    from swiftune.cli.runs import build_model
+    from swiftune.errors import ConfigError
+    from swiftune.models.tiled_mlp import is_tiled
+
+    config = SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none")
+    for gc, tiled, expected in (("offload", None, True), ("offload", False, False), ("true", True, True),
+                                ("true", None, False)):
+        args = ModelArguments(use_lora=True, use_gradient_checkpointing=gc, tiled_mlp=tiled)
+        assert is_tiled(build_model(args, config, builtin=True)[0]) is expected, (gc, tiled)
+    with pytest.raises(ConfigError, match="--tiled_mlp applies to LoRA training"):
+        build_model(ModelArguments(use_lora=False, tiled_mlp=False), config=None, builtin=True)
+    with pytest.raises(ConfigError, match="--tiled_mlp applies to LoRA training"):
+        build_model(ModelArguments(tiled_mlp=True), config, builtin=True)
+
+
 @pytest.mark.parametrize("value,message", [(float("nan"), "must be a finite number >= 0"),
                                            (float("inf"), "must be a finite number >= 0"),
                                            (-1.0, "learning_rate=-1.0 must be >= 0")])

@@ -96,6 +96,12 @@ class ModelArguments:
                                         "layer inputs may take (default: as many as fit; 0: every one on the host, "
                                         "the least GPU memory)."}
     )
+    tiled_mlp: bool | None = field(
+        default=None, metadata={"help": "Run the MLP and LoRA projections in sequence tiles (a long row's MLP "
+                                        "temporaries stay ~1 GiB). Default: with --use_gradient_checkpointing "
+                                        "offload; false is faster for batches of short rows (LoRA only).",
+                                "nargs": "?", "const": True}
+    )
     offload_attention_output_layers: int = field(
         default=0, metadata={"help": "With --use_gradient_checkpointing offload: the last N decoder layers keep "
                                      "their attention outputs on the GPU through the recompute instead of running "
@@ -357,6 +363,13 @@ def parse_command_args(argv: list[str], classes: tuple, prog: str, description: 
     return model_args, config, builtin
 
 
+def check_tiled_mlp_with_lora(model_args: ModelArguments, use_lora: bool) -> None:
+    """``--tiled_mlp`` is a LoRA option (``FastModel.get_peft_model``'s): refused for full fine-tuning."""
+    if model_args.tiled_mlp is not None and not use_lora:
+        raise ConfigError("--tiled_mlp applies to LoRA training (get_peft_model tiles the MLP and the adapted "
+                          "projections); full fine-tuning runs the MLP untiled: drop --tiled_mlp or add --use_lora")
+
+
 def check_model_args(model_args: ModelArguments) -> None:
     """The model arguments' values (:class:`ConfigError` naming the option), before anything loads."""
     gc = gradient_checkpointing_mode(model_args)
@@ -365,6 +378,8 @@ def check_model_args(model_args: ModelArguments) -> None:
         raise ConfigError("--offload_gpu_budget_gb needs --use_gradient_checkpointing offload")
     if budget is not None and not budget >= 0:
         raise ConfigError(f"--offload_gpu_budget_gb {budget}: must be >= 0 (0: every layer input on the host)")
+    if model_args.use_lora is False:
+        check_tiled_mlp_with_lora(model_args, use_lora=False)
     kept = model_args.offload_attention_output_layers
     if kept and gc != "offload":
         raise ConfigError("--offload_attention_output_layers needs --use_gradient_checkpointing offload")

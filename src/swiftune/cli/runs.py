@@ -9,7 +9,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .arguments import ModelArguments, check_model_args, gradient_checkpointing_mode, lora_targets, resume_target
+from .arguments import (ModelArguments, check_model_args, check_tiled_mlp_with_lora, gradient_checkpointing_mode,
+                        lora_targets, resume_target)
 
 
 def load_rows(spec: str | None, split: str, builtin_rows: Callable[[], Any]):
@@ -82,12 +83,14 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
             load_in_fp8=getattr(model_args, "load_in_fp8", False),
         )
         use_lora = model_args.use_lora is not False
+    check_tiled_mlp_with_lora(model_args, use_lora)  # the built-in model decides use_lora only here
     if use_lora:
         model = FastModel.get_peft_model(
             model, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
             target_modules=lora_targets(model_args.lora_target_modules), use_gradient_checkpointing=gc,
             offload_gpu_budget_bytes=budget_bytes,
             offload_attention_output_layers=model_args.offload_attention_output_layers,
+            tiled_mlp=model_args.tiled_mlp,
         )
     elif gc:
         FastModel.for_training(model, use_gradient_checkpointing=gc, offload_gpu_budget_bytes=budget_bytes,

@@ -420,6 +420,7 @@ class FastModel:
         offload_gpu_budget_bytes: int | None = None,
         offload_host_budget_bytes: int | None = None,
         offload_attention_output_layers: int = 0,
+        tiled_mlp: bool | None = None,
         **lora_kwargs: Any,
     ) -> nn.Module:
         """Add LoRA adapters through PEFT; the result is a normal ``peft.PeftModel``.
@@ -438,6 +439,11 @@ class FastModel:
             offload_attention_output_layers: with ``"offload"``, the last this many layers keep their sdpa
                 attention outputs on the GPU through the recompute (``0``: none; see
                 :func:`enable_gradient_checkpointing`).
+            tiled_mlp: run the MLP and the LoRA projections in sequence tiles
+                (:func:`swiftune.models.enable_tiled_mlp`: a long row's MLP temporaries stay about 1 GiB, for one
+                more MLP forward in the backward and more kernel launches). ``None`` (default): with ``"offload"`` /
+                ``"unsloth"``, whose use is long rows; ``False``: never, the faster choice for batches of short rows
+                or token budgets of a few thousand tokens (docs/benchmarks.md, "QLoRA SFT"); ``True``: always.
             random_state: seed of the adapter initialisation (the global RNG is left untouched).
         """
         from peft import LoraConfig, get_peft_model
@@ -461,7 +467,9 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
-        if use_gradient_checkpointing in ("offload", "unsloth"):
+        if tiled_mlp is not None and not isinstance(tiled_mlp, bool):
+            raise ValueError(f"tiled_mlp must be True, False or None (with offloaded checkpointing), got {tiled_mlp!r}")
+        if tiled_mlp or (tiled_mlp is None and use_gradient_checkpointing in ("offload", "unsloth")):
             # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
             enable_tiled_mlp(peft_model, projections=True)
