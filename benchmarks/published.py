@@ -125,6 +125,25 @@ FIGURES: list[dict] = [
          versions=BASE,
          command="python -m benchmarks.sft --steps 6 --warmup 2 --model qwen3-8b --batch 16 --load-in-4bit "
                  "--gpu-budget-gb 24 --modes swiftune_budget swiftune_budget_offload --out qlora_sft_24gb.json"),
+    # QLoRA batch 16 at <= Unsloth --4bit's peak: every layer input on the host (one call: the tiled MLP that
+    # offloading switches on, then untiled in a second call, each beside Unsloth)
+    dict(figure="qlora_sft_offload_qwen3-8b", file="2026-12-03/qlora_sft_offload_qwen3-8b_b16_s26_h200.json",
+         date="2026-12-03", versions=BASE,
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune swiftune_offload "
+                 "--out qlora_sft_offload.json"),
+    dict(figure="qlora_sft_offload_qwen3-8b", file="2026-12-03/unsloth_qlora_sft_offload_call_s26_h200.json",
+         date="2026-12-03", versions=WITH_UNSLOTH, command=f"{UNSLOTH_SFT} --4bit --out unsloth_qlora_sft.json"),
+    dict(figure="qlora_sft_untiled_qwen3-8b", file="2026-12-03/qlora_sft_untiled_qwen3-8b_b16_s26_h200.json",
+         date="2026-12-03", versions=BASE,
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune_offload_untiled "
+                 "--out qlora_sft_untiled.json"),
+    dict(figure="qlora_sft_untiled_qwen3-8b", file="2026-12-03/unsloth_qlora_sft_untiled_call_s26_h200.json",
+         date="2026-12-03", versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --4bit --modes unsloth --out unsloth_qlora_sft.json"),
+    dict(figure="qlora_sft_16k_untiled_qwen3-8b", file="2026-12-03/qlora_sft_16k_untiled_qwen3-8b_s26_h200.json",
+         date="2026-12-03", versions=BASE,
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune_budget_offload_untiled "
+                 "swiftune_budget_offload --out qlora_sft_16k_untiled.json"),
     dict(figure="sft_sweep_llama3-8b", file="sft_llama3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
          command=f"{SFT} --model llama3-8b --batch 1 2 4 8 16 32 --out sft_llama3-8b.json"),
     dict(figure="sft_sweep_qwen3-1.7b", file="2026-12-01/sft_qwen3-1.7b_sweep_h200.json", date="2026-12-01",
@@ -147,6 +166,15 @@ FIGURES: list[dict] = [
          command="python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune --share-prompt "
                  "--swiftune-checkpointing offload_all --completion-lengths 65536 --fixed-only --trial-repeats 2 "
                  "--time-budget 480 --out grpo_65k_swiftune.json"),
+    # issue 23's GRPO row with the attention outputs kept through the recompute (0 and 36 layers: two calls)
+    dict(figure="grpo_65k_attn", file="2026-12-03/grpo_65k_attn0_s25_h200.json", date="2026-12-03", versions=BASE,
+         command="python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune --share-prompt "
+                 "--swiftune-checkpointing offload_all --attention-output-layers 0 --completion-lengths 65536 "
+                 "--fixed-only --trial-repeats 2 --time-budget 190 --out grpo_65k_attn0.json"),
+    dict(figure="grpo_65k_attn", file="2026-12-03/grpo_65k_attn36_s26_h200.json", date="2026-12-03", versions=BASE,
+         command="python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune --share-prompt "
+                 "--swiftune-checkpointing offload_all --attention-output-layers 36 --completion-lengths 65536 "
+                 "--fixed-only --trial-repeats 2 --time-budget 190 --out grpo_65k_attn36.json"),
     dict(figure="grpo_largest", file="grpo_figure3_qwen3-8b_h200.json", date="2026-11-30", versions=WITH_TRL,
          keep=_modes("hf_full_logits", "trl_grpo", "trl_liger"),
          command="python -m benchmarks.merge_bisect --out docs/results/grpo_figure3_qwen3-8b_h200.json "

@@ -21,7 +21,10 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "trl_liger": "TRL + Liger", "swiftune": "**swiftune**", "swiftune_budget": "swiftune, 16K-token budget",
           "swiftune_budget_offload": "swiftune, 16K-token budget, checkpoints on host",
           "swiftune_peft_lora": "swiftune, PEFT's LoRA forwards",
-          "swiftune_offload": "swiftune, checkpoints on host", "swiftune_offload_untiled": "swiftune, checkpoints on host, MLP untiled", "swiftune_graphs": "swiftune, graphed layers",
+          "swiftune_offload": "swiftune, checkpoints on host",
+          "swiftune_offload_untiled": "swiftune, checkpoints on host, MLP untiled",
+          "swiftune_budget_offload_untiled": "swiftune, 16K-token budget, checkpoints on host, MLP untiled",
+          "swiftune_graphs": "swiftune, graphed layers",
           "swiftune_budget_graphs": "swiftune, 16K-token budget, graphed layers",
           "swiftune_budget_fit": "swiftune, 16K-token budget, checkpoints offloaded as needed", "unsloth": "Unsloth", "unsloth_packed": "Unsloth, packed",
           "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
@@ -29,7 +32,7 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
 MODELS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B", "qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
 MODE_ORDER = ["hf_padded", "trl_padding_free", "trl_liger", "unsloth", "unsloth_packed", "swiftune_peft_lora", "swiftune",
-              "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget", "swiftune_budget_offload"]
+              "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget", "swiftune_budget_offload_untiled", "swiftune_budget_offload"]
 
 
 class Figure:
@@ -300,6 +303,18 @@ def grpo_65k(fig: Figure) -> str:
                   "x TRL memory"], out, set(range(1, 7)))
 
 
+def grpo_65k_attn(fig: Figure) -> str:
+    """swiftune's 2 x 65,536 step by how many layers keep their attention outputs through the recompute."""
+    at = sorted(((s.get("attention_output_layers") or 0, m) for mode, model, s, m in fig.groups()
+                 if s.get("completion") == 65536 and "step_s" in m), key=lambda r: r[0])
+    none = next((m for layers, m in at if layers == 0), None)
+    out = [[str(layers), fmt(val(m, "step_s")), fmt(val(m, "first_step_s")), fmt(val(m, "peak_gb"), 1),
+            fmt(val(m, "host_rss_gb"), 1), fmt(val(none, "step_s") / val(m, "step_s")) if none else ""]
+           for layers, m in at]
+    return table(["layers keeping their outputs", "s / step (2nd)", "first step s", "peak GPU GB", "host RSS GB",
+                  "speed x 0 layers"], out, set(range(0, 6)))
+
+
 def grpo_largest(fig: Figure) -> str:
     best = _largest(fig, "max_fit_completion", "first_fail_completion")
     out = []
@@ -441,8 +456,10 @@ def attention(fig: Figure) -> str:
 RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_graphs_side_by_side_qwen3-8b": sft_graphs,
           "sft_graphs_shared_buffers_qwen3-8b": sft_graphs,
           "sft_16k_fit_qwen3-8b": sft, "sft_16k_fit_second_call_qwen3-8b": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
-          "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
-          "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_largest": grpo_largest, "grpo_step": grpo_step,
+          "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "qlora_sft_offload_qwen3-8b": sft,
+          "qlora_sft_untiled_qwen3-8b": sft, "qlora_sft_16k_untiled_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft, "sft_full_qwen3-0.6b": sft,
+          "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_65k_attn": grpo_65k_attn, "grpo_largest": grpo_largest,
+          "grpo_step": grpo_step,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,

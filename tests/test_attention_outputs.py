@@ -212,7 +212,9 @@ def test_derived_layer_inputs_rerun_their_attention_apart_from_the_kept_outputs(
         pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
     stats = offload_stats(model)
     assert stats["derived"] == (1, 3) and stats["derived_recomputed"] == 2, stats
-    _assert_parity(expected, got, _trainable(reference))
+    # a derived input is the layer before run a second time (no grad), whose float32 sums a many-core CPU may
+    # order otherwise than the first run's: 2.3e-5 on one adapter of the 16-core GPU host, 1e-5 here on 2 cores
+    _assert_parity(expected, got, _trainable(reference), tol=5e-5)
     docs = len(_examples())
     assert counter.calls == docs * 6 + docs * 2, counter.calls
 
