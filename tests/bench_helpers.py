@@ -41,3 +41,19 @@ def assert_rows(out, module: str, metrics: set[str] = frozenset()) -> list:
     assert all(r.command.startswith(f"python -m benchmarks.{module} ") and str(out) in r.command for r in rows)
     assert metrics <= {r.metric for r in rows}, (metrics, {r.metric for r in rows})
     return rows
+
+
+def stand_in_unsloth_anchor(shared, measure: str) -> None:
+    """Write ``<shared>/anchors/unsloth_anchor.py``: a stand-in for the workplace's Unsloth anchor that, like it,
+    writes a checkpoint marker for ``--save-model-only --model-dir DIR`` and otherwise runs ``measure`` (Python
+    source with ``args``, the argument list, in scope; it prints the anchor's ``RESULT {json}`` lines)."""
+    anchors = os.path.join(str(shared), "anchors")
+    os.makedirs(anchors, exist_ok=True)
+    body = "\n".join("    " + line for line in measure.strip("\n").splitlines())
+    with open(os.path.join(anchors, "unsloth_anchor.py"), "w") as f:
+        f.write("import json, os, sys\n"
+                "args = sys.argv[1:]\n"
+                "if '--save-model-only' in args:\n"
+                "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
+                "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
+                "else:\n" + body + "\n")

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.bench_helpers import ROOT, assert_rows, load_bench_module, run_script
+from tests.bench_helpers import ROOT, assert_rows, load_bench_module, run_script, stand_in_unsloth_anchor
 
 
 COMMITTED = [os.path.join(ROOT, "docs", "results", f)
@@ -395,28 +395,22 @@ def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path):
     from benchmarks.results import read_rows
 
     shared = tmp_path / "shared"
-    (shared / "anchors").mkdir(parents=True)
-    (shared / "anchors" / "unsloth_anchor.py").write_text(
-        "import json, os, sys\n"
-        "args = sys.argv[1:]\n"
-        "def out(r): print('RESULT ' + json.dumps(dict(r, versions=dict(unsloth='2026.10.9'))))\n"
-        "if '--save-model-only' in args:\n"
-        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
-        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
-        "    sys.exit(0)\n"
-        "assert args[args.index('--num-generations') + 1] == '2' and '--4bit' in args\n"
-        "def probe(c, scan=False):\n"
-        "    if c > 3100:\n"
-        "        return dict(completion_length=c, status='oom', oom_kind='cuda', mode='grpo', scan_probe=scan)\n"
-        "    return dict(completion_length=c, status='ok', fwd_bwd_s_median=c / 1000, peak_mem_gib=c / 100,\n"
-        "                first_call=dict(fwd_bwd_s=c / 500), mode='grpo', scan_probe=scan)\n"
-        "for c in args[args.index('--completion-length') + 1].split(','):\n"
-        "    out(probe(int(c)))\n"
-        "if '--scan' in args:\n"
-        "    for c in (1024, 2048, 4096, 3072):\n"
-        "        out(probe(c, True))\n"
-        "    out(dict(mode='grpo-scan', status='ok', max_ok_completion_length=3072, min_failed_completion_length=3200,\n"
-        "             stop_reason='oom', probes=[]))\n")
+    stand_in_unsloth_anchor(shared, """
+def out(r): print('RESULT ' + json.dumps(dict(r, versions=dict(unsloth='2026.10.9'))))
+assert args[args.index('--num-generations') + 1] == '2' and '--4bit' in args
+def probe(c, scan=False):
+    if c > 3100:
+        return dict(completion_length=c, status='oom', oom_kind='cuda', mode='grpo', scan_probe=scan)
+    return dict(completion_length=c, status='ok', fwd_bwd_s_median=c / 1000, peak_mem_gib=c / 100,
+                first_call=dict(fwd_bwd_s=c / 500), mode='grpo', scan_probe=scan)
+for c in args[args.index('--completion-length') + 1].split(','):
+    out(probe(int(c)))
+if '--scan' in args:
+    for c in (1024, 2048, 4096, 3072):
+        out(probe(c, True))
+    out(dict(mode='grpo-scan', status='ok', max_ok_completion_length=3072, min_failed_completion_length=3200,
+             stop_reason='oom', probes=[]))
+""")
     out = tmp_path / "u.json"
     assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                               "--model", "tiny", "--4bit", "--completion-lengths", "2000", "--scan",
@@ -445,12 +439,7 @@ def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path):
     assert unsloth_grpo.main(["--records", str(records), "--completion-lengths", "65536", "--out", str(out)]) == 0
     mode = json.load(open(out))["modes"]["unsloth"]
     assert mode["max_fit"] == 65536 and mode["trials"][0]["s"] == 31.6 and "first_s" not in mode["trials"][0]
-    (shared / "anchors" / "unsloth_anchor.py").write_text(
-        "import os, sys\nargs = sys.argv[1:]\n"
-        "if '--save-model-only' in args:\n"
-        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
-        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
-        "else:\n    sys.exit('ImportError: no unsloth')\n")
+    stand_in_unsloth_anchor(shared, "sys.exit('ImportError: no unsloth')")
     assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                               "--completion-lengths", "2000", "--out", str(out)]) == 1
     assert "no unsloth" in json.load(open(out))["modes"]["unsloth"]["error"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.bench_helpers import assert_rows, run_script
+from tests.bench_helpers import assert_rows, run_script, stand_in_unsloth_anchor
 
 
 def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path):
@@ -63,18 +63,12 @@ def test_unsloth_sft_turns_the_anchors_records_into_sft_rows(tmp_path):
     from benchmarks.results import read_rows
 
     shared = tmp_path / "shared"
-    (shared / "anchors").mkdir(parents=True)
-    (shared / "anchors" / "unsloth_anchor.py").write_text(
-        "import json, os, sys\n"
-        "args = sys.argv[1:]\n"
-        "if '--save-model-only' in args:\n"
-        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
-        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
-        "else:\n"
-        "    packed = '--packing' in args\n"
-        "    m = dict(tokens_per_s=6000.0 if packed else 2500.0, peak_mem_gib=20.0, step_time_ms=1500.0,\n"
-        "             padding_fraction=0.0, timed_steps=16)\n"
-        "    print('RESULT ' + json.dumps(dict(status='ok', metrics=m, versions=dict(unsloth='2026.10.9'))))\n")
+    stand_in_unsloth_anchor(shared, """
+packed = '--packing' in args
+m = dict(tokens_per_s=6000.0 if packed else 2500.0, peak_mem_gib=20.0, step_time_ms=1500.0,
+         padding_fraction=0.0, timed_steps=16)
+print('RESULT ' + json.dumps(dict(status='ok', metrics=m, versions=dict(unsloth='2026.10.9'))))
+""")
     out = tmp_path / "u.json"
     assert unsloth_sft.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                              "--out", str(out)]) == 0
@@ -84,12 +78,7 @@ def test_unsloth_sft_turns_the_anchors_records_into_sft_rows(tmp_path):
     result_rows = read_rows(str(tmp_path / "u.rows.jsonl"))
     assert {r.tool for r in result_rows} == {"unsloth"} and all(r.versions["unsloth"] == "2026.10.9" for r in result_rows)
     # an anchor that prints nothing: an error row, not a crash
-    (shared / "anchors" / "unsloth_anchor.py").write_text(
-        "import os, sys\nargs = sys.argv[1:]\n"
-        "if '--save-model-only' in args:\n"
-        "    d = args[args.index('--model-dir') + 1]; os.makedirs(d, exist_ok=True)\n"
-        "    open(os.path.join(d, 'unsloth_anchor_model.json'), 'w').write('{}')\n"
-        "else:\n    sys.exit('CUDA out of memory')\n")
+    stand_in_unsloth_anchor(shared, "sys.exit('CUDA out of memory')")
     assert unsloth_sft.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                              "--modes", "unsloth", "--out", str(out)]) == 0
     assert "out of memory" in json.load(open(out))[0]["error"]
