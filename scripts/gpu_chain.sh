@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Several parts of scripts/gpu_suite.sh one after another, detached from the device call that starts them, so that
+# a chain longer than one 10-minute call runs while later calls poll it (an idle machine is given back after
+# 30 s: poll back to back). Each part's output goes to $CHAIN/<n>-<part>/ and its log to $CHAIN/<n>-<part>.log;
+# $CHAIN/ALLDONE appears when the last part has ended; `wait` polls and packs $CHAIN into $OUT/chain.tgz.
+#
+#   scripts/gpu_chain.sh start "check-none" "grpo-65k-attn 36" "qlora-sft-untiled"   # then, in the same call:
+#   scripts/gpu_chain.sh wait 540                                                    # and in each later call
+#
+# A part is a gpu_suite.sh part with its arguments in one word ("grpo-65k-attn 36"); "check-none" runs
+# scripts/gpu_check.sh none -- (both no-argument main jobs). CHAIN defaults to /tmp/chain.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export CHAIN=${CHAIN:-/tmp/chain}
+OUT=${OUT:-/tmp/swiftune_out}
+
+case "${1:?start PART... | wait SECONDS}" in
+  start)
+    shift
+    [ $# -gt 0 ] || { echo "gpu_chain.sh start: name at least one part" >&2; exit 2; }
+    if [ -d "$CHAIN" ] && [ ! -f "$CHAIN/ALLDONE" ]; then
+      echo "gpu_chain.sh: a chain is still running in $CHAIN (no ALLDONE): poll it with 'wait'" >&2; exit 2
+    fi
+    rm -rf "$CHAIN" && mkdir -p "$CHAIN"
+    printf '%s\n' "$@" > "$CHAIN/parts.txt"
+    setsid nohup bash -c '
+      n=0
+      while IFS= read -r part; do
+        n=$((n + 1)); name="$n-${part%% *}"; start=$(date +%s)
+        if [ "$part" = check-none ]; then
+          OUT="$CHAIN/$name" scripts/gpu_check.sh none -- > "$CHAIN/$name.log" 2>&1
+        else
+          # shellcheck disable=SC2086  # the part and its arguments are one word on purpose
+          OUT="$CHAIN/$name" scripts/gpu_suite.sh $part > "$CHAIN/$name.log" 2>&1
+        fi
+        echo "$name: exit $? in $(( $(date +%s) - start )) s" >> "$CHAIN/status.txt"
+      done < "$CHAIN/parts.txt"
+      touch "$CHAIN/ALLDONE"' > "$CHAIN/chain.log" 2>&1 < /dev/null &
+    echo "chain started in $CHAIN: $*" ;;
+  wait)
+    [ -d "$CHAIN" ] || { echo "gpu_chain.sh: no chain in $CHAIN (a fresh machine? start it again)" >&2; exit 3; }
+    limit=${2:-540}
+    for _ in $(seq $((limit / 10))); do [ -f "$CHAIN/ALLDONE" ] && break; sleep 10; done
+    cat "$CHAIN/status.txt" 2>/dev/null
+    [ -f "$CHAIN/ALLDONE" ] && echo "ALLDONE" || echo "still running: $(ls "$CHAIN" | grep -c '\.log$') parts started"
+    mkdir -p "$OUT" && tar czf "$OUT/chain.tgz" -C "$(dirname "$CHAIN")" "$(basename "$CHAIN")" ;;
+  *)
+    echo "gpu_chain.sh: start PART... | wait SECONDS" >&2; exit 2 ;;
+esac
