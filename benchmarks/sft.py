@@ -28,8 +28,8 @@ Modes:
                     the same with the MLP and LoRA projections untiled (``get_peft_model(..., tiled_mlp=False)``):
                     tiles bound a long row's temporaries, which a batch of short rows
                     does not need, and each tile is more launches and a recompute of its MLP
-  swiftune_budget_offload_untiled
-                    swiftune_budget_offload with the MLP and projections untiled (the same A/B)
+  swiftune_budget_offload_untiled, swiftune_budget_fit_untiled
+                    swiftune_budget_offload / swiftune_budget_fit with the MLP and projections untiled (the same A/B)
   swiftune_budget   swiftune SFTTrainer, micro-batches of --budget tokens (token budget)
   swiftune_budget_offload
                     the same with every layer checkpoint in pinned host memory and the LoRA
@@ -63,7 +63,7 @@ ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune
 # A/B modes, run only when named in --modes
 EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget_offload_untiled",
                "swiftune_graphs", "swiftune_budget_graphs",
-               "swiftune_budget_fit"]
+               "swiftune_budget_fit", "swiftune_budget_fit_untiled"]
 
 
 class CountingCollator:
@@ -176,7 +176,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         offload = mode.removesuffix("_untiled") in ("swiftune_budget_offload", "swiftune_offload")
         # swiftune_budget_fit: offloaded checkpointing with its automatic GPU budget (only the layer inputs the
         # GPU cannot hold go to the host): with --gpu-budget-gb, the least offloading that fits that GPU
-        gc_mode = "offload" if offload or mode == "swiftune_budget_fit" else True
+        gc_mode = "offload" if offload or mode.removesuffix("_untiled") == "swiftune_budget_fit" else True
         budget_0 = 0 if offload else None  # every layer input to the host, not only those the GPU cannot hold
         if full:
             swiftune.FastModel.for_training(model, use_gradient_checkpointing=gc_mode, offload_gpu_budget_bytes=budget_0)

@@ -38,6 +38,7 @@
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
 #                                     # time by library in the 8B and 0.6B steps (~6 min)
 #   scripts/gpu_suite.sh sft-unsloth-graphs [MODEL] # batch 16: swiftune eager + graphed, TRL + Liger, Unsloth, GPU busy of a graphed step (carry .shared; ~9.5 min)
+#   scripts/gpu_suite.sh sft-untiled [MODEL] # batch 16 and the 16K-token row on 20.7 GB with the MLP untiled, beside Unsloth (carry .shared; ~9.5 min)
 #   scripts/gpu_suite.sh sft-16k-fit [MODEL] # the 16K-token row on a 20.7 GB budget (Unsloth's packed peak), partial offload, beside Unsloth (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh sft-graphs   # graphed decoder layers: CUDA tests, Qwen3-8B batch 16 and 16K-token A/B (~9 min)
 #   scripts/gpu_suite.sh sft-full     # full fine-tuning (no LoRA), Qwen3-0.6B, batch 16, every mode (~3 min)
@@ -162,6 +163,18 @@ case "$part" in
       --out "$OUT/unsloth_sft_$model.json"
     run sft_busy 150 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 6 --warmup 3 --time-profile \
       --modes swiftune --out "$OUT/sft_busy_$model.json" ;;
+  sft-untiled)  # issue 23's rows at <= Unsloth's memory with the MLP untiled (offloading tiles it; a batch of short rows
+    # needs no tiles): batch 16 with every layer input on the host, and the 16K-token step on a 20.7 GB GPU with
+    # the automatic budget (only what does not fit goes to the host), tiled beside untiled, then Unsloth
+    # padding-free and packed in its own process, one call (carry .shared; ~9.5 min)
+    model=${2:-qwen3-8b}
+    run sft_b16_untiled 150 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+      --modes swiftune_offload_untiled --out "$OUT/sft_b16_untiled_$model.json"
+    run sft_16k_fit_untiled 190 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 10 --warmup 3 \
+      --gpu-budget-gb 20.7 --modes swiftune_budget_fit_untiled swiftune_budget_fit \
+      --out "$OUT/sft_16k_fit_untiled_$model.json"
+    run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
+      --out "$OUT/unsloth_sft_$model.json" ;;
   sft-16k-fit)  # the 16K-token row at no more than Unsloth's packed peak (19.3 GiB = 20.7 GB): offloaded
     # checkpointing with its automatic GPU budget on a 20.7 GB GPU (only what does not fit goes to the host), beside
     # the unconstrained 16K row and Unsloth's packed row (carry .shared)
