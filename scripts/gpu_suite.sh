@@ -55,7 +55,7 @@
 #   scripts/gpu_suite.sh grpo-bisect  # longest completion per row, Qwen3-8B, swiftune (~9 min; resumable)
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
-#   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~10 min)
+#   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~12 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -340,8 +340,10 @@ case "$part" in
         swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$kept" \
         --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_attn$kept.json"
     done
-    [ -d .shared ] && run unsloth_grpo_65k 330 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
-      --completion-lengths 65536 --repeats 2 --time-budget 200 --model-dir /tmp/ck8b --out "$OUT/unsloth_grpo_65k.json" ;;
+    # (Unsloth's process: 36 s of import, the model's load and compile, then a first and a second 65,536 call: a
+    # 200 s limit stopped it during its first call)
+    [ -d .shared ] && run unsloth_grpo_65k 420 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
+      --completion-lengths 65536 --repeats 2 --time-budget 280 --model-dir /tmp/ck8b --out "$OUT/unsloth_grpo_65k.json" ;;
   qlora-sft-untiled)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak: every layer input on the host with the
     # MLP untiled (a batch of short rows needs no tiles), against Unsloth --4bit in its own process, one call (carry
     # .shared and .whl; ~9 min)
