@@ -14,8 +14,9 @@ of ``python -m benchmarks.grpo --bisect-completion`` (``docs/benchmarks.md`` ren
   to ``--tolerance``: ``max_fit`` / ``first_fail`` of the ``unsloth`` mode.
 
 ``--records FILE`` converts the RESULT records an earlier anchor run appended to ``FILE`` (its
-``--out-jsonl``) instead of running it. ``--gpu-budget-gb`` emulates a smaller GPU as ``benchmarks.grpo`` does (the anchor's
-``--gpu-mem-fraction``: that many GB of this GPU's memory); ``--4bit`` is Unsloth's QLoRA (NF4).
+``--out-jsonl``) instead of running it. ``--gpu-budget-gb`` emulates a smaller GPU as ``benchmarks.grpo``
+does (the anchor's ``--gpu-mem-fraction``: that many GB of this GPU's memory); ``--4bit`` is Unsloth's
+QLoRA (NF4).
 
     python -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --completion-lengths 65536 \\
         --out unsloth_grpo_65k.json
@@ -80,7 +81,8 @@ def unsloth_mode(records: list[dict], rows: int, prompt: int, scanned: bool) -> 
     summary = next((r for r in reversed(records) if "max_ok_completion_length" in r), None)
     mode = {"mode": "unsloth", "label": LABEL, "trials": trials}
     if scanned and summary is not None:
-        mode.update(max_fit=summary.get("max_ok_completion_length"), first_fail=summary.get("min_failed_completion_length"),
+        mode.update(max_fit=summary.get("max_ok_completion_length"),
+                    first_fail=summary.get("min_failed_completion_length"),
                     status="converged" if summary.get("stop_reason") == "oom" else str(summary.get("stop_reason")))
     else:
         fits = [t["completion"] for t in trials if t["status"] == "ok"]

@@ -4,9 +4,9 @@ bitsandbytes' ``Linear4bit`` multiplies more than one row by dequantising its wh
 first (a write and a read of ``2 N K`` bytes besides the ``N K / 2`` of codes), which made the rollout
 engine's NF4 decode step 10x the time to read the codes (docs/benchmarks.md, "rollout_nf4").
 :func:`nf4_decode_forward` runs such a layer through :func:`swiftune.kernels.nf4_weight_only_matmul`
-instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MIN_ROWS` to the binding's
-``max_rows``, :data:`NF4_DECODE_MAX_ROWS` by default) without gradients, on CUDA (or the Triton interpreter); every other call goes to
-the layer's own forward.
+instead, which decodes the codes in registers: for a few rows (:data:`NF4_DECODE_MIN_ROWS` to the
+binding's ``max_rows``, :data:`NF4_DECODE_MAX_ROWS` by default) without gradients, on CUDA (or the Triton
+interpreter); every other call goes to the layer's own forward.
 :func:`bind_nf4_decode` binds it on every NF4 layer of a model, on the instance; :func:`unbind_nf4_decode`
 restores them. A LoRA layer over a bound NF4 base (adapters at run time) then runs PEFT's own forward for such
 calls (:func:`takes_nf4_decode`), whose call of its base layer reaches the kernel.
@@ -109,12 +109,12 @@ def _unbind(module: nn.Module) -> None:
     delattr(module, _MAX_ROWS_ATTR)
 
 
-def check_nf4_decode_max_rows(max_rows: int) -> int:
+def check_nf4_decode_max_rows(max_rows: int, name: str = "max_rows") -> int:
     """``max_rows`` if a binding may take it (an int from :data:`NF4_DECODE_MIN_ROWS` to
-    :data:`NF4_KERNEL_MAX_ROWS`), else a ``ValueError`` saying so."""
+    :data:`NF4_KERNEL_MAX_ROWS`), else a ``ValueError`` naming the option (``name``)."""
     if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not \
             NF4_DECODE_MIN_ROWS <= max_rows <= NF4_KERNEL_MAX_ROWS:
-        raise ValueError(f"max_rows must be an int from {NF4_DECODE_MIN_ROWS} to {NF4_KERNEL_MAX_ROWS} (the rows of "
+        raise ValueError(f"{name} must be an int from {NF4_DECODE_MIN_ROWS} to {NF4_KERNEL_MAX_ROWS} (the rows of "
                          f"one tile of the NF4 kernel), got {max_rows!r}")
     return max_rows
 

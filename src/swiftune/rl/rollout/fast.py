@@ -230,7 +230,7 @@ class FastRolloutEngine:
         self.moe_decode_max_tokens = (None if moe_decode_max_tokens is None
                                       else check_decode_kernel_max_tokens(moe_decode_max_tokens))
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
-        self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows)
+        self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
         self._generator: torch.Generator | None = None
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
