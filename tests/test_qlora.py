@@ -195,6 +195,8 @@ def test_rollout_engine_generates_from_4bit_weights(checkpoints, nf4_kernel, max
         ref = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              do_sample=False, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id)
         assert got == ref[0, len(prompt):].tolist()
+    with pytest.raises(ValueError, match="nf4_decode_max_rows must be an int from 2 to 64"):
+        FastRolloutEngine(model, nf4_decode_max_rows=65)
     with pytest.raises(ValueError, match="runtime"):
         FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, lora="merge").generate(
             prompts, 1, SamplingParams(max_tokens=2, temperature=0))
