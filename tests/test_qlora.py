@@ -154,13 +154,12 @@ def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(c
         assert torch.allclose(p.float(), after[name].detach().float(), atol=1e-2, rtol=1e-2), name
 
 
-@pytest.mark.parametrize("nf4_kernel,max_rows,group", [(False, None, 1), (None, None, 1), (None, 32, 9)],
-                         ids=["bitsandbytes", "default", "to-32-rows"])
-def test_rollout_engine_generates_from_4bit_weights(checkpoints, nf4_kernel, max_rows, group, monkeypatch):
-    """Greedy tokens equal transformers' generate on the same 4-bit + LoRA model; by default
-    (``nf4_decode_kernel=True``) the decode steps' base products go through swiftune's NF4 kernel (counted), and
-    only during the call; with ``False`` never. With ``nf4_decode_max_rows=32`` an 18-row decode step (two prompts,
-    G=9) takes the kernel too, which the default's 16 would send to bitsandbytes."""
+def test_rollout_engine_generates_from_4bit_weights(checkpoints, monkeypatch):
+    """Greedy tokens equal transformers' generate on the same 4-bit + LoRA model, for three engines on one model:
+    with ``nf4_decode_kernel=False`` no product goes through swiftune's NF4 kernel; by default the decode steps'
+    base products do (counted), up to 16 rows, and only during the call; with ``nf4_decode_max_rows=32`` an
+    18-row decode step (two prompts, G=9) takes the kernel too, which the default's 16 would send to
+    bitsandbytes."""
     import swiftune.models.nf4_decode as nf4_decode
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
 
@@ -178,23 +177,28 @@ def test_rollout_engine_generates_from_4bit_weights(checkpoints, nf4_kernel, max
                 p.normal_(0, 0.05)
     model.eval()
     prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
-    choice = {} if nf4_kernel is None else {"nf4_decode_kernel": nf4_kernel}
-    if max_rows is not None:
-        choice["nf4_decode_max_rows"] = max_rows
-    new = 10 if group == 1 else 5  # (the kernel is interpreted on CPU: 18 rows a step cost)
-    out = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
-                            **choice).generate(prompts, group, SamplingParams(max_tokens=new, temperature=0))
-    assert bool(calls) == (nf4_kernel is not False)
-    assert (max(calls, default=0) == 2 * group) == (max_rows is not None)  # the 18-row steps: only up to 32
-    assert max(calls, default=0) <= (max_rows or 16)
-    assert not any("swiftune_nf4_decode" in vars(m) for m in model.modules())  # unbound after the call
-    calls.clear()
-    for i in range(0, len(out.completion_ids), group):  # greedy: a group's completions are one, generated once
-        got, prompt = out.completion_ids[i], prompts[i // group]
-        assert all(c == got for c in out.completion_ids[i:i + group])
-        ref = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=new, pad_token_id=tokenizer.pad_token_id)
-        assert got == ref[0, len(prompt):].tolist()
+    refs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                             pad_token_id=tokenizer.pad_token_id)
+        refs.append(ref[0, len(prompt):].tolist())
+    # (kernel choice, rows bound, G, new tokens: the kernel is interpreted on CPU, 18 rows a step cost)
+    for nf4_kernel, max_rows, group, new in ((False, None, 1, 10), (None, None, 1, 10), (None, 32, 9, 5)):
+        calls.clear()
+        choice = {} if nf4_kernel is None else {"nf4_decode_kernel": nf4_kernel}
+        if max_rows is not None:
+            choice["nf4_decode_max_rows"] = max_rows
+        out = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
+                                **choice).generate(prompts, group, SamplingParams(max_tokens=new, temperature=0))
+        assert bool(calls) == (nf4_kernel is not False), choice
+        assert (max(calls, default=0) == 2 * group) == (max_rows is not None), choice  # 18 rows: only up to 32
+        assert max(calls, default=0) <= (max_rows or 16), choice
+        assert not any("swiftune_nf4_decode" in vars(m) for m in model.modules())  # unbound after the call
+        for i in range(0, len(out.completion_ids), group):  # greedy: a group's completions are one
+            got = out.completion_ids[i]
+            assert all(c == got for c in out.completion_ids[i:i + group])
+            assert got == refs[i // group][:new], choice  # greedy: the shorter run is the longer one's prefix
     with pytest.raises(ValueError, match="nf4_decode_max_rows must be an int from 2 to 64"):
         FastRolloutEngine(model, nf4_decode_max_rows=65)
     with pytest.raises(ValueError, match="runtime"):
