@@ -1002,7 +1002,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if not tiny and not torch.cuda.is_available():
-        print("benchmarks/grpo.py: real shapes need a CUDA device (use a tiny shape on CPU: tiny, tiny-moe, tiny-gpt-oss)", file=sys.stderr)
+        print("benchmarks/grpo.py: real shapes need a CUDA device (use a tiny shape on CPU: tiny, tiny-moe, "
+              "tiny-gpt-oss)", file=sys.stderr)
         return 2
     if args.one_bisect:
         result = bisect_one_mode(args)

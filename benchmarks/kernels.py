@@ -378,7 +378,8 @@ def fp8_matmul_main(argv, args, copy_bw: float) -> int:
     return 0
 
 
-_NF4_MS = (1, 8, 16, 32, 64)  # the rows the engine sends through the NF4 kernel (models.nf4_decode: to 16 by default, 64 at most)
+# the rows the engine sends through the NF4 kernel (models.nf4_decode: to 16 by default, 64 at most)
+_NF4_MS = (1, 8, 16, 32, 64)
 
 
 def nf4_layers(n: int, k: int, copies: int, device: str) -> list:

@@ -338,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE shapes: the most tokens a decode step sends through the fused decode kernels "
                         "(FastRolloutEngine(moe_decode_max_tokens=...); default: the library's)")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
-                   help="--load-in-4bit: decode steps of 2-16 rows through swiftune's NF4 kernel (the engine's "
-                        "default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
+                   help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
+                        "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
                         "(FastRolloutEngine(nf4_decode_kernel=False)), the baseline")
     p.add_argument("--nf4-decode-max-rows", type=int, default=None,
                    help="--load-in-4bit: the most rows a decode step sends through the NF4 kernel, 2-64 "

@@ -611,7 +611,7 @@ def enable_offloaded_checkpointing(
         host_margin_bytes: host memory to leave free (default ``max(4 GiB, 10% of MemTotal)``).
         attention_output_layers: the last this many decoder layers keep the outputs of their fused sdpa
             attention kernels on the device from the forward to their backward, and the recompute
-            takes them instead of running the kernel again (:mod:`.attention_outputs`): for long
+            takes them instead of running the kernel again (:mod:`swiftune.attention.kept_outputs`): for long
             sequences most of a recompute's time, for ``T x Hq x (D x 2 + 4)`` bytes a layer (bf16),
             which an automatic GPU budget sets aside before it keeps layer inputs. ``0`` (default):
             every layer recomputes its attention. Other attention kernels are recomputed either way.
