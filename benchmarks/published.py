@@ -291,6 +291,16 @@ FIGURES: list[dict] = [
          versions=BASE, settings={"weights": "nf4", "nf4_matmul": "bitsandbytes, same call"},
          command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --no-nf4-decode-kernel --rows 8 16 "
                  "--new-tokens 1024 --no-baselines --no-checks --time-budget 160 --out rollout_nf4_bnb.json"),
+    # session 27, one device call: G=64 with the NF4 kernel bound to 64 rows, then to its default 16 (bitsandbytes'
+    # dequantise-then-multiply above it)
+    dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_g64_max64_s27_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "swiftune kernel bound to 64 rows"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 64 --nf4-decode-max-rows 64 "
+                 "--new-tokens 1024 --no-baselines --no-checks --time-budget 80 --out rollout_nf4_g64_max64.json"),
+    dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_g64_max16_s27_h200.json", date="2026-12-03",
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "bitsandbytes above 16 rows, same call"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 64 --nf4-decode-max-rows 16 "
+                 "--new-tokens 1024 --no-baselines --no-checks --time-budget 80 --out rollout_nf4_g64_max16.json"),
     # session 22, the same device call as rollout_nf4: Qwen3-VL-8B SFT on image-text rows, swiftune vs TRL 1.16
     dict(figure="vl_sft_qwen3-vl-8b", file="2026-12-03/vl_sft_qwen3-vl-8b_b16_h200.json", date="2026-12-03",
          versions={**BASE, "trl": "1.16.0"},
