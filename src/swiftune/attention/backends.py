@@ -37,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kernel_choice import SDPA_MIN_MEAN_DOC_TOKENS, layout_attention_kernel, prefers_sdpa
 from .kept_outputs import kept_attention_outputs
 from .packing import PackedBatch
+from .pieces import DocumentOutputs, document_outputs
 
 _SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
 
@@ -455,8 +456,10 @@ def sdpa_packed_attention(
     window: int | None = None,
     softcap: float | None = None,
     dropout: float = 0.0,
-) -> torch.Tensor:
-    """Every document alone through :func:`dense_causal_attention`; outputs concatenated."""
+    keep_pieces: bool = False,
+) -> torch.Tensor | DocumentOutputs:
+    """Every document alone through :func:`dense_causal_attention`; outputs concatenated, or with
+    ``keep_pieces`` left apart for a caller that projects each one (:mod:`swiftune.attention.pieces`)."""
     if window or softcap:
         raise ValueError("per-document sdpa supports neither a sliding window nor soft-capping")
     with kept_attention_outputs():  # a checkpointed layer that keeps them: stored, or served in its recompute
@@ -464,7 +467,7 @@ def sdpa_packed_attention(
                 for a, b in document_bounds(packed) if b > a]
     if not outs:
         return q.new_zeros(q.shape)
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return document_outputs(outs, keep_pieces)
 
 
 BACKEND_FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {
@@ -487,7 +490,8 @@ def packed_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
-) -> torch.Tensor:
+    keep_pieces: bool = False,
+) -> torch.Tensor | DocumentOutputs:
     """Causal attention within each document of a packed batch.
 
     Args:
@@ -499,9 +503,11 @@ def packed_attention(
         softcap: attention logit soft-cap (``cap * tanh(s / cap)``), or None.
         dropout: attention-probability dropout (reference, sdpa and flash_attn).
         backend: one of :data:`BACKENDS` or ``"auto"``.
+        keep_pieces: when the backend is ``sdpa``, the documents' outputs may come back apart
+            (:class:`~swiftune.attention.pieces.DocumentOutputs`), for a caller that projects each.
 
     Returns:
-        ``[T, Hq, D]`` in q's dtype.
+        ``[T, Hq, D]`` in q's dtype, or with ``keep_pieces`` possibly its pieces.
     """
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[1] % k.shape[1]:
         raise ValueError(
@@ -512,4 +518,7 @@ def packed_attention(
     window = int(window) if window else None
     softcap = float(softcap) if softcap else None
     name = resolve_backend(backend, q, k, window, softcap, dropout, packed)
+    if name == "sdpa":
+        return sdpa_packed_attention(q, k, v, packed, scale=scale, window=window, softcap=softcap, dropout=dropout,
+                                     keep_pieces=keep_pieces)
     return BACKEND_FUNCTIONS[name](q, k, v, packed, scale=scale, window=window, softcap=softcap, dropout=dropout)

@@ -25,6 +25,7 @@ from torch import nn
 
 from .backends import packed_attention
 from .packing import PackedBatch, build_packed_batch
+from .pieces import PIECES_KWARG, DocumentOutputs
 from .sinks import dense_sink_scores, sink_attention
 
 ATTENTION_NAME = "swiftune_packed"
@@ -120,7 +121,9 @@ def packed_attention_forward(
 
     ``s_aux``: gpt-oss's attention sinks (one logit per query head, :mod:`swiftune.attention.sinks`).
     Returns ``(attn_output [B, S, Hq, D], None)`` like transformers' own attention functions.
-    Padding positions of a 2-D-masked batch get zeros.
+    Padding positions of a 2-D-masked batch get zeros. A caller that passes ``swiftune_output_pieces=True``
+    (:data:`~swiftune.attention.pieces.PIECES_KWARG`) may get long documents' outputs apart instead,
+    as :class:`~swiftune.attention.pieces.DocumentOutputs` ``[L_i, Hq, D]``.
     """
     bsz, heads, q_len, head_dim = query.shape
     if scaling is None:
@@ -146,9 +149,14 @@ def packed_attention_forward(
         out = sink_attention(q, k, v, packed, scale=scaling, sinks=s_aux, window=sliding_window, dropout=dropout,
                              backend=packed.backend)
         return packed.pad(out), None
+    # the caller projects per-document outputs itself (swiftune.attention.pieces); a padded batch cannot
+    keep_pieces = bool(kwargs.get(PIECES_KWARG)) and packed.indices is None
     out = packed_attention(
-        q, k, v, packed, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, backend=packed.backend
+        q, k, v, packed, scale=scaling, window=sliding_window, softcap=softcap, dropout=dropout, backend=packed.backend,
+        keep_pieces=keep_pieces,
     )
+    if isinstance(out, DocumentOutputs):
+        return out, None
     return packed.pad(out), None
 
 

@@ -58,6 +58,7 @@ from .hf import packed_attention_forward
 from .kept_outputs import kept_attention_outputs
 from .kernel_choice import layout_attention_kernel, prefers_sdpa
 from .packing import PackedBatch
+from .pieces import PIECES_KWARG, DocumentOutputs, document_outputs
 from .sinks import dense_sink_scores, flex_sink_with_mask, sink_attention
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
@@ -177,6 +178,7 @@ def grpo_attention_forward(
         return packed_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                          sliding_window=sliding_window, softcap=softcap, **kwargs)
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks
+    keep_pieces = bool(kwargs.get(PIECES_KWARG))  # the caller projects per-sequence outputs (attention.pieces)
     bsz, heads, q_len, head_dim = query.shape
     if bsz != 1 or key.shape[2] != q_len:
         raise ValueError(f"a GRPO policy row is one row [1, T] without cache; got query {tuple(query.shape)}, "
@@ -198,7 +200,7 @@ def grpo_attention_forward(
             out = shared_prompt_sink_attention(q, k, v, layout, scale=scaling, sinks=sinks, window=window)
     elif not layout.shared:
         out = packed_attention(q, k, v, layout.packed, scale=scaling, window=window, softcap=cap, dropout=dropout,
-                               backend=layout.backend)
+                               backend=layout.backend, keep_pieces=keep_pieces)
     else:
         if dropout:
             raise ValueError("attention dropout is not supported in shared-prompt rows; set share_prompt=False")
@@ -208,11 +210,13 @@ def grpo_attention_forward(
         elif backend == "sdpa":
             if window or cap:
                 raise ValueError("the sdpa backend has no sliding window or soft-cap; use 'flex' for this model")
-            out = shared_prompt_sdpa(q, k, v, layout, scale=scaling)
+            out = shared_prompt_sdpa(q, k, v, layout, scale=scaling, keep_pieces=keep_pieces)
         elif backend == "reference":
             out = shared_prompt_reference(q, k, v, layout, scale=scaling, window=window, softcap=cap)
         else:
             raise ValueError(f"shared-prompt rows run on the 'flex', 'sdpa' or 'reference' backend, not {backend!r}")
+    if isinstance(out, DocumentOutputs):
+        return out, None
     return out.unsqueeze(0), None
 
 
@@ -338,20 +342,21 @@ def shared_prompt_sink_attention(
 
 
 def shared_prompt_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, *, scale: float, keep_pieces: bool = False,
+) -> torch.Tensor | DocumentOutputs:
     """Each completion as the dense causal sequence ``prompt + completion`` (:func:`dense_causal_attention`).
 
     The first completion of a group follows its prompt on the flat axis, so ``prompt + completion``
     is a slice and its output covers the prompt's tokens too; every later completion is gathered
     with a copy of the prompt's q/k/v and keeps only its own outputs. The prompt's queries see the
     same keys in every copy, so computing them once more changes nothing but the (small) cost.
-    Gradients reach the shared prompt's k/v from every completion through the copies."""
+    Gradients reach the shared prompt's k/v from every completion through the copies. With
+    ``keep_pieces`` the sequences' outputs may come back apart (:mod:`swiftune.attention.pieces`)."""
     if layout.sequences is None:
         raise ValueError("this RowLayout has no host-side sequence table; build it with build_policy_row")
     with kept_attention_outputs():  # a checkpointed layer that keeps them: stored, or served in its recompute
         pieces = _completion_sequences_sdpa(q, k, v, layout, scale)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    return document_outputs(pieces, keep_pieces)
 
 
 def _completion_sequences_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..attention.pieces import PIECES_KWARG, DocumentOutputs, project_pieces
+from ..attention.registry import PACKED_ATTENTION_IMPLEMENTATIONS
 from ..kernels import geglu, rms_norm, rope_qk, swiglu
 from .state import AttentionSpec, PatchState, patch_state
 
@@ -79,6 +81,10 @@ def fused_attention_forward(
         extra["softcap"] = self.attn_logit_softcapping
     if getattr(self, "sinks", None) is not None:  # gpt-oss: one sink logit per head joins every softmax
         extra["s_aux"] = self.sinks
+    if torch.is_grad_enabled() and self.config._attn_implementation in PACKED_ATTENTION_IMPLEMENTATIONS:
+        # long documents' outputs may come back apart: projected one by one, o_proj saves views of what
+        # the attention saved, not a concatenated copy (swiftune.attention.pieces)
+        extra[PIECES_KWARG] = True
     attn_output, attn_weights = attention_interface(
         self,
         query,
@@ -90,6 +96,8 @@ def fused_attention_forward(
         **extra,
         **kwargs,
     )
+    if isinstance(attn_output, DocumentOutputs):
+        return project_pieces(self.o_proj, attn_output, input_shape), attn_weights
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
 
