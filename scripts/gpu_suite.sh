@@ -33,6 +33,7 @@
 #   scripts/gpu_suite.sh gptoss-decode # the decode kernels on gpt-oss's experts: tests compiled, one layer vs grouped GEMM, the engine's G 8/64 rows (~7 min)
 #   scripts/gpu_suite.sh moe-decode-cap # the decode kernels' cap: tests compiled, Qwen3-30B-A3B G=64 at caps 16 / 64, gpt-oss-20b G=64 at its default (~7 min)
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
+#   scripts/gpu_suite.sh pieces-tests # the projected-pieces tests on CUDA (~1 min)
 #   scripts/gpu_suite.sh qlora-grpo-at C... # the same at fixed completion lengths, in the foreground (for gpu_chain.sh; ~12-15 min near 330K)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
@@ -480,6 +481,9 @@ case "$part" in
       --share-prompt --load-in-4bit --gpu-budget-gb 80 --completion-from-planner --time-budget 2700 \
       --out /tmp/qlora_grpo.json
     wait_for qlora_grpo 54 8 ;;
+  pieces-tests)  # per-document sdpa outputs projected one by one (swiftune.attention.pieces): its tests on CUDA
+    # (bf16 parity, one saved attention output fewer per layer, the kernels' contiguous [L, H, D] output) (~1 min)
+    run attention_pieces_tests 150 python3 -m pytest -q -rf tests/test_attention_pieces.py -p no:cacheprovider ;;
   qlora-grpo-at)  # GRPO trials at fixed completion lengths, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB
     # budget, in the foreground (for scripts/gpu_chain.sh, which is already detached; a trial near 2 x 330K takes
     # ~12-15 min). Usage: qlora-grpo-at COMPLETION...

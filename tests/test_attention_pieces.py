@@ -128,9 +128,21 @@ def _saved_storage_bytes(model, examples) -> int:
         storages[storage.data_ptr()] = storage.nbytes()
         return t
 
+    device = next(model.parameters()).device
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device), use_cache=False)
     return sum(storages.values())
+
+
+def _assert_one_output_fewer(model, monkeypatch, dtype_bytes: int) -> None:
+    examples = _examples()
+    tokens = sum(len(e["input_ids"]) for e in examples)
+    attention = model.get_base_model().model.layers[0].self_attn
+    q_dim = attention.config.num_attention_heads * attention.head_dim
+    joined = _saved_storage_bytes(model, examples)
+    monkeypatch.setattr(pieces_module, "PIECE_MIN_TOKENS", 1)
+    apart = _saved_storage_bytes(model, examples)
+    assert joined - apart == LAYERS * tokens * q_dim * dtype_bytes, (joined, apart)
 
 
 def test_projected_pieces_save_one_attention_output_fewer_per_layer(qwen3_reference, monkeypatch):
@@ -139,12 +151,22 @@ def test_projected_pieces_save_one_attention_output_fewer_per_layer(qwen3_refere
     adapter saves views of sdpa's own outputs: exactly ``T x q_dim`` float32 values fewer per layer.
     (CPU sdpa lays its output out ``[L, H, D]`` in memory, as the CUDA kernels do: the flattening is a view.)"""
     base, reference, _ = qwen3_reference
-    model = _sdpa_model(base, reference, "off")
-    examples = _examples()
-    tokens = sum(len(e["input_ids"]) for e in examples)
-    attention = model.get_base_model().model.layers[0].self_attn
-    q_dim = attention.config.num_attention_heads * attention.head_dim
-    joined = _saved_storage_bytes(model, examples)
-    monkeypatch.setattr(pieces_module, "PIECE_MIN_TOKENS", 1)
-    apart = _saved_storage_bytes(model, examples)
-    assert joined - apart == LAYERS * tokens * q_dim * 4, (joined, apart)
+    _assert_one_output_fewer(_sdpa_model(base, reference, "off"), monkeypatch, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+def test_gpu_bf16_projected_pieces_save_one_attention_output_fewer_per_layer(qwen3_reference, monkeypatch):
+    """The same in bf16 on the GPU's fused sdpa kernels, and their premise at a Qwen3-8B layer's shape
+    (32 query heads, 8 K/V heads, head_dim 128, GQA in the kernel): a document's output ``[L, H, D]`` is
+    contiguous, so ``o_proj``'s input is a view of what sdpa saved. The memory planner drops its
+    ``attention_out_copy`` term for long documents only on this evidence."""
+    from swiftune.attention.backends import dense_causal_attention
+
+    q = torch.randn(4096, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(4096, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = dense_causal_attention(q, k, v, scale=128**-0.5)
+    assert out.is_contiguous() and out.reshape(4096, -1).data_ptr() == out.data_ptr()
+    base, reference, _ = qwen3_reference
+    model = _sdpa_model(base, reference, "off").cuda().to(torch.bfloat16)
+    _assert_one_output_fewer(model, monkeypatch, 2)

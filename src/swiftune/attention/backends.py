@@ -334,7 +334,10 @@ def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = Non
     * ``"flex"`` keeps the K/V heads and writes dq in the activation dtype;
     * ``"sdpa"`` (one call per document, :func:`sdpa_packed_attention`: GQA in the kernel) keeps
       the K/V heads too, and the documents' outputs, concatenated for the output projection, are
-      saved twice (``attention_out_copy``); its float32 dq exists for one document at a time: for
+      saved twice (``attention_out_copy``; documents of ``PIECE_MIN_TOKENS`` or more are projected
+      one by one instead, :mod:`swiftune.attention.pieces`, which saves no copy: the term stays until
+      the GPU's kernels are shown to share the storage, ``tests/test_attention_pieces.py``'s CUDA
+      case); its float32 dq exists for one document at a time: for
       ``max_doc_tokens`` tokens when the longest document is known, else for the whole row (one
       long document's backward holds it for all of its tokens at once);
     * anything else (``None``: not known) is planned as torch's varlen: K/V expanded where it has
