@@ -61,6 +61,7 @@
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
+#   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
@@ -353,6 +354,12 @@ case "$part" in
       --load-in-4bit --modes swiftune_offload_untiled swiftune --out "$OUT/qlora_sft_untiled.json"
     run unsloth_qlora 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
       --modes unsloth --out "$OUT/unsloth_qlora_sft.json" ;;
+  qlora-sft-16k)  # the QLoRA 16K-token row beside Unsloth --4bit's packed rows (16 x 1,024) in one call: swiftune with
+    # every layer input on the host and the MLP untiled, then Unsloth in its own process (carry .shared and .whl; ~7 min)
+    run qlora_sft_16k 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-4bit \
+      --modes swiftune_budget_offload_untiled --out "$OUT/qlora_sft_16k.json"
+    run unsloth_qlora_packed 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
+      --modes unsloth_packed --out "$OUT/unsloth_qlora_packed.json" ;;
   qlora-grpo-unsloth)  # issue 24's "Unsloth's own largest on the same budget": Unsloth --4bit, G=2, prompt 256, on an
     # 80 GB budget, doubling from 65,536 then bisected to 5% (carry .shared; ~8-9 min)
     run unsloth_qlora_grpo 560 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
@@ -482,7 +489,8 @@ case "$part" in
       --out /tmp/qlora_grpo.json
     wait_for qlora_grpo 54 8 ;;
   pieces-tests)  # per-document sdpa outputs projected one by one (swiftune.attention.pieces): its tests on CUDA
-    # (bf16 parity, one saved attention output fewer per layer, the kernels' contiguous [L, H, D] output) (~1 min)
+    # (the CPU parity cases, one saved attention output fewer per layer in bf16, the kernels' contiguous [L, H, D]
+    # output at the 8B shape) (~1 min)
     run attention_pieces_tests 150 python3 -m pytest -q -rf tests/test_attention_pieces.py -p no:cacheprovider ;;
   qlora-grpo-at)  # GRPO trials at fixed completion lengths, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB
     # budget, in the foreground (for scripts/gpu_chain.sh, which is already detached; a trial near 2 x 330K takes
