@@ -90,6 +90,22 @@ def test_attention_output_layers_are_checked_and_budgeted(qwen3_reference):
     assert [state.keeps_attention_output(i) for i in range(3)] == [False, True, True]
 
 
+SHARED_PROMPT, SHARED_COMPLETIONS = [5, 6, 7], [[8, 9, 10, 11], [12, 13]]
+
+
+def completion_logprobs_reference(reference, prompt: list[int], completions: list[list[int]]) -> tuple:
+    """transformers' own model (+ PEFT) on each ``prompt + completion`` alone: the summed completion
+    log-probs (float64) and every parameter's gradient of that sum."""
+    reference.zero_grad(set_to_none=True)
+    want = 0.0
+    for completion in completions:
+        ids = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(reference(input_ids=ids, use_cache=False).logits[0].double(), -1)
+        want = want + logp[len(prompt) - 1:-1].gather(1, ids[0, len(prompt):, None]).sum()
+    want.backward()
+    return want.detach(), {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+
+
 def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gradients(qwen3_reference):
     """GRPO's shared-prompt row (one prompt, two completions, each ``prompt + completion`` through sdpa)
     with every layer keeping its outputs: the summed completion log-probs and every adapter's gradient
@@ -98,16 +114,8 @@ def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gra
     from swiftune.rl import build_policy_row, completion_logprobs
 
     base, reference, _ = qwen3_reference
-    prompt, completions = [5, 6, 7], [[8, 9, 10, 11], [12, 13]]
-    reference.zero_grad(set_to_none=True)
-    want = 0.0
-    for completion in completions:
-        ids = torch.tensor([prompt + completion])
-        logp = torch.log_softmax(reference(input_ids=ids, use_cache=False).logits[0].double(), -1)
-        targets = ids[0, len(prompt):]
-        want = want + logp[len(prompt) - 1:-1].gather(1, targets[:, None]).sum()
-    want.backward()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    prompt, completions = SHARED_PROMPT, SHARED_COMPLETIONS
+    want, ref_grads = completion_logprobs_reference(reference, prompt, completions)
 
     model = _sdpa_model(base, reference, 3)
     row = build_policy_row([prompt, prompt], completions, share_prompt=True, attention_backend="sdpa")

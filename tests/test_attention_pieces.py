@@ -18,6 +18,7 @@ import swiftune.models.forwards as forwards_module
 from swiftune.attention.pieces import DocumentOutputs, document_outputs
 from swiftune.models import patch_model
 from swiftune.models.tiled_mlp import enable_tiled_mlp
+from tests.test_attention_outputs import SHARED_COMPLETIONS, SHARED_PROMPT, completion_logprobs_reference
 from tests.test_gradient_parity import (_assert_parity, _examples, _lora_reference, _reference_step,
                                         _swiftune_model, _swiftune_step, _trainable)
 from tests.helpers import assert_gradients_match, tiny_model
@@ -95,15 +96,8 @@ def test_shared_prompt_rows_project_each_sequence_and_give_the_unpatched_models_
     from swiftune.rl import build_policy_row, completion_logprobs
 
     base, reference, _ = qwen3_reference
-    prompt, completions = [5, 6, 7], [[8, 9, 10, 11], [12, 13]]
-    reference.zero_grad(set_to_none=True)
-    want = 0.0
-    for completion in completions:
-        ids = torch.tensor([prompt + completion])
-        logp = torch.log_softmax(reference(input_ids=ids, use_cache=False).logits[0].double(), -1)
-        want = want + logp[len(prompt) - 1:-1].gather(1, ids[0, len(prompt):, None]).sum()
-    want.backward()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+    prompt, completions = SHARED_PROMPT, SHARED_COMPLETIONS
+    want, ref_grads = completion_logprobs_reference(reference, prompt, completions)
 
     model = _sdpa_model(base, reference, "on", tiled_projections=True)
     row = build_policy_row([prompt, prompt], completions, share_prompt=True, attention_backend="sdpa")
