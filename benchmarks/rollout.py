@@ -197,12 +197,14 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
             "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens,
-            "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows}
+            "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
+            "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0))}
 
 
 def nf4_options(a) -> dict:
     """The engine's NF4 options the command line names (the library's defaults where it names none)."""
-    options = {"nf4_decode_kernel": a.nf4_decode_kernel}
+    options = {"nf4_decode_kernel": a.nf4_decode_kernel,
+               "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}
     if a.nf4_decode_max_rows is not None:
         options["nf4_decode_max_rows"] = a.nf4_decode_max_rows
     return options
@@ -344,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nf4-decode-max-rows", type=int, default=None,
                    help="--load-in-4bit: the most rows a decode step sends through the NF4 kernel, 2-64 "
                         "(FastRolloutEngine(nf4_decode_max_rows=...); default: the library's, 16)")
+    p.add_argument("--nf4-dense", choices=("auto", "on", "off"), default="auto",
+                   help="--load-in-4bit: decode from a copy of the NF4 weights dequantised once per generate call "
+                        "(FastRolloutEngine(nf4_dense=...); auto, the library's default: on CUDA when the copy takes "
+                        "at most a quarter of the free memory)")
     p.add_argument("--baseline-kinds", nargs="+", choices=("dynamic", "static"), default=["dynamic", "static"],
                    help="which generate baselines to time (static compiles the forward: minutes on MoE shapes)")
     p.add_argument("--time-budget", type=float, default=420.0,

@@ -25,6 +25,7 @@
 #   scripts/gpu_suite.sh qlora-sft-offload # QLoRA SFT batch 16: swiftune with / without the layer inputs on the host, Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
 #   scripts/gpu_suite.sh qlora-rollout-nf4 # the NF4 decode kernel: its CUDA tests, its matmul table vs bitsandbytes and its settings sweep, the engine with it vs bitsandbytes' path, Qwen3-8B, G 8/16/64 (~9 min; carry .whl with bitsandbytes)
+#   scripts/gpu_suite.sh qlora-rollout-dense # the engine from NF4 weights dequantised once per call vs per step, Qwen3-8B, G 8/64 (~5 min; carry .whl)
 #   scripts/gpu_suite.sh qlora-rollout-nf4-64 # the NF4 kernel to 64 rows: tests, matmul table 1-64 rows, the engine at G=32/64 bound to 64 vs 16 rows (~8 min; carry .whl)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
 #   scripts/gpu_suite.sh fp8-dot      # the FP8 x FP8 decode kernel (17-64 rows): its tests compiled (Qwen3-8B projections, graph replay == eager), then the decode matmul table with its columns and sweep (~3 min)
@@ -414,6 +415,15 @@ case "$part" in
       --rows 8 16 64 --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out "$OUT/rollout_nf4_kernel.json"
     run nf4_rollout_bnb 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --no-nf4-decode-kernel --rows 8 16 \
       --new-tokens 1024 --no-baselines --no-checks --time-budget 160 --out "$OUT/rollout_nf4_bnb.json" ;;
+  qlora-rollout-dense)  # the engine decoding from NF4 weights dequantised once per call (FastRolloutEngine(nf4_dense=...),
+    # on by default where the copy fits a quarter of the free memory) against the per-step paths (the NF4 kernel to
+    # 16 rows, bitsandbytes above), Qwen3-8B, G 8/64, N 1024, one call; the engine's checks against generate on the
+    # dense run (~5 min)
+    run nf4_rollout_dense 250 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 \
+      --nf4-dense on --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 220 --out "$OUT/rollout_nf4_dense.json"
+    run nf4_rollout_per_step 200 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 \
+      --nf4-dense off --new-tokens 1024 --no-baselines --no-checks --time-budget 170 \
+      --out "$OUT/rollout_nf4_per_step.json" ;;
   qlora-rollout-nf4-64)  # the NF4 kernel above 16 rows (FastRolloutEngine(nf4_decode_max_rows=64)): its tests
     # compiled, its matmul table at 1-64 rows against bitsandbytes, then the engine at G=32/64 bound to 64 rows
     # against the default bound of 16 (bitsandbytes' dequantise-then-multiply above it), Qwen3-8B, N 1024 (~8 min)

@@ -159,7 +159,8 @@ def test_rollout_engine_generates_from_4bit_weights(checkpoints, monkeypatch):
     with ``nf4_decode_kernel=False`` no product goes through swiftune's NF4 kernel; by default the decode steps'
     base products do (counted), up to 16 rows, and only during the call; with ``nf4_decode_max_rows=32`` an
     18-row decode step (two prompts, G=9) takes the kernel too, which the default's 16 would send to
-    bitsandbytes."""
+    bitsandbytes. A fourth, ``nf4_dense=True``, decodes from copies of the weights dequantised for the call (no
+    kernel product), whose products equal bitsandbytes' own layer's."""
     import swiftune.models.nf4_decode as nf4_decode
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
 
@@ -199,6 +200,31 @@ def test_rollout_engine_generates_from_4bit_weights(checkpoints, monkeypatch):
             got = out.completion_ids[i]
             assert all(c == got for c in out.completion_ids[i:i + group])
             assert got == refs[i // group][:new], choice  # greedy: the shorter run is the longer one's prefix
+    # nf4_dense=True: every NF4 layer multiplies by a copy dequantised for the call (no kernel product), the
+    # same greedy tokens; afterwards the layers have their own forwards back and no copy is left
+    calls.clear()
+    engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3, nf4_dense=True)
+    out = engine.generate(prompts, 9, SamplingParams(max_tokens=5, temperature=0))
+    assert calls == [] and engine.stats["nf4_dense_layers"] == 7 * model.config.num_hidden_layers
+    assert not any("swiftune_nf4_dense" in vars(m) or "forward" in vars(m) for m in model.modules()
+                   if type(m).__name__ == "Linear4bit" and not hasattr(m, "lora_A"))
+    for i in range(0, len(out.completion_ids), 9):
+        assert all(c == refs[i // 9][:5] for c in out.completion_ids[i:i + 9]), "nf4_dense"
+    with pytest.raises(ValueError, match="nf4_dense must be True, False or 'auto'"):
+        FastRolloutEngine(model, nf4_dense="yes")
+    assert not FastRolloutEngine(model)._uses_nf4_dense()  # auto: CUDA only
+    # the copy's products are bitsandbytes' own for several rows (it multiplies its dequantised weight too)
+    from swiftune.models.nf4_dense import nf4_dense_bytes, nf4_dense_layers
+
+    base = model.get_base_model().model.layers[0].mlp.down_proj.base_layer
+    x = torch.randn(3, base.in_features)
+    with torch.no_grad():
+        want = base(x)
+        with nf4_dense_layers(model) as bound:
+            got = base(x)
+    assert bound == 7 * model.config.num_hidden_layers and rel_err(got, want) < 1e-6
+    assert nf4_dense_bytes(model) == 4 * sum(m.in_features * m.out_features for m in model.modules()
+                                             if type(m).__name__ == "Linear4bit" and not hasattr(m, "lora_A"))
     with pytest.raises(ValueError, match="nf4_decode_max_rows must be an int from 2 to 64"):
         FastRolloutEngine(model, nf4_decode_max_rows=65)
     with pytest.raises(ValueError, match="runtime"):

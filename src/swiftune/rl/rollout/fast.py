@@ -88,6 +88,7 @@ from ...losses import free_gpu_bytes
 from ...models.experts import check_decode_kernel_max_tokens, rollout_experts
 from ...models.families import FAMILIES
 from ...models.nf4_decode import NF4_DECODE_MAX_ROWS, check_nf4_decode_max_rows, nf4_decode_layers
+from ...models.nf4_dense import nf4_dense_bytes, nf4_dense_layers
 from ...models.patching import causal_lm_of
 from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
@@ -196,6 +197,12 @@ class FastRolloutEngine:
             Models without NF4 layers, and devices where the kernel does not run, are unaffected.
         nf4_decode_max_rows: the most rows such a step sends through the NF4 kernel (2 to 64; default 16, a
             G=16 step); larger steps take bitsandbytes' forward, whose dequantised copy more rows share.
+        nf4_dense: NF4 base weights: dequantise every NF4 layer once per ``generate`` call into a copy in its
+            compute dtype and decode from that (:mod:`swiftune.models.nf4_dense`; freed after the call, training
+            untouched), instead of dequantising (bitsandbytes) or decoding (the NF4 kernel) the codes at every
+            step. ``"auto"``: on CUDA when the copies take at most a quarter of the free memory (the 8B shape's
+            ~14 GB on an 80 GB GPU, not on a 24 GB one); ``True``: always; ``False``: never. While it is on, the
+            NF4 kernel is not bound.
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -206,11 +213,14 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS):
+                 nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
+                 nf4_dense: bool | str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
             raise ValueError(f"lora must be 'auto', 'runtime' or 'merge', got {lora!r}")
+        if nf4_dense not in (True, False, "auto"):
+            raise ValueError(f"nf4_dense must be True, False or 'auto', got {nf4_dense!r}")
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.seed = seed
@@ -231,6 +241,7 @@ class FastRolloutEngine:
                                       else check_decode_kernel_max_tokens(moe_decode_max_tokens))
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
+        self.nf4_dense = nf4_dense
         self._generator: torch.Generator | None = None
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
@@ -266,12 +277,16 @@ class FastRolloutEngine:
         attn_before = attention_config._attn_implementation
         backups = None
         self.model.eval()
+        dense = self._uses_nf4_dense()
         try:
             with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type],
                                                           self.moe_decode_max_tokens) as (bound, total), \
-                    nf4_decode_layers(self.model, self.nf4_decode_kernel, self.nf4_decode_max_rows):
+                    nf4_dense_layers(self.model, dense) as dense_layers, \
+                    nf4_decode_layers(self.model, self.nf4_decode_kernel and not dense, self.nf4_decode_max_rows):
                 if bound < total:
                     self._check_unbound_experts(total - bound)
+                if dense_layers:
+                    self.stats["nf4_dense_layers"] = float(dense_layers)
                 backups = merge_lora(self.model, self.lora)
                 attention_config._attn_implementation = attention_name
                 per_chunk = self._prompts_per_chunk(prompt_ids, num_generations, params)
@@ -287,7 +302,8 @@ class FastRolloutEngine:
             if backups is not None:
                 unmerge_lora(self.model, backups)
             self.model.train(was_training)
-            if not self._keeps_cache():
+            # graphs captured over dequantised copies point at memory freed with them: they go too
+            if dense or not self._keeps_cache():
                 self.release()
         self.stats.update(out.stats)
         out.stats = dict(self.stats)
@@ -513,6 +529,17 @@ class FastRolloutEngine:
         ws.step.add_(1)
 
     # ------------------------------------------------------------------ memory, stop strings, graphs
+    def _uses_nf4_dense(self) -> bool:
+        """Whether this call decodes NF4 layers from dequantised copies (``nf4_dense``; ``"auto"``: on CUDA
+        when the copies take at most a quarter of the free memory)."""
+        if self.nf4_dense is False:
+            return False
+        size = nf4_dense_bytes(self.model)
+        if size == 0 or self.nf4_dense is True:
+            return size > 0
+        device = next(self.model.parameters()).device
+        return device.type == "cuda" and size <= free_gpu_bytes(device) // 4
+
     def _keeps_cache(self) -> bool:
         if self.keep_cache != "auto":
             return bool(self.keep_cache)
