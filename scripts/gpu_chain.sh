@@ -42,7 +42,7 @@ case "${1:?start PART... | wait SECONDS}" in
     limit=${2:-540}
     for _ in $(seq $((limit / 10))); do [ -f "$CHAIN/ALLDONE" ] && break; sleep 10; done
     cat "$CHAIN/status.txt" 2>/dev/null
-    [ -f "$CHAIN/ALLDONE" ] && echo "ALLDONE" || echo "still running: $(ls "$CHAIN" | grep -c '\.log$') parts started"
+    [ -f "$CHAIN/ALLDONE" ] && echo "ALLDONE" || echo "still running: $(ls "$CHAIN" | grep -c '^[0-9][0-9]*-.*\.log$') parts started"
     mkdir -p "$OUT" && tar czf "$OUT/chain.tgz" -C "$(dirname "$CHAIN")" "$(basename "$CHAIN")" ;;
   *)
     echo "gpu_chain.sh: start PART... | wait SECONDS" >&2; exit 2 ;;
