@@ -5,6 +5,7 @@
 # $CHAIN/ALLDONE appears when the last part has ended; `wait` polls and packs $CHAIN into $OUT/chain.tgz.
 #
 #   scripts/gpu_chain.sh start "check-none" "grpo-65k-attn 36" "qlora-sft-untiled"   # then, in the same call:
+#   (start --beside-check PART...: both no-argument main jobs run in the foreground beside the chain, to $OUT/check)
 #   scripts/gpu_chain.sh wait 540                                                    # and in each later call
 #
 # A part is a gpu_suite.sh part with its arguments in one word ("grpo-65k-attn 36"); "check-none" runs
@@ -17,6 +18,8 @@ OUT=${OUT:-/tmp/swiftune_out}
 case "${1:?start PART... | wait SECONDS}" in
   start)
     shift
+    beside_check=0
+    if [ "${1:-}" = "--beside-check" ]; then beside_check=1; shift; fi
     [ $# -gt 0 ] || { echo "gpu_chain.sh start: name at least one part" >&2; exit 2; }
     if [ -d "$CHAIN" ] && [ ! -f "$CHAIN/ALLDONE" ]; then
       echo "gpu_chain.sh: a chain is still running in $CHAIN (no ALLDONE): poll it with 'wait'" >&2; exit 2
@@ -36,7 +39,15 @@ case "${1:?start PART... | wait SECONDS}" in
         echo "$name: exit $? in $(( $(date +%s) - start )) s" >> "$CHAIN/status.txt"
       done < "$CHAIN/parts.txt"
       touch "$CHAIN/ALLDONE"' > "$CHAIN/chain.log" 2>&1 < /dev/null &
-    echo "chain started in $CHAIN: $*" ;;
+    echo "chain started in $CHAIN: $*"
+    if [ $beside_check = 1 ]; then
+      # both no-argument main jobs in the foreground, beside the chain, from a copy of the tree without the
+      # wheels (the chain's first part installs them into /tmp/site; a second install there could race it)
+      sleep 40
+      rm -rf /tmp/chk && mkdir -p /tmp/chk
+      tar cf - --exclude=./.whl --exclude=./.shared --exclude=./.git . | tar xf - -C /tmp/chk
+      (cd /tmp/chk && PYTHONPATH=/tmp/site OUT="$OUT/check" scripts/gpu_check.sh none --)
+    fi ;;
   wait)
     [ -d "$CHAIN" ] || { echo "gpu_chain.sh: no chain in $CHAIN (a fresh machine? start it again)" >&2; exit 3; }
     limit=${2:-540}
