@@ -78,7 +78,7 @@ def nf4_decode_applies(x: torch.Tensor, max_rows: int = NF4_DECODE_MAX_ROWS) -> 
 def takes_nf4_decode(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module`` (a base layer) is bound by :func:`bind_nf4_decode` and a call with ``x`` takes the kernel:
     a fused LoRA node over it then runs PEFT's own forward, whose base call reaches the kernel."""
-    return getattr(module, _BOUND_ATTR, None) is not None and nf4_decode_applies(x, getattr(module, _MAX_ROWS_ATTR))
+    return is_nf4_decode_bound(module) and nf4_decode_applies(x, getattr(module, _MAX_ROWS_ATTR))
 
 
 def nf4_decode_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -99,11 +99,21 @@ def _bind(module: nn.Module, weight: NF4Weight, max_rows: int) -> None:
     module.forward = types.MethodType(nf4_decode_forward, module)
 
 
-def _unbind(module: nn.Module) -> None:
-    original = getattr(module, _BOUND_ATTR)
-    del module.forward  # the instance's binding; an own forward bound before ours comes back below
+def restore_forward(module: nn.Module, original: Any) -> None:
+    """Drop the forward bound on ``module``'s instance; ``original`` (the forward it replaced) comes back when
+    it was an own forward of the instance, not the class's."""
+    del module.forward
     if getattr(original, "__func__", None) is not type(module).forward:
         module.forward = original
+
+
+def is_nf4_decode_bound(module: nn.Module) -> bool:
+    """Whether :func:`bind_nf4_decode` bound ``module``."""
+    return getattr(module, _BOUND_ATTR, None) is not None
+
+
+def _unbind(module: nn.Module) -> None:
+    restore_forward(module, getattr(module, _BOUND_ATTR))
     delattr(module, _BOUND_ATTR)
     delattr(module, _WEIGHT_ATTR)
     delattr(module, _MAX_ROWS_ATTR)
@@ -124,7 +134,7 @@ def _bind_unbound_layers(model: nn.Module, max_rows: int) -> list[nn.Module]:
     check_nf4_decode_max_rows(max_rows)
     bound = []
     for module in model.modules():
-        if is_nf4_linear(module) and getattr(module, _BOUND_ATTR, None) is None:
+        if is_nf4_linear(module) and not is_nf4_decode_bound(module):
             weight = nf4_weight_of(module)
             if nf4_kernel_takes(weight):
                 _bind(module, weight, max_rows)
@@ -143,7 +153,7 @@ def bind_nf4_decode(model: nn.Module, max_rows: int = NF4_DECODE_MAX_ROWS) -> in
 
 def unbind_nf4_decode(model: nn.Module) -> int:
     """Restore the forwards :func:`bind_nf4_decode` replaced; returns how many."""
-    layers = [m for m in model.modules() if getattr(m, _BOUND_ATTR, None) is not None]
+    layers = [m for m in model.modules() if is_nf4_decode_bound(m)]
     for module in layers:
         _unbind(module)
     return len(layers)

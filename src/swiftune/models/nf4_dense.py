@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .nf4_decode import is_nf4_linear
+from .nf4_decode import is_nf4_decode_bound, is_nf4_linear, restore_forward
 
 _DENSE_ATTR = "swiftune_nf4_dense"  # (the layer's own forward, its weight in the compute dtype)
 
@@ -39,18 +39,19 @@ def _compute_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _takes_dense(module: nn.Module) -> bool:
-    """An NF4 layer in bitsandbytes' own layout (not repacked for its CPU kernel), not bound to the NF4 kernel."""
+    """An NF4 layer in bitsandbytes' own layout (not repacked for its CPU kernel), bound neither to the NF4
+    kernel nor to a copy yet."""
     return (is_nf4_linear(module) and not getattr(module.weight.quant_state, "packing_format_for_cpu", False)
-            and getattr(module, "swiftune_nf4_decode", None) is None)
+            and not is_nf4_decode_bound(module) and getattr(module, _DENSE_ATTR, None) is None)
 
 
 def nf4_dense_bytes(model: nn.Module) -> int:
     """Bytes of the copies :func:`nf4_dense_layers` would make: every NF4 layer's weight in its compute dtype."""
     total = 0
     for module in model.modules():
-        if _takes_dense(module) and getattr(module, _DENSE_ATTR, None) is None:
+        if _takes_dense(module):
             out_features, in_features = (int(d) for d in module.weight.quant_state.shape)
-            total += out_features * in_features * torch.empty((), dtype=_compute_dtype(module)).element_size()
+            total += out_features * in_features * _compute_dtype(module).itemsize
     return total
 
 
@@ -82,15 +83,12 @@ def nf4_dense_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     try:
         if enabled:
             for module in model.modules():
-                if _takes_dense(module) and getattr(module, _DENSE_ATTR, None) is None:
+                if _takes_dense(module):
                     setattr(module, _DENSE_ATTR, (module.forward, _dequantized(module)))
                     module.forward = types.MethodType(nf4_dense_forward, module)
                     layers.append(module)
         yield len(layers)
     finally:
         for module in layers:
-            original, _ = getattr(module, _DENSE_ATTR)
-            del module.forward  # the instance's binding; an own forward bound before ours comes back below
-            if getattr(original, "__func__", None) is not type(module).forward:
-                module.forward = original
+            restore_forward(module, getattr(module, _DENSE_ATTR)[0])
             delattr(module, _DENSE_ATTR)
