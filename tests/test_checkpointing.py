@@ -724,5 +724,7 @@ def test_get_peft_model_offload_without_tiles_equals_peft():
     _assert_same(ref, got, tol=1e-5)
     assert is_tiled(swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, use_gradient_checkpointing="offload"))
     assert is_tiled(swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, tiled_mlp=True))
+    bad = copy.deepcopy(base)
     with pytest.raises(ValueError, match="tiled_mlp must be True, False or None"):
-        swiftune.FastModel.get_peft_model(copy.deepcopy(base), r=4, tiled_mlp="no")
+        swiftune.FastModel.get_peft_model(bad, r=4, tiled_mlp="no")
+    assert not any(hasattr(m, "lora_A") for m in bad.modules())  # refused before PEFT adds adapters in place

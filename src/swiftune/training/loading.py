@@ -448,6 +448,8 @@ class FastModel:
         """
         from peft import LoraConfig, get_peft_model
 
+        if tiled_mlp is not None and not isinstance(tiled_mlp, bool):
+            raise ValueError(f"tiled_mlp must be True, False or None (with offloaded checkpointing), got {tiled_mlp!r}")
         config = LoraConfig(
             r=r,
             lora_alpha=lora_alpha,
@@ -467,8 +469,6 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
-        if tiled_mlp is not None and not isinstance(tiled_mlp, bool):
-            raise ValueError(f"tiled_mlp must be True, False or None (with offloaded checkpointing), got {tiled_mlp!r}")
         if tiled_mlp or (tiled_mlp is None and use_gradient_checkpointing in ("offload", "unsloth")):
             # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
