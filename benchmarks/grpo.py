@@ -71,6 +71,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 
 from benchmarks import child_env, module_command, results
 
@@ -423,6 +424,19 @@ def search_max_fit(fits, start: int, max_len: int, tol: float = 0.05, granularit
         return lo, hi, "out_of_time"
 
 
+def failure_frames(e: BaseException, keep: int = 8) -> list[str]:
+    """The innermost ``keep`` frames of ``e``'s traceback as ``file:line function`` (paths from the
+    package or repository root): an out-of-memory trial then says which step of the policy step
+    asked for the allocation that did not fit."""
+    frames = traceback.extract_tb(e.__traceback__)[-keep:]
+    def short(path: str) -> str:
+        for root in ("site-packages/", "src/", "benchmarks/"):
+            if root in path:
+                return path.rsplit(root, 1)[1] if root != "benchmarks/" else "benchmarks/" + path.rsplit(root, 1)[1]
+        return os.path.basename(path)
+    return [f"{short(f.filename)}:{f.lineno} {f.name}" for f in frames]
+
+
 def _is_oom(e: BaseException) -> bool:
     import torch
 
@@ -592,14 +606,14 @@ def bisect_one_mode(args) -> dict:
             host = type(e).__name__ == "CheckpointBudgetError"  # swiftune's offload: host budget exhausted
             if not (_is_oom(e) or host):
                 raise
-            failure = ("oom_host" if host else "oom", str(e).splitlines()[0][:600])
+            failure = ("oom_host" if host else "oom", str(e).splitlines()[0][:600], failure_frames(e))
         row["s"] = time.perf_counter() - t0
         model.zero_grad(set_to_none=True)
         if failure is None:
             row["status"] = "ok"
             row["tokens_per_s"] = tokens / row["s"]
         else:
-            row["status"], row["error"] = failure
+            row["status"], row["error"], row["where"] = failure
         if cuda:
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             row["reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9

@@ -103,6 +103,8 @@ def test_grpo_bisect_tiny(grpo_bisect_json):
         lengths = [t["completion"] for t in res["trials"]]
         assert lengths[0] == 96  # the fixed length first, then the search
         assert all({"completion", "tokens", "status", "s"} <= set(t) for t in res["trials"])
+        failed = [t for t in res["trials"] if t["status"] == "oom"]
+        assert failed and all(t["where"][-1].startswith("benchmarks/grpo.py:") for t in failed), failed
     rows = assert_rows(grpo_bisect_json, "grpo", {"fits", "max_fit_completion", "first_fail_completion", "step_s"})
     assert {r.tool for r in rows} >= {"swiftune"} and all(r.settings["rows"] == 2 for r in rows)
 
@@ -207,6 +209,8 @@ def test_grpo_bisect_host_budget_caps_the_offloaded_checkpoints(tmp_path):
                "--host-budget-gb", "0.000001", "--host-margin-gb", "0", "--out", str(out))
     (starved,) = json.loads(out.read_text())["modes"]["swiftune"]["trials"]
     assert starved["status"] == "oom_host", starved
+    # where it failed: swiftune's offloaded checkpointing, named by file and function
+    assert any(f.startswith("swiftune/training/") for f in starved["where"]), starved["where"]
 
 
 def test_grpo_completion_from_planner_tries_both_sides_of_its_answer(tmp_path):
