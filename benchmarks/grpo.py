@@ -437,12 +437,23 @@ def failure_frames(e: BaseException, keep: int = 8) -> list[str]:
     return [f"{short(f.filename)}:{f.lineno} {f.name}" for f in frames]
 
 
+#: Exit codes of a child the kernel killed (SIGKILL: the OOM killer when host memory runs out).
+KILLED_EXIT_CODES = (137, -9)
+
+
 def _is_oom(e: BaseException) -> bool:
     import torch
 
     if isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)):
         return True
     return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+
+
+def _is_host_oom(e: BaseException) -> bool:
+    """Host memory ran out: swiftune's offload budget, or torch's CPU allocator (``DefaultCPUAllocator:
+    can't allocate memory``, a RuntimeError that names no "out of memory")."""
+    return type(e).__name__ == "CheckpointBudgetError" or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e).lower())
 
 
 def host_budget_bytes(args) -> int | None:
@@ -581,6 +592,8 @@ def bisect_one_mode(args) -> dict:
         t0 = time.perf_counter()
         failure = None
         try:
+            if args.simulate_crash_above and tokens > args.simulate_crash_above:
+                raise RuntimeError(f"simulated: an unexpected failure at {tokens} tokens")
             if args.simulate_kill_above and tokens > args.simulate_kill_above:
                 os._exit(137)  # as the kernel's OOM killer would end the process
             if args.simulate_capacity and tokens > args.simulate_capacity:
@@ -603,7 +616,7 @@ def bisect_one_mode(args) -> dict:
                 if cuda:
                     torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - OOM (GPU or host budget) = does not fit; anything else: stop
-            host = type(e).__name__ == "CheckpointBudgetError"  # swiftune's offload: host budget exhausted
+            host = _is_host_oom(e)  # swiftune's offload budget, or the host's allocator
             if not (_is_oom(e) or host):
                 raise
             failure = ("oom_host" if host else "oom", str(e).splitlines()[0][:600], failure_frames(e))
@@ -683,6 +696,7 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
                         ("--host-budget-gb", args.host_budget_gb), ("--host-margin-gb", args.host_margin_gb),
                         ("--simulate-kill-above", args.simulate_kill_above),
+                        ("--simulate-crash-above", args.simulate_crash_above),
                         ("--gpu-budget-gb", getattr(args, "gpu_budget_gb", None))):
         if value:
             cmd += [flag, str(value)]
@@ -719,12 +733,18 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         else:
             tail = (tail + [line.rstrip()])[-20:]
     proc.wait()
-    if result is None and started is not None:  # killed inside a trial (host memory): it does not fit
-        t = {"mode": mode, "completion": started, "tokens": args.bisect_rows * (args.prompt_tokens + started),
-             "status": "oom_killed", "error": f"process ended (exit {proc.returncode}) during this trial"}
+    killed = None
+    if result is None and started is not None:
+        t = {"mode": mode, "completion": started, "tokens": args.bisect_rows * (args.prompt_tokens + started)}
+        if proc.returncode in KILLED_EXIT_CODES:  # killed inside a trial (the kernel's OOM killer): it does not fit
+            t.update(status="oom_killed", error=f"process killed (exit {proc.returncode}) during this trial")
+            killed = started
+        else:  # an error the trial does not count as out of memory: it says nothing about fitting
+            t.update(status="crashed", error=f"process ended (exit {proc.returncode}) during this trial: "
+                                             + " | ".join(x for x in tail if x.strip())[-600:])
         trials.append(t)
         print_trial(t)
-    return trials, result, (started if result is None else None), tail, proc.returncode
+    return trials, result, killed, tail, proc.returncode
 
 
 def run_bisect(args) -> dict:
@@ -978,6 +998,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the bisection, all modes (a 10-minute device call leaves room for start-up)")
     p.add_argument("--simulate-capacity", type=int, default=None,
                    help="smoke tests: trials above this many tokens count as out of memory")
+    p.add_argument("--simulate-crash-above", type=int, default=None,
+                   help="testing: a trial of more tokens than this raises an error that is not out of memory "
+                        "(the process ends with exit 1: the trial is 'crashed', with the process's last lines)")
     p.add_argument("--simulate-kill-above", type=int, default=None,
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
     p.add_argument("--load-in-4bit", action="store_true",

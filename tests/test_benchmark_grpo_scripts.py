@@ -247,6 +247,32 @@ def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
     assert res["status"] == "converged" and res["max_fit"] <= 444 < res["first_fail"] <= res["max_fit"] * 1.05 + 16
 
 
+def test_grpo_bisect_reports_a_crash_inside_a_trial_as_a_crash(tmp_path):
+    """A child that ends with an error that is not out of memory (exit 1) during a trial is no evidence
+    that the length does not fit: the trial says 'crashed' with the child's last lines, and no new
+    child resumes from it."""
+    out = tmp_path / "crashed.json"
+    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune",
+                      "--simulate-crash-above", "1000", "--completion-lengths", "96", "512", "--fixed-only",
+                      "--out", str(out))
+    assert "resuming" not in proc.stdout
+    res = json.loads(out.read_text())["modes"]["swiftune"]
+    by_length = {t["completion"]: t for t in res["trials"]}
+    assert by_length[96]["status"] == "ok"
+    crashed = by_length[512]
+    assert crashed["status"] == "crashed" and "exit 1" in crashed["error"], crashed
+    assert "simulated: an unexpected failure" in crashed["error"], crashed
+    assert res["first_fail"] is None  # a crash bounds nothing
+
+
+def test_host_allocator_failures_count_as_host_memory():
+    grpo = load_bench_module("grpo")
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 5536481280 bytes. Error code 12 (Cannot allocate memory)")
+    assert grpo._is_host_oom(cpu) and not grpo._is_oom(cpu)
+    assert not grpo._is_host_oom(RuntimeError("shape mismatch")) and grpo._is_oom(MemoryError())
+
+
 def test_loss_curve_tiny_curves_coincide(loss_curve_json):
     r = json.loads(loss_curve_json.read_text())
     for key in ("max_abs_diff", "max_rel_diff", "abs_diff", "same_data", "same_init", "modes", "steps"):
