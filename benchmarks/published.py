@@ -144,6 +144,15 @@ FIGURES: list[dict] = [
          date="2026-12-03", versions=BASE,
          command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune_budget_offload_untiled "
                  "swiftune_budget_offload --out qlora_sft_16k_untiled.json"),
+    # 2026-12-04, one device call (gpu_suite qlora-sft-16k): the 16K-token row, every layer input on the host and
+    # the MLP untiled, beside Unsloth --4bit's packed rows (16 x 1,024) in its own process
+    dict(figure="qlora_sft_16k_unsloth_qwen3-8b", file="2026-12-04/qlora_sft_16k_qwen3-8b_s28_h200.json",
+         date="2026-12-04", versions=BASE,
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-4bit --modes swiftune_budget_offload_untiled "
+                 "--out qlora_sft_16k.json"),
+    dict(figure="qlora_sft_16k_unsloth_qwen3-8b", file="2026-12-04/unsloth_qlora_packed_16k_call_s28_h200.json",
+         date="2026-12-04", versions=WITH_UNSLOTH,
+         command=f"{UNSLOTH_SFT} --4bit --modes unsloth_packed --out unsloth_qlora_packed.json"),
     dict(figure="sft_sweep_llama3-8b", file="sft_llama3-8b_sweep_h200.json", date="2026-11-30", versions=WITH_TRL,
          command=f"{SFT} --model llama3-8b --batch 1 2 4 8 16 32 --out sft_llama3-8b.json"),
     dict(figure="sft_sweep_qwen3-1.7b", file="2026-12-01/sft_qwen3-1.7b_sweep_h200.json", date="2026-12-01",
@@ -301,6 +310,16 @@ FIGURES: list[dict] = [
          versions=BASE, settings={"weights": "nf4", "nf4_matmul": "bitsandbytes above 16 rows, same call"},
          command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 64 --nf4-decode-max-rows 16 "
                  "--new-tokens 1024 --no-baselines --no-checks --time-budget 80 --out rollout_nf4_g64_max16.json"),
+    # 2026-12-04, one device call (gpu_suite qlora-rollout-dense): every NF4 layer dequantised once per generate call
+    # into a bf16 copy (nf4_dense on), then the per-step paths (the NF4 kernel to 16 rows, bitsandbytes above)
+    dict(figure="rollout_nf4", file="2026-12-04/rollout_nf4_dense_s28_h200.json", date="2026-12-04",
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "bf16 copy dequantised once a generate call"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --nf4-dense on "
+                 "--new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 220 --out rollout_nf4_dense.json"),
+    dict(figure="rollout_nf4", file="2026-12-04/rollout_nf4_per_step_s28_h200.json", date="2026-12-04",
+         versions=BASE, settings={"weights": "nf4", "nf4_matmul": "per step (kernel to 16 rows), same call"},
+         command="python -m benchmarks.rollout --model qwen3-8b --load-in-4bit --rows 8 64 --nf4-dense off "
+                 "--new-tokens 1024 --no-baselines --no-checks --time-budget 170 --out rollout_nf4_per_step.json"),
     # session 22, the same device call as rollout_nf4: Qwen3-VL-8B SFT on image-text rows, swiftune vs TRL 1.16
     dict(figure="vl_sft_qwen3-vl-8b", file="2026-12-03/vl_sft_qwen3-vl-8b_b16_h200.json", date="2026-12-03",
          versions={**BASE, "trl": "1.16.0"},
