@@ -37,6 +37,7 @@
 #   scripts/gpu_suite.sh pieces-tests # the projected-pieces tests on CUDA (~1 min)
 #   scripts/gpu_suite.sh qlora-grpo-at C... # the same at fixed completion lengths, in the foreground (for gpu_chain.sh; ~12-15 min near 330K)
 #   scripts/gpu_suite.sh qlora-grpo-unshared-at C... # the same with the prompt copied before each completion (no --share-prompt)
+#   scripts/gpu_suite.sh qlora-grpo-profile-at C # one shared trial with what is alive at its peak, by allocation site (~5-6 min when it fails)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
 #   scripts/gpu_suite.sh sft-chunk    # the fused loss chunk: auto / 1,024 / 2,048 tokens, Qwen3-0.6B batch 8-32, 8B batch 16 (~5 min)
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
@@ -516,6 +517,13 @@ case "$part" in
       run qlora_grpo_unshared_at 1500 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b \
       --bisect-modes swiftune --load-in-4bit --gpu-budget-gb 80 --completion-lengths "${@:2}" --fixed-only \
       --time-budget 1450 --out "$OUT/qlora_grpo_unshared_at.json" ;;
+  qlora-grpo-profile-at)  # one shared-prompt QLoRA trial (as qlora-grpo-at) with the allocator's history recorded: the
+    # blocks alive at the step's peak by the line that allocated them, kept when the trial runs out of memory too
+    # (benchmarks/memory_profile.py; recording slows the step). Usage: qlora-grpo-profile-at COMPLETION
+    PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+      run qlora_grpo_profile_at 1500 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b \
+      --bisect-modes swiftune --share-prompt --load-in-4bit --gpu-budget-gb 80 --completion-lengths "$2" \
+      --memory-profile-completion "$2" --fixed-only --time-budget 1450 --out "$OUT/qlora_grpo_profile_at.json" ;;
   qlora-grpo-wait)
     wait_for qlora_grpo 56 8 ;;
   grpo-edge-wait)
