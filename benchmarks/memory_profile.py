@@ -60,9 +60,21 @@ def blocks_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
     return peak, list(live.values())
 
 
-def peak_breakdown(trace: list[dict], bytes_before: int, top: int = 12) -> dict:
-    """The peak of the traced step and its largest allocation sites (GB, 1e9 bytes)."""
-    peak, alive = blocks_at_peak(trace)
+def blocks_at_oom(trace: list[dict]) -> tuple[dict, list[dict]] | None:
+    """The first ``oom`` event of one device's trace (an allocation the allocator could not serve) and the
+    blocks allocated since recording began that were alive then; ``None`` if nothing ran out."""
+    live: dict[int, dict] = {}
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+        elif ev["action"] == "oom":
+            return ev, list(live.values())
+    return None
+
+
+def _by_site(alive: list[dict], top: int) -> list[dict]:
     by_site: dict[str, int] = {}
     for ev in alive:
         site = allocation_site(ev.get("frames", []))
@@ -72,8 +84,21 @@ def peak_breakdown(trace: list[dict], bytes_before: int, top: int = 12) -> dict:
     sites = [{"site": s, "gb": b / 1e9} for s, b in ranked[:top]]
     if rest:
         sites.append({"site": f"({len(ranked) - top} other sites)", "gb": rest / 1e9})
-    return {"before_step_gb": bytes_before / 1e9, "step_peak_gb": (bytes_before + peak) / 1e9,
-            "alive_at_peak_gb": sum(ev["size"] for ev in alive) / 1e9, "sites": sites}
+    return sites
+
+
+def peak_breakdown(trace: list[dict], bytes_before: int, top: int = 12) -> dict:
+    """The peak of the traced step and its largest allocation sites (GB, 1e9 bytes); for a step that ran
+    out of memory, also what was alive when it did (``at_oom``: the request, its site, the sites alive)."""
+    peak, alive = blocks_at_peak(trace)
+    report = {"before_step_gb": bytes_before / 1e9, "step_peak_gb": (bytes_before + peak) / 1e9,
+              "alive_at_peak_gb": sum(ev["size"] for ev in alive) / 1e9, "sites": _by_site(alive, top)}
+    oom = blocks_at_oom(trace)
+    if oom is not None:
+        ev, alive_then = oom
+        report["at_oom"] = {"request_gb": ev.get("size", 0) / 1e9, "site": allocation_site(ev.get("frames", [])),
+                            "alive_gb": sum(b["size"] for b in alive_then) / 1e9, "sites": _by_site(alive_then, top)}
+    return report
 
 
 def start_recording() -> int:
@@ -119,4 +144,9 @@ def format_breakdown(profile: dict) -> str:
     lines = [f"  before the step {profile['before_step_gb']:6.2f} GB; peak of the step "
              f"{profile['step_peak_gb']:6.2f} GB; allocated in the step and alive at its peak:"]
     lines += [f"  {s['gb']:8.3f} GB  {s['site']}" for s in profile["sites"]]
+    oom = profile.get("at_oom")
+    if oom:
+        lines.append(f"  out of memory: {oom['request_gb']:.3f} GB asked for at {oom['site']}, with "
+                     f"{oom['alive_gb']:.2f} GB allocated in the step alive:")
+        lines += [f"  {s['gb']:8.3f} GB  {s['site']}" for s in oom["sites"]]
     return "\n".join(lines)

@@ -60,6 +60,30 @@ def test_memory_profile_finds_the_blocks_alive_at_the_peak():
         assert report["step_peak_gb"] == (10**9 + best) / 1e9
     # the site is the innermost frame outside torch
     assert mp.allocation_site(sites[3]) == "f3 (layer3.py:13)"
+    assert "at_oom" not in report  # nothing ran out
+
+
+def test_memory_profile_says_what_was_alive_when_the_step_ran_out():
+    """A trace with an ``oom`` event: the request, its site and the blocks alive at that event (not at
+    the earlier peak), by site; events after it do not count."""
+    mp = load_bench_module("memory_profile")
+    f = [lambda k: [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                    {"filename": f"/w/swiftune/layer{k}.py", "line": k, "name": f"f{k}"}]][0]
+    trace = [{"action": "alloc", "addr": 1, "size": 50, "frames": f(1)},
+             {"action": "alloc", "addr": 2, "size": 40, "frames": f(2)},  # the peak: 90
+             {"action": "free_completed", "addr": 1, "size": 50},
+             {"action": "alloc", "addr": 3, "size": 7, "frames": f(3)},
+             {"action": "alloc", "addr": 4, "size": 5, "frames": f(3)},
+             {"action": "oom", "addr": 0, "size": 60, "frames": f(4)},
+             {"action": "alloc", "addr": 5, "size": 99, "frames": f(1)}]
+    report = mp.peak_breakdown(trace, bytes_before=0, top=5)
+    assert round(report["alive_at_peak_gb"] * 1e9) == 40 + 7 + 5 + 99  # the trace's peak comes after the oom
+    oom = report["at_oom"]
+    assert round(oom["request_gb"] * 1e9) == 60 and oom["site"] == "f4 (layer4.py:4)"
+    assert round(oom["alive_gb"] * 1e9) == 52
+    assert [(s["site"], round(s["gb"] * 1e9)) for s in oom["sites"]] == [("f2 (layer2.py:2)", 40),
+                                                                        ("f3 (layer3.py:3)", 12)]
+    assert "out of memory: 0.000 GB asked for at f4 (layer4.py:4)" in mp.format_breakdown(report)
 
 
 def test_time_profile_sums_device_time_by_kind():
