@@ -361,6 +361,40 @@ def test_cuda_offload_real_path():
         assert torch.equal(a, e)  # same kernels, same order: bitwise equal
 
 
+def test_offloaded_rows_in_blocks_cover_every_slice():
+    """The pinned copy of the offloaded hidden states is kept in row blocks of at most PINNED_BLOCK_BYTES
+    (torch's pinned allocator rounds one request up to a power of two: one [T, H] buffer would pin up to 2x
+    its size); any row range read back is the pieces of the blocks that hold it, in order."""
+    from swiftune.losses.selective_log_softmax import PINNED_BLOCK_BYTES, block_pieces, row_blocks
+
+    assert PINNED_BLOCK_BYTES & (PINNED_BLOCK_BYTES - 1) == 0  # a power of two: a full block wastes nothing
+    # Qwen3-8B's 676,352-token row in bf16: 8 KiB rows, 8,192 rows (64 MiB) a block
+    blocks = row_blocks(676_352, 4096 * 2)
+    assert blocks[0] == (0, 8192) and blocks[-1][1] == 676_352 and len(blocks) == 83
+    assert max((r1 - r0) * 8192 for r0, r1 in blocks) == PINNED_BLOCK_BYTES
+    rows = torch.arange(1000)
+    for row_bytes, block in [(8, 80), (24, 100), (7, 7), (1000, 10)]:  # 10/4/1/1 rows a block
+        blocks = row_blocks(1000, row_bytes, block)
+        assert blocks[0][0] == 0 and blocks[-1][1] == 1000 and all(x[1] == y[0] for x, y in zip(blocks, blocks[1:]))
+        assert all((r1 - r0) * row_bytes <= max(block, row_bytes) for r0, r1 in blocks)
+        stored = [rows[r0:r1] for r0, r1 in blocks]
+        for a, b in [(0, 1000), (0, 1), (3, 17), (9, 11), (990, 1000), (500, 500)]:
+            got = [stored[i][lo:hi] for i, lo, hi in block_pieces(a, b, blocks)]
+            assert torch.equal(torch.cat(got) if got else rows[:0], rows[a:b]), (row_bytes, block, a, b)
+
+
+@cuda
+def test_cuda_offloaded_blocks_read_back_every_chunk():
+    from swiftune.losses.selective_log_softmax import _Offloaded
+
+    t = torch.randn(1000, 24, device="cuda", dtype=torch.bfloat16)
+    off = _Offloaded(t, block_bytes=24 * 2 * 64)  # 64 rows a block: chunks of 100 cross blocks
+    assert len(off.cpu) == 16 and all(b.is_pinned() for b in off.cpu)
+    bounds = [(a, min(a + 100, 1000)) for a in range(0, 1000, 100)] + [(5, 6), (60, 70)]
+    for (a, b), x in zip(bounds, off.chunks(bounds)):
+        assert torch.equal(x, t[a:b]), (a, b)
+
+
 @cuda
 def test_cuda_bf16_large_vocab_against_reference():
     h, w, b, lab = _inputs((2, 256), 128, 5000, "cuda", seed=14, dtype=torch.bfloat16)

@@ -58,31 +58,71 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[idx]
 
 
-class _Offloaded:
-    """A pinned CPU copy of a 2-D CUDA tensor, written asynchronously on a side stream."""
+#: Largest pinned block of an offloaded copy. torch's pinned (caching host) allocator rounds every request up to
+#: a power of two, so one ``[T, H]`` buffer of 5.5 GB (Qwen3-8B, 676K tokens) pins 8 GiB; blocks of at most
+#: this many bytes (a power of two) lose less than one row each.
+PINNED_BLOCK_BYTES = 64 * 2**20
 
-    def __init__(self, t: torch.Tensor) -> None:
+
+def row_blocks(rows: int, row_bytes: int, block_bytes: int = PINNED_BLOCK_BYTES) -> list[tuple[int, int]]:
+    """``[(r0, r1)]``: consecutive row ranges covering ``rows`` rows, each at most ``block_bytes`` (one
+    row at least)."""
+    per = max(1, block_bytes // max(1, row_bytes))
+    return [(r, min(r + per, rows)) for r in range(0, rows, per)]
+
+
+def block_pieces(a: int, b: int, blocks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``[(block index, lo, hi)]``: rows ``a:b`` as slices ``lo:hi`` of the blocks that hold them, in order."""
+    out = []
+    for i, (r0, r1) in enumerate(blocks):
+        lo, hi = max(a, r0), min(b, r1)
+        if lo < hi:
+            out.append((i, lo - r0, hi - r0))
+    return out
+
+
+class _Offloaded:
+    """A pinned CPU copy of a 2-D CUDA tensor in row blocks (:func:`row_blocks`), written asynchronously
+    on a side stream."""
+
+    def __init__(self, t: torch.Tensor, block_bytes: int = PINNED_BLOCK_BYTES) -> None:
         self.device = t.device
+        self.width, self.dtype = t.shape[1], t.dtype
         main = torch.cuda.current_stream(t.device)
         side = _side_stream(t.device)
-        self.cpu = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        self.blocks = row_blocks(t.shape[0], t.shape[1] * t.element_size(), block_bytes)
+        self.cpu = [torch.empty((r1 - r0, t.shape[1]), dtype=t.dtype, device="cpu", pin_memory=True)
+                    for r0, r1 in self.blocks]
         side.wait_stream(main)  # the kernels that produced t must finish before we read it
         with torch.cuda.stream(side):
-            self.cpu.copy_(t, non_blocking=True)
+            for (r0, r1), block in zip(self.blocks, self.cpu):
+                block.copy_(t[r0:r1], non_blocking=True)
         # t may be freed by the caller right after forward: its block must not be reused by the
         # allocator before the side stream has finished reading it.
         t.record_stream(side)
         self.done = side.record_event()
 
+    def _to_device(self, a: int, b: int) -> torch.Tensor:
+        pieces = block_pieces(a, b, self.blocks)
+        if len(pieces) == 1:
+            i, lo, hi = pieces[0]
+            return self.cpu[i][lo:hi].to(self.device, non_blocking=True)
+        x = torch.empty((b - a, self.width), dtype=self.dtype, device=self.device)
+        at = 0
+        for i, lo, hi in pieces:
+            x[at:at + hi - lo].copy_(self.cpu[i][lo:hi], non_blocking=True)
+            at += hi - lo
+        return x
+
     def chunks(self, bounds: list[tuple[int, int]]) -> Iterator[torch.Tensor]:
-        """Yield ``cpu[a:b]`` on the GPU for each bound, prefetching the next on the side stream."""
+        """Yield rows ``a:b`` on the GPU for each bound, prefetching the next on the side stream."""
         main = torch.cuda.current_stream(self.device)
         side = _side_stream(self.device)
         side.wait_event(self.done)
 
         def fetch(a: int, b: int) -> tuple[torch.Tensor, torch.cuda.Event]:
             with torch.cuda.stream(side):
-                x = self.cpu[a:b].to(self.device, non_blocking=True)
+                x = self._to_device(a, b)
             return x, side.record_event()
 
         pending = fetch(*bounds[0]) if bounds else None
