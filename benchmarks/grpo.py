@@ -592,8 +592,6 @@ def bisect_one_mode(args) -> dict:
         t0 = time.perf_counter()
         failure = None
         try:
-            if args.simulate_crash_above and tokens > args.simulate_crash_above:
-                raise RuntimeError(f"simulated: an unexpected failure at {tokens} tokens")
             if args.simulate_kill_above and tokens > args.simulate_kill_above:
                 os._exit(137)  # as the kernel's OOM killer would end the process
             if args.simulate_capacity and tokens > args.simulate_capacity:
@@ -696,7 +694,6 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
                         ("--host-budget-gb", args.host_budget_gb), ("--host-margin-gb", args.host_margin_gb),
                         ("--simulate-kill-above", args.simulate_kill_above),
-                        ("--simulate-crash-above", args.simulate_crash_above),
                         ("--gpu-budget-gb", getattr(args, "gpu_budget_gb", None))):
         if value:
             cmd += [flag, str(value)]
@@ -998,9 +995,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for the bisection, all modes (a 10-minute device call leaves room for start-up)")
     p.add_argument("--simulate-capacity", type=int, default=None,
                    help="smoke tests: trials above this many tokens count as out of memory")
-    p.add_argument("--simulate-crash-above", type=int, default=None,
-                   help="testing: a trial of more tokens than this raises an error that is not out of memory "
-                        "(the process ends with exit 1: the trial is 'crashed', with the process's last lines)")
     p.add_argument("--simulate-kill-above", type=int, default=None,
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
     p.add_argument("--load-in-4bit", action="store_true",

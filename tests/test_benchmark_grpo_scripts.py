@@ -247,22 +247,33 @@ def test_grpo_bisect_resumes_after_the_process_is_killed(tmp_path):
     assert res["status"] == "converged" and res["max_fit"] <= 444 < res["first_fail"] <= res["max_fit"] * 1.05 + 16
 
 
-def test_grpo_bisect_reports_a_crash_inside_a_trial_as_a_crash(tmp_path):
+def test_grpo_bisect_reports_a_crash_inside_a_trial_as_a_crash(monkeypatch):
     """A child that ends with an error that is not out of memory (exit 1) during a trial is no evidence
-    that the length does not fit: the trial says 'crashed' with the child's last lines, and no new
-    child resumes from it."""
-    out = tmp_path / "crashed.json"
-    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune",
-                      "--simulate-crash-above", "1000", "--completion-lengths", "96", "512", "--fixed-only",
-                      "--out", str(out))
-    assert "resuming" not in proc.stdout
-    res = json.loads(out.read_text())["modes"]["swiftune"]
-    by_length = {t["completion"]: t for t in res["trials"]}
-    assert by_length[96]["status"] == "ok"
-    crashed = by_length[512]
-    assert crashed["status"] == "crashed" and "exit 1" in crashed["error"], crashed
-    assert "simulated: an unexpected failure" in crashed["error"], crashed
-    assert res["first_fail"] is None  # a crash bounds nothing
+    that the length does not fit: the trial says 'crashed' with the child's last lines, and no new child
+    resumes from it; only a SIGKILL (the OOM killer) is 'oom_killed' (end to end: the test above)."""
+    import subprocess
+    import sys
+
+    grpo = load_bench_module("grpo")
+    args = grpo.build_parser().parse_args(["--bisect-completion", "--model", "tiny", "--fixed-only"])
+
+    real = subprocess.Popen
+
+    def child(exit_code: int):  # a trial child that starts length 512 and ends without a result
+        script = ("import json, os, sys; print('START ' + json.dumps({'completion': 512}), flush=True); "
+                  f"print('RuntimeError: something else went wrong', flush=True); os._exit({exit_code})")
+        return lambda cmd, **kw: real([sys.executable, "-c", script], **kw)
+
+    monkeypatch.setattr(grpo.subprocess, "Popen", child(1))
+    trials, result, killed, tail, code = grpo.launch_mode("swiftune", args, 60.0, None, None, [512])
+    assert result is None and killed is None and code == 1
+    (t,) = trials
+    assert t["status"] == "crashed" and t["completion"] == 512, t
+    assert "exit 1" in t["error"] and "RuntimeError: something else went wrong" in t["error"], t
+    assert grpo.bracket_from_trials(trials) == (None, None)  # a crash bounds nothing
+    monkeypatch.setattr(grpo.subprocess, "Popen", child(137))
+    trials, _, killed, _, _ = grpo.launch_mode("swiftune", args, 60.0, None, None, [512])
+    assert killed == 512 and trials[0]["status"] == "oom_killed"
 
 
 def test_host_allocator_failures_count_as_host_memory():
