@@ -428,13 +428,13 @@ def failure_frames(e: BaseException, keep: int = 8) -> list[str]:
     """The innermost ``keep`` frames of ``e``'s traceback as ``file:line function`` (paths from the
     package or repository root): an out-of-memory trial then says which step of the policy step
     asked for the allocation that did not fit."""
-    frames = traceback.extract_tb(e.__traceback__)[-keep:]
-    def short(path: str) -> str:
-        for root in ("site-packages/", "src/", "benchmarks/"):
-            if root in path:
-                return path.rsplit(root, 1)[1] if root != "benchmarks/" else "benchmarks/" + path.rsplit(root, 1)[1]
-        return os.path.basename(path)
-    return [f"{short(f.filename)}:{f.lineno} {f.name}" for f in frames]
+    def short(path: str) -> str:  # from the package (installed or src/) or from benchmarks/
+        for cut in ("site-packages/", "src/"):
+            if cut in path:
+                return path.rsplit(cut, 1)[1]
+        return "benchmarks/" + path.rsplit("benchmarks/", 1)[1] if "benchmarks/" in path else os.path.basename(path)
+
+    return [f"{short(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-keep:]]
 
 
 #: Exit codes of a child the kernel killed (SIGKILL: the OOM killer when host memory runs out).

@@ -51,27 +51,25 @@ def blocks_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
                 peak, peak_at = level, i
         elif ev["action"] == "free_completed":
             level -= sizes.pop(ev["addr"], ev["size"])
+    return peak, _alive_through(trace, peak_at)
+
+
+def _alive_through(trace: list[dict], last: int) -> list[dict]:
+    """The blocks allocated since recording began and alive after event ``last`` (a replay to it)."""
     live: dict[int, dict] = {}
-    for ev in trace[: peak_at + 1]:
+    for ev in trace[: last + 1]:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
         elif ev["action"] == "free_completed":
             live.pop(ev["addr"], None)
-    return peak, list(live.values())
+    return list(live.values())
 
 
 def blocks_at_oom(trace: list[dict]) -> tuple[dict, list[dict]] | None:
     """The first ``oom`` event of one device's trace (an allocation the allocator could not serve) and the
     blocks allocated since recording began that were alive then; ``None`` if nothing ran out."""
-    live: dict[int, dict] = {}
-    for ev in trace:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = ev
-        elif ev["action"] == "free_completed":
-            live.pop(ev["addr"], None)
-        elif ev["action"] == "oom":
-            return ev, list(live.values())
-    return None
+    at = next((i for i, ev in enumerate(trace) if ev["action"] == "oom"), None)
+    return None if at is None else (trace[at], _alive_through(trace, at))
 
 
 def _by_site(alive: list[dict], top: int) -> list[dict]:
