@@ -178,11 +178,22 @@ def test_shared_prompt_kernel_paths(device, family, kernel):
         assert max_grad_err(out[kernel][1], out["reference"][1]) < 1e-4
 
 
-def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
+def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients(monkeypatch):
     """The sdpa path of shared rows (each completion as dense prompt + completion, later ones
     gathered) against the masked eager reference in float64: outputs and q/k/v gradients, with
-    groups of one, several and empty-input completions."""
+    groups of one, several and empty-input completions. Every call's queries are a slice of the
+    row's (later completions borrow the tokens before them for the prompt's positions): no copy."""
+    from swiftune.attention import shared_prompt
     from swiftune.attention.shared_prompt import shared_prompt_reference, shared_prompt_sdpa
+
+    query_storages = []
+
+    def recording(q, k, v, **kwargs):
+        query_storages.append(q.untyped_storage().data_ptr())
+        return dense_causal_attention(q, k, v, **kwargs)
+
+    dense_causal_attention = shared_prompt.dense_causal_attention
+    monkeypatch.setattr(shared_prompt, "dense_causal_attention", recording)
 
     prompts, completions = random_groups(seed=5, prompt_lengths=(6, 9, 4), group_size=3)
     completions[3] = completions[3][:1]  # a group whose first completion has no input token
@@ -198,6 +209,7 @@ def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
     assert rel_err(got, want) < 1e-12
     for a, b in zip(got_grads, want_grads):
         assert rel_err(a, b) < 1e-10
+    assert len(query_storages) == 8 and set(query_storages) == {q.untyped_storage().data_ptr()}
     # negative control: later completions without their prompt (each alone) give other outputs
     layout = copy.copy(row.layout)
     seqs = row.layout.sequences
@@ -210,6 +222,42 @@ def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients():
     layout.sequences = [seqs[1], seqs[0], *seqs[2:]]
     with pytest.raises(ValueError, match="in order"):
         shared_prompt_sdpa(q, k, v, layout, scale=0.4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+def test_gpu_shared_prompt_sdpa_saves_no_query_copy():
+    """A shared row of two long completions at a Qwen3-8B layer's heads in bf16 (cuDNN / flash, GQA in
+    the kernel): what the attention saves for backward is the row's q/k/v, the later completion's
+    prompt + completion K/V copies, both outputs and their float32 log-sum-exp; no copy of the later
+    completion's queries (``(P + L) x q_dim`` bf16 more, what gathering the prompt's queries saved).
+    Gradients equal the masked reference's in float32 within bf16 rounding."""
+    from swiftune.attention.shared_prompt import shared_prompt_reference, shared_prompt_sdpa
+
+    P, L, hq, hk, d = 256, 2048, 32, 8, 128  # the float32 reference builds T x T scores per head
+    prompts, completions = [list(range(3, 3 + P))], [list(range(5, 6 + L)), list(range(7, 8 + L))]
+    row = build_policy_row(prompts * 2, completions, share_prompt=True, group_ids=[0, 0], device="cuda")
+    T = row.num_tokens
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(T, h, d, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+               for h in (hq, hk, hk))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = shared_prompt_sdpa(q, k, v, row.layout, scale=d**-0.5)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    lq = [P + L, P + L]  # the two calls' query rows
+    expected = (T * (hq + 2 * hk) * d * 2  # the row's q, k, v
+                + 2 * (P + L) * hk * d * 2  # the later completion's K/V copies
+                + sum(n * hq * d * 2 + hq * n * 4 for n in lq))  # outputs, log-sum-exp
+    assert 0.95 * expected <= sum(storages.values()) <= expected + (P + L) * hq * d, (sum(storages.values()), expected)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    want_out = shared_prompt_reference(qf, kf, vf, row.layout, scale=d**-0.5)
+    want = torch.autograd.grad(want_out, (qf, kf, vf), dout.float())
+    assert rel_err(out.float(), want_out) < 2e-2
+    for a, b in zip(got, want):
+        assert b.abs().max() > 0 and rel_err(a.float(), b) < 2e-2
 
 
 def test_shared_rows_take_sdpa_on_cuda_for_long_completions_only():

@@ -137,10 +137,10 @@ class RowLayout:
         (``checkpointing.ATTENTION_KERNEL_ATTR``) to size the working set of a recomputed layer;
         layers with a sliding window or soft-cap run another kernel, which it checks on the model.
 
-        Shared rows' sdpa also copies the prompt's q/k/v into every completion after a group's
-        first (saved for backward: ``(q + 2 kv) x 2`` bytes a token of those completions), which
-        the planner's sdpa terms do not name: the margin of those terms covers the copies (the
-        measured peak is in ``docs/benchmarks.md``)."""
+        Shared rows' sdpa also copies the prompt's k/v in front of every completion after a group's
+        first (saved for backward: ``2 kv x 2`` bytes a token of those completions; their queries
+        are a view, :func:`shared_prompt_sdpa`), which the planner's sdpa terms do not name: the
+        margin of those terms covers the copies (the measured peak is in ``docs/benchmarks.md``)."""
         return self.attention_kernel_on(self.position_ids.is_cuda)
 
     def attention_kernel_on(self, on_cuda: bool) -> str | None:
@@ -347,10 +347,16 @@ def shared_prompt_sdpa(
     """Each completion as the dense causal sequence ``prompt + completion`` (:func:`dense_causal_attention`).
 
     The first completion of a group follows its prompt on the flat axis, so ``prompt + completion``
-    is a slice and its output covers the prompt's tokens too; every later completion is gathered
-    with a copy of the prompt's q/k/v and keeps only its own outputs. The prompt's queries see the
-    same keys in every copy, so computing them once more changes nothing but the (small) cost.
-    Gradients reach the shared prompt's k/v from every completion through the copies. With
+    is a slice and its output covers the prompt's tokens too; every later completion's keys and
+    values are gathered after a copy of the prompt's, and it keeps only its own outputs. Its queries
+    are not gathered: a query's output depends on its own vector and the keys, never on the queries
+    before it, so the ``P`` prompt positions of the square causal call may hold any queries whose
+    outputs are dropped. They hold the ``P`` tokens just before the completion on the flat axis,
+    which makes the call's queries one slice of ``q`` (a view: no ``[completion, q_dim]`` copy made
+    and saved for backward per layer) and keeps the square ``is_causal`` call, so cuDNN's kernel,
+    unchanged. The dropped rows' output gradient is zero, so their query gradient and their share
+    of the key/value gradients are exactly zero. Gradients reach the shared prompt's k/v from every
+    completion through the copies. With
     ``keep_pieces`` the sequences' outputs may come back apart (:mod:`swiftune.attention.pieces`)."""
     if layout.sequences is None:
         raise ValueError("this RowLayout has no host-side sequence table; build it with build_policy_row")
@@ -369,8 +375,11 @@ def _completion_sequences_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         elif cs == emitted and pe <= cs:  # a later one: gather the prompt, keep the completion's outputs
             if cs == ce:
                 continue
-            qs, ks, vs = (torch.cat([t[ps:pe], t[cs:ce]]) for t in (q, k, v))
-            pieces.append(dense_causal_attention(qs, ks, vs, scale=scale)[pe - ps:])
+            # keys and values: the prompt's, then the completion's (copies); queries: a view of the
+            # pe - ps tokens before the completion and the completion, the first ones standing in for the
+            # prompt's queries (their outputs are dropped, so their gradient is exactly zero)
+            ks, vs = (torch.cat([t[ps:pe], t[cs:ce]]) for t in (k, v))
+            pieces.append(dense_causal_attention(q[cs - (pe - ps):ce], ks, vs, scale=scale)[pe - ps:])
         else:
             raise ValueError(f"the sequence table does not tile the row in order at {(ps, pe, cs, ce)} "
                              f"(outputs so far end at {emitted})")
