@@ -205,6 +205,12 @@ FIGURES: list[dict] = [
                  "docs/results/2026-12-01/grpo_65k_swiftune_after_qk_fix_h200.json:swiftune=swiftune_offload_all"),
     dict(figure="grpo_step", file="2026-12-01/grpo_step_after_qk_fix_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out grpo.json"),
+    # 2026-12-04, one detached run (gpu_suite grpo-e2e qwen3-1.7b): each tool in its own process, one after the
+    # other; the third tool's (Unsloth) process was stopped for device time, so its row is not here
+    dict(figure="grpo_e2e_qwen3-1.7b", file="2026-12-04/grpo_e2e_qwen3-1.7b_s30_h200.json", date="2026-12-04",
+         versions={**BASE, "trl": "1.16.0"},
+         command="python -m benchmarks.grpo_e2e --model qwen3-1.7b --modes swiftune trl unsloth --shared .shared "
+                 "--out /tmp/grpo_e2e.json"),
     dict(figure="longctx_sweep_qwen3-8b", file="2026-12-01/longctx_qwen3-8b_sweep_after_qk_fix_h200.json",
          date="2026-12-01", versions=BASE,
          command="python -m benchmarks.longctx --modes baseline ckpt offload --tokens 8192 32768 65536 131072 "

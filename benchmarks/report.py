@@ -345,6 +345,31 @@ def grpo_step(fig: Figure) -> str:
     return table(["phase", "s", "share", "peak GB"], out, {1, 2, 3})
 
 
+def grpo_e2e(fig: Figure) -> str:
+    """One whole GRPOTrainer step per tool, split into its phases, and swiftune's speed-up over each."""
+    tools = {}
+    for mode, model, s, m in fig.groups():
+        entry = tools.setdefault(mode, {"phases": {}})
+        if "phase" in s:
+            entry["phases"][s["phase"]] = val(m, "phase_s")
+        else:
+            entry["step"], entry["peak"] = val(m, "step_s"), val(m, "peak_gb")
+    ours = tools.get("swiftune", {}).get("step")
+    names = {"swiftune": "**swiftune** GRPOTrainer (its rollout engine)",
+             "trl": "TRL 1.16 GRPOTrainer (transformers generate)",
+             "unsloth": "Unsloth GRPOTrainer (no vLLM)"}
+    out = []
+    for mode in ("swiftune", "trl", "unsloth"):
+        t = tools.get(mode)
+        if t is None or t.get("step") is None:
+            continue
+        ph = t["phases"]
+        out.append([names[mode], fmt(t["step"]), *(fmt(ph.get(p)) for p in ("generation", "scoring", "policy", "other")),
+                    fmt(t["peak"], 1), fmt(t["step"] / ours) if ours and mode != "swiftune" else ""])
+    return table(["tool", "s / step (2nd)", "generation s", "scoring s", "policy s", "other s", "peak GB",
+                  "swiftune x faster"], out, set(range(1, 8)))
+
+
 def loss_curve(fig: Figure) -> str:
     out = []
     for mode, model, s, m in fig.groups():
@@ -463,7 +488,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "qlora_sft_16k_unsloth_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft,
           "sft_full_qwen3-0.6b": sft,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_65k_attn": grpo_65k_attn, "grpo_largest": grpo_largest,
-          "grpo_step": grpo_step,
+          "grpo_step": grpo_step, "grpo_e2e_qwen3-1.7b": grpo_e2e,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
