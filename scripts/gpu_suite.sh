@@ -9,7 +9,7 @@
 #   scripts/gpu_suite.sh check        # CUDA tests: engine, attention, GRPO, kernels, checkpointing (~4.5 min)
 #   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-layers A/B (~7 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
-#   scripts/gpu_suite.sh grpo-e2e [MODEL] # one whole GRPOTrainer step (8 prompts x G=8, 4K completions): swiftune, TRL, Unsloth, detached (carry .shared; ~15-25 min): then grpo-e2e-wait
+#   scripts/gpu_suite.sh grpo-e2e [MODEL] [MODE...] # one whole GRPOTrainer step (8 prompts x G=8, 4K completions): swiftune, TRL, Unsloth (or the MODEs), detached (carry .shared; at 1.7B swiftune ~2 min, TRL ~17): then grpo-e2e-wait
 #   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
@@ -140,9 +140,11 @@ case "$part" in
   rollout-long)
     run rollout_long 560 python3 -m benchmarks.rollout --model qwen3-1.7b qwen3-8b --new-tokens 8192 \
       --no-baselines --no-checks --lora-rows --time-budget 500 --out "$OUT/rollout_long.json" ;;
-  grpo-e2e)  # what a GRPO user waits for, each tool in its own process, 2 steps, the 2nd reported; detached
+  grpo-e2e)  # what a GRPO user waits for, each tool in its own process, 2 steps, the 2nd reported; detached.
+    # Usage: grpo-e2e [MODEL] [MODE...] (default qwen3-1.7b, all three tools; TRL's two steps take ~15 min at 1.7B)
     model=${2:-qwen3-1.7b}
-    detach grpo_e2e python3 -m benchmarks.grpo_e2e --model "$model" --modes swiftune trl unsloth --shared .shared \
+    modes=("${@:3}"); [ ${#modes[@]} -gt 0 ] || modes=(swiftune trl unsloth)
+    detach grpo_e2e python3 -m benchmarks.grpo_e2e --model "$model" --modes "${modes[@]}" --shared .shared \
       --out /tmp/grpo_e2e.json
     wait_for grpo_e2e 54 12 ;;
   grpo-e2e-wait)
