@@ -387,13 +387,20 @@ def main(argv: list[str] | None = None) -> int:
         rec = run_child(mode, args, extra, env)
         print(json.dumps(rec), flush=True)
         records.append(rec)
+        if args.out:  # after every tool: a run stopped during a later tool keeps the finished ones
+            write_json(args.out, {"benchmark": "grpo_e2e", "rows": records})
     print_table(records)
     data = {"benchmark": "grpo_e2e", "rows": records}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
     results.save("grpo_e2e", argv, data, args.out, args.rows)
     return 0
+
+
+def write_json(path: str, data: dict) -> None:
+    """``data`` to ``path``, complete or not at all (written beside it, then renamed over it)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

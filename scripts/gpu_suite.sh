@@ -100,14 +100,14 @@ run() {  # run NAME SECONDS COMMAND...: log to $OUT/NAME.txt, stop at SECONDS
 
 detach() {  # detach NAME COMMAND...: run in the background, outliving this call; output in /tmp/NAME.log
   local name=$1; shift
-  rm -f "/tmp/$name.json"  # a warm machine keeps /tmp: wait_for must not find the previous run's result
+  rm -f "/tmp/$name.json" "/tmp/$name.rows.jsonl"  # a warm machine keeps /tmp: wait_for must not find the previous run's result
   setsid nohup "$@" > "/tmp/$name.log" 2>&1 < /dev/null &
 }
 
-wait_for() {  # wait_for NAME TRIES LINES: until /tmp/NAME.json exists (10 s a try), then the log's last
-  # LINES lines, and NAME's files to $OUT
-  local name=$1 tries=$2 lines=$3
-  for _ in $(seq "$tries"); do [ -f "/tmp/$name.json" ] && break; sleep 10; done
+wait_for() {  # wait_for NAME TRIES LINES [DONE]: until /tmp/NAME.json (or the file DONE) exists (10 s a try), then
+  # the log's last LINES lines, and NAME's files to $OUT
+  local name=$1 tries=$2 lines=$3 done=${4:-/tmp/$1.json}
+  for _ in $(seq "$tries"); do [ -f "$done" ] && break; sleep 10; done
   tail -"$lines" "/tmp/$name.log"; cp /tmp/"$name".* "$OUT/" 2>/dev/null
 }
 
@@ -146,9 +146,9 @@ case "$part" in
     modes=("${@:3}"); [ ${#modes[@]} -gt 0 ] || modes=(swiftune trl unsloth)
     detach grpo_e2e python3 -m benchmarks.grpo_e2e --model "$model" --modes "${modes[@]}" --shared .shared \
       --out /tmp/grpo_e2e.json
-    wait_for grpo_e2e 54 12 ;;
+    wait_for grpo_e2e 54 12 /tmp/grpo_e2e.rows.jsonl ;;  # its JSON is rewritten after every tool; the rows come last
   grpo-e2e-wait)
-    wait_for grpo_e2e 56 12 ;;
+    wait_for grpo_e2e 56 12 /tmp/grpo_e2e.rows.jsonl ;;
   grpo-step)
     run grpo_step 400 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   sft-8b)

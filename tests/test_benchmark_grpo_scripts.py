@@ -404,6 +404,29 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
     assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
 
 
+def test_grpo_e2e_keeps_each_finished_tool_when_a_later_one_is_stopped(tmp_path, monkeypatch):
+    """The --out file holds every tool that has finished by the time the next one starts (a run stopped
+    during TRL's or Unsloth's process keeps swiftune's row), written whole each time."""
+    from benchmarks import grpo_e2e
+
+    out = tmp_path / "e2e.json"
+    seen = []
+
+    def fake_child(mode, args, extra, env):
+        seen.append([r["mode"] for r in json.loads(out.read_text())["rows"]] if out.exists() else None)
+        if mode == "unsloth":
+            raise KeyboardInterrupt  # the run stopped while this tool ran
+        return {"mode": mode, "model": "tiny", "step_s": 1.0, "phases": {"generation": 1.0}, "peak_gb": 0.1}
+
+    monkeypatch.setattr(grpo_e2e, "run_child", fake_child)
+    monkeypatch.setattr(grpo_e2e, "unsloth_env_and_dir", lambda args: ({}, str(tmp_path)))
+    with pytest.raises(KeyboardInterrupt):
+        grpo_e2e.main(["--model", "tiny", "--modes", "swiftune", "trl", "unsloth", "--out", str(out)])
+    assert seen == [None, ["swiftune"], ["swiftune", "trl"]]
+    assert [r["mode"] for r in json.loads(out.read_text())["rows"]] == ["swiftune", "trl"]
+    assert not (tmp_path / "e2e.json.tmp").exists()
+
+
 def test_grpo_bisect_load_in_fp8_builds_fp8_weights_and_plans_their_bytes():
     """--load-in-fp8: the benchmark's model holds e4m3 base weights (its trial runs in the test of
     --trial-repeats above), the planner counts one byte a weight (between NF4's answer and bf16's on the
