@@ -342,7 +342,7 @@ def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = Non
       long document's backward holds it for all of its tokens at once);
     * anything else (``None``: not known) is planned as torch's varlen: K/V expanded where it has
       no GQA, a float32 dq accumulator; this also covers sdpa's no-GQA retry. (GRPO's shared-prompt
-      sdpa rows say ``"sdpa"``: their prompt q/k/v copies are not a term of their own, and were
+      sdpa rows say ``"sdpa"``: their prompt k/v copies are not a term of their own, and were
       covered by the sdpa terms, see ``attention.shared_prompt.RowLayout.attention_kernel``.)
     """
     if kernel == "flex":
