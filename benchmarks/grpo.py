@@ -651,6 +651,10 @@ def bisect_one_mode(args) -> dict:
 
     warm = trial(min(args.bisect_start, 64 if args.model.startswith("tiny") else 1024), record=False)  # compile kernels
     for L in args.completion_lengths or []:
+        failed = shorter_failure(trials, L, args.bisect_hi)
+        if failed is not None:  # memory grows with the row: a longer one cannot fit either (minutes saved)
+            trials.append({"mode": mode, "completion": L, "status": "skipped", "reason": f"{failed:,} did not fit"})
+            continue
         if time.perf_counter() - start + estimate(L) * args.trial_repeats > args.time_budget:
             trials.append({"mode": mode, "completion": L, "status": "skipped"})
             continue
@@ -672,6 +676,14 @@ def mode_label(mode: str) -> str:
 
         label += f" (trl {trl.__version__})"
     return label
+
+
+def shorter_failure(trials: list[dict], completion: int, hi: int | None = None) -> int | None:
+    """The shortest length at or below ``completion`` already known not to fit (a trial out of memory,
+    or ``hi``, the bracket a resumed process inherits), or None."""
+    bad = [t["completion"] for t in trials if str(t.get("status", "")).startswith("oom")] + ([hi] if hi else [])
+    bad = [n for n in bad if n <= completion]
+    return min(bad) if bad else None
 
 
 def bracket_from_trials(trials: list[dict], lo: int | None = None,

@@ -213,6 +213,23 @@ def test_grpo_bisect_host_budget_caps_the_offloaded_checkpoints(tmp_path):
     assert any(f.startswith("swiftune/training/") for f in starved["where"]), starved["where"]
 
 
+def test_grpo_fixed_lengths_skip_what_a_shorter_failure_rules_out(tmp_path):
+    """Fixed lengths after one that ran out of memory are not tried (a longer row needs more memory),
+    and say why; a shorter one after it still runs; a resumed process's known failure (``hi``) counts."""
+    grpo = load_bench_module("grpo")
+    assert grpo.shorter_failure([{"completion": 96, "status": "oom"}], 128) == 96
+    assert grpo.shorter_failure([{"completion": 96, "status": "oom_killed"}], 64) is None
+    assert grpo.shorter_failure([{"completion": 96, "status": "ok"}], 128) is None
+    assert grpo.shorter_failure([], 128, hi=112) == 112 and grpo.shorter_failure([], 100, hi=112) is None
+    out = tmp_path / "fixed.json"
+    run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
+               "--fixed-only", "--completion-lengths", "96", "128", "32", "--simulate-capacity", "600",
+               "--out", str(out))
+    trials = json.loads(out.read_text())["modes"]["swiftune"]["trials"]
+    assert [(t["completion"], t["status"]) for t in trials] == [(96, "oom"), (128, "skipped"), (32, "ok")], trials
+    assert trials[1]["reason"] == "96 did not fit"
+
+
 def test_grpo_completion_from_planner_tries_both_sides_of_its_answer(tmp_path):
     """--completion-from-planner measures 2% above and 2.5% below the planner's largest completion
     (largest first), multiples of the granularity, a bracket within 5% when both land on either side;
