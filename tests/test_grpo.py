@@ -178,6 +178,50 @@ def test_shared_prompt_kernel_paths(device, family, kernel):
         assert max_grad_err(out[kernel][1], out["reference"][1]) < 1e-4
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_shared_prompt_sdpa_row_equals_unpatched_peft_model_per_sample(monkeypatch, family):
+    """The shared-prompt sdpa row (each group's prompt once, later completions' queries borrowed from
+    the tokens before them) through the patched LoRA model against transformers + PEFT unpatched, each
+    prompt + completion run alone: completion log-probs, and every LoRA tensor's gradient, each
+    non-zero where the reference's is (Qwen3: q/k norms between the projections and attention)."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftune.attention import shared_prompt
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = add_lora(tiny_model(family), seed=3)
+    plain = tiny_model(family, patch=False)  # the same base weights (seed 0)
+    plain = get_peft_model(plain, LoraConfig(r=8, lora_alpha=16, target_modules=targets, lora_dropout=0.0))
+    plain.load_state_dict(model.state_dict())
+    calls = []
+    monkeypatch.setattr(shared_prompt, "dense_causal_attention",
+                        lambda q, *a, _f=shared_prompt.dense_causal_attention, **kw: calls.append(q.shape[0]) or _f(q, *a, **kw))
+    prompts, completions = random_groups(seed=4, group_size=3)
+    weights = torch.linspace(-1.0, 1.5, sum(len(c) for c in completions))
+    row = build_policy_row(prompts, completions, share_prompt=True, group_ids=[i // 3 for i in range(6)],
+                           attention_backend="sdpa")
+    logps, _ = completion_logprobs(model, row, kernel_backend="reference")
+    (logps * weights).sum().backward()
+    # the shared sdpa path ran: one call per layer for each group's first completion and each later one
+    # with an input token (a one-token completion has none); the later ones borrow prompt-length queries
+    later = [ce - cs for (ps, pe, cs, ce), prev in zip(row.layout.sequences[1:], row.layout.sequences)
+             if prev[0] == ps and ce > cs]
+    assert later and len(calls) == model.config.num_hidden_layers * (2 + len(later)), calls
+    ref = []
+    for p, c in zip(prompts, completions):
+        logits = plain(input_ids=torch.tensor([p + c[:-1]])).logits[0, len(p) - 1:].float()
+        ref.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(c)[:, None]).squeeze(1))
+    ref = torch.cat(ref)
+    (ref * weights).sum().backward()
+    assert rel_err(logps.detach(), ref.detach()) < 1e-5
+    got, want = grads(model), grads(plain)
+    lora = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n in lora) and set(got) == set(want) == set(lora)
+    for name in lora:
+        assert want[name].abs().max() > 0 and got[name].abs().max() > 0, name
+        assert rel_err(got[name], want[name]) < 1e-4, name
+
+
 def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients(monkeypatch):
     """The sdpa path of shared rows (each completion as dense prompt + completion, later ones
     gathered) against the masked eager reference in float64: outputs and q/k/v gradients, with
