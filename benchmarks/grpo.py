@@ -678,11 +678,15 @@ def mode_label(mode: str) -> str:
     return label
 
 
+def failed_lengths(trials: list[dict], hi: int | None = None) -> list[int]:
+    """Completion lengths known not to fit: trials out of memory, and ``hi``, a known failing bound."""
+    return [t["completion"] for t in trials if str(t.get("status", "")).startswith("oom")] + ([hi] if hi else [])
+
+
 def shorter_failure(trials: list[dict], completion: int, hi: int | None = None) -> int | None:
     """The shortest length at or below ``completion`` already known not to fit (a trial out of memory,
     or ``hi``, the bracket a resumed process inherits), or None."""
-    bad = [t["completion"] for t in trials if str(t.get("status", "")).startswith("oom")] + ([hi] if hi else [])
-    bad = [n for n in bad if n <= completion]
+    bad = [n for n in failed_lengths(trials, hi) if n <= completion]
     return min(bad) if bad else None
 
 
@@ -691,8 +695,7 @@ def bracket_from_trials(trials: list[dict], lo: int | None = None,
     """(largest length that fitted, smallest larger one that did not), with a known bracket ``lo``/``hi``."""
     ok = [t["completion"] for t in trials if t.get("status") == "ok"] + ([lo] if lo else [])
     lo = max(ok) if ok else None
-    bad = [t["completion"] for t in trials if str(t.get("status", "")).startswith("oom")] + ([hi] if hi else [])
-    bad = [n for n in bad if lo is None or n > lo]
+    bad = [n for n in failed_lengths(trials, hi) if lo is None or n > lo]
     return lo, (min(bad) if bad else None)
 
 

@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(RESULT + json.dumps(CHILDREN[args.child](args)), flush=True)
         return 0
+    from swiftune.training.checkpoints import write_json_atomic
+
     records = []
     for mode in args.modes:
         env, extra = child_env(), workload_args(args)
@@ -388,19 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
         records.append(rec)
         if args.out:  # after every tool: a run stopped during a later tool keeps the finished ones
-            write_json(args.out, {"benchmark": "grpo_e2e", "rows": records})
+            write_json_atomic(args.out, {"benchmark": "grpo_e2e", "rows": records})
     print_table(records)
     data = {"benchmark": "grpo_e2e", "rows": records}
     results.save("grpo_e2e", argv, data, args.out, args.rows)
     return 0
-
-
-def write_json(path: str, data: dict) -> None:
-    """``data`` to ``path``, complete or not at all (written beside it, then renamed over it)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -441,7 +441,7 @@ def test_grpo_e2e_keeps_each_finished_tool_when_a_later_one_is_stopped(tmp_path,
         grpo_e2e.main(["--model", "tiny", "--modes", "swiftune", "trl", "unsloth", "--out", str(out)])
     assert seen == [None, ["swiftune"], ["swiftune", "trl"]]
     assert [r["mode"] for r in json.loads(out.read_text())["rows"]] == ["swiftune", "trl"]
-    assert not (tmp_path / "e2e.json.tmp").exists()
+    assert [f.name for f in tmp_path.iterdir()] == ["e2e.json"]  # no partial file left beside it
 
 
 def test_grpo_bisect_load_in_fp8_builds_fp8_weights_and_plans_their_bytes():
