@@ -74,6 +74,7 @@ import time
 import traceback
 
 from benchmarks import child_env, module_command, results
+from benchmarks.child_output import failure_summary, save_child_output
 
 
 from benchmarks.memory_profile import format_breakdown, peak_profile
@@ -437,6 +438,20 @@ def failure_frames(e: BaseException, keep: int = 8) -> list[str]:
     return [f"{short(f.filename)}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)[-keep:]]
 
 
+def crashed_trial(row: dict, e: BaseException, model, seconds: float) -> dict:
+    """``row`` of a trial that raised something other than out-of-memory: the exception's first line, its
+    innermost frames, the seconds it ran and swiftune's offload counters at that moment (layer inputs
+    restored from the host and derived so far: how far backward had got, and whether a derived layer was
+    being recomputed)."""
+    from swiftune.training.checkpointing import offload_stats
+
+    counters = {k: v for k, v in offload_stats(model).items()
+                if k in ("derived", "offloaded", "kept", "derived_inputs", "restored", "derived_recomputed")}
+    first = (str(e).splitlines() or [type(e).__name__])[0]
+    return {**row, "status": "crashed", "error": f"{type(e).__name__}: {first}"[:600], "where": failure_frames(e, 12),
+            "s": seconds, "offload": {k: sorted(v) if isinstance(v, (tuple, list, set, frozenset)) else v for k, v in counters.items()}}
+
+
 #: Exit codes of a child the kernel killed (SIGKILL: the OOM killer when host memory runs out).
 KILLED_EXIT_CODES = (137, -9)
 
@@ -594,6 +609,8 @@ def bisect_one_mode(args) -> dict:
         try:
             if args.simulate_kill_above and tokens > args.simulate_kill_above:
                 os._exit(137)  # as the kernel's OOM killer would end the process
+            if args.simulate_error_above and tokens > args.simulate_error_above:
+                raise RuntimeError(f"simulated: an error that says nothing about fitting, at {tokens} tokens")
             if args.simulate_capacity and tokens > args.simulate_capacity:
                 raise MemoryError(f"simulated: {tokens} tokens > --simulate-capacity {args.simulate_capacity}")
             for _ in range(repeats - 1):
@@ -616,6 +633,8 @@ def bisect_one_mode(args) -> dict:
         except Exception as e:  # noqa: BLE001 - OOM (GPU or host budget) = does not fit; anything else: stop
             host = _is_host_oom(e)  # swiftune's offload budget, or the host's allocator
             if not (_is_oom(e) or host):
+                if record:  # the process ends (a CUDA error leaves no usable context): say where, then stop
+                    print("TRIAL " + json.dumps(crashed_trial(row, e, model, time.perf_counter() - t0)), flush=True)
                 raise
             failure = ("oom_host" if host else "oom", str(e).splitlines()[0][:600], failure_frames(e))
         row["s"] = time.perf_counter() - t0
@@ -700,7 +719,9 @@ def bracket_from_trials(trials: list[dict], lo: int | None = None,
 
 
 def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, fixed: list[int]):
-    """One child process for ``mode``; returns (trials, result or None, killed length or None, output tail)."""
+    """One child process for ``mode``; returns (trials, result or None, killed length or None, a summary of what
+    else it printed (:func:`~benchmarks.child_output.failure_summary`), exit code). That whole output is appended
+    to ``<out>.<mode>.log`` when the run writes ``--out``."""
     cmd = [*module_command("grpo", "--one-bisect", mode), "--time-budget", f"{budget:.0f}",
            "--model", args.model, "--prompt-tokens", str(args.prompt_tokens), "--bisect-rows", str(args.bisect_rows),
            "--bisect-start", str(args.bisect_start), "--bisect-max", str(args.bisect_max),
@@ -709,6 +730,7 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
     for flag, value in (("--bisect-lo", lo), ("--bisect-hi", hi), ("--simulate-capacity", args.simulate_capacity),
                         ("--host-budget-gb", args.host_budget_gb), ("--host-margin-gb", args.host_margin_gb),
                         ("--simulate-kill-above", args.simulate_kill_above),
+                        ("--simulate-error-above", args.simulate_error_above),
                         ("--gpu-budget-gb", getattr(args, "gpu_budget_gb", None))):
         if value:
             cmd += [flag, str(value)]
@@ -731,7 +753,7 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
     if not args.offload_logits:
         cmd.append("--no-offload-logits")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-    trials, result, tail, started = [], None, [], None
+    trials, result, output, started = [], None, [], None
     for line in proc.stdout:
         if line.startswith("START "):
             started = json.loads(line[6:])["completion"]
@@ -743,8 +765,11 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         elif line.startswith("RESULT "):
             result = json.loads(line[7:])
         else:
-            tail = (tail + [line.rstrip()])[-20:]
+            output.append(line)
     proc.wait()
+    text = "".join(output)
+    save_child_output(args.out, mode, text)
+    summary = failure_summary(text, 900)
     killed = None
     if result is None and started is not None:
         t = {"mode": mode, "completion": started, "tokens": args.bisect_rows * (args.prompt_tokens + started)}
@@ -752,11 +777,10 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
             t.update(status="oom_killed", error=f"process killed (exit {proc.returncode}) during this trial")
             killed = started
         else:  # an error the trial does not count as out of memory: it says nothing about fitting
-            t.update(status="crashed", error=f"process ended (exit {proc.returncode}) during this trial: "
-                                             + " | ".join(x for x in tail if x.strip())[-600:])
+            t.update(status="crashed", error=f"process ended (exit {proc.returncode}) during this trial: {summary}")
         trials.append(t)
         print_trial(t)
-    return trials, result, killed, tail, proc.returncode
+    return trials, result, killed, summary, proc.returncode
 
 
 def run_bisect(args) -> dict:
@@ -776,7 +800,7 @@ def run_bisect(args) -> dict:
         lo, hi, fixed = args.bisect_lo, args.bisect_hi, list(args.completion_lengths or [])
         for _attempt in range(6):
             budget = (args.time_budget - (time.perf_counter() - start)) / (len(modes) - i)
-            new, result, killed, tail, code = launch_mode(mode, args, budget, lo, hi, fixed)
+            new, result, killed, summary, code = launch_mode(mode, args, budget, lo, hi, fixed)
             if result is not None:
                 break
             earlier += new
@@ -786,7 +810,7 @@ def run_bisect(args) -> dict:
             lo, hi = bracket_from_trials(earlier, args.bisect_lo, args.bisect_hi)
             print(f"# {mode}: process killed at {killed}; resuming with lo={lo} hi={hi}", flush=True)
         if result is None:
-            err = " | ".join(x for x in tail if x.strip())[-600:]
+            err = summary
             result = dict(mode=mode, label=mode_label(mode), status="crashed", error=err, returncode=code, trials=[])
             print(f"# {mode}: process ended without a result (exit {code}): {err[-300:]}", flush=True)
         result["trials"] = earlier + result["trials"]
@@ -907,6 +931,9 @@ def print_trial(t: dict | None, header: bool = False) -> None:
     host = f"{t['host_rss_gb']:.1f}" if t.get("host_rss_gb") is not None else "-"
     print(f"{t['mode']:<15} {t['completion']:>10} {t.get('tokens', 0):>9} {t['status']:>10} {s:>8} {peak:>8} "
           f"{host:>8}", flush=True)
+    if t.get("status") == "crashed" and t.get("where"):
+        print(f"#   {t['error']}\n#   at {' <- '.join(reversed(t['where'][-4:]))}\n#   offload counters: {t.get('offload')}",
+              flush=True)
     if t.get("profile"):
         print(format_profile(t["profile"], f"{t['mode']} at {t['completion']}"), flush=True)
     if t.get("peak_profile"):
@@ -1012,6 +1039,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smoke tests: trials above this many tokens count as out of memory")
     p.add_argument("--simulate-kill-above", type=int, default=None,
                    help="smoke tests: the process dies (exit 137) in trials above this many tokens")
+    p.add_argument("--simulate-error-above", type=int, default=None,
+                   help="smoke tests: trials above this many tokens raise an error that is not out of memory")
     p.add_argument("--load-in-4bit", action="store_true",
                    help="QLoRA: the decoder's linear weights in bitsandbytes NF4 (double quantisation), every mode")
     p.add_argument("--attention-output-layers", type=int, default=0,

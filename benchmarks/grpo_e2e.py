@@ -41,6 +41,7 @@ import tempfile
 import time
 
 from benchmarks import child_env, module_command, results
+from benchmarks.child_output import failure_summary, save_child_output
 
 MODES = ("swiftune", "trl", "unsloth")
 RESULT = "RESULT "
@@ -284,7 +285,8 @@ def child_unsloth(args) -> dict:
 
     model, tokenizer = FastLanguageModel.from_pretrained(
         args.model_dir, max_seq_length=args.prompt_tokens + args.completion_tokens, dtype=torch.bfloat16,
-        load_in_4bit=False, fast_inference=False, local_files_only=True)
+        load_in_4bit=False, fast_inference=False, local_files_only=True,
+        offload_embedding=False)  # as the anchors: "auto" may move the embedding to host RAM; the others keep it
     model = FastLanguageModel.get_peft_model(
         model, r=16, lora_alpha=16, lora_dropout=0.0, bias="none", use_gradient_checkpointing="unsloth",
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -310,8 +312,10 @@ def run_child(mode: str, args, extra: list[str], env: dict) -> dict:
             rec = json.loads(line[len(RESULT):])
             rec["wall_s"] = time.perf_counter() - t0
             return rec
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-25:]
-    return {"mode": mode, "model": args.model, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-1500:]}
+    output = proc.stdout + proc.stderr
+    log = save_child_output(args.out, mode, output)
+    return {"mode": mode, "model": args.model, "error": f"exit {proc.returncode}: " + failure_summary(output),
+            **({"log": log} if log else {})}
 
 
 def workload_args(args) -> list[str]:

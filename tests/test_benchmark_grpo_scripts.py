@@ -293,6 +293,55 @@ def test_grpo_bisect_reports_a_crash_inside_a_trial_as_a_crash(monkeypatch):
     assert killed == 512 and trials[0]["status"] == "oom_killed"
 
 
+def test_grpo_bisect_child_says_where_a_trial_crashed(tmp_path):
+    """A trial that raises something other than out of memory (as an illegal memory access does) is
+    recorded by the child itself before it ends: status 'crashed', the exception, its innermost frames
+    and swiftune's offload counters; the trials before it keep their results, the whole output of the
+    child is kept beside --out, and the mode's error holds the traceback, not only its last lines."""
+    out = tmp_path / "crash.json"
+    # tokens = 2 x (256 + L): 64 -> 640 runs, 96 -> 704 raises (the warm-up, at 64, runs too)
+    proc = run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune",
+                      "--completion-lengths", "64", "96", "--fixed-only", "--simulate-error-above", "650",
+                      "--out", str(out))
+    res = json.loads(out.read_text())["modes"]["swiftune"]
+    ok, crashed = res["trials"]
+    assert ok["completion"] == 64 and ok["status"] == "ok", ok
+    assert crashed["completion"] == 96 and crashed["status"] == "crashed", crashed
+    assert crashed["error"].startswith("RuntimeError: simulated"), crashed
+    assert any(f.startswith("benchmarks/grpo.py:") for f in crashed["where"]), crashed["where"]
+    assert {"restored", "derived_recomputed", "offloaded", "kept"} <= set(crashed["offload"]), crashed["offload"]
+    assert res["status"] == "crashed" and "Traceback (most recent call last)" in res["error"], res["error"]
+    assert "RuntimeError: simulated" in res["error"]
+    assert "offload counters" in proc.stdout
+    assert "Traceback (most recent call last)" in (tmp_path / "crash.swiftune.log").read_text()
+    grpo = load_bench_module("grpo")
+    assert grpo.bracket_from_trials(res["trials"]) == (64, None)  # a crash bounds nothing
+
+
+def test_failure_summary_keeps_the_traceback_and_counts_repeated_device_assertions():
+    from benchmarks.child_output import collapse_repeats, failure_summary
+
+    asserts = [f"/pytorch/aten/src/ATen/native/cuda/IndexKernelUtils.cu:16: vectorized_gather_kernel: block: "
+               f"[327,0,0], thread: [{t},0,0] Assertion `ind >=0 && ind < ind_dim_size` failed." for t in range(150)]
+    frames = [f'  File "/site-packages/pkg/mod{i}.py", line {i}, in f{i}\n    call_{i}()' for i in range(40)]
+    text = "\n".join(["loading...", "step 1", *asserts, "Traceback (most recent call last):", *frames,
+                      "torch.AcceleratorError: CUDA error: device-side assert triggered",
+                      "For debugging consider passing CUDA_LAUNCH_BLOCKING=1",
+                      "[W1204 18:36:59.7 CUDAEvent.h:57] Warning: CUDA warning: device-side assert triggered",
+                      "[W1204 18:36:59.8 CUDAEvent.h:57] Warning: CUDA warning: device-side assert triggered"])
+    s = failure_summary(text, 1500)
+    assert len(s) <= 1500
+    assert s.startswith("/pytorch/aten/src/ATen/native/cuda/IndexKernelUtils.cu:16") and "[x 150]" in s, s[:400]
+    assert s.count("Assertion `") == 1
+    # the innermost frames and the exception stay; the outermost frames went to make room
+    assert "mod39.py" in s and "call_39()" in s and "mod0.py" not in s and "... " in s
+    assert "torch.AcceleratorError: CUDA error: device-side assert triggered" in s
+    assert "CUDAEvent.h:57] Warning: CUDA warning: device-side assert triggered [x 2]" in s
+    # no traceback: the last lines, repeats collapsed
+    assert failure_summary("a\nwarn 1\nwarn 2\nKilled") == "a | warn 1 [x 2] | Killed"
+    assert collapse_repeats(["x 1", "y", "x 2"]) == ["x 1 [x 2]", "y"]
+
+
 def test_host_allocator_failures_count_as_host_memory():
     grpo = load_bench_module("grpo")
     cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
@@ -419,6 +468,9 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
                           "--out", str(out)]) == 0
     (record,) = json.loads(out.read_text())["rows"]
     assert record["mode"] == "unsloth" and "Unsloth needs a GPU" in record["error"]
+    # the summary keeps the traceback (where it failed); the whole output is kept beside --out
+    assert "Traceback (most recent call last)" in record["error"] and "ImportError" in record["error"], record
+    assert "Unsloth needs a GPU" in (tmp_path / "u.unsloth.log").read_text() and record["log"].endswith("u.unsloth.log")
 
 
 def test_grpo_e2e_keeps_each_finished_tool_when_a_later_one_is_stopped(tmp_path, monkeypatch):
