@@ -846,7 +846,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     from swiftune.attention.backends import SDPA_MIN_MEAN_DOC_TOKENS, planner_attention_terms
     from swiftune.memory import max_tokens
     from swiftune.training.checkpointing import host_available_bytes
-    from benchmarks.workload import MODEL_SHAPES
+    from benchmarks.workload import shape_of
 
     budget_gb = getattr(args, "gpu_budget_gb", None)
     if gpu_bytes is None and budget_gb is not None:  # the emulated GPU
@@ -863,7 +863,7 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
               lora_input_casts=False,
               weight_quantization=weight_quantization_of(args),
               attention_output_layers=getattr(args, "attention_output_layers", 0))
-    shape = dict(MODEL_SHAPES[args.model])
+    shape = shape_of(args.model)
 
     def completion_of(tokens: int) -> int:
         return (tokens - P) // R if share else tokens // R - P  # shared: P + R L tokens; else R (P + L)

@@ -188,10 +188,10 @@ def predict(name: str, tokens: int, mode: str, gpu_bytes: int | None, args) -> d
     """The planner's figures for one row (:func:`_plan_kwargs`)."""
     from swiftune.memory import plan_memory
 
-    from benchmarks.workload import MODEL_SHAPES
+    from benchmarks.workload import shape_of
 
     gpu = None if mode == "offload_all" else gpu_bytes
-    plan = plan_memory(dict(MODEL_SHAPES[name]), tokens, 16, gpu_bytes=gpu, **_plan_kwargs(mode, args))
+    plan = plan_memory(shape_of(name), tokens, 16, gpu_bytes=gpu, **_plan_kwargs(mode, args))
     return {"pred_allocated": plan.allocated, "pred_total": plan.total, "pred_kept": plan.kept_layers,
             "pred_host": plan.host_bytes, "pred_derived": plan.derived_layers}
 
@@ -317,9 +317,9 @@ def planner_bracket(name: str, mode: str, gpu_bytes: int, args) -> tuple[list[in
     """The planner's largest fitting row for ``mode`` (:func:`_plan_kwargs`) and :func:`sizes_around` it."""
     from swiftune.memory import max_tokens
 
-    from benchmarks.workload import MODEL_SHAPES
+    from benchmarks.workload import shape_of
 
-    best = max_tokens(dict(MODEL_SHAPES[name]), gpu_bytes, 16, **_plan_kwargs(mode, args))
+    best = max_tokens(shape_of(name), gpu_bytes, 16, **_plan_kwargs(mode, args))
     return sizes_around(best), best
 
 
@@ -554,12 +554,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         from swiftune.memory import max_tokens
 
-        from benchmarks.workload import MODEL_SHAPES
+        from benchmarks.workload import shape_of
 
         gpu = torch.cuda.get_device_properties(device).total_memory
         for mode in args.modes:
             if mode != "offload_all":  # (offload: with the host memory as the run started, see above)
-                predicted[mode] = max_tokens(dict(MODEL_SHAPES[args.model]), gpu, 16, **_plan_kwargs(mode, args))
+                predicted[mode] = max_tokens(shape_of(args.model), gpu, 16, **_plan_kwargs(mode, args))
         print("# planner's largest fitting token count: "
               + ", ".join(f"{m} {n:,}" for m, n in predicted.items()), flush=True)
     data = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -124,11 +124,38 @@ def padding_fraction(lengths: np.ndarray, batch_size: int) -> float:
     return float(1.0 - batches.sum() / (batches.max(axis=1).sum() * batch_size))
 
 
+#: ``NAME:layers=N``: shape NAME cut to its first N decoder layers (every other size as NAME's): a repro of
+#: one layer's work at full width in a fraction of the whole model's time.
+_LAYERS_SUFFIX = ":layers="
+
+
+def shape_of(name: str) -> dict:
+    """The shape table's entry ``name`` (a copy), or for ``NAME:layers=N`` NAME's with ``N`` decoder layers
+    (``num_hidden_layers`` and, where the config lists one per layer, ``layer_types`` cut to match; a
+    vision-language shape's text decoder)."""
+    base, _, layers = name.partition(_LAYERS_SUFFIX)
+    if base not in MODEL_SHAPES:
+        raise KeyError(f"unknown model shape {base!r}: one of {', '.join(MODEL_SHAPES)}")
+    shape = dict(MODEL_SHAPES[base])
+    if not layers:
+        return shape
+    n = int(layers)
+    text = dict(shape["text_config"]) if "text_config" in shape else shape
+    if not 1 <= n <= text["num_hidden_layers"]:
+        raise ValueError(f"{name}: {base} has {text['num_hidden_layers']} decoder layers; ask for 1 to that many")
+    text["num_hidden_layers"] = n
+    if text.get("layer_types"):
+        text["layer_types"] = list(text["layer_types"])[:n]
+    if text is not shape:
+        shape["text_config"] = text
+    return shape
+
+
 def model_config(name: str):
     """A transformers config of the named shape (bf16 training, sdpa attention by default)."""
     from transformers import AutoConfig
 
-    shape = dict(MODEL_SHAPES[name])
+    shape = shape_of(name)
     return AutoConfig.for_model(shape.pop("model_type"), **shape)
 
 

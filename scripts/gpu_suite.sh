@@ -37,6 +37,7 @@
 #   scripts/gpu_suite.sh pieces-tests # the projected-pieces tests on CUDA (~1 min)
 #   scripts/gpu_suite.sh loss-tests   # the chunked losses' CUDA tests, the offloaded log-prob hidden states in pinned blocks (~1 min)
 #   scripts/gpu_suite.sh qlora-grpo-at C... # the same at fixed completion lengths, in the foreground (for gpu_chain.sh; ~12-15 min near 330K)
+#   scripts/gpu_suite.sh qlora-grpo-cut LAYERS GPU_GB HOST_GB C... # that trial on the first LAYERS layers, launches synchronous (a crash's repro, ~1-2 min)
 #   scripts/gpu_suite.sh qlora-grpo-unshared-at C... # the same with the prompt copied before each completion (no --share-prompt)
 #   scripts/gpu_suite.sh qlora-grpo-profile-at C # one shared trial with what is alive at its peak, by allocation site (~5-6 min when it fails)
 #   scripts/gpu_suite.sh sft-memory   # what is alive at the peak: Qwen3-8B, batch 16 / 16K tokens (~4 min)
@@ -517,6 +518,15 @@ case "$part" in
       run qlora_grpo_at 1500 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
       --share-prompt --load-in-4bit --gpu-budget-gb 80 --completion-lengths "${@:2}" --fixed-only --time-budget 1450 \
       --out "$OUT/qlora_grpo_at.json" ;;
+  qlora-grpo-cut)  # the qlora-grpo-at trial on the Qwen3-8B shape cut to its first LAYERS decoder layers, every
+    # kernel launch synchronous (CUDA_LAUNCH_BLOCKING=1: an asynchronous CUDA error is raised at the call that
+    # caused it), on GPU_GB of GPU and HOST_GB of host memory for the offloaded layer inputs (a small HOST_GB makes
+    # layers derive their inputs): a repro of a full trial's failure in ~1-2 min.
+    # Usage: qlora-grpo-cut LAYERS GPU_GB HOST_GB COMPLETION...
+    CUDA_LAUNCH_BLOCKING=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \
+      run qlora_grpo_cut 560 python3 -m benchmarks.grpo --bisect-completion --model "qwen3-8b:layers=$2" \
+      --bisect-modes swiftune --share-prompt --load-in-4bit --gpu-budget-gb "$3" --host-budget-gb "$4" \
+      --completion-lengths "${@:5}" --fixed-only --time-budget 520 --out "$OUT/qlora_grpo_cut.json" ;;
   qlora-grpo-unshared-at)  # the same trials with each completion after its own copy of the prompt (as TRL and
     # Unsloth lay rows out): no per-completion prompt q/k/v copies in sdpa. Usage: qlora-grpo-unshared-at COMPLETION...
     PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True} \

@@ -318,6 +318,25 @@ def test_grpo_bisect_child_says_where_a_trial_crashed(tmp_path):
     assert grpo.bracket_from_trials(res["trials"]) == (64, None)  # a crash bounds nothing
 
 
+def test_shape_of_cuts_a_shape_to_its_first_layers():
+    """``NAME:layers=N`` (the repro shapes of the GPU suite): NAME's sizes with N decoder layers, the
+    per-layer list of a config that has one cut to match, the planner's shape with them; bad names say why."""
+    from benchmarks.workload import MODEL_SHAPES, model_config, shape_of
+    from swiftune.memory.shapes import model_shape
+
+    cut = shape_of("qwen3-8b:layers=4")
+    assert cut == {**MODEL_SHAPES["qwen3-8b"], "num_hidden_layers": 4}
+    assert MODEL_SHAPES["qwen3-8b"]["num_hidden_layers"] == 36  # the table itself is left alone
+    assert model_shape(cut).layers == 4 and model_shape(shape_of("qwen3-8b")).layers == 36
+    oss = model_config("gpt-oss-20b:layers=3")
+    assert oss.num_hidden_layers == 3 and len(oss.layer_types) == 3
+    assert shape_of("tiny-vl:layers=1")["text_config"]["num_hidden_layers"] == 1
+    with pytest.raises(ValueError, match="36 decoder layers"):
+        shape_of("qwen3-8b:layers=37")
+    with pytest.raises(KeyError, match="unknown model shape 'qwen9'"):
+        shape_of("qwen9:layers=2")
+
+
 def test_failure_summary_keeps_the_traceback_and_counts_repeated_device_assertions():
     from benchmarks.child_output import collapse_repeats, failure_summary
 
