@@ -90,6 +90,30 @@ def test_qlora_gradients_equal_peft_bitsandbytes(checkpoints, references, family
     assert set(ref_grads) == set(_trainable(reference)), "every adapter gets a gradient"
 
 
+def test_qlora_with_derived_layer_inputs_equals_peft_bitsandbytes(checkpoints, references):
+    """Offloaded checkpointing with the host too short for every layer input, so every second one is
+    derived: rerun in backward from the layer before, without grad (where PEFT's and bitsandbytes' own
+    4-bit forward run instead of the fused LoRA node). Loss and every LoRA gradient equal transformers +
+    bitsandbytes + PEFT per document, and the reruns happened."""
+    from swiftune.data import make_collator
+    from swiftune.training.checkpointing import enable_offloaded_checkpointing, offload_stats
+    from tests.test_gradient_parity import PAD_ID
+
+    reference, ref_loss, ref_grads = references("qwen3")
+    model = _swiftune(checkpoints["qwen3"], reference, "offload")
+    layers = model.get_base_model().config.num_hidden_layers
+    tokens = make_collator("packed", max_length=24, pad_token_id=PAD_ID)(_examples())["input_ids"].numel()
+    page = 1024
+    per_layer = -(-tokens * model.get_base_model().config.hidden_size * 4 // page) * page
+    stored = layers - layers // 2  # the host holds these; the others (every second) are derived
+    enable_offloaded_checkpointing(model, 0, stored * per_layer, page_bytes=page)
+    loss, grads = _swiftune_step(model, _examples(), "packed")
+    stats = offload_stats(model)
+    assert len(stats["derived"]) == layers // 2 >= 1 and stats["derived_recomputed"] == layers // 2, stats
+    assert rel_err(loss, ref_loss) < 1e-5, (float(loss), float(ref_loss))
+    assert_gradients_match(ref_grads, grads, _trainable(reference), 1e-4)
+
+
 def test_graphed_layers_on_a_4bit_base_equal_peft_bitsandbytes(checkpoints, references):
     """CUDA-graphed decoder layers (closures in place of replays off CUDA) on NF4 base weights: a
     padding-free step's loss and every LoRA gradient equal transformers + bitsandbytes + PEFT per
