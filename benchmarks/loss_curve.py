@@ -47,6 +47,7 @@ import sys
 import time
 
 from benchmarks import child_env, module_command, results
+from benchmarks.child_output import failure_summary
 
 
 MODES = ["hf_padded", "swiftune_packed"]
@@ -267,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if not found:
-            err = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-            print(f"{mode}: FAILED: {' | '.join(err)}", file=sys.stderr)
+            print(f"{mode}: FAILED: {failure_summary(proc.stderr or proc.stdout, 600)}", file=sys.stderr)
             return 1
         runs[mode] = json.loads(found[-1][7:])
         r = runs[mode]

@@ -27,6 +27,7 @@ import sys
 import time
 
 from benchmarks import child_env, results
+from benchmarks.child_output import failure_summary
 
 RUNS = {"bf16": ["--use_lora", "true"], "fp8": ["--load_in_fp8", "true"]}
 
@@ -52,8 +53,8 @@ def run_one(name: str, args, workdir: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
-        raise RuntimeError(f"{name}: swiftune grpo exited {proc.returncode}: {tail}")
+        raise RuntimeError(f"{name}: swiftune grpo exited {proc.returncode}: "
+                           f"{failure_summary(proc.stderr or proc.stdout, 600)}")
     rewards = read_rewards(os.path.join(out_dir, "metrics.jsonl"))
     first, last = fifths(rewards)
     return dict(run=name, command=" ".join(cmd[2:]), rewards=rewards, first_fifth=first, last_fifth=last,

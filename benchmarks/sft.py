@@ -57,6 +57,7 @@ import sys
 import time
 
 from benchmarks import child_env, module_command, results
+from benchmarks.child_output import failure_summary
 
 
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
@@ -343,9 +344,9 @@ def main(argv=None) -> int:
             if line.startswith("RESULT "):
                 row = json.loads(line[7:])
                 found[row["batch"]] = row
-        err = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        err = failure_summary(proc.stderr or proc.stdout, 300)
         for batch in batches:
-            rows.append(found.get(batch) or dict(mode=mode, model=args.model, batch=batch, error=" | ".join(err)[-300:]))
+            rows.append(found.get(batch) or dict(mode=mode, model=args.model, batch=batch, error=err))
             print(json.dumps(rows[-1]), flush=True)
     rows.sort(key=lambda r: (r["batch"], args.modes.index(r["mode"])))
     for r in rows:  # (before the table, which comes last)

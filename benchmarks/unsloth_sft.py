@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 from benchmarks import results
+from benchmarks.child_output import failure_summary
 
 GIB = 2**30
 MODES = {"unsloth": [], "unsloth_packed": ["--packing"]}
@@ -62,8 +63,8 @@ def run_anchor(shared: str, site: str, args: list[str], timeout: float) -> list[
         return [{"status": "error", "error": f"timed out after {timeout:.0f} s"}]
     found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not found:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        found = [{"status": "error", "error": f"exit {proc.returncode}: " + " | ".join(tail)[-300:]}]
+        tail = failure_summary(proc.stderr or proc.stdout, 300)
+        found = [{"status": "error", "error": f"exit {proc.returncode}: {tail}"}]
     return found
 
 

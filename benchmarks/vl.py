@@ -60,6 +60,7 @@ import warnings
 from typing import Any
 
 from benchmarks import child_env, module_command, results
+from benchmarks.child_output import failure_summary
 from benchmarks.memory_profile import format_breakdown, peak_profile
 
 SFT_MODES = ["swiftune", "trl"]
@@ -322,7 +323,7 @@ def run_sft(args, argv) -> int:
             print(json.dumps(rows[-1]), flush=True)
             continue
         found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])[-400:]
+        tail = failure_summary(proc.stderr or proc.stdout, 400)
         rows.append(found[0] if found else dict(mode=mode, model=args.model, batch=args.batch, error=tail))
         print(json.dumps(rows[-1]), flush=True)
     base = next((r for r in rows if r["mode"] == "trl" and "error" not in r), None)
