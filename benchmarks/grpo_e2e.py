@@ -102,7 +102,10 @@ class StepClock:
             yield
         finally:
             self.sync()
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
+            # progress in the child's output (kept beside --out): how far a process that crashes got
+            print(f"# {name}: {seconds:.2f} s", flush=True)
 
     def wrap(self, obj, attr: str, name: str) -> bool:
         """Time every call of ``obj.attr`` as phase ``name``; False where ``obj`` has no such method."""
@@ -135,6 +138,8 @@ class StepClock:
                 clock.step["s"] = time.perf_counter() - clock.step["t0"]
                 clock.step["peak_gb"] = clock.torch.cuda.max_memory_allocated() / 1e9 if clock.cuda else 0.0
                 clock.step["phases"] = dict(clock.phases)
+                print(f"# step {state.global_step}: {clock.step['s']:.2f} s, peak {clock.step['peak_gb']:.1f} GB, "
+                      + ", ".join(f"{k} {v:.2f} s" for k, v in clock.phases.items()), flush=True)
 
         return Clock()
 
