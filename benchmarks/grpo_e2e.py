@@ -288,8 +288,11 @@ def child_unsloth(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
     from unsloth import FastLanguageModel
 
+    # Unsloth sizes its caches by max_seq_length; its notebooks leave room above prompt + completion, and so
+    # does this (the next multiple of 1,024) rather than end generation exactly at the edge
+    max_seq_length = -(-(args.prompt_tokens + args.completion_tokens) // 1024) * 1024
     model, tokenizer = FastLanguageModel.from_pretrained(
-        args.model_dir, max_seq_length=args.prompt_tokens + args.completion_tokens, dtype=torch.bfloat16,
+        args.model_dir, max_seq_length=max_seq_length, dtype=torch.bfloat16,
         load_in_4bit=False, fast_inference=False, local_files_only=True,
         offload_embedding=False)  # as the anchors: "auto" may move the embedding to host RAM; the others keep it
     model = FastLanguageModel.get_peft_model(
