@@ -20,17 +20,13 @@ _NUMBERS = re.compile(r"\d+")
 def collapse_repeats(lines: list[str]) -> list[str]:
     """``lines`` with every line that repeats an earlier one up to its numbers dropped, the first of
     each kept with `` [x N]`` appended when it came ``N > 1`` times. Order of first appearance."""
+    first: dict[str, str] = {}  # by the line with its numbers masked: its first copy (dicts keep order)
     counts: dict[str, int] = {}
-    kept: list[str] = []
     for line in lines:
         key = _NUMBERS.sub("#", line.strip())
-        if key in counts:
-            counts[key] += 1
-            continue
-        counts[key] = 1
-        kept.append(line)
-    return [line + (f" [x {counts[key]}]" if counts[key] > 1 else "")
-            for line, key in ((ln, _NUMBERS.sub("#", ln.strip())) for ln in kept)]
+        first.setdefault(key, line)
+        counts[key] = counts.get(key, 0) + 1
+    return [line + (f" [x {counts[key]}]" if counts[key] > 1 else "") for key, line in first.items()]
 
 
 def failure_summary(text: str, limit: int = 1500) -> str:

@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from swiftune.training.checkpoints import write_json_atomic
 
-    records = []
+    records: list[dict] = []
+    data = {"benchmark": "grpo_e2e", "rows": records}
     for mode in args.modes:
         env, extra = child_env(), workload_args(args)
         if mode == "unsloth":
@@ -402,9 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rec), flush=True)
         records.append(rec)
         if args.out:  # after every tool: a run stopped during a later tool keeps the finished ones
-            write_json_atomic(args.out, {"benchmark": "grpo_e2e", "rows": records})
+            write_json_atomic(args.out, data)
     print_table(records)
-    data = {"benchmark": "grpo_e2e", "rows": records}
     results.save("grpo_e2e", argv, data, args.out, args.rows)
     return 0
 
