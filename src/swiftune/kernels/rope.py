@@ -56,10 +56,15 @@ if triton is not None:
         x_ptr, y_ptr, c1, c2, s1, s2, b, t,
         sx_b, sx_h, sx_s, sx_d, sy_b, sy_h, sy_s, sy_d,
         n_heads, half,
-        BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INT64: tl.constexpr,
     ):
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
+        if INT64:
+            # a stride that fits int32 times a head index may not: a [B, H, S, D]-contiguous gradient of
+            # 676K tokens has a head stride of S x D = 86.5M, and head 25 x 86.5M passes 2^31
+            h = h.to(tl.int64)
+            d = d.to(tl.int64)
         mask = (h < n_heads) & (d < half)
         x_base = x_ptr + b * sx_b + t * sx_s + h * sx_h
         y_base = y_ptr + b * sy_b + t * sy_s + h * sy_h
@@ -97,9 +102,9 @@ if triton is not None:
         s1 = tl.load(sin_ptr + c_base + d * sc_d, mask=dmask, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + c_base + (d + half) * sc_d, mask=dmask, other=0.0).to(tl.float32)
         _rope_rows(q_ptr, qo_ptr, c1, c2, s1, s2, b, t, sq_b, sq_h, sq_s, sq_d,
-                   sqo_b, sqo_h, sqo_s, sqo_d, n_q_heads, half, BACKWARD, BLOCK_HQ, BLOCK_D)
+                   sqo_b, sqo_h, sqo_s, sqo_d, n_q_heads, half, BACKWARD, BLOCK_HQ, BLOCK_D, INT64)
         _rope_rows(k_ptr, ko_ptr, c1, c2, s1, s2, b, t, sk_b, sk_h, sk_s, sk_d,
-                   sko_b, sko_h, sko_s, sko_d, n_k_heads, half, BACKWARD, BLOCK_HK, BLOCK_D)
+                   sko_b, sko_h, sko_s, sko_d, n_k_heads, half, BACKWARD, BLOCK_HK, BLOCK_D, INT64)
 
 else:  # pragma: no cover
     _rope_qk_kernel = None
