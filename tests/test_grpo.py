@@ -222,6 +222,36 @@ def test_shared_prompt_sdpa_row_equals_unpatched_peft_model_per_sample(monkeypat
         assert rel_err(got[name], want[name]) < 1e-4, name
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_shared_row_attention_hands_back_token_major_gradients(backend):
+    """The projections lay q/k/v out token-major (``[1, T, H, D]`` seen as ``[1, H, T, D]``), and the
+    gradients a shared row's attention hands back keep that layout: its ``[1, H, T, D] -> [T, H, D]``
+    step is a view in backward too. Taking row 0 by indexing instead made autograd fill a head-major
+    zero tensor of the whole row and copy into it: one q-sized buffer and a pass over it per layer, and
+    the layout in which RoPE's backward once wrapped its 64-bit head offsets at 676K tokens."""
+    from swiftune.attention.shared_prompt import grpo_attention_forward
+
+    prompts, completions = random_groups(seed=5, prompt_lengths=(6, 9, 4), group_size=3)
+    row = build_policy_row(prompts, completions, share_prompt=True, group_ids=[i // 3 for i in range(9)])
+    layout = copy.copy(row.layout)
+    layout.backend = backend
+    T = row.num_tokens
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(1, T, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2)]
+    projected = [t * 1.0 for t in leaves]  # non-leaf outputs, as a projection's
+    seen: dict[str, torch.Tensor] = {}
+    for name, t in zip("qkv", projected):
+        t.register_hook(lambda grad, name=name: seen.__setitem__(name, grad))
+    query, key, value = (t.transpose(1, 2) for t in projected)
+    out, _ = grpo_attention_forward(torch.nn.Identity(), query, key, value, None, scaling=0.4,
+                                    swiftune_row_layout=layout)
+    out.backward(torch.randn(out.shape, generator=g))
+    assert sorted(seen) == ["k", "q", "v"]
+    for name, grad in seen.items():
+        assert grad.is_contiguous(), (name, grad.stride())
+        assert grad.abs().sum() > 0
+
+
 def test_shared_prompt_sdpa_equals_the_masked_reference_with_gradients(monkeypatch):
     """The sdpa path of shared rows (each completion as dense prompt + completion, later ones
     gathered) against the masked eager reference in float64: outputs and q/k/v gradients, with

@@ -185,7 +185,9 @@ def grpo_attention_forward(
                          f"key {tuple(key.shape)}")
     if scaling is None:
         scaling = head_dim**-0.5
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    # [T, H, D] views; squeeze, not [0]: the backward of an index fills a zero [1, H, T, D] tensor and copies
+    # the gradient in (head-major, a row-sized buffer per layer), squeeze's is a view that keeps it token-major
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
     window = int(sliding_window) if sliding_window else None
     cap = float(softcap) if softcap else None
     if sinks is not None:
