@@ -222,6 +222,31 @@ def test_shared_prompt_sdpa_row_equals_unpatched_peft_model_per_sample(monkeypat
         assert rel_err(got[name], want[name]) < 1e-4, name
 
 
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_policy_backward_never_indexes_the_row_out_of_a_batch_of_one(share_prompt):
+    """A policy row is a batch of one; taking it out by indexing (``t[0]``) makes the backward fill a zero
+    tensor of the whole row and copy the gradient in (per layer for q/k/v, once for the hidden states: at a
+    676K-token row 5.5 GB each). The log-probs' autograd graph has no such selection of a row-long tensor."""
+    model = add_lora(tiny_model())
+    prompts, completions = random_groups(seed=4, group_size=3)
+    row = build_policy_row(prompts, completions, share_prompt=share_prompt, group_ids=[i // 3 for i in range(6)],
+                           attention_backend="sdpa" if share_prompt else "auto")
+    logps, _ = completion_logprobs(model, row, kernel_backend="reference")
+    seen, pending, selections = set(), [logps.grad_fn], []
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "SelectBackward0":
+            sizes = tuple(node._saved_self_sym_sizes)
+            if sizes and sizes[0] == 1 and row.num_tokens in sizes:
+                selections.append(sizes)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    assert len(seen) > 50  # the graph was walked (the layers' nodes)
+    assert not selections, selections
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
 def test_shared_row_attention_hands_back_token_major_gradients(backend):
     """The projections lay q/k/v out token-major (``[1, T, H, D]`` seen as ``[1, H, T, D]``), and the

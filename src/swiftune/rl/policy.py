@@ -240,6 +240,14 @@ def router_token_weights(model: nn.Module, row: PolicyRow, sample_weights: torch
     return weights.reshape(-1).to(row.input_ids.device)
 
 
+def _the_row(hidden: torch.Tensor) -> torch.Tensor:
+    """``[1, T, H] -> [T, H]`` by ``squeeze``, a view in backward too (indexing row 0 would make autograd
+    fill a zero tensor of the whole row's hidden states and copy the gradient in)."""
+    if hidden.shape[0] != 1:
+        raise ValueError(f"a policy row is one row [1, T]; the model returned hidden states {tuple(hidden.shape)}")
+    return hidden.squeeze(0)
+
+
 def completion_logprobs(
     model: nn.Module,
     row: PolicyRow,
@@ -269,12 +277,12 @@ def completion_logprobs(
             layout = {LAYOUT_KWARG: row.layout}
         hidden, lm_head, softcap = hidden_states_and_head(
             model, input_ids=row.input_ids, position_ids=row.position_ids, **row.model_inputs, **layout)
-        hidden = hidden[0].index_select(0, row.hidden_index)
+        hidden = _the_row(hidden).index_select(0, row.hidden_index)
     elif controls_attention(causal_lm):
         install_grpo_attention(causal_lm)
         hidden, lm_head, softcap = hidden_states_and_head(
             model, input_ids=row.input_ids, position_ids=row.position_ids, **{LAYOUT_KWARG: row.layout})
-        hidden = hidden[0].index_select(0, row.hidden_index)
+        hidden = _the_row(hidden).index_select(0, row.hidden_index)
     else:  # the model's own attention would let the row's samples see each other: one padded row each
         hidden, lm_head, softcap = _padded_hidden(model, row)
     weight, bias = lm_head.weight, lm_head.bias
