@@ -222,6 +222,41 @@ def test_shared_prompt_sdpa_row_equals_unpatched_peft_model_per_sample(monkeypat
         assert rel_err(got[name], want[name]) < 1e-4, name
 
 
+def test_row_pieces_gradient_is_the_sum_of_the_slices():
+    """``row_pieces``: overlapping views of a row, one of them unused; the gradient equals plain slicing's
+    (float64), in one row-sized buffer, and the shared-prompt sdpa's backward slices no row-long tensor."""
+    from swiftune.attention.shared_prompt import row_pieces, shared_prompt_sdpa
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    ranges = [(0, 7), (2, 5), (5, 12), (9, 11)]
+    weights = [torch.randn(b - a, 3, 4, generator=g, dtype=torch.float64) for a, b in ranges]
+    pieces = row_pieces(x, ranges)
+    assert all(p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for p in pieces)
+    used = [0, 1, 3]  # the piece (5, 12) takes no part: its rows 7-8 get no gradient from any piece
+    got = torch.autograd.grad(sum((pieces[i] * weights[i]).sum() for i in used), x)[0]
+    want = torch.autograd.grad(sum((x[ranges[i][0]:ranges[i][1]] * weights[i]).sum() for i in used), x)[0]
+    assert torch.equal(got, want) and got[7:9].abs().sum() == 0 and got[2:5].abs().sum() > 0
+
+    prompts, completions = random_groups(seed=5, prompt_lengths=(6, 9, 4), group_size=3)
+    row = build_policy_row(prompts, completions, share_prompt=True, group_ids=[i // 3 for i in range(9)])
+    T = row.num_tokens
+    q, k, v = (torch.randn(T, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    out = shared_prompt_sdpa(q, k, v, row.layout, scale=0.4)
+    seen, pending, row_slices, gathers = set(), [out.grad_fn], [], 0
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        gathers += name.startswith("_RowPiecesBackward")
+        if name == "SliceBackward0" and tuple(node._saved_self_sym_sizes)[:1] == (T,):
+            row_slices.append(tuple(node._saved_self_sym_sizes))
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    assert gathers == 3 and not row_slices, (gathers, row_slices)
+
+
 @pytest.mark.parametrize("share_prompt", [True, False])
 def test_policy_backward_never_indexes_the_row_out_of_a_batch_of_one(share_prompt):
     """A policy row is a batch of one; taking it out by indexing (``t[0]``) makes the backward fill a zero

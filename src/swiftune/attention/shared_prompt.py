@@ -367,25 +367,68 @@ def shared_prompt_sdpa(
     return document_outputs(pieces, keep_pieces)
 
 
+class _RowPieces(torch.autograd.Function):
+    """Views ``x[a:b]`` of a row for each range (ranges may overlap), with one gradient buffer in backward.
+
+    Slicing the row once per call makes autograd build a zero-filled gradient of the whole row for every
+    slice and add them up, and each call's slice gradient is scattered into its own row-sized buffer as
+    soon as that call's backward ends. This Function's backward runs once every piece's gradient is in and
+    adds them into a single row-sized buffer: one allocation and one fill per row, and while the calls'
+    backwards run only their own piece-sized gradients are alive."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]):
+        ctx.ranges, ctx.shape = ranges, x.shape
+        ctx.set_materialize_grads(False)  # a piece without a gradient adds nothing (no zero tensor for it)
+        return tuple(x[a:b] for a, b in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for (a, b), g in zip(ctx.ranges, grads):
+            if g is None:
+                continue
+            if total is None:
+                total = g.new_zeros(ctx.shape)
+            total[a:b] += g
+        return total, None
+
+
+def row_pieces(x: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """``x[a:b]`` for each ``(a, b)`` of ``ranges`` along dim 0, gathered into one gradient in backward."""
+    if not ranges:
+        return ()
+    return _RowPieces.apply(x, tuple(ranges))
+
+
 def _completion_sequences_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout,
                                scale: float) -> list[torch.Tensor]:
-    pieces: list[torch.Tensor] = []
-    emitted = 0  # flat tokens whose outputs are in ``pieces``
+    # per call: its queries' range, its keys' and values' ranges (concatenated when two), and how many
+    # leading outputs it drops
+    calls: list[tuple[tuple[int, int], list[tuple[int, int]], int]] = []
+    emitted = 0  # flat tokens whose outputs the calls so far cover
     for ps, pe, cs, ce in layout.sequences:
         if ps == emitted and cs == pe:  # a group's first completion: prompt + completion is one slice
-            pieces.append(dense_causal_attention(q[ps:ce], k[ps:ce], v[ps:ce], scale=scale))
+            calls.append(((ps, ce), [(ps, ce)], 0))
         elif cs == emitted and pe <= cs:  # a later one: gather the prompt, keep the completion's outputs
             if cs == ce:
                 continue
-            # keys and values: the prompt's, then the completion's (copies); queries: a view of the
-            # pe - ps tokens before the completion and the completion, the first ones standing in for the
-            # prompt's queries (their outputs are dropped, so their gradient is exactly zero)
-            ks, vs = (torch.cat([t[ps:pe], t[cs:ce]]) for t in (k, v))
-            pieces.append(dense_causal_attention(q[cs - (pe - ps):ce], ks, vs, scale=scale)[pe - ps:])
+            # keys and values: the prompt's, then the completion's (copies); queries: the pe - ps tokens
+            # before the completion and the completion, the first ones standing in for the prompt's
+            # queries (their outputs are dropped, so their gradient is exactly zero)
+            calls.append(((cs - (pe - ps), ce), [(ps, pe), (cs, ce)], pe - ps))
         else:
             raise ValueError(f"the sequence table does not tile the row in order at {(ps, pe, cs, ce)} "
                              f"(outputs so far end at {emitted})")
         emitted = ce
     if emitted != q.shape[0]:
         raise ValueError(f"the sequence table covers {emitted} of the row's {q.shape[0]} tokens")
+    queries = row_pieces(q, [query_range for query_range, _, _ in calls])
+    kv_ranges = [r for _, ranges, _ in calls for r in ranges]
+    key_pieces, value_pieces = iter(row_pieces(k, kv_ranges)), iter(row_pieces(v, kv_ranges))
+    pieces: list[torch.Tensor] = []
+    for query, (_, ranges, dropped) in zip(queries, calls):
+        ks, vs = ([next(it) for _ in ranges] for it in (key_pieces, value_pieces))
+        ks, vs = (t[0] if len(t) == 1 else torch.cat(t) for t in (ks, vs))
+        pieces.append(dense_causal_attention(query, ks, vs, scale=scale)[dropped:])
     return pieces
