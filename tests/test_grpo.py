@@ -222,6 +222,18 @@ def test_shared_prompt_sdpa_row_equals_unpatched_peft_model_per_sample(monkeypat
         assert rel_err(got[name], want[name]) < 1e-4, name
 
 
+def autograd_nodes(output: torch.Tensor) -> set:
+    """Every node of ``output``'s autograd graph."""
+    seen, pending = set(), [output.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return seen
+
+
 def test_row_pieces_gradient_is_the_sum_of_the_slices():
     """``row_pieces``: overlapping views of a row, one of them unused; the gradient equals plain slicing's
     (float64), in one row-sized buffer, and the shared-prompt sdpa's backward slices no row-long tensor."""
@@ -243,17 +255,10 @@ def test_row_pieces_gradient_is_the_sum_of_the_slices():
     T = row.num_tokens
     q, k, v = (torch.randn(T, h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     out = shared_prompt_sdpa(q, k, v, row.layout, scale=0.4)
-    seen, pending, row_slices, gathers = set(), [out.grad_fn], [], 0
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        name = type(node).__name__
-        gathers += name.startswith("_RowPiecesBackward")
-        if name == "SliceBackward0" and tuple(node._saved_self_sym_sizes)[:1] == (T,):
-            row_slices.append(tuple(node._saved_self_sym_sizes))
-        pending.extend(next_node for next_node, _ in node.next_functions)
+    nodes = autograd_nodes(out)
+    gathers = sum(type(node).__name__.startswith("_RowPiecesBackward") for node in nodes)
+    row_slices = [tuple(node._saved_self_sym_sizes) for node in nodes if type(node).__name__ == "SliceBackward0"
+                  and tuple(node._saved_self_sym_sizes)[:1] == (T,)]
     assert gathers == 3 and not row_slices, (gathers, row_slices)
 
 
@@ -267,18 +272,11 @@ def test_policy_backward_never_indexes_the_row_out_of_a_batch_of_one(share_promp
     row = build_policy_row(prompts, completions, share_prompt=share_prompt, group_ids=[i // 3 for i in range(6)],
                            attention_backend="sdpa" if share_prompt else "auto")
     logps, _ = completion_logprobs(model, row, kernel_backend="reference")
-    seen, pending, selections = set(), [logps.grad_fn], []
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "SelectBackward0":
-            sizes = tuple(node._saved_self_sym_sizes)
-            if sizes and sizes[0] == 1 and row.num_tokens in sizes:
-                selections.append(sizes)
-        pending.extend(next_node for next_node, _ in node.next_functions)
-    assert len(seen) > 50  # the graph was walked (the layers' nodes)
+    nodes = autograd_nodes(logps)
+    selections = [sizes for sizes in (tuple(node._saved_self_sym_sizes) for node in nodes
+                                      if type(node).__name__ == "SelectBackward0")
+                  if sizes and sizes[0] == 1 and row.num_tokens in sizes]
+    assert len(nodes) > 50  # the graph was walked (the layers' nodes)
     assert not selections, selections
 
 

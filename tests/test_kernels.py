@@ -267,6 +267,7 @@ def test_rope_head_offsets_past_int32_with_an_int32_head_stride(device):
     rq, rk = rope_qk_reference(qr, kr, cos.float(), sin.float())
     eq_grad, ek_grad = torch.autograd.grad((rq, rk), (qr, kr), (gq.float().contiguous(), gk.float()))
     assert rel_err(dq.float(), eq_grad) < 1e-2 and rel_err(dk.float(), ek_grad) < 1e-2
+    assert all(t.abs().sum() > 0 for t in (eq_grad, ek_grad, dk))  # every gradient is non-zero, as the reference's
     assert dq[0, 2].abs().sum() > 0  # the last head, the one whose offset passes 2^31
 
 
