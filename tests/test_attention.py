@@ -123,6 +123,30 @@ def test_sdpa_per_document_matches_each_document_alone_with_gradients():
             assert rel_err(g, r) < 1e-10
 
 
+def test_sdpa_backward_builds_no_row_sized_gradient_per_document():
+    """Per-document sdpa takes q/k/v apart with ``row_pieces``: its backward gathers each tensor's document
+    gradients once, where a plain slice per document would fill a zero gradient of the whole row for each
+    (``O(documents x T)`` memory traffic per layer); the gradients are those of the float64 oracle."""
+    from tests.test_grpo import autograd_nodes
+
+    lengths = [5, 11, 3, 14, 7]
+    total = sum(lengths)
+    pb = build_packed_batch(1, total, _positions(lengths))
+    q, k, v = _qkv(total, grad=True)
+    out = packed_attention(q, k, v, pb, scale=0.3, backend="sdpa")
+    nodes = autograd_nodes(out)
+    gathers = [node for node in nodes if type(node).__name__.startswith("_RowPiecesBackward")]
+    row_slices = [node for node in nodes if type(node).__name__ == "SliceBackward0"
+                  and tuple(node._saved_self_sym_sizes)[:1] == (total,)]
+    assert len(gathers) == 3 and not row_slices, (gathers, row_slices)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    ref = torch.autograd.grad(_alone(qq, kk, vv, lengths, 0.3), (qq, kk, vv), dout)
+    for g, r in zip(got, ref):
+        assert g.abs().sum() > 0 and rel_err(g, r) < 1e-10
+
+
 def test_sdpa_retries_with_expanded_heads_when_the_gqa_call_fails(monkeypatch):
     """A torch whose fused kernels refuse grouped K/V (or a shape cuDNN refuses): the call is made
     again with K/V repeated to the query heads, same result; an out-of-memory is not retried."""

@@ -164,3 +164,25 @@ def test_gpu_bf16_projected_pieces_save_one_attention_output_fewer_per_layer(qwe
     base, reference, _ = qwen3_reference
     model = _sdpa_model(base, reference, "off").cuda().to(torch.bfloat16)
     _assert_one_output_fewer(model, monkeypatch, 2)
+
+
+def test_row_pieces_of_disjoint_ranges_give_plain_slicings_gradient():
+    """``row_pieces`` over ranges that do not overlap (the documents of a packed row), out of order, with
+    rows no range covers and a piece that takes no part: the gradient equals plain slicing's (float64),
+    zero exactly on the rows no used piece covers, and the pieces are views of the row."""
+    from swiftune.attention.pieces import row_pieces
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    ranges = [(9, 14), (1, 4), (4, 9), (16, 19)]  # rows 0, 14-15 and 19 in no range
+    weights = [torch.randn(b - a, 3, 4, generator=g, dtype=torch.float64) for a, b in ranges]
+    pieces = row_pieces(x, ranges)
+    assert all(p.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for p in pieces)
+    used = [0, 1, 3]  # (4, 9) takes no part
+    got = torch.autograd.grad(sum((pieces[i] * weights[i]).sum() for i in used), x)[0]
+    want = torch.autograd.grad(sum((x[ranges[i][0]:ranges[i][1]] * weights[i]).sum() for i in used), x)[0]
+    assert torch.equal(got, want)
+    covered = torch.zeros(20, dtype=torch.bool)
+    for i in used:
+        covered[ranges[i][0]:ranges[i][1]] = True
+    assert got[~covered].abs().sum() == 0 and (got[covered].abs().sum(dim=(1, 2)) > 0).all()

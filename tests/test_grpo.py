@@ -237,7 +237,8 @@ def autograd_nodes(output: torch.Tensor) -> set:
 def test_row_pieces_gradient_is_the_sum_of_the_slices():
     """``row_pieces``: overlapping views of a row, one of them unused; the gradient equals plain slicing's
     (float64), in one row-sized buffer, and the shared-prompt sdpa's backward slices no row-long tensor."""
-    from swiftune.attention.shared_prompt import row_pieces, shared_prompt_sdpa
+    from swiftune.attention.pieces import row_pieces
+    from swiftune.attention.shared_prompt import shared_prompt_sdpa
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(12, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)

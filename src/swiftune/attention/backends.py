@@ -37,7 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kernel_choice import SDPA_MIN_MEAN_DOC_TOKENS, layout_attention_kernel, prefers_sdpa
 from .kept_outputs import kept_attention_outputs
 from .packing import PackedBatch
-from .pieces import DocumentOutputs, document_outputs
+from .pieces import DocumentOutputs, document_outputs, row_pieces
 
 _SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
 
@@ -466,8 +466,9 @@ def sdpa_packed_attention(
     if window or softcap:
         raise ValueError("per-document sdpa supports neither a sliding window nor soft-capping")
     with kept_attention_outputs():  # a checkpointed layer that keeps them: stored, or served in its recompute
-        outs = [dense_causal_attention(q[a:b], k[a:b], v[a:b], scale=scale, dropout=dropout)
-                for a, b in document_bounds(packed) if b > a]
+        bounds = [(a, b) for a, b in document_bounds(packed) if b > a]
+        outs = [dense_causal_attention(qd, kd, vd, scale=scale, dropout=dropout)
+                for qd, kd, vd in zip(*(row_pieces(t, bounds) for t in (q, k, v)))]
     if not outs:
         return q.new_zeros(q.shape)
     return document_outputs(outs, keep_pieces)

@@ -15,6 +15,12 @@ return :class:`DocumentOutputs` instead, and the attention forward projects each
 sdpa saved (its output is laid out ``[L, H, D]`` in memory, so the flattening is a view). Pieces are
 kept only when every one has at least :data:`PIECE_MIN_TOKENS` tokens: a projection call per short
 document would cost more launches than the copy costs memory.
+
+The same paths take their *inputs* apart with :func:`row_pieces`: a view of ``q``, ``k`` and ``v`` per
+call, whose gradients meet in one row-sized buffer. A plain slice ``q[a:b]`` per call makes autograd
+build a zero-filled gradient of the whole row for each slice and add them up: ``O(calls x T)`` memory
+traffic per tensor per layer, and one extra row-sized gradient alive from the end of a call's backward
+through the next call's (where a long row's step peaks).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 PIECES_KWARG = "swiftune_output_pieces"
 PIECE_MIN_TOKENS = 4096  # the mean document length from which ``auto`` takes per-document sdpa
 
-__all__ = ["PIECES_KWARG", "PIECE_MIN_TOKENS", "DocumentOutputs", "document_outputs", "project_pieces"]
+__all__ = ["PIECES_KWARG", "PIECE_MIN_TOKENS", "DocumentOutputs", "document_outputs", "project_pieces",
+           "row_pieces"]
 
 
 @dataclass(frozen=True)
@@ -56,3 +63,46 @@ def project_pieces(o_proj: torch.nn.Module, outputs: DocumentOutputs, batch_shap
     axis of ``batch_shape`` in order: documents never cross rows, and padded batches never get here)."""
     projected = [o_proj(p.reshape(1, p.shape[0], -1)) for p in outputs.pieces]
     return torch.cat(projected, dim=1).view(*batch_shape, -1)
+
+
+class _RowPieces(torch.autograd.Function):
+    """Views ``x[a:b]`` of a row for each range, with one gradient buffer in backward.
+
+    The backward runs once every piece's gradient is in (while the calls' backwards run, only their own
+    piece-sized gradients are alive) and writes them into a single row-sized buffer. Ranges that do not
+    overlap (documents of a packed row) are copied into an uninitialised buffer whose uncovered rows alone
+    are zeroed; overlapping ones (a shared prompt read by every completion) are added into a zeroed one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]):
+        ctx.ranges, ctx.shape = ranges, x.shape
+        ctx.set_materialize_grads(False)  # a piece without a gradient adds nothing (no zero tensor for it)
+        return tuple(x[a:b] for a, b in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        present = sorted(((r, g) for r, g in zip(ctx.ranges, grads) if g is not None), key=lambda item: item[0])
+        if not present:
+            return None, None
+        first = present[0][1]
+        if all(prev[0][1] <= nxt[0][0] for prev, nxt in zip(present, present[1:])):  # disjoint
+            total = first.new_empty(ctx.shape)
+            covered = 0
+            for (a, b), g in present:
+                total[covered:a].zero_()
+                total[a:b].copy_(g)
+                covered = b
+            total[covered:].zero_()
+            return total, None
+        total = first.new_zeros(ctx.shape)
+        for (a, b), g in present:
+            total[a:b] += g
+        return total, None
+
+
+def row_pieces(x: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """``x[a:b]`` for each ``(a, b)`` of ``ranges`` along dim 0, their gradients gathered into one buffer
+    in backward (:class:`_RowPieces`)."""
+    if not ranges:
+        return ()
+    return _RowPieces.apply(x, tuple(ranges))

@@ -58,7 +58,7 @@ from .hf import packed_attention_forward
 from .kept_outputs import kept_attention_outputs
 from .kernel_choice import layout_attention_kernel, prefers_sdpa
 from .packing import PackedBatch
-from .pieces import PIECES_KWARG, DocumentOutputs, document_outputs
+from .pieces import PIECES_KWARG, DocumentOutputs, document_outputs, row_pieces
 from .sinks import dense_sink_scores, flex_sink_with_mask, sink_attention
 
 GRPO_ATTENTION_NAME = "swiftune_grpo"
@@ -365,40 +365,6 @@ def shared_prompt_sdpa(
     with kept_attention_outputs():  # a checkpointed layer that keeps them: stored, or served in its recompute
         pieces = _completion_sequences_sdpa(q, k, v, layout, scale)
     return document_outputs(pieces, keep_pieces)
-
-
-class _RowPieces(torch.autograd.Function):
-    """Views ``x[a:b]`` of a row for each range (ranges may overlap), with one gradient buffer in backward.
-
-    Slicing the row once per call makes autograd build a zero-filled gradient of the whole row for every
-    slice and add them up, and each call's slice gradient is scattered into its own row-sized buffer as
-    soon as that call's backward ends. This Function's backward runs once every piece's gradient is in and
-    adds them into a single row-sized buffer: one allocation and one fill per row, and while the calls'
-    backwards run only their own piece-sized gradients are alive."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ranges: tuple[tuple[int, int], ...]):
-        ctx.ranges, ctx.shape = ranges, x.shape
-        ctx.set_materialize_grads(False)  # a piece without a gradient adds nothing (no zero tensor for it)
-        return tuple(x[a:b] for a, b in ranges)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        total = None
-        for (a, b), g in zip(ctx.ranges, grads):
-            if g is None:
-                continue
-            if total is None:
-                total = g.new_zeros(ctx.shape)
-            total[a:b] += g
-        return total, None
-
-
-def row_pieces(x: torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
-    """``x[a:b]`` for each ``(a, b)`` of ``ranges`` along dim 0, gathered into one gradient in backward."""
-    if not ranges:
-        return ()
-    return _RowPieces.apply(x, tuple(ranges))
 
 
 def _completion_sequences_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout,
