@@ -227,7 +227,11 @@ def child_swiftune(args) -> dict:
     time_trainer(trainer, clock, engine, "generate")
     trainer.add_callback(clock.callback())
     trainer.train()
-    return step_record(args, "swiftune", clock, rewards, {"engine": type(engine).__mro__[1].__name__})
+    # the fast engine's KV cache is in the step's peak (kept between steps when it is small next to the GPU);
+    # TRL's and Unsloth's generate() allocate theirs during generation too, counted the same way
+    kv_cache_gb = getattr(engine, "stats", {}).get("kv_cache_bytes", 0.0) / 1e9
+    return step_record(args, "swiftune", clock, rewards, {"engine": type(engine).__mro__[1].__name__,
+                                                           "kv_cache_gb": kv_cache_gb})
 
 
 def trl_dataset(rows: list[dict]):

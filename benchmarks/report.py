@@ -353,8 +353,9 @@ def grpo_e2e(fig: Figure) -> str:
         if "phase" in s:
             entry["phases"][s["phase"]] = val(m, "phase_s")
         else:
-            entry["step"], entry["peak"] = val(m, "step_s"), val(m, "peak_gb")
+            entry["step"], entry["peak"], entry["kv"] = val(m, "step_s"), val(m, "peak_gb"), val(m, "kv_cache_gb")
     ours = tools.get("swiftune", {}).get("step")
+    with_kv = any(t.get("kv") is not None for t in tools.values())  # swiftune's engine reports its KV cache
     names = {"swiftune": "**swiftune** GRPOTrainer (its rollout engine)",
              "trl": "TRL 1.16 GRPOTrainer (transformers generate)",
              "unsloth": "Unsloth GRPOTrainer (no vLLM)"}
@@ -364,10 +365,12 @@ def grpo_e2e(fig: Figure) -> str:
         if t is None or t.get("step") is None:
             continue
         ph = t["phases"]
+        kv = [fmt(t["kv"], 1) if t.get("kv") is not None else ""] if with_kv else []
         out.append([names[mode], fmt(t["step"]), *(fmt(ph.get(p)) for p in ("generation", "scoring", "policy", "other")),
-                    fmt(t["peak"], 1), fmt(t["step"] / ours) if ours and mode != "swiftune" else ""])
-    return table(["tool", "s / step (2nd)", "generation s", "scoring s", "policy s", "other s", "peak GB",
-                  "swiftune x faster"], out, set(range(1, 8)))
+                    fmt(t["peak"], 1), *kv, fmt(t["step"] / ours) if ours and mode != "swiftune" else ""])
+    header = ["tool", "s / step (2nd)", "generation s", "scoring s", "policy s", "other s", "peak GB",
+              *(["of which KV cache GB"] if with_kv else []), "swiftune x faster"]
+    return table(header, out, set(range(1, len(header))))
 
 
 def loss_curve(fig: Figure) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 # metric -> unit: a row's unit must be its metric's
 UNITS: dict[str, str] = {
     "tokens_per_s": "tok/s", "peak_gb": "GB", "reserved_gb": "GB", "host_rss_gb": "GB", "host_pinned_gb": "GB",
-    "planned_gb": "GB", "step_s": "s", "first_step_s": "s", "step_s_excl_pin": "s", "phase_s": "s",
+    "planned_gb": "GB", "kv_cache_gb": "GB", "step_s": "s", "first_step_s": "s", "step_s_excl_pin": "s", "phase_s": "s",
     "padding_fraction": "fraction", "fits": "bool", "max_fit_tokens": "tokens", "first_fail_tokens": "tokens",
     "planner_max_tokens": "tokens", "max_fit_completion": "tokens", "first_fail_completion": "tokens",
     "planner_max_completion": "tokens", "layers_on_gpu": "layers", "ms": "ms", "step_ms": "ms",
@@ -477,6 +477,8 @@ def rows_from_grpo_e2e(data: dict, ctx: Context) -> list[Row]:
         s["all_full_length"] = r.get("all_full_length")
         out.append(here.row(tool, r["mode"], r["model"], s, "step_s", r["step_s"]))
         out.append(here.row(tool, r["mode"], r["model"], s, "peak_gb", r["peak_gb"]))
+        if _num(r.get("kv_cache_gb")):  # swiftune's engine: its KV cache, part of peak_gb
+            out.append(here.row(tool, r["mode"], r["model"], s, "kv_cache_gb", r["kv_cache_gb"]))
         for phase, seconds in r["phases"].items():
             out.append(here.row(tool, r["mode"], r["model"], {**s, "phase": phase}, "phase_s", seconds))
     return out

@@ -471,6 +471,14 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
         assert r["phases"]["generation"] > 0 and r["phases"]["policy"] > 0
         assert abs(sum(r["phases"].values()) - r["step_s"]) < 1e-6
     rows = assert_rows(out, "grpo_e2e", {"step_s", "peak_gb", "phase_s"})
+    # swiftune's engine reports the KV cache its step's peak includes (the transformers engine on CPU: none);
+    # the table gives it a column beside the peak when a row has it
+    assert "kv_cache_gb" in records[0] and records[0]["kv_cache_gb"] >= 0
+    from benchmarks import report
+
+    rendered = report.grpo_e2e(report.Figure(rows)).splitlines()
+    assert rendered[0].split(" | ")[6:8] == ["peak GB", "of which KV cache GB"], rendered[0]
+    assert len(rendered) == 2 + len(modes)
     assert {r.settings["phase"] for r in rows if r.metric == "phase_s"} == {"generation", "scoring", "policy", "other"}
 
     ck = tmp_path / "ck"
