@@ -391,9 +391,32 @@ def test_rms_norm_non_contiguous_fp32_weight_and_int64(device):
     assert rel_err(o, ro) < 1e-2 and rel_err(x.grad, xr.grad) < 1e-2 and rel_err(w.grad, wr.grad) < 1e-5
 
 
+def test_rms_norm_backward_takes_64_bit_offsets_from_a_gradient_whose_rows_lie_far_apart(device):
+    """The 64-bit choice of RMSNorm's backward looks at the incoming gradient as well as the input: a
+    gradient that is a view into a larger buffer (what a concatenation's backward hands back) can have
+    rows ``2^30 + 1024`` elements apart while the input is small and dense. Deciding from the input
+    alone, row 2's offset wrapped (reads outside the tensor: a segmentation fault under the interpreter,
+    an illegal access on CUDA). 4.3 GB of address space, of which only the rows are ever written."""
+    rows, n_cols, row_stride = 3, 64, 2**30 + 1024
+    try:
+        base = torch.empty((rows - 1) * row_stride + n_cols, device=device, dtype=torch.bfloat16)
+    except (RuntimeError, MemoryError) as e:  # the address space, not memory: refused only where overcommit is off
+        pytest.skip(f"cannot reserve {(rows - 1) * row_stride * 2 / 1e9:.1f} GB of address space here: {e}")
+    torch.manual_seed(0)
+    dy = base.as_strided((rows, n_cols), (row_stride, 1)).normal_()
+    x = torch.randn(rows, n_cols, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(n_cols, device=device)).to(torch.bfloat16).requires_grad_(True)
+    assert needs_int64(dy) and not needs_int64(x)
+    gx, gw = torch.autograd.grad(rms_norm(x, w, 1e-6, backend="triton"), (x, w), dy)
+    xr, wr = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    ex, ew = torch.autograd.grad(rms_norm_reference(xr, wr, 1e-6), (xr, wr), dy.double().contiguous())
+    assert rel_err(gx.double(), ex) < 1e-2 and rel_err(gw.double(), ew) < 1e-2
+    assert ex.abs().sum() > 0 and gx[2].abs().sum() > 0 and gw.abs().sum() > 0  # row 2: the one past 2^31
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 100, 2050])
-@pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_add_rms_norm_matches_reference_and_the_unfused_ops_exactly(device, dtype, hidden, offset):
     torch.manual_seed(hidden + 3 * int(offset))
     x64 = torch.randn(5, 3, hidden, dtype=torch.float64)

@@ -81,9 +81,13 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         first = pid
-        if INT64:  # a 64-bit loop start makes the induction variable, and every offset, 64-bit
+        if INT64:
             first = pid.to(tl.int64)
-        for row in range(first, n_rows, n_prog):
+        # rows first, first + n_prog, ...: the row is computed from ``first`` rather than taken as the loop's
+        # induction variable, so it is 64-bit whenever ``first`` is (the interpreter's loop variable is a Python
+        # int whatever the bounds' types, and a Python int times an int32 stride wraps at 2^31)
+        for i in range(0, tl.cdiv(n_rows - pid, n_prog)):
+            row = first + i * n_prog
             x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(r_ptr + row)
@@ -169,10 +173,13 @@ class RMSNormFunction(torch.autograd.Function):
         n_prog = max(n_prog, 1)
         dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x2.device)
         block = next_pow2(n_cols)
+        # the incoming gradient's rows may lie further apart than the input's (a view into a larger buffer,
+        # e.g. what a concatenation's backward hands back): its offsets decide as well as the input's
+        int64 = ctx.int64 or needs_int64(dy2, dx)
         _rms_bwd_kernel[(n_prog,)](
             dy2, x2, weight, r, dx, dw_part, n_rows, n_cols,
             dy2.stride(0), x2.stride(0), dx.stride(0), ctx.offset,
-            BLOCK=block, INT64=ctx.int64, num_warps=_num_warps(block),
+            BLOCK=block, INT64=int64, num_warps=_num_warps(block),
         )
         dw = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None, None, None
