@@ -66,35 +66,110 @@ def _own_device_us(event) -> float:
     return 0.0
 
 
+#: trace categories of the device's own work (kernels, copies, fills)
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+def _is_sync(name: str) -> bool:
+    """A host call that waits for the device: a synchronize, or a synchronous (not ``Async``) ``cudaMemcpy``."""
+    low = name.lower() + " "
+    return "synchronize" in low or (low.startswith("cudamemcpy ") and "async" not in low)
+
+
+def idle_gaps(trace: dict | list, min_us: float = 20.0, top: int = 15) -> dict:
+    """Where the device sat idle inside a profiled span, from a chrome trace (``export_chrome_trace``).
+
+    The device's work (kernels, copies, fills, on every stream) is merged into busy intervals; each
+    hole of at least ``min_us`` between two of them is a gap. A gap that opens within ``min_us`` of a
+    host call that waits for the device returning (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
+    a synchronous ``cudaMemcpy``: an ``.item()``, ``.tolist()``, ``nonzero``) is charged to that
+    wait: the host let the device drain, then spent the gap on its own work before the next launch.
+    Returns the span (first device event's start to the last one's end), busy time and idle time (the
+    gaps' sum; shorter holes count in neither) in ms, the idle time in gaps that open after a wait, the gap count, and the ``top`` gaps by length with
+    the device work on either side."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
+                    for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES)
+    if not device:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "idle_after_sync_ms": 0.0, "gaps": 0, "top": []}
+    sync_ends = sorted(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events
+                       if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and _is_sync(str(e.get("name", ""))))
+    gaps, busy = [], 0.0
+    start, end, last = device[0]
+    for s, e, name in device[1:]:
+        if s > end:
+            busy += end - start
+            if s - end >= min_us:
+                gaps.append((s - end, end, last, name))
+            start, end, last = s, e, name
+        elif e >= end:
+            end, last = e, name
+    busy += end - start
+    span = end - device[0][0]
+
+    def after_sync(gap_start: float) -> bool:
+        import bisect
+
+        i = bisect.bisect_left(sync_ends, gap_start - min_us)
+        return i < len(sync_ends) and sync_ends[i] <= gap_start + min_us
+
+    idle = sum(g for g, *_ in gaps)
+    flagged = [after_sync(at) for _, at, _, _ in gaps]
+    ranked = sorted(zip(gaps, flagged), key=lambda item: -item[0][0])[:top]
+    return {
+        "span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": idle / 1e3,
+        "idle_after_sync_ms": sum(g for (g, *_), f in zip(gaps, flagged) if f) / 1e3, "gaps": len(gaps),
+        "top": [{"ms": g / 1e3, "after_sync": f, "before": before[:90], "after": after[:90]}
+                for (g, _, before, after), f in ranked],
+    }
+
+
 @contextlib.contextmanager
-def device_time_profile(result: dict) -> Iterator[None]:
+def device_time_profile(result: dict, gaps: bool = False, ended: list | None = None) -> Iterator[None]:
     """Profile the device work of the ``with`` body; on exit ``result["profile"]`` holds :func:`summarise`'s
-    dict. Only kernels and copies are kept (events with device time and no child events)."""
+    dict. Only kernels and copies are kept (events with device time and no child events). With ``gaps``,
+    also :func:`idle_gaps` of the body's trace as ``result["profile"]["idle"]``. ``ended`` gets the
+    ``time.perf_counter()`` at which the body's device work had ended (before the trace is read)."""
+    import json
+    import os
+    import tempfile
+    import time
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield
         torch.cuda.synchronize()
+        if ended is not None:
+            ended.append(time.perf_counter())
     events = [(e.key, _own_device_us(e), e.count) for e in prof.key_averages()]
     result["profile"] = summarise(events)
+    if gaps:
+        fd, path = tempfile.mkstemp(suffix=".json")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                result["profile"]["idle"] = idle_gaps(json.load(f))
+        finally:
+            os.remove(path)
 
 
 @contextlib.contextmanager
 def timed_device_profile(result: dict) -> Iterator[None]:
-    """:func:`device_time_profile` of the ``with`` body, plus its wall time as
+    """:func:`device_time_profile` of the ``with`` body with its idle gaps, plus its wall time as
     ``result["profile"]["step_wall_ms"]``: when the device is busy for a small part of the wall
-    time, the body is bound by the host (Python, launches). The profiler adds its own cost to that
-    wall time; compare with an unprofiled run too."""
+    time, the body is bound by the host (Python, launches), and the gaps say where the device waited.
+    The profiler adds its own cost to that wall time; compare with an unprofiled run too."""
     import time
 
     import torch
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with device_time_profile(result):  # synchronizes, then summarises
+    ended: list[float] = []
+    with device_time_profile(result, gaps=True, ended=ended):  # synchronizes, then summarises
         yield
-    result["profile"]["step_wall_ms"] = (time.perf_counter() - t0) * 1e3
+    result["profile"]["step_wall_ms"] = (ended[0] - t0) * 1e3
 
 
 # ----------------------------------------------------------------------------------- the host
@@ -195,4 +270,11 @@ def format_profile(p: dict, title: str = "") -> str:
     lines += [f"  {k['kind']:<38} {k['ms'] / 1e3:8.2f} s  {100 * k['share']:5.1f}%" for k in p["kinds"]]
     lines.append("  top kernels:")
     lines += [f"  {t['ms'] / 1e3:8.2f} s {100 * t['share']:5.1f}% {t['calls']:6d}x  {t['kernel'][:90]}" for t in p["top"]]
+    idle = p.get("idle")
+    if idle and idle["gaps"]:
+        lines.append(f"  device idle {idle['idle_ms']:.1f} ms of a {idle['span_ms']:.1f} ms span in {idle['gaps']} gaps, "
+                     f"{idle['idle_after_sync_ms']:.1f} ms of it in gaps opening as the host returned from a wait; "
+                     "longest gaps (after a wait: *):")
+        lines += [f"  {g['ms']:8.2f} ms {'*' if g['after_sync'] else ' '} {g['before'][:50]} -> {g['after'][:50]}"
+                  for g in idle["top"]]
     return "\n".join(lines)

@@ -118,6 +118,39 @@ def test_time_profile_sums_device_time_by_kind():
     assert "device busy 25%" in tp.format_profile(p, "x") and f"{p['launches']:,} kernels" in tp.format_profile(p)
 
 
+def test_idle_gaps_of_a_trace_merge_streams_and_charge_gaps_to_the_wait_before_them():
+    """``idle_gaps`` over a hand-written chrome trace: overlapping work on two streams is one busy
+    stretch, holes shorter than ``min_us`` are not gaps, a gap opening as a synchronize (or a
+    synchronous copy) returns is charged to it, an ``Async`` copy is not a wait; sums written out."""
+    tp = load_bench_module("time_profile")
+
+    def k(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        k("gemm_a", 0, 100), k("flash_b", 50, 100),            # two streams overlapping: busy 0-150
+        k("memset", 160, 10, "gpu_memset"),                    # a 10 us hole: below min_us
+        k("cudaStreamSynchronize", 100, 75, "cuda_runtime"),   # returns at 175, as the device drains
+        k("rms_c", 400, 50),                                   # gap 170-400 (230 us), opened by the wait
+        k("cudaMemcpyAsync", 440, 20, "cuda_runtime"),         # not a wait
+        k("adam_d", 500, 30, "gpu_memcpy"),                    # gap 450-500 (50 us), no wait before it
+        k("cudaMemcpy", 520, 20, "cuda_runtime"),              # a synchronous copy returning at 540
+        k("embed_e", 1540, 60),                                # gap 530-1540 (1,010 us), opened by the copy
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 2000},  # not a complete event: ignored
+    ]}
+    g = tp.idle_gaps(trace, min_us=20, top=2)
+    assert g["span_ms"] == pytest.approx(1.6) and g["gaps"] == 3
+    assert g["busy_ms"] == pytest.approx((150 + 10 + 50 + 30 + 60) / 1e3)
+    assert g["idle_ms"] == pytest.approx((230 + 50 + 1010) / 1e3)
+    assert g["idle_after_sync_ms"] == pytest.approx((230 + 1010) / 1e3)
+    assert [(t["ms"], t["after_sync"], t["before"], t["after"]) for t in g["top"]] == [
+        (pytest.approx(1.01), True, "adam_d", "embed_e"), (pytest.approx(0.23), True, "memset", "rms_c")]
+    assert tp.idle_gaps([], min_us=20)["gaps"] == 0  # a CPU-only trace: no device work
+    p = tp.summarise([("gemm_a", 100.0, 1)])
+    p["idle"] = g
+    assert "device idle 1.3 ms of a 1.6 ms span in 3 gaps, 1.2 ms" in tp.format_profile(p)
+
+
 def test_host_profile_sums_own_time_by_library():
     """Per-group sums and the top list against sums written out over random own times; then the
     context manager over a real body: its own functions are found, with their call counts."""
@@ -187,6 +220,25 @@ def test_cuda_time_profile_puts_a_large_matmul_first():
             a @ a
         a.float().sum()
     assert r["profile"]["kinds"][0]["kind"] == "matmul" and r["profile"]["kinds"][0]["share"] > 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_timed_profile_finds_the_gap_a_host_wait_opens():
+    """A step with a ``.item()`` followed by 20 ms of host work: the trace's runtime events name the wait,
+    and the longest gap (about 20 ms, between the two matmuls' kernels) is charged to it."""
+    import time
+
+    tp = load_bench_module("time_profile")
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    r: dict = {}
+    with tp.timed_device_profile(r):
+        (a @ a).float().sum().item()
+        time.sleep(0.02)  # the host's own work, the device idle
+        a @ a
+    idle = r["profile"]["idle"]
+    assert idle["gaps"] >= 1 and idle["top"][0]["after_sync"] and 15 < idle["top"][0]["ms"] < 200, idle
+    assert idle["idle_after_sync_ms"] >= idle["top"][0]["ms"] and r["profile"]["step_wall_ms"] > 20
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
