@@ -30,7 +30,7 @@ from collections.abc import Iterable
 # metric -> unit: a row's unit must be its metric's
 UNITS: dict[str, str] = {
     "tokens_per_s": "tok/s", "peak_gb": "GB", "reserved_gb": "GB", "host_rss_gb": "GB", "host_pinned_gb": "GB",
-    "planned_gb": "GB", "kv_cache_gb": "GB", "step_s": "s", "first_step_s": "s", "step_s_excl_pin": "s", "phase_s": "s",
+    "planned_gb": "GB", "kv_cache_gb": "GB", "device_idle_ms": "ms", "device_idle_after_sync_ms": "ms", "step_s": "s", "first_step_s": "s", "step_s_excl_pin": "s", "phase_s": "s",
     "padding_fraction": "fraction", "fits": "bool", "max_fit_tokens": "tokens", "first_fail_tokens": "tokens",
     "planner_max_tokens": "tokens", "max_fit_completion": "tokens", "first_fail_completion": "tokens",
     "planner_max_completion": "tokens", "layers_on_gpu": "layers", "ms": "ms", "step_ms": "ms",
@@ -264,6 +264,10 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
         one("padding_fraction", r["padding_fraction"])
         if _num((r.get("time_profile") or {}).get("device_ms")):
             one("device_ms", r["time_profile"]["device_ms"])
+            idle = r["time_profile"].get("idle") or {}
+            if _num(idle.get("idle_ms")):  # the profiled step's device gaps, and those a host wait opened
+                one("device_idle_ms", idle["idle_ms"])
+                one("device_idle_after_sync_ms", idle["idle_after_sync_ms"])
         if _num((r.get("host_profile") or {}).get("host_ms")):
             one("host_ms", r["host_profile"]["host_ms"])
         if _num(r.get("steady_tokens_per_s")):  # graphed layers: the timed steps that captured no graph

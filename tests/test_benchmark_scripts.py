@@ -149,6 +149,15 @@ def test_idle_gaps_of_a_trace_merge_streams_and_charge_gaps_to_the_wait_before_t
     p = tp.summarise([("gemm_a", 100.0, 1)])
     p["idle"] = g
     assert "device idle 1.3 ms of a 1.6 ms span in 3 gaps, 1.2 ms" in tp.format_profile(p)
+    # an SFT record's profiled step: both idle sums become result rows
+    from benchmarks import results
+
+    ctx = results.Context(command="python -m benchmarks.sft --time-profile --out s.json", date="2026-12-04",
+                          gpu="NVIDIA H200", versions={"torch": "2.11.0"})
+    record = dict(mode="swiftune", model="qwen3-8b", batch=16, steps=3, tokens_per_s=1.0, peak_gb=1.0,
+                  sec_per_step=1.0, padding_fraction=0.0, time_profile=p)
+    rows = {r.metric: r.value for r in results.rows_from_sft([record], ctx)}
+    assert rows["device_idle_ms"] == pytest.approx(1.29) and rows["device_idle_after_sync_ms"] == pytest.approx(1.24)
 
 
 def test_host_profile_sums_own_time_by_library():
