@@ -253,6 +253,8 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
             s["logit_chunk_tokens"] = r["logit_chunk_tokens"]
         if r.get("gpu_budget_gb") is not None:
             s["gpu_budget_gb"] = r["gpu_budget_gb"]
+        if r.get("deferred_nonfinite_check"):
+            s["deferred_nonfinite_check"] = True
         s = {k: v for k, v in s.items() if v is not None}
         one = lambda metric, value: out.append(ctx.row(tool_of(r["mode"]), r["mode"], r["model"], s, metric, value))  # noqa: E731
         one("tokens_per_s", r["tokens_per_s"])

@@ -108,7 +108,7 @@ def timing_callback(warmup: int, record: dict):
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
             full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None,
             time_profile: bool = False, host_profile: bool = False, load_in_4bit: bool = False,
-            gpu_budget_gb: float | None = None, load_in_fp8: bool = False) -> dict:
+            gpu_budget_gb: float | None = None, load_in_fp8: bool = False, deferred_check: bool = False) -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
     ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
     ``time_profile`` (CUDA): device time by kind of kernel over that step, against its wall time;
@@ -116,7 +116,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     ``logit_chunk_tokens``: swiftune modes' ``SFTConfig.logit_chunk_tokens`` (None: automatic);
     ``load_in_4bit``: QLoRA, the decoder's linear weights in NF4 in every mode (LoRA only);
     ``load_in_fp8``: the decoder's linear weights in FP8 (e4m3, per-row scales) in every mode (LoRA only);
-    ``gpu_budget_gb`` (CUDA): a smaller GPU emulated (``torch.cuda.set_per_process_memory_fraction``)."""
+    ``gpu_budget_gb`` (CUDA): a smaller GPU emulated (``torch.cuda.set_per_process_memory_fraction``);
+    ``deferred_check``: swiftune modes' ``SFTConfig.deferred_nonfinite_check`` (no device sync per step)."""
     import torch
     from peft import LoraConfig
 
@@ -192,6 +193,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
             extra["logit_chunk_tokens"] = logit_chunk_tokens
         if mode.endswith("_graphs"):
             extra["cuda_graph_layers"] = True
+        if deferred_check:
+            extra["deferred_nonfinite_check"] = True
         common.pop("gradient_checkpointing_kwargs")
         common["gradient_checkpointing"] = False  # already enabled by get_peft_model / for_training
         trainer = swiftune.SFTTrainer(
@@ -229,6 +232,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 finetune="full" if full else ("qlora r=16" if load_in_4bit else "fp8 lora r=16" if load_in_fp8
                                               else "lora r=16"),
                 **({"gpu_budget_gb": gpu_budget_gb} if gpu_budget_gb is not None else {}),
+                **({"deferred_nonfinite_check": True} if deferred_check and mode.startswith("swiftune") else {}),
                 **({"logit_chunk_tokens": logit_chunk_tokens} if logit_chunk_tokens and mode.startswith("swiftune") else {}),
                 trainable_fraction=trainable / sum(p.numel() for p in params),
                 steps=steps - warmup, tokens_per_s=tokens / elapsed,
@@ -296,6 +300,9 @@ def main(argv=None) -> int:
                    help="the decoder's linear weights in FP8 (e4m3, a float32 scale per row) in every mode")
     p.add_argument("--gpu-budget-gb", type=float, default=None,
                    help="CUDA: emulate a GPU of this many GB (1e9 bytes) in every mode")
+    p.add_argument("--deferred-nonfinite-check", action="store_true",
+                   help="swiftune modes: SFTConfig(deferred_nonfinite_check=True), the NaN/inf guards without a "
+                        "device sync per step (an A/B against the same command without it)")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
@@ -317,7 +324,8 @@ def main(argv=None) -> int:
                               full=args.full, memory_profile=args.memory_profile,
                               logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile,
                               host_profile=args.host_profile, load_in_4bit=args.load_in_4bit,
-                              gpu_budget_gb=args.gpu_budget_gb, load_in_fp8=args.load_in_fp8)
+                              gpu_budget_gb=args.gpu_budget_gb, load_in_fp8=args.load_in_fp8,
+                              deferred_check=args.deferred_nonfinite_check)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -336,6 +344,7 @@ def main(argv=None) -> int:
                *(["--host-profile"] if args.host_profile else []),
                *(["--load-in-4bit"] if args.load_in_4bit else []),
                *(["--load-in-fp8"] if args.load_in_fp8 else []),
+               *(["--deferred-nonfinite-check"] if args.deferred_nonfinite_check else []),
                *(["--gpu-budget-gb", str(args.gpu_budget_gb)] if args.gpu_budget_gb is not None else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())

@@ -21,6 +21,7 @@
 #   scripts/gpu_suite.sh fp8-curves   # FP8 vs bf16 base: 200-step SFT loss curve (Qwen3-0.6B, same rows) and the built-in GRPO task's reward curve (~8 min)
 #   scripts/gpu_suite.sh fp8-reward   # only fp8-curves' GRPO reward curve (~4.5 min)
 #   scripts/gpu_suite.sh fp8-grpo     # GRPO's largest completion per row, Qwen3-8B, G=2, on a 24 GB budget: bf16 base, then FP8 base, each around the planner's answer (~6 min)
+#   scripts/gpu_suite.sh sft-deferred # the graphed batch-16 step's device idle gaps and tok/s with the NaN/inf guards' per-step syncs vs deferred, Qwen3-8B (~8 min)
 #   scripts/gpu_suite.sh fp8-graphs   # FP8 base weights with graphed decoder layers vs eager, and bf16 graphed, Qwen3-8B batch 16 (~7 min)
 #   scripts/gpu_suite.sh qlora-sft-offload # QLoRA SFT batch 16: swiftune with / without the layer inputs on the host, Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-rollout # the engine decoding from NF4 weights, Qwen3-8B, G 8/64, N 1024, vs generate on the same 4-bit model (~5 min)
@@ -281,6 +282,18 @@ case "$part" in
       --modes swiftune swiftune_graphs --out "$OUT/sft_graphs_qwen3-8b_b16.json"
     run sft_graphs_16k 170 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 22 --warmup 8 \
       --modes swiftune_budget swiftune_budget_graphs --out "$OUT/sft_graphs_qwen3-8b_16k.json" ;;
+  sft-deferred)  # issue 23's busy share: where the graphed batch-16 step's device idles (--time-profile's gaps, each
+    # charged to the host wait that opened it), with the NaN/inf guards' per-step syncs and with them deferred
+    # (SFTConfig.deferred_nonfinite_check); then both unprofiled for tok/s, each mode in its own process
+    run sft_deferred_tests 60 python3 -m pytest -q -rf tests/test_run_safety.py -k "deferred or nan_" -p no:cacheprovider
+    run sft_sync_profile 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 34 --warmup 30 \
+      --time-profile --modes swiftune_graphs --out "$OUT/sft_graphs_sync_profile.json"
+    run sft_deferred_profile 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 34 --warmup 30 \
+      --time-profile --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred_profile.json"
+    run sft_sync 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
+      --modes swiftune_graphs --out "$OUT/sft_graphs_sync.json"
+    run sft_deferred 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
+      --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json" ;;
   fp8-g64)  # the FP8 decode step at G=64 only (shared activation quantisation for q/k/v and gate/up) against bf16
     run fp8_g64_bf16 100 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 --no-baselines \
       --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_g64_bf16.json"

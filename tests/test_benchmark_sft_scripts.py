@@ -34,13 +34,17 @@ def test_sft_benchmark_tiny_every_swiftune_mode_and_the_padded_baseline(tmp_path
 
 
 def test_sft_benchmark_host_profile_of_one_step(tmp_path):
+    """--host-profile of one step, here with the deferred NaN/inf check, which the row and its results say."""
     out = tmp_path / "sft_host.json"
     proc = run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "3", "--warmup", "2",
-                      "--modes", "swiftune", "--max_length", "128", "--host-profile", "--out", str(out))
+                      "--modes", "swiftune", "--max_length", "128", "--host-profile", "--deferred-nonfinite-check",
+                      "--out", str(out))
     (row,) = json.loads(out.read_text())
     hp = row["host_profile"]
     assert hp["host_ms"] > 0 and {g["group"] for g in hp["groups"]} >= {"swiftune", "peft"}
     assert "# host time of swiftune batch 2" in proc.stdout
+    assert row["deferred_nonfinite_check"] is True and "error" not in row
+    assert all(r.settings["deferred_nonfinite_check"] for r in assert_rows(out, "sft", {"tokens_per_s"}))
 
 
 def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):

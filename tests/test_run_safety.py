@@ -33,6 +33,7 @@ from swiftune.training.loading import first_nonfinite_tensor
 from swiftune.rl import GRPOConfig, GRPOTrainer, build_policy_row
 from swiftune.rl.checkpoint import UnsafeCheckpointError, load_rollout_state, save_rollout_state
 from swiftune.rl.trainer import GRPOMicroBatch
+from swiftune.errors import ConfigError
 from swiftune.sft import SFTConfig, SFTTrainer
 from swiftune.training import (
     CheckpointSaveError,
@@ -144,12 +145,14 @@ def test_model_with_nan_weights_is_refused_before_training(tmp_path, rows, token
         trainer.train()
 
 
-def test_nan_loss_at_step_k_stops_naming_the_step_and_saves_nothing_non_finite(tmp_path, rows, tokenizer):
+@pytest.mark.parametrize("deferred", [False, True])
+def test_nan_loss_at_step_k_stops_naming_the_step_and_saves_nothing_non_finite(tmp_path, rows, tokenizer, deferred):
     """The weights go NaN before step 3 (as a diverging run's would): the run stops at step 3 with
-    an error, checkpoints 1 and 2 are there and finite, and no checkpoint-3 exists."""
+    an error, checkpoints 1 and 2 are there and finite, and no checkpoint-3 exists. The same with the
+    deferred check (no sync per step: the error comes before step 3's save and log)."""
     out = tmp_path / "run"
     trainer = sft_trainer(out, rows, tokenizer, callbacks=[AtStep(3, poison)], max_steps=5,
-                          save_strategy="steps", save_steps=1)
+                          save_strategy="steps", save_steps=1, deferred_nonfinite_check=deferred)
     with pytest.raises(NonFiniteError, match=r"step 3: the training loss is nan") as info:
         trainer.train()
     assert info.value.step == 3 and "checkpoint-2" in str(info.value)
@@ -158,8 +161,10 @@ def test_nan_loss_at_step_k_stops_naming_the_step_and_saves_nothing_non_finite(t
     assert steps_in(out / "metrics.jsonl") == [1, 2]  # no step logged with a filtered-out NaN loss
 
 
-def test_nan_gradient_stops_before_the_optimizer_step(tmp_path, rows, tokenizer):
-    """A finite loss whose gradient is NaN (step 2): stopped before the weights change."""
+@pytest.mark.parametrize("deferred", [False, True])
+def test_nan_gradient_stops_before_the_optimizer_step(tmp_path, rows, tokenizer, deferred):
+    """A finite loss whose gradient is NaN (step 2): stopped before the weights change. With the deferred
+    check the fused optimizer skips step 2's update on the device and the error comes at step 2's log."""
     model = tiny_model()
     name, param = next((n, p) for n, p in model.named_parameters() if p.requires_grad)
 
@@ -167,13 +172,63 @@ def test_nan_gradient_stops_before_the_optimizer_step(tmp_path, rows, tokenizer)
         param.register_hook(lambda g: torch.full_like(g, float("nan")))
 
     before = {}
-    trainer = sft_trainer(tmp_path / "run", rows, tokenizer, model=model,
+    trainer = sft_trainer(tmp_path / "run", rows, tokenizer, model=model, deferred_nonfinite_check=deferred,
                           callbacks=[AtStep(2, nan_grads), AtStep(1, lambda m: before.update(
                               {n: p.detach().clone() for n, p in m.named_parameters()}), when="end")])
     with pytest.raises(NonFiniteError, match=r"step 2: the gradient norm is nan \(the loss was finite\)"):
         trainer.train()
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
+
+
+def test_deferred_check_syncs_on_no_step_and_leaves_a_skipped_steps_weights_and_optimizer_state(
+        tmp_path, rows, tokenizer, monkeypatch):
+    """deferred_nonfinite_check=True: no step reads a loss or norm on the host (the eager guard's is_finite is
+    never called, transformers' NaN filter is off), logging only every 10 steps. A NaN loss at step 3 (the
+    loss itself, weights finite) makes the fused AdamW skip step 3's update on the device: after it the
+    weights and the optimizer's moments and step counts are exactly those after step 2, and the error names
+    step 3 when step 4 is about to update. Non-fused optimizers and fp16 are refused with what to set."""
+    import swiftune.training.safety as safety
+
+    monkeypatch.setattr(safety, "is_finite", lambda value: pytest.fail("a per-step host read of the loss/norm"))
+    snapshots = {}
+
+    def keep(step):
+        def fn(model):
+            opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+            snapshots[step] = ({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+                               [{k: v.clone() for k, v in st.items()} for st in opt.state.values()])
+        return fn
+
+    class NanLossAt3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            trainer.nan_loss = state.global_step + 1 == 3
+
+    trainer = sft_trainer(tmp_path / "run", rows, tokenizer, max_steps=6, logging_steps=10,
+                          deferred_nonfinite_check=True,
+                          callbacks=[NanLossAt3(), *(AtStep(k, keep(k), when="end") for k in (1, 2, 3))])
+    assert trainer.args.logging_nan_inf_filter is False
+    compute_loss = trainer.compute_loss
+
+    def nan_at_3(*a, **k):
+        loss = compute_loss(*a, **k)
+        return loss * float("nan") if trainer.nan_loss else loss
+
+    trainer.compute_loss = nan_at_3
+    with pytest.raises(NonFiniteError, match=r"step 3: the training loss is nan") as info:
+        trainer.train()
+    assert info.value.step == 3 and trainer.state.global_step == 3  # stopped before step 4's update
+    (w2, s2), (w3, s3) = snapshots[2], snapshots[3]
+    assert all(torch.isfinite(w).all() for w in w3.values())
+    assert all(torch.equal(w2[n], w3[n]) for n in w2)  # step 3 changed no weight
+    assert s2 and len(s2) == len(s3) and all(torch.equal(a[k], b[k]) for a, b in zip(s2, s3) for k in a)  # nor state
+    assert all(torch.equal(w2[n], p.detach()) for n, p in trainer.model.named_parameters() if n in w2)  # at the end
+    assert not all(torch.equal(w2[n], w) for n, w in snapshots[1][0].items())  # steps 1-2 did train
+
+    with pytest.raises(ConfigError, match="optim='adamw_torch_fused'"):
+        SFTConfig(output_dir=str(tmp_path / "x"), deferred_nonfinite_check=True, optim="adamw_torch")
+    with pytest.raises(ConfigError, match="bf16=True"):
+        SFTConfig(output_dir=str(tmp_path / "x"), deferred_nonfinite_check=True, fp16=True, use_cpu=True)
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, rows, tokenizer):

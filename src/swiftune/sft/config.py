@@ -178,6 +178,14 @@ class SFTConfig(TrainingArguments):
                           "padding-free rows, checkpointing on the GPU; token counts padded to buckets). Steps "
                           "another layout or setup cannot replay run as before."},
     )
+    deferred_nonfinite_check: bool = field(
+        default=False,
+        metadata={"help": "swiftune: check the loss and gradient norm for NaN/inf without a device sync per step: "
+                          "the fused optimizer skips a non-finite step's update on the device and training stops "
+                          "with the same error one step later (before the next update, log or save). Needs "
+                          "optim='adamw_torch_fused' (the default); turns transformers' logging_nan_inf_filter "
+                          "off (it syncs every micro-batch)."},
+    )
     # ---------------------------------------------------------------------- outputs
     metrics_file: str | None = field(
         default="metrics.jsonl",
@@ -232,6 +240,19 @@ class SFTConfig(TrainingArguments):
         if self.max_tokens_per_batch is not None and self.packing:
             raise ConfigError("SFTConfig: max_tokens_per_batch and packing=True are alternatives: packed rows "
                              "already fix the tokens per row; set only one of them")
+        if self.deferred_nonfinite_check:
+            if not isinstance(self.deferred_nonfinite_check, bool):
+                fail(self, "deferred_nonfinite_check", self.deferred_nonfinite_check, "must be True or False",
+                     "set it to True or False")
+            if str(getattr(self.optim, "value", self.optim)) != "adamw_torch_fused":
+                raise ConfigError(f"SFTConfig: deferred_nonfinite_check=True skips a non-finite step's update through "
+                                  f"the fused AdamW's found_inf; optim={getattr(self.optim, 'value', self.optim)!r} "
+                                  f"has none: set optim='adamw_torch_fused' or deferred_nonfinite_check=False")
+            if self.fp16:
+                raise ConfigError("SFTConfig: deferred_nonfinite_check=True with fp16=True: fp16's loss scaler "
+                                  "already skips inf steps and syncs on them; use bf16=True, or "
+                                  "deferred_nonfinite_check=False")
+            self.logging_nan_inf_filter = False  # its per-micro-batch sync is what the deferred check avoids
         if self.cuda_graph_layers and self.activation_offloading:
             raise ConfigError("SFTConfig: cuda_graph_layers=True keeps every layer input on the GPU and "
                               "activation_offloading=True moves them to the host; set only one of them")

@@ -43,7 +43,7 @@ from .checkpoints import (
     warn_on_changed_settings,
     write_marker,
 )
-from .guards import NonFiniteError, check_grad_norm, check_loss, check_weights, is_finite
+from .guards import DeferredNonFiniteCheck, NonFiniteError, check_grad_norm, check_loss, check_weights, is_finite
 from .interrupt import InterruptCallback, InterruptGuard, TrainingInterrupted
 from .run_lock import RunLock
 
@@ -101,6 +101,7 @@ class RunSafetyMixin:
                 lock.release()
         if stopper.stopped_at is not None:
             self._stopped_by_ctrl_c(stopper.stopped_at, trial)
+        self._resolve_deferred_check()  # the last step's verdict (a deferred check's)
         return output
 
     def _refuse_nonfinite_start(self) -> None:
@@ -129,8 +130,51 @@ class RunSafetyMixin:
             return ""
         return f" The newest complete checkpoint is {newest}: resume from it after the change."
 
+    # A deferred check (SFTConfig(deferred_nonfinite_check=True)) keeps the loss and gradient norm on the device
+    # and has the fused optimizer skip a non-finite step's update there (guards.DeferredNonFiniteCheck); the
+    # verdict is read before the next optimizer step, a log, a save and at the end of training.
+
+    @property
+    def _deferred_check(self) -> DeferredNonFiniteCheck | None:
+        return self.__dict__.get("_deferred_nonfinite_check")
+
+    def create_optimizer(self, *args: Any, **kwargs: Any):
+        optimizer = super().create_optimizer(*args, **kwargs)
+        if getattr(self.args, "deferred_nonfinite_check", False):  # a new optimizer (a new train()): new hooks
+            torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper, or the optimizer
+            if not torch_optimizer.defaults.get("fused"):
+                raise ValueError(f"deferred_nonfinite_check=True needs a fused optimizer (it skips a non-finite "
+                                 f"step's update on the device through the optimizer's found_inf), got "
+                                 f"{type(torch_optimizer).__name__} without fused=True; set optim='adamw_torch_fused' "
+                                 f"or deferred_nonfinite_check=False")
+            check = self.__dict__["_deferred_nonfinite_check"] = DeferredNonFiniteCheck()
+
+            def before_step(opt, args, kwargs):
+                self._resolve_deferred_check()  # the step before this one
+                opt.found_inf = check.found_inf()
+
+            def after_step(opt, args, kwargs):
+                opt.found_inf = None
+                check.submit(self.state.global_step + 1)
+
+            torch_optimizer.register_step_pre_hook(before_step)
+            torch_optimizer.register_step_post_hook(after_step)
+        return optimizer
+
+    def _resolve_deferred_check(self) -> None:
+        if self._deferred_check is not None:
+            self._deferred_check.resolve(self._checkpoint_note)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        self._resolve_deferred_check()  # never log a step whose loss was NaN: stop there instead
+        super().log(logs, *args, **kwargs)
+
     def training_step(self, model, *args: Any, **kwargs: Any):
         loss = super().training_step(model, *args, **kwargs)
+        if self._deferred_check is not None:
+            if loss is not None:
+                self._deferred_check.add_loss(loss)
+            return loss
         step = self.state.global_step + 1
         if getattr(self, "_guard_step", None) != step:
             self._guard_step, self._guard_micro = step, 0
@@ -143,6 +187,9 @@ class RunSafetyMixin:
 
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self._deferred_check is not None:
+            self._deferred_check.add_grad_norm(grad_norm)
+            return grad_norm
         # fp16 with a loss scaler: inf gradients are expected now and then (the scaler skips the step)
         if getattr(self.accelerator, "scaler", None) is None and grad_norm is not None and not is_finite(grad_norm):
             check_grad_norm(grad_norm, self.state.global_step + 1, self._checkpoint_note())
@@ -151,6 +198,7 @@ class RunSafetyMixin:
     # ------------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        self._resolve_deferred_check()
         if self._staging_run_dir is None:  # a checkpoint's weights were checked before staging it
             target = output_dir or self.args.output_dir
             check_weights(self.model, self.state.global_step, f"saving the model to {target}")
@@ -166,6 +214,7 @@ class RunSafetyMixin:
         run_dir = super()._get_output_dir(trial=trial)
         name = checkpoint_name(step)
         final = os.path.join(run_dir, name)
+        self._resolve_deferred_check()  # a non-finite step is never saved, as with the eager guards
         check_weights(self.model, step, f"saving {final}")
         main = self.args.should_save
         if self.args.push_to_hub:  # uploads read the folder in the background: write it in place
