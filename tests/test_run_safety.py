@@ -227,6 +227,10 @@ def test_deferred_check_syncs_on_no_step_and_leaves_a_skipped_steps_weights_and_
 
     with pytest.raises(ConfigError, match="optim='adamw_torch_fused'"):
         SFTConfig(output_dir=str(tmp_path / "x"), deferred_nonfinite_check=True, optim="adamw_torch")
+    # several processes would each judge their own losses: refused when the trainer makes its optimizer
+    monkeypatch.setattr(type(trainer.args), "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="runs in one process for now; this run has 2"):
+        trainer.create_optimizer()
     with pytest.raises(ConfigError, match="bf16=True"):
         SFTConfig(output_dir=str(tmp_path / "x"), deferred_nonfinite_check=True, fp16=True, use_cpu=True)
 

@@ -183,8 +183,8 @@ class SFTConfig(TrainingArguments):
         metadata={"help": "swiftune: check the loss and gradient norm for NaN/inf without a device sync per step: "
                           "the fused optimizer skips a non-finite step's update on the device and training stops "
                           "with the same error one step later (before the next update, log or save). Needs "
-                          "optim='adamw_torch_fused' (the default); turns transformers' logging_nan_inf_filter "
-                          "off (it syncs every micro-batch)."},
+                          "optim='adamw_torch_fused' (the default) and one process; turns transformers' "
+                          "logging_nan_inf_filter off (it syncs every micro-batch)."},
     )
     # ---------------------------------------------------------------------- outputs
     metrics_file: str | None = field(

@@ -142,6 +142,10 @@ class RunSafetyMixin:
         optimizer = super().create_optimizer(*args, **kwargs)
         if getattr(self.args, "deferred_nonfinite_check", False):  # a new optimizer (a new train()): new hooks
             torch_optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper, or the optimizer
+            if self.args.world_size > 1:
+                # each process would judge its own losses: one could skip an update the others apply
+                raise ValueError(f"deferred_nonfinite_check=True runs in one process for now; this run has "
+                                 f"{self.args.world_size}: set deferred_nonfinite_check=False for multi-GPU training")
             if not torch_optimizer.defaults.get("fused"):
                 raise ValueError(f"deferred_nonfinite_check=True needs a fused optimizer (it skips a non-finite "
                                  f"step's update on the device through the optimizer's found_inf), got "
