@@ -79,6 +79,29 @@ def test_none_means_no_limit_on_the_command_line():
     assert config.max_prompt_length is None
 
 
+def test_lora_options_of_a_full_fine_tuning_run_are_named_as_ignored(caplog):
+    """LoRA options given other values than their defaults while the run fully fine-tunes (--use_lora false, or
+    the built-in tiny model without --use_lora) are named in one warning, not silently dropped; with LoRA on, or
+    at their defaults, nothing is said."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="swiftune.cli.arguments"):
+        parse_sft_args(["--lora_r", "8", "--lora_target_modules", "q_proj,v_proj"])
+    (record,) = [r for r in caplog.records if "ignored" in r.getMessage()]
+    assert record.getMessage().startswith("--lora_r 8, --lora_target_modules ['q_proj', 'v_proj'] ignored")
+    assert "built-in tiny model's default" in record.getMessage() and "--use_lora true" in record.getMessage()
+    for argv in (["--lora_r", "8", "--use_lora", "true"], ["--use_lora", "false"], ["--lora_r", "16"]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="swiftune.cli.arguments"):
+            parse_sft_args(argv)
+        assert not [r for r in caplog.records if "ignored" in r.getMessage()], argv
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="swiftune.cli.arguments"):
+        parse_sft_args(["--use_lora", "false", "--lora_alpha", "32"])
+    assert any("--lora_alpha 32 ignored" in r.getMessage() and "--use_lora false" in r.getMessage()
+               for r in caplog.records)
+
+
 # ----------------------------------------------------------------------------- YAML
 
 

@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def trl_alias(name: str) -> list[str]:
@@ -359,6 +362,7 @@ def parse_command_args(argv: list[str], classes: tuple, prog: str, description: 
         check_model_args(model_args)
     except ConfigError as e:
         raise CommandLineError(str(e)) from e
+    warn_unused_lora_options(model_args)
     check_paths(model_args, config)
     return model_args, config, builtin
 
@@ -368,6 +372,30 @@ def check_tiled_mlp_with_lora(model_args: ModelArguments, use_lora: bool) -> Non
     if model_args.tiled_mlp is not None and not use_lora:
         raise ConfigError("--tiled_mlp applies to LoRA training (get_peft_model tiles the MLP and the adapted "
                           "projections); full fine-tuning runs the MLP untiled: drop --tiled_mlp or add --use_lora")
+
+
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+
+
+def warn_unused_lora_options(model_args: ModelArguments) -> list[str]:
+    """A warning naming the LoRA options given other values than their defaults when the run fully fine-tunes
+    (``--use_lora false``, or the built-in tiny model without ``--use_lora``): they would be ignored without a
+    word, as TRL ignores its ``lora_*`` without ``--use_peft``. Not an error: a YAML file may keep LoRA settings
+    beside ``use_lora: false``. Returns the options named."""
+    full_finetune = model_args.use_lora is False or (
+        model_args.use_lora is None and not model_args.model_name_or_path
+        and not getattr(model_args, "load_in_fp8", False))
+    if not full_finetune:
+        return []
+    defaults = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+                for f in dataclasses.fields(model_args) if f.name in LORA_OPTIONS}
+    given = [name for name in LORA_OPTIONS if getattr(model_args, name) != defaults[name]]
+    if given:
+        why = "--use_lora false" if model_args.use_lora is False else "the built-in tiny model's default"
+        logger.warning("%s ignored: this run fully fine-tunes the model (%s); add --use_lora true to train LoRA "
+                       "adapters with %s", ", ".join(f"--{n} {getattr(model_args, n)}" for n in given), why,
+                       "them" if len(given) > 1 else "it")
+    return given
 
 
 def check_model_args(model_args: ModelArguments) -> None:
