@@ -64,6 +64,8 @@ def test_other_libraries_info_logs_stay_quiet():
 def test_bad_values_and_config_fields_end_in_one_line(capsys):
     assert main(["grpo", "--max_prompt_length", "0"]) == 2
     assert "max_prompt_length=0" in one_line_error(capsys)
+    assert main(["grpo", "--sft_warmup_steps", "-1"]) == 2  # before any model is built
+    assert "--sft_warmup_steps -1: must be a whole number of steps >= 0" in one_line_error(capsys)
     assert main(["sft", "--per_device_train_batch_size", "abc"]) == 2  # argparse's own message, one line
     assert "per_device_train_batch_size" in one_line_error(capsys)
     assert main(["sft", "--max_length", "5", "6"]) == 2

@@ -251,6 +251,27 @@ def test_chat_template_kwargs_from_config_and_row(tokenizer, tmp_path):
     assert seen == ["config", "row"]
 
 
+def test_a_prompt_longer_than_max_prompt_length_keeps_its_end_and_is_said_once(tokenizer, tmp_path, caplog):
+    """TRL's cut (the last max_prompt_length tokens) with a warning, once a run, naming the lengths and what to
+    change; prompts that fit are untouched and say nothing."""
+    import logging
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, max_prompt_length=3, **FAST)
+    trainer = GRPOTrainer(tiny_model(seed=5), [logging_reward], args=args, train_dataset=PROMPT_ROWS,
+                          processing_class=tokenizer, rollout_engine=FixedEngine())
+    text = "a b c d e f"
+    whole = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert len(whole) > 3
+    with caplog.at_level(logging.WARNING, logger="swiftune.rl.trainer"):
+        assert trainer.tokenize_prompt("a") == list(tokenizer("a", add_special_tokens=False)["input_ids"])
+        assert not caplog.records
+        assert trainer.tokenize_prompt(text) == whole[-3:] and trainer.tokenize_prompt(text) == whole[-3:]
+    (record,) = caplog.records
+    assert f"a prompt of {len(whole)} tokens is longer than max_prompt_length=3" in record.getMessage()
+    assert "set it to None" in record.getMessage()
+
+
 def test_disable_dropout_and_model_init_kwargs(tokenizer, tmp_path):
     model = tiny_model(seed=6)
     model.model.layers[0].self_attn.some_dropout = torch.nn.Dropout(0.3)

@@ -205,6 +205,9 @@ def run_grpo(argv: list[str]) -> int:
     from ..rl import GRPOTrainer
 
     model_args, config, builtin = parse_grpo_args(argv)
+    warmup = model_args.sft_warmup_steps
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(f"--sft_warmup_steps {warmup!r}: must be a whole number of steps >= 0 (0: no warm-up)")
     if builtin and model_args.sft_warmup_steps > 0 and model_args.dataset is not None:
         raise ConfigError("--sft_warmup_steps applies to the built-in task; pass --sft_warmup_steps 0 with "
                           "--dataset")

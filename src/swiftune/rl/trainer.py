@@ -307,6 +307,12 @@ class GRPOTrainer(SwiftuneTrainer):
             raise ValueError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}")
         ids = list(tok(text, add_special_tokens=False)["input_ids"])
         if self.args.max_prompt_length is not None and len(ids) > self.args.max_prompt_length:
+            if not self.__dict__.get("_said_prompt_cut"):  # once a run: the cut changes what the policy sees
+                self.__dict__["_said_prompt_cut"] = True
+                logger.warning("swiftune: a prompt of %d tokens is longer than max_prompt_length=%d and is cut to its "
+                               "last %d tokens (as TRL does; said once, for every prompt cut): raise "
+                               "max_prompt_length, or set it to None to keep prompts whole", len(ids),
+                               self.args.max_prompt_length, self.args.max_prompt_length)
             ids = ids[-self.args.max_prompt_length:]
         if not ids:
             raise ValueError(f"prompt {prompt!r:.80} tokenizes to nothing")
