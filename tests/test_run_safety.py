@@ -181,6 +181,20 @@ def test_nan_gradient_stops_before_the_optimizer_step(tmp_path, rows, tokenizer,
         assert torch.equal(p, before[n]), n
 
 
+def test_deferred_check_trains_exactly_what_the_eager_guards_train(tmp_path, rows, tokenizer):
+    """Without a NaN the deferred check changes no arithmetic (the fused AdamW's found_inf is 0, a no-op):
+    the same losses every step and bit-equal trained weights as the default guards."""
+    runs = {}
+    for deferred in (False, True):
+        trainer = sft_trainer(tmp_path / str(deferred), rows, tokenizer, max_steps=4, deferred_nonfinite_check=deferred)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[deferred] = (losses, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+    (l0, w0), (l1, w1) = runs[False], runs[True]
+    assert len(l0) == 4 and l0 == l1
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[n], w1[n]) for n in w0)
+
+
 def test_deferred_check_syncs_on_no_step_and_leaves_a_skipped_steps_weights_and_optimizer_state(
         tmp_path, rows, tokenizer, monkeypatch):
     """deferred_nonfinite_check=True: no step reads a loss or norm on the host (the eager guard's is_finite is
