@@ -176,6 +176,15 @@ def test_plan_rejects_bad_arguments():
         plan_memory("no-such-model", 10)
     with pytest.raises(TypeError):
         plan_memory("qwen3-8b", 10, not_an_option=1)
+    # values that once gave a plan for nothing: a negative GPU or host, a rank-0 adapter, an empty loss chunk
+    for kwargs, needle in ((dict(gpu_bytes=-5 * 10**9), "GPU's memory must be > 0"),
+                           (dict(gpu_bytes=0), "GPU's memory must be > 0"),
+                           (dict(host_bytes=-1, gradient_checkpointing="offload"), "must be >= 0 bytes"),
+                           (dict(lora_rank=0), "LoRA rank must be a whole number >= 1"),
+                           (dict(logit_chunk_tokens=0), "logit_chunk_tokens must be >= 1")):
+        with pytest.raises(ValueError, match=needle):
+            plan_memory("qwen3-8b", 10, **kwargs)
+    assert plan_memory("qwen3-8b", 10, lora_rank=0, full_finetune=True).trainable_params > 0  # no adapters there
 
 
 def test_model_shape_sources_agree(tmp_path):

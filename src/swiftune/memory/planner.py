@@ -601,6 +601,15 @@ def plan_memory(
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
+    if gpu_bytes is not None and not gpu_bytes > 0:
+        raise ValueError(f"the GPU's memory must be > 0 bytes, got {gpu_bytes} (e.g. 80 GB: gpu_gb=80)")
+    if host_bytes is not None and not host_bytes >= 0:
+        raise ValueError(f"the host memory for offloaded checkpoints must be >= 0 bytes (0: none), got {host_bytes}")
+    if not full_finetune and not (isinstance(lora_rank, int) and not isinstance(lora_rank, bool) and lora_rank >= 1):
+        raise ValueError(f"the LoRA rank must be a whole number >= 1 (e.g. 16), got {lora_rank!r}; "
+                         "for full fine-tuning pass full_finetune=True (--full_finetune)")
+    if logit_chunk_tokens is not None and not logit_chunk_tokens >= 1:
+        raise ValueError(f"logit_chunk_tokens must be >= 1 or None (automatic), got {logit_chunk_tokens}")
     if gradient_checkpointing not in (True, False, "offload"):
         raise ValueError(f"gradient_checkpointing must be True, False or 'offload', got {gradient_checkpointing!r}")
     if attention_output_layers and gradient_checkpointing != "offload":
