@@ -191,6 +191,8 @@ def test_builtin_swiftune_sft_run_learns(tmp_path):
     last = sum(r["loss"] for r in rows[-k:]) / k
     assert last < 0.6 * first, (first, last)
     assert "first fifth" in proc.stdout
+    # the folder the line names is the model (a "{model, ...}" spelling once read as a subfolder "model")
+    assert f"wrote the model to {out} (load it from there)" in proc.stdout and (out / "config.json").exists()
 
 
 def test_command_resumes_from_the_newest_checkpoint(tmp_path):

@@ -126,5 +126,6 @@ def train_save_and_report(trainer, config, tokenizer, metric: str, plot: str) ->
     if fifths:
         first, last = fifths
         margin = f" (margin {last - first:+.3f})" if metric == "reward" else ""
-        print(f"{metric}: first fifth {first:.3f} -> last fifth {last:.3f}{margin}; wrote "
-              f"{config.output_dir}/{{model, {config.metrics_file}, {plot}}}")
+        # the model is the folder itself (what --model of swiftune generate, from_pretrained and PEFT take)
+        print(f"{metric}: first fifth {first:.3f} -> last fifth {last:.3f}{margin}; wrote the model to "
+              f"{config.output_dir} (load it from there), with {config.metrics_file} and {plot}")
