@@ -299,6 +299,19 @@ def test_all_finished_ends_the_loop_and_rows_are_masked(tokenizer, prompts):
     assert (ws.out_lp[:, 1:] == 0).all()
 
 
+def test_engines_refuse_no_generations_and_empty_prompts(prompts):
+    """Both engines: num_generations below 1 (once a division by zero) and an empty prompt are refused by name."""
+    from swiftune.rl import TransformersRolloutEngine
+
+    model = tiny_model("qwen3", seed=11)
+    for engine in (FastRolloutEngine(model), TransformersRolloutEngine(model, pad_token_id=0)):
+        for g in (0, -2):
+            with pytest.raises(ValueError, match=f"num_generations={g} must be a whole number >= 1"):
+                engine.generate(prompts, g, SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="at least one token"):
+            engine.generate([[]], 1, SamplingParams(max_tokens=2))
+
+
 def test_seeded_reproducibility_and_cache_reuse(prompts):
     model = tiny_model("qwen3", seed=8)
     params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.05)

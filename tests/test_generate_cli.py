@@ -229,3 +229,22 @@ def test_generate_repetition_penalty_is_transformers_greedy_with_the_penalty(cap
 def test_generate_refuses_a_repetition_penalty_that_is_not_positive(capsys, bad):
     line = one_line_error(capsys, "--repetition_penalty", bad)
     assert "--repetition_penalty" in line and "> 0" in line and "1.0: off" in line
+
+
+@pytest.mark.parametrize("option, bad, value, needle", [
+    ("--num_generations", "0", None, "whole number >= 1"), ("--max_tokens", "0", 0, "whole number >= 1"),
+    ("--temperature", "-1", -1.0, "finite number >= 0"), ("--top_p", "2", 2.0, "(0, 1]"), ("--top_p", "0", 0.0, "(0, 1]"),
+    ("--top_k", "-3", -3, "-1 (vLLM's) for off"), ("--min_p", "5", 5.0, "[0, 1]")])
+def test_generate_refuses_sampling_values_no_engine_honours(capsys, option, bad, value, needle):
+    """Once taken silently (a negative temperature as greedy, top_p above 1 as off, top_k -3 as off, no tokens) or
+    ended in a traceback (no generations: a division by zero; min_p above 1: torch's multinomial): one line naming
+    the option, before the model loads; SamplingParams refuses the same values from Python."""
+    from swiftune.rl.rollout import SamplingParams
+
+    line = one_line_error(capsys, option, bad)
+    assert line.startswith(f"swiftune generate: error: {option}=") and needle in line, line
+    if value is not None:
+        with pytest.raises(ValueError, match=f"{option.removeprefix('--')}="):
+            SamplingParams(**{option.removeprefix("--"): value})
+    for fine in (dict(top_k=-1), dict(top_k=0), dict(temperature=0.0), dict(min_p=0.0)):
+        SamplingParams(**fine)  # vLLM's "off" values and greedy stay accepted

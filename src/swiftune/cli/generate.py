@@ -76,9 +76,17 @@ def main_generate(argv: list[str] | None = None) -> int:
 
     from ..data import build_tokenizer, tiny_model_config
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
+    from ..rl.rollout.protocol import check_sampling_values
 
     args = build_parser().parse_args(argv)
     check_repetition_penalty(args.repetition_penalty)  # before the model loads
+    try:  # the same rules SamplingParams applies, said before the model loads
+        check_sampling_values(args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p)
+        if args.num_generations < 1:
+            raise ValueError(f"num_generations={args.num_generations} must be a whole number >= 1 (completions per "
+                             "prompt)")
+    except ValueError as e:
+        raise ConfigError(f"--{e}") from e
     base, adapter = model_and_adapter(args.model, args.adapter, args.base_model)
     if args.engine != "fast" and (args.stop or not args.fused_layers):
         # checked before the model loads: only the fast engine matches stop strings and has a fused loop

@@ -90,7 +90,7 @@ class TransformersRolloutEngine:
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
         if not prompt_ids:
             return Rollouts([], [], [], num_generations)
-        check_prompts(prompt_ids)
+        check_prompts(prompt_ids, num_generations)
         per_chunk = len(prompt_ids) if self.max_batch_size is None else max(1, self.max_batch_size // num_generations)
         out = Rollouts([], [], [], num_generations)
         was_training = self.model.training

@@ -264,7 +264,7 @@ class FastRolloutEngine:
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
         if not prompt_ids:
             return Rollouts([], [], [], num_generations)
-        check_prompts(prompt_ids)
+        check_prompts(prompt_ids, num_generations)
         stops = tuple(self.stop_strings) + tuple(getattr(params, "stop", ()) or ())
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need FastRolloutEngine(tokenizer=...)")
