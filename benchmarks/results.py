@@ -30,7 +30,8 @@ from collections.abc import Iterable
 # metric -> unit: a row's unit must be its metric's
 UNITS: dict[str, str] = {
     "tokens_per_s": "tok/s", "peak_gb": "GB", "reserved_gb": "GB", "host_rss_gb": "GB", "host_pinned_gb": "GB",
-    "planned_gb": "GB", "kv_cache_gb": "GB", "device_idle_ms": "ms", "device_idle_after_sync_ms": "ms", "step_s": "s", "first_step_s": "s", "step_s_excl_pin": "s", "phase_s": "s",
+    "planned_gb": "GB", "kv_cache_gb": "GB", "device_idle_ms": "ms", "device_idle_after_sync_ms": "ms",
+    "step_s": "s", "first_step_s": "s", "step_s_excl_pin": "s", "phase_s": "s",
     "padding_fraction": "fraction", "fits": "bool", "max_fit_tokens": "tokens", "first_fail_tokens": "tokens",
     "planner_max_tokens": "tokens", "max_fit_completion": "tokens", "first_fail_completion": "tokens",
     "planner_max_completion": "tokens", "layers_on_gpu": "layers", "ms": "ms", "step_ms": "ms",

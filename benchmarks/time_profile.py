@@ -12,6 +12,7 @@ Triton kernels, the rest), plus the top kernels by name:
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterable, Iterator
 
@@ -68,6 +69,8 @@ def _own_device_us(event) -> float:
 
 #: trace categories of the device's own work (kernels, copies, fills)
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def _is_sync(name: str) -> bool:
     """A host call that waits for the device: a synchronize, or a synchronous (not ``Async``) ``cudaMemcpy``."""
     low = name.lower() + " "
@@ -83,8 +86,8 @@ def idle_gaps(trace: dict | list, min_us: float = 20.0, top: int = 15) -> dict:
     a synchronous ``cudaMemcpy``: an ``.item()``, ``.tolist()``, ``nonzero``) is charged to that
     wait: the host let the device drain, then spent the gap on its own work before the next launch.
     Returns the span (first device event's start to the last one's end), busy time and idle time (the
-    gaps' sum; shorter holes count in neither) in ms, the idle time in gaps that open after a wait, the gap count, and the ``top`` gaps by length with
-    the device work on either side."""
+    gaps' sum; shorter holes count in neither) in ms, the idle time in gaps that open after a wait, the
+    gap count, and the ``top`` gaps by length with the device work on either side."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     device = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), str(e.get("name", "")))
                     for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES)
@@ -106,8 +109,6 @@ def idle_gaps(trace: dict | list, min_us: float = 20.0, top: int = 15) -> dict:
     span = end - device[0][0]
 
     def after_sync(gap_start: float) -> bool:
-        import bisect
-
         i = bisect.bisect_left(sync_ends, gap_start - min_us)
         return i < len(sync_ends) and sync_ends[i] <= gap_start + min_us
 

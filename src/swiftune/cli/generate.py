@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from typing import Any
@@ -76,15 +75,13 @@ def main_generate(argv: list[str] | None = None) -> int:
 
     from ..data import build_tokenizer, tiny_model_config
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
-    from ..rl.rollout.protocol import check_sampling_values
+    from ..rl.rollout.protocol import check_num_generations, check_sampling_values
 
     args = build_parser().parse_args(argv)
-    check_repetition_penalty(args.repetition_penalty)  # before the model loads
-    try:  # the same rules SamplingParams applies, said before the model loads
-        check_sampling_values(args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p)
-        if args.num_generations < 1:
-            raise ValueError(f"num_generations={args.num_generations} must be a whole number >= 1 (completions per "
-                             "prompt)")
+    try:  # the rules SamplingParams and the engines apply, said before the model loads
+        check_sampling_values(args.max_tokens, args.temperature, args.top_p, args.top_k, args.min_p,
+                              args.repetition_penalty)
+        check_num_generations(args.num_generations)
     except ValueError as e:
         raise ConfigError(f"--{e}") from e
     base, adapter = model_and_adapter(args.model, args.adapter, args.base_model)
@@ -148,14 +145,6 @@ def main_generate(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"{args.engine} engine: {tokens} tokens in {elapsed:.2f} s ({tokens / max(elapsed, 1e-9):.0f} tok/s)")
     return 0
-
-
-def check_repetition_penalty(penalty: float) -> None:
-    """Refuse a ``--repetition_penalty`` the engines cannot apply: the penalty divides positive and
-    multiplies negative logits of seen tokens, so it must be a finite number > 0 (1.0: off)."""
-    if not math.isfinite(penalty) or penalty <= 0:
-        raise ConfigError(f"--repetition_penalty {penalty}: must be a finite number > 0 (1.0: off; above 1.0, "
-                          "e.g. 1.1, discourages repeats; below 1.0 favours them); set e.g. --repetition_penalty 1.1")
 
 
 # ----------------------------------------------------------------------------- adapter folders

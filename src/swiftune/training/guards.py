@@ -101,6 +101,7 @@ class DeferredNonFiniteCheck:
         self._losses: list[torch.Tensor] = []
         self._grad_norm: torch.Tensor | None = None
         self._pending: tuple[int, int, bool, torch.Tensor, Any] | None = None
+        self._step_values: torch.Tensor | None = None  # found_inf's gather of this step's values
 
     def add_loss(self, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach().float().reshape(-1)[:1])
@@ -120,12 +121,13 @@ class DeferredNonFiniteCheck:
 
     def found_inf(self) -> torch.Tensor | None:
         """``1.0`` (float32, on the losses' device) when this step's losses or gradient norm are non-finite."""
-        values = self._values()
+        values = self._step_values = self._values()  # kept for submit: one gather of the step's values
         return None if values is None else (~torch.isfinite(values)).any().float()
 
     def submit(self, step: int) -> None:
         """Start copying optimizer step ``step``'s values to the host; the kept values are cleared."""
-        values = self._values()
+        values = self._step_values if self._step_values is not None else self._values()
+        self._step_values = None
         micro_steps, has_norm = len(self._losses), self._grad_norm is not None
         self._losses, self._grad_norm = [], None
         if values is None:

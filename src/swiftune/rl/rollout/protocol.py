@@ -59,8 +59,15 @@ def check_sampling_values(max_tokens: Any, temperature: Any, top_p: Any, top_k: 
     if min_p is not None and (not number(min_p) or not 0 <= min_p <= 1):
         raise bad("min_p", min_p, "must be in [0, 1] or None", "0 or None turns it off")
     if not number(repetition_penalty) or repetition_penalty <= 0:
-        raise bad("repetition_penalty", repetition_penalty, "must be a finite number > 0",
-                  "1.0 turns it off; above 1.0, e.g. 1.1, discourages repeats")
+        # the penalty divides positive and multiplies negative logits of seen tokens
+        raise bad("repetition_penalty", repetition_penalty, "must be a finite number > 0 (1.0: off; above 1.0, "
+                  "e.g. 1.1, discourages repeats; below 1.0 favours them)", "set e.g. 1.1")
+
+
+def check_num_generations(num_generations: Any) -> None:
+    """Refuse fewer than one completion per prompt (a ``ValueError`` naming the value)."""
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations={num_generations!r} must be a whole number >= 1 (completions per prompt)")
 
 
 @dataclass
@@ -85,9 +92,8 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], num_generations: int | No
     ``num_generations`` below 1."""
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
-    if num_generations is not None and (isinstance(num_generations, bool) or not isinstance(num_generations, int)
-                                        or num_generations < 1):
-        raise ValueError(f"num_generations={num_generations!r} must be a whole number >= 1 (completions per prompt)")
+    if num_generations is not None:
+        check_num_generations(num_generations)
 
 
 @runtime_checkable
