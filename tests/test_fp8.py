@@ -498,8 +498,10 @@ def test_rollout_engine_generates_from_fp8_weights(checkpoints):
 
 def test_fp8_scaled_mm_training_step_within_measured_error(checkpoints, device, monkeypatch):
     """The ``torch._scaled_mm`` path through a whole LoRA step (bf16, activations and gradients
-    quantised on the fly) against the float32 reference on the same dequantised weights. On an FP8
-    GPU the path is chosen at load; on CPU it is switched on (CPU torch has ``_scaled_mm`` too)."""
+    quantised on the fly, q/k/v and gate/up sharing their input's quantisation) against the float32
+    reference on the same dequantised weights, and bit for bit the step whose projections each quantise
+    their own input. On an FP8 GPU the path is chosen at load; on CPU it is switched on (CPU torch has
+    ``_scaled_mm`` too)."""
     from swiftune.models.lora_linear import is_fused_lora
 
     if device == "cpu":
@@ -522,12 +524,27 @@ def test_fp8_scaled_mm_training_step_within_measured_error(checkpoints, device, 
         for name, p in got.items():
             p.copy_(want[name])
     ref_loss, ref_grads = _reference_step(reference, _examples())
-    calls = []
-    scaled_mm = torch._scaled_mm
+    import swiftune.models.fp8_linear as fl
+    import swiftune.models.lora_linear as ll
+
+    calls, quantised = [], []
+    scaled_mm, quantise = torch._scaled_mm, fl.quantize_activation
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+    monkeypatch.setattr(fl, "quantize_activation", lambda *a, **k: quantised.append(1) or quantise(*a, **k))
     loss, grads = _swiftune_step(model.train(), _examples(), "padding_free")
     # every forward, and every input gradient but layer 0's q/k/v (their input, the embedding, is frozen)
     assert len(calls) == 2 * len(layers) - 3, "forward and input gradients of the projections on _scaled_mm"
+    # the forward quantises each layer's inputs 4 times, not 7 (q/k/v share one, gate/up one; o and down
+    # their own); each input gradient is quantised for its own product
+    n_layers = len(layers) // 7
+    assert len(quantised) == 4 * n_layers + (len(layers) - 3)
+    with monkeypatch.context() as unshared:  # each projection quantising its own input: the same bits
+        unshared.setattr(ll, "quantize_shared_input", lambda x, projections: None)
+        quantised.clear()
+        own_loss, own_grads = _swiftune_step(model.train(), _examples(), "padding_free")
+        assert len(quantised) == 7 * n_layers + (len(layers) - 3)
+    assert torch.equal(loss, own_loss) and own_grads.keys() == grads.keys()
+    assert all(torch.equal(grads[name], own_grads[name]) for name in grads)
     # measured on CPU: loss 8e-5; LoRA gradients 6.5e-2 (median tensor) to 1.2e-1 (worst), where the
     # dequantising path in bf16 gives 1.5e-2 to 3e-2: e4m3 activations and gradients (3 mantissa
     # bits) on a model of width 64, whose sums average few roundings

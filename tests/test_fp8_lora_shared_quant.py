@@ -104,10 +104,10 @@ def test_lora_layers_share_the_codes_with_the_bits_of_their_own_call_and_the_flo
         assert rel_err(base, want) > 0.2  # the adapter is a sizeable part of the output
 
 
-def test_sharing_with_lora_only_where_every_layer_takes_the_fp8_dot_path_and_misuse_is_refused(device):
-    """A bare FP8 layer beside LoRA ones shares too; PEFT's own forward, disabled adapters, other row
-    counts and grad mode get ``None`` (each layer runs as before); codes of another tensor, or in grad mode,
-    or for a layer whose base is not FP8, are refused."""
+def test_sharing_with_lora_only_where_every_layer_quantises_its_input_and_misuse_is_refused(device):
+    """A bare FP8 layer beside LoRA ones shares too, under no_grad and in grad mode (training); PEFT's own
+    forward, disabled adapters, the weight-only kernel's row counts get ``None`` (each layer runs as
+    before); codes of another tensor, or for a layer whose base is not FP8, are refused."""
     _require_fp8_path(device)
     x = torch.randn(24, 1, K, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -116,7 +116,7 @@ def test_sharing_with_lora_only_where_every_layer_takes_the_fp8_dot_path_and_mis
         shared = fl.quantize_shared_input(x, [ll.fp8_product_layer(m, x) for m in (q, k, v)])
         assert shared is not None
         assert torch.equal(q(x, quantized=shared), q(x)) and torch.equal(k(x, quantized=shared), k(x))
-        for rows in (fl.DECODE_MAX_ROWS, fl.DOT_DECODE_MAX_ROWS + 1):
+        for rows in (1, fl.DECODE_MAX_ROWS):
             other = torch.randn(rows, 1, K, device=device, dtype=torch.bfloat16)
             assert fl.quantize_shared_input(other, [ll.fp8_product_layer(m, other) for m in (q, k, v)]) is None
         with pytest.raises(ValueError, match="this very input"):
@@ -134,10 +134,13 @@ def test_sharing_with_lora_only_where_every_layer_takes_the_fp8_dot_path_and_mis
         assert ll.fp8_product_layer(plain, x) is None  # a bf16 base
         with pytest.raises(ValueError, match="FP8 base"):
             plain(x, quantized=shared)
-    assert ll.fp8_product_layer(q, x) is q.base_layer  # the product is FP8, but grad mode shares nothing
-    assert fl.quantize_shared_input(x, [ll.fp8_product_layer(m, x) for m in (q, k)]) is None
-    with pytest.raises(ValueError, match="torch.no_grad"):
-        q(x, quantized=shared)
+    assert ll.fp8_product_layer(q, x) is q.base_layer
+    trained = ll.shared_fp8_input(x, (q, k))  # grad mode: _scaled_mm's codes
+    assert set(trained) == {"quantized"}
+    assert ll.shared_fp8_input(x, (q, k, v)) == {}  # v runs PEFT's own forward now
+    assert ll.shared_fp8_input(x, (q, plain)) == {}  # a bf16 base
+    for m in (q, k):
+        assert torch.equal(m(x, **trained), m(x))
 
 
 class _Holder(nn.Module):
@@ -206,7 +209,7 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
             list(given), list(steps)
 
     with monkeypatch.context() as off:  # "before": every projection quantises its own input
-        off.setattr(rollout_layers, "quantize_shared_input", lambda x, projections: None)
+        off.setattr(ll, "quantize_shared_input", lambda x, projections: None)
         before, q_before, given_before, steps_before = generate()
     after, q_after, given_after, steps_after = generate()
 

@@ -17,6 +17,7 @@ from torch import nn
 
 import swiftune.kernels.fp8_dot as fd
 import swiftune.models.fp8_linear as fl
+import swiftune.models.lora_linear as ll
 import swiftune.rl.rollout.layers as rollout_layers
 from tests.test_fp8_dot import _abs_terms, _assert_formula, _float64, _fp8_slack, _operands, _torch_quant
 
@@ -83,20 +84,30 @@ def test_shared_codes_equal_each_layers_own_quantisation_and_the_float64_formula
             _assert_formula(got.view(rows, -1), want, _abs_terms(xq, xs, q, s), torch.bfloat16, _fp8_slack(device))
 
 
-def test_no_sharing_outside_the_fp8_dot_path_and_misuse_is_refused(device):
-    """Other row counts, grad mode (training), a non-FP8 layer or layers without _scaled_mm get ``None``
-    (each layer runs as before); codes of another tensor, or in grad mode, are refused."""
+def test_sharing_only_where_every_layer_quantises_its_input_and_misuse_is_refused(device):
+    """Sharing wherever each layer would quantise ``x`` the same way: the FP8 x FP8 decode path (no_grad,
+    17-64 rows) and ``_scaled_mm``'s (wider no_grad products, and grad mode: training), each with its
+    own quantiser's codes. ``None`` (each layer runs as before) for the weight-only kernel's row counts, a
+    non-FP8 layer, layers without ``_scaled_mm``, ``x`` outside the compute dtype, or layers that would
+    take different paths; codes of another tensor, or for a product that quantises nothing, are refused."""
     _require_fp8_path(device)
     layers = _layers(device)
     x = torch.randn(24, 1, K, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
-        for rows in (1, fl.DECODE_MAX_ROWS, fl.DOT_DECODE_MAX_ROWS + 1):
+        for rows in (1, fl.DECODE_MAX_ROWS):
             other = torch.randn(rows, 1, K, device=device, dtype=torch.bfloat16)
             assert fl.quantize_shared_input(other, layers) is None
+        wide = torch.randn(fl.DOT_DECODE_MAX_ROWS + 1, 1, K, device=device, dtype=torch.bfloat16)
+        wide_shared = fl.quantize_shared_input(wide, layers)  # _scaled_mm's path under no_grad
+        assert wide_shared is not None
+        for layer in layers:
+            assert torch.equal(layer(wide, quantized=wide_shared), layer(wide))
         plain = nn.Linear(K, 16, device=device, dtype=torch.bfloat16)
         assert fl.quantize_shared_input(x, [*layers, plain]) is None
         assert fl.quantize_shared_input(x, []) is None
         assert fl.quantize_shared_input(x.float(), layers) is None  # fp32 compute: not _scaled_mm's path
+        with torch.autocast(device, dtype=torch.bfloat16):  # a float32 x under bf16 autocast: its own rule
+            assert fl.quantize_shared_input(x.float(), layers) is None
         layers[0].scaled_mm = False
         assert fl.quantize_shared_input(x, layers) is None
         layers[0].scaled_mm = True
@@ -104,12 +115,15 @@ def test_no_sharing_outside_the_fp8_dot_path_and_misuse_is_refused(device):
         assert shared is not None
         with pytest.raises(ValueError, match="this very input"):
             layers[0](x.clone(), quantized=shared)
-        with pytest.raises(ValueError, match="FP8 x FP8 decode path"):
+        with pytest.raises(ValueError, match="quantise their input"):
             fl.fp8_matmul(x.view(24, K).float(), layers[0].weight, fl.FP8State(layers[0].weight_scale, True, True),
                           torch.float32, quantized=shared)
-    assert fl.quantize_shared_input(x, layers) is None  # grad mode
-    with pytest.raises(ValueError, match="torch.no_grad"):
-        layers[0](x, quantized=shared)
+    trained = fl.quantize_shared_input(x, layers)  # grad mode: _scaled_mm's codes
+    assert trained is not None and trained.codes.shape == (24, K)
+    # the two quantisers make the same codes of one input (each is plain torch's, the first test)
+    assert torch.equal(trained.codes.view(torch.uint8), shared.codes.view(torch.uint8))
+    for layer in layers:
+        assert torch.equal(layer(x, quantized=trained), layer(x))
 
 
 def _fp8_bf16_model(tmp_path_factory):
@@ -152,7 +166,7 @@ def test_engine_decode_quantises_once_per_shared_input_with_the_same_tokens(tmp_
             list(dot_calls), list(steps)
 
     with monkeypatch.context() as off:  # "before": every projection quantises its own input
-        off.setattr(rollout_layers, "quantize_shared_input", lambda x, projections: None)
+        off.setattr(ll, "quantize_shared_input", lambda x, projections: None)
         before, q_before, dot_before, steps_before = generate()
     after, q_after, dot_after, steps_after = generate()
 

@@ -3,7 +3,9 @@
 :func:`swiftune.patch_model` binds these on module *instances* (``module.forward = ...``); the
 classes, the parameters and their names stay transformers' own, so checkpoints stay plain.
 Each forward computes what the transformers forward of the same module computes, with the
-fused kernels of :mod:`swiftune.kernels` in place of the unfused PyTorch ops.
+fused kernels of :mod:`swiftune.kernels` in place of the unfused PyTorch ops. Projections that read
+one input (q/k/v; gate/up) and would each quantise it to FP8 share one quantisation
+(:func:`~swiftune.models.lora_linear.shared_fp8_input`: the same bits, fewer launches).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 from ..attention.pieces import PIECES_KWARG, DocumentOutputs, project_pieces
 from ..attention.registry import PACKED_ATTENTION_IMPLEMENTATIONS
 from ..kernels import geglu, rms_norm, rope_qk, swiglu
+from .lora_linear import shared_fp8_input
 from .state import AttentionSpec, PatchState, patch_state
 
 __all__ = ["AttentionSpec", "fused_attention_forward", "fused_mlp_forward", "fused_rms_norm_forward"]
@@ -52,9 +55,11 @@ def fused_attention_forward(
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape)
-    key = self.k_proj(hidden_states).view(hidden_shape)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    shared = shared_fp8_input(hidden_states, (self.q_proj, self.k_proj, self.v_proj))  # FP8: one quantise
+    query = self.q_proj(hidden_states, **shared).view(hidden_shape)
+    key = self.k_proj(hidden_states, **shared).view(hidden_shape)
+    value = self.v_proj(hidden_states, **shared).view(hidden_shape).transpose(1, 2)
+    del shared  # the codes (a byte per input element) are not held through the attention
     if getattr(self, "q_norm", None) is not None:
         # Qwen3 / Gemma 3 normalise each head over head_dim before RoPE; the norm is over the
         # last axis, so applying it before the transpose (Qwen3's order) is the same for Gemma 3.
@@ -104,8 +109,10 @@ def fused_attention_forward(
 
 def fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Gated MLP ``down(act(gate(x)) * up(x))`` with the activation and product fused."""
-    gate = self.gate_proj(x)
-    up = self.up_proj(x)
+    shared = shared_fp8_input(x, (self.gate_proj, self.up_proj))  # FP8: one quantise for both
+    gate = self.gate_proj(x, **shared)
+    up = self.up_proj(x, **shared)
+    del shared
     state = _state(self)
     activation, backend = state.activation, state.kernel_backend
     if gate.dtype != up.dtype:  # unusual mixed setups: keep transformers' own arithmetic

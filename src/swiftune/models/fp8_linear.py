@@ -26,12 +26,15 @@ Two ways to run it, chosen per layer (``FP8Linear.scaled_mm``) and checked per c
   From :data:`DECODE_MAX_ROWS` to :data:`DOT_DECODE_MAX_ROWS` rows under ``no_grad``, where
   ``_scaled_mm`` would run, the FP8 x FP8 decode kernel (:func:`swiftune.kernels.fp8_dot.fp8_dot_matmul`)
   computes the same product (activations quantised per row, e4m3 on the tensor cores) with tiles
-  for those row counts. Layers that read one input there (a decoder layer's q/k/v, its gate/up) can
-  share its quantisation: :func:`quantize_shared_input` makes the codes once (a
+  for those row counts.
+- Layers that read one input (a decoder layer's q/k/v, its gate/up) share its quantisation wherever
+  each would quantise it (``_scaled_mm``'s path in training and in wide inference products, the FP8 x
+  FP8 decode kernel's): :func:`quantize_shared_input` makes the codes once (a
   :class:`QuantizedActivation`) and ``layer(x, quantized=...)`` multiplies them, with the same bits as
-  each layer quantising ``x`` itself (the rollout engine's decode step does this). PEFT LoRA layers
-  over an FP8 base with swiftune's fused forward (LoRA at run time) take the codes for their base
-  product (:func:`swiftune.models.lora_linear.fp8_product_layer`).
+  each layer quantising ``x`` itself (swiftune's attention and MLP forwards and the rollout engine's
+  decode step do this; the backward never reads the codes: the weight is frozen). PEFT LoRA layers
+  over an FP8 base with swiftune's fused forward take the codes for their base product
+  (:func:`swiftune.models.lora_linear.fp8_product_layer`).
 - the dequantising reference (CPU, older GPUs, other dtypes): ``W_q`` rebuilt in float32 and cast
   to the compute dtype in forward and again in backward (never kept: an FP8 model holds 1 byte per
   base weight, not 3), then a plain matmul. This is exactly plain transformers with
@@ -204,6 +207,18 @@ def _use_fp8_dot(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dtype:
             and _use_scaled_mm(state, x2, weight, dtype))
 
 
+
+def _quantizing_path(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """Which per-row quantisation of ``x2`` :func:`fp8_matmul` makes: ``"dot"`` (the FP8 x FP8 decode
+    kernel's), ``"scaled_mm"`` (``_scaled_mm``'s) or ``None`` (the weight-only kernel and the
+    dequantising reference multiply ``x2`` itself)."""
+    if _use_fp8_dot(state, x2, weight, dtype):
+        return "dot"
+    if _use_weight_only(state, x2, weight, dtype):
+        return None
+    return "scaled_mm" if _use_scaled_mm(state, x2, weight, dtype) else None
+
+
 @dataclass(frozen=True)
 class QuantizedActivation:
     """One input's per-row e4m3 codes and float32 scales, made once (:func:`quantize_shared_input`)
@@ -224,48 +239,58 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def quantize_shared_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> QuantizedActivation | None:
     """``x`` quantised once for all of ``layers`` when each is an :class:`FP8Linear` whose call on ``x``
-    multiplies with the FP8 x FP8 decode kernel (under ``torch.no_grad``, more than
-    :data:`DECODE_MAX_ROWS` and at most :data:`DOT_DECODE_MAX_ROWS` rows, ``_scaled_mm``'s conditions);
-    ``None`` otherwise, and each layer then runs as it does alone. The codes are those each layer would
-    make (:func:`swiftune.kernels.fp8_dot.fp8_dot_quantize` of ``x`` in the compute dtype), so
-    ``layer(x, quantized=...)`` gives the bits of ``layer(x)``. A PEFT LoRA layer over an FP8 base is
-    given here as that base (:func:`swiftune.models.lora_linear.fp8_product_layer`) and takes the codes
-    for its base product."""
-    if torch.is_grad_enabled() or not layers or not all(isinstance(m, FP8Linear) for m in layers):
+    quantises it the same way: ``torch._scaled_mm``'s path (training, and inference products of more than
+    :data:`DOT_DECODE_MAX_ROWS` rows) or the FP8 x FP8 decode kernel's (under ``torch.no_grad``, more
+    than :data:`DECODE_MAX_ROWS` and at most :data:`DOT_DECODE_MAX_ROWS` rows); ``None`` otherwise (other
+    layers, the weight-only kernel, the dequantising reference, ``x`` not in the compute dtype), and
+    each layer then runs as it does alone. The codes are those each layer would make of ``x``
+    (:func:`quantize_activation` or :func:`swiftune.kernels.fp8_dot.fp8_dot_quantize`), so ``layer(x,
+    quantized=...)`` gives the bits of ``layer(x)``. A PEFT LoRA layer over an FP8 base is given here as
+    that base (:func:`swiftune.models.lora_linear.fp8_product_layer`) and takes the codes for its base
+    product."""
+    if not layers or not all(isinstance(m, FP8Linear) for m in layers):
         return None
     dtype = _compute_dtype(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    if not all(_use_fp8_dot(FP8State(m.weight_scale, m.scaled_mm, inference=True), x2, m.weight, dtype)
-               for m in layers):
+    if x.dtype != dtype:  # a layer alone would quantise x or its cast, by path: keep one rule, its own
         return None
-    codes, scales = fp8_dot_quantize(x2.to(dtype))
+    x2 = x.reshape(-1, x.shape[-1])
+    inference = not torch.is_grad_enabled()
+    paths = {_quantizing_path(FP8State(m.weight_scale, m.scaled_mm, inference), x2, m.weight, dtype) for m in layers}
+    if paths == {"dot"}:
+        codes, scales = fp8_dot_quantize(x2)
+    elif paths == {"scaled_mm"}:
+        codes, scales = quantize_activation(x2)
+    else:
+        return None
     return QuantizedActivation(x, codes, scales)
 
 
 def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype,
                bias: torch.Tensor | None = None, quantized: QuantizedActivation | None = None) -> torch.Tensor:
     """``x2 (Q * s)^T + b`` for ``x2`` ``[N, in]``, in ``dtype`` (see the module doc for the three paths).
-    ``quantized``: ``x2``'s codes made already (:func:`quantize_shared_input`), for the FP8 x FP8 decode
-    path only."""
-    if _use_fp8_dot(state, x2, weight, dtype):
-        # _scaled_mm's math (per-row e4m3 activations) through the decode kernel's tiles
-        if quantized is None:
-            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias)
+    ``quantized``: ``x2``'s codes made already (:func:`quantize_shared_input`), for the paths that
+    quantise ``x2``."""
+    path = _quantizing_path(state, x2, weight, dtype)
+    if quantized is not None:
+        if path is None:
+            raise ValueError("a QuantizedActivation is for the products that quantise their input (_scaled_mm's, "
+                             f"and the FP8 x FP8 decode kernel's at {DECODE_MAX_ROWS + 1}..{DOT_DECODE_MAX_ROWS} rows "
+                             "under no_grad); make it with quantize_shared_input, which says None elsewhere")
         if quantized.codes.shape != x2.shape:
             raise ValueError(f"quantized codes of shape {tuple(quantized.codes.shape)} for an input of shape "
                              f"{tuple(x2.shape)}")
+    if path == "dot":
+        # _scaled_mm's math (per-row e4m3 activations) through the decode kernel's tiles
+        if quantized is None:
+            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias)
         return fp8_dot_matmul(quantized.codes, weight, state.scale.view(-1), bias, x_scale=quantized.scales,
                               out_dtype=dtype)
-    if quantized is not None:
-        raise ValueError("a QuantizedActivation is for the FP8 x FP8 decode path (no_grad, "
-                         f"{DECODE_MAX_ROWS + 1}..{DOT_DECODE_MAX_ROWS} rows, _scaled_mm's conditions); "
-                         "make it with quantize_shared_input, which says None elsewhere")
-    if _use_weight_only(state, x2, weight, dtype):
+    if path == "scaled_mm":
+        xq, xs = quantize_activation(x2) if quantized is None else (quantized.codes, quantized.scales)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
+    elif _use_weight_only(state, x2, weight, dtype):
         # the Triton kernel on CUDA (and under the interpreter), its float32 reference on plain CPU
         return fp8_weight_only_matmul(x2.to(dtype), weight, state.scale, bias)
-    if _use_scaled_mm(state, x2, weight, dtype):
-        xq, xs = quantize_activation(x2)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
     else:
         y = torch.mm(x2.to(dtype), dequantize_rowwise(weight, state.scale, dtype).t())
     return y if bias is None else y.add_(bias.to(dtype))
@@ -287,10 +312,11 @@ class FP8LinearFunction(torch.autograd.Function):
     """``y = x (Q * s)^T + b`` with the weight frozen; saves only ``Q`` (1 byte per weight)."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale, bias, dtype: torch.dtype, scaled_mm: bool):  # type: ignore[override]
+    def forward(ctx, x, weight, scale, bias, dtype: torch.dtype, scaled_mm: bool,  # type: ignore[override]
+                quantized: QuantizedActivation | None = None):
         state = FP8State(scale, scaled_mm)
         shape = x.shape
-        y = fp8_matmul(x.reshape(-1, shape[-1]), weight, state, dtype, bias)
+        y = fp8_matmul(x.reshape(-1, shape[-1]), weight, state, dtype, bias, quantized)
         ctx.save_for_backward(weight, scale)
         ctx.dtype, ctx.scaled_mm, ctx.shape, ctx.x_dtype = dtype, scaled_mm, shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -305,7 +331,7 @@ class FP8LinearFunction(torch.autograd.Function):
             dx = fp8_grad_input(g2, weight, FP8State(scale, ctx.scaled_mm), ctx.dtype).to(ctx.x_dtype).view(ctx.shape)
         if ctx.needs_input_grad[3]:
             dbias = g2.sum(0).to(ctx.bias_dtype)
-        return dx, None, None, dbias, None, None
+        return dx, None, None, dbias, None, None, None
 
 
 class FP8Linear(nn.Linear):
@@ -375,13 +401,13 @@ class FP8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
         """``quantized``: ``x``'s codes shared with other layers that read ``x``
-        (:func:`quantize_shared_input`; decoding only)."""
+        (:func:`quantize_shared_input`)."""
         dtype = _compute_dtype(x)
-        if quantized is not None and (quantized.source is not x or torch.is_grad_enabled()):
-            raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, under "
-                             "torch.no_grad")
+        if quantized is not None and quantized.source is not x:
+            raise ValueError("quantized= takes the codes quantize_shared_input made of this very input")
         if torch.is_grad_enabled():
-            return FP8LinearFunction.apply(x, self.weight, self.weight_scale, self.bias, dtype, self.scaled_mm)
+            return FP8LinearFunction.apply(x, self.weight, self.weight_scale, self.bias, dtype, self.scaled_mm,
+                                           quantized)
         # no_grad (the rollout engine's decoding, evaluation): no autograd node, and few rows take the
         # weight-only kernel (grad mode, not x.requires_grad, decides: training keeps one path)
         state = FP8State(self.weight_scale, self.scaled_mm, inference=True)

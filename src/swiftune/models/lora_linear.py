@@ -33,11 +33,11 @@ autocast, or with one dtype throughout), so generation keeps bitsandbytes' infer
 FP8 base layers (:class:`~swiftune.models.fp8_linear.FP8Linear` under PEFT's ``lora.Linear``): the
 base product and ``g W`` through :func:`~swiftune.models.fp8_linear.fp8_matmul` /
 :func:`~swiftune.models.fp8_linear.fp8_grad_input` (``torch._scaled_mm`` on FP8 GPUs, else ``W``
-dequantised in forward and again in backward), under the same dtype rules as ``nn.Linear``. Under
-``no_grad`` at the FP8 x FP8 decode kernel's row counts the layer also takes ``quantized=``, its input's
-e4m3 codes made once for several projections (:func:`~swiftune.models.fp8_linear.quantize_shared_input`,
-given the base by :func:`fp8_product_layer`): the base product multiplies those codes, the
-adapter product the input itself, as without them.
+dequantised in forward and again in backward), under the same dtype rules as ``nn.Linear``. Where
+its base product quantises the input (``_scaled_mm``'s path, the FP8 x FP8 decode kernel's) the layer
+also takes ``quantized=``, its input's e4m3 codes made once for several projections
+(:func:`shared_fp8_input`): the base product multiplies those codes, the adapter product the input
+itself, as without them.
 
 :func:`fuse_lora_linears` binds :func:`fused_lora_forward` on each PEFT ``lora.Linear`` /
 ``lora.Linear4bit`` instance (under a tiled forward's tiling if one is there);
@@ -47,6 +47,7 @@ adapter product the input itself, as without them.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from types import MethodType
 from typing import Any
 
@@ -54,12 +55,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp8_linear import FP8State, QuantizedActivation, fp8_grad_input, fp8_matmul, is_fp8_linear
+from .fp8_linear import FP8State, QuantizedActivation, fp8_grad_input, fp8_matmul, is_fp8_linear, quantize_shared_input
 from .nf4_decode import takes_nf4_decode
 from .tiled_mlp import replace_untiled_forward
 
 __all__ = ["LoRALinearFunction", "fp8_product_layer", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora",
-           "unfuse_lora_linears"]
+           "shared_fp8_input", "unfuse_lora_linears"]
 
 _FUSED = "_swiftune_fused_lora"  # instance-dict marker: fused_lora_forward is bound (or under the tiling)
 
@@ -68,7 +69,7 @@ class LoRALinearFunction(torch.autograd.Function):
     """``y = x W^T + b + scaling (x A^T) B^T``: the base product in ``base_dtype``, the adapter
     product in ``lora_dtype`` (their sum in ``lora_dtype``, returned in ``base_dtype``, as PEFT
     adds a float32 adapter output to a half-precision base output); see the module doc.
-    ``quantized``: ``x``'s e4m3 codes for an FP8 base product under ``no_grad`` (see :func:`fp8_matmul`)."""
+    ``quantized``: ``x``'s e4m3 codes for an FP8 base product (see :func:`fp8_matmul`)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scaling: float,  # type: ignore[override]
@@ -227,12 +228,11 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
                        **kwargs: Any) -> torch.Tensor:
     """PEFT ``lora.Linear.forward`` as one :class:`LoRALinearFunction` node where that is the same
     arithmetic (see the module doc); PEFT's own forward otherwise. ``quantized``: ``x``'s codes from
-    :func:`~swiftune.models.fp8_linear.quantize_shared_input` for an FP8 base's product (no_grad only)."""
+    :func:`shared_fp8_input` for an FP8 base's product."""
     operands = None if (args or kwargs) else _fused_operands(self, x)
-    if quantized is not None and (operands is None or not operands[6] or quantized.source is not x
-                                  or torch.is_grad_enabled()):
-        raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, under "
-                         "torch.no_grad, for a fused LoRA layer over an FP8 base")
+    if quantized is not None and (operands is None or not operands[6] or quantized.source is not x):
+        raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, for a fused "
+                         "LoRA layer over an FP8 base")
     if operands is None or (not operands[6] and takes_nf4_decode(operands[3], x)):
         return type(self).forward(self, x, *args, **kwargs)  # (an NF4 decode step: PEFT's base call takes the kernel)
     name, base_dtype, lora_dtype, base, lora_a, lora_b, fp8 = operands
@@ -244,6 +244,22 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
         quant_state = getattr(weight, "quant_state", None) if type(base) is not nn.Linear else None
     return LoRALinearFunction.apply(x, weight, base.bias, lora_a.weight, lora_b.weight, float(self.scaling[name]),
                                     base_dtype, lora_dtype, quant_state, quantized)
+
+
+def shared_fp8_input(x: torch.Tensor, projections: Sequence[nn.Module]) -> dict[str, QuantizedActivation]:
+    """The keyword that hands ``projections``, which all read ``x``, one quantisation of it (one launch
+    instead of one each) where each would quantise it: FP8 layers, or fused LoRA layers over them, on
+    ``_scaled_mm``'s path or the FP8 x FP8 decode kernel's
+    (:func:`~swiftune.models.fp8_linear.quantize_shared_input`). Empty otherwise (other layers, PEFT's own
+    LoRA forward, a tiling, the weight-only kernel's row counts): then each runs as it does alone."""
+    bases = []
+    for p in projections:  # the first non-FP8 projection settles it (every layer of a bf16 model asks)
+        base = fp8_product_layer(p, x)
+        if base is None:
+            return {}
+        bases.append(base)
+    quantized = quantize_shared_input(x, bases)
+    return {} if quantized is None else {"quantized": quantized}
 
 
 def _is_peft_lora_linear(module: nn.Module) -> bool:

@@ -13,11 +13,11 @@ add into the following norm with :func:`swiftune.kernels.add_rms_norm`, the last
 final norm, and in decode steps runs the q/k norms, RoPE and the two K/V cache writes as one
 kernel (:func:`swiftune.kernels.decode_qkv`) before the engine's attention. The roundings are those
 of the unfused layer (the kernel rounds the sum to the activation dtype before normalising it).
-FP8 projections that multiply with the FP8 x FP8 decode kernel (17-64 rows) quantise their shared
-input once in decode steps: once for q/k/v, once for gate/up
-(:func:`swiftune.models.fp8_linear.quantize_shared_input`), with the bits of each quantising its own;
-LoRA layers over FP8 bases (adapters at run time) too: their base products share the codes, their
-adapter products multiply the input itself.
+FP8 projections that quantise their input (the FP8 x FP8 decode kernel at 17-64 rows, ``_scaled_mm``
+above) quantise it once for q/k/v (here in decode steps, in swiftune's attention forward in prefill)
+and once for gate/up (swiftune's MLP forward), with the bits of each quantising its own
+(:func:`swiftune.models.lora_linear.shared_fp8_input`); LoRA layers over FP8 bases (adapters at run
+time) too: their base products share the codes, their adapter products multiply the input itself.
 
 It runs only on models patched by :func:`swiftune.patch_model`, whose norms already compute with
 swiftune's RMSNorm kernel, so the fused path equals the layers' own forward exactly. Gemma
@@ -32,11 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...kernels import add_rms_norm, decode_qkv, geglu, rms_norm, swiglu
+from ...kernels import add_rms_norm, decode_qkv, rms_norm
 from ...models.families import FAMILIES
-from ...models.forwards import fused_mlp_forward
-from ...models.fp8_linear import quantize_shared_input
-from ...models.lora_linear import fp8_product_layer
+from ...models.lora_linear import shared_fp8_input
 from ...models.state import is_bound, patch_state
 
 #: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
@@ -94,7 +92,7 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             out = out[0] if isinstance(out, tuple) else out
         post = layer.post_attention_layernorm
         x, residual = add_rms_norm(out, residual, post.weight, _eps(post), backend=backend)
-        out = decode_mlp(layer.mlp, x) if ctx.mode == "decode" else layer.mlp(x)
+        out = layer.mlp(x)  # swiftune's MLP forward shares an FP8 quantisation of x between gate and up
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
         x, residual = add_rms_norm(out, residual, nxt.weight, _eps(nxt), backend=backend)
@@ -109,7 +107,7 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     two norms, RoPE, two cache writes) or three (no q/k norms)."""
     rows = x.shape[0]
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
-    shared = _shared_fp8_input(x, (attn.q_proj, attn.k_proj, attn.v_proj))
+    shared = shared_fp8_input(x, (attn.q_proj, attn.k_proj, attn.v_proj))
     q = attn.q_proj(x, **shared).view(rows, heads, dim)
     k = attn.k_proj(x, **shared).view(rows, kv_heads, dim)
     v = attn.v_proj(x, **shared).view(rows, kv_heads, dim)
@@ -125,32 +123,3 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window,
                             sinks=getattr(attn, "sinks", None))  # gpt-oss's per-head sink logits
     return attn.o_proj(out.reshape(rows, 1, heads * dim))
-
-
-def _shared_fp8_input(x: torch.Tensor, projections: tuple[nn.Module, ...]) -> dict[str, Any]:
-    """The keyword that hands FP8 ``projections`` one quantisation of their common input ``x`` (one
-    launch instead of one each) where they would all quantise it (FP8 layers, or fused LoRA layers
-    over them); none otherwise (other layers, row counts, PEFT's own LoRA forward)."""
-    # a fused LoRA layer over FP8 shares the codes for its base product (the adapters multiply x itself)
-    quantized = quantize_shared_input(x, [fp8_product_layer(p, x) for p in projections])
-    return {} if quantized is None else {"quantized": quantized}
-
-
-def decode_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The MLP of one decode step: its own forward, except that a fused gated MLP
-    (:func:`~swiftune.models.forwards.fused_mlp_forward`) whose gate and up projections are FP8 at
-    17-64 rows (bare or under fused LoRA) runs that forward's arithmetic with ``x`` quantised once for both."""
-    state = patch_state(mlp)
-    # MoE blocks, tiled or unpatched MLPs (and hooked ones: their forward is another function) run as they are
-    if getattr(mlp.forward, "__func__", None) is not fused_mlp_forward or state is None:
-        return mlp(x)
-    shared = _shared_fp8_input(x, (mlp.gate_proj, mlp.up_proj))
-    if not shared:
-        return mlp(x)
-    gate, up = mlp.gate_proj(x, **shared), mlp.up_proj(x, **shared)  # one compute dtype: FP8Linear's rule
-    activation, backend = state.activation, state.kernel_backend
-    if activation.kernel == "swiglu":
-        hidden = swiglu(gate, up, backend=backend)
-    else:
-        hidden = geglu(gate, up, approximate=activation.approximate, backend=backend)
-    return mlp.down_proj(hidden)
