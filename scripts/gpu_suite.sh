@@ -231,6 +231,12 @@ case "$part" in
       --modes swiftune swiftune_budget --out "$OUT/fp8_sft_bf16.json"
     run fp8_sft 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-fp8 \
       --modes swiftune swiftune_budget --out "$OUT/fp8_sft.json" ;;
+  fp8-sft-16k)  # issue 26's 16K-token row alone (FP8 against swiftune's own bf16, one call): the FP8 step now
+    # quantises each layer's input once for q/k/v and once for gate/up (4 quantise launches a layer's forward, was 7)
+    run fp8_sft_16k_bf16 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
+      --modes swiftune_budget --out "$OUT/fp8_sft_16k_bf16.json"
+    run fp8_sft_16k 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-fp8 \
+      --modes swiftune_budget --out "$OUT/fp8_sft_16k.json" ;;
   fp8-curves|fp8-reward)  # issue 26's accuracy figures: the SFT loss curve on an FP8 base vs the bf16 base (same
     # rows, same adapters' initialisation, 200 steps; not in fp8-reward) and the GRPO reward of the built-in task,
     # FP8 vs bf16, 100 steps each
