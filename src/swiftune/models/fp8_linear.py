@@ -207,7 +207,6 @@ def _use_fp8_dot(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dtype:
             and _use_scaled_mm(state, x2, weight, dtype))
 
 
-
 def _quantizing_path(state: FP8State, x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str | None:
     """Which per-row quantisation of ``x2`` :func:`fp8_matmul` makes: ``"dot"`` (the FP8 x FP8 decode
     kernel's), ``"scaled_mm"`` (``_scaled_mm``'s) or ``None`` (the weight-only kernel and the
