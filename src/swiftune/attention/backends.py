@@ -28,7 +28,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from .kernel_choice import SDPA_MIN_MEAN_DOC_TOKENS, layout_attention_kernel, pr
 from .kept_outputs import kept_attention_outputs
 from .packing import PackedBatch
 from .pieces import DocumentOutputs, document_outputs, row_pieces
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 _SDPA_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
 
@@ -271,7 +274,8 @@ def reference_attention(
     return torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
 
 
-def document_block_mask(packed: PackedBatch, window: int | None, device: torch.device, *, sink_slot: bool = False):
+def document_block_mask(packed: PackedBatch, window: int | None, device: torch.device, *,
+                        sink_slot: bool = False) -> BlockMask:
     """The document (+ window) BlockMask of this forward, built once per window size. With
     ``sink_slot`` (attention sinks, :mod:`.sinks`): over ``T + 1`` keys, the last one open to every query."""
     key = ("flex_sink_block_mask" if sink_slot else "flex_block_mask", window)

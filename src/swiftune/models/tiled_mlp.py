@@ -389,7 +389,8 @@ def moe_tile_tokens(block: nn.Module, x: torch.Tensor, tile_tokens: int | None) 
     return auto_tile_tokens(top_k * int(width), H, x.element_size())
 
 
-def tiled_moe_forward(block: nn.Module, x: torch.Tensor, tile_tokens: int | None = None):
+def tiled_moe_forward(block: nn.Module, x: torch.Tensor, tile_tokens: int | None = None
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The MoE block's forward with the experts in token tiles (module docstring): the router runs
     once on every token (its hooks see the whole batch, its logits keep their gradient), the experts
     save only their input and routing weights. Inputs of at most ``tile_tokens`` tokens run the

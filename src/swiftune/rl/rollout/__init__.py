@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,18 +38,21 @@ from ...models.patching import causal_lm_of
 from .protocol import RolloutEngine, Rollouts, SamplingParams, check_prompts
 from .sampling import filter_logits, mark_seen, sample_next, sample_tokens, seeded_generator, seen_mask
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
 def cache_kwarg(model: nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
     params = inspect.signature(causal_lm_of(model).forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def cache_supports(cache, method: str) -> bool:
+def cache_supports(cache: object, method: str) -> bool:
     """Whether the KV cache has ``method`` (``batch_repeat_interleave`` / ``batch_select_indices``)."""
     return callable(getattr(cache, method, None))
 
 
-def new_cache(model: nn.Module):
+def new_cache(model: nn.Module) -> DynamicCache:
     """An empty transformers ``DynamicCache`` for ``model``."""
     from transformers import DynamicCache
 
