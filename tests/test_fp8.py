@@ -499,7 +499,7 @@ def test_rollout_engine_generates_from_fp8_weights(checkpoints):
 def test_fp8_scaled_mm_training_step_within_measured_error(checkpoints, device, monkeypatch):
     """The ``torch._scaled_mm`` path through a whole LoRA step (bf16, activations and gradients
     quantised on the fly, q/k/v and gate/up sharing their input's quantisation) against the float32
-    reference on the same dequantised weights, and bit for bit (CPU; on CUDA the loss bit for bit) the step
+    reference on the same dequantised weights, and bit for bit (CPU; within 1e-6 / 1e-2 on CUDA) the step
     whose projections each quantise their own input. On an FP8 GPU the path is chosen at load; on CPU it
     is switched on (CPU torch has ``_scaled_mm`` too)."""
     from swiftune.models.lora_linear import is_fused_lora
@@ -543,10 +543,11 @@ def test_fp8_scaled_mm_training_step_within_measured_error(checkpoints, device, 
         quantised.clear()
         own_loss, own_grads = _swiftune_step(model.train(), _examples(), "padding_free")
         assert len(quantised) == 7 * n_layers + (len(layers) - 3)
-    assert torch.equal(loss, own_loss) and own_grads.keys() == grads.keys()
+    assert own_grads.keys() == grads.keys()
     if device == "cpu":
-        assert all(torch.equal(grads[name], own_grads[name]) for name in grads)
+        assert torch.equal(loss, own_loss) and all(torch.equal(grads[name], own_grads[name]) for name in grads)
     else:  # the flash attention backward's atomic adds make two CUDA backwards differ in the last bits
+        assert rel_err(loss, own_loss) < 1e-6
         assert_gradients_match(own_grads, grads, list(grads), 1e-2)
     # measured on CPU: loss 8e-5; LoRA gradients 6.5e-2 (median tensor) to 1.2e-1 (worst), where the
     # dequantising path in bf16 gives 1.5e-2 to 3e-2: e4m3 activations and gradients (3 mantissa
