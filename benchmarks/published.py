@@ -18,6 +18,7 @@ WITH_UNSLOTH = {**BASE, "unsloth": "2026.10.9"}
 
 SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
 UNSLOTH_SFT = "python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16"
+GRAPHED_B16 = "python -m benchmarks.sft --model qwen3-8b --batch 16"
 GPTOSS_ENGINE = ("python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--time-budget 180 --out rollout_gptoss_kernel.json")
 GRPO_24GB = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
@@ -88,6 +89,16 @@ FIGURES: list[dict] = [
     dict(figure="sft_graphs_shared_buffers_qwen3-8b",
          file="2026-12-02/unsloth_sft_shared_buffers_call_qwen3-8b_b16_h200.json", date="2026-12-02",
          versions=WITH_UNSLOTH, command=f"{UNSLOTH_SFT} --steps 12 --out unsloth_sft.json"),
+    # one device call (scripts/gpu_suite.sh sft-deferred): the graphed batch-16 step with the NaN/inf guards' host
+    # waits and with the check deferred, each profiled once and timed over 70 steps, every run its own process
+    *[dict(figure="sft_deferred_check_qwen3-8b", file=f"2026-12-05/{out}_qwen3-8b_b16_h200.json",
+           date="2026-12-05", versions=BASE,
+           command=f"{GRAPHED_B16} --steps {steps} --warmup 30{flags} --modes swiftune_graphs --out {out}.json")
+      for out, steps, flags in (("sft_graphs_sync_profile", 34, " --time-profile"),
+                                ("sft_graphs_deferred_profile", 34,
+                                 " --time-profile --deferred-nonfinite-check"),
+                                ("sft_graphs_sync", 70, ""),
+                                ("sft_graphs_deferred", 70, " --deferred-nonfinite-check"))],
     # one device call: the 16K-token row on a 20.7 GB GPU (Unsloth's packed peak) beside the unconstrained row
     # and Unsloth's rows (the automatic-budget mode ran out of memory: its row is in the raw file, not here)
     dict(figure="sft_16k_fit_qwen3-8b", file="2026-12-02/sft_16k_fit_qwen3-8b_h200.json", date="2026-12-02",
@@ -351,6 +362,13 @@ FIGURES: list[dict] = [
     dict(figure="fp8_sft_qwen3-8b", file="2026-12-03/fp8_sft_qwen3-8b_fp8_h200.json", date="2026-12-03",
          versions=BASE, settings={"weights": "fp8"},
          command=f"{SFT} --model qwen3-8b --batch 16 --load-in-fp8 --modes swiftune swiftune_budget --out fp8_sft.json"),
+    # one device call: the 16K-token row again after the FP8 projections began sharing their input's quantisation
+    dict(figure="fp8_sft_16k_shared_qwen3-8b", file="2026-12-05/fp8_sft_16k_qwen3-8b_bf16_h200.json",
+         date="2026-12-05", versions=BASE, settings={"weights": "bf16"},
+         command=f"{SFT} --model qwen3-8b --batch 16 --modes swiftune_budget --out fp8_sft_16k_bf16.json"),
+    dict(figure="fp8_sft_16k_shared_qwen3-8b", file="2026-12-05/fp8_sft_16k_qwen3-8b_fp8_h200.json",
+         date="2026-12-05", versions=BASE, settings={"weights": "fp8"},
+         command=f"{SFT} --model qwen3-8b --batch 16 --load-in-fp8 --modes swiftune_budget --out fp8_sft_16k.json"),
     dict(figure="loss_curve_fp8", file="2026-12-03/loss_curve_fp8_qwen3-0.6b_h200.json", date="2026-12-03",
          versions=BASE, command="python -m benchmarks.loss_curve --compare fp8 --out loss_curve_fp8.json"),
     # session 24, one device call: FP8 eager and graphed, then bf16 graphed, Qwen3-8B batch 16, 40 timed steps

@@ -142,6 +142,30 @@ def sft_fp8(fig: Figure) -> str:
     return table(["mode", "batch", "base weights", "tok/s", "x bf16", "peak GB", "s / step"], out, {1, 3, 4, 5, 6})
 
 
+def sft_busy(fig: Figure) -> str:
+    """The graphed step with the NaN/inf guards' per-step host waits and with them deferred, same call: from the
+    long unprofiled run of each, tok/s of the steps that captured no graph and of every timed step; from a short
+    run of each, one profiled step's device time, its busy share of that step's wall time, and the device's idle
+    time inside its span (all of it, and the part that opened as the host returned from a wait)."""
+    timed, profiled = {}, {}
+    for _, _, s, m in fig.groups():
+        (profiled if "device_ms" in m else timed)[bool(s.get("deferred_nonfinite_check"))] = m
+    out = []
+    for deferred in (False, True):
+        t, p = timed.get(deferred, {}), profiled.get(deferred, {})
+        if not t and not p:
+            continue
+        wall = val(p, "profiled_step_wall_ms")
+        busy = f"{val(p, 'device_ms') / wall:.0%}" if wall else ""
+        out.append(["deferred (on the device)" if deferred else "every step (host waits)",
+                    fmt(val(t, "steady_tokens_per_s"), thousands=True), fmt(val(t, "tokens_per_s"), thousands=True),
+                    fmt(val(p, "device_ms"), 1), fmt(wall, 1), busy, fmt(val(p, "device_idle_ms"), 1),
+                    fmt(val(p, "device_idle_after_sync_ms"), 1)])
+    return table(["NaN/inf guards", "tok/s, steps without a capture", "tok/s, timed steps", "profiled step: device ms",
+                  "its wall ms", "device busy", "idle in its span, ms", "of which after a host wait"], out,
+                 set(range(1, 8)))
+
+
 def sft_graphs(fig: Figure) -> str:
     """Graphed layers against swiftune's eager step, same call: tok/s over every timed step, and over the
     timed steps that captured no graph (a long run's steps once its token buckets are captured). Where the
@@ -495,7 +519,8 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
-          "fp8_sft_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
+          "fp8_sft_qwen3-8b": sft_fp8, "fp8_sft_16k_shared_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
+          "sft_deferred_check_qwen3-8b": sft_busy,
           "fp8_graphs_qwen3-8b": sft_fp8_graphs, "reward_curve_fp8": reward_curve,
           "grpo_fp8_24gb_qwen3-8b": lambda fig: grpo_budget_largest(fig, "weights", "base weights")}
 

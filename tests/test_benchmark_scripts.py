@@ -368,6 +368,12 @@ def test_docs_tables_are_generated_from_the_committed_rows():
     assert report.rewrite(page, tables) == page, "run python -m benchmarks.report"
     assert {m.group("name") for m in report.BLOCK.finditer(page)} == set(tables)
     assert "| **swiftune** | 16 | 7,672 | 3.20 | 2.43 | 3.03 | 19.4 |" in tables["sft_qwen3-8b_b16"]
+    # the busy share is the profiled step's device time over its own wall time (the profile and the timed run of
+    # each mode are separate processes: their rows must not mix)
+    assert "| every step (host waits) | 9,753 | 7,694 | 235.7 | 315.8 | 75% | 23.8 | 4.8 |" in \
+        tables["sft_deferred_check_qwen3-8b"]
+    assert "| deferred (on the device) | 9,874 | 7,398 | 237.2 | 283.4 | 84% | 5.2 | 1.1 |" in \
+        tables["sft_deferred_check_qwen3-8b"]
     # a changed row changes the page
     rows = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
     rows[0].value *= 2
