@@ -217,6 +217,7 @@ class GRPOTrainer(SwiftuneTrainer):
         self._engine_step = 0  # global_step the engine's weights correspond to
         self._buffer: list[GRPOMicroBatch] | None = None
         self._micro_step = 0
+        self._said_prompt_cut = False  # a prompt longer than max_prompt_length is said once a run
         # TRL's metric names (grpo_metrics): the loss's per mode, a training generation's apart
         self._metrics = {"train": MetricLog(), "eval": MetricLog()}
         self._gen_log = MetricLog()
@@ -307,8 +308,8 @@ class GRPOTrainer(SwiftuneTrainer):
             raise ValueError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}")
         ids = list(tok(text, add_special_tokens=False)["input_ids"])
         if self.args.max_prompt_length is not None and len(ids) > self.args.max_prompt_length:
-            if not self.__dict__.get("_said_prompt_cut"):  # once a run: the cut changes what the policy sees
-                self.__dict__["_said_prompt_cut"] = True
+            if not self._said_prompt_cut:  # once a run: the cut changes what the policy sees
+                self._said_prompt_cut = True
                 logger.warning("swiftune: a prompt of %d tokens is longer than max_prompt_length=%d and is cut to its "
                                "last %d tokens (as TRL does; said once, for every prompt cut): raise "
                                "max_prompt_length, or set it to None to keep prompts whole", len(ids),
