@@ -70,9 +70,10 @@ def checked_pairs(path: str, have, pairs: list[tuple[str, str]], taken) -> list[
 
 
 def merged_device(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> str:
-    """The runs' device, or all of them joined by " / " when they differ."""
-    devices = {data.get("device") for _, data, _ in runs}
-    return devices.pop() if len(devices) == 1 else " / ".join(sorted(str(d) for d in devices))
+    """The runs' device, or all of them joined by " / " when they differ (runs that name none are left out:
+    ``benchmarks/unsloth_grpo.py``'s JSON does not); None when no run names one."""
+    devices = {data["device"] for _, data, _ in runs if data.get("device")}
+    return devices.pop() if len(devices) == 1 else " / ".join(sorted(devices)) or None
 
 
 def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:

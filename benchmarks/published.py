@@ -23,6 +23,15 @@ GPTOSS_ENGINE = ("python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 -
                  "--time-budget 180 --out rollout_gptoss_kernel.json")
 GRPO_24GB = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
              "--model qwen3-8b --bisect-modes swiftune --share-prompt --gpu-budget-gb 24")
+QLORA_GRPO_AT = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
+                 "--model qwen3-8b --bisect-modes swiftune --share-prompt --load-in-4bit --gpu-budget-gb 80 "
+                 "--completion-lengths")
+UNSLOTH_QLORA_GRPO = ("python -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit --gpu-budget-gb 80 "
+                      "--model-dir /tmp/ck8b")
+QLORA_GRPO_80GB = "2026-12-05/qlora_grpo_80gb_side_by_side_qwen3-8b_h200.json"
+QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.json qlora_grpo_at.json:swiftune "
+                    "qlora_grpo_at_354816.json:swiftune=+swiftune unsloth_scan.json:unsloth "
+                    "unsloth_at_94208.json:unsloth=+unsloth unsloth_at_81920.json:unsloth=+unsloth")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -402,4 +411,20 @@ FIGURES: list[dict] = [
                  "grpo_edge_24gb_fp8.json:swiftune grpo_edge_24gb_fp8_up.json:swiftune=+swiftune"),
     dict(figure="attention_backends", file="2026-12-01/attention_backends_h200.json", date="2026-12-01", versions=BASE,
          command="python -m benchmarks.attention_backends --out attention.json"),
+    # QLoRA GRPO's largest completion per row on an 80 GB budget (80e9 bytes for both tools), swiftune and Unsloth
+    # --4bit: swiftune's fit and its first failure in two calls, Unsloth's scan and two sets of fixed trials in
+    # three more (its scan ran out of time above 65,536); trials joined into one JSON
+    dict(figure="qlora_grpo_80gb_qwen3-8b", file=QLORA_GRPO_80GB, date="2026-12-05", versions=BASE,
+         keep=_modes("swiftune"),
+         command=f"{QLORA_GRPO_AT} 337920 --fixed-only --time-budget 1450 --out qlora_grpo_at.json && "
+                 f"{QLORA_GRPO_AT} 354816 --fixed-only --time-budget 1450 --out qlora_grpo_at_354816.json && "
+                 f"{QLORA_GRPO_MERGE}"),
+    dict(figure="qlora_grpo_80gb_qwen3-8b", file=QLORA_GRPO_80GB, date="2026-12-05", versions=WITH_UNSLOTH,
+         keep=_modes("unsloth"),
+         command=f"{UNSLOTH_QLORA_GRPO} --scan --scan-start 65536 --repeats 2 --time-budget 420 "
+                 "--out unsloth_scan.json && "
+                 f"{UNSLOTH_QLORA_GRPO} --completion-lengths 94208 98304 --repeats 1 --time-budget 540 "
+                 "--out unsloth_at_94208.json && "
+                 f"{UNSLOTH_QLORA_GRPO} --completion-lengths 81920 86016 90112 --repeats 1 --time-budget 540 "
+                 f"--out unsloth_at_81920.json && {QLORA_GRPO_MERGE}"),
 ]

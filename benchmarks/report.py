@@ -356,6 +356,26 @@ def grpo_largest(fig: Figure) -> str:
                  {1, 2, 3})
 
 
+def grpo_largest_beside(fig: Figure) -> str:
+    """The largest completion per row of each tool on one budget, the bracket to its first failure, the step at
+    the fit, and each fit as a multiple of the baseline's (the row that is not swiftune's)."""
+    best = _largest(fig, "max_fit_completion", "first_fail_completion")
+    steps = {(mode, s["completion"]): (s.get("tokens"), m) for mode, _, s, m in fig.groups() if "step_s" in m}
+    base = next((n for (_, mode), (_, n, _, _) in best.items() if not mode.startswith("swiftune")), None)
+    out = []
+    for (model, mode), (s, n, first, fit_rows) in sorted(best.items(), key=lambda kv: kv[1][1]):
+        tokens, m = steps.get((mode, n), (None, {}))
+        rows = "one prompt shared by the rows" if s.get("share_prompt") else "each row after its own prompt"
+        out.append([MODELS.get(model, model), marked(fit_rows, LABELS.get(mode, mode)), rows, f"{n:,}",
+                    f"{first:,}" if first else "", f"{100 * (first / n - 1):.1f}%" if first else "",
+                    f"{tokens:,}" if tokens else "", fmt(val(m, "step_s")), fmt(val(m, "peak_gb"), 1),
+                    fmt(val(m, "host_rss_gb"), 1) if val(m, "host_rss_gb") else "",
+                    fmt(n / base) if base else ""])
+    return table(["shape", "tool", "rows", "largest completion / row that fitted", "first that failed", "bracket",
+                  "tokens / step", "s / step there", "peak GPU GB", "host RSS GB", "x Unsloth"], out,
+                 set(range(3, 11)))
+
+
 def grpo_step(fig: Figure) -> str:
     phases, total = [], None
     for mode, model, s, m in fig.groups():
@@ -520,7 +540,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
           "fp8_sft_qwen3-8b": sft_fp8, "fp8_sft_16k_shared_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
-          "sft_deferred_check_qwen3-8b": sft_busy,
+          "sft_deferred_check_qwen3-8b": sft_busy, "qlora_grpo_80gb_qwen3-8b": grpo_largest_beside,
           "fp8_graphs_qwen3-8b": sft_fp8_graphs, "reward_curve_fp8": reward_curve,
           "grpo_fp8_24gb_qwen3-8b": lambda fig: grpo_budget_largest(fig, "weights", "base weights")}
 

@@ -69,6 +69,7 @@
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% (carry .shared; ~9 min)
+#   scripts/gpu_suite.sh qlora-grpo-unsloth-at C... # Unsloth --4bit GRPO trials at fixed completions, 80 GB budget (carry .shared)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -393,6 +394,11 @@ case "$part" in
     run unsloth_qlora_grpo 560 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
       --gpu-budget-gb 80 --scan --scan-start 65536 --repeats 2 --time-budget 420 --model-dir /tmp/ck8b \
       --out "$OUT/unsloth_qlora_grpo_80gb.json" ;;
+  qlora-grpo-unsloth-at)  # Unsloth --4bit's GRPO trials at fixed completion lengths (as qlora-grpo-unsloth, one call
+    # each, no scan): the 5% bracket around its largest fit when the scan's time runs out. Usage: qlora-grpo-unsloth-at C...
+    run unsloth_qlora_grpo_at 580 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
+      --gpu-budget-gb 80 --completion-lengths "${@:2}" --repeats 1 --time-budget 540 --model-dir /tmp/ck8b \
+      --out "$OUT/unsloth_qlora_grpo_at_80gb.json" ;;
   qlora-sft-offload)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak (8.3 GB): swiftune with and without the layer
     # inputs on the host, then Unsloth --4bit in its own process, one call (carry .shared and .whl; ~9 min)
     run qlora_sft_offload 300 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \

@@ -416,6 +416,15 @@ def test_merge_bisect_renames_keeps_provenance_and_refuses_other_shapes(tmp_path
     assert merge_bisect.parse_spec("dir:with/colon.json:a,b=c") == ("dir:with/colon.json", [("a", "a"), ("b", "c")])
 
 
+def test_merge_bisect_device_leaves_out_runs_that_name_none():
+    """Unsloth's GRPO JSON names no device: the merged figure's device is the other runs', not "H200 / None"."""
+    merge_bisect = load_bench_module("merge_bisect")
+    runs = [("a", {"device": "NVIDIA H200"}, []), ("b", {}, []), ("c", {"device": None}, [])]
+    assert merge_bisect.merged_device(runs) == "NVIDIA H200"
+    assert merge_bisect.merged_device(runs + [("d", {"device": "NVIDIA H100"}, [])]) == "NVIDIA H100 / NVIDIA H200"
+    assert merge_bisect.merged_device([("b", {}, [])]) is None
+
+
 def test_merge_bisect_joins_one_modes_trials_from_two_runs(tmp_path, grpo_bisect_json):
     """``MODE=+NAME``: the fit of one run and the first failure of another make one bracket."""
     merge_bisect = load_bench_module("merge_bisect")
