@@ -146,7 +146,10 @@ def sft_busy(fig: Figure) -> str:
     """The graphed step with the NaN/inf guards' per-step host waits and with them deferred, same call: from the
     long unprofiled run of each, tok/s of the steps that captured no graph and of every timed step; from a short
     run of each, one profiled step's device time, its busy share of that step's wall time, and the device's idle
-    time inside its span (all of it, and the part that opened as the host returned from a wait)."""
+    time inside its span (all of it, and the part that opened as the host returned from a wait). Where the
+    profiled step's token slots were recorded and the batch has no padding: the device's busy share of the
+    unprofiled steps, the profiled step's device ms per token times their tokens per second (the profiler's
+    own host cost left out)."""
     timed, profiled = {}, {}
     for _, _, s, m in fig.groups():
         (profiled if "device_ms" in m else timed)[bool(s.get("deferred_nonfinite_check"))] = m
@@ -157,13 +160,16 @@ def sft_busy(fig: Figure) -> str:
             continue
         wall = val(p, "profiled_step_wall_ms")
         busy = f"{val(p, 'device_ms') / wall:.0%}" if wall else ""
+        slots, steady = val(p, "profiled_step_token_slots"), val(t, "steady_tokens_per_s")
+        steady_busy = (f"{val(p, 'device_ms') / 1e3 / slots * steady:.0%}"
+                       if slots and steady and val(t, "padding_fraction") == 0 else "")
         out.append(["deferred (on the device)" if deferred else "every step (host waits)",
-                    fmt(val(t, "steady_tokens_per_s"), thousands=True), fmt(val(t, "tokens_per_s"), thousands=True),
-                    fmt(val(p, "device_ms"), 1), fmt(wall, 1), busy, fmt(val(p, "device_idle_ms"), 1),
+                    fmt(steady, thousands=True), fmt(val(t, "tokens_per_s"), thousands=True),
+                    fmt(val(p, "device_ms"), 1), fmt(wall, 1), busy, steady_busy, fmt(val(p, "device_idle_ms"), 1),
                     fmt(val(p, "device_idle_after_sync_ms"), 1)])
     return table(["NaN/inf guards", "tok/s, steps without a capture", "tok/s, timed steps", "profiled step: device ms",
-                  "its wall ms", "device busy", "idle in its span, ms", "of which after a host wait"], out,
-                 set(range(1, 8)))
+                  "its wall ms", "device busy", "device busy, steps without a capture", "idle in its span, ms",
+                  "of which after a host wait"], out, set(range(1, 9)))
 
 
 def sft_graphs(fig: Figure) -> str:

@@ -51,6 +51,7 @@ that runs out of memory is reported as such and the next one still runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -215,9 +216,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
 
         trainer.add_callback(step_context_callback(warmup, lambda: peak_profile(record)))
     elif time_profile and device == "cuda":  # (one profiler at a time)
-        from benchmarks.time_profile import timed_device_profile
-
-        trainer.add_callback(step_context_callback(warmup, lambda: timed_device_profile(record)))
+        trainer.add_callback(step_context_callback(warmup, lambda: _profiled_step(record, trainer.model)))
     elif host_profile:
         from benchmarks.time_profile import host_time_profile
 
@@ -243,6 +242,28 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 **({"host_profile": record["host_profile"]} if "host_profile" in record else {}),
                 **({"graphs": _graph_stats(trainer.model), **_steady_state(record)} if mode.endswith("_graphs") else {}),
                 **({"offload": _offload_counts(trainer.model)} if mode.startswith("swiftune") and gc_mode == "offload" else {}))
+
+
+@contextlib.contextmanager
+def _profiled_step(record: dict, model):
+    """:func:`benchmarks.time_profile.timed_device_profile` of one step, plus the token slots the step embedded
+    (``step_token_slots``: the input ids' elements, padding included; counted from shapes, so no device sync).
+    Device milliseconds per token of this step, times the tokens per second of the unprofiled steps, is the
+    device's busy share of those steps, free of the profiler's own host cost."""
+    from benchmarks.time_profile import timed_device_profile
+
+    slots = [0]
+
+    def count(_module, args):
+        slots[0] += args[0].numel()
+
+    handle = model.get_input_embeddings().register_forward_pre_hook(count)
+    try:
+        with timed_device_profile(record):
+            yield
+    finally:
+        handle.remove()
+    record["profile"]["step_token_slots"] = slots[0]
 
 
 def _offload_counts(model) -> dict:

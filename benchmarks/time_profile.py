@@ -124,11 +124,13 @@ def idle_gaps(trace: dict | list, min_us: float = 20.0, top: int = 15) -> dict:
 
 
 @contextlib.contextmanager
-def device_time_profile(result: dict, gaps: bool = False, ended: list | None = None) -> Iterator[None]:
+def device_time_profile(result: dict, gaps: bool = False, started: list | None = None,
+                        ended: list | None = None) -> Iterator[None]:
     """Profile the device work of the ``with`` body; on exit ``result["profile"]`` holds :func:`summarise`'s
     dict. Only kernels and copies are kept (events with device time and no child events). With ``gaps``,
-    also :func:`idle_gaps` of the body's trace as ``result["profile"]["idle"]``. ``ended`` gets the
-    ``time.perf_counter()`` at which the body's device work had ended (before the trace is read)."""
+    also :func:`idle_gaps` of the body's trace as ``result["profile"]["idle"]``. ``started`` gets the
+    ``time.perf_counter()`` at which the profiler was running and the device idle, just before the body;
+    ``ended``, the one at which the body's device work had ended (before the trace is read)."""
     import json
     import os
     import tempfile
@@ -138,6 +140,9 @@ def device_time_profile(result: dict, gaps: bool = False, ended: list | None = N
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        if started is not None:
+            torch.cuda.synchronize()
+            started.append(time.perf_counter())
         yield
         torch.cuda.synchronize()
         if ended is not None:
@@ -167,10 +172,14 @@ def timed_device_profile(result: dict) -> Iterator[None]:
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    started: list[float] = []
     ended: list[float] = []
-    with device_time_profile(result, gaps=True, ended=ended):  # synchronizes, then summarises
+    with device_time_profile(result, gaps=True, started=started, ended=ended):  # synchronizes, then summarises
         yield
-    result["profile"]["step_wall_ms"] = (ended[0] - t0) * 1e3
+    # the step's wall time runs from the profiler's start, not from before it: starting the profiler is not the
+    # step's host work (its cost is kept apart, as profiler_start_ms)
+    result["profile"]["step_wall_ms"] = (ended[0] - started[0]) * 1e3
+    result["profile"]["profiler_start_ms"] = (started[0] - t0) * 1e3
 
 
 # ----------------------------------------------------------------------------------- the host

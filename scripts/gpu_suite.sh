@@ -70,6 +70,7 @@
 #   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth-at C... # Unsloth --4bit GRPO trials at fixed completions, 80 GB budget (carry .shared)
+#   scripts/gpu_suite.sh sft-deferred-busy # the graphed batch-16 step with the deferred check: profiled (with token slots), then timed (~7 min)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -303,6 +304,12 @@ case "$part" in
       --modes swiftune_graphs --out "$OUT/sft_graphs_sync.json"
     run sft_deferred 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
       --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json" ;;
+  sft-deferred-busy)  # sft-deferred's deferred half only (~7 min): the profiled step now records its token slots,
+    # so the busy share of the unprofiled steps (device ms per token x their steady tok/s) comes with it
+    run sft_deferred_profile 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 34 --warmup 30 \
+      --time-profile --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred_profile.json"
+    run sft_deferred 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
+      --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json" ;;
   fp8-g64)  # the FP8 decode step at G=64 only (shared activation quantisation for q/k/v and gate/up) against bf16
     run fp8_g64_bf16 100 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 --no-baselines \
       --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_g64_bf16.json"
@@ -390,7 +397,8 @@ case "$part" in
     run unsloth_qlora_packed 300 python3 -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16 --4bit \
       --modes unsloth_packed --out "$OUT/unsloth_qlora_packed.json" ;;
   qlora-grpo-unsloth)  # issue 24's "Unsloth's own largest on the same budget": Unsloth --4bit, G=2, prompt 256, on an
-    # 80 GB budget, doubling from 65,536 then bisected to 5% (carry .shared; ~8-9 min)
+    # 80 GB budget, doubling from 65,536 then bisected to 5% (carry .shared; ~8-9 min). Its 420 s run out after
+    # the 65,536 trial (131,072 would take ~730 s): the bracket [86,016, 90,112) came from qlora-grpo-unsloth-at
     run unsloth_qlora_grpo 560 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
       --gpu-budget-gb 80 --scan --scan-start 65536 --repeats 2 --time-budget 420 --model-dir /tmp/ck8b \
       --out "$OUT/unsloth_qlora_grpo_80gb.json" ;;

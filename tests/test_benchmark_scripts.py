@@ -356,6 +356,53 @@ def test_published_rows_are_the_committed_raw_results():
     assert [(r.value, r.date) for r in new] == [(893952, "2026-12-01")]
 
 
+def test_busy_share_of_the_unprofiled_steps_is_device_time_per_token_times_their_throughput():
+    """``report.sft_busy``: with the profiled step's token slots, its device ms per token times the unprofiled
+    run's steady tok/s (240 ms for 3,000 tokens at 10,000 tok/s: the device busy 80% of those steps); left blank
+    for a padded batch (slots are not tokens there) and for rows without slots."""
+    from benchmarks import report
+
+    def fig(padding: float, slots: bool):
+        def r(metric, value, unit, **settings):
+            return _row(mode="swiftune_graphs", metric=metric, value=value, unit=unit,
+                        settings={"batch": 16, "figure": "f", **settings})
+        rows = [r("steady_tokens_per_s", 10_000.0, "tok/s"), r("tokens_per_s", 8_000.0, "tok/s"),
+                r("padding_fraction", padding, "fraction"),
+                r("device_ms", 240.0, "ms", profiled=True), r("profiled_step_wall_ms", 300.0, "ms", profiled=True)]
+        if slots:
+            rows.append(r("profiled_step_token_slots", 3_000, "tokens", profiled=True))
+        return report.Figure(rows)
+
+    assert "| every step (host waits) | 10,000 | 8,000 | 240.0 | 300.0 | 80% | 80% |" in report.sft_busy(fig(0.0, True))
+    assert "| 240.0 | 300.0 | 80% |  |" in report.sft_busy(fig(0.0, False))
+    assert "| 240.0 | 300.0 | 80% |  |" in report.sft_busy(fig(0.1, True))
+
+
+def test_profiled_sft_step_counts_the_token_slots_it_embeds(monkeypatch):
+    """``benchmarks.sft._profiled_step`` counts the input ids the embedding sees inside the profiled step (from
+    shapes: no device sync), and only there: its hook is gone afterwards."""
+    import contextlib
+
+    tp = load_bench_module("time_profile")
+    sft = load_bench_module("sft")
+
+    @contextlib.contextmanager
+    def fake_profile(record):  # the CUDA profiler's place: the record it leaves
+        yield
+        record["profile"] = {"device_ms": 1.0}
+
+    monkeypatch.setattr(tp, "timed_device_profile", fake_profile)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4))
+    model.get_input_embeddings = lambda: model[0]
+    record: dict = {}
+    with sft._profiled_step(record, model):
+        model(torch.zeros(1, 7, dtype=torch.long))
+        model(torch.zeros(2, 3, dtype=torch.long))
+    model(torch.zeros(1, 5, dtype=torch.long))  # after the step: not counted
+    assert record["profile"] == {"device_ms": 1.0, "step_token_slots": 13}
+    assert not model[0]._forward_pre_hooks
+
+
 def test_docs_tables_are_generated_from_the_committed_rows():
     """docs/benchmarks.md's tables are what benchmarks.report renders from the committed rows."""
     from benchmarks import report
@@ -370,9 +417,9 @@ def test_docs_tables_are_generated_from_the_committed_rows():
     assert "| **swiftune** | 16 | 7,672 | 3.20 | 2.43 | 3.03 | 19.4 |" in tables["sft_qwen3-8b_b16"]
     # the busy share is the profiled step's device time over its own wall time (the profile and the timed run of
     # each mode are separate processes: their rows must not mix)
-    assert "| every step (host waits) | 9,753 | 7,694 | 235.7 | 315.8 | 75% | 23.8 | 4.8 |" in \
+    assert "| every step (host waits) | 9,753 | 7,694 | 235.7 | 315.8 | 75% |  | 23.8 | 4.8 |" in \
         tables["sft_deferred_check_qwen3-8b"]
-    assert "| deferred (on the device) | 9,874 | 7,398 | 237.2 | 283.4 | 84% | 5.2 | 1.1 |" in \
+    assert "| deferred (on the device) | 9,874 | 7,398 | 237.2 | 283.4 | 84% |  | 5.2 | 1.1 |" in \
         tables["sft_deferred_check_qwen3-8b"]
     # a changed row changes the page
     rows = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
