@@ -161,10 +161,15 @@ def run_unsloth(args) -> list[dict]:
 def report(args, argv: list[str] | None, records: list[dict], wall_s: float) -> int:
     """Print the trials, write the JSON and its rows; 0 when at least one trial was measured."""
     mode = unsloth_mode(records, args.generations, args.prompt_tokens, args.scan)
-    version = next((r.get("versions", {}).get("unsloth") for r in records if r.get("versions")), None)
+    # the anchor's environment (its child's libraries and GPU), as benchmarks.grpo's JSON names its own
+    env = next((r for r in records if r.get("versions")), {})
+    versions = env.get("versions", {})
+    version = versions.get("unsloth")
     data = {"benchmark": "grpo_bisect", "model": args.model, "prompt_tokens": args.prompt_tokens,
             "rows": args.generations, "tolerance": args.tolerance, "share_prompt": False,
             "load_in_4bit": args.load_in_4bit, "gpu_budget_gb": args.gpu_budget_gb, "unsloth": version,
+            **{k: versions[k] for k in ("torch", "transformers", "peft", "trl") if versions.get(k)},
+            **({"device": env["gpu"]} if env.get("gpu") else {}),
             "modes": {"unsloth": mode}, "wall_s": wall_s}
     print(f"\n# Unsloth GRPO policy step, {args.model}, G={args.generations}, prompt {args.prompt_tokens}"
           + (", QLoRA" if args.load_in_4bit else "") + (f", {args.gpu_budget_gb} GB" if args.gpu_budget_gb else ""))

@@ -565,7 +565,8 @@ def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path):
 
     shared = tmp_path / "shared"
     stand_in_unsloth_anchor(shared, """
-def out(r): print('RESULT ' + json.dumps(dict(r, versions=dict(unsloth='2026.10.9'))))
+def out(r): print('RESULT ' + json.dumps(dict(r, versions=dict(unsloth='2026.10.9', torch='2.11.0', trl='1.15.0'),
+                                             gpu='NVIDIA H200')))
 assert args[args.index('--num-generations') + 1] == '2' and '--4bit' in args
 def probe(c, scan=False):
     if c > 3100:
@@ -587,6 +588,10 @@ if '--scan' in args:
     data = json.load(open(out))
     mode = data["modes"]["unsloth"]
     assert (mode["max_fit"], mode["first_fail"], mode["status"]) == (3072, 3200, "converged")
+    # the child's GPU and libraries, under the keys benchmarks.grpo's JSON uses (benchmarks.merge_bisect keeps them)
+    assert (data["device"], data["torch"], data["trl"], data["unsloth"]) == ("NVIDIA H200", "2.11.0", "1.15.0",
+                                                                            "2026.10.9")
+    assert "transformers" not in data  # what the anchor did not name is not made up
     first = mode["trials"][0]
     assert first["completion"] == 2000 and first["tokens"] == 2 * (256 + 2000)
     assert first["s"] == 2.0 and first["first_s"] == 4.0 and abs(first["peak_gb"] - 20 * 2**30 / 1e9) < 1e-9
