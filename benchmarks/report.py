@@ -147,9 +147,9 @@ def sft_busy(fig: Figure) -> str:
     long unprofiled run of each, tok/s of the steps that captured no graph and of every timed step; from a short
     run of each, one profiled step's device time, its busy share of that step's wall time, and the device's idle
     time inside its span (all of it, and the part that opened as the host returned from a wait). Where the
-    profiled step's token slots were recorded and the batch has no padding: the device's busy share of the
-    unprofiled steps, the profiled step's device ms per token times their tokens per second (the profiler's
-    own host cost left out)."""
+    profiled step's token slots were recorded, the batch has no padding and the step captured no graph: the
+    device's busy share of the unprofiled steps, the profiled step's device ms per token times their tokens
+    per second (the profiler's own host cost left out)."""
     timed, profiled = {}, {}
     for _, _, s, m in fig.groups():
         (profiled if "device_ms" in m else timed)[bool(s.get("deferred_nonfinite_check"))] = m
@@ -162,7 +162,8 @@ def sft_busy(fig: Figure) -> str:
         busy = f"{val(p, 'device_ms') / wall:.0%}" if wall else ""
         slots, steady = val(p, "profiled_step_token_slots"), val(t, "steady_tokens_per_s")
         steady_busy = (f"{val(p, 'device_ms') / 1e3 / slots * steady:.0%}"
-                       if slots and steady and val(t, "padding_fraction") == 0 else "")
+                       if slots and steady and val(t, "padding_fraction") == 0 and not val(p, "profiled_step_captures")
+                       else "")
         out.append(["deferred (on the device)" if deferred else "every step (host waits)",
                     fmt(steady, thousands=True), fmt(val(t, "tokens_per_s"), thousands=True),
                     fmt(val(p, "device_ms"), 1), fmt(wall, 1), busy, steady_busy, fmt(val(p, "device_idle_ms"), 1),

@@ -41,6 +41,7 @@ UNITS: dict[str, str] = {
     "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms", "steady_tokens_per_s": "tok/s",
     "steps_capturing": "steps", "reward_first_fifth": "reward", "reward_last_fifth": "reward",
     "profiled_step_wall_ms": "ms", "profiled_step_token_slots": "tokens",
+    "profiled_step_captures": "steps",
 }
 # the libraries a row may name; torch always, the rest where the tool used them
 VERSION_KEYS = ("torch", "transformers", "triton", "peft", "trl", "liger", "unsloth")
@@ -272,6 +273,8 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
                 one("profiled_step_wall_ms", r["time_profile"]["step_wall_ms"])
             if _num(r["time_profile"].get("step_token_slots")):  # its tokens: device ms per token
                 one("profiled_step_token_slots", r["time_profile"]["step_token_slots"])
+            if _num(r["time_profile"].get("step_captures")):  # graphs captured in it: not a steady step
+                one("profiled_step_captures", r["time_profile"]["step_captures"])
             idle = r["time_profile"].get("idle") or {}
             if _num(idle.get("idle_ms")):  # the profiled step's device gaps, and those a host wait opened
                 one("device_idle_ms", idle["idle_ms"])

@@ -247,7 +247,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
 @contextlib.contextmanager
 def _profiled_step(record: dict, model):
     """:func:`benchmarks.time_profile.timed_device_profile` of one step, plus the token slots the step embedded
-    (``step_token_slots``: the input ids' elements, padding included; counted from shapes, so no device sync).
+    (``step_token_slots``: the input ids' elements, padding included; counted from shapes, so no device sync)
+    and, with graphed layers, the graphs it captured (``step_captures``: such a step is not a steady one).
     Device milliseconds per token of this step, times the tokens per second of the unprofiled steps, is the
     device's busy share of those steps, free of the profiler's own host cost."""
     from benchmarks.time_profile import timed_device_profile
@@ -257,6 +258,8 @@ def _profiled_step(record: dict, model):
     def count(_module, args):
         slots[0] += args[0].numel()
 
+    captures = record.get("captures", lambda: 0)  # graphed layers: a step that captures also runs eagerly
+    before = captures()
     handle = model.get_input_embeddings().register_forward_pre_hook(count)
     try:
         with timed_device_profile(record):
@@ -264,6 +267,7 @@ def _profiled_step(record: dict, model):
     finally:
         handle.remove()
     record["profile"]["step_token_slots"] = slots[0]
+    record["profile"]["step_captures"] = captures() - before
 
 
 def _offload_counts(model) -> dict:

@@ -359,10 +359,11 @@ def test_published_rows_are_the_committed_raw_results():
 def test_busy_share_of_the_unprofiled_steps_is_device_time_per_token_times_their_throughput():
     """``report.sft_busy``: with the profiled step's token slots, its device ms per token times the unprofiled
     run's steady tok/s (240 ms for 3,000 tokens at 10,000 tok/s: the device busy 80% of those steps); left blank
-    for a padded batch (slots are not tokens there) and for rows without slots."""
+    for a padded batch (slots are not tokens there), for rows without slots, and when the profiled step captured
+    graphs (its device time includes the eager run that capture makes)."""
     from benchmarks import report
 
-    def fig(padding: float, slots: bool):
+    def fig(padding: float, slots: bool, captures: int = 0):
         def r(metric, value, unit, **settings):
             return _row(mode="swiftune_graphs", metric=metric, value=value, unit=unit,
                         settings={"batch": 16, "figure": "f", **settings})
@@ -370,12 +371,14 @@ def test_busy_share_of_the_unprofiled_steps_is_device_time_per_token_times_their
                 r("padding_fraction", padding, "fraction"),
                 r("device_ms", 240.0, "ms", profiled=True), r("profiled_step_wall_ms", 300.0, "ms", profiled=True)]
         if slots:
-            rows.append(r("profiled_step_token_slots", 3_000, "tokens", profiled=True))
+            rows += [r("profiled_step_token_slots", 3_000, "tokens", profiled=True),
+                     r("profiled_step_captures", captures, "steps", profiled=True)]
         return report.Figure(rows)
 
     assert "| every step (host waits) | 10,000 | 8,000 | 240.0 | 300.0 | 80% | 80% |" in report.sft_busy(fig(0.0, True))
     assert "| 240.0 | 300.0 | 80% |  |" in report.sft_busy(fig(0.0, False))
     assert "| 240.0 | 300.0 | 80% |  |" in report.sft_busy(fig(0.1, True))
+    assert "| 240.0 | 300.0 | 80% |  |" in report.sft_busy(fig(0.0, True, captures=3))
 
 
 def test_profiled_sft_step_counts_the_token_slots_it_embeds(monkeypatch):
@@ -394,12 +397,14 @@ def test_profiled_sft_step_counts_the_token_slots_it_embeds(monkeypatch):
     monkeypatch.setattr(tp, "timed_device_profile", fake_profile)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4))
     model.get_input_embeddings = lambda: model[0]
-    record: dict = {}
+    captured = [5]
+    record: dict = {"captures": lambda: captured[0]}  # graphed layers' running count of captures
     with sft._profiled_step(record, model):
         model(torch.zeros(1, 7, dtype=torch.long))
         model(torch.zeros(2, 3, dtype=torch.long))
+        captured[0] += 2
     model(torch.zeros(1, 5, dtype=torch.long))  # after the step: not counted
-    assert record["profile"] == {"device_ms": 1.0, "step_token_slots": 13}
+    assert record["profile"] == {"device_ms": 1.0, "step_token_slots": 13, "step_captures": 2}
     assert not model[0]._forward_pre_hooks
 
 
