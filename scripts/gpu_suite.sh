@@ -305,8 +305,9 @@ case "$part" in
     run sft_deferred 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
       --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json" ;;
   sft-deferred-busy)  # sft-deferred's deferred half only (~7 min): the profiled step now records its token slots,
-    # so the busy share of the unprofiled steps (device ms per token x their steady tok/s) comes with it
-    run sft_deferred_profile 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 34 --warmup 30 \
+    # so the busy share of the unprofiled steps (device ms per token x their steady tok/s) comes with it; the 60th
+    # step is profiled, where a new token bucket (a graph capture, which leaves that share blank) is rarer than at the 30th
+    run sft_deferred_profile 220 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 64 --warmup 60 \
       --time-profile --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred_profile.json"
     run sft_deferred 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
       --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json" ;;
