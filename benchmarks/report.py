@@ -368,7 +368,8 @@ def grpo_largest_beside(fig: Figure) -> str:
     the fit, and each fit as a multiple of the baseline's (the row that is not swiftune's)."""
     best = _largest(fig, "max_fit_completion", "first_fail_completion")
     steps = {(mode, s["completion"]): (s.get("tokens"), m) for mode, _, s, m in fig.groups() if "step_s" in m}
-    base = next((n for (_, mode), (_, n, _, _) in best.items() if not mode.startswith("swiftune")), None)
+    base_mode, base = next(((mode, n) for (_, mode), (_, n, _, _) in best.items() if not mode.startswith("swiftune")),
+                           (None, None))
     out = []
     for (model, mode), (s, n, first, fit_rows) in sorted(best.items(), key=lambda kv: kv[1][1]):
         tokens, m = steps.get((mode, n), (None, {}))
@@ -379,7 +380,8 @@ def grpo_largest_beside(fig: Figure) -> str:
                     fmt(val(m, "host_rss_gb"), 1) if val(m, "host_rss_gb") else "",
                     fmt(n / base) if base else ""])
     return table(["shape", "tool", "rows", "largest completion / row that fitted", "first that failed", "bracket",
-                  "tokens / step", "s / step there", "peak GPU GB", "host RSS GB", "x Unsloth"], out,
+                  "tokens / step", "s / step there", "peak GPU GB", "host RSS GB",
+                  f"x {LABELS.get(base_mode, base_mode)}" if base_mode else "x baseline"], out,
                  set(range(3, 11)))
 
 

@@ -426,6 +426,11 @@ def test_docs_tables_are_generated_from_the_committed_rows():
         tables["sft_deferred_check_qwen3-8b"]
     assert "| deferred (on the device) | 9,874 | 7,398 | 237.2 | 283.4 | 84% |  | 5.2 | 1.1 |" in \
         tables["sft_deferred_check_qwen3-8b"]
+    # both tools' QLoRA GRPO brackets on one 80 GB budget, each joined from several runs (benchmarks.merge_bisect)
+    qlora = tables["qlora_grpo_80gb_qwen3-8b"]
+    assert "| Qwen3-8B | Unsloth | each row after its own prompt | 86,016 | 90,112 | 4.8% |" in qlora
+    assert "| Qwen3-8B | **swiftune** | one prompt shared by the rows | 337,920 | 354,816 | 5.0% |" in qlora
+    assert qlora.split("\n")[3].endswith("| 3.93 |") and "x Unsloth |" in qlora.split("\n")[0]
     # a changed row changes the page
     rows = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
     rows[0].value *= 2
