@@ -222,6 +222,9 @@ def cases(scale: float):
 QWEN3_8B_PROJECTIONS = {  # name -> (N, K): out and in features of each decoder linear
     "q/o_proj": (4096, 4096), "k/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096), "down_proj": (4096, 12288),
 }
+# the projections that read one input, their weights stacked along N (per-row scales stack with them): one product
+# instead of three or two. The FP8 table times them too: whether a decode step would gain by stacking them
+QWEN3_8B_STACKED = {"qkv_stacked": (6144, 4096), "gate_up_stacked": (24576, 4096)}
 _FP8_SWEEP = [(bn, sk) for bn in (32, 64, 128) for sk in (1, 2, 4)]  # few: each is a compile
 _FP8_MS = (1, 8, 32, 64)  # decode rows: G = 1 .. 64 completions a step
 # the weight-only kernel is dispatched up to 16 rows (models/fp8_linear.py); its sweep at M = 1 matched M = 8's
@@ -233,7 +236,9 @@ _DOT_SWEEP = [  # fp8_dot_matmul overrides, each a compile (shapes share them); 
     dict(swap_ab=False, block_n=128), dict(block_n=256, num_warps=8), dict(num_warps=8, num_stages=3),
     dict(block_k=256, num_stages=3), dict(num_stages=6), dict(precise_acc=False),
 ]
-_LAYER_PROJECTIONS = {"q/o_proj": 2, "k/v_proj": 2, "gate/up_proj": 2, "down_proj": 1}  # one decoder layer
+# one decoder layer's products: as the model has them, and with q/k/v and gate/up each stacked into one
+_LAYER_PROJECTIONS = {"q/o_proj": 2, "k/v_proj": 2, "gate/up_proj": 2, "down_proj": 1}
+_STACKED_LAYER_PROJECTIONS = {"qkv_stacked": 1, "q/o_proj": 1, "gate_up_stacked": 1, "down_proj": 1}
 
 
 def graph_ms(fn, copies: int, reps: int = 5) -> float:
@@ -264,7 +269,7 @@ def fp8_matmul_rows(copy_bw: float) -> list[dict]:
 
     rows = []
     native = torch.cuda.get_device_capability() >= (8, 9)
-    for name, (n, k) in QWEN3_8B_PROJECTIONS.items():
+    for name, (n, k) in {**QWEN3_8B_PROJECTIONS, **QWEN3_8B_STACKED}.items():
         copies = max(2, -(-(256 * 2**20) // (2 * n * k)))  # the bf16 copies alone exceed L2 several times
         w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         q, s = zip(*(quantize_rowwise(w) for w in w16))
@@ -321,22 +326,29 @@ def fp8_matmul_rows(copy_bw: float) -> list[dict]:
     return rows
 
 
-def layer_summary(rows: list[dict]) -> list[dict]:
+def layer_summary(rows: list[dict], stacked: bool = False) -> list[dict]:
     """Per M: one Qwen3-8B decoder layer's seven projections (q, k, v, o, gate, up, down) in bf16 and
-    with the fastest FP8 path of each (weight-only, dot or _scaled_mm, defaults and swept tiles)."""
+    with the fastest FP8 path of each (weight-only, dot or _scaled_mm, defaults and swept tiles);
+    ``stacked``: the same layer with q/k/v and gate/up each one product (``QWEN3_8B_STACKED``), where
+    the rows have them."""
+    layout = _STACKED_LAYER_PROJECTIONS if stacked else _LAYER_PROJECTIONS
     out = []
     for m in sorted({r["m"] for r in rows}):
         bf16 = fp8 = 0.0
         paths = []
-        for r in (r for r in rows if r["m"] == m):
-            count = _LAYER_PROJECTIONS[r["shape"].split()[0]]
+        mine = [r for r in rows if r["m"] == m and r["shape"].split()[0] in layout]
+        if {r["shape"].split()[0] for r in mine} != set(layout):
+            continue
+        for r in mine:
+            count = layout[r["shape"].split()[0]]
             options = {"weight_only": min(r["ours_ms"], r["best_ms"]), "dot": min(r["dot_ms"], r["dot_best_ms"]),
                        "scaled_mm": r["scaled_mm_ms"]}
             path = min((p for p in options if math.isfinite(options[p])), key=options.get)
             bf16 += count * r["bf16_ms"]
             fp8 += count * options[path]
             paths.append(f"{r['shape'].split()[0]}:{path}")
-        out.append(dict(m=m, bf16_layer_ms=bf16, fp8_layer_ms=fp8, fp8_vs_bf16=bf16 / fp8, paths=" ".join(paths)))
+        out.append(dict(m=m, bf16_layer_ms=bf16, fp8_layer_ms=fp8, fp8_vs_bf16=bf16 / fp8, paths=" ".join(paths),
+                        **({"stacked": True} if stacked else {})))
     return out
 
 
@@ -356,13 +368,14 @@ def print_fp8_matmul(rows: list[dict], summary: list[dict]) -> None:
               f"{r['dot_best_cfg']}")
     print(f"\n{'one decoder layer (7 projections)':<34} {'M':>3} {'bf16 ms':>8} {'fp8 ms':>8} {'x bf16':>7}  fastest FP8 path")
     for r in summary:
-        print(f"{'':<34} {r['m']:>3} {r['bf16_layer_ms']:8.4f} {r['fp8_layer_ms']:8.4f} {r['fp8_vs_bf16']:7.2f}  {r['paths']}")
+        label = "q/k/v and gate/up stacked" if r.get("stacked") else ""
+        print(f"{label:<34} {r['m']:>3} {r['bf16_layer_ms']:8.4f} {r['fp8_layer_ms']:8.4f} {r['fp8_vs_bf16']:7.2f}  {r['paths']}")
 
 
 def fp8_matmul_main(argv, args, copy_bw: float) -> int:
     start = time.perf_counter()
     rows = fp8_matmul_rows(copy_bw)
-    summary = layer_summary(rows)
+    summary = layer_summary(rows) + layer_summary(rows, stacked=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, copy_tb_s=copy_bw / 1e12,
                 seconds=time.perf_counter() - start)
     print(f"\n{meta}")

@@ -315,7 +315,10 @@ case "$part" in
     run fp8_g64_bf16 100 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 --no-baselines \
       --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_g64_bf16.json"
     run fp8_g64 110 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --lora-rows --time-budget 90 --out "$OUT/rollout_g64_fp8.json" ;;
+      --no-baselines --no-checks --lora-rows --time-budget 90 --out "$OUT/rollout_g64_fp8.json"
+    # then the decode matmul table, which now also times q/k/v and gate/up stacked into one product each (~1 min):
+    # whether stacking them would speed the FP8 decode step (its k/v products run at 12-13% of copy bandwidth)
+    run fp8_matmul_kernels 150 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
   sft-full)
     run sft_full 200 python3 -m benchmarks.sft --model qwen3-0.6b --batch 16 --full --steps 10 --warmup 3 \
       --out "$OUT/sft_qwen3-0.6b_full.json" ;;

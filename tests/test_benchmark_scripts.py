@@ -456,3 +456,29 @@ def test_emulated_gpu_budget_passes_the_device_index(monkeypatch):
     assert workload.emulate_gpu_budget(24) == pytest.approx(0.16)
     assert workload.emulate_gpu_budget(400) == 1.0
     assert [d for _, d in calls] == [3, 3] and all(isinstance(d, int) for _, d in calls)
+
+
+def test_fp8_layer_summary_with_q_k_v_and_gate_up_stacked():
+    """``benchmarks.kernels.layer_summary``: a decoder layer's seven products as the model has them (q and o, k and v,
+    gate and up twice each, down once), and with q/k/v and gate/up each one stacked product; each product takes its
+    fastest FP8 path. Written-out sums on hand-made rows; an M without the stacked shapes has no stacked row."""
+    import benchmarks.kernels as kb
+
+    def row(name, m, bf16, weight_only, dot):
+        return dict(shape=f"{name} N1 K1 M{m}", m=m, bf16_ms=bf16, ours_ms=weight_only, best_ms=weight_only,
+                    dot_ms=dot, dot_best_ms=dot, scaled_mm_ms=float("nan"))
+
+    rows = [row("q/o_proj", 64, 1.0, 0.9, 0.8), row("k/v_proj", 64, 0.5, 0.6, 0.45),
+            row("gate/up_proj", 64, 2.0, 1.9, 1.5), row("down_proj", 64, 2.0, 1.8, 1.6),
+            row("qkv_stacked", 64, 1.8, 1.7, 1.0), row("gate_up_stacked", 64, 3.9, 3.5, 2.6),
+            row("q/o_proj", 8, 1.0, 0.5, 0.8), row("k/v_proj", 8, 0.5, 0.3, 0.45),
+            row("gate/up_proj", 8, 2.0, 1.2, 1.5), row("down_proj", 8, 2.0, 1.3, 1.6)]
+    plain = {r["m"]: r for r in kb.layer_summary(rows)}
+    assert plain[64]["bf16_layer_ms"] == pytest.approx(2 * 1.0 + 2 * 0.5 + 2 * 2.0 + 2.0)
+    assert plain[64]["fp8_layer_ms"] == pytest.approx(2 * 0.8 + 2 * 0.45 + 2 * 1.5 + 1.6)
+    assert plain[8]["fp8_layer_ms"] == pytest.approx(2 * 0.5 + 2 * 0.3 + 2 * 1.2 + 1.3)
+    stacked = kb.layer_summary(rows, stacked=True)
+    assert [r["m"] for r in stacked] == [64] and stacked[0]["stacked"]
+    assert stacked[0]["bf16_layer_ms"] == pytest.approx(1.8 + 1.0 + 3.9 + 2.0)
+    assert stacked[0]["fp8_layer_ms"] == pytest.approx(1.0 + 0.8 + 2.6 + 1.6)
+    assert "qkv_stacked:dot" in stacked[0]["paths"] and "k/v_proj" not in stacked[0]["paths"]
