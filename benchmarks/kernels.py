@@ -336,17 +336,16 @@ def layer_summary(rows: list[dict], stacked: bool = False) -> list[dict]:
     for m in sorted({r["m"] for r in rows}):
         bf16 = fp8 = 0.0
         paths = []
-        mine = [r for r in rows if r["m"] == m and r["shape"].split()[0] in layout]
-        if {r["shape"].split()[0] for r in mine} != set(layout):
+        mine = {name: r for r in rows if r["m"] == m and (name := r["shape"].split()[0]) in layout}
+        if set(mine) != set(layout):
             continue
-        for r in mine:
-            count = layout[r["shape"].split()[0]]
+        for name, r in mine.items():
             options = {"weight_only": min(r["ours_ms"], r["best_ms"]), "dot": min(r["dot_ms"], r["dot_best_ms"]),
                        "scaled_mm": r["scaled_mm_ms"]}
             path = min((p for p in options if math.isfinite(options[p])), key=options.get)
-            bf16 += count * r["bf16_ms"]
-            fp8 += count * options[path]
-            paths.append(f"{r['shape'].split()[0]}:{path}")
+            bf16 += layout[name] * r["bf16_ms"]
+            fp8 += layout[name] * options[path]
+            paths.append(f"{name}:{path}")
         out.append(dict(m=m, bf16_layer_ms=bf16, fp8_layer_ms=fp8, fp8_vs_bf16=bf16 / fp8, paths=" ".join(paths),
                         **({"stacked": True} if stacked else {})))
     return out

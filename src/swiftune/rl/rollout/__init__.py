@@ -41,6 +41,7 @@ from .sampling import filter_logits, mark_seen, sample_next, sample_tokens, seed
 if TYPE_CHECKING:
     from transformers import DynamicCache
 
+
 def cache_kwarg(model: nn.Module) -> str:
     """The name of the KV-cache argument of ``model``'s forward (``cache`` in newer transformers)."""
     params = inspect.signature(causal_lm_of(model).forward).parameters
