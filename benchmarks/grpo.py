@@ -489,7 +489,8 @@ def build_bisect_model(mode: str, name: str, device, args):
             from swiftune.training.checkpointing import enable_offloaded_checkpointing
 
             margin = None if args.host_margin_gb is None else int(args.host_margin_gb * 1e9)
-            enable_offloaded_checkpointing(model, budget, host, host_margin_bytes=margin, attention_output_layers=kept)
+            enable_offloaded_checkpointing(model, budget, host, host_margin_bytes=margin, attention_output_layers=kept,
+                                           attention_outputs_on_host=getattr(args, "attention_outputs_on_host", False))
         return model
     import peft
 
@@ -744,6 +745,8 @@ def launch_mode(mode: str, args, budget: float, lo: int | None, hi: int | None, 
         cmd.append("--load-in-fp8")
     if getattr(args, "attention_output_layers", 0):
         cmd += ["--attention-output-layers", str(args.attention_output_layers)]
+    if getattr(args, "attention_outputs_on_host", False):
+        cmd.append("--attention-outputs-on-host")
     if args.fixed_only:
         cmd.append("--fixed-only")
     if args.profile_completion:
@@ -820,7 +823,8 @@ def run_bisect(args) -> dict:
     return dict(benchmark="grpo_bisect", model=args.model, prompt_tokens=args.prompt_tokens, rows=args.bisect_rows,
                 tolerance=args.bisect_tol, share_prompt=args.share_prompt, offload_logits=args.offload_logits,
                 swiftune_checkpointing=args.swiftune_checkpointing, trial_repeats=args.trial_repeats,
-                attention_output_layers=args.attention_output_layers, host_budget_gb=args.host_budget_gb,
+                attention_output_layers=args.attention_output_layers,
+                attention_outputs_on_host=args.attention_outputs_on_host, host_budget_gb=args.host_budget_gb,
                 host_margin_gb=args.host_margin_gb,
                 simulate_capacity=args.simulate_capacity,
                 simulate_kill_above=args.simulate_kill_above, modes=results, wall_s=time.perf_counter() - start,
@@ -862,7 +866,8 @@ def planner_max_completion(args, gpu_bytes: int | None = None, host_bytes: int |
     kw = dict(gradient_checkpointing="offload", tiled_projections=True, host_bytes=host_bytes, autocast=True,
               lora_input_casts=False,
               weight_quantization=weight_quantization_of(args),
-              attention_output_layers=getattr(args, "attention_output_layers", 0))
+              attention_output_layers=getattr(args, "attention_output_layers", 0),
+              attention_outputs_on_host=getattr(args, "attention_outputs_on_host", False))
     shape = shape_of(args.model)
 
     def completion_of(tokens: int) -> int:
@@ -1047,6 +1052,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="swiftune mode, offloaded checkpointing: the last N decoder layers keep their sdpa attention "
                         "outputs on the GPU through the recompute instead of running the kernel again "
                         "(enable_offloaded_checkpointing(attention_output_layers=N)); the planner counts them")
+    p.add_argument("--attention-outputs-on-host", action="store_true",
+                   help="with --attention-output-layers N: keep those outputs in pinned host memory instead of on "
+                        "the GPU (enable_offloaded_checkpointing(attention_outputs_on_host=True))")
     p.add_argument("--load-in-fp8", action="store_true",
                    help="the decoder's linear weights in FP8 (e4m3, per-row scales), every mode "
                         "(LoRA adapters in bf16)")
@@ -1064,6 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.load_in_4bit and args.load_in_fp8:
         parser.error("--load-in-4bit and --load-in-fp8 are two formats of the same base weights: pick one")
+    if args.attention_outputs_on_host and not args.attention_output_layers:
+        parser.error("--attention-outputs-on-host says where kept attention outputs go: add --attention-output-layers N")
     tiny = args.model.startswith("tiny")  # the CPU shapes of workload.py (tiny, tiny-moe, tiny-gpt-oss)
     if args.completion_tokens is None:
         args.completion_tokens = 32 if tiny else 4096

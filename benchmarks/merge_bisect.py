@@ -36,7 +36,7 @@ from benchmarks import results
 SAME = ("benchmark", "model", "prompt_tokens", "rows")
 #: what each mode keeps of the run it came from
 PROVENANCE = ("torch", "transformers", "peft", "trl", "device", "swiftune_checkpointing", "attention_output_layers",
-              "share_prompt",
+              "attention_outputs_on_host", "share_prompt",
               "trial_repeats", "planner")
 
 

@@ -338,7 +338,9 @@ def rows_from_grpo_bisect(data: dict, ctx: Context) -> list[Row]:
             s0.update(share_prompt=src.get("share_prompt", data.get("share_prompt")),
                       checkpointing=src.get("swiftune_checkpointing", data.get("swiftune_checkpointing")),
                       attention_output_layers=src.get("attention_output_layers",
-                                                      data.get("attention_output_layers")) or None)
+                                                      data.get("attention_output_layers")) or None,
+                      attention_outputs_on_host=src.get("attention_outputs_on_host",
+                                                        data.get("attention_outputs_on_host")) or None)
         s0 = {k: v for k, v in s0.items() if v is not None}
         for metric, key in (("max_fit_completion", "max_fit"), ("first_fail_completion", "first_fail")):
             if _num(m.get(key)):

@@ -44,20 +44,24 @@ def qwen3_reference():
     return base, reference, _reference_step(reference, _examples())
 
 
-def _sdpa_model(base, reference, kept: int):
+def _sdpa_model(base, reference, kept: int, on_host: bool = False):
     # the kernels' plain-PyTorch references (the attention is the subject), per-document sdpa, every input offloaded
     model = _swiftune_model(base, reference, True, "offload", kernel_backend="reference")
     from swiftune.models import patch_model
 
     patch_model(model, attention="sdpa", kernel_backend="reference")
-    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, attention_output_layers=kept)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, attention_output_layers=kept,
+                                   attention_outputs_on_host=on_host)
     return model
 
 
-@pytest.mark.parametrize("kept", [0, 2, 3])
-def test_kept_attention_outputs_give_the_unpatched_models_gradients_and_skip_the_kernel(qwen3_reference, kept):
+@pytest.mark.parametrize("kept,on_host", [(0, False), (2, False), (3, False), (2, True), (3, True)])
+def test_kept_attention_outputs_give_the_unpatched_models_gradients_and_skip_the_kernel(qwen3_reference, kept,
+                                                                                        on_host):
+    """On the device or in host pages (``attention_outputs_on_host``): the loss and every adapter's gradient
+    equal the unpatched model's on each document alone, and the recompute runs no kernel in the keeping layers."""
     base, reference, expected = qwen3_reference
-    model = _sdpa_model(base, reference, kept)
+    model = _sdpa_model(base, reference, kept, on_host)
     docs, layers = len(_examples()), 3
     counter = CountSdpaKernels()
     with counter:
@@ -68,8 +72,10 @@ def test_kept_attention_outputs_give_the_unpatched_models_gradients_and_skip_the
     assert set(got[1]) == set(_trainable(reference)), "every adapter gets a gradient"
     # forward: every layer and document; recompute: only the layers that do not keep their outputs
     assert counter.calls == docs * layers + docs * (layers - kept), counter.calls
-    assert offload_stats(model)["attention_output_layers"] == kept
-    assert offload_stats(model)["offloaded"] > 0  # the layer inputs went to the host as before
+    stats = offload_stats(model)
+    assert stats["attention_output_layers"] == kept
+    assert stats["attention_output_layers_on_host"] == (kept if on_host else 0)
+    assert stats["offloaded"] > 0  # the layer inputs went to the host as before
 
 
 def test_attention_output_layers_are_checked_and_budgeted(qwen3_reference):
@@ -106,7 +112,8 @@ def completion_logprobs_reference(reference, prompt: list[int], completions: lis
     return want.detach(), {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
 
 
-def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gradients(qwen3_reference):
+@pytest.mark.parametrize("on_host", [False, True])
+def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gradients(qwen3_reference, on_host):
     """GRPO's shared-prompt row (one prompt, two completions, each ``prompt + completion`` through sdpa)
     with every layer keeping its outputs: the summed completion log-probs and every adapter's gradient
     equal transformers' own model + PEFT on each ``prompt + completion`` alone; the recompute runs no
@@ -117,7 +124,7 @@ def test_shared_prompt_rows_keep_their_outputs_and_give_the_unpatched_models_gra
     prompt, completions = SHARED_PROMPT, SHARED_COMPLETIONS
     want, ref_grads = completion_logprobs_reference(reference, prompt, completions)
 
-    model = _sdpa_model(base, reference, 3)
+    model = _sdpa_model(base, reference, 3, on_host)
     row = build_policy_row([prompt, prompt], completions, share_prompt=True, attention_backend="sdpa")
     assert row.layout.shared and row.layout.sequences is not None
     model.zero_grad(set_to_none=True)
@@ -172,7 +179,8 @@ def test_get_peft_model_takes_the_kept_attention_layers_with_offloading_only():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
 def test_gpu_bf16_kept_outputs_equal_the_recomputed_ones_and_the_unpatched_model():
     """On CUDA in bf16 (cuDNN's or FlashAttention's sdpa kernel), one Qwen3-8B-shaped layer: the step with the
-    layer keeping its attention outputs gives bit for bit the gradients of the step that recomputes them
+    layer keeping its attention outputs, on the GPU or in pinned host pages (copied on the side stream, in the
+    kernel's own strides), gives bit for bit the gradients of the step that recomputes them
     (the forward kernel is deterministic), runs the kernel once a document instead of twice, and both are
     within bf16 tolerance of the unpatched model in fp32 on each document alone."""
     base = tiny_model("qwen3", **QWEN3_8B_LAYER).cuda().train()
@@ -183,16 +191,20 @@ def test_gpu_bf16_kept_outputs_equal_the_recomputed_ones_and_the_unpatched_model
     expected_loss, expected = _reference_step(reference, _examples())
     _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
     runs = {}
-    for kept in (0, 1):
-        model = _sdpa_model(base.to(torch.bfloat16), reference, kept)
+    for kept, on_host in ((0, False), (1, False), (1, True)):
+        model = _sdpa_model(base.to(torch.bfloat16), reference, kept, on_host)
         model.load_state_dict(reference.state_dict())
         counter = CountSdpaKernels()
         with counter:
-            runs[kept] = _swiftune_step(model, _examples(), "padding_free")
+            runs[kept, on_host] = _swiftune_step(model, _examples(), "padding_free")
         assert counter.calls == len(_examples()) * (2 - kept), (kept, counter.calls)
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert runs[0][1].keys() == runs[1][1].keys() and all(torch.equal(runs[0][1][n], g) for n, g in runs[1][1].items())
-    loss, grads = runs[1]
+        assert offload_stats(model)["attention_output_layers_on_host"] == (1 if on_host else 0)
+    recomputed = runs[0, False]
+    for kept_run in (runs[1, False], runs[1, True]):  # on the device and through pinned host pages
+        assert torch.equal(recomputed[0], kept_run[0])
+        assert recomputed[1].keys() == kept_run[1].keys()
+        assert all(torch.equal(recomputed[1][n], g) for n, g in kept_run[1].items())
+    loss, grads = runs[1, True]
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
     allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
@@ -227,17 +239,103 @@ def test_derived_layer_inputs_rerun_their_attention_apart_from_the_kept_outputs(
     assert counter.calls == docs * 6 + docs * 2, counter.calls
 
 
-def test_a_second_backward_through_kept_outputs_raises(qwen3_reference):
+@pytest.mark.parametrize("on_host", [False, True])
+def test_a_second_backward_through_kept_outputs_raises(qwen3_reference, on_host):
     """Selective checkpointing serves each kept output once: after retain_graph=True a second backward raises
     (as the module says), rather than computing gradients from consumed outputs."""
     from swiftune.data import make_collator
     from swiftune.sft.trainer import sft_loss
 
     base, reference, _ = qwen3_reference
-    model = _sdpa_model(base, reference, 3)
+    model = _sdpa_model(base, reference, 3, on_host)
     batch = make_collator("padding_free", max_length=24, pad_token_id=299)(_examples())
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
     loss, _ = sft_loss(model, inputs, batch["labels"], num_items_in_batch=batch["num_trained_tokens"])
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError):
         loss.backward()
+
+
+def test_host_copies_keep_the_bytes_and_strides_of_a_permuted_tensor():
+    """An attention output is often a ``[batch, tokens, heads, dim]`` buffer seen as ``[batch, heads, tokens,
+    dim]``: the copy back has the same values and strides (the backward kernel reads that layout), and a
+    tensor with gaps comes back dense with the same values."""
+    from swiftune.training.offload_memory import HostCopy, PagePool
+
+    pool = PagePool(pin=False)
+    permuted = torch.randn(2, 7, 3, 5).permute(0, 2, 1, 3)
+    for t in (permuted, permuted[:, :, 1:], torch.randn(3, 4)[:, ::2]):  # dense, then two with gaps
+        copy_ = HostCopy(pool, t, 64, None)
+        assert pool.in_use_bytes == -(-t.numel() * 4 // 64) * 64
+        back, event = copy_.restore(None)
+        assert event is None and torch.equal(back, t)
+        dense = t.permute(*sorted(range(t.dim()), key=lambda d: t.stride(d), reverse=True)).is_contiguous()
+        assert back.stride() == (t.stride() if dense else t.contiguous().stride())
+        del copy_
+        assert pool.in_use_bytes == 0  # the pages go back to the pool with the copy
+
+
+def test_host_room_decides_how_many_layers_keep_their_outputs_on_the_host(qwen3_reference):
+    """The host budget holds the offloaded layer inputs first; the attention outputs of the last layers take
+    what is left, a layer at a time (the planner's rule), and the others recompute their attention: with room
+    for one layer's outputs, only the last layer's recompute skips the kernel, and the gradients still equal
+    the unpatched model's."""
+    from swiftune.memory.planner import attention_layers_on_host, attention_output_host_bytes, pinned_slot_bytes
+
+    base, reference, expected = qwen3_reference
+    model = _sdpa_model(base, reference, 3, True)
+    tokens = sum(len(e["input_ids"]) for e in _examples())
+    page = 4096
+    inputs = 3 * pinned_slot_bytes(tokens * 64 * 4, page)
+    outputs = attention_output_host_bytes(4, 16, tokens, 4, page)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=inputs + outputs + outputs // 2,
+                                   page_bytes=page, attention_output_layers=3, attention_outputs_on_host=True)
+    counter = CountSdpaKernels()
+    with counter:
+        got = _swiftune_step(model, _examples(), "padding_free")
+    if not counter.calls:
+        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    _assert_parity(expected, got, _trainable(reference))
+    stats = offload_stats(model)
+    assert stats["attention_output_layers_on_host"] == 1 and stats["derived"] == (), stats
+    docs = len(_examples())
+    assert counter.calls == docs * 3 + docs * 2, counter.calls
+    assert attention_layers_on_host(3, None, outputs) == 3 and attention_layers_on_host(3, outputs - 1, outputs) == 0
+
+
+def test_attention_outputs_on_host_is_checked_and_budgeted_like_the_planner(qwen3_reference):
+    """``attention_outputs_on_host`` needs layers that keep outputs and a bool; the automatic GPU budget sets
+    aside two layers' outputs (restored and prefetched) instead of every keeping layer's, and so does the
+    planner, which counts the outputs' pinned pages in the host bytes and keeps more layer inputs on the GPU."""
+    base, reference, _ = qwen3_reference
+    model = _sdpa_model(base, reference, 0)
+    with pytest.raises(ValueError, match="also pass attention_output_layers=n"):
+        enable_offloaded_checkpointing(model, attention_outputs_on_host=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        enable_offloaded_checkpointing(model, attention_output_layers=2, attention_outputs_on_host="yes")
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, attention_output_layers=3, attention_outputs_on_host=True)
+    state = model.get_base_model()._swiftune_offload_state
+    x = torch.zeros(1, 10, 64)
+    assert state.kept_attention_bytes(x) == 2 * attention_output_bytes(4, 16, 10, 4)
+    assert not any(state.keeps_attention_output(i) for i in range(3))  # none on the device
+
+    from swiftune.memory.planner import attention_output_host_bytes, pinned_slot_bytes
+
+    T, gpu = 131_584, int(80e9)
+    on_gpu = plan_memory("qwen3-8b", T, gradient_checkpointing="offload", gpu_bytes=gpu, attention_output_layers=36)
+    on_host = plan_memory("qwen3-8b", T, gradient_checkpointing="offload", gpu_bytes=gpu, attention_output_layers=36,
+                          attention_outputs_on_host=True)
+    plain = plan_memory("qwen3-8b", T, gradient_checkpointing="offload", gpu_bytes=gpu)
+    per_layer = attention_output_bytes(32, 128, T, 2)
+    assert on_host.checkpoints - on_host.kept_layers * T * 4096 * 2 == 2 * per_layer
+    assert on_gpu.kept_layers < on_host.kept_layers <= plain.kept_layers
+    host_per_layer = attention_output_host_bytes(32, 128, T, 2)
+    assert host_per_layer >= per_layer
+    input_slot = pinned_slot_bytes(T * 4096 * 2)
+    assert plain.host_bytes == plain.offloaded_layers * input_slot
+    assert on_host.host_bytes == on_host.offloaded_layers * input_slot + 36 * host_per_layer
+    tight = plan_memory("qwen3-8b", T, gradient_checkpointing="offload", gpu_bytes=gpu, attention_output_layers=36,
+                        attention_outputs_on_host=True, host_bytes=on_host.host_bytes - 30 * host_per_layer)
+    assert tight.host_bytes <= tight.host_limit and any("recompute them instead" in n for n in tight.notes)
+    with pytest.raises(ValueError, match="needs attention_output_layers >= 1"):
+        plan_memory("qwen3-8b", T, gradient_checkpointing="offload", attention_outputs_on_host=True)

@@ -185,16 +185,18 @@ def test_grpo_bisect_repeats_fixed_trials_and_offloads_every_layer(tmp_path):
     """--trial-repeats reports the last of N steps (the first one's time kept), and
     --swiftune-checkpointing offload_all runs the swiftune step with every layer input offloaded, within a
     --host-budget-gb cap above all of them (recorded with its margin). The same run (one process start
-    less for the suite) takes --load-in-fp8 (e4m3 base weights) and --attention-output-layers 1 (the last
-    layer keeps its sdpa outputs through the recompute), both recorded."""
+    less for the suite) takes --load-in-fp8 (e4m3 base weights) and --attention-output-layers 1
+    --attention-outputs-on-host (the last layer keeps its sdpa outputs through the recompute, in host memory),
+    all recorded."""
     out = tmp_path / "repeats.json"
     run_script("grpo.py", "--bisect-completion", "--model", "tiny", "--bisect-modes", "swiftune", "--share-prompt",
                "--swiftune-checkpointing", "offload_all", "--trial-repeats", "2", "--fixed-only",
                "--completion-lengths", "96", "--host-budget-gb", "1", "--host-margin-gb", "0", "--load-in-fp8",
-               "--attention-output-layers", "1", "--out", str(out))
+               "--attention-output-layers", "1", "--attention-outputs-on-host", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["trial_repeats"] == 2 and r["swiftune_checkpointing"] == "offload_all"
     assert r["host_budget_gb"] == 1.0 and r["host_margin_gb"] == 0.0 and r["attention_output_layers"] == 1
+    assert r["attention_outputs_on_host"] is True
     (t,) = r["modes"]["swiftune"]["trials"]
     assert t["status"] == "ok" and t["completion"] == 96 and t["first_s"] > 0 and t["s"] > 0
 

@@ -267,10 +267,18 @@ def test_cli_offload_gpu_budget_checks():
     config = SFTConfig(output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none")
     args = ModelArguments(use_gradient_checkpointing="offload", offload_attention_output_layers=1)
     assert offload_stats(build_model(args, config, builtin=True)[0])["attention_output_layers"] == 1
+    # (with --offload_attention_outputs_on_host, kept in host memory)
+    args = ModelArguments(use_gradient_checkpointing="offload", offload_attention_output_layers=2,
+                          offload_attention_outputs_on_host=True)
+    stats = offload_stats(build_model(args, config, builtin=True)[0])
+    assert stats["attention_output_layers"] == 2 and stats["attention_outputs_on_host"] is True
     # ... and is checked as the budget is
-    for gc, kept, message in (("true", 2, "--offload_attention_output_layers needs --use_gradient_checkpointing offload"),
-                              ("offload", -1, "must be a whole number of decoder layers >= 0")):
-        args = ModelArguments(use_gradient_checkpointing=gc, offload_attention_output_layers=kept)
+    for gc, kept, on_host, message in (
+            ("true", 2, False, "--offload_attention_output_layers needs --use_gradient_checkpointing offload"),
+            ("offload", -1, False, "must be a whole number of decoder layers >= 0"),
+            ("offload", 0, True, "--offload_attention_outputs_on_host needs --offload_attention_output_layers N")):
+        args = ModelArguments(use_gradient_checkpointing=gc, offload_attention_output_layers=kept,
+                              offload_attention_outputs_on_host=on_host)
         with pytest.raises(ConfigError, match=message):
             build_model(args, config=None, builtin=True)
 

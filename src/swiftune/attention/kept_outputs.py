@@ -19,6 +19,13 @@ keeps them for the last ``n`` decoder layers, on the device, from each layer's f
 :func:`swiftune.memory.planner.attention_output_bytes` a layer. As with any selective checkpointing, a
 graph through such a layer takes one backward (after ``retain_graph=True`` a second backward raises a
 ``RuntimeError`` from PyTorch's selective checkpointing); the trainers run one backward a forward.
+
+:func:`attention_outputs_in` is the same pair of contexts around a store of the caller's instead of
+PyTorch's selective-checkpointing cache: two dispatch modes (``TorchDispatchMode``, PyTorch's documented
+extension point for intercepting operators below autograd, as selective checkpointing's own are) that hand
+each fused kernel's outputs to the store in the forward and return the store's in the recompute. The
+offloaded checkpointing's store keeps them in pinned host memory
+(:class:`swiftune.training.host_attention_outputs.HostAttentionOutputs`).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 #: the operators ``F.scaled_dot_product_attention`` dispatches to; those this torch lacks are skipped
@@ -78,6 +86,48 @@ def attention_outputs_context() -> tuple[_LayerScope, _LayerScope]:
     other operators than its forward (an offloaded input is copied back, a tiled MLP skips its output)."""
     keeping, serving = create_selective_checkpoint_contexts(_keep_sdpa_outputs)
     return _LayerScope(keeping), _LayerScope(serving)
+
+
+class AttentionOutputStore(Protocol):
+    """Where a layer's fused attention outputs wait from its forward to its recompute."""
+
+    def keep(self, out: Any) -> None: ...
+
+    def take(self) -> Any: ...
+
+
+class _KeepingInto(TorchDispatchMode):
+    """Forward: each fused sdpa kernel runs and its outputs go to the store too."""
+
+    def __init__(self, store: AttentionOutputStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in sdpa_kernel_ops():
+            self.store.keep(out)
+        return out
+
+
+class _ServingFrom(TorchDispatchMode):
+    """Recompute: each fused sdpa kernel is not run; its outputs come from the store, in the forward's order."""
+
+    def __init__(self, store: AttentionOutputStore) -> None:
+        super().__init__()
+        self.store = store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in sdpa_kernel_ops():
+            return self.store.take()
+        return func(*args, **(kwargs or {}))
+
+
+def attention_outputs_in(store: AttentionOutputStore) -> tuple[_LayerScope, _LayerScope]:
+    """``context_fn`` of a non-reentrant ``checkpoint`` (bind ``store`` with ``functools.partial``) whose layer
+    keeps its sdpa outputs in ``store``: as :func:`attention_outputs_context`, entered only around the
+    attention call."""
+    return _LayerScope(_KeepingInto(store)), _LayerScope(_ServingFrom(store))
 
 
 @contextlib.contextmanager

@@ -111,6 +111,11 @@ class ModelArguments:
                                      "the attention again (long completions: faster steps for 2 x Hq x D bytes a "
                                      "token and layer; default 0)."}
     )
+    offload_attention_outputs_on_host: bool = field(
+        default=False, metadata={"help": "With --offload_attention_output_layers N: keep those outputs in pinned "
+                                         "host memory instead of on the GPU (copied like the offloaded layer "
+                                         "inputs; the GPU holds two layers' at a time)."}
+    )
 
 
 class CommandLineError(ConfigError):
@@ -414,6 +419,9 @@ def check_model_args(model_args: ModelArguments) -> None:
     if isinstance(kept, bool) or not isinstance(kept, int) or kept < 0:
         raise ConfigError(f"--offload_attention_output_layers {kept!r}: must be a whole number of decoder layers "
                           ">= 0 (0: every layer recomputes its attention)")
+    if model_args.offload_attention_outputs_on_host and not kept:
+        raise ConfigError("--offload_attention_outputs_on_host needs --offload_attention_output_layers N (N >= 1: "
+                          "the last N decoder layers keep their attention outputs, here on the host)")
     if not model_args.lora_r >= 1:
         raise ConfigError(f"--lora_r {model_args.lora_r}: the LoRA rank must be >= 1, e.g. 16")
     if not model_args.lora_alpha > 0:

@@ -90,11 +90,13 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
             target_modules=lora_targets(model_args.lora_target_modules), use_gradient_checkpointing=gc,
             offload_gpu_budget_bytes=budget_bytes,
             offload_attention_output_layers=model_args.offload_attention_output_layers,
+            offload_attention_outputs_on_host=model_args.offload_attention_outputs_on_host,
             tiled_mlp=model_args.tiled_mlp,
         )
     elif gc:
         FastModel.for_training(model, use_gradient_checkpointing=gc, offload_gpu_budget_bytes=budget_bytes,
-                               offload_attention_output_layers=model_args.offload_attention_output_layers)
+                               offload_attention_output_layers=model_args.offload_attention_output_layers,
+                               offload_attention_outputs_on_host=model_args.offload_attention_outputs_on_host)
     return model, tokenizer, use_lora
 
 

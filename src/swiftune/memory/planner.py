@@ -539,6 +539,27 @@ def attention_output_bytes(heads: int, head_dim: int, tokens: int, activation_by
     return int(tokens) * int(heads) * (int(head_dim) * int(activation_bytes) + 4)
 
 
+def attention_output_host_bytes(heads: int, head_dim: int, tokens: int, activation_bytes: int,
+                                page_bytes: int = PAGE_BYTES) -> int:
+    """Pinned host bytes one layer's attention outputs take when they are kept on the host
+    (``attention_outputs_on_host``): the output and the log-sum-exp, each in whole pages, and one page more:
+    a layer whose documents (or shared-prompt pieces) run as several kernel calls stores each call's outputs
+    in pages of their own, whose rounding the one page covers for a few long documents."""
+    output = int(tokens) * int(heads) * int(head_dim) * int(activation_bytes)
+    return (pinned_slot_bytes(output, page_bytes) + pinned_slot_bytes(int(tokens) * int(heads) * 4, page_bytes)
+            + choose_page_bytes(output, page_bytes))
+
+
+def attention_layers_on_host(layers: int, host_room_bytes: int | None, layer_host_bytes: int) -> int:
+    """How many of the ``layers`` that keep their attention outputs keep them on the host: as many as
+    ``host_room_bytes`` (what the host budget leaves beside the offloaded layer inputs; ``None``: no
+    limit) holds. The layer inputs come first: they are what makes the step fit, the outputs only
+    spare their recompute, and a layer without room recomputes its attention."""
+    if host_room_bytes is None or layer_host_bytes <= 0:
+        return int(layers)
+    return max(0, min(int(layers), int(host_room_bytes) // int(layer_host_bytes)))
+
+
 def plan_memory(
     model_config: Any,
     tokens: int,
@@ -557,6 +578,7 @@ def plan_memory(
     fsdp: bool = False,
     ranks_per_host: int | None = None,
     attention_output_layers: int = 0,
+    attention_outputs_on_host: bool = False,
     **setup: Any,
 ) -> MemoryPlan:
     """Predict the peak GPU memory of one training step (forward + loss + backward + optimizer).
@@ -596,6 +618,10 @@ def plan_memory(
         attention_output_layers: with ``"offload"``, the last this many layers keep their sdpa attention
             outputs on the GPU through the recompute (:func:`attention_output_bytes` each, counted in
             ``checkpoints`` and set aside before layer inputs are kept, as the runtime does).
+        attention_outputs_on_host: those outputs go to pinned host memory from the forward to the
+            backward instead (:func:`attention_output_host_bytes` a layer, as many layers as the host
+            memory left beside the offloaded layer inputs holds: :func:`attention_layers_on_host`); the
+            GPU holds the restored outputs of two layers at a time (the one in backward, the prefetched).
         **setup: further :class:`TrainSetup` fields (``tiled_mlp``, ``tiled_projections``,
             ``lora_dtype_bytes``, ``kv_expanded``, ``chunked_loss``, ``mlp_tile_tokens``).
     """
@@ -615,6 +641,9 @@ def plan_memory(
     if attention_output_layers and gradient_checkpointing != "offload":
         raise ValueError("attention_output_layers keeps attention outputs through the offloaded checkpointing's "
                          "recompute: it needs gradient_checkpointing='offload'")
+    if attention_outputs_on_host and not attention_output_layers:
+        raise ValueError("attention_outputs_on_host says where the kept attention outputs go: it needs "
+                         "attention_output_layers >= 1 (how many layers keep them)")
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
     shape = model_shape(model_config)
@@ -690,9 +719,11 @@ def plan_memory(
         checkpoints = L * per_layer
     else:
         transfer = 2 * per_layer  # the restored layer input and the prefetched one
-        # attention outputs the last layers keep from their forward to their backward (set aside first)
-        kept_attention = int(attention_output_layers) * attention_output_bytes(shape.heads, shape.head_dim, T,
-                                                                                 dtype_bytes)
+        # attention outputs the last layers keep from their forward to their backward (set aside first);
+        # kept on the host, the GPU holds two layers' restored ones at a time
+        gpu_attention_layers = min(int(attention_output_layers), 2) if attention_outputs_on_host \
+            else int(attention_output_layers)
+        kept_attention = gpu_attention_layers * attention_output_bytes(shape.heads, shape.head_dim, T, dtype_bytes)
         if gpu_bytes is None:
             kept = 0
         else:
@@ -716,6 +747,15 @@ def plan_memory(
                              f"holds {off} of the offloaded ones): one more forward of {derived} layers")
         checkpoints = kept * per_layer + kept_attention
         host = off * slot
+        if attention_outputs_on_host:
+            attention_slot = attention_output_host_bytes(shape.heads, shape.head_dim, T, dtype_bytes)
+            room = None if host_bytes is None else max(0, host_bytes - host)
+            on_host = attention_layers_on_host(int(attention_output_layers), room, attention_slot)
+            host += on_host * attention_slot
+            if on_host < attention_output_layers:
+                notes.append(f"{int(attention_output_layers) - on_host} of the {int(attention_output_layers)} layers "
+                             "that keep their attention outputs recompute them instead: the host memory left beside "
+                             f"the offloaded layer inputs holds {on_host}")
     if s.lora and s.lora_dtype_bytes != dtype_bytes and not s.tiled_projections and not s.autocast:
         notes.append("LoRA adapters in float32 save a float32 copy of each projection's input; "
                      "tiled_projections=True or bf16 adapters remove most of it")
@@ -792,6 +832,8 @@ def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: in
 
 __all__ = [
     "QUANTIZED_WEIGHT_BYTES",
+    "attention_layers_on_host",
+    "attention_output_host_bytes",
     "fp8_scale_bytes",
     "host_share_bytes",
     "CUDA_CONTEXT_BYTES",

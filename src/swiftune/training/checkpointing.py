@@ -72,7 +72,6 @@ CPU pages; with no explicit budget every layer stays "on the device", i.e. plain
 
 from __future__ import annotations
 
-import math
 import weakref
 from contextlib import nullcontext
 from dataclasses import replace
@@ -86,20 +85,21 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention.backends import planner_attention_terms
 from ..attention.kept_outputs import (apart_from_kept_attention_outputs, attention_outputs_context,
-                                      check_attention_output_layers)
+                                      attention_outputs_in, check_attention_output_layers)
 from ..losses.chunking import free_gpu_bytes, gpu_capacity_bytes
 from ..memory import model_shape, step_reserve
-from ..memory.planner import (PAGE_BYTES, TrainSetup, attention_output_bytes, choose_page_bytes, offload_margin_bytes,
-                              pages_for)
+from ..memory.planner import (PAGE_BYTES, TrainSetup, attention_layers_on_host, attention_output_bytes,
+                              attention_output_host_bytes, choose_page_bytes, offload_margin_bytes)
 from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
 from ..models.tiled_mlp import ForwardState, has_tiled_forward, is_tiled, recompute_output_unused
 from .layer_forwards import LayerForwardKeys, bind_layer_forwards, drop_cache_arguments, \
     previous_forward, take_layer_input, unbind_layer_forwards
+from .host_attention_outputs import HostAttentionOutputs
 from .lora_casting import lora_inputs_cast
 from .model_walks import ModelWalkIndex
-from .offload_memory import CheckpointBudgetError, OffloadPlan, PagePool, host_available_bytes, split_layers
+from .offload_memory import CheckpointBudgetError, HostCopy, OffloadPlan, PagePool, host_available_bytes, split_layers
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
 # on each decoder layer: (state, index), the instance's forward before ours, transformers' flag before ours
@@ -135,56 +135,26 @@ class LayerInput:
         self._kept: torch.Tensor | None = None if offload or derived else x.detach()
         self._gpu: torch.Tensor | None = None  # prefetched / restored copy
         self._event: Any = None
-        self._pages: list[torch.Tensor] = []
+        self._copy: HostCopy | None = None
+        # this layer call's sdpa outputs in host pages (OffloadState.keeps_attention_output_on_host), else None
+        self.attention_outputs: HostAttentionOutputs | None = None
         if offload:
             self._offload(state, x)
 
     # -- transfers
     def _offload(self, state: "OffloadState", x: torch.Tensor) -> None:
-        nbytes = x.numel() * x.element_size()
-        page = state.page_bytes_for(nbytes)
-        self._page_bytes = page
-        self._pages = state.pool.acquire(pages_for(nbytes, page), page)
-        weakref.finalize(self, state.pool.release, self._pages, page)  # back to the pool when done
-        src = x.detach()
-        if not src.is_contiguous():
-            src = src.contiguous()
-        flat = src.reshape(-1).view(torch.uint8)
-        stream = state.side_stream(x.device)
-        if stream is None:
-            for page_t, (a, b) in zip(self._pages, _spans(nbytes, page)):
-                page_t[: b - a].copy_(flat[a:b])
-            return
-        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is produced on the compute stream
-        with torch.cuda.stream(stream):
-            for page_t, (a, b) in zip(self._pages, _spans(nbytes, page)):
-                page_t[: b - a].copy_(flat[a:b], non_blocking=True)
-        src.record_stream(stream)  # the allocator keeps x's block until the copy has run
+        page = state.page_bytes_for(x.numel() * x.element_size())
+        self._copy = HostCopy(state.pool, x, page, state.side_stream(x.device))
 
     def prefetch(self) -> None:
-        """Start the host -> GPU copy (side stream) unless it is on the GPU already."""
+        """Start the host -> GPU copy (side stream) unless it is on the GPU already; the layer's attention
+        outputs kept on the host too, when it keeps them there."""
+        if self.attention_outputs is not None:
+            self.attention_outputs.prefetch()
         if not self.offloaded or self._gpu is not None or self._live is not None:
             return
-        state = self._state
-        nbytes = math.prod(self.shape) * self.dtype.itemsize
-        # Allocated on the compute stream, so the block's ordinary lifetime rules hold; the side
-        # stream first waits for the work already queued there (the block may be a tensor
-        # that queued kernels still read).
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        stream = state.side_stream(self.device)
-        spans = _spans(nbytes, self._page_bytes)
-        if stream is None:
-            for page_t, (a, b) in zip(self._pages, spans):
-                buf[a:b].copy_(page_t[: b - a])
-        else:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for page_t, (a, b) in zip(self._pages, spans):
-                    buf[a:b].copy_(page_t[: b - a], non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record(stream)
-        self._gpu = buf.view(self.dtype).view(self.shape)
-        state.stats["restored"] += 1
+        self._gpu, self._event = self._copy.restore(self._state.side_stream(self.device))
+        self._state.stats["restored"] += 1
 
     def peek(self) -> torch.Tensor:
         """The stored input (restored from the host if offloaded), left in place for this layer's
@@ -225,10 +195,6 @@ class LayerInput:
         self._live = None
 
 
-def _spans(nbytes: int, page: int) -> list[tuple[int, int]]:
-    return [(a, min(a + page, nbytes)) for a in range(0, nbytes, page)]
-
-
 # ------------------------------------------------------------------------------------- state
 
 
@@ -256,6 +222,9 @@ class OffloadState:
         self.underivable: frozenset[int] = frozenset()
         # the last this many layers keep their sdpa attention outputs through the recompute (attention.kept_outputs)
         self.attention_output_layers = 0
+        # ... in pinned host memory (host_attention_outputs) instead of on the GPU; those of this plan that do
+        self.attention_outputs_on_host = False
+        self.host_attention_layers: frozenset[int] = frozenset()
         # the model's parameters, found once (again on a new adapter set; requires_grad read per call):
         # the GPU budget of every forward reads them, and a walk of the module tree per forward is host time
         self.walks = ModelWalkIndex()
@@ -289,21 +258,38 @@ class OffloadState:
         return max(0, free_gpu_bytes(x.device) - reserve - offload_margin_bytes(total))
 
     def keeps_attention_output(self, index: int) -> bool:
-        """Whether layer ``index`` keeps its attention outputs through its recompute (the last
-        ``attention_output_layers`` layers)."""
-        return index >= self.num_layers - self.attention_output_layers
+        """Whether layer ``index`` keeps its attention outputs on the device through its recompute (the last
+        ``attention_output_layers`` layers, unless they keep them on the host)."""
+        return not self.attention_outputs_on_host and index >= self.num_layers - self.attention_output_layers
 
-    def kept_attention_bytes(self, x: torch.Tensor) -> int:
-        """Device bytes the kept attention outputs of one forward of input ``x`` take, all layers together."""
-        if not self.attention_output_layers:
-            return 0
+    def keeps_attention_output_on_host(self, index: int) -> bool:
+        """Whether layer ``index`` keeps its attention outputs in host memory through its recompute (those of
+        the last ``attention_output_layers`` for which the plan found host room)."""
+        return index in self.host_attention_layers
+
+    def _attention_shape(self, x: torch.Tensor) -> tuple[int, int, int, int]:
+        """``(heads, head_dim, tokens, activation bytes)`` of the attention outputs of a forward of input ``x``."""
         if self._shape is None:
             self._shape = _planner_shape(self.config)
         autocast = torch.is_autocast_enabled(x.device.type)
         act_bytes = (torch.get_autocast_dtype(x.device.type) if autocast else x.dtype).itemsize
-        tokens = x.numel() // x.shape[-1]
-        return self.attention_output_layers * attention_output_bytes(self._shape.heads, self._shape.head_dim, tokens,
-                                                                     act_bytes)
+        return self._shape.heads, self._shape.head_dim, x.numel() // x.shape[-1], act_bytes
+
+    def kept_attention_bytes(self, x: torch.Tensor) -> int:
+        """Device bytes the kept attention outputs of one forward of input ``x`` take at once, all layers
+        together: every keeping layer's on the device, two layers' (restored and prefetched) from the host."""
+        if not self.attention_output_layers:
+            return 0
+        layers = min(self.attention_output_layers, 2) if self.attention_outputs_on_host else self.attention_output_layers
+        return layers * attention_output_bytes(*self._attention_shape(x))
+
+    def _plan_host_attention_layers(self, x: torch.Tensor, plan: OffloadPlan) -> frozenset[int]:
+        """The last layers whose attention outputs the host memory left beside this plan's inputs holds."""
+        if not (self.attention_outputs_on_host and self.attention_output_layers):
+            return frozenset()
+        layer_host = attention_output_host_bytes(*self._attention_shape(x), page_bytes=self.page_bytes)
+        n = attention_layers_on_host(self.attention_output_layers, self.host_budget() - plan.host_bytes, layer_host)
+        return frozenset(range(self.num_layers - n, self.num_layers))
 
     def _reserve(self, x: torch.Tensor, attention_kernel: str | None = None, max_doc_tokens: int | None = None) -> int:
         """GPU bytes the rest of the step needs (the planner's formulas).
@@ -341,6 +327,7 @@ class OffloadState:
             plan = split_layers(self.num_layers, layer_bytes, self.gpu_budget(x, attention_kernel, max_doc_tokens),
                                 self.host_budget(), self.page_bytes)
             self.plan = plan_avoiding_inputs(plan, self.underivable)
+            self.host_attention_layers = self._plan_host_attention_layers(x, self.plan)
             self._plan_key = key
             self._handles = {k: v for k, v in self._handles.items() if v() is not None}
         offload, derived = index in self.plan.offload, index in self.plan.derived
@@ -564,7 +551,13 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     if state.derives_next(index):  # the next layer's input will be recomputed from this one's
         handle.rerun = partial(_run_on, orig, rest, kwargs)
     try:
-        context_fn = attention_outputs_context if state.keeps_attention_output(index) else noop_context_fn
+        if state.keeps_attention_output_on_host(index):
+            handle.attention_outputs = HostAttentionOutputs(state.pool, state.page_bytes, state.side_stream(x.device))
+            context_fn = partial(attention_outputs_in, handle.attention_outputs)
+        elif state.keeps_attention_output(index):
+            context_fn = attention_outputs_context
+        else:
+            context_fn = noop_context_fn
         return checkpoint(partial(_run_layer, orig, _mlp_to_skip_in_recompute(self), **kwargs), handle, *rest,
                           use_reentrant=False, preserve_rng_state=False, context_fn=context_fn)
     finally:
@@ -595,6 +588,7 @@ def enable_offloaded_checkpointing(
     page_bytes: int = PAGE_BYTES,
     host_margin_bytes: int | None = None,
     attention_output_layers: int = 0,
+    attention_outputs_on_host: bool = False,
 ) -> nn.Module:
     """Checkpoint every decoder layer, keeping the inputs that do not fit ``gpu_budget_bytes`` in
     pinned host memory (``use_gradient_checkpointing="offload"``).
@@ -615,6 +609,10 @@ def enable_offloaded_checkpointing(
             sequences most of a recompute's time, for ``T x Hq x (D x 2 + 4)`` bytes a layer (bf16),
             which an automatic GPU budget sets aside before it keeps layer inputs. ``0`` (default):
             every layer recomputes its attention. Other attention kernels are recomputed either way.
+        attention_outputs_on_host: keep those outputs in pinned host memory instead
+            (:mod:`.host_attention_outputs`): copied there during the forward and back one layer ahead in
+            the backward, on the side stream, so the GPU holds two layers' at a time. The host budget holds
+            the offloaded layer inputs first; layers whose outputs it has no room for recompute their attention.
 
     Returns ``model``; calling again updates the budgets.
     """
@@ -623,6 +621,11 @@ def enable_offloaded_checkpointing(
     hf = causal_lm_of(model)
     layers = decoder_layers(hf)
     attention_output_layers = check_attention_output_layers(attention_output_layers, len(layers))
+    if not isinstance(attention_outputs_on_host, bool):
+        raise ValueError(f"attention_outputs_on_host must be True or False, got {attention_outputs_on_host!r}")
+    if attention_outputs_on_host and not attention_output_layers:
+        raise ValueError("attention_outputs_on_host=True says where kept attention outputs go: also pass "
+                         "attention_output_layers=n (the last n decoder layers keep them)")
     state = getattr(hf, _STATE, None)
     if state is None:
         state = OffloadState(hf, layers, gpu_budget_bytes, host_budget_bytes, page_bytes, host_margin_bytes)
@@ -633,6 +636,8 @@ def enable_offloaded_checkpointing(
         state.walks.clear()  # the model may have changed since (parameters added by hand are seen again)
     state.underivable = inputs_set_between_layers(hf, layers)
     state.attention_output_layers = attention_output_layers
+    state.attention_outputs_on_host = attention_outputs_on_host
+    state.plan = None  # planned again at the next forward, with the new settings
     bind_layer_forwards(layers, _offloaded_forward, state, _KEYS)
     if getattr(hf, "config", None) is not None:
         hf.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
@@ -667,6 +672,8 @@ def offload_stats(model: nn.Module) -> dict[str, Any]:
         "host_in_use_bytes": state.pool.in_use_bytes,
         "host_alloc_seconds": state.pool.alloc_seconds,
         "attention_output_layers": state.attention_output_layers,
+        "attention_outputs_on_host": state.attention_outputs_on_host,
+        "attention_output_layers_on_host": len(state.host_attention_layers),
         **state.stats,
     }
 

@@ -237,6 +237,7 @@ def check_checkpointing_mode(mode: Any) -> None:
 def enable_gradient_checkpointing(
     model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
     offload_host_budget_bytes: int | None = None, offload_attention_output_layers: int = 0,
+    offload_attention_outputs_on_host: bool = False,
 ) -> nn.Module:
     """Turn on non-reentrant gradient checkpointing of every decoder layer.
 
@@ -248,11 +249,16 @@ def enable_gradient_checkpointing(
     (a cap on the pinned host memory it may take, e.g. on a host shared with other jobs; ``None``:
     what the machine has available less a margin). ``offload_attention_output_layers``: the last this many
     layers keep their sdpa attention outputs on the GPU through the recompute instead of running the kernel
-    again (long sequences: most of a recompute's time; :mod:`swiftune.attention.kept_outputs`).
+    again (long sequences: most of a recompute's time; :mod:`swiftune.attention.kept_outputs`);
+    ``offload_attention_outputs_on_host``: in pinned host memory instead, copied like the layer inputs (the
+    GPU holds two layers' at a time; :mod:`swiftune.training.host_attention_outputs`).
     """
     check_checkpointing_mode(mode)
     if offload_attention_output_layers and mode not in ("offload", "unsloth"):
         raise ValueError("offload_attention_output_layers needs use_gradient_checkpointing='offload'")
+    if offload_attention_outputs_on_host and not offload_attention_output_layers:
+        raise ValueError("offload_attention_outputs_on_host=True needs offload_attention_output_layers=n (the last n "
+                         "decoder layers keep their attention outputs) and use_gradient_checkpointing='offload'")
     for name, value in (("offload_gpu_budget_bytes", offload_gpu_budget_bytes),
                         ("offload_host_budget_bytes", offload_host_budget_bytes)):
         if value is not None and mode not in ("offload", "unsloth"):
@@ -272,7 +278,8 @@ def enable_gradient_checkpointing(
         # takes over from transformers' per-layer flag
         enable_offloaded_checkpointing(hf_model, gpu_budget_bytes=offload_gpu_budget_bytes,
                                        host_budget_bytes=offload_host_budget_bytes,
-                                       attention_output_layers=offload_attention_output_layers)
+                                       attention_output_layers=offload_attention_output_layers,
+                                       attention_outputs_on_host=offload_attention_outputs_on_host)
     else:
         hf_model._swiftune_offload_checkpointing = False
     return model
@@ -420,6 +427,7 @@ class FastModel:
         offload_gpu_budget_bytes: int | None = None,
         offload_host_budget_bytes: int | None = None,
         offload_attention_output_layers: int = 0,
+        offload_attention_outputs_on_host: bool = False,
         tiled_mlp: bool | None = None,
         **lora_kwargs: Any,
     ) -> nn.Module:
@@ -439,6 +447,7 @@ class FastModel:
             offload_attention_output_layers: with ``"offload"``, the last this many layers keep their sdpa
                 attention outputs on the GPU through the recompute (``0``: none; see
                 :func:`enable_gradient_checkpointing`).
+            offload_attention_outputs_on_host: keep those outputs in pinned host memory instead of on the GPU.
             tiled_mlp: run the MLP and the LoRA projections in sequence tiles
                 (:func:`swiftune.models.enable_tiled_mlp`: a long row's MLP temporaries stay about 1 GiB, for one
                 more MLP forward in the backward and more kernel launches). ``None`` (default): with ``"offload"`` /
@@ -464,7 +473,8 @@ class FastModel:
         warn_about_vision_tower_targets(model, target_modules)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
                                       offload_host_budget_bytes=offload_host_budget_bytes,
-                                      offload_attention_output_layers=offload_attention_output_layers)
+                                      offload_attention_output_layers=offload_attention_output_layers,
+                                      offload_attention_outputs_on_host=offload_attention_outputs_on_host)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
@@ -480,7 +490,8 @@ class FastModel:
     def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True,
                      offload_gpu_budget_bytes: int | None = None,
                      offload_host_budget_bytes: int | None = None,
-                     offload_attention_output_layers: int = 0) -> nn.Module:
+                     offload_attention_output_layers: int = 0,
+                     offload_attention_outputs_on_host: bool = False) -> nn.Module:
         """Full fine-tuning: every parameter trainable, gradient checkpointing (budgets as in
         :meth:`get_peft_model`), train mode. A 4-bit or FP8 model is refused (add LoRA adapters instead)."""
         refuse_full_finetuning_of_4bit(model, "FastModel.for_training")
@@ -488,7 +499,8 @@ class FastModel:
             p.requires_grad_(True)
         enable_gradient_checkpointing(model, use_gradient_checkpointing, offload_gpu_budget_bytes=offload_gpu_budget_bytes,
                                       offload_host_budget_bytes=offload_host_budget_bytes,
-                                      offload_attention_output_layers=offload_attention_output_layers)
+                                      offload_attention_output_layers=offload_attention_output_layers,
+                                      offload_attention_outputs_on_host=offload_attention_outputs_on_host)
         return model.train()
 
 

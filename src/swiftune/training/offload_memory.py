@@ -1,18 +1,22 @@
 """Budgets and host pages of the offloaded checkpointing (:mod:`swiftune.training.checkpointing`):
 which layer inputs stay on the GPU (:func:`split_layers`), how much host memory a new pinned
 allocation of this rank may take (:func:`host_available_bytes`: its share of the host), and the
-pool of fixed-size pinned pages (:class:`PagePool`) that holds the offloaded ones across steps.
+pool of fixed-size pinned pages (:class:`PagePool`) that holds the offloaded ones across steps, and one
+tensor's bytes in those pages from the forward to the backward (:class:`HostCopy`).
 """
 
 from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..memory.planner import PAGE_BYTES, choose_page_bytes, derived_input_count, host_share_bytes, pinned_slot_bytes
+from ..memory.planner import (PAGE_BYTES, choose_page_bytes, derived_input_count, host_share_bytes, pages_for,
+                              pinned_slot_bytes)
 
 GiB = 2**30
 
@@ -195,3 +199,75 @@ class PagePool:
         for size, pages in self._free.items():
             self.held_bytes -= len(pages) * size
         self._free.clear()
+
+
+# ------------------------------------------------------------------------------ one tensor
+
+
+def _spans(nbytes: int, page: int) -> list[tuple[int, int]]:
+    return [(a, min(a + page, nbytes)) for a in range(0, nbytes, page)]
+
+
+def _is_dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill one span of its storage with no gaps (a permuted contiguous tensor)."""
+    if x.numel() <= 1:
+        return True
+    order = sorted(range(x.dim()), key=lambda d: x.stride(d), reverse=True)
+    return x.permute(order).is_contiguous()
+
+
+def _storage_bytes(x: torch.Tensor) -> torch.Tensor:
+    """The span of a dense ``x``'s storage that holds its elements, as flat bytes (a view, no copy)."""
+    return torch.as_strided(x, (x.numel(),), (1,), x.storage_offset()).view(torch.uint8)
+
+
+class HostCopy:
+    """One tensor's bytes in host pages of a :class:`PagePool`, from the forward to the backward.
+
+    The constructor starts the copy: on ``stream`` (CUDA) after the work already queued on the compute
+    stream, which produces ``x``, with ``x``'s block kept from the allocator until the copy has run; at
+    once where ``stream`` is ``None`` (CPU tensors). :meth:`restore` copies the bytes back into a new
+    tensor of ``x``'s shape, dtype, device and strides (a kernel may read a permuted layout, e.g. an
+    attention output in ``[batch, tokens, heads, dim]`` order seen as ``[batch, heads, tokens, dim]``),
+    allocated on the compute stream; the caller makes the compute stream wait for the returned event
+    before it reads the tensor. The pages go back to the pool when the copy object is dropped.
+    """
+
+    def __init__(self, pool: PagePool, x: torch.Tensor, page_bytes: int, stream: Any) -> None:
+        src = x.detach()
+        if not _is_dense(src):
+            src = src.contiguous()
+        self._like = torch.empty_like(src, device="meta")  # shape, dtype and strides, no memory
+        self.device = src.device
+        self.nbytes = src.numel() * src.element_size()
+        self.page_bytes = page_bytes
+        self._pages = pool.acquire(pages_for(self.nbytes, page_bytes), page_bytes)
+        weakref.finalize(self, pool.release, self._pages, page_bytes)  # back to the pool when done
+        flat = _storage_bytes(src)
+        if stream is None:
+            for page, (a, b) in zip(self._pages, _spans(self.nbytes, page_bytes)):
+                page[: b - a].copy_(flat[a:b])
+            return
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            for page, (a, b) in zip(self._pages, _spans(self.nbytes, page_bytes)):
+                page[: b - a].copy_(flat[a:b], non_blocking=True)
+        src.record_stream(stream)  # the allocator keeps the block until the copy has run
+
+    def restore(self, stream: Any) -> tuple[torch.Tensor, Any]:
+        """A new device tensor with the kept bytes, and the CUDA event its copy records (``None``: copied)."""
+        out = torch.empty_like(self._like, device=self.device)
+        flat = _storage_bytes(out)
+        spans = _spans(self.nbytes, self.page_bytes)
+        if stream is None:
+            for page, (a, b) in zip(self._pages, spans):
+                flat[a:b].copy_(page[: b - a])
+            return out, None
+        # the new block may be one that kernels queued on the compute stream still read: wait for them
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for page, (a, b) in zip(self._pages, spans):
+                flat[a:b].copy_(page[: b - a], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return out, event
