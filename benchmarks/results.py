@@ -39,7 +39,7 @@ UNITS: dict[str, str] = {
     "saved_bytes_per_token": "B/token", "backward_bytes_per_token": "B/token", "extra_gb": "GB",
     "max_abs_diff": "loss", "mean_abs_diff": "loss", "max_rel_diff": "fraction", "final_loss": "loss",
     "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms", "steady_tokens_per_s": "tok/s",
-    "steps_capturing": "steps", "reward_first_fifth": "reward", "reward_last_fifth": "reward",
+    "steps_capturing": "steps", "window_captures": "graphs", "reward_first_fifth": "reward", "reward_last_fifth": "reward",
     "profiled_step_wall_ms": "ms", "profiled_step_token_slots": "tokens",
     "profiled_step_captures": "steps",
 }
@@ -258,6 +258,8 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
             s["gpu_budget_gb"] = r["gpu_budget_gb"]
         if r.get("deferred_nonfinite_check"):
             s["deferred_nonfinite_check"] = True
+        if r.get("step_sync"):  # timed as one window, synchronised at its ends only
+            s["step_sync"] = r["step_sync"]
         s = {k: v for k, v in s.items() if v is not None}
         one = lambda metric, value: out.append(ctx.row(tool_of(r["mode"]), r["mode"], r["model"], s, metric, value))  # noqa: E731
         one("tokens_per_s", r["tokens_per_s"])
@@ -283,7 +285,10 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
             one("host_ms", r["host_profile"]["host_ms"])
         if _num(r.get("steady_tokens_per_s")):  # graphed layers: the timed steps that captured no graph
             one("steady_tokens_per_s", r["steady_tokens_per_s"])
-            one("steps_capturing", r["steps_capturing"])
+            if _num(r.get("steps_capturing")):
+                one("steps_capturing", r["steps_capturing"])
+        if _num(r.get("window_captures")):  # graphed layers timed as one window: the captures inside it
+            one("window_captures", r["window_captures"])
     return out
 
 

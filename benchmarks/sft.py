@@ -83,14 +83,24 @@ class CountingCollator:
         return batch
 
 
-def timing_callback(warmup: int, record: dict):
+def timing_callback(warmup: int, record: dict, step_sync: str = "each"):
+    """Times the steps after ``warmup``. ``step_sync="each"``: the device is synchronised at the end of every
+    step, so each step's time is its own (and a step that captured graphs can be left out: the steady
+    figure), but the device idles while the host prepares the next step; ``"ends"``: only at the end of the
+    warm-up and of the last step, as in a training run, whose host prepares a step while the device still
+    runs the one before (no per-step times then: one window)."""
     import torch
     from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
+            ends = state.global_step in (warmup, state.max_steps)
+            if torch.cuda.is_available() and (step_sync == "each" or ends):
                 torch.cuda.synchronize()
+            if step_sync != "each":
+                if ends:
+                    _window_end(state.global_step == warmup, record)
+                return
             now, tokens = time.perf_counter(), record["counter"].tokens
             if state.global_step == warmup:
                 record["t0"], record["tokens0"] = now, tokens
@@ -106,10 +116,22 @@ def timing_callback(warmup: int, record: dict):
     return Timer()
 
 
+def _window_end(start: bool, record: dict) -> None:
+    """One end of a timing window synchronised only at its ends: its time, tokens and graph captures."""
+    now, tokens = time.perf_counter(), record["counter"].tokens
+    captures = record["captures"]() if "captures" in record else 0
+    if start:
+        record["t0"], record["tokens0"], record["captures0"] = now, tokens, captures
+    else:
+        record["t1"], record["tokens1"] = now, tokens
+        record["window_captures"] = captures - record.get("captures0", 0)
+
+
 def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, budget: int, max_length: int,
             full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None,
             time_profile: bool = False, host_profile: bool = False, load_in_4bit: bool = False,
-            gpu_budget_gb: float | None = None, load_in_fp8: bool = False, deferred_check: bool = False) -> dict:
+            gpu_budget_gb: float | None = None, load_in_fp8: bool = False, deferred_check: bool = False,
+            step_sync: str = "each") -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
     ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
     ``time_profile`` (CUDA): device time by kind of kernel over that step, against its wall time;
@@ -223,7 +245,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         trainer.add_callback(step_context_callback(warmup, lambda: host_time_profile(record)))
     if mode.endswith("_graphs"):
         record["captures"] = lambda: _graph_stats(trainer.model).get("captures", 0)
-    trainer.add_callback(timing_callback(warmup, record))
+    trainer.add_callback(timing_callback(warmup, record, step_sync))
     trainer.train()
     elapsed = record["t1"] - record["t0"]
     tokens = record["tokens1"] - record["tokens0"]
@@ -240,7 +262,9 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 **({"peak_profile": record["peak_profile"]} if "peak_profile" in record else {}),
                 **({"time_profile": record["profile"]} if "profile" in record else {}),
                 **({"host_profile": record["host_profile"]} if "host_profile" in record else {}),
-                **({"graphs": _graph_stats(trainer.model), **_steady_state(record)} if mode.endswith("_graphs") else {}),
+                **({"step_sync": step_sync} if step_sync != "each" else {}),
+                **({"graphs": _graph_stats(trainer.model), **_steady_state(record, tokens / elapsed)}
+                   if mode.endswith("_graphs") else {}),
                 **({"offload": _offload_counts(trainer.model)} if mode.startswith("swiftune") and gc_mode == "offload" else {}))
 
 
@@ -282,9 +306,13 @@ def _offload_counts(model) -> dict:
             "host_pinned_gb": stats.get("host_pinned_bytes", 0) / 1e9}
 
 
-def _steady_state(record: dict) -> dict:
+def _steady_state(record: dict, window_tokens_per_s: float) -> dict:
     """The timed steps that captured no graph (a long run's steps once its token buckets are captured):
-    their tokens/s, and how many timed steps captured."""
+    their tokens/s, and how many timed steps captured. Timed as one window (``step_sync="ends"``): the
+    window's tokens/s when none of its steps captured, else none (how many captures it had instead)."""
+    if "window_captures" in record:
+        n = record["window_captures"]
+        return {"window_captures": n, "steady_tokens_per_s": None if n else window_tokens_per_s}
     steps = record.get("per_step", [])
     steady = [(s, t) for s, t, c in steps if c == 0]
     seconds = sum(s for s, _ in steady)
@@ -328,6 +356,10 @@ def main(argv=None) -> int:
     p.add_argument("--deferred-nonfinite-check", action="store_true",
                    help="swiftune modes: SFTConfig(deferred_nonfinite_check=True), the NaN/inf guards without a "
                         "device sync per step (an A/B against the same command without it)")
+    p.add_argument("--step-sync", choices=["each", "ends"], default="each",
+                   help="each: synchronise the device after every timed step (per-step times; the steady figure "
+                        "leaves out steps that captured graphs); ends: only around the timed window, so the host "
+                        "prepares a step while the device runs the one before, as in training")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
@@ -350,7 +382,7 @@ def main(argv=None) -> int:
                               logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile,
                               host_profile=args.host_profile, load_in_4bit=args.load_in_4bit,
                               gpu_budget_gb=args.gpu_budget_gb, load_in_fp8=args.load_in_fp8,
-                              deferred_check=args.deferred_nonfinite_check)
+                              deferred_check=args.deferred_nonfinite_check, step_sync=args.step_sync)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -370,6 +402,7 @@ def main(argv=None) -> int:
                *(["--load-in-4bit"] if args.load_in_4bit else []),
                *(["--load-in-fp8"] if args.load_in_fp8 else []),
                *(["--deferred-nonfinite-check"] if args.deferred_nonfinite_check else []),
+               *(["--step-sync", args.step_sync] if args.step_sync != "each" else []),
                *(["--gpu-budget-gb", str(args.gpu_budget_gb)] if args.gpu_budget_gb is not None else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())

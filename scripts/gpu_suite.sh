@@ -71,7 +71,7 @@
 #   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth-at C... # Unsloth --4bit GRPO trials at fixed completions, 80 GB budget (carry .shared)
-#   scripts/gpu_suite.sh sft-deferred-busy # the graphed batch-16 step with the deferred check: profiled (with token slots), then timed (~7 min)
+#   scripts/gpu_suite.sh sft-deferred-busy # the graphed batch-16 step with the deferred check: profiled (with token slots), then timed with a sync each step and as one window (~11 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
 #   scripts/gpu_suite.sh grpo-edge [C...] # GRPO's largest completion: the planner's answer +2% / -2.5% (or the lengths C), detached (~17+ min): then grpo-edge-wait
 #   scripts/gpu_suite.sh grpo-pair C0 C1 # (kind nvidia-h200-x2) two GRPO trials side by side, one per GPU, host capped as on one H200; then grpo-pair-wait
@@ -311,7 +311,11 @@ case "$part" in
     run sft_deferred_profile 220 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 64 --warmup 60 \
       --time-profile --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred_profile.json"
     run sft_deferred 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
-      --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json" ;;
+      --deferred-nonfinite-check --modes swiftune_graphs --out "$OUT/sft_graphs_deferred.json"
+    # the same 40 timed steps as one window, synchronised at its ends only (the host prepares a step while the
+    # device runs the one before, as in training): tok/s against the per-step-synchronised run's, same steps
+    run sft_deferred_ends 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
+      --deferred-nonfinite-check --step-sync ends --modes swiftune_graphs --out "$OUT/sft_graphs_deferred_ends.json" ;;
   fp8-g64)  # the FP8 decode step at G=64 only (shared activation quantisation for q/k/v and gate/up) against bf16
     run fp8_g64_bf16 100 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 --no-baselines \
       --no-checks --lora-rows --time-budget 80 --out "$OUT/rollout_g64_bf16.json"

@@ -47,6 +47,20 @@ def test_sft_benchmark_host_profile_of_one_step(tmp_path):
     assert all(r.settings["deferred_nonfinite_check"] for r in assert_rows(out, "sft", {"tokens_per_s"}))
 
 
+def test_sft_benchmark_times_one_window_synchronised_at_its_ends(tmp_path):
+    """--step-sync ends: the timed steps as one window (no device sync between them), said by the row and its
+    results; with graphed layers, the graphs captured inside the window, and a steady figure only without any."""
+    out = tmp_path / "sft_ends.json"
+    run_script("sft.py", "--model", "tiny", "--batch", "2", "--steps", "5", "--warmup", "2", "--modes",
+               "swiftune_graphs", "--max_length", "128", "--step-sync", "ends", "--out", str(out))
+    (row,) = json.loads(out.read_text())
+    assert "error" not in row and row["step_sync"] == "ends" and row["tokens_per_s"] > 0
+    assert row["window_captures"] >= 0 and "steps_capturing" not in row
+    assert row["steady_tokens_per_s"] == (None if row["window_captures"] else row["tokens_per_s"])
+    result_rows = assert_rows(out, "sft", {"tokens_per_s", "window_captures"})
+    assert all(r.settings["step_sync"] == "ends" for r in result_rows)
+
+
 def test_sft_benchmark_full_fine_tuning_trains_every_weight(tmp_path):
     out = tmp_path / "sft_full.json"
     modes = ["hf_padded", "swiftune", "swiftune_budget_offload"]
