@@ -37,6 +37,17 @@ class CountSdpaKernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _counted_step(model) -> tuple:
+    """The parity tests' padding-free step on ``model`` and the fused sdpa kernels it ran (skipped where this
+    CPU torch runs sdpa's math path, which runs no fused kernel to count)."""
+    counter = CountSdpaKernels()
+    with counter:
+        got = _swiftune_step(model, _examples(), "padding_free")
+    if not counter.calls:
+        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    return got, counter.calls
+
+
 @pytest.fixture(scope="module")
 def qwen3_reference():
     base = tiny_model("qwen3", num_hidden_layers=3)
@@ -63,15 +74,11 @@ def test_kept_attention_outputs_give_the_unpatched_models_gradients_and_skip_the
     base, reference, expected = qwen3_reference
     model = _sdpa_model(base, reference, kept, on_host)
     docs, layers = len(_examples()), 3
-    counter = CountSdpaKernels()
-    with counter:
-        got = _swiftune_step(model, _examples(), "padding_free")
-    if not counter.calls:
-        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    got, calls = _counted_step(model)
     _assert_parity(expected, got, _trainable(reference))
     assert set(got[1]) == set(_trainable(reference)), "every adapter gets a gradient"
     # forward: every layer and document; recompute: only the layers that do not keep their outputs
-    assert counter.calls == docs * layers + docs * (layers - kept), counter.calls
+    assert calls == docs * layers + docs * (layers - kept), calls
     stats = offload_stats(model)
     assert stats["attention_output_layers"] == kept
     assert stats["attention_output_layers_on_host"] == (kept if on_host else 0)
@@ -225,18 +232,14 @@ def test_derived_layer_inputs_rerun_their_attention_apart_from_the_kept_outputs(
     per_layer_host = -(-(tokens * 64 * 4) // page) * page
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=4 * per_layer_host, page_bytes=page,
                                    attention_output_layers=6)
-    counter = CountSdpaKernels()
-    with counter:
-        got = _swiftune_step(model, _examples(), "padding_free")
-    if not counter.calls:
-        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    got, calls = _counted_step(model)
     stats = offload_stats(model)
     assert stats["derived"] == (1, 3) and stats["derived_recomputed"] == 2, stats
     # a derived input is the layer before run a second time (no grad), whose float32 sums a many-core CPU may
     # order otherwise than the first run's: 2.3e-5 on one adapter of the 16-core GPU host, 1e-5 here on 2 cores
     _assert_parity(expected, got, _trainable(reference), tol=5e-5)
     docs = len(_examples())
-    assert counter.calls == docs * 6 + docs * 2, counter.calls
+    assert calls == docs * 6 + docs * 2, calls
 
 
 @pytest.mark.parametrize("on_host", [False, True])
@@ -290,16 +293,12 @@ def test_host_room_decides_how_many_layers_keep_their_outputs_on_the_host(qwen3_
     outputs = attention_output_host_bytes(4, 16, tokens, 4, page)
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=inputs + outputs + outputs // 2,
                                    page_bytes=page, attention_output_layers=3, attention_outputs_on_host=True)
-    counter = CountSdpaKernels()
-    with counter:
-        got = _swiftune_step(model, _examples(), "padding_free")
-    if not counter.calls:
-        pytest.skip("F.scaled_dot_product_attention ran no fused kernel on this CPU torch (its math path)")
+    got, calls = _counted_step(model)
     _assert_parity(expected, got, _trainable(reference))
     stats = offload_stats(model)
     assert stats["attention_output_layers_on_host"] == 1 and stats["derived"] == (), stats
     docs = len(_examples())
-    assert counter.calls == docs * 3 + docs * 2, counter.calls
+    assert calls == docs * 3 + docs * 2, calls
     assert attention_layers_on_host(3, None, outputs) == 3 and attention_layers_on_host(3, outputs - 1, outputs) == 0
 
 
