@@ -278,6 +278,27 @@ def test_host_copies_keep_the_bytes_and_strides_of_a_permuted_tensor():
         assert pool.in_use_bytes == 0  # the pages go back to the pool with the copy
 
 
+def test_the_page_pool_unpins_only_what_a_new_page_size_needs():
+    """A step takes pages of several sizes (layer inputs, attention outputs, log-sum-exps). When one size runs
+    short, idle pages of other sizes are unpinned only as many bytes as the new pages take, smallest first:
+    the idle pages the next requests of their own size want stay pinned."""
+    from swiftune.training.offload_memory import PagePool
+
+    pool = PagePool(pin=False)
+    big, small = pool.acquire(4, 4096), pool.acquire(2, 512)
+    pool.release(big, 4096)
+    pool.release(small, 512)
+    assert pool.held_bytes == 4 * 4096 + 2 * 512 and pool.in_use_bytes == 0
+    pages = pool.acquire(1, 1024)  # a new size: the two idle 512-byte pages make room, the 4 KiB ones stay
+    assert pool.held_bytes == 4 * 4096 + 1024 and pool.free_bytes == 4 * 4096
+    assert len(pool.acquire(4, 4096)) == 4 and pool.held_bytes == 4 * 4096 + 1024  # served without pinning
+    pool.release(pages, 1024)
+    pool.acquire(3, 2048)  # 6 KiB of new pages: the idle 1 KiB page and none of the (in-use) 4 KiB ones
+    assert pool.held_bytes == 4 * 4096 + 3 * 2048
+    pool.clear()
+    assert pool.held_bytes == pool.in_use_bytes == 4 * 4096 + 3 * 2048
+
+
 def test_host_room_decides_how_many_layers_keep_their_outputs_on_the_host(qwen3_reference):
     """The host budget holds the offloaded layer inputs first; the attention outputs of the last layers take
     what is left, a layer at a time (the planner's rule), and the others recompute their attention: with room

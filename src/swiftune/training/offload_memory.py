@@ -171,9 +171,8 @@ class PagePool:
     def acquire(self, n: int, page_bytes: int) -> list[torch.Tensor]:
         free = self._free.setdefault(page_bytes, [])
         pages = [free.pop() for _ in range(min(n, len(free)))]
-        if len(pages) < n:  # idle pages of another size (a smaller step) cannot serve: unpin them first
-            for size in [k for k in self._free if k != page_bytes]:
-                self.held_bytes -= len(self._free.pop(size)) * size
+        if len(pages) < n:
+            self._unpin_other_sizes((n - len(pages)) * page_bytes, page_bytes)
         t0 = time.perf_counter()
         try:
             while len(pages) < n:
@@ -189,6 +188,23 @@ class PagePool:
             self.alloc_seconds += time.perf_counter() - t0
         self.in_use_bytes += n * page_bytes
         return pages
+
+    def _unpin_other_sizes(self, nbytes: int, page_bytes: int) -> None:
+        """Unpin idle pages of sizes other than ``page_bytes`` (left by a step of another shape, which cannot
+        serve this request) worth at least ``nbytes``, the pool's held memory staying about what its
+        steps use, smallest pages first. Only that many: one step takes pages of several sizes (a layer
+        input and its attention outputs), and unpinning all the others would make the next step pin them
+        again (slow) as soon as one small tensor changes size."""
+        for size in sorted(k for k in self._free if k != page_bytes):
+            idle = self._free[size]
+            while idle and nbytes > 0:
+                idle.pop()
+                self.held_bytes -= size
+                nbytes -= size
+            if not idle:
+                del self._free[size]
+            if nbytes <= 0:
+                return
 
     def release(self, pages: list[torch.Tensor], page_bytes: int) -> None:
         self._free.setdefault(page_bytes, []).extend(pages)
