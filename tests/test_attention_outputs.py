@@ -359,3 +359,26 @@ def test_attention_outputs_on_host_is_checked_and_budgeted_like_the_planner(qwen
     assert tight.host_bytes <= tight.host_limit and any("recompute them instead" in n for n in tight.notes)
     with pytest.raises(ValueError, match="needs attention_output_layers >= 1"):
         plan_memory("qwen3-8b", T, gradient_checkpointing="offload", attention_outputs_on_host=True)
+
+
+def test_swiftune_plan_takes_the_kept_attention_outputs(capsys):
+    """``swiftune plan --offload_attention_output_layers N [--offload_attention_outputs_on_host]`` plans what
+    ``plan_memory`` does with them (on the host: pinned pages for them, two layers' on the GPU), and refuses
+    them without offloading or without N."""
+    import json
+
+    from swiftune.cli.plan import main_plan
+
+    common = ["--model", "qwen3-8b", "--tokens", "131584", "--gradient_checkpointing", "offload", "--gpu_gb", "80",
+              "--host_gb", "200", "--json"]
+    kw = dict(gradient_checkpointing="offload", gpu_bytes=int(80e9), host_bytes=int(200e9), tiled_mlp=True,
+              lora_dtype_bytes=4, lora_input_casts=True, attention_output_layers=36)
+    for extra, on_host in (([], False), (["--offload_attention_outputs_on_host"], True)):
+        assert main_plan([*common, "--offload_attention_output_layers", "36", *extra]) == 0
+        printed = json.loads(capsys.readouterr().out)["plan"]
+        want = plan_memory("qwen3-8b", 131584, attention_outputs_on_host=on_host, **kw)
+        assert (printed["checkpoints"], printed["host_bytes"]) == (want.checkpoints, want.host_bytes)
+    assert main_plan(["--model", "qwen3-8b", "--offload_attention_output_layers", "2"]) == 2
+    assert "needs gradient_checkpointing='offload'" in capsys.readouterr().err
+    assert main_plan([*common, "--offload_attention_outputs_on_host"]) == 2
+    assert "needs attention_output_layers >= 1" in capsys.readouterr().err

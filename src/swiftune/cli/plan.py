@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2: weights, grads and optimizer states sharded over --world_size (default: DDP, "
                         "replicated)")
+    p.add_argument("--offload_attention_output_layers", type=int, default=0,
+                   help="with --gradient_checkpointing offload: the last N layers keep their sdpa attention outputs "
+                        "through the recompute (as the training commands' flag of the same name)")
+    p.add_argument("--offload_attention_outputs_on_host", action="store_true",
+                   help="with --offload_attention_output_layers N: those outputs in pinned host memory instead")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -107,7 +112,8 @@ def main_plan(argv: list[str] | None = None) -> int:
         autocast=args.autocast, lora_input_casts=args.lora_input_casts or not args.autocast,
         weight_quantization="nf4_double_quant" if args.load_in_4bit else ("fp8" if args.load_in_fp8 else None),
         image_tokens=args.image_tokens, world_size=args.world_size, fsdp=args.fsdp,
-        ranks_per_host=args.ranks_per_host,
+        ranks_per_host=args.ranks_per_host, attention_output_layers=args.offload_attention_output_layers,
+        attention_outputs_on_host=args.offload_attention_outputs_on_host,
     )
     if args.load_in_4bit and args.load_in_fp8:
         print("swiftune plan: choose one of --load_in_4bit and --load_in_fp8", file=sys.stderr)
