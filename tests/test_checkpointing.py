@@ -145,6 +145,24 @@ def test_offloaded_checkpointing_equals_no_checkpointing(family, lora):
     assert offload_stats(model)["host_pinned_bytes"] == 2 * held
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_offloaded_inputs_go_through_pinned_pages_on_the_side_stream():
+    """On CUDA the layer inputs go to pinned pages on the side stream and come back one layer ahead: the loss
+    and every gradient equal the step without checkpointing (float32, the same kernels), in a second step
+    reusing the pool's pages too, with every input offloaded and restored."""
+    model = _model("qwen3", True).cuda()
+    ids = torch.randint(0, 320, (2, STEPS_TOKENS), device="cuda")
+    ref = _step(model, ids)
+    enable_offloaded_checkpointing(model, gpu_budget_bytes=0, page_bytes=4096)
+    _assert_same(ref, _step(model, ids), tol=1e-5)
+    held = offload_stats(model)["host_pinned_bytes"]
+    _assert_same(ref, _step(model, ids), tol=1e-5)
+    stats = offload_stats(model)
+    assert stats["offload"] == (0, 1) and stats["host_pinned_bytes"] == held > 0 and stats["host_in_use_bytes"] == 0
+    assert stats["restored"] == 4  # two layers a step, two steps
+
+
 def test_offload_with_patched_packed_model_and_tiled_mlp():
     """swiftune's patched forwards + packed attention kwargs (position_ids restarting) + tiled MLP."""
     import swiftune
