@@ -77,10 +77,5 @@ class HostAttentionOutputs:
             self._event = None
         return self._restored.pop(0)
 
-    @property
-    def kernel_calls(self) -> int:
-        """Kernel calls stored in the forward."""
-        return len(self._kept)
-
 
 __all__ = ["HostAttentionOutputs"]
