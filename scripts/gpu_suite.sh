@@ -65,7 +65,7 @@
 #   scripts/gpu_suite.sh grpo-bisect-base # the same for transformers, TRL, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~12 min: through scripts/gpu_chain.sh)
-#   scripts/gpu_suite.sh grpo-65k-host # 2 x 65,536, 36 layers keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
+#   scripts/gpu_suite.sh grpo-65k-host [MODEL] # 2 x 65,536, every layer keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -393,23 +393,29 @@ case "$part" in
     # 200 s limit stopped it during its first call)
     [ -d .shared ] && run unsloth_grpo_65k 420 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
       --completion-lengths 65536 --repeats 2 --time-budget 280 --model-dir /tmp/ck8b --out "$OUT/unsloth_grpo_65k.json" ;;
-  grpo-65k-host)  # issue 23's GRPO row at half of Unsloth's GPU memory: every layer input and all 36 layers' kept sdpa
-    # outputs in pinned host memory (~78 GB pinned), then the outputs on the GPU (+38.6 GB) as the same call's
-    # baseline, Unsloth's anchor, and where the GPU-kept step's device time goes (its own process: the profiler's
-    # step is not the timed one); the kept outputs' CUDA tests first (on host: bit-identical to the recompute)
+  grpo-65k-host)  # issue 23's GRPO row at half of Unsloth's GPU memory: every layer input and every layer's kept sdpa
+    # outputs in pinned host memory (~86 GB pinned in all), then the outputs on the GPU (+38.6 GB) as the same
+    # call's baseline, Unsloth's anchor, and where the GPU-kept step's device time goes (its own process: the
+    # profiler's step is not the timed one); the kept outputs' CUDA tests first (on host: bit-identical to the
+    # recompute). [MODEL]: qwen3-8b (default) or llama3-8b (the Llama row)
+    model=${2:-qwen3-8b}
+    layers=$(python3 -c "from benchmarks.workload import shape_of; print(shape_of('$model')['num_hidden_layers'])")
     run attention_outputs_tests 150 python3 -m pytest -q tests/test_attention_outputs.py -p no:cacheprovider
-    run grpo_65k_attn36_host 230 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
-      swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers 36 \
+    run "grpo_65k_attn${layers}_host_$model" 230 python3 -m benchmarks.grpo --bisect-completion --model "$model" \
+      --bisect-modes swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$layers" \
       --attention-outputs-on-host --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 220 \
-      --out "$OUT/grpo_65k_attn36_host.json"
-    run grpo_65k_attn36 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune \
-      --share-prompt --swiftune-checkpointing offload_all --attention-output-layers 36 --completion-lengths 65536 \
-      --fixed-only --trial-repeats 2 --time-budget 190 --out "$OUT/grpo_65k_attn36.json"
-    [ -d .shared ] && run unsloth_grpo_65k 420 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
-      --completion-lengths 65536 --repeats 2 --time-budget 280 --model-dir /tmp/ck8b --out "$OUT/unsloth_grpo_65k.json"
-    run grpo_65k_attn36_profile 160 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
-      swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers 36 --completion-lengths \
-      65536 --fixed-only --profile-completion 65536 --time-budget 150 --out "$OUT/grpo_65k_attn36_profile.json" ;;
+      --out "$OUT/grpo_65k_attn${layers}_host_$model.json"
+    run "grpo_65k_attn${layers}_$model" 200 python3 -m benchmarks.grpo --bisect-completion --model "$model" \
+      --bisect-modes swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$layers" \
+      --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 190 \
+      --out "$OUT/grpo_65k_attn${layers}_$model.json"
+    [ -d .shared ] && run "unsloth_grpo_65k_$model" 420 python3 -m benchmarks.unsloth_grpo --shared .shared \
+      --model "$model" --completion-lengths 65536 --repeats 2 --time-budget 280 --model-dir "/tmp/ck_$model" \
+      --out "$OUT/unsloth_grpo_65k_$model.json"
+    run "grpo_65k_attn${layers}_profile_$model" 160 python3 -m benchmarks.grpo --bisect-completion --model "$model" \
+      --bisect-modes swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$layers" \
+      --completion-lengths 65536 --fixed-only --profile-completion 65536 --time-budget 150 \
+      --out "$OUT/grpo_65k_attn${layers}_profile_$model.json" ;;
   qlora-sft-untiled)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak: every layer input on the host with the
     # MLP untiled (a batch of short rows needs no tiles), against Unsloth --4bit in its own process, one call (carry
     # .shared and .whl; ~9 min)
