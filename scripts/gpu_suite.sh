@@ -47,6 +47,7 @@
 #   scripts/gpu_suite.sh sft-overhead # device time vs wall time of the Qwen3-8B step (batch 16), and the host's
 #                                     # time by library in the 8B and 0.6B steps (~6 min)
 #   scripts/gpu_suite.sh sft-unsloth-graphs [MODEL] # batch 16: swiftune eager + graphed, TRL + Liger, Unsloth, GPU busy of a graphed step (carry .shared; ~9.5 min)
+#   scripts/gpu_suite.sh sft-graphs-memory [MODEL] # batch 16 graphed at <= Unsloth's peak: Unsloth, then swiftune graphed with 256-token loss chunks, and on an 18.4 GB budget (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh sft-untiled [MODEL] # batch 16 and the 16K-token row on 20.7 GB with the MLP untiled, beside Unsloth (carry .shared; ~9.5 min)
 #   scripts/gpu_suite.sh sft-16k-fit [MODEL] # the 16K-token row on a 20.7 GB budget (Unsloth's packed peak), partial offload, beside Unsloth (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh sft-graphs   # graphed decoder layers: CUDA tests, Qwen3-8B batch 16 and 16K-token A/B (~9 min)
@@ -215,6 +216,19 @@ case "$part" in
       --modes trl_liger --out "$OUT/sft_trl_b16_$model.json"
     run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
       --out "$OUT/unsloth_sft_$model.json" ;;
+  sft-graphs-memory)  # the graphed batch-16 row at no more than Unsloth's peak (issue 23: >= 8,000 tok/s at <= its
+    # memory): Unsloth padding-free first (its peak, this call), then swiftune graphed with the deferred check and the
+    # loss in 256-token chunks (the automatic chunk takes 1,024 on a free GPU), then the same on a GPU emulated at
+    # Unsloth's 2026-12-02 peak, 18.4 GB (carry .shared; ~9 min)
+    model=${2:-qwen3-8b}
+    run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
+      --out "$OUT/unsloth_sft_$model.json"
+    run sft_graphs_chunk256 200 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
+      --deferred-nonfinite-check --logit-chunk-tokens 256 --modes swiftune_graphs \
+      --out "$OUT/sft_graphs_chunk256_$model.json"
+    run sft_graphs_18gb 200 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
+      --deferred-nonfinite-check --gpu-budget-gb 18.4 --modes swiftune_graphs \
+      --out "$OUT/sft_graphs_18gb_$model.json" ;;
   unsloth-flow)  # tests/compat/test_unsloth_flow.py: Unsloth's SFT notebook (tiny Qwen3 / Llama, 16-bit and 4-bit)
     # through Unsloth and through swiftune, each in its own process; Unsloth's wheels (carry .shared) go to
     # /tmp/site-unsloth, where the test looks for them (~4 min)
