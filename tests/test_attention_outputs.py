@@ -299,7 +299,7 @@ def test_the_page_pool_unpins_only_what_a_new_page_size_needs():
     assert pool.held_bytes == pool.in_use_bytes == 4 * 4096 + 3 * 2048
 
 
-def test_host_room_decides_how_many_layers_keep_their_outputs_on_the_host(qwen3_reference):
+def test_host_room_decides_how_many_layers_keep_their_outputs_on_the_host(qwen3_reference, caplog):
     """The host budget holds the offloaded layer inputs first; the attention outputs of the last layers take
     what is left, a layer at a time (the planner's rule), and the others recompute their attention: with room
     for one layer's outputs, only the last layer's recompute skips the kernel, and the gradients still equal
@@ -314,10 +314,13 @@ def test_host_room_decides_how_many_layers_keep_their_outputs_on_the_host(qwen3_
     outputs = attention_output_host_bytes(4, 16, tokens, 4, page)
     enable_offloaded_checkpointing(model, gpu_budget_bytes=0, host_budget_bytes=inputs + outputs + outputs // 2,
                                    page_bytes=page, attention_output_layers=3, attention_outputs_on_host=True)
-    got, calls = _counted_step(model)
+    with caplog.at_level("WARNING", logger="swiftune.training.checkpointing"):
+        got, calls = _counted_step(model)
     _assert_parity(expected, got, _trainable(reference))
     stats = offload_stats(model)
     assert stats["attention_output_layers_on_host"] == 1 and stats["derived"] == (), stats
+    said = [r.getMessage() for r in caplog.records if "attention outputs of 1 of the 3 layers" in r.getMessage()]
+    assert len(said) == 1 and "the other 2 recompute their attention" in said[0], caplog.text
     docs = len(_examples())
     assert calls == docs * 3 + docs * 2, calls
     assert attention_layers_on_host(3, None, outputs) == 3 and attention_layers_on_host(3, outputs - 1, outputs) == 0

@@ -72,6 +72,7 @@ CPU pages; with no explicit budget every layer stays "on the device", i.e. plain
 
 from __future__ import annotations
 
+import logging
 import weakref
 from contextlib import nullcontext
 from dataclasses import replace
@@ -100,6 +101,8 @@ from .host_attention_outputs import HostAttentionOutputs
 from .lora_casting import lora_inputs_cast
 from .model_walks import ModelWalkIndex
 from .offload_memory import CheckpointBudgetError, HostCopy, OffloadPlan, PagePool, host_available_bytes, split_layers
+
+logger = logging.getLogger(__name__)
 
 _STATE = "_swiftune_offload_state"  # on the transformers model: the OffloadState
 # on each decoder layer: (state, index), the instance's forward before ours, transformers' flag before ours
@@ -225,6 +228,7 @@ class OffloadState:
         # ... in pinned host memory (host_attention_outputs) instead of on the GPU; those of this plan that do
         self.attention_outputs_on_host = False
         self.host_attention_layers: frozenset[int] = frozenset()
+        self._attention_shortfall: tuple | None = None  # the last (layers on host, input shape) warned of
         # the model's parameters, found once (again on a new adapter set; requires_grad read per call):
         # the GPU budget of every forward reads them, and a walk of the module tree per forward is host time
         self.walks = ModelWalkIndex()
@@ -288,7 +292,15 @@ class OffloadState:
         if not (self.attention_outputs_on_host and self.attention_output_layers):
             return frozenset()
         layer_host = attention_output_host_bytes(*self._attention_shape(x), page_bytes=self.page_bytes)
-        n = attention_layers_on_host(self.attention_output_layers, self.host_budget() - plan.host_bytes, layer_host)
+        room = self.host_budget() - plan.host_bytes
+        n = attention_layers_on_host(self.attention_output_layers, room, layer_host)
+        if n < self.attention_output_layers and (n, x.shape) != self._attention_shortfall:
+            self._attention_shortfall = (n, x.shape)  # said once per shortfall, not every step
+            logger.warning("swiftune offloaded checkpointing: host memory holds the attention outputs of %d of the "
+                           "%d layers asked to keep them (%.2f GB a layer, %.2f GB left beside the offloaded layer "
+                           "inputs); the other %d recompute their attention. Give more host memory "
+                           "(offload_host_budget_bytes) or keep fewer layers.", n, self.attention_output_layers,
+                           layer_host / 1e9, max(0, room) / 1e9, self.attention_output_layers - n)
         return frozenset(range(self.num_layers - n, self.num_layers))
 
     def _reserve(self, x: torch.Tensor, attention_kernel: str | None = None, max_doc_tokens: int | None = None) -> int:
