@@ -1073,7 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_in_4bit and args.load_in_fp8:
         parser.error("--load-in-4bit and --load-in-fp8 are two formats of the same base weights: pick one")
     if args.attention_outputs_on_host and not args.attention_output_layers:
-        parser.error("--attention-outputs-on-host says where kept attention outputs go: add --attention-output-layers N")
+        parser.error("--attention-outputs-on-host says where kept attention outputs go: "
+                     "add --attention-output-layers N")
     tiny = args.model.startswith("tiny")  # the CPU shapes of workload.py (tiny, tiny-moe, tiny-gpt-oss)
     if args.completion_tokens is None:
         args.completion_tokens = 32 if tiny else 4096

@@ -39,7 +39,8 @@ UNITS: dict[str, str] = {
     "saved_bytes_per_token": "B/token", "backward_bytes_per_token": "B/token", "extra_gb": "GB",
     "max_abs_diff": "loss", "mean_abs_diff": "loss", "max_rel_diff": "fraction", "final_loss": "loss",
     "train_s": "s", "device_ms": "ms", "host_ms": "ms", "host_ms_per_step": "ms", "steady_tokens_per_s": "tok/s",
-    "steps_capturing": "steps", "window_captures": "graphs", "reward_first_fifth": "reward", "reward_last_fifth": "reward",
+    "steps_capturing": "steps", "window_captures": "graphs",
+    "reward_first_fifth": "reward", "reward_last_fifth": "reward",
     "profiled_step_wall_ms": "ms", "profiled_step_token_slots": "tokens",
     "profiled_step_captures": "steps",
 }

@@ -284,7 +284,9 @@ class OffloadState:
         together: every keeping layer's on the device, two layers' (restored and prefetched) from the host."""
         if not self.attention_output_layers:
             return 0
-        layers = min(self.attention_output_layers, 2) if self.attention_outputs_on_host else self.attention_output_layers
+        layers = self.attention_output_layers
+        if self.attention_outputs_on_host:
+            layers = min(layers, 2)
         return layers * attention_output_bytes(*self._attention_shape(x))
 
     def _plan_host_attention_layers(self, x: torch.Tensor, plan: OffloadPlan) -> frozenset[int]:
