@@ -550,6 +550,12 @@ def attention_output_host_bytes(heads: int, head_dim: int, tokens: int, activati
             + choose_page_bytes(output, page_bytes))
 
 
+def attention_output_device_layers(layers: int, on_host: bool) -> int:
+    """How many layers' kept attention outputs the device holds at once: every keeping layer's, or, kept on the
+    host, two (the layer in backward and the prefetched one)."""
+    return min(int(layers), 2) if on_host else int(layers)
+
+
 def attention_layers_on_host(layers: int, host_room_bytes: int | None, layer_host_bytes: int) -> int:
     """How many of the ``layers`` that keep their attention outputs keep them on the host: as many as
     ``host_room_bytes`` (what the host budget leaves beside the offloaded layer inputs; ``None``: no
@@ -721,9 +727,8 @@ def plan_memory(
         transfer = 2 * per_layer  # the restored layer input and the prefetched one
         # attention outputs the last layers keep from their forward to their backward (set aside first);
         # kept on the host, the GPU holds two layers' restored ones at a time
-        gpu_attention_layers = min(int(attention_output_layers), 2) if attention_outputs_on_host \
-            else int(attention_output_layers)
-        kept_attention = gpu_attention_layers * attention_output_bytes(shape.heads, shape.head_dim, T, dtype_bytes)
+        kept_attention = (attention_output_device_layers(attention_output_layers, attention_outputs_on_host)
+                          * attention_output_bytes(shape.heads, shape.head_dim, T, dtype_bytes))
         if gpu_bytes is None:
             kept = 0
         else:
@@ -833,6 +838,7 @@ def max_tokens(model_config: Any, gpu_bytes: int, lora_rank: int = 16, *, hi: in
 __all__ = [
     "QUANTIZED_WEIGHT_BYTES",
     "attention_layers_on_host",
+    "attention_output_device_layers",
     "attention_output_host_bytes",
     "fp8_scale_bytes",
     "host_share_bytes",

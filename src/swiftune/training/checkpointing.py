@@ -90,7 +90,8 @@ from ..attention.kept_outputs import (apart_from_kept_attention_outputs, attenti
 from ..losses.chunking import free_gpu_bytes, gpu_capacity_bytes
 from ..memory import model_shape, step_reserve
 from ..memory.planner import (PAGE_BYTES, TrainSetup, attention_layers_on_host, attention_output_bytes,
-                              attention_output_host_bytes, choose_page_bytes, offload_margin_bytes)
+                              attention_output_device_layers, attention_output_host_bytes, choose_page_bytes,
+                              offload_margin_bytes)
 from ..models.families import decoder_layers_whose_mlp_feeds_only_the_residual
 from ..models.patching import attention_is_plain, causal_lm_of
 from ..models.qwen3_vl import adds_its_own_deepstack
@@ -146,8 +147,7 @@ class LayerInput:
 
     # -- transfers
     def _offload(self, state: "OffloadState", x: torch.Tensor) -> None:
-        page = state.page_bytes_for(x.numel() * x.element_size())
-        self._copy = HostCopy(state.pool, x, page, state.side_stream(x.device))
+        self._copy = HostCopy(state.pool, x, state.page_bytes, state.side_stream(x.device))
 
     def prefetch(self) -> None:
         """Start the host -> GPU copy (side stream) unless it is on the GPU already; the layer's attention
@@ -233,9 +233,6 @@ class OffloadState:
         # the GPU budget of every forward reads them, and a walk of the module tree per forward is host time
         self.walks = ModelWalkIndex()
 
-    def page_bytes_for(self, nbytes: int) -> int:
-        return choose_page_bytes(nbytes, self.page_bytes)
-
     def side_stream(self, device: torch.device):
         if device.type != "cuda":
             return None
@@ -284,9 +281,7 @@ class OffloadState:
         together: every keeping layer's on the device, two layers' (restored and prefetched) from the host."""
         if not self.attention_output_layers:
             return 0
-        layers = self.attention_output_layers
-        if self.attention_outputs_on_host:
-            layers = min(layers, 2)
+        layers = attention_output_device_layers(self.attention_output_layers, self.attention_outputs_on_host)
         return layers * attention_output_bytes(*self._attention_shape(x))
 
     def _plan_host_attention_layers(self, x: torch.Tensor, plan: OffloadPlan) -> frozenset[int]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from ..memory.planner import choose_page_bytes
 from .offload_memory import HostCopy
 
 
@@ -40,8 +39,7 @@ class HostAttentionOutputs:
         if isinstance(value, torch.Tensor):
             if value.is_floating_point() and value.numel():
                 self._device = value.device
-                page = choose_page_bytes(value.numel() * value.element_size(), self._page_bytes)
-                return HostCopy(self._pool, value, page, self._stream)
+                return HostCopy(self._pool, value, self._page_bytes, self._stream)
             return value.detach()
         return value
 

@@ -240,7 +240,9 @@ def _storage_bytes(x: torch.Tensor) -> torch.Tensor:
 class HostCopy:
     """One tensor's bytes in host pages of a :class:`PagePool`, from the forward to the backward.
 
-    The constructor starts the copy: on ``stream`` (CUDA) after the work already queued on the compute
+    The bytes go to pages of ``page_bytes``, or of the next power of two of a smaller tensor
+    (:func:`~swiftune.memory.planner.choose_page_bytes`, the planner's rule). The constructor starts the
+    copy: on ``stream`` (CUDA) after the work already queued on the compute
     stream, which produces ``x``, with ``x``'s block kept from the allocator until the copy has run; at
     once where ``stream`` is ``None`` (CPU tensors). :meth:`restore` copies the bytes back into a new
     tensor of ``x``'s shape, dtype, device and strides (a kernel may read a permuted layout, e.g. an
@@ -256,7 +258,7 @@ class HostCopy:
         self._like = torch.empty_like(src, device="meta")  # shape, dtype and strides, no memory
         self.device = src.device
         self.nbytes = src.numel() * src.element_size()
-        self.page_bytes = page_bytes
+        self.page_bytes = page_bytes = choose_page_bytes(self.nbytes, page_bytes)
         self._pages = pool.acquire(pages_for(self.nbytes, page_bytes), page_bytes)
         weakref.finalize(self, pool.release, self._pages, page_bytes)  # back to the pool when done
         flat = _storage_bytes(src)
