@@ -74,6 +74,48 @@ def test_bad_values_and_config_fields_end_in_one_line(capsys):
     assert "unexpected argument 'stray'" in one_line_error(capsys)
 
 
+def _refuse_model_loads(monkeypatch) -> None:
+    import swiftune.cli.grpo as grpo_cli
+
+    def build_model(*args, **kwargs):
+        raise AssertionError("the model was built before the configuration error")
+
+    monkeypatch.setattr(grpo_cli, "build_model", build_model)
+
+
+def test_grpo_rewards_and_warm_up_of_the_users_run_are_checked_before_loading(tmp_path, monkeypatch, capsys):
+    # the user's dataset is never scored by the toy task's reward without a word
+    _refuse_model_loads(monkeypatch)
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    assert main(["grpo", "--dataset", str(data)]) == 2
+    line = one_line_error(capsys)
+    assert f"--dataset {data}: name the reward functions" in line and "--reward_funcs" in line
+    # a warm-up that only the built-in model and task take is refused with a model or dataset of the user's
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    assert main(["grpo", "--model_name_or_path", str(model_dir), "--sft_warmup_steps", "5"]) == 2
+    assert "--sft_warmup_steps 5: the SFT warm-up trains the built-in tiny model" in one_line_error(capsys)
+    assert main(["grpo", "--dataset", str(data), "--reward_funcs", "exact_match", "--sft_warmup_steps", "5"]) == 2
+    assert "and --dataset replaces it" in one_line_error(capsys)
+    # one weight per function, before the model loads
+    assert main(["grpo", "--reward_funcs", "reverse,exact_match", "--reward_weights", "1"]) == 2
+    assert "--reward_weights gives 1 weights for 2 reward functions" in one_line_error(capsys)
+
+
+def test_grpo_command_defaults_of_the_reward_and_warm_up():
+    from swiftune.cli.grpo import builtin_warmup_steps, command_reward_spec, parse_grpo_args
+
+    model_args, _, builtin = parse_grpo_args([])
+    assert (command_reward_spec(model_args), builtin_warmup_steps(model_args, builtin)) == ("reverse", 60)
+    model_args, _, builtin = parse_grpo_args(["--sft_warmup_steps", "0"])
+    assert builtin_warmup_steps(model_args, builtin) == 0
+    model_args.dataset = "rows.jsonl"  # the user's rows: no warm-up unless asked, and then refused
+    assert builtin_warmup_steps(model_args, True) == 0
+    model_args.reward_funcs = "final_answer"
+    assert command_reward_spec(model_args) == "final_answer"
+
+
 def test_none_means_no_limit_on_the_command_line():
     from swiftune.cli.grpo import parse_grpo_args
 

@@ -41,13 +41,16 @@ _ALPHABET = "abcdefgh"
 class GRPOModelArguments(ModelArguments):
     """The options of ``swiftune sft``'s model arguments, plus rewards and the built-in warm-up."""
 
-    reward_funcs: str = field(
-        default="reverse",
+    reward_funcs: str | None = field(
+        default=None,
         metadata={"help": "Comma-separated reward functions: built-in names (reverse, exact_match, final_answer) "
-                          "or module:function import paths, or path/to/file.py:function."},
+                          "or module:function import paths, or path/to/file.py:function. Required with "
+                          "--dataset; without one the built-in reversal task uses reverse."},
     )
-    sft_warmup_steps: int = field(
-        default=60, metadata={"help": "Built-in task only: SFT steps on the task before GRPO (0: none)."}
+    sft_warmup_steps: int | None = field(
+        default=None,
+        metadata={"help": "Built-in model and task only: SFT steps on the reversal task before GRPO (0: none; "
+                          "unset: 60 there, none elsewhere)."},
     )
 
 
@@ -200,26 +203,59 @@ def sft_warmup(model, tokenizer, rows: list[dict], steps: int, output_dir: str, 
     SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train()
 
 
+BUILTIN_WARMUP_STEPS = 60  # enough SFT for the tiny model to answer in the task's format
+
+
+def builtin_warmup_steps(model_args: GRPOModelArguments, builtin: bool) -> int:
+    """The SFT warm-up's steps: ``--sft_warmup_steps`` where it applies (the built-in model on the
+    built-in task), :data:`BUILTIN_WARMUP_STEPS` there when unset, else 0. A warm-up asked for where it
+    cannot apply (a model of the user's, or the user's dataset) raises :class:`ConfigError`: it would
+    otherwise be skipped without a word."""
+    steps = model_args.sft_warmup_steps
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
+        raise ConfigError(f"--sft_warmup_steps {steps!r}: must be a whole number of steps >= 0 (0: no warm-up)")
+    applies = builtin and model_args.dataset is None
+    if steps is None:
+        return BUILTIN_WARMUP_STEPS if applies else 0
+    if steps > 0 and not applies:
+        given = "--model_name_or_path" if not builtin else "--dataset"
+        raise ConfigError(f"--sft_warmup_steps {steps}: the SFT warm-up trains the built-in tiny model on the "
+                          f"built-in reversal task, and {given} replaces it; drop --sft_warmup_steps (or "
+                          "warm your model up with swiftune sft first)")
+    return steps
+
+
+def command_reward_spec(model_args: GRPOModelArguments) -> str:
+    """``--reward_funcs``, or ``reverse`` on the built-in reversal rows. The user's dataset needs its
+    own: the toy task's reward would score its completions against whatever ``answer`` column it has
+    (or fail at the first rollout without one), so it is refused before any model loads."""
+    if model_args.reward_funcs is not None:
+        return model_args.reward_funcs
+    if model_args.dataset is None:
+        return "reverse"
+    raise ConfigError(f"--dataset {model_args.dataset}: name the reward functions that score its completions "
+                      "with --reward_funcs (built-in exact_match or final_answer against an 'answer' column, "
+                      "module:function, or path/to/file.py:function; comma-separated for several)")
+
+
 def run_grpo(argv: list[str]) -> int:
     """``swiftune grpo``: train, save, and report the reward of the first and last fifth."""
     from ..rl import GRPOTrainer
 
     model_args, config, builtin = parse_grpo_args(argv)
-    warmup = model_args.sft_warmup_steps
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ConfigError(f"--sft_warmup_steps {warmup!r}: must be a whole number of steps >= 0 (0: no warm-up)")
-    if builtin and model_args.sft_warmup_steps > 0 and model_args.dataset is not None:
-        raise ConfigError("--sft_warmup_steps applies to the built-in task; pass --sft_warmup_steps 0 with "
-                          "--dataset")
+    warmup_steps = builtin_warmup_steps(model_args, builtin)
     # resolved before any model is built, so that a mistyped reward function costs no model load
-    reward_funcs = resolve_reward_funcs(model_args.reward_funcs)
+    reward_funcs = resolve_reward_funcs(command_reward_spec(model_args))
+    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
+        raise ConfigError(f"--reward_weights gives {len(config.reward_weights)} weights for {len(reward_funcs)} "
+                          "reward functions: give one weight per --reward_funcs entry, in the same order")
     rows = load_rows(model_args.dataset, model_args.dataset_split, builtin_reverse_dataset)
 
     def warm_up(model, tokenizer) -> None:
-        if model_args.sft_warmup_steps > 0:
-            print(f"swiftune grpo: SFT warm-up, {model_args.sft_warmup_steps} steps on the reversal task")
+        if warmup_steps > 0:
+            print(f"swiftune grpo: SFT warm-up, {warmup_steps} steps on the reversal task")
             sft_warmup(model, tokenizer, builtin_reverse_dataset(num_rows=2000, seed=config.seed + 1),
-                       model_args.sft_warmup_steps, config.output_dir, config.seed, config.disable_tqdm)
+                       warmup_steps, config.output_dir, config.seed, config.disable_tqdm)
 
     model, tokenizer, use_lora = build_model(model_args, config, builtin, prepare_builtin=warm_up)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
