@@ -276,6 +276,12 @@ def test_check_under_the_interpreter_compares_triton_with_the_reference(capsys):
         assert any(line.startswith(name + " ") and line.rstrip().endswith("ok") for line in out.splitlines()), name
 
 
+@pytest.mark.parametrize("tolerance", ["-1", "0", "nan", "inf"])
+def test_check_refuses_a_tolerance_nothing_can_pass_or_fail(tolerance, capsys):
+    assert main(["check", "--tolerance", tolerance]) == 2
+    assert f"--tolerance {float(tolerance):g}: give a relative error > 0" in capsys.readouterr().err
+
+
 def test_check_finds_a_kernel_that_differs(monkeypatch, capsys):
     """What `check` compares is not the reference with itself: a perturbed reference fails."""
     import swiftune.kernels as kernels

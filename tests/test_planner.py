@@ -208,6 +208,27 @@ def test_cli_prints_table_and_max_tokens(capsys, tmp_path):
     assert main_plan(["--model", "no-such-model"]) == 2
 
 
+def test_cli_refuses_what_training_refuses_and_files_that_are_not_configs(capsys, tmp_path):
+    base = ["--model", "qwen3-8b", "--tokens", "8192", "--gradient_checkpointing", "offload"]
+    assert main_plan(base + ["--offload_attention_output_layers", "36"]) == 0
+    capsys.readouterr()
+    for layers in ("37", "-2"):  # training's check: 0..36 for this model; the plan counted 100 or -2 layers
+        assert main_plan(base + ["--offload_attention_output_layers", layers]) == 2
+        err = capsys.readouterr().err
+        assert "from 0 (keep none) to the model's 36 decoder layers" in err and f"got {layers}" in err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert main_plan(["--model", str(rows)]) == 2
+    assert "rows.jsonl is not a model's config.json" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text('{"lr": 1}')
+    assert main_plan(["--model", str(other)]) == 2
+    assert "the model config has no hidden_size" in capsys.readouterr().err
+    other.write_text('[1, 2]')
+    assert main_plan(["--model", str(other)]) == 2
+    assert "holds a JSON list, not a model's config.json" in capsys.readouterr().err
+
+
 def test_cli_flex_attention_keeps_kv_heads_and_bf16_dq(capsys):
     """--flex_attention: the working set loses the K/V expansion and the float32 dq accumulator,
     per token 2 x 2 (dq - dkv) b + dq 4 on the attention phase (Qwen3-8B: 2 x 2 x 3072 x 2 + 4096 x 4)."""

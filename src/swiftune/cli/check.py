@@ -93,6 +93,10 @@ def run_check(argv: list[str]) -> int:
                         help="largest relative error (norm of the difference / norm of the reference) that passes")
     parser.add_argument("--under-interpreter", action="store_true", help=argparse.SUPPRESS)  # the re-run
     args = parser.parse_args(argv)
+    if not 0 < args.tolerance < float("inf"):  # NaN too: every comparison with it is false
+        print(f"swiftune check: --tolerance {args.tolerance:g}: give a relative error > 0 (default 1e-5)",
+              file=sys.stderr)
+        return 2
 
     import torch
 

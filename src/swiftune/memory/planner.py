@@ -655,6 +655,11 @@ def plan_memory(
     shape = model_shape(model_config)
     s = _setup(lora_rank, full_finetune, dtype_bytes, logit_chunk_tokens, setup)
     name = model_config if isinstance(model_config, str) else shape.model_type
+    if (isinstance(attention_output_layers, bool) or not isinstance(attention_output_layers, int)
+            or not 0 <= attention_output_layers <= shape.layers):
+        # the runtime's check (attention.kept_outputs.check_attention_output_layers), which this leaf cannot import
+        raise ValueError(f"attention_output_layers must be an int from 0 (keep none) to the model's {shape.layers} "
+                         f"decoder layers (keep every layer's), got {attention_output_layers!r}")
     if image_tokens < 0 or image_tokens > tokens:
         raise ValueError(f"image_tokens must be between 0 and tokens ({tokens}): the image tokens are part of the "
                          f"step's tokens, got {image_tokens}")

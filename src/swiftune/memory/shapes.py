@@ -165,6 +165,9 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
 
+_REQUIRED_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 def model_shape(model_config: Any) -> ModelShape:
     """A :class:`ModelShape` from a transformers config, a dict of its fields, a known name
     (``"qwen3-8b"``, see :data:`KNOWN_MODELS`), or a path to a ``config.json`` (or its folder).
@@ -184,6 +187,10 @@ def model_shape(model_config: Any) -> ModelShape:
         if vision is not None and cfg.get("tie_word_embeddings") is not None:
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]  # Qwen3-VL ties by the composite's flag
         cfg = text
+    missing = [k for k in _REQUIRED_CONFIG_KEYS if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"the model config has no {', '.join(missing)}: the planner needs a decoder's config "
+                         f"(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, vocab_size)")
     mt = str(cfg.get("model_type", "llama"))
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -259,8 +266,16 @@ def _config_dict(model_config: Any) -> dict[str, Any]:
                 f"unknown model {model_config!r}: give a config.json path, a model folder, or one of "
                 f"{', '.join(KNOWN_MODELS)}"
             )
-        with open(path) as f:
-            return json.load(f)
+        try:
+            with open(path) as f:
+                loaded = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a model's config.json ({e}); give a config.json path, a model folder, "
+                             f"or one of {', '.join(KNOWN_MODELS)}") from e
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path} holds a JSON {type(loaded).__name__}, not a model's config.json (an object "
+                             "with hidden_size, num_hidden_layers, ...)")
+        return loaded
     if isinstance(model_config, Mapping):
         return dict(model_config)
     to_dict = getattr(model_config, "to_dict", None)
