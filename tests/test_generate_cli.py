@@ -32,11 +32,41 @@ def test_generate_greedy_engines_agree_with_transformers(capsys):
     torch.manual_seed(5)
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3")).eval()
-    for p, row in zip(prompts, fast):
+    for p, row, slow_row in zip(prompts, fast, slow):
         ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])
-        out = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=tok.pad_token_id)
-        assert tok.decode(out[0, ids.shape[1]:]) == row["completion"]
-        assert row["tokens"] == 6 and row["mean_logprob"] == 0.0
+        out = model.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=tok.pad_token_id,
+                             output_logits=True, return_dict_in_generate=True)
+        assert tok.decode(out.sequences[0, ids.shape[1]:]) == row["completion"]
+        # greedy records each token's log-prob at temperature 1 (it was 0.0: greedy ran as top_k=1)
+        new = out.sequences[0, ids.shape[1]:]
+        logps = [torch.log_softmax(step[0].float(), -1)[t] for step, t in zip(out.logits, new)]
+        want = float(torch.stack(logps).mean())
+        assert want < -0.01
+        assert row["tokens"] == 6 and row["mean_logprob"] == pytest.approx(want, abs=1e-4)
+        assert slow_row["mean_logprob"] == pytest.approx(want, abs=1e-4)
+
+
+def test_generate_tokenizes_and_stops_chat_and_plain_prompts_as_grpo_does(capsys):
+    from swiftune.rl import GRPOConfig, GRPOTrainer
+
+    tok = build_tokenizer()
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>")
+    # a chat prompt through the chat template (transformers 5 returns a BatchEncoding when tokenizing: it crashed)
+    chat = run(capsys, "--chat", "--prompt", "Reverse: abc", "--max_tokens", "3", "--json", "--temperature", "0")
+    assert len(chat) == 1 and chat[0]["tokens"] >= 1
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"))
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=GRPOConfig(output_dir="unused", report_to="none", num_generations=2,
+                                          per_device_train_batch_size=2, use_cpu=True),
+                          train_dataset=[{"prompt": "x"}], processing_class=tok)
+    from swiftune.rl.batching import generation_stop_ids, prompt_token_ids
+
+    message = [{"role": "user", "content": "Reverse: abc"}]
+    assert prompt_token_ids(tok, message) == trainer.tokenize_prompt(message)
+    assert generation_stop_ids(tok, model, True) == trainer.stop_token_ids(True)
+    assert generation_stop_ids(tok, model, False) == trainer.stop_token_ids(False)
+    assert end_of_turn in trainer.stop_token_ids(True) and end_of_turn not in trainer.stop_token_ids(False)
 
 
 def test_generate_fused_layers_gives_the_same_samples(capsys):
@@ -189,11 +219,10 @@ PENALTY = 1.5
 def transformers_greedy(path: str, penalty: float) -> list[str]:
     """The reference: the unpatched saved model's own greedy generate of PENALTY_PROMPTS with its
     repetition penalty (transformers' RepetitionPenaltyLogitsProcessor over the prompt and the tokens
-    so far), 10 new tokens, stopping at the CLI's stop tokens."""
+    so far), 10 new tokens, stopping at the end of sequence."""
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    stops = sorted({i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"))
-                    if isinstance(i, int) and i != tok.unk_token_id})
+    stops = [tok.eos_token_id]  # a plain prompt stops at the end of sequence only, as in GRPO on plain prompts
     out = []
     for p in PENALTY_PROMPTS:
         ids = torch.tensor([tok(p, add_special_tokens=False)["input_ids"]])

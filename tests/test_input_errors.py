@@ -39,6 +39,7 @@ def test_reward_exception_names_function_and_row():
         compute_rewards([length_reward, parse_answer], PROMPTS, COMPLETIONS, IDS, {"answer": list("wxyz")},
                         group_size=2, trainer_state=None)
     assert isinstance(info.value.__cause__, ZeroDivisionError)  # the original is chained
+    assert "traceback is chained to this error (swiftune's commands print it with --traceback)" in str(info.value)
 
 
 def test_async_reward_exception_is_wrapped():
@@ -193,3 +194,31 @@ def test_json_rows_that_are_not_objects_are_named(tokenizer, tmp_path):
     path.write_text('{"text": "one"}\n"two"\n')
     with pytest.raises(DataFormatError, match=r"rows.jsonl:2 is a JSON str, not an object"):
         prepare_dataset(str(path), tokenizer)
+
+
+# ----------------------------------------------------------------------------- GRPO prompts
+
+@pytest.mark.parametrize("bad, needle", [
+    ("", "row 2: the prompt is empty"),
+    ("   ", "row 2: the prompt is empty"),
+    ([], "row 2: the prompt is empty"),
+    (None, "row 2: a prompt must be a string or a list of messages"),
+    ([{"content": "no role"}], "row 2: a prompt must be a string or a list of messages"),
+])
+def test_grpo_prompts_are_checked_when_the_trainer_is_made(tokenizer, bad, needle):
+    """A bad prompt is named by its row when the trainer is built, not when its generation comes
+    (an empty one failed steps later, without the row, and lost the run's model)."""
+    from transformers import AutoModelForCausalLM
+
+    from swiftune.data import tiny_model_config
+    from swiftune.rl import GRPOTrainer
+
+    rows = [{"prompt": "a"}, {"prompt": [{"role": "user", "content": "b"}]}, {"prompt": bad}]
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"))
+    args = GRPOConfig(output_dir="unused", report_to="none", num_generations=2, per_device_train_batch_size=2,
+                      use_cpu=True)
+    with pytest.raises(ValueError, match=needle):
+        GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=rows, processing_class=tokenizer)
+    with pytest.raises(ValueError, match=needle.replace("row 2", "eval_dataset row 2")):
+        GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=rows[:2], eval_dataset=rows,
+                    processing_class=tokenizer)

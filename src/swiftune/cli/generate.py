@@ -74,6 +74,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     import torch
 
     from ..data import build_tokenizer, tiny_model_config
+    from ..rl.batching import generation_stop_ids, prompt_token_ids
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
     from ..rl.rollout.protocol import check_num_generations, check_sampling_values
 
@@ -105,20 +106,14 @@ def main_generate(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model(base, adapter, args.dtype)
     model.eval()
     prompts = args.prompt or ["Reverse: abc\n"]
-    if args.chat:
-        prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                    tokenize=True) for p in prompts]
-        prompt_ids = [ids["input_ids"] if isinstance(ids, dict) else list(ids) for ids in prompt_ids]
-    else:
-        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    stop_ids = sorted({i for i in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-                       if isinstance(i, int) and i != tokenizer.unk_token_id})
-    greedy = args.temperature <= 0
-    # temperature 0 means greedy: top_k=1 picks the most likely token; a positive temperature keeps
-    # the sampling log-probabilities finite
-    params_kw = dict(max_tokens=args.max_tokens, temperature=1.0 if greedy else args.temperature,
-                     top_p=args.top_p, top_k=1 if greedy else args.top_k, min_p=args.min_p, stop_token_ids=stop_ids,
-                     repetition_penalty=args.repetition_penalty)  # before top_k=1: greedy on the penalised logits
+    # as GRPO tokenizes and stops its prompts: a chat prompt through the chat template, stopping at the end
+    # of turn too; a plain one as it is, stopping at the end of sequence only
+    rows = [[{"role": "user", "content": p}] for p in prompts] if args.chat else prompts
+    prompt_ids = [prompt_token_ids(tokenizer, row) for row in rows]
+    stop_ids = generation_stop_ids(tokenizer, model, conversational=args.chat)
+    # temperature 0 is greedy: the engines take the argmax and record log-probs at temperature 1
+    params_kw = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                     min_p=args.min_p, stop_token_ids=stop_ids, repetition_penalty=args.repetition_penalty)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if args.engine == "fast":
         from ..rl.rollout import FastRolloutEngine, FastSamplingParams

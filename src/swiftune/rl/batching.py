@@ -52,11 +52,54 @@ class EpochLoader(torch.utils.data.DataLoader):
         self.batch_sampler.set_epoch(epoch)
 
 
+# End-of-turn tokens of common chat templates: stop tokens for conversational prompts when present.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
 def prompt_rows_of(data: Any, what: str) -> Sequence[Any]:
+    """The rows of ``data``, each with a non-empty ``prompt`` (a string or a list of messages); a row
+    without one raises a ``ValueError`` naming it here, not when its generation comes."""
     rows = load_rows(data)
     if len(rows) == 0 or "prompt" not in rows[0]:
         raise ValueError(f"{what} rows need a 'prompt' column (a string or a list of messages)")
+    # a datasets.Dataset gives the column without reading the other columns' rows
+    prompts = rows["prompt"] if hasattr(rows, "column_names") else (row.get("prompt") for row in rows)
+    for i, prompt in enumerate(prompts):
+        if not (isinstance(prompt, str) or is_conversational(prompt)):
+            raise ValueError(f"{what} row {i}: a prompt must be a string or a list of messages (dicts with a "
+                             f"'role'), got {type(prompt).__name__} {prompt!r:.80}")
+        if not (prompt.strip() if isinstance(prompt, str) else prompt):
+            raise ValueError(f"{what} row {i}: the prompt is empty ({prompt!r}); give each row a prompt or drop "
+                             "the row")
     return rows
+
+
+def prompt_token_ids(tokenizer: Any, prompt: Any, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of one prompt as the policy sees it: a string as it is (no special tokens added), a list
+    of messages through the tokenizer's chat template with the generation prompt (and
+    ``chat_template_kwargs``)."""
+    if is_conversational(prompt):
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        raise ValueError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def generation_stop_ids(tokenizer: Any, model: Any, conversational: bool, extra: Any = None) -> list[int]:
+    """The token ids that end a completion: the tokenizer's and the model's generation config's end of
+    sequence, ``extra`` (``stop_token_ids``), and for conversational prompts the chat template's end of
+    turn (:data:`END_OF_TURN_TOKENS` the vocabulary has). A plain-text prompt does not stop at an end of
+    turn, as in training on plain prompts."""
+    ids = set(as_int_list(tokenizer.eos_token_id))
+    ids |= set(as_int_list(getattr(getattr(model, "generation_config", None), "eos_token_id", None)))
+    ids |= set(as_int_list(extra))
+    if conversational:
+        vocab = tokenizer.get_vocab()
+        ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    return sorted(ids)
 
 
 def collate_prompt_rows(rows: list) -> dict[str, list]:

@@ -197,13 +197,17 @@ def _raised_error(
     if row is None:
         return RewardFunctionError(
             f"reward function {name!r} raised {what} on the batch of {n} completions (called again on one "
-            f"completion at a time, {unknown}); see the exception above"
+            f"completion at a time, {unknown}); {_TRACEBACK_HINT}"
         )
     prompt, completion = call_kwargs["prompts"][row], call_kwargs["completions"][row]
     return RewardFunctionError(
         f"reward function {name!r} raised {what} on {_where(row, group_size)} (the first row that raises it "
-        f"when called alone): prompt {prompt!r:.80}, completion {completion!r:.80}; see the exception above"
+        f"when called alone): prompt {prompt!r:.80}, completion {completion!r:.80}; {_TRACEBACK_HINT}"
     )
+
+
+# where the original error's traceback is: chained to this one (a command line prints only the message)
+_TRACEBACK_HINT = "its traceback is chained to this error (swiftune's commands print it with --traceback)"
 
 
 def check_reward_values(name: str, values: Any, num_completions: int, group_size: int = 1) -> list[float]:

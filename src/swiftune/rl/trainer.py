@@ -45,8 +45,8 @@ from ..training.router_aux import RouterAuxLoss
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
 from .aggregation import normalize_then_sum
-from .batching import (GenerationBatchSampler, as_int_list, collate_prompt_rows, EpochLoader, is_conversational,
-                       prompt_rows_of)
+from .batching import (GenerationBatchSampler, collate_prompt_rows, EpochLoader, generation_stop_ids,
+                       is_conversational, prompt_rows_of, prompt_token_ids)
 from .checkpoint import load_rollout_state, save_rollout_state
 from .completions_log import RewardLogs, completion_rows, print_completions
 from .evaluation import evaluate_rewards
@@ -62,10 +62,6 @@ from .rollout.fast import SUPPORTED
 from .rollout.vision_fast import VISION_FAST_TYPES, VisionFastRolloutEngine
 
 logger = logging.getLogger(__name__)
-
-# End-of-turn tokens of common chat templates: stop tokens for conversational prompts when present.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
-
 
 @dataclass
 class GRPOMicroBatch:
@@ -286,27 +282,13 @@ class GRPOTrainer(SwiftuneTrainer):
 
     def stop_token_ids(self, conversational: bool) -> list[int]:
         tok = self.vision.tokenizer if self.vision is not None else self.processing_class
-        ids = set(as_int_list(tok.eos_token_id))
-        gen = getattr(self.model, "generation_config", None)
-        ids |= set(as_int_list(getattr(gen, "eos_token_id", None)))
-        ids |= set(as_int_list(self.args.stop_token_ids))
-        if conversational:
-            vocab = tok.get_vocab()
-            ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
-        return sorted(ids)
+        return generation_stop_ids(tok, self.model, conversational, self.args.stop_token_ids)
 
     def tokenize_prompt(self, prompt: Any, chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of ``prompt`` (chat template with the config's ``chat_template_kwargs``, updated
         by the row's own, for conversational prompts); longer than ``max_prompt_length``: the end."""
-        tok = self.processing_class
-        if is_conversational(prompt):
-            extra = {**(self.args.chat_template_kwargs or {}), **(chat_template_kwargs or {})}
-            text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True, **extra)
-        elif isinstance(prompt, str):
-            text = prompt
-        else:
-            raise ValueError(f"a prompt must be a string or a list of messages, got {type(prompt).__name__}")
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        ids = prompt_token_ids(self.processing_class, prompt,
+                               {**(self.args.chat_template_kwargs or {}), **(chat_template_kwargs or {})})
         if self.args.max_prompt_length is not None and len(ids) > self.args.max_prompt_length:
             if not self._said_prompt_cut:  # once a run: the cut changes what the policy sees
                 self._said_prompt_cut = True
