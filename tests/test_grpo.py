@@ -847,18 +847,34 @@ def test_killed_run_resumes_to_the_same_weights(tokenizer, tmp_path, num_iterati
                            rollout_engine=FixedEngine(), callbacks=list(callbacks))
 
     full = add_lora(tiny_model(seed=12))
-    trainer_for(tmp_path / "full", full).train()
+    full_trainer = trainer_for(tmp_path / "full", full)
+    full_trainer.train()
     killed_at = common["save_steps"] + 1
     trainer = trainer_for(tmp_path / "killed", add_lora(tiny_model(seed=12)), [KillAt(killed_at)])
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert (tmp_path / "killed" / f"checkpoint-{common['save_steps']}").is_dir()
     resumed = add_lora(tiny_model(seed=12), seed=99)  # other adapter init: the state must come from the checkpoint
-    trainer_for(tmp_path / "killed", resumed).train(resume_from_checkpoint=True)
+    resumed_trainer = trainer_for(tmp_path / "killed", resumed)
+    resumed_trainer.train(resume_from_checkpoint=True)
     want = {n: p for n, p in full.named_parameters() if p.requires_grad}
     for n, p in resumed.named_parameters():
         if p.requires_grad:
             assert rel_err(p, want[n]) < 1e-5, n
+    # every step after the checkpoint logs its generation's metrics as the uninterrupted run does, the first
+    # one too (with num_iterations=2 it reuses the checkpoint's generation: it logged none)
+
+    def generation_logs(trainer) -> dict[int, dict]:
+        return {h["step"]: {k: v for k, v in h.items() if k == "reward" or k.startswith(("rewards/", "completions/"))}
+                for h in trainer.state.log_history if "loss" in h and h["step"] > common["save_steps"]}
+
+    after = generation_logs(resumed_trainer)
+    assert sorted(after) == list(range(common["save_steps"] + 1, common["max_steps"] + 1))
+    assert all("reward" in logs for logs in after.values())
+    full_logs = generation_logs(full_trainer)
+    for step, logs in after.items():
+        assert logs.keys() == full_logs[step].keys(), step
+        assert all(logs[k] == pytest.approx(full_logs[step][k], rel=1e-6) for k in logs), step
 
 
 def test_warns_when_completions_outrun_the_models_positions(tokenizer, tmp_path, caplog):

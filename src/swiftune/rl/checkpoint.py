@@ -128,13 +128,16 @@ def current_world_size() -> int:
 
 
 def save_rollout_state(checkpoint_dir: str, rank: int, micro_step: int, buffer: list | None,
-                       world_size: int | None = None) -> None:
+                       world_size: int | None = None, generation_metrics: dict[str, float] | None = None) -> None:
     """Write process ``rank``'s micro-step counter and rollout buffer; ``world_size`` (default: the
-    process group's) is recorded so that a resume on another number of processes can tell."""
+    process group's) is recorded so that a resume on another number of processes can tell.
+    ``generation_metrics``: the last generation's logged metrics (reward, lengths, ...), which the steps
+    that reuse its buffer log again (:func:`saved_generation_metrics` reads them back)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     world = current_world_size() if world_size is None else int(world_size)
-    tree = {"format": FORMAT, "micro_step": int(micro_step), "world_size": world, "buffer": _encode(buffer, tensors)}
+    tree = {"format": FORMAT, "micro_step": int(micro_step), "world_size": world, "buffer": _encode(buffer, tensors),
+            "generation_metrics": {str(k): float(v) for k, v in (generation_metrics or {}).items()}}
     save_file(tensors, rollout_state_path(checkpoint_dir, rank), metadata={_META_KEY: json.dumps(tree)})
 
 
@@ -152,6 +155,23 @@ def _refuse_legacy(path: str) -> None:
         f"file holds; it was refused: {reason}). Delete the file to resume from this checkpoint without its "
         "unfinished generation (the next one is sampled again), or resume from a checkpoint written by this "
         "version (rollouts-rank*.safetensors).")
+
+
+def saved_generation_metrics(checkpoint_dir: str, rank: int) -> dict[str, float]:
+    """The generation metrics :func:`save_rollout_state` wrote for ``rank`` (empty without any: no
+    state file, or one of a version that did not write them). Reads the file's metadata only."""
+    path = rollout_state_path(checkpoint_dir, rank)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            tree = json.loads((f.metadata() or {}).get(_META_KEY) or "{}")
+    except Exception as e:
+        raise UnsafeCheckpointError(f"{path}: not a readable swiftune rollout state ({e})") from e
+    metrics = tree.get("generation_metrics") if isinstance(tree, dict) else None
+    if not isinstance(metrics, dict):
+        return {}
+    return {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def load_rollout_state(checkpoint_dir: str, rank: int, device: torch.device | str,

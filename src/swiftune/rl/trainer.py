@@ -47,7 +47,7 @@ from .advantages import group_advantages
 from .aggregation import normalize_then_sum
 from .batching import (GenerationBatchSampler, collate_prompt_rows, EpochLoader, generation_stop_ids,
                        is_conversational, prompt_rows_of, prompt_token_ids)
-from .checkpoint import load_rollout_state, save_rollout_state
+from .checkpoint import load_rollout_state, save_rollout_state, saved_generation_metrics
 from .completions_log import RewardLogs, completion_rows, print_completions
 from .evaluation import evaluate_rewards
 from .config import GRPOConfig
@@ -314,7 +314,11 @@ class GRPOTrainer(SwiftuneTrainer):
     )
 
     def save_checkpoint_extras(self, checkpoint_dir: str) -> None:
-        save_rollout_state(checkpoint_dir, self.accelerator.process_index, self._micro_step, self._buffer)
+        # the metrics a step that reuses the buffer logs again: the last logged generation's, updated by any
+        # generation since that log
+        metrics = {**self._last_gen_metrics, **self._gen_log.means(clear=False)}
+        save_rollout_state(checkpoint_dir, self.accelerator.process_index, self._micro_step, self._buffer,
+                           generation_metrics=metrics)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -322,6 +326,9 @@ class GRPOTrainer(SwiftuneTrainer):
                                    types=(GRPOMicroBatch,))
         if state is not None:
             self._micro_step, self._buffer = state
+            if self._buffer is not None:  # the steps that reuse it log its generation's metrics, as unresumed
+                self._last_gen_metrics = saved_generation_metrics(resume_from_checkpoint,
+                                                                  self.accelerator.process_index)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> GRPOMicroBatch:  # type: ignore[override]
         args = self.args
