@@ -530,3 +530,14 @@ def test_trainer_samples_with_the_configs_penalty(tokenizer, tmp_path):
                           train_dataset=PROMPT_ROWS, processing_class=tokenizer, rollout_engine=RecordingEngine())
     trainer._generate_and_score(PROMPT_ROWS[:2])
     assert seen == [1.25]
+
+
+def test_one_completion_a_prompt_counts_as_no_spread():
+    """num_generations_eval=1: TRL 1.16 gives each single completion a reward std of 0, so
+    frac_reward_zero_std is 1.0 (the Bessel std of one value is NaN, which counted as 0.0)."""
+    from swiftune.rl.grpo_metrics import zero_std_fraction
+
+    rewards = torch.tensor([0.5, 1.0, 0.0, 2.0])
+    assert zero_std_fraction(rewards, 1, False) == 1.0
+    assert zero_std_fraction(rewards, 2, False) == 0.0
+    assert zero_std_fraction(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2, False) == 0.5

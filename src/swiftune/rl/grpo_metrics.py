@@ -53,6 +53,8 @@ def zero_std_fraction(rewards: torch.Tensor, group_size: int, batch_level: bool)
     if batch_level:
         std = nanstd(rewards)
         return float(not math.isnan(std) and abs(std) < 1e-8)
+    if group_size == 1:  # one completion a prompt (num_generations_eval=1) has no spread: TRL's std of 0
+        return 1.0 if rewards.numel() else math.nan
     stds = [nanstd(g) for g in rewards.double().view(-1, group_size)]
     zero = [not math.isnan(s) and abs(s) < 1e-8 for s in stds]  # a group of None rewards has no spread at all
     return sum(zero) / len(zero) if zero else math.nan
