@@ -7,10 +7,12 @@ come from pre-tokenized columns, how formatting_func and EOS make text), transfo
 """
 
 import json
+import math
 import warnings
 
 import pytest
 import torch
+import transformers
 
 from swiftune.data import build_tokenizer, make_collator, prepare_dataset
 from swiftune.data.formatting import DataFormatError
@@ -244,7 +246,9 @@ def test_trl_fields_checked_at_construction():
                          (dict(router_aux_loss_coef=-0.01), "router_aux_loss_coef"),
                          (dict(chat_template_path="/nonexistent.jinja"), "chat_template_path"),
                          (dict(eval_packing=True, max_length=None), "eval_packing"),
-                         (dict(eos_token=""), "eos_token"), (dict(use_liger_kernel=True), "use_liger_kernel")]:
+                         (dict(eos_token=""), "eos_token"), (dict(use_liger_kernel=True), "use_liger_kernel"),
+                         (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1 is not applied"),
+                         (dict(neftune_noise_alpha=-1.0), "neftune_noise_alpha")]:
         with pytest.raises(ConfigError, match=name):
             config(**fields)
     assert config(pad_to_multiple_of="auto").pad_to_multiple_of is None
@@ -288,6 +292,49 @@ def test_trainer_applies_tokens_template_offloading_and_refusals(tmp_path):
     with pytest.raises(ConfigError, match="formatting_func"):
         SFTTrainer(model=builtin_qwen3(lora=False), args=only, train_dataset=rows, processing_class=tokenizer,
                    formatting_func=lambda row: row["text"])
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_neftune_noise_is_sized_as_in_trls_padded_batches(tmp_path, tokenizer, packing):
+    """transformers' hook sizes NEFTune's noise by the embedded batch's width: TRL's padded batch is as
+    wide as its longest example, a padding-free row as the whole batch (the noise was sqrt(batch) times
+    weaker). Here every step's noise is bounded by alpha / sqrt(longest document x width), reaches
+    near that bound, is absent in evaluation and gone after training."""
+    alpha, seen = 5.0, []
+    rows = [{"text": "ab " * (2 + 5 * (i % 4))} for i in range(16)]
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, neftune_noise_alpha=alpha, packing=packing,
+                     max_length=64, **FAST)
+    model = builtin_qwen3(lora=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:4], processing_class=tokenizer)
+    embeddings = model.get_input_embeddings()
+
+    def probe(module, inputs, output):  # registered after the trainer's hook: sees the noisy output
+        ids = inputs[0]
+        clean = torch.nn.functional.embedding(ids, module.weight)
+        seen.append((module.training, float((output - clean).abs().max()), ids.shape))
+
+    def longest(module, args, kwargs):
+        positions = kwargs.get("position_ids")
+        seen.append(("longest", int(positions.max()) + 1 if positions is not None else None))
+
+    class Probe(transformers.TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            embeddings.register_forward_hook(probe)
+
+    trainer.add_callback(Probe())
+    handle = model.register_forward_pre_hook(longest, with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    steps = [(seen[i - 1][1], seen[i]) for i in range(1, len(seen)) if seen[i][0] is True and seen[i - 1][0] == "longest"]
+    assert len(steps) == 2
+    for longest_doc, (_, noise, shape) in steps:
+        bound = alpha / math.sqrt(longest_doc * embeddings.weight.shape[1])
+        assert 0.9 * bound < noise <= bound * (1 + 1e-6), (noise, bound, shape)
+        assert longest_doc < shape[1] or packing  # padding-free: one row wider than its longest document
+    seen.clear()
+    trainer.evaluate()
+    assert seen and all(noise == 0 for training, noise, _ in seen if training is False)
+    assert not embeddings._forward_hooks or all(h is probe for h in embeddings._forward_hooks.values())
 
 
 def test_model_init_kwargs_load_a_path_and_shuffle_dataset_reorders(tmp_path):

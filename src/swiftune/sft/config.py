@@ -231,6 +231,14 @@ class SFTConfig(TrainingArguments):
                     "per_device_train_batch_size examples", allow_none=True)
         require_int(self, "logit_chunk_tokens", 1, "tokens per chunk of the fused LM head, or None to choose it "
                     "from free memory", allow_none=True)
+        if self.label_smoothing_factor:
+            fail(self, "label_smoothing_factor", self.label_smoothing_factor, "is not applied by swiftune's fused "
+                 "cross entropy (transformers' LabelSmoother reads the full logits, which it never builds)",
+                 "set it to 0.0")
+        if self.neftune_noise_alpha is not None and not (
+                isinstance(self.neftune_noise_alpha, (int, float)) and self.neftune_noise_alpha > 0):
+            fail(self, "neftune_noise_alpha", self.neftune_noise_alpha, "must be a number > 0",
+                 "e.g. 5, or None for no noise")
         if not isinstance(self.dataset_text_field, str) or not self.dataset_text_field:
             fail(self, "dataset_text_field", self.dataset_text_field, "must name a column",
                  "set it to the column holding the text (default 'text')")

@@ -55,6 +55,7 @@ from ..training import (
     enable_gradient_checkpointing,
     enable_graphed_layers,
 )
+from ..training.neftune import LayoutFreeNEFTune
 from ..training.router_aux import RouterAuxLoss, real_token_mask
 from ..training.safety import COMMON_SETTINGS_KEYS
 from .config import SFTConfig
@@ -198,6 +199,10 @@ class SFTTrainer(SwiftuneTrainer):
             processing_class=processing_class, data_collator=data_collator, callbacks=callbacks,
             compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics, **kwargs,
         )
+        # NEFTune sized by the longest document, not by the whole padding-free row (training.neftune);
+        # the Trainer's own hook is kept off
+        self._neftune_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
+        self._neftune: LayoutFreeNEFTune | None = None
         # compute_loss normalises by num_items_in_batch itself: tell the Trainer not to divide
         # by the accumulation steps again, and to count the trained tokens of every micro-batch.
         self.model_accepts_loss_kwargs = True
@@ -272,7 +277,19 @@ class SFTTrainer(SwiftuneTrainer):
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         return self.step_flops(self.model, inputs)  # the Trainer's estimate, parameters counted once
 
+    def train(self, *args: Any, **kwargs: Any):
+        if self._neftune_alpha is None:
+            return super().train(*args, **kwargs)
+        self._neftune = LayoutFreeNEFTune(self.model, self._neftune_alpha)
+        try:  # as transformers: the noise only while training, the hook removed afterwards
+            return super().train(*args, **kwargs)
+        finally:
+            self._neftune.remove()
+            self._neftune = None
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._neftune is not None:
+            self._neftune.set_batch(inputs)
         token_mask = real_token_mask(inputs) if self.router_aux.enabled else None
         inputs.pop("row_tokens", None)
         if all(key in inputs for key in BATCH_STAT_KEYS):
