@@ -103,6 +103,20 @@ def test_grpo_rewards_and_warm_up_of_the_users_run_are_checked_before_loading(tm
     assert "--reward_weights gives 1 weights for 2 reward functions" in one_line_error(capsys)
 
 
+def test_sft_dtype_report_to_and_metrics_file_options(monkeypatch, capsys):
+    assert main(["sft", "--dtype", "fp64"]) == 2  # was a load-time ValueError, exit 1
+    assert "--dtype fp64: give one of auto, bf16" in one_line_error(capsys)
+    model_args, config, _ = parse_sft_args(["--metrics_file", "none"])
+    assert config.metrics_file is None  # off, not a file named "none"
+    assert parse_sft_args(["--metrics_file", "steps.jsonl"])[1].metrics_file == "steps.jsonl"
+    # an integration that is not installed: refused before loading (transformers raised after the model loaded)
+    import transformers.integrations.integration_utils as integrations
+
+    monkeypatch.setattr(integrations, "get_available_reporting_integrations", lambda: [])
+    assert main(["sft", "--report_to", "tensorboard"]) == 2
+    assert "report_to=['tensorboard'] names tensorboard, which is not installed here" in one_line_error(capsys)
+
+
 def test_grpo_command_defaults_of_the_reward_and_warm_up():
     from swiftune.cli.grpo import builtin_warmup_steps, command_reward_spec, parse_grpo_args
 

@@ -79,6 +79,7 @@ def test_gpt2_sft_falls_back_to_padded_rows_with_the_padded_loss(tokenizer, tmp_
     args = SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, max_length=128, **FAST)
     with pytest.warns(UserWarning, match=r"GPT2LMHeadModel \(model_type 'gpt2'\).*padded instead"):
         trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+    assert args.batch_mode == "padding_free" and trainer.batch_layout == "padded"  # what the command prints
     seen = []
     compute_loss = trainer.compute_loss
 

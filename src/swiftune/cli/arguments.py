@@ -161,6 +161,10 @@ class _Option:
         return self.action.nargs in ("+", "*")
 
 
+#: optional text options whose none/null means None (off), as for the non-text ones
+NONE_WORD_TEXT_OPTIONS = frozenset({"metrics_file"})
+
+
 def _field_options(parser: argparse.ArgumentParser, classes: tuple) -> tuple[dict[str, str], dict[str, _Option]]:
     """``(option string -> dest, dest -> _Option)``, from the parser and the dataclasses' type hints."""
     import types
@@ -179,7 +183,8 @@ def _field_options(parser: argparse.ArgumentParser, classes: tuple) -> tuple[dic
             origins = [typing.get_origin(t) or t for t in parts]
             opt = options[f.name]
             opt.allows_none = type(None) in parts
-            opt.takes_str = str in parts
+            # a text option reads none/null as text (a file may be named "none"), but for these
+            opt.takes_str = str in parts and f.name not in NONE_WORD_TEXT_OPTIONS
             opt.list_typed = any(o in (list, tuple) for o in origins)
             opt.dict_typed = any(o is dict for o in origins)
     return by_string, options
@@ -403,6 +408,10 @@ def warn_unused_lora_options(model_args: ModelArguments) -> list[str]:
     return given
 
 
+#: the names --dtype takes (FastModel.from_pretrained's dtype strings; "auto": bf16 on a GPU that has it)
+MODEL_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
+
+
 def check_model_args(model_args: ModelArguments) -> None:
     """The model arguments' values (:class:`ConfigError` naming the option), before anything loads."""
     gc = gradient_checkpointing_mode(model_args)
@@ -422,6 +431,8 @@ def check_model_args(model_args: ModelArguments) -> None:
     if model_args.offload_attention_outputs_on_host and not kept:
         raise ConfigError("--offload_attention_outputs_on_host needs --offload_attention_output_layers N (N >= 1: "
                           "the last N decoder layers keep their attention outputs, here on the host)")
+    if model_args.dtype not in MODEL_DTYPES:
+        raise ConfigError(f"--dtype {model_args.dtype}: give one of {', '.join(MODEL_DTYPES)}")
     if not model_args.lora_r >= 1:
         raise ConfigError(f"--lora_r {model_args.lora_r}: the LoRA rank must be >= 1, e.g. 16")
     if not model_args.lora_alpha > 0:

@@ -122,7 +122,11 @@ def train_save_and_report(trainer, config, tokenizer, metric: str, plot: str) ->
     trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
     trainer.save_model(config.output_dir)
     tokenizer.save_pretrained(config.output_dir)
-    if not (config.metrics_file and trainer.is_world_process_zero()):
+    if not trainer.is_world_process_zero():
+        return
+    if not config.metrics_file:
+        print(f"wrote the model to {config.output_dir} (load it from there); no {metric} summary or {plot}: "
+              "metrics_file is off")
         return
     fifths = first_and_last_fifth(os.path.join(config.output_dir, config.metrics_file), metric)
     if fifths:

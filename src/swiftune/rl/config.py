@@ -190,7 +190,8 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
     )
     metrics_file: str | None = field(
         default="metrics.jsonl",
-        metadata={"help": "Per-step metrics (JSON lines) written to output_dir; None disables it."},
+        metadata={"help": "Per-step metrics (JSON lines) written to output_dir; None (none on the command line) "
+                          "disables it and the reward.png drawn from it."},
     )
     plot_rewards: bool = field(default=True, metadata={"help": "Write reward.png to output_dir at the end."})
     log_completions: bool = field(

@@ -189,7 +189,8 @@ class SFTConfig(TrainingArguments):
     # ---------------------------------------------------------------------- outputs
     metrics_file: str | None = field(
         default="metrics.jsonl",
-        metadata={"help": "Per-step metrics (JSON lines) written to output_dir; None disables it."},
+        metadata={"help": "Per-step metrics (JSON lines) written to output_dir; None (none on the command line) "
+                          "disables it and the loss.png drawn from it."},
     )
     plot_loss: bool = field(default=True, metadata={"help": "Write loss.png to output_dir at the end of training."})
 

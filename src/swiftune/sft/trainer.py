@@ -156,6 +156,7 @@ class SFTTrainer(SwiftuneTrainer):
         if args.cuda_graph_layers:
             enable_graphed_layers(model)
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
+        self.batch_layout = batch_mode  # what the training batches are (args.batch_mode is what was asked)
         vision = multimodal_processor(processing_class, train_dataset)  # image-text rows: docs/vision.md
         if vision is not None:
             processing_class = vision.tokenizer

@@ -127,6 +127,23 @@ def check_training_arguments(args: Any) -> None:
     require_int(args, "seed", 0, "a non-negative integer, e.g. 42")
     require_int(args, "data_seed", 0, "a non-negative integer, or None to use seed", allow_none=True)
     require_int(args, "dataloader_num_workers", 0, "0 (load in the main process) or the worker processes")
+    check_report_to(args)
+
+
+def check_report_to(args: Any) -> None:
+    """Each ``report_to`` integration is installed: transformers finds out only when the trainer builds
+    its callbacks, after the model has loaded, and then raises with a traceback."""
+    try:
+        from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                                 get_available_reporting_integrations)
+    except ImportError:  # another transformers layout: leave it to transformers
+        return
+    asked = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to]
+    known = [r for r in asked if r in INTEGRATION_TO_CALLBACK]
+    missing = [r for r in known if r not in get_available_reporting_integrations()] if known else []
+    if missing:
+        fail(args, "report_to", args.report_to, f"names {', '.join(missing)}, which is not installed here",
+             f"install it (e.g. pip install {missing[0].replace('_', '-')}) or set report_to='none'")
 
 
 _warned_once: set[str] = set()
