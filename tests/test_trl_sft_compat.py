@@ -224,6 +224,14 @@ def test_evaluate_compute_metrics_and_trl_metric_names(tokenizer, tmp_path, loss
         assert rel_err(flat.double(), ref_logits) < 1e-4
     # rows handed to evaluate() are prepared as at construction (TRL does the same)
     assert abs(trainer.evaluate(eval_dataset=rows)["eval_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    # so are rows handed to predict() (it read a raw row's input_ids: a KeyError on text rows)
+    assert abs(trainer.predict(rows).metrics["test_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    # transformers' named eval datasets: each evaluated as its own, under its name (a dict was read as columns)
+    half_loss = reference_eval(rows[:4], loss_type)[0]
+    named = SFTTrainer(model=builtin_qwen3(lora=False), args=args, train_dataset=rows,
+                       eval_dataset={"all": rows, "half": rows[:4]}, processing_class=tokenizer).evaluate()
+    assert abs(named["eval_all_loss"] - ref_loss) < 1e-5 * max(1.0, abs(ref_loss))
+    assert abs(named["eval_half_loss"] - half_loss) < 1e-5 * max(1.0, abs(half_loss))
     if loss_type == "dft":
         return
     # training logs TRL's num_tokens: every input token of the epoch (2 steps x 4 rows = all 8 rows)
@@ -606,3 +614,13 @@ def test_a_row_the_marked_template_renders_otherwise_is_refused(tokenizer, monke
     rows = [{"messages": QWEN3_CONVERSATIONS[1][0]}]  # an earlier turn takes the branch that drifted
     with pytest.raises(DataFormatError, match="renders differently"):
         prepare_dataset(rows, tokenizer, max_length=None, assistant_only_loss=True)
+
+
+def test_named_datasets_are_told_from_a_dict_of_columns():
+    from swiftune.data import is_named_datasets
+
+    assert is_named_datasets({"a": [{"text": "x"}], "b": "rows.jsonl"})
+    assert not is_named_datasets({"text": ["x", "y"]})
+    assert not is_named_datasets({"messages": [[{"role": "user", "content": "x"}]]})
+    assert not is_named_datasets({"input_ids": [[1, 2]], "labels": [[1, 2]]})
+    assert not is_named_datasets({})

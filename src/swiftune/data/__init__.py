@@ -35,6 +35,7 @@ from swiftune.data.formatting import (
     load_rows,
     prepare_dataset,
 )
+from swiftune.data.row_files import each_named, is_named_datasets
 from swiftune.data.multimodal import (
     MultimodalCollator,
     VisionProcessor,
@@ -78,6 +79,8 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "detect_shape",
     "is_multimodal_rows",
+    "each_named",
+    "is_named_datasets",
     "load_rows",
     "make_collator",
     "make_multimodal_collator",

@@ -111,3 +111,30 @@ def _read_file(path: str) -> list[dict]:
     raise DataFormatError(
         f"unsupported dataset file type {suffix!r} ({path}); use .jsonl, .json or .parquet"
     )
+
+
+def is_named_datasets(data: Any) -> bool:
+    """Whether ``data`` is transformers' named datasets (``{"name": dataset, ...}``, as ``eval_dataset``
+    takes them) rather than one dataset given as a dict of columns: every value is a dataset (a
+    ``datasets.Dataset``, a file path, rows as a list of dicts, or rows already prepared), where a
+    column's values are strings, numbers or lists of them."""
+    if not isinstance(data, Mapping) or not data:
+        return False
+
+    def dataset_like(value: Any) -> bool:
+        if hasattr(value, "column_names") or hasattr(value, "examples") or isinstance(value, (str, os.PathLike)):
+            return True
+        return isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0 \
+            and isinstance(value[0], Mapping)
+
+    return all(dataset_like(v) for v in data.values())
+
+
+def each_named(data: Any, prepare: Any) -> Any:
+    """``prepare(data)``, or for named datasets (:func:`is_named_datasets`) ``{name: prepare(d)}``; None
+    stays None."""
+    if data is None:
+        return None
+    if is_named_datasets(data):
+        return {name: prepare(d) for name, d in data.items()}
+    return prepare(data)

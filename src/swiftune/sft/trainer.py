@@ -30,6 +30,7 @@ from ..data import (
     IGNORE_INDEX,
     TokenBudgetBatchSampler,
     TokenizedDataset,
+    each_named,
     make_collator,
     pack_dataset,
     pop_batch_stats,
@@ -160,10 +161,13 @@ class SFTTrainer(SwiftuneTrainer):
         vision = multimodal_processor(processing_class, train_dataset)  # image-text rows: docs/vision.md
         if vision is not None:
             processing_class = vision.tokenizer
-            train_dataset, eval_dataset = (
-                prepare_multimodal_dataset(d, vision, max_length=args.max_length, completion_only_loss=not (
+            def prepare_images(d: Any) -> Any:
+                if d is None or isinstance(d, TokenizedDataset):
+                    return d
+                return prepare_multimodal_dataset(d, vision, max_length=args.max_length, completion_only_loss=not (
                     args.completion_only_loss is False and not args.assistant_only_loss))
-                if d is not None and not isinstance(d, TokenizedDataset) else d for d in (train_dataset, eval_dataset))
+
+            train_dataset, eval_dataset = prepare_images(train_dataset), each_named(eval_dataset, prepare_images)
             if data_collator is None:
                 data_collator = make_multimodal_collator(batch_mode, rope_index_of(model), vision,
                                                          max_length=args.max_length)
@@ -172,10 +176,8 @@ class SFTTrainer(SwiftuneTrainer):
         self._eval_packing = args.packing if args.eval_packing is None else args.eval_packing
         train_dataset = self._tokenize(train_dataset, processing_class, args, "train", formatting_func, args.packing)
         eval_packing = self._eval_packing
-        if eval_dataset is not None:
-            eval_dataset = self._tokenize(eval_dataset, processing_class, args, "eval", formatting_func, eval_packing)
-            if eval_packing:
-                eval_dataset = self._pack(eval_dataset, args)
+        if eval_dataset is not None:  # one dataset, or transformers' named ones ({"name": rows}: eval_name_loss)
+            eval_dataset = each_named(eval_dataset, lambda d: self._prepare_eval(d, processing_class, args))
         if args.packing:
             train_dataset = self._pack(train_dataset, args)
         collate = dict(max_length=args.max_length, pad_token_id=processing_class.pad_token_id,
@@ -245,21 +247,33 @@ class SFTTrainer(SwiftuneTrainer):
                     stats.num_trained_tokens, stats.num_truncated)
         return tokenized
 
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
-        if isinstance(eval_dataset, str) or eval_dataset is None or isinstance(eval_dataset, TokenizedDataset):
-            prepared = eval_dataset
-        else:  # a dataset handed to evaluate(): prepared as at construction (TRL does the same)
-            prepared = self._tokenize(eval_dataset, self.processing_class, self.args, "eval", self._formatting_func,
-                                      self._eval_packing)
-            if self._eval_packing:
-                prepared = self._pack(prepared, self.args)
+    def _prepare_eval(self, data: Any, processing_class: Any, args: SFTConfig) -> Any:
+        """Evaluation rows tokenized (and packed) as the construction's ``eval_dataset`` is."""
+        if isinstance(data, TokenizedDataset):
+            return data
+        prepared = self._tokenize(data, processing_class, args, "eval", self._formatting_func, self._eval_packing)
+        return self._pack(prepared, args) if self._eval_packing else prepared
+
+    def _with_eval_collator(self, make_loader: Callable[[], torch.utils.data.DataLoader]) -> torch.utils.data.DataLoader:
         if self._eval_collator is None:
-            return super().get_eval_dataloader(prepared)
+            return make_loader()
         train_collator, self.data_collator = self.data_collator, self._eval_collator
         try:  # the loader keeps the collator it was built with
-            return super().get_eval_dataloader(prepared)
+            return make_loader()
         finally:
             self.data_collator = train_collator
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        # a name (a key of the named eval datasets) or None is the Trainer's to resolve; a dataset handed to
+        # evaluate() is prepared as at construction (TRL does the same)
+        prepared = eval_dataset if isinstance(eval_dataset, str) or eval_dataset is None else \
+            self._prepare_eval(eval_dataset, self.processing_class, self.args)
+        return self._with_eval_collator(lambda: super(SFTTrainer, self).get_eval_dataloader(prepared))
+
+    def get_test_dataloader(self, test_dataset: Any) -> torch.utils.data.DataLoader:
+        # predict(rows): the rows prepared as evaluation rows (it read a raw row's missing input_ids)
+        prepared = self._prepare_eval(test_dataset, self.processing_class, self.args)
+        return self._with_eval_collator(lambda: super(SFTTrainer, self).get_test_dataloader(prepared))
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         if self.args.max_tokens_per_batch is None:
