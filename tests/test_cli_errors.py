@@ -2,6 +2,7 @@
 valid names, local paths that do not exist (no Hub lookup), YAML lists, and `swiftune check`
 saying what it compared (the Triton interpreter on a CPU)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -333,3 +334,26 @@ def test_ctrl_c_ends_in_one_line_and_status_130(monkeypatch, capsys):
     assert cli.main(["sft"]) == 130
     err = capsys.readouterr().err.strip()
     assert err.startswith("swiftune sft: interrupted: saved checkpoint-3") and "\n" not in err
+
+
+def test_a_dataset_folder_loads_as_trl_sft_loads_it(tmp_path):
+    """A folder of data files (datasets.load_dataset) or save_to_disk output (load_from_disk): it was read
+    as a file of unknown type; the library names what to do with a folder."""
+    import datasets
+
+    from swiftune.cli.runs import load_rows
+    from swiftune.data import DataFormatError, build_tokenizer, prepare_dataset
+
+    rows = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(3)]
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [dict(r) for r in load_rows(str(files), "train", list)] == rows
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert [dict(r) for r in load_rows(str(tmp_path / "saved"), "train", list)] == rows
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "splits"))
+    assert [dict(r) for r in load_rows(str(tmp_path / "splits"), "train", list)] == rows
+    with pytest.raises(ValueError, match=r"has splits \['train'\], not 'test'"):
+        load_rows(str(tmp_path / "splits"), "test", list)
+    with pytest.raises(DataFormatError, match="is a folder, not a dataset file"):
+        prepare_dataset(str(files), build_tokenizer())

@@ -23,14 +23,22 @@ def load_rows(spec: str | None, split: str, builtin_rows: Callable[[], Any]):
     if spec is None:
         return builtin_rows()
     spec = resolve_local_path(spec, "--dataset")
-    if os.path.exists(spec):
+    if os.path.isfile(spec):
         return spec  # prepare_dataset / the GRPO trainer read JSONL/JSON/Parquet paths themselves
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(f"--dataset {spec!r} is not a file, and loading hub datasets needs "
-                          "`pip install datasets`") from e
-    return datasets.load_dataset(spec, split=split)
+        what = "is a folder, and loading it" if os.path.isdir(spec) else "is not a file, and loading hub datasets"
+        raise ImportError(f"--dataset {spec!r} {what} needs `pip install datasets`") from e
+    if os.path.isdir(spec) and any(os.path.exists(os.path.join(spec, f)) for f in ("state.json", "dataset_dict.json")):
+        saved = datasets.load_from_disk(spec)  # Dataset.save_to_disk / DatasetDict.save_to_disk output
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise ValueError(f"--dataset {spec}: the saved dataset has splits {sorted(saved)}, not {split!r}; "
+                                 "choose one with --dataset_split (--eval_dataset_split for --eval_dataset)")
+            return saved[split]
+        return saved
+    return datasets.load_dataset(spec, split=split)  # a hub name, or a folder of data files (as trl sft does)
 
 
 def load_eval_rows(model_args: ModelArguments):

@@ -96,6 +96,12 @@ def _json_rows(path: str, text: str) -> list[dict]:
 def _read_file(path: str) -> list[dict]:
     if not os.path.exists(path):
         raise DataFormatError(f"dataset file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise DataFormatError(
+            f"{path} is a folder, not a dataset file: pass a .jsonl, .json or .parquet file, or the folder loaded "
+            "with datasets (datasets.load_from_disk for save_to_disk output, datasets.load_dataset(folder, "
+            "split='train') for a folder of data files)"
+        )
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".parquet":
         try:
