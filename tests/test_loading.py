@@ -67,6 +67,26 @@ def test_not_a_causal_lm_is_a_clear_error(tmp_path):
         FastModel.from_pretrained(str(tmp_path))
 
 
+def test_an_adapter_folder_given_as_the_model_names_its_base(tmp_path, capsys):
+    """A LoRA run's output folder (adapter_config.json, no config.json) given as the model: an error naming
+    the recorded base and how to load the two (transformers said: Unrecognized model ... model_type)."""
+    from peft import LoraConfig, get_peft_model
+
+    from swiftune.cli import main
+    from swiftune.errors import ConfigError
+
+    _save(tmp_path / "base")
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "adapter"))
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    with pytest.raises(ConfigError, match=r"is a LoRA adapter folder .* load '.*base' with FastModel.from_pretrained, "
+                                          r"then the adapter with peft.PeftModel.from_pretrained"):
+        _load(tmp_path / "adapter")
+    assert main(["sft", "--model_name_or_path", str(tmp_path / "adapter"), "--max_steps", "1",
+                 "--output_dir", str(tmp_path / "out")]) == 2
+    assert "is a LoRA adapter folder" in capsys.readouterr().err
+
+
 def test_save_pretrained_gives_a_plain_transformers_checkpoint(tmp_path):
     reference = _save(tmp_path / "src", "qwen3")
     model, tokenizer = _load(tmp_path / "src")

@@ -86,6 +86,29 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     raise ValueError(f"dtype must be a torch.dtype, None or one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
+def refuse_adapter_folder(path: str) -> None:
+    """A PEFT adapter folder (``adapter_config.json``, no ``config.json``: what a LoRA run saves) is not a
+    model: a :class:`ConfigError` naming its base and how to load the two, instead of transformers'
+    "Unrecognized model ... should have a model_type key"."""
+    import json
+
+    adapter_config = os.path.join(path, "adapter_config.json")
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")) \
+            or not os.path.isfile(adapter_config):
+        return
+    try:
+        with open(adapter_config, encoding="utf-8") as f:
+            base = json.load(f).get("base_model_name_or_path") or None
+    except (OSError, ValueError, AttributeError):
+        base = None
+    base_text = repr(base) if base else "its base model (the adapter records none: the one it was trained on)"
+    raise ConfigError(
+        f"{path} is a LoRA adapter folder (adapter_config.json, no config.json), not a model: load {base_text} "
+        f"with FastModel.from_pretrained, then the adapter with peft.PeftModel.from_pretrained(model, {path!r}, "
+        "is_trainable=True) to train it further, or sample from it with `swiftune generate --model "
+        f"{path}`; the training commands take the base as --model_name_or_path")
+
+
 def ensure_pad_token(tokenizer: Any, model: nn.Module | None = None) -> None:
     """Give ``tokenizer`` a pad token when it has none, and say which one (a warning).
 
@@ -351,6 +374,7 @@ class FastModel:
         if model_name_or_path is None:
             model_name_or_path = model_name
         model_name_or_path = resolve_local_path(model_name_or_path, "model")  # a missing local path: no Hub lookup
+        refuse_adapter_folder(model_name_or_path)
         # checked before any file is read: a bad combination or a missing bitsandbytes says so first
         check_fp8_request(load_in_fp8, load_in_4bit, load_in_8bit, quantization_config)
         quantization = resolve_quantization(load_in_4bit, load_in_8bit, quantization_config, _resolve_dtype(dtype))
