@@ -67,24 +67,48 @@ def test_not_a_causal_lm_is_a_clear_error(tmp_path):
         FastModel.from_pretrained(str(tmp_path))
 
 
-def test_an_adapter_folder_given_as_the_model_names_its_base(tmp_path, capsys):
-    """A LoRA run's output folder (adapter_config.json, no config.json) given as the model: an error naming
-    the recorded base and how to load the two (transformers said: Unrecognized model ... model_type)."""
-    from peft import LoraConfig, get_peft_model
+def test_an_adapter_folder_loads_on_its_base_as_peft_does_and_trains_on(tmp_path, capsys):
+    """A LoRA run's output folder given as the model (Unsloth's reload of "lora_model"): its recorded base,
+    then the adapter, trainable. Logits and every adapter gradient equal plain PEFT's PeftModel on the
+    unpatched base (transformers said: Unrecognized model ... model_type)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     from swiftune.cli import main
     from swiftune.errors import ConfigError
 
     _save(tmp_path / "base")
     base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
-    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(str(tmp_path / "adapter"))
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    with pytest.raises(ConfigError, match=r"is a LoRA adapter folder .* load '.*base' with FastModel.from_pretrained, "
-                                          r"then the adapter with peft.PeftModel.from_pretrained"):
+    torch.manual_seed(3)
+    trained = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "down_proj"], init_lora_weights=False))
+    trained.save_pretrained(str(tmp_path / "adapter"))
+    build_tokenizer().save_pretrained(str(tmp_path / "adapter"))
+    reference = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")),
+                                          str(tmp_path / "adapter"), is_trainable=True)
+    model, tokenizer = _load(tmp_path / "adapter")
+    assert isinstance(model, PeftModel) and is_patched(model.get_base_model())
+    assert tokenizer.pad_token == PAD_TOKEN
+    ids = _ids()
+    got, want = model(ids, use_cache=False).logits, reference(ids, use_cache=False).logits
+    assert rel_err(got, want) < 1e-5
+    got.float().square().mean().backward()
+    want.float().square().mean().backward()
+    ours = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    theirs = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert ours.keys() == theirs.keys() and len(ours) == 8  # 2 layers x 2 targets x (A, B)
+    for name, grad in theirs.items():
+        assert grad.abs().sum() > 0 and rel_err(ours[name], grad) < 1e-4, name
+    with pytest.warns(UserWarning, match="already has LoRA adapters"):  # Unsloth's notebooks call it again
+        assert FastModel.get_peft_model(model, r=16, use_gradient_checkpointing=False) is model
+    # the command trains it on: its base loads, the adapter trains, no second adapter is added
+    assert main(["sft", "--model_name_or_path", str(tmp_path / "adapter"), "--max_steps", "1", "--report_to", "none",
+                 "--output_dir", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    saved = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert saved["r"] == 2 and sorted(saved["target_modules"]) == ["down_proj", "q_proj"]
+    # an adapter that records no base: what to load instead
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": None}))
+    with pytest.raises(ConfigError, match=r"is a LoRA adapter folder that records no base model"):
         _load(tmp_path / "adapter")
-    assert main(["sft", "--model_name_or_path", str(tmp_path / "adapter"), "--max_steps", "1",
-                 "--output_dir", str(tmp_path / "out")]) == 2
-    assert "is a LoRA adapter folder" in capsys.readouterr().err
 
 
 def test_save_pretrained_gives_a_plain_transformers_checkpoint(tmp_path):

@@ -86,27 +86,60 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     raise ValueError(f"dtype must be a torch.dtype, None or one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
-def refuse_adapter_folder(path: str) -> None:
-    """A PEFT adapter folder (``adapter_config.json``, no ``config.json``: what a LoRA run saves) is not a
-    model: a :class:`ConfigError` naming its base and how to load the two, instead of transformers'
-    "Unrecognized model ... should have a model_type key"."""
+def adapter_folder_base(path: str) -> str | None:
+    """The base model a PEFT adapter folder records (``adapter_config.json`` and no ``config.json``: what a
+    LoRA run saves), or None when ``path`` is not such a folder. An adapter folder that records no base
+    raises a :class:`ConfigError` saying what to load instead of transformers' "Unrecognized model"."""
     import json
 
     adapter_config = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")) \
             or not os.path.isfile(adapter_config):
-        return
+        return None
     try:
         with open(adapter_config, encoding="utf-8") as f:
             base = json.load(f).get("base_model_name_or_path") or None
-    except (OSError, ValueError, AttributeError):
-        base = None
-    base_text = repr(base) if base else "its base model (the adapter records none: the one it was trained on)"
-    raise ConfigError(
-        f"{path} is a LoRA adapter folder (adapter_config.json, no config.json), not a model: load {base_text} "
-        f"with FastModel.from_pretrained, then the adapter with peft.PeftModel.from_pretrained(model, {path!r}, "
-        "is_trainable=True) to train it further, or sample from it with `swiftune generate --model "
-        f"{path}`; the training commands take the base as --model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: its adapter_config.json is not readable JSON ({e}); copy the folder the "
+                          "training run wrote again") from e
+    if base is None:
+        raise ConfigError(
+            f"{path} is a LoRA adapter folder that records no base model (base_model_name_or_path is empty): load "
+            "the model it was trained on with FastModel.from_pretrained, then the adapter with "
+            f"peft.PeftModel.from_pretrained(model, {path!r}, is_trainable=True)")
+    return base
+
+
+def load_adapter_folder(model: nn.Module, path: str, base: str) -> nn.Module:
+    """The adapter of ``path`` on ``model`` (its base, loaded and patched) through PEFT, trainable (to
+    train further, or to sample with ``for_inference``), with swiftune's LoRA forward where the model
+    is patched. An adapter whose shapes do not fit the base raises a :class:`ConfigError`."""
+    from peft import PeftModel
+
+    try:
+        peft_model = PeftModel.from_pretrained(model, path, is_trainable=True)
+    except RuntimeError as e:  # load_state_dict's "size mismatch": the adapter of another model
+        if "size mismatch" not in str(e):
+            raise
+        raise ConfigError(f"the adapter in {path} does not fit its recorded base {base!r} ({' '.join(str(e).split())[:300]}); "
+                          "load the model it was trained on and apply the adapter with peft.PeftModel") from e
+    fuse_lora_if_patched(peft_model)
+    return peft_model
+
+
+def adapter_tokenizer(path: str, base_tokenizer: Any, fix_tokenizer: bool, model: nn.Module) -> Any:
+    """The tokenizer a LoRA run saved beside its adapter (its chat template, pad token, added EOS), else
+    the base's; ``model`` is the loaded base (its ``max_seq_length`` is the tokenizer's limit)."""
+    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")) or hasattr(base_tokenizer, "image_processor"):
+        return base_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if getattr(model, "max_seq_length", None) is not None:
+        tokenizer.model_max_length = model.max_seq_length
+    if fix_tokenizer:
+        ensure_pad_token(tokenizer, model)
+    return tokenizer
 
 
 def ensure_pad_token(tokenizer: Any, model: nn.Module | None = None) -> None:
@@ -374,7 +407,14 @@ class FastModel:
         if model_name_or_path is None:
             model_name_or_path = model_name
         model_name_or_path = resolve_local_path(model_name_or_path, "model")  # a missing local path: no Hub lookup
-        refuse_adapter_folder(model_name_or_path)
+        base = adapter_folder_base(model_name_or_path)
+        if base is not None:  # a LoRA run's output folder: its base, then the adapter on it (as Unsloth loads it)
+            model, tokenizer = FastModel.from_pretrained(
+                base, max_seq_length, dtype, attn_implementation, patch, kernel_backend, load_in_4bit, load_in_8bit,
+                quantization_config, load_in_fp8=load_in_fp8, rope_scaling=rope_scaling, fix_tokenizer=fix_tokenizer,
+                **hf_kwargs)
+            tokenizer = adapter_tokenizer(model_name_or_path, tokenizer, fix_tokenizer, model)
+            return load_adapter_folder(model, model_name_or_path, base), tokenizer
         # checked before any file is read: a bad combination or a missing bitsandbytes says so first
         check_fp8_request(load_in_fp8, load_in_4bit, load_in_8bit, quantization_config)
         quantization = resolve_quantization(load_in_4bit, load_in_8bit, quantization_config, _resolve_dtype(dtype))
@@ -479,8 +519,20 @@ class FastModel:
                 or token budgets of a few thousand tokens (docs/benchmarks.md, "QLoRA SFT"); ``True``: always.
             random_state: seed of the adapter initialisation (the global RNG is left untouched).
         """
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, PeftModel, get_peft_model
 
+        if isinstance(model, PeftModel):
+            # adapters already there (a LoRA folder loaded by from_pretrained): kept, as Unsloth keeps them; only
+            # the checkpointing is set up
+            warnings.warn("swiftune: the model already has LoRA adapters (loaded from an adapter folder); they are "
+                          "trained as they are, and get_peft_model's r, lora_alpha, target_modules and other adapter "
+                          "settings are not applied", stacklevel=2)
+            enable_gradient_checkpointing(model, use_gradient_checkpointing,
+                                          offload_gpu_budget_bytes=offload_gpu_budget_bytes,
+                                          offload_host_budget_bytes=offload_host_budget_bytes,
+                                          offload_attention_output_layers=offload_attention_output_layers,
+                                          offload_attention_outputs_on_host=offload_attention_outputs_on_host)
+            return model
         if tiled_mlp is not None and not isinstance(tiled_mlp, bool):
             raise ValueError(f"tiled_mlp must be True, False or None (with offloaded checkpointing), got {tiled_mlp!r}")
         config = LoraConfig(
