@@ -98,3 +98,11 @@ def test_grpo_group_size_and_clipping():
         GRPOConfig(**BASE, loss_type="cispo", epsilon_high=0.0)
     assert GRPOConfig(**BASE, scale_rewards=True).scale_rewards == "group"
     assert GRPOConfig(**BASE, delta=2.0).delta == 2.0
+
+
+def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for cls in (SFTConfig, GRPOConfig):
+        with pytest.raises(ValueError, match="output_dir=.* is a file, not a folder"):
+            cls(output_dir=str(afile), report_to="none")

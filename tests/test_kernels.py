@@ -579,3 +579,15 @@ def test_swiglu_over_two_billion_elements_cuda():
     gr, ur = g[tail].detach().requires_grad_(), u[tail].detach().requires_grad_()
     swiglu_reference(gr.float(), ur.float()).sum().backward()
     assert rel_err(g.grad[tail], gr.grad) < 1e-2 and rel_err(u.grad[tail], ur.grad) < 1e-2
+
+
+def test_auto_backend_gives_float64_inputs_float64_math(monkeypatch):
+    """The Triton kernels compute in float32: "auto" sends float64 tensors to the reference (as the losses
+    do), so a float64 SwiGLU is exact where the kernel would round; "triton" asked for stays Triton."""
+    import swiftune.kernels.launch as launch
+
+    monkeypatch.setattr(launch, "kernel_is_interpreted", lambda kernel: True)  # as under TRITON_INTERPRET=1 on CPU
+    x = torch.ones(2, 3, dtype=torch.float64)
+    assert choose_backend("auto", object(), {"x": x}) == "reference"
+    assert choose_backend("auto", object(), {"x": x.float()}) == "triton"
+    assert choose_backend("triton", object(), {"x": x}) == "triton"

@@ -428,3 +428,12 @@ def test_free_gpu_bytes_respects_the_per_process_memory_fraction(monkeypatch):
     assert free_gpu_bytes("cuda:0") == 121 * GB
     state["fraction"] = 0.1  # already over the cap (14 GB < 18 GB reserved): only the cached bytes
     assert free_gpu_bytes("cuda:0") == 1 * GB
+
+
+def test_float_labels_are_refused_not_truncated():
+    hidden, weight = torch.randn(2, 8), torch.randn(5, 8)
+    for labels in (torch.tensor([1.7, 1.0]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match="labels must be integer token ids"):
+            linear_cross_entropy(hidden, weight, labels)
+        with pytest.raises(ValueError, match="index must be integer token ids"):
+            selective_log_softmax(hidden, weight, labels)

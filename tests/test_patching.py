@@ -259,3 +259,15 @@ def test_gpu_qwen3_1_7b_packed_memory_is_linear(backend):
     # linear: the 64K->128K step costs about twice the 32K->64K step (a T x T term would make it 4x)
     assert peaks[128] - peaks[64] < 2.5 * (peaks[64] - peaks[32])
     assert peaks[128] < 60
+
+
+def test_output_attentions_on_the_packed_attention_is_said_not_silently_empty():
+    model = patch_model(tiny_model("llama"))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(4))
+    with pytest.warns(UserWarning, match="packed attention returns no attention weights"), torch.no_grad():
+        out = model(ids, output_attentions=True, use_cache=False)
+    assert not out.attentions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(ids, use_cache=False)  # not asked: no warning

@@ -321,3 +321,18 @@ def test_planner_derives_layer_inputs_like_the_runtime_when_the_host_is_short():
     # more than every second layer missing: no derivation, the plan does not fit
     none = plan_memory("qwen3-8b", tokens, 16, gradient_checkpointing="offload", gpu_bytes=gpu, host_bytes=0)
     assert none.derived_layers == 0 and not none.fits
+
+
+def test_memory_docs_example_is_the_commands_output(capsys):
+    """docs/memory.md shows `swiftune plan`'s output for one command: it must be what the command prints
+    (the example had drifted to an older planner's largest context)."""
+    import os
+    import re
+    import shlex
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "memory.md")
+    block = re.search(r"```text\n\$ swiftune plan (.*?)\n(memory plan:.*?)```", open(path).read(), re.S)
+    argv = shlex.split(block.group(1).replace("\\\n", " "))
+    assert main_plan(argv) == 0
+    printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    assert printed == [line.rstrip() for line in block.group(2).strip().splitlines()]

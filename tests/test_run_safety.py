@@ -516,3 +516,14 @@ def test_second_ctrl_c_stops_at_once_without_saving(tmp_path, rows, tokenizer):
     assert not isinstance(info.value, TrainingInterrupted)
     assert not [n for n in os.listdir(out) if n.startswith(("checkpoint-", STAGING_PREFIX))]
     assert not (out / LOCK_NAME).exists()
+
+
+def test_the_summary_of_a_resumed_run_counts_its_own_steps():
+    from types import SimpleNamespace
+
+    from swiftune.training.metrics import run_summary
+
+    state = SimpleNamespace(global_step=6)
+    assert run_summary(state, {"train_runtime": 2.0}, {}, 100).startswith("swiftune: trained 6 steps in 2.0 s")
+    line = run_summary(state, {"train_runtime": 2.0}, {}, 100, first_step=4)
+    assert line.startswith("swiftune: trained 2 steps (steps 5-6, resumed) in 2.0 s") and "50 tokens/s" in line

@@ -20,6 +20,8 @@ the first two):
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -104,6 +106,12 @@ def _dense_attention(
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
+_NO_ATTENTION_WEIGHTS = (
+    "swiftune's packed attention returns no attention weights (output_attentions=True gives none, as transformers' "
+    "sdpa and flash attention): load the model with FastModel.from_pretrained(..., patch=False, "
+    "attn_implementation='eager') or call swiftune.models.unpatch_model(model) to get them")
+
+
 def packed_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -126,6 +134,8 @@ def packed_attention_forward(
     as :class:`~swiftune.attention.pieces.DocumentOutputs` ``[L_i, Hq, D]``.
     """
     bsz, heads, q_len, head_dim = query.shape
+    if kwargs.get("output_attentions"):  # as transformers' sdpa and flash attention: said, not silently empty
+        warnings.warn(_NO_ATTENTION_WEIGHTS, stacklevel=2)
     if scaling is None:
         scaling = head_dim**-0.5
     if not getattr(module, "is_causal", True):

@@ -60,7 +60,8 @@ def choose_backend(backend: Backend, kernel: object, named: dict[str, torch.Tens
     """Resolve ``backend`` for tensors ``named`` (argument name -> tensor).
 
     Returns ``"triton"`` or ``"reference"``; raises a ``ValueError`` naming the argument when the
-    request cannot be met (mixed devices, CPU tensors for a compiled kernel).
+    request cannot be met (mixed devices, CPU tensors for a compiled kernel). ``"auto"`` takes the
+    reference for float64 tensors (the kernels compute in float32).
     """
     if backend not in ("auto", "triton", "reference"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
@@ -73,6 +74,8 @@ def choose_backend(backend: Backend, kernel: object, named: dict[str, torch.Tens
             )
     if backend == "reference":
         return "reference"
+    if backend == "auto" and any(t.dtype == torch.float64 for _, t in items):
+        return "reference"  # the kernels compute in float32; float64 inputs get float64 math, as the losses do
     if first.device.type == "cuda":
         if not HAS_TRITON:
             if backend == "triton":

@@ -277,8 +277,12 @@ def check_labels(labels: torch.Tensor, vocab_size: int, name: str) -> None:
 
 def check_head_shapes(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       targets: torch.Tensor, name: str) -> None:
-    """``hidden [..., H]`` with one target id per row (``targets [...]``, called ``name``), an LM head
-    ``weight [V, H]`` and an optional ``bias [V]``."""
+    """``hidden [..., H]`` with one integer target id per row (``targets [...]``, called ``name``), an LM
+    head ``weight [V, H]`` and an optional ``bias [V]``."""
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        # a float label would be truncated to a class id without a word (F.cross_entropy reads floats as
+        # probabilities instead)
+        raise ValueError(f"{name} must be integer token ids (torch.long), got {targets.dtype}")
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and {name} {tuple(targets.shape)} leading shapes differ")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

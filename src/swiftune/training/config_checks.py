@@ -10,6 +10,8 @@ They live in the training runtime, below both trainers, so that neither trainer 
 
 from __future__ import annotations
 
+import os
+
 import math
 import warnings
 from typing import Any
@@ -127,6 +129,10 @@ def check_training_arguments(args: Any) -> None:
     require_int(args, "seed", 0, "a non-negative integer, e.g. 42")
     require_int(args, "data_seed", 0, "a non-negative integer, or None to use seed", allow_none=True)
     require_int(args, "dataloader_num_workers", 0, "0 (load in the main process) or the worker processes")
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        fail(args, "output_dir", output_dir, "is a file, not a folder", "give a folder (new or existing) for the "
+             "model, checkpoints and metrics")
     check_report_to(args)
 
 

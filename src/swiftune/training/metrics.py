@@ -93,10 +93,12 @@ class MetricsCallback(TrainerCallback):
         self.path = os.path.join(args.output_dir, args.metrics_file) if args.metrics_file else None
         self.plot = os.path.join(args.output_dir, plot_name) if getattr(args, "plot_loss", True) else None
         self.plot_key = plot_key
+        self.first_step = 0  # the step this run starts from (a resumed run's checkpoint)
         self.bar = None
         self.last_record: dict[str, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.first_step = state.global_step
         if not state.is_world_process_zero:
             return
         os.makedirs(args.output_dir, exist_ok=True)
@@ -125,7 +127,7 @@ class MetricsCallback(TrainerCallback):
             if evals:
                 self._print(f"eval at step {state.global_step}: {format_metrics(evals)}")
             if "train_runtime" in logs:
-                self._print(run_summary(state, logs, self.last_record, self.meter.total_tokens))
+                self._print(run_summary(state, logs, self.last_record, self.meter.total_tokens, self.first_step))
             return
         # the trainer adds the token counts to its logs (SwiftuneTrainer.log); a trainer that does not
         # gets them here, for metrics.jsonl only
@@ -157,11 +159,14 @@ def format_metrics(metrics: dict[str, Any], limit: int = 12) -> str:
     return ", ".join(items) + (", ..." if len(metrics) > limit else "")
 
 
-def run_summary(state: Any, logs: dict[str, Any], last: dict[str, Any], total_tokens: int) -> str:
-    """The console line at the end of training: steps, time, mean loss, tokens and their rate, and
-    the last step's reward where the trainer logs one."""
+def run_summary(state: Any, logs: dict[str, Any], last: dict[str, Any], total_tokens: int, first_step: int = 0) -> str:
+    """The console line at the end of training: the steps this run trained (``first_step``: the step it
+    resumed from), time, mean loss, tokens and their rate, and the last step's reward where the trainer
+    logs one."""
     runtime = float(logs.get("train_runtime", 0.0))
-    parts = [f"trained {state.global_step} steps in {runtime:.1f} s"]
+    steps = state.global_step - first_step
+    resumed = f" (steps {first_step + 1}-{state.global_step}, resumed)" if first_step else ""
+    parts = [f"trained {steps} steps{resumed} in {runtime:.1f} s"]
     if "train_loss" in logs:
         parts.append(f"mean loss {logs['train_loss']:.4g}")
     parts.append(f"{total_tokens} tokens ({total_tokens / runtime:.0f} tokens/s)" if runtime > 0
