@@ -78,6 +78,7 @@ def test_packing_and_padding_free():
     ("rollout_engine", "vllm"), ("stop_token_ids", [-1]), ("reward_weights", [1.0, math.nan]),
     ("delta", 0.5), ("gradient_accumulation_steps", 0), ("per_device_train_batch_size", 0),
     ("learning_rate", -1e-6), ("logit_chunk_tokens", 0), ("kernel_backend", "gpu"), ("reward_timeout", 0),
+    ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
 ])
 def test_grpo_config_refuses(field, value):
     refused(GRPOConfig, field, value)

@@ -253,6 +253,13 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
 
     def _check_fields(self) -> None:
         """Each GRPO field on its own (before the derived ones are filled in)."""
+        if self.neftune_noise_alpha is not None:
+            # the Trainer's hook would add noise to the policy's forward but not to the rollouts' or the old and
+            # reference log-probs' (eval mode), so the ratios would measure the noise
+            fail(self, "neftune_noise_alpha", self.neftune_noise_alpha, "is an SFT option", "set it to None for GRPO")
+        if self.label_smoothing_factor:
+            fail(self, "label_smoothing_factor", self.label_smoothing_factor, "has no meaning for GRPO's policy "
+                 "loss (no cross entropy)", "set it to 0.0")
         require_choice(self, "loss_type", LOSS_TYPES)
         require_choice(self, "importance_sampling_level", IMPORTANCE_SAMPLING_LEVELS)
         if self.scale_rewards not in SCALE_REWARDS:
