@@ -230,6 +230,39 @@ def test_adapters_of_an_fp8_model_train_and_load_in_plain_peft(checkpoints, tmp_
         assert rel_err(on_fp8(input_ids=ids).logits, want) < 1e-5
 
 
+def test_a_saved_fp8_model_is_an_ordinary_checkpoint_of_its_dequantised_weights(checkpoints, tmp_path):
+    """save_pretrained of an FP8 model writes Q * s in the compute dtype (it wrote the e4m3 codes as the
+    weights, which read back 448 / max|w| times too large): plain transformers reloads the FP8 model's
+    own function, load_in_fp8 reloads its own codes, and load_state_dict round-trips."""
+    path = checkpoints["qwen3"]
+    model, tokenizer = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    model.save_pretrained(str(tmp_path / "saved"))
+    tokenizer.save_pretrained(str(tmp_path / "saved"))
+    state = model.state_dict()
+    assert not any(k.endswith("weight_scale") for k in state)
+    assert all(state[f"{n}.weight"].dtype == torch.float32 for n in _fp8_layers(model))
+    ids = torch.randint(0, model.config.vocab_size - 1, (1, 10), generator=torch.Generator().manual_seed(5))
+    reference = _plain_with_weights(path, model)  # transformers with the FP8 model's dequantised weights
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"), dtype=torch.float32,
+                                                 attn_implementation="eager")
+    again, _ = FastModel.from_pretrained(str(tmp_path / "saved"), load_in_fp8=True, dtype=torch.float32,
+                                         device_map="cpu")
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+        assert rel_err(plain(input_ids=ids).logits, want) < 1e-6
+        assert rel_err(model(input_ids=ids).logits, want) < 1e-5
+    for name, layer in _fp8_layers(again).items():
+        original = _fp8_layers(model)[name]
+        assert torch.equal(layer.weight.view(torch.uint8), original.weight.view(torch.uint8)), name
+        assert torch.allclose(layer.weight_scale, original.weight_scale, rtol=1e-6, atol=0), name
+    fresh, _ = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.float32, device_map="cpu")
+    for layer in _fp8_layers(fresh).values():
+        layer.weight_scale.mul_(2)  # so that the load below has something to restore
+    fresh.load_state_dict(model.state_dict())
+    for name, layer in _fp8_layers(fresh).items():
+        assert torch.equal(layer.weight.view(torch.uint8), _fp8_layers(model)[name].weight.view(torch.uint8)), name
+
+
 def test_casting_the_model_keeps_the_e4m3_codes_and_scales():
     layer = FP8Linear.from_linear(nn.Linear(32, 16))
     q, s = layer.weight.detach().clone(), layer.weight_scale.clone()

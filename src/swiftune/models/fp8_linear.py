@@ -426,6 +426,29 @@ class FP8Linear(nn.Linear):
         self.compute_dtype = fn(torch.empty(0, dtype=self.compute_dtype)).dtype  # what a cast asked for, if any
         return out
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A saved FP8 model is an ordinary checkpoint: the weight as Q * s in the compute dtype, no scale. The
+        # e4m3 codes under "weight" would read back (in transformers, or with load_in_fp8=True) as weights
+        # 448 / max|w| times too large, the scales left over as unexpected keys.
+        destination[prefix + "weight"] = self.dequantize().detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # what _save_to_state_dict writes (a full-precision weight, no scale) is quantised per row again; codes
+        # with their scale load as they are
+        weight = state_dict.get(prefix + "weight")
+        if isinstance(weight, torch.Tensor) and weight.dtype != FP8_DTYPE and prefix + "weight_scale" not in state_dict:
+            if self.block_size != (1, self.in_features):
+                error_msgs.append(f"{prefix}weight: a full-precision weight cannot replace {self._scales_repr()}; "
+                                  "load the FP8 checkpoint's codes and scales instead")
+                return
+            codes, scale = quantize_rowwise(weight.detach().to(self.weight.device, torch.float32), overwrite=True)
+            state_dict[prefix + "weight"], state_dict[prefix + "weight_scale"] = codes, scale
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"float8_e4m3fn {self._scales_repr()}, compute_dtype={self.compute_dtype}, scaled_mm={self.scaled_mm}")
