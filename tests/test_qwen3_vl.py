@@ -27,6 +27,7 @@ from swiftune.data.multimodal import (
     VisionProcessor,
     prepare_multimodal_dataset,
 )
+from swiftune.data.row_formats import DataFormatError
 from swiftune.models.heads import hidden_states_and_head
 from swiftune.models.support import controls_attention
 from swiftune.models.qwen3_vl import install_vision_language_attention, rope_index_of
@@ -461,3 +462,45 @@ def test_moe_variant_parity(setup):
     experts = [m for m in patched.modules() if type(m).__name__ == "Qwen3VLMoeTextExperts"]
     assert experts and all(is_bound(m) for m in experts)
     _check_parity(model, patched, proc, data.examples)
+
+
+def test_trls_images_column_layout_is_placed_as_trl_places_it(setup):
+    """String messages with an 'images' column (TRL's layout): the images go before the first user
+    message's text, as trl.data_utils.prepare_multimodal_messages puts them (they were dropped: a
+    text-only example); more images than image parts is an error (one was dropped)."""
+    proc, _, _ = setup
+    image = _image(16, 24, 0)
+    column = {"messages": [{"role": "user", "content": "what is it?"}, {"role": "assistant", "content": "a cat"}],
+              "images": [image]}
+    placed = {"messages": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                        {"type": "text", "text": "what is it?"}]},
+                           {"role": "assistant", "content": "a cat"}]}
+    got, want = (prepare_multimodal_dataset([row], proc).examples[0] for row in (column, placed))
+    assert got["input_ids"] == want["input_ids"] and got["completion_mask"] == want["completion_mask"]
+    assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+    assert proc.token_id(IMAGE_TOKEN) in got["input_ids"]
+    try:
+        from trl.data_utils import prepare_multimodal_messages
+    except ImportError:
+        prepare_multimodal_messages = None
+    if prepare_multimodal_messages is not None:  # TRL's own placement of the same row
+        trl_user = prepare_multimodal_messages(column["messages"], images=column["images"])[0]["content"]
+        assert [p["type"] for p in trl_user] == ["image", "text"]
+    extra = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+                          {"role": "assistant", "content": "y"}], "images": [image, _image(16, 16, 1)]}
+    with pytest.raises(DataFormatError, match="has 2 images but its messages' image parts take 1"):
+        prepare_multimodal_dataset([extra], proc)
+
+
+@needs_pil
+def test_the_vision_processor_saves_and_text_rows_use_its_tokenizer(setup, tmp_path):
+    """The fallback processor saves like a transformers processor (checkpoints and the commands' final
+    save crashed on it); text rows and prompts on a vision-language model use its tokenizer."""
+    from swiftune.data import text_tokenizer_of
+
+    proc, _, _ = setup
+    proc.save_pretrained(str(tmp_path))
+    reloaded = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert reloaded.convert_tokens_to_ids(IMAGE_TOKEN) == proc.token_id(IMAGE_TOKEN)
+    assert (tmp_path / "preprocessor_config.json").exists()
+    assert text_tokenizer_of(proc) is proc.tokenizer and text_tokenizer_of(proc.tokenizer) is proc.tokenizer

@@ -541,3 +541,14 @@ def test_one_completion_a_prompt_counts_as_no_spread():
     assert zero_std_fraction(rewards, 1, False) == 1.0
     assert zero_std_fraction(rewards, 2, False) == 0.0
     assert zero_std_fraction(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2, False) == 0.5
+
+
+def test_reward_columns_are_those_of_every_row():
+    """Rows given as plain dicts may differ in their columns: a column one row lacks reaches the reward
+    functions as None there (the first row's keys decided: a later row without one raised KeyError, a
+    column only later rows had was not passed at all)."""
+    from swiftune.rl.batching import reward_columns
+
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "images": ["x.png"]}]
+    assert reward_columns(rows, 2) == {"answer": ["1", "1", None, None],
+                                       "images": [None, None, ["x.png"], ["x.png"]]}

@@ -74,6 +74,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     import torch
 
     from ..data import build_tokenizer, tiny_model_config
+    from ..data import text_tokenizer_of
     from ..rl.batching import generation_stop_ids, prompt_token_ids
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
     from ..rl.rollout.protocol import check_num_generations, check_sampling_values
@@ -105,6 +106,8 @@ def main_generate(argv: list[str] | None = None) -> int:
     else:
         model, tokenizer = load_model(base, adapter, args.dtype)
     model.eval()
+    # a vision-language model's processor: its tokenizer reads and writes the text prompts and completions
+    tokenizer = text_tokenizer_of(tokenizer)
     prompts = args.prompt or ["Reverse: abc\n"]
     # as GRPO tokenizes and stops its prompts: a chat prompt through the chat template, stopping at the end
     # of turn too; a plain one as it is, stopping at the end of sequence only

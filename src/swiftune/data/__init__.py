@@ -42,6 +42,7 @@ from swiftune.data.multimodal import (
     is_multimodal_rows,
     make_multimodal_collator,
     prepare_multimodal_dataset,
+    text_tokenizer_of,
     tokenize_multimodal_row,
 )
 from swiftune.data.packing import (
@@ -93,5 +94,6 @@ __all__ = [
     "prepare_dataset",
     "prepare_multimodal_dataset",
     "tiny_model_config",
+    "text_tokenizer_of",
     "tokenize_multimodal_row",
 ]

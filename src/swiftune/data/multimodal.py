@@ -84,6 +84,21 @@ class VisionProcessor:
     def merge_size(self) -> int:
         return int(getattr(self.image_processor, "merge_size", 2))
 
+    def save_pretrained(self, save_directory: str, **kwargs: Any) -> None:
+        """The tokenizer's and the image processor's files, as a transformers processor saves them (what
+        the trainers' checkpoints and the commands' final save call)."""
+        self.tokenizer.save_pretrained(save_directory, **kwargs)
+        self.image_processor.save_pretrained(save_directory, **kwargs)
+
+
+def text_tokenizer_of(processing_class: Any) -> Any:
+    """The tokenizer of a vision-language processor (a :class:`VisionProcessor` or a transformers processor
+    with a tokenizer and an image processor), for text-only rows and prompts; a tokenizer as it is."""
+    inner = getattr(processing_class, "tokenizer", None)
+    if inner is not None and getattr(processing_class, "image_processor", None) is not None:
+        return inner
+    return processing_class
+
 
 def _is_image_part(part: Any) -> bool:
     return isinstance(part, Mapping) and part.get("type") == "image"
@@ -102,8 +117,7 @@ def is_multimodal_rows(data: Any) -> bool:
         return False
     if row.get("images"):
         return True
-    return any(isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"])
-               for m in row["messages"] if isinstance(m, Mapping))
+    return has_image_parts(row["messages"])
 
 
 def _open_image(image: Any) -> Any:
@@ -114,9 +128,32 @@ def _open_image(image: Any) -> Any:
     return image.convert("RGB") if hasattr(image, "convert") else image
 
 
+def has_image_parts(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return any(isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"])
+               for m in messages if isinstance(m, Mapping))
+
+
+def with_image_placeholders(messages: Sequence[Mapping[str, Any]], count: int) -> list[dict[str, Any]]:
+    """``messages`` with ``count`` ``{"type": "image"}`` parts at the start of the first user message, as
+    TRL places a row's ``images`` column when its messages have no image part."""
+    out = [dict(m) for m in messages]
+    users = [i for i, m in enumerate(out) if m.get("role") == "user"]
+    if not users:
+        raise DataFormatError("the row has images but its messages have no user message to put them in")
+    first = out[users[0]]
+    content = first.get("content")
+    parts = content if isinstance(content, list) else [{"type": "text", "text": str(content or "")}]
+    first["content"] = [{"type": "image"} for _ in range(count)] + list(parts)
+    return out
+
+
 def _flatten_messages(messages: Sequence[Mapping[str, Any]], row_images: list, proc: VisionProcessor
                       ) -> tuple[list[dict[str, str]], list[Any]]:
-    """Messages with string content (each image as its placeholder) and the images in order."""
+    """Messages with string content (each image as its placeholder) and the images in order. A row whose
+    messages have no image part gets its ``images`` before the first user message's text (TRL's layout);
+    images the parts leave unused are an error, not dropped."""
+    if row_images and not has_image_parts(messages):
+        messages = with_image_placeholders(messages, len(row_images))
     images: list[Any] = []
     spare = iter(row_images)
     placeholder = proc.vision_start_token + proc.image_token + proc.vision_end_token
@@ -142,6 +179,11 @@ def _flatten_messages(messages: Sequence[Mapping[str, Any]], row_images: list, p
                                           "or {'type': 'image', 'image': <PIL image or path>}")
             content = "".join(pieces)
         flat.append({"role": message["role"], "content": str(content)})
+    unused = len(list(spare))
+    if unused:
+        raise DataFormatError(f"the row's 'images' column has {len(row_images)} images but its messages' image parts "
+                              f"take {len(row_images) - unused}: give one {{'type': 'image'}} part per image, or none "
+                              "(then every image goes before the first user message's text)")
     return flat, images
 
 

@@ -74,6 +74,17 @@ def prompt_rows_of(data: Any, what: str) -> Sequence[Any]:
     return rows
 
 
+def reward_columns(prompt_rows: Sequence[Any], group_size: int) -> dict[str, list]:
+    """The dataset's other columns for the reward functions, one value per completion (each prompt row's
+    repeated ``group_size`` times). The columns are those of every row of the generation; a row without
+    one gives ``None`` there (plain lists of dicts may differ row to row: the first row's keys alone
+    missed later rows' columns, and a later row without one of them raised a ``KeyError``)."""
+    names: dict[str, None] = {}
+    for row in prompt_rows:
+        names.update(dict.fromkeys(k for k in row if k != "prompt"))
+    return {k: [row.get(k) for row in prompt_rows for _ in range(group_size)] for k in names}
+
+
 def prompt_token_ids(tokenizer: Any, prompt: Any, chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids of one prompt as the policy sees it: a string as it is (no special tokens added), a list
     of messages through the tokenizer's chat template with the generation prompt (and

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.multimodal import MultimodalCollator, VisionProcessor, rope_positions, tokenize_multimodal_prompt
+from ..data.multimodal import (MultimodalCollator, VisionProcessor, has_image_parts, rope_positions,
+                              tokenize_multimodal_prompt, with_image_placeholders)
 from ..models.patching import causal_lm_of
 from ..models.qwen3_vl import rope_index_of
 from ..models.support import controls_attention
@@ -73,10 +74,6 @@ class VisionPrompt:
     image_grid_thw: torch.Tensor | None = None
 
 
-def _is_image_part(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") == "image"
-
-
 def _has_video(messages: Sequence[Mapping[str, Any]]) -> bool:
     return any(isinstance(m.get("content"), list) and any(isinstance(p, Mapping) and p.get("type") == "video"
                                                           for p in m["content"]) for m in messages)
@@ -89,8 +86,14 @@ def prompt_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[
     image at the start of its first user message, as TRL does; placeholders are filled in order."""
     prompt = row["prompt"]
     if not is_conversational(prompt):
-        raise ValueError("image prompts must be conversational: a list of {'role', 'content'} messages with image "
-                         "parts (or an 'image' / 'images' column); a plain string prompt has nowhere to put images")
+        if row.get("images") or row.get("image") is not None:
+            raise ValueError("image prompts must be conversational: a list of {'role', 'content'} messages with "
+                             "image parts (or an 'image' / 'images' column); a plain string prompt has nowhere to "
+                             "put images")
+        raise ValueError(f"a vision-language policy takes conversational prompts (a list of {{'role', 'content'}} "
+                         f"messages, with or without images), got the plain string {prompt!r:.60}: write each "
+                         "prompt as [{'role': 'user', 'content': text}] (swiftune grpo's built-in task has plain "
+                         "string prompts: give --dataset with conversational ones)")
     if row.get("videos") is not None or row.get("video") is not None or _has_video(prompt):
         raise ValueError("video prompts are not supported in GRPO yet: use image parts")
     images = row.get("images")
@@ -98,15 +101,8 @@ def prompt_messages(row: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[
         images = [row["image"]] if row.get("image") is not None else []
     images = list(images)
     messages = [dict(m) for m in prompt]
-    if images and not any(isinstance(m.get("content"), list) and any(_is_image_part(p) for p in m["content"])
-                          for m in messages):
-        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
-        if not users:
-            raise ValueError("the row has images but its prompt has no user message to put them in")
-        first = messages[users[0]]
-        content = first.get("content")
-        parts = content if isinstance(content, list) else [{"type": "text", "text": str(content or "")}]
-        first["content"] = [{"type": "image"} for _ in images] + list(parts)
+    if images and not has_image_parts(messages):
+        messages = with_image_placeholders(messages, len(images))
     return messages, images
 
 

@@ -46,7 +46,7 @@ from ..training.safety import COMMON_SETTINGS_KEYS
 from .advantages import group_advantages
 from .aggregation import normalize_then_sum
 from .batching import (GenerationBatchSampler, collate_prompt_rows, EpochLoader, generation_stop_ids,
-                       is_conversational, prompt_rows_of, prompt_token_ids)
+                       is_conversational, prompt_rows_of, prompt_token_ids, reward_columns)
 from .checkpoint import load_rollout_state, save_rollout_state, saved_generation_metrics
 from .completions_log import RewardLogs, completion_rows, print_completions
 from .evaluation import evaluate_rewards
@@ -393,7 +393,7 @@ class GRPOTrainer(SwiftuneTrainer):
         decoder = self.vision.tokenizer if self.vision is not None else self.processing_class
         texts = decoder.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: [row[k] for row in prompt_rows for _ in range(G)] for k in prompt_rows[0] if k != "prompt"}
+        columns = reward_columns(prompt_rows, G)
         rewards, per_func = compute_rewards(
             self.reward_funcs, [p for p in prompts for _ in range(G)], completions, completion_ids, columns,
             self.reward_weights, group_size=G, timeout=args.reward_timeout, trainer_state=self.state,

@@ -32,6 +32,7 @@ from ..data import (
     TokenizedDataset,
     each_named,
     make_collator,
+    text_tokenizer_of,
     pack_dataset,
     pop_batch_stats,
     prepare_dataset,
@@ -159,7 +160,9 @@ class SFTTrainer(SwiftuneTrainer):
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
         self.batch_layout = batch_mode  # what the training batches are (args.batch_mode is what was asked)
         vision = multimodal_processor(processing_class, train_dataset)  # image-text rows: docs/vision.md
-        if vision is not None:
+        if vision is None:  # text rows on a vision-language model: its processor's tokenizer tokenizes them
+            processing_class = text_tokenizer_of(processing_class)
+        else:
             processing_class = vision.tokenizer
             def prepare_images(d: Any) -> Any:
                 if d is None or isinstance(d, TokenizedDataset):
