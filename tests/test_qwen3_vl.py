@@ -346,6 +346,33 @@ def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
             assert not torch.equal(p.detach(), before[name]), name
 
 
+def test_sft_trainer_on_text_rows_of_a_vision_language_model(setup, tmp_path):
+    """Text-only rows on a Qwen3-VL model with its processor (they failed: the processor has no chat
+    template or eos_token_id of its own): tokenized by its tokenizer, batched padding-free, and the
+    evaluation loss and the first step's loss are transformers' on each example alone."""
+    import json
+
+    from swiftune import SFTConfig, SFTTrainer
+
+    proc, base, _ = setup
+    rows = [{"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there"}]},
+            {"messages": [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two three"}]},
+            {"messages": [{"role": "user", "content": "reverse abc"}, {"role": "assistant", "content": "cba"}]}]
+    model = copy.deepcopy(base)
+    args = SFTConfig(output_dir=str(tmp_path / "text"), max_steps=1, per_device_train_batch_size=3,
+                     per_device_eval_batch_size=3, learning_rate=1e-3, max_length=128, kernel_backend="reference",
+                     attention_backend="reference", report_to="none", save_strategy="no", logging_steps=1, seed=1,
+                     dataloader_pin_memory=False, disable_tqdm=True, use_cpu=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=proc)
+    assert trainer.batch_layout == "padding_free" and trainer.processing_class is proc.tokenizer
+    ref = float(_reference_loss(copy.deepcopy(base), proc, trainer.train_dataset.examples))
+    assert abs(trainer.evaluate()["eval_loss"] - ref) / ref < 1e-5
+    trainer.train()
+    with open(tmp_path / "text" / "metrics.jsonl") as f:
+        losses = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
+    assert abs(losses[0] - ref) / ref < 1e-4, (losses[0], ref)
+
+
 @needs_pil
 def test_fast_model_loads_and_patches_qwen3_vl(setup, tmp_path):
     """FastModel.from_pretrained loads a saved Qwen3-VL checkpoint as an image-text model, patched,
