@@ -73,8 +73,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     Options that need the fast engine without ``--engine fast`` raise :class:`ConfigError`."""
     import torch
 
-    from ..data import build_tokenizer, tiny_model_config
-    from ..data import text_tokenizer_of
+    from ..data import build_tokenizer, text_tokenizer_of, tiny_model_config
     from ..rl.batching import generation_stop_ids, prompt_token_ids
     from ..rl.rollout import SamplingParams, TransformersRolloutEngine
     from ..rl.rollout.protocol import check_num_generations, check_sampling_values

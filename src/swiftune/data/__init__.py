@@ -79,8 +79,8 @@ __all__ = [
     "builtin_instruction_dataset",
     "cu_seqlens_from_position_ids",
     "detect_shape",
-    "is_multimodal_rows",
     "each_named",
+    "is_multimodal_rows",
     "is_named_datasets",
     "load_rows",
     "make_collator",
@@ -93,7 +93,7 @@ __all__ = [
     "position_ids_from_seq_lengths",
     "prepare_dataset",
     "prepare_multimodal_dataset",
-    "tiny_model_config",
     "text_tokenizer_of",
+    "tiny_model_config",
     "tokenize_multimodal_row",
 ]
