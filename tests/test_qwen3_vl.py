@@ -531,3 +531,28 @@ def test_the_vision_processor_saves_and_text_rows_use_its_tokenizer(setup, tmp_p
     assert reloaded.convert_tokens_to_ids(IMAGE_TOKEN) == proc.token_id(IMAGE_TOKEN)
     assert (tmp_path / "preprocessor_config.json").exists()
     assert text_tokenizer_of(proc) is proc.tokenizer and text_tokenizer_of(proc.tokenizer) is proc.tokenizer
+
+
+@needs_pil
+def test_generate_command_samples_text_prompts_from_a_vision_language_model(setup, tmp_path, capsys):
+    """`swiftune generate` on a saved Qwen3-VL folder (it crashed: the processor is not a tokenizer): text
+    prompts through transformers' engine, greedy tokens as transformers' own generate; the fast engine,
+    which does not run the vision tower, is refused naming the engine to use."""
+    import json as json_lib
+
+    from swiftune.cli import main
+
+    proc, base, _ = setup
+    base.save_pretrained(tmp_path)
+    proc.save_pretrained(str(tmp_path))
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "hello", "--max_tokens", "4", "--temperature", "0",
+            "--json", "--dtype", "float32", "--engine", "transformers"]
+    assert main(argv) == 0
+    row = [json_lib.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")][0]
+    ids = torch.tensor([proc.tokenizer("hello", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        out = base.generate(input_ids=ids, do_sample=False, max_new_tokens=4, min_new_tokens=4,
+                            pad_token_id=proc.tokenizer.pad_token_id)
+    assert row["completion"] == proc.tokenizer.decode(out[0, ids.shape[1]:])
+    assert main(argv[:-1] + ["fast"]) == 2
+    assert "--engine fast runs" in capsys.readouterr().err

@@ -119,7 +119,12 @@ def main_generate(argv: list[str] | None = None) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     if args.engine == "fast":
         from ..rl.rollout import FastRolloutEngine, FastSamplingParams
+        from ..rl.rollout.fast import SUPPORTED
 
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in SUPPORTED:  # Qwen3-VL's prompts need its vision tower (GRPO's own engine runs it)
+            raise ConfigError(f"--engine fast runs {', '.join(SUPPORTED)}, not {model_type!r}: use --engine "
+                              "transformers")
         engine = FastRolloutEngine(model, pad_token_id=pad, seed=args.seed, tokenizer=tokenizer,
                                    fused_layers=args.fused_layers)
         params = FastSamplingParams(stop=tuple(args.stop), **params_kw)
