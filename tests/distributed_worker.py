@@ -46,10 +46,12 @@ def lora_model(seed: int):
 class LossLog(TrainerCallback):
     def __init__(self):
         self.losses: list[float] = []
+        self.tokens: list[float] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
+            self.tokens.append(float(logs.get("tokens", float("nan"))))
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
@@ -89,8 +91,8 @@ def run(mode: str, batch: int, out_dir: str, loss_type: str):
     after = {n: full(p) for n, p in trainer.model.named_parameters() if n in before}
     if trainer.accelerator.is_main_process:
         deltas = {n: after[n] - before[n] for n in before}
-        torch.save({"deltas": deltas, "losses": log.losses, "world_size": trainer.accelerator.num_processes,
-                    "eval": evaluated},
+        torch.save({"deltas": deltas, "losses": log.losses, "tokens": log.tokens,
+                    "world_size": trainer.accelerator.num_processes, "eval": evaluated},
                    os.path.join(out_dir, "result.pt"))
     finish_process_group()
     return trainer

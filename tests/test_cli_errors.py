@@ -357,3 +357,14 @@ def test_a_dataset_folder_loads_as_trl_sft_loads_it(tmp_path):
         load_rows(str(tmp_path / "splits"), "test", list)
     with pytest.raises(DataFormatError, match="is a folder, not a dataset file"):
         prepare_dataset(str(files), build_tokenizer())
+
+
+def test_commands_on_a_machine_without_cuda_run_use_cpu(monkeypatch):
+    """Without CUDA the commands set use_cpu (what puts a torchrun launch in transformers' distributed
+    mode; without it each process trained alone); given, the user's value stays."""
+    import swiftune.cli.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_has_cuda", lambda: False)
+    assert parse_sft_args([])[1].use_cpu is True
+    monkeypatch.setattr(arguments, "_has_cuda", lambda: True)
+    assert parse_sft_args(["--use_cpu", "true"])[1].use_cpu is True

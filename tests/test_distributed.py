@@ -48,6 +48,8 @@ def test_sft_two_processes_equal_one_big_batch(tmp_path):
     for a, b in zip(two["losses"], one["losses"]):
         assert abs(a - b) <= 1e-4 * abs(b), (two["losses"], one["losses"])
     assert_same_step(one, two)
+    # the logged token counts are the whole step's, every process's (they were rank 0's share)
+    assert two["tokens"] == one["tokens"] and all(t > 0 for t in one["tokens"])
 
 
 def test_fsdp2_sharded_sft_loss_gradients_equal_unsharded(tmp_path):

@@ -313,6 +313,12 @@ def _scalar(value: Any, path: str, name: str) -> str:
     return str(value)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def parse_command_args(argv: list[str], classes: tuple, prog: str, description: str,
                        builtin_defaults: dict[str, Any], default_output_dir: str):
     """``(model_args, config, builtin)`` from ``[CONFIG.yaml] [--key value ...]``.
@@ -355,6 +361,10 @@ def parse_command_args(argv: list[str], classes: tuple, prog: str, description: 
         prefix = [f"--{k}={v}" for k, v in builtin_defaults.items() if k not in given]
     elif "output_dir" not in given:
         prefix = [f"--output_dir={default_output_dir}"]
+    if "use_cpu" not in given and not _has_cuda():
+        # without it, transformers leaves a torchrun launch on CPU out of its distributed mode: each process
+        # trains alone (the second stopped at the first's output_dir lock); one process runs as before
+        prefix.append("--use_cpu=true")
     namespace, remaining = parser.parse_known_args(args=prefix + yaml_argv + cli_argv)
     if remaining:
         raise CommandLineError(f"unexpected arguments: {' '.join(remaining)}")

@@ -190,15 +190,18 @@ def parse_grpo_args(argv: list[str]):
                               "GRPO with swiftune. " + (__doc__ or ""), BUILTIN_GRPO_DEFAULTS, "swiftune_output/grpo")
 
 
-def sft_warmup(model, tokenizer, rows: list[dict], steps: int, output_dir: str, seed: int, disable_tqdm: bool) -> None:
-    """A short SFT on ``prompt -> answer`` so that GRPO starts from a model that knows the format."""
+def sft_warmup(model, tokenizer, rows: list[dict], steps: int, config) -> None:
+    """A short SFT on ``prompt -> answer`` so that GRPO starts from a model that knows the format. It runs
+    where the GRPO run does (``config``'s device and distributed settings: under torchrun every process
+    takes part, as in the GRPO run after it)."""
     from ..sft import SFTConfig, SFTTrainer
 
     data = [{"prompt": r["prompt"], "completion": r["answer"]} for r in rows]
     args = SFTConfig(
-        output_dir=os.path.join(output_dir, "sft_warmup"), max_steps=steps, per_device_train_batch_size=16,
+        output_dir=os.path.join(config.output_dir, "sft_warmup"), max_steps=steps, per_device_train_batch_size=16,
         learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=5, max_length=64, save_strategy="no",
-        report_to="none", seed=seed, disable_tqdm=disable_tqdm, logging_steps=10, plot_loss=False,
+        report_to="none", seed=config.seed, disable_tqdm=config.disable_tqdm, logging_steps=10, plot_loss=False,
+        use_cpu=config.use_cpu, ddp_backend=config.ddp_backend,
     )
     SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train()
 
@@ -255,15 +258,16 @@ def run_grpo(argv: list[str]) -> int:
         if warmup_steps > 0:
             print(f"swiftune grpo: SFT warm-up, {warmup_steps} steps on the reversal task")
             sft_warmup(model, tokenizer, builtin_reverse_dataset(num_rows=2000, seed=config.seed + 1),
-                       warmup_steps, config.output_dir, config.seed, config.disable_tqdm)
+                       warmup_steps, config)
 
     model, tokenizer, use_lora = build_model(model_args, config, builtin, prepare_builtin=warm_up)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=config,
                           train_dataset=rows, eval_dataset=load_eval_rows(model_args), processing_class=tokenizer)
-    print(f"swiftune grpo: {len(trainer.train_dataset)} prompts, G={config.num_generations}, "
-          f"{config.prompts_per_generation} prompts per generation, loss {config.loss_type}"
-          f"{' (GSPO)' if config.importance_sampling_level == 'sequence' else ''}, beta {config.beta}, "
-          f"{describe_training(use_lora, model_args.lora_r)}; device {trainer.args.device}")
+    if trainer.is_world_process_zero():  # once under torchrun
+        print(f"swiftune grpo: {len(trainer.train_dataset)} prompts, G={config.num_generations}, "
+              f"{config.prompts_per_generation} prompts per generation, loss {config.loss_type}"
+              f"{' (GSPO)' if config.importance_sampling_level == 'sequence' else ''}, beta {config.beta}, "
+              f"{describe_training(use_lora, model_args.lora_r)}; device {trainer.args.device}")
     train_save_and_report(trainer, config, tokenizer, "reward", "reward.png")
     return 0
 

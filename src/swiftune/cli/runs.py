@@ -128,10 +128,10 @@ def train_save_and_report(trainer, config, tokenizer, metric: str, plot: str) ->
     """Train (resuming if asked), save the model and tokenizer, then print how ``metric`` moved
     from the first fifth of the run to the last, so that a user sees at once whether it learned."""
     trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)
-    tokenizer.save_pretrained(config.output_dir)
+    trainer.save_model(config.output_dir)  # the Trainer writes on the main process only
     if not trainer.is_world_process_zero():
         return
+    tokenizer.save_pretrained(config.output_dir)
     if not config.metrics_file:
         print(f"wrote the model to {config.output_dir} (load it from there); no {metric} summary or {plot}: "
               "metrics_file is off")

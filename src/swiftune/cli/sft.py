@@ -41,8 +41,9 @@ def run_sft(argv: list[str]) -> int:
     trainer = SFTTrainer(model=model, args=config, train_dataset=rows, eval_dataset=load_eval_rows(model_args),
                          processing_class=tokenizer)
     stats = trainer.train_dataset.stats
-    print(f"swiftune sft: {stats.num_examples} examples ({stats.data_shape}), {stats.num_tokens} tokens, "
-          f"{stats.num_truncated} truncated; batches: {trainer.batch_layout}; "
-          f"{describe_training(use_lora, model_args.lora_r)}; device {trainer.args.device}")
+    if trainer.is_world_process_zero():  # once under torchrun
+        print(f"swiftune sft: {stats.num_examples} examples ({stats.data_shape}), {stats.num_tokens} tokens, "
+              f"{stats.num_truncated} truncated; batches: {trainer.batch_layout}; "
+              f"{describe_training(use_lora, model_args.lora_r)}; device {trainer.args.device}")
     train_save_and_report(trainer, config, tokenizer, "loss", "loss.png")
     return 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from accelerate.utils import DistributedType
+import torch
 from torch import nn
 from transformers import Trainer, set_seed
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -119,8 +120,17 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         # tensorboard, wandb and the other integrations see them too, not only metrics.jsonl
         meter = getattr(self, "token_meter", None)
         if meter is not None and "loss" in logs:
-            logs = {**logs, **meter.take()}
+            logs = {**logs, **meter.take(self._sum_over_processes)}
+        if meter is not None and "train_runtime" in logs:  # the end of train(): the summary's token count
+            meter.sum_total(self._sum_over_processes)
         super().log(logs, start_time)
+
+    def _sum_over_processes(self, values: list[float]) -> list[float]:
+        """``values`` summed over every process of the run (each process calls it at the same log)."""
+        if self.accelerator.num_processes == 1:
+            return list(values)
+        total = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
+        return self.accelerator.reduce(total, reduction="sum").tolist()
 
     def training_step(self, model, *args, **kwargs):
         # Under bf16/fp16 autocast PEFT's float32 copies of every LoRA input are cast straight

@@ -13,6 +13,7 @@ import json
 import os
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,8 @@ class TokenMeter:
     padding: int = 0
     total_tokens: int = 0
     last_time: float | None = None
+    #: the run's tokens over every process, when the trainer summed them (:meth:`sum_total`)
+    run_tokens: int | None = None
 
     def start(self) -> None:
         self.last_time = time.perf_counter()
@@ -67,16 +70,25 @@ class TokenMeter:
         self.padding += stats.num_padding_tokens
         self.total_tokens += stats.num_tokens
 
-    def take(self) -> dict[str, float]:
+    def take(self, sum_over_processes: Callable[[list[float]], list[float]] | None = None) -> dict[str, float]:
+        """The counts since the last take, and tokens/s. ``sum_over_processes``: the trainer's sum of a
+        few numbers over every process (called on every process at once), so that a multi-process run
+        logs the whole step's tokens, not rank 0's share."""
         now = time.perf_counter()
         elapsed = max(now - (self.last_time if self.last_time is not None else now), 1e-9)
-        slots = self.tokens + self.padding
-        out = dict(tokens=self.tokens, trained_tokens=self.trained_tokens,
-                   padding_fraction=self.padding / slots if slots else 0.0,
-                   tokens_per_s=self.tokens / elapsed if self.last_time is not None else 0.0)
+        tokens, trained, padding = self.tokens, self.trained_tokens, self.padding
+        if sum_over_processes is not None:
+            tokens, trained, padding = (int(v) for v in sum_over_processes([tokens, trained, padding]))
+        slots = tokens + padding
+        out = dict(tokens=tokens, trained_tokens=trained, padding_fraction=padding / slots if slots else 0.0,
+                   tokens_per_s=tokens / elapsed if self.last_time is not None else 0.0)
         self.tokens = self.trained_tokens = self.padding = 0
         self.last_time = now
         return out
+
+    def sum_total(self, sum_over_processes: Callable[[list[float]], list[float]]) -> None:
+        """:attr:`run_tokens`: :attr:`total_tokens` summed over every process (at the end of a run)."""
+        self.run_tokens = int(sum_over_processes([self.total_tokens])[0])
 
 
 class MetricsCallback(TrainerCallback):
@@ -127,7 +139,8 @@ class MetricsCallback(TrainerCallback):
             if evals:
                 self._print(f"eval at step {state.global_step}: {format_metrics(evals)}")
             if "train_runtime" in logs:
-                self._print(run_summary(state, logs, self.last_record, self.meter.total_tokens, self.first_step))
+                tokens = self.meter.run_tokens if self.meter.run_tokens is not None else self.meter.total_tokens
+                self._print(run_summary(state, logs, self.last_record, tokens, self.first_step))
             return
         # the trainer adds the token counts to its logs (SwiftuneTrainer.log); a trainer that does not
         # gets them here, for metrics.jsonl only
