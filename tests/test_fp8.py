@@ -261,6 +261,15 @@ def test_a_saved_fp8_model_is_an_ordinary_checkpoint_of_its_dequantised_weights(
     fresh.load_state_dict(model.state_dict())
     for name, layer in _fp8_layers(fresh).items():
         assert torch.equal(layer.weight.view(torch.uint8), _fp8_layers(model)[name].weight.view(torch.uint8)), name
+    # under PEFT's LoRA layers the state dict keeps the codes (an adapter save reads the whole state dict and
+    # keeps only the adapters: no bf16 copy of the model at every checkpoint), and the adapter save is PEFT's
+    lora = FastModel.get_peft_model(fresh, r=4, use_gradient_checkpointing=False)
+    state = lora.state_dict()
+    codes = [k for k in state if k.endswith("base_layer.weight") and "q_proj" in k]
+    assert codes and all(state[k].dtype == torch.float8_e4m3fn for k in codes)
+    assert any(k.endswith("base_layer.weight_scale") for k in state)
+    lora.save_pretrained(str(tmp_path / "adapter"))
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
 
 
 def test_casting_the_model_keeps_the_e4m3_codes_and_scales():

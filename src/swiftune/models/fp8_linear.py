@@ -429,7 +429,13 @@ class FP8Linear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A saved FP8 model is an ordinary checkpoint: the weight as Q * s in the compute dtype, no scale. The
         # e4m3 codes under "weight" would read back (in transformers, or with load_in_fp8=True) as weights
-        # 448 / max|w| times too large, the scales left over as unexpected keys.
+        # 448 / max|w| times too large, the scales left over as unexpected keys. Under a PEFT LoRA layer (the
+        # prefix ends in PEFT's "base_layer.") the codes and scales stay: PEFT's adapter saves call the whole
+        # state_dict and keep only the adapters, and dequantising every frozen weight there would allocate
+        # the bf16 model at every checkpoint.
+        if prefix.endswith(".base_layer.") or prefix == "base_layer.":
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            return
         destination[prefix + "weight"] = self.dequantize().detach()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
