@@ -234,7 +234,8 @@ class SFTConfig(TrainingArguments):
                     "from free memory", allow_none=True)
         if self.label_smoothing_factor:
             fail(self, "label_smoothing_factor", self.label_smoothing_factor, "is not applied by swiftune's fused "
-                 "cross entropy (transformers' LabelSmoother reads the full logits, which it never builds)",
+                 "cross entropy (transformers' LabelSmoother reads the full logits, which it never builds; TRL 1.16 "
+                 "deprecates it in SFTTrainer for the same reason)",
                  "set it to 0.0")
         if self.neftune_noise_alpha is not None and not (
                 isinstance(self.neftune_noise_alpha, (int, float)) and self.neftune_noise_alpha > 0):
