@@ -32,10 +32,10 @@ from ..data import (
     TokenizedDataset,
     each_named,
     make_collator,
-    text_tokenizer_of,
     pack_dataset,
     pop_batch_stats,
     prepare_dataset,
+    text_tokenizer_of,
 )
 from ..data.multimodal import (
     MULTIMODAL_SHAPE,
@@ -164,6 +164,7 @@ class SFTTrainer(SwiftuneTrainer):
             processing_class = text_tokenizer_of(processing_class)
         else:
             processing_class = vision.tokenizer
+
             def prepare_images(d: Any) -> Any:
                 if d is None or isinstance(d, TokenizedDataset):
                     return d

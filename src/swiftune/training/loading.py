@@ -121,8 +121,9 @@ def load_adapter_folder(model: nn.Module, path: str, base: str) -> nn.Module:
     except RuntimeError as e:  # load_state_dict's "size mismatch": the adapter of another model
         if "size mismatch" not in str(e):
             raise
-        raise ConfigError(f"the adapter in {path} does not fit its recorded base {base!r} ({' '.join(str(e).split())[:300]}); "
-                          "load the model it was trained on and apply the adapter with peft.PeftModel") from e
+        detail = " ".join(str(e).split())[:300]
+        raise ConfigError(f"the adapter in {path} does not fit its recorded base {base!r} ({detail}); load the "
+                          "model it was trained on and apply the adapter with peft.PeftModel") from e
     fuse_lora_if_patched(peft_model)
     return peft_model
 
