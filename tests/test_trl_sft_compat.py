@@ -333,7 +333,8 @@ def test_neftune_noise_is_sized_as_in_trls_padded_batches(tmp_path, tokenizer, p
     handle = model.register_forward_pre_hook(longest, with_kwargs=True)
     trainer.train()
     handle.remove()
-    steps = [(seen[i - 1][1], seen[i]) for i in range(1, len(seen)) if seen[i][0] is True and seen[i - 1][0] == "longest"]
+    steps = [(seen[i - 1][1], seen[i]) for i in range(1, len(seen))
+             if seen[i][0] is True and seen[i - 1][0] == "longest"]
     assert len(steps) == 2
     for longest_doc, (_, noise, shape) in steps:
         bound = alpha / math.sqrt(longest_doc * embeddings.weight.shape[1])
