@@ -349,10 +349,24 @@ def test_sft_trainer_on_image_text_rows(setup, tmp_path, packing):
 def test_sft_trainer_on_text_rows_of_a_vision_language_model(setup, tmp_path):
     """Text-only rows on a Qwen3-VL model with its processor (they failed: the processor has no chat
     template or eos_token_id of its own): tokenized by its tokenizer, batched padding-free, and the
-    evaluation loss and the first step's loss are transformers' on each example alone."""
+    evaluation loss, the first step's loss and every trainable tensor's gradient in it are transformers'
+    on each example alone."""
     import json
 
+    from transformers import TrainerCallback
+
     from swiftune import SFTConfig, SFTTrainer
+
+    class FirstGradients(TrainerCallback):  # what the optimizer's first step would apply (no clipping)
+        grads: dict[str, torch.Tensor] = {}
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if not self.grads:
+                self.grads.update(grads_or_zeros(model))
+
+    def grads_or_zeros(module):  # the vision tower sees no text row: no gradient at all
+        return {n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                for n, p in module.named_parameters() if p.requires_grad}
 
     proc, base, _ = setup
     rows = [{"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there"}]},
@@ -362,15 +376,28 @@ def test_sft_trainer_on_text_rows_of_a_vision_language_model(setup, tmp_path):
     args = SFTConfig(output_dir=str(tmp_path / "text"), max_steps=1, per_device_train_batch_size=3,
                      per_device_eval_batch_size=3, learning_rate=1e-3, max_length=128, kernel_backend="reference",
                      attention_backend="reference", report_to="none", save_strategy="no", logging_steps=1, seed=1,
-                     dataloader_pin_memory=False, disable_tqdm=True, use_cpu=True)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=proc)
+                     dataloader_pin_memory=False, disable_tqdm=True, use_cpu=True, max_grad_norm=0.0)
+    captured = FirstGradients()
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows, processing_class=proc,
+                         callbacks=[captured])
     assert trainer.batch_layout == "padding_free" and trainer.processing_class is proc.tokenizer
-    ref = float(_reference_loss(copy.deepcopy(base), proc, trainer.train_dataset.examples))
+    reference = copy.deepcopy(base)
+    ref_loss = _reference_loss(reference, proc, trainer.train_dataset.examples)
+    ref_loss.backward()
+    ref = float(ref_loss)
     assert abs(trainer.evaluate()["eval_loss"] - ref) / ref < 1e-5
     trainer.train()
     with open(tmp_path / "text" / "metrics.jsonl") as f:
         losses = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
     assert abs(losses[0] - ref) / ref < 1e-4, (losses[0], ref)
+    ref_grads = grads_or_zeros(reference)
+    assert captured.grads.keys() == ref_grads.keys()
+    moving = [n for n, g in ref_grads.items() if g.abs().max() > 0]
+    assert moving and not any(n.startswith("model.visual.") for n in moving)  # text rows: the tower is idle
+    for name, ref_grad in ref_grads.items():
+        assert _rel(captured.grads[name], ref_grad) < 1e-4, (name, _rel(captured.grads[name], ref_grad))
+        if name in moving:
+            assert captured.grads[name].abs().max() > 0, name
 
 
 @needs_pil
