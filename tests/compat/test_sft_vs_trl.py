@@ -144,6 +144,10 @@ CASES = {
     # num_items_in_batch), so the step equals one batch of two
     "prompt_completion_accumulated": Case("prompt_completion", config=(("per_device_train_batch_size", 1),
                                                                       ("gradient_accumulation_steps", 2))),
+    # shuffle_dataset: TRL reorders the prepared rows with datasets' shuffle(seed); one row per step, so the
+    # losses tell whether the same rows come in the same order (swiftune's own permutation did not)
+    "prompt_completion_shuffled": Case("prompt_completion", config=(("shuffle_dataset", True),
+                                                                   ("per_device_train_batch_size", 1))),
     # TRL's Dynamic Fine-Tuning loss: each token's loss weighted by its detached probability
     "prompt_completion_dft": Case("prompt_completion", config=(("loss_type", "dft"),)),
 }

@@ -18,10 +18,10 @@ share, :class:`swiftune.training.SwiftuneTrainer`):
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -224,7 +224,10 @@ class SFTTrainer(SwiftuneTrainer):
         examples = data.examples
         if args.packing_strategy == "bfd_split":
             examples = split_long_examples(examples, args.max_length)
-        return TokenizedDataset(pack_dataset(examples, args.max_length), data.stats)
+        rows = pack_dataset(examples, args.max_length)
+        if args.shuffle_dataset:  # TRL shuffles the packed rows again
+            shuffle_as_datasets(rows, args.seed)
+        return TokenizedDataset(rows, data.stats)
 
     @staticmethod
     def _tokenize(data: Any, tokenizer: Any, args: SFTConfig, split: str,
@@ -244,7 +247,7 @@ class SFTTrainer(SwiftuneTrainer):
             skip_prepare=bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False)),
         )
         if args.shuffle_dataset:  # TRL shuffles the prepared rows (before packing) with the run's seed
-            random.Random(args.seed).shuffle(tokenized.examples)
+            shuffle_as_datasets(tokenized.examples, args.seed)
         stats = tokenized.stats
         logger.info("%s data: %d rows -> %d examples (%s), %d tokens, %d trained, %d truncated", split,
                     stats.num_rows, stats.num_examples, stats.data_shape, stats.num_tokens,
@@ -478,3 +481,11 @@ def sft_loss(
     hidden, lm_head, softcap = hidden_states_and_head(model, **inputs)
     loss = head_loss(hidden, lm_head, softcap, shift_labels(labels), num_items_in_batch, chunk_tokens, loss_type)
     return loss, hidden
+
+
+def shuffle_as_datasets(items: list, seed: int) -> None:
+    """Reorder ``items`` in place as ``datasets.Dataset.shuffle(seed=seed)`` reorders rows (NumPy's
+    ``default_rng(seed).permutation``), so that TRL's ``shuffle_dataset`` order, and with it the
+    Trainer's sampled batches, is the same."""
+    order = np.random.default_rng(seed).permutation(len(items))
+    items[:] = [items[i] for i in order]
