@@ -552,3 +552,51 @@ def test_reward_columns_are_those_of_every_row():
     rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "images": ["x.png"]}]
     assert reward_columns(rows, 2) == {"answer": ["1", "1", None, None],
                                        "images": [None, None, ["x.png"], ["x.png"]]}
+
+
+class _Loaded(Exception):
+    """Raised by the stand-in loader: the keywords a model path would have been loaded with."""
+
+
+def _loader_that_records(monkeypatch):
+    import swiftune
+
+    def from_pretrained(name, **kwargs):
+        raise _Loaded(kwargs)
+
+    monkeypatch.setattr(swiftune.FastModel, "from_pretrained", from_pretrained)
+
+
+def _reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("arguments, needle", [
+    (dict(reward_funcs="some/reward-model"), "wrap it in a function"),
+    (dict(reward_funcs=[_reward, torch.nn.Linear(2, 1)]), "wrap it in a function"),
+    (dict(reward_processing_classes=[object()]), "leave reward_processing_classes=None"),
+    (dict(tools=[_reward]), "tools=None"), (dict(rollout_func=lambda prompts, trainer: {}), "rollout_engine="),
+    (dict(environment_factory=object), "environment_factory=None"),
+])
+def test_trls_trainer_arguments_without_counterpart_are_refused_before_loading(tmp_path, monkeypatch, arguments,
+                                                                                needle):
+    """TRL 1.16's GRPOTrainer takes reward models (by name or as modules) with their tokenizers, tools, a
+    rollout function and environments; swiftune runs none of them, and says so before loading the model
+    (a reward model passed the callable check and failed at the first reward; the others were a TypeError
+    from transformers' Trainer after the model loaded)."""
+    _loader_that_records(monkeypatch)
+    arguments = {"reward_funcs": _reward, **arguments}
+    with pytest.raises(ConfigError, match=needle):
+        GRPOTrainer(model="some/model", args=GRPOConfig(output_dir=str(tmp_path), report_to="none"),
+                    train_dataset=PROMPT_ROWS, **arguments)
+
+
+def test_quantization_config_loads_a_model_path_as_in_trl(tmp_path, monkeypatch):
+    """TRL's ``quantization_config`` argument is for a model given by name: it reaches the loader."""
+    _loader_that_records(monkeypatch)
+    marker = object()
+    with pytest.raises(_Loaded) as loaded:
+        GRPOTrainer(model="some/model", reward_funcs=_reward, args=GRPOConfig(output_dir=str(tmp_path),
+                    report_to="none"), train_dataset=PROMPT_ROWS, quantization_config=marker,
+                    reward_processing_classes=None)
+    assert loaded.value.args[0]["quantization_config"] is marker

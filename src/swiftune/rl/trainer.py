@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 from ..data import BatchStats
+from ..errors import ConfigError
 from ..models import causal_lm_of
 from ..models.moe import moe_config
 from ..models.support import batch_layout_for
@@ -53,7 +54,7 @@ from .evaluation import evaluate_rewards
 from .config import GRPOConfig
 from .grpo_metrics import MetricLog, generation_metrics, reduce_loss_metrics
 from .loss import CLIPPED_LOSS_TYPES, grpo_loss, high_entropy_mask
-from .trl_runtime import RefModelSync, disable_dropout, model_load_kwargs
+from .trl_runtime import RefModelSync, disable_dropout, model_load_kwargs, trl_trainer_arguments
 from .multimodal import VisionGRPO, VisionRolloutEngine, is_vision_language
 from .policy import PolicyRow, build_policy_row, completion_logprobs, router_token_weights
 from .rewards import RewardFunc, compute_rewards, reward_func_name
@@ -131,11 +132,16 @@ class GRPOTrainer(SwiftuneTrainer):
     ):
         args = self.resolve_args(args)
         processing_class = self.processing_class_of(processing_class, kwargs)
+        load_kwargs = model_load_kwargs(args, model)
+        extra = trl_trainer_arguments(model, reward_funcs, kwargs)  # TRL's own arguments, before any model loads
+        if "quantization_config" in extra and "quantization_config" in load_kwargs:
+            raise ConfigError("GRPOTrainer: quantization_config is given both as an argument and in "
+                              "GRPOConfig.model_init_kwargs; give it once")
         model, processing_class = self.prepare_model(
             model, args, processing_class, train_dataset, peft_config,
             missing_tokenizer="GRPOTrainer needs the tokenizer: pass processing_class=tokenizer",
             missing_dataset="GRPOTrainer needs a train_dataset of rows with a 'prompt'",
-            **model_load_kwargs(args, model),
+            **load_kwargs, **extra,
         )
         if args.disable_dropout:
             disable_dropout(model)
