@@ -39,6 +39,13 @@ def test_abbreviations_are_not_silently_expanded(capsys):
     assert "unknown option --learning" in one_line_error(capsys)
 
 
+def test_a_shortened_option_suggests_the_options_it_begins(capsys):
+    # difflib alone offered --delta for --model
+    assert main(["grpo", "--model", "x"]) == 2
+    line = one_line_error(capsys)
+    assert "unknown option --model; did you mean" in line and "--model_name_or_path" in line
+
+
 def test_unknown_option_from_the_real_entry_point_exits_2_without_traceback():
     # Python warnings raised by other packages' imports (the GPU machine's torch and triton emit some) are
     # not swiftune's output: the process is asked to drop them, and what is left must be one line

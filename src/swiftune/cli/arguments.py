@@ -195,7 +195,10 @@ def _unknown_option(name: str, valid: list[str], where: str = "") -> CommandLine
 
     if name in TRL_UNSUPPORTED:
         return CommandLineError(f"--{name}{where} (a TRL option) has no swiftune equivalent: {TRL_UNSUPPORTED[name]}")
-    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
+    # a shortened name (--model for --model_name_or_path) is a prefix of what was meant, which
+    # difflib's whole-string ratio misses (it offered --delta for --model)
+    starts = [v for v in valid if v.startswith(name)]
+    close = starts[:3] if starts else difflib.get_close_matches(name, valid, n=3, cutoff=0.6)
     hint = ("; did you mean " + " or ".join(f"--{c}" for c in close) + "?") if close else "; --help lists the options"
     return CommandLineError(f"unknown option --{name}{where}{hint}")
 
