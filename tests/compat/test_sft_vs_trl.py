@@ -309,3 +309,27 @@ def test_remove_unused_columns_true_keeps_the_completion_only_loss():
         trainer.train()
         losses[kind] = trainer.state.log_history[0]["loss"]
     assert abs(losses["trl"] - losses["swiftune"]) <= LOSS_TOL * losses["trl"], losses
+
+
+def test_a_trl_data_collator_trains_what_trl_trains():
+    """A script that passes TRL's own ``DataCollatorForLanguageModeling``: the collator reads TRL's
+    ``labels`` column (falling back to ``input_ids``), so swiftune must hand it TRL's columns, or the
+    prompt tokens train too (they did: swiftune's examples carry a ``completion_mask`` instead)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = datasets.Dataset.from_list(prompt_completion_rows(WORDS))
+    losses = {}
+    for kind, config_class, trainer_class, extra in (
+            ("trl", trl.SFTConfig, trl.SFTTrainer, {}),
+            ("swiftune", swiftune.SFTConfig, swiftune.SFTTrainer,
+             dict(kernel_backend="reference", attention_backend="reference", plot_loss=False, metrics_file=None))):
+        config = config_class(**shared_args(scratch_dir(f"sft-collator-{kind}"), max_steps=2), **extra)
+        transformers.set_seed(config.seed)
+        trainer = trainer_class(model=load_model(model_dir()), args=config, train_dataset=rows,
+                                processing_class=tokenizer(),
+                                data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer().pad_token_id))
+        trainer.train()
+        losses[kind] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses["swiftune"]) == 2
+    for a, b in zip(losses["trl"], losses["swiftune"]):
+        assert abs(a - b) <= LOSS_TOL * a, losses

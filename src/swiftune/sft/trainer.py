@@ -28,6 +28,9 @@ from torch import nn
 from ..data import (
     BATCH_STAT_KEYS,
     IGNORE_INDEX,
+    PackedCollator,
+    PaddedCollator,
+    PaddingFreeCollator,
     TokenBudgetBatchSampler,
     TokenizedDataset,
     each_named,
@@ -187,6 +190,8 @@ class SFTTrainer(SwiftuneTrainer):
         collate = dict(max_length=args.max_length, pad_token_id=processing_class.pad_token_id,
                        pad_to_multiple_of=args.pad_to_multiple_of)
         self._eval_collator = None
+        if data_collator is not None and vision is None and not isinstance(data_collator, SWIFTUNE_COLLATORS):
+            data_collator = TrlExampleCollator(data_collator)  # a TRL script's collator reads TRL's columns
         if data_collator is None:
             data_collator = make_collator(batch_mode, **collate)
             if eval_packing and batch_mode != "packed":  # packed eval rows: one row each, padded to the longest
@@ -489,3 +494,29 @@ def shuffle_as_datasets(items: list, seed: int) -> None:
     Trainer's sampled batches, is the same."""
     order = np.random.default_rng(seed).permutation(len(items))
     items[:] = [items[i] for i in order]
+
+
+SWIFTUNE_COLLATORS = (PaddingFreeCollator, PackedCollator, PaddedCollator)  # read completion_mask themselves
+
+
+class TrlExampleCollator:
+    """A ``data_collator`` given to the trainer, fed the columns TRL 1.16's prepared examples have:
+    ``input_ids``, ``labels`` (the token where it trains, ``-100`` elsewhere, unshifted) and, packed,
+    ``seq_lengths``, in place of swiftune's ``completion_mask``. A collator written for TRL (its own
+    ``DataCollatorForLanguageModeling`` reads ``labels``, falling back to ``input_ids``) then trains
+    the tokens TRL trains: given the mask, it trained every token, prompts included."""
+
+    def __init__(self, collate: Callable[[list[dict]], dict]):
+        self.collate = collate
+
+    def __call__(self, examples: list[dict]) -> dict:
+        return self.collate([trl_example(e) for e in examples])
+
+
+def trl_example(example: dict) -> dict:
+    """``example`` with TRL's ``labels`` column in place of its ``completion_mask``."""
+    if "completion_mask" not in example or "labels" in example:
+        return example
+    out = {k: v for k, v in example.items() if k != "completion_mask"}
+    out["labels"] = [t if m else IGNORE_INDEX for t, m in zip(example["input_ids"], example["completion_mask"])]
+    return out
