@@ -458,3 +458,21 @@ def test_documented_trl_defaults_are_trls():
                 continue  # prose ("(TRL's)", "None (= packing)")
             assert value == defaults[names[0]], f"{doc}: {names[0]} documented as TRL's {value!r}, TRL has " \
                                                 f"{defaults[names[0]]!r}"
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_prompt_order_over_epochs_is_trls(shuffle):
+    """``shuffle_dataset``/``seed``: the prompts of each generation, epoch after epoch, are those TRL's
+    ``RepeatSampler`` gives (its generator is seeded once and draws a new permutation every epoch;
+    swiftune reseeded with ``seed + epoch``, so from the second epoch on other prompts trained)."""
+    from trl.trainer.utils import RepeatSampler
+
+    from swiftune.rl.batching import GenerationBatchSampler
+
+    rows, per_generation, repeats = 7, 2, 3  # the last, incomplete chunk is dropped by both
+    ref = RepeatSampler(range(rows), mini_repeat_count=G, batch_size=per_generation, repeat_count=repeats,
+                        shuffle=shuffle, seed=5)
+    ours = GenerationBatchSampler(rows, per_generation, repeats, seed=5, shuffle=shuffle)
+    for epoch in range(3):
+        ours.set_epoch(epoch)
+        assert [i for batch in ours for i in batch] == list(ref)[::G], f"epoch {epoch}"

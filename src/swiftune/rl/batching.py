@@ -34,9 +34,10 @@ class GenerationBatchSampler(torch.utils.data.Sampler):
         return (self.num_rows // (self.per_batch * self.world)) * self.repeats
 
     def __iter__(self):
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_rows, generator=g).tolist()
+        if self.shuffle:  # epoch e: the (e+1)-th permutation of one generator seeded once, as TRL's RepeatSampler
+            g = torch.Generator().manual_seed(self.seed)  # draws them epoch after epoch (here also on resume)
+            for _ in range(self.epoch + 1):
+                order = torch.randperm(self.num_rows, generator=g).tolist()
         else:
             order = list(range(self.num_rows))
         global_batch = self.per_batch * self.world
