@@ -395,6 +395,27 @@ def test_resume_from_an_incomplete_folder_says_which_one_to_use(tmp_path):
         resolve_resume(True, str(tmp_path / "empty"))
 
 
+def test_resume_refuses_a_model_only_checkpoint_and_another_model_set_up(tmp_path, rows, tokenizer):
+    # save_only_model=True keeps no optimizer, scheduler or RNG state: transformers resumed from it with
+    # a fresh optimizer and a restarted schedule without a word (the weights drifted 6% off the run's)
+    out = tmp_path / "model-only"
+    sft_trainer(out, rows, tokenizer, max_steps=2, save_strategy="steps", save_steps=1, save_only_model=True).train()
+    with pytest.raises(ConfigError, match=r"cannot resume from .*checkpoint-2: it was saved with save_only_model="):
+        sft_trainer(out, rows, tokenizer).train(resume_from_checkpoint=True)
+    # another LoRA rank, or full fine-tuning: the checkpoint's tensors do not fit (a size mismatch deep in
+    # PEFT's loading, or "Can't find a checkpoint index") -> one error naming what differs, before loading
+    out = tmp_path / "lora"
+    sft_trainer(out, rows, tokenizer, max_steps=1, save_strategy="steps", save_steps=1).train()
+    with pytest.raises(ConfigError, match=r"another model set-up .*model\.trainable_parameters: checkpoint \d+"):
+        sft_trainer(out, rows, tokenizer, model=builtin_qwen3(True, 1, r=8)).train(resume_from_checkpoint=True)
+    with pytest.raises(ConfigError, match=r"model\.lora: checkpoint True, this run False"):
+        sft_trainer(out, rows, tokenizer, model=tiny_model(lora=False)).train(resume_from_checkpoint=True)
+    assert not (out / LOCK_NAME).exists()
+    resumed = sft_trainer(out, rows, tokenizer, max_steps=2)  # the same set-up resumes
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+
+
 @pytest.mark.parametrize("failure", ["enospc", "torch-writer"])
 def test_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, rows, tokenizer,
                                                                            monkeypatch, failure):

@@ -87,9 +87,11 @@ def write_json_atomic(path: str, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_marker(folder: str, step: int, settings: dict[str, Any]) -> None:
-    write_json_atomic(os.path.join(folder, MARKER_NAME),
-                      {"complete": True, "step": step, "time": time.time(), "settings": settings})
+def write_marker(folder: str, step: int, settings: dict[str, Any], model_only: bool = False) -> None:
+    """The completion marker; ``model_only``: saved with ``save_only_model=True`` (no optimizer,
+    scheduler or random states: not resumable, :func:`resume_problem`)."""
+    write_json_atomic(os.path.join(folder, MARKER_NAME), {
+        "complete": True, "step": step, "time": time.time(), "settings": settings, "model_only": model_only})
 
 
 def _fsync_dir(path: str) -> None:
@@ -351,6 +353,35 @@ def world_size_change(saved: dict[str, Any], current: dict[str, Any]) -> tuple[b
     return False, (f"written by {before} process(es) with a global batch of {old}, resumed on {after} with a global "
                    f"batch of {new}: the resumed run skips the checkpoint's step count in batches of the new size, so it "
                    f"does not continue at the sample where the checkpoint stopped; keep the global batch{fix}")
+
+
+# Recorded settings that decide which tensors a checkpoint holds: a model that differs in one cannot load them.
+_MODEL_KEYS = ("model.lora", "model.trainable_parameters")
+
+
+def resume_problem(folder: str, current: dict[str, Any]) -> str | None:
+    """Why this run cannot continue from the complete checkpoint ``folder`` (None when it can): it
+    was saved with ``save_only_model=True``, or its trained tensors belong to another model set-up
+    (full fine-tuning against LoRA, another LoRA rank or target modules: transformers fails in its
+    loading code, or resumes with a fresh optimizer and a restarted schedule without a word)."""
+    marker = read_marker(folder)
+    if marker is None:
+        return None
+    if marker.get("model_only"):
+        return ("it was saved with save_only_model=True: it holds the model's weights but no optimizer, "
+                "learning-rate scheduler or random states, so training cannot continue where it stopped (it would "
+                "restart the optimizer and the schedule); start a new run from its weights (give the folder as the "
+                "model), and keep save_only_model=False for checkpoints to resume from")
+    saved = marker.get("settings")
+    if not isinstance(saved, dict):
+        return None
+    diffs = [f"{key}: checkpoint {saved[key]!r}, this run {current[key]!r}" for key in _MODEL_KEYS
+             if key in saved and key in current and saved[key] != current[key]]
+    if diffs:
+        return (f"it holds the trained tensors of another model set-up than this run's ({'; '.join(diffs)}): "
+                "they cannot be loaded into this model; resume with the model, LoRA rank and target modules the "
+                "checkpoint was written with, or start a separate run in another output_dir")
+    return None
 
 
 def warn_on_changed_settings(folder: str, current: dict[str, Any]) -> list[str]:

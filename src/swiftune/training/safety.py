@@ -26,6 +26,7 @@ from typing import Any
 
 from transformers.trainer_utils import rotate_checkpoints
 
+from ..errors import ConfigError
 from .loading import first_nonfinite_tensor
 from .checkpoints import (
     TRAINER_STATE_NAME,
@@ -37,6 +38,7 @@ from .checkpoints import (
     publish,
     remove_stale_staging,
     resolve_resume,
+    resume_problem,
     run_settings,
     save_failure,
     staging_run_dir,
@@ -89,8 +91,13 @@ class RunSafetyMixin:
                 if self.is_world_process_zero():
                     remove_stale_staging(args.output_dir)
                 resume = resolve_resume(resume_from_checkpoint, args.output_dir)
-                if resume is not None and self.is_world_process_zero():
-                    warn_on_changed_settings(resume, self.run_settings())
+                if resume is not None:
+                    settings = self.run_settings()
+                    problem = resume_problem(resume, settings)
+                    if problem is not None:  # every process reads the marker: all stop here
+                        raise ConfigError(f"resume_from_checkpoint: cannot resume from {resume}: {problem}")
+                    if self.is_world_process_zero():
+                        warn_on_changed_settings(resume, settings)
                 if resume is None:
                     self._refuse_nonfinite_start()
                 output = super().train(resume_from_checkpoint=resume, trial=trial,
@@ -226,7 +233,7 @@ class RunSafetyMixin:
             self.save_checkpoint_extras(final)
             self.accelerator.wait_for_everyone()
             if main:
-                write_marker(final, step, self.run_settings())
+                write_marker(final, step, self.run_settings(), self.args.save_only_model)
             return
         staging = staging_run_dir(run_dir, step)
         try:
@@ -246,7 +253,7 @@ class RunSafetyMixin:
                 if best and os.path.abspath(best).startswith(os.path.abspath(staging) + os.sep):
                     self.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, staging))
                     self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
-                write_marker(staged, step, self.run_settings())
+                write_marker(staged, step, self.run_settings(), self.args.save_only_model)
                 publish(staged, final)
                 rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                    best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
