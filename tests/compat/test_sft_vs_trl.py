@@ -105,6 +105,9 @@ ROWS = {
     "short_messages": lambda: [{"messages": [{"role": "user", "content": w[:3]},
                                              {"role": "assistant", "content": w[2::-1]}]} for w in WORDS],
     "prompt_completion": lambda: prompt_completion_rows(WORDS),
+    "conversational_prompt_completion": lambda: [
+        {"prompt": [{"role": "user", "content": f"reverse {w}"}], "completion": [{"role": "assistant", "content": w[::-1]}]}
+        for w in WORDS],
     "tokenized_mask": lambda: tokenized_rows(WORDS, with_mask=True),
     "text": lambda: text_rows(WORDS),
     "split_text": lambda: [{"text": " ".join(WORDS[:5])}, {"text": WORDS[5]}],
@@ -144,6 +147,11 @@ CASES = {
     # num_items_in_batch), so the step equals one batch of two
     "prompt_completion_accumulated": Case("prompt_completion", config=(("per_device_train_batch_size", 1),
                                                                       ("gradient_accumulation_steps", 2))),
+    # conversational prompt/completion rows with assistant_only_loss: TRL ANDs the template's assistant mask with the
+    # completion mask (here it leaves out the newline after <|im_end|>); swiftune ignored the flag on these rows
+    "conversational_prompt_completion_assistant_only": Case("conversational_prompt_completion",
+                                                            config=(("assistant_only_loss", True),),
+                                                            template=GENERATION_TEMPLATE),
     # shuffle_dataset: TRL reorders the prepared rows with datasets' shuffle(seed); one row per step, so the
     # losses tell whether the same rows come in the same order (swiftune's own permutation did not)
     "prompt_completion_shuffled": Case("prompt_completion", config=(("shuffle_dataset", True),

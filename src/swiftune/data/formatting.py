@@ -246,6 +246,7 @@ def _text_examples(rows: Sequence[Mapping], tokenizer: Any, text_field: str) -> 
 
 def _prompt_completion_examples(
     rows: Sequence[Mapping], tokenizer: Any, completion_only: bool, template_kwargs: Mapping[str, Any] | None = None,
+    assistant_only: bool = False,
 ) -> list[tuple[list[int], list[int]]]:
     # The first row decides between plain strings and conversational lists, for every row.
     kind = list if isinstance(rows[0].get("prompt"), list) else str
@@ -254,10 +255,28 @@ def _prompt_completion_examples(
         for index, (p, c) in enumerate(zip(prompt_texts, completion_texts)):
             check_messages(p, f"row {index}: 'prompt'")
             check_messages(c, f"row {index}: 'completion'")
-        return [
+        examples = [
             _conversational_prompt_completion(tokenizer, p, c, _chat_kwargs(r, template_kwargs, i), completion_only)
             for i, (p, c, r) in enumerate(zip(prompt_texts, completion_texts, rows))
         ]
+        if not assistant_only:
+            return examples
+        # TRL: the assistant mask of the whole conversation, ANDed with the completion mask
+        use_markers = _has_generation_markers(tokenizer)
+        marked = None if use_markers else marked_template_for(tokenizer)
+        out = []
+        for i, ((ids, mask), p, c, r) in enumerate(zip(examples, prompt_texts, completion_texts, rows)):
+            assistant_ids, assistant = _messages_example(tokenizer, {"messages": list(p) + list(c)}, True, use_markers,
+                                                         _chat_kwargs(r, template_kwargs, i), marked)
+            if assistant_ids != ids:
+                raise DataFormatError(f"row {i}: the assistant tokens could not be located in the conversation; "
+                                      "add {% generation %} markers to the chat template, or pass "
+                                      "assistant_only_loss=False")
+            out.append((ids, [int(m and a) for m, a in zip(mask, assistant)]))
+        return out
+    if assistant_only:
+        logger.warning("assistant_only_loss applies to conversational rows; ignored for plain-text prompt/completion "
+                       "rows (as TRL)")
     eos = _require_eos(tokenizer)
     # Prompt and completion are tokenized apart and concatenated: the boundary is exact and the
     # completion tokens are those the model would generate after seeing the prompt tokens.
@@ -345,7 +364,7 @@ def _check_flags(shape: DataShape, completion_only_loss: bool | None, assistant_
         return
     if completion_only_loss and shape != "prompt_completion":
         logger.warning("completion_only_loss applies to prompt/completion data; ignored for %r data", shape)
-    if assistant_only_loss and shape != "messages":
+    if assistant_only_loss and shape not in ("messages", "prompt_completion"):
         logger.warning("assistant_only_loss applies to 'messages' data; ignored for %r data", shape)
 
 
@@ -424,7 +443,9 @@ def prepare_dataset(
     elif shape == "text":
         pairs = _text_examples(rows, tokenizer, text_field)
     elif shape == "prompt_completion":
-        pairs = _prompt_completion_examples(rows, tokenizer, completion_only_loss is not False, chat_template_kwargs)
+        # assistant_only_loss=None stays off here (TRL's default, False): only messages rows default to on
+        pairs = _prompt_completion_examples(rows, tokenizer, completion_only_loss is not False, chat_template_kwargs,
+                                            assistant_only=bool(assistant_only_loss))
     else:
         _require_chat_template(tokenizer, "'messages' rows")
         assistant_only = assistant_only_loss is not False
