@@ -18,6 +18,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -414,6 +415,45 @@ def test_resume_refuses_a_model_only_checkpoint_and_another_model_set_up(tmp_pat
     resumed = sft_trainer(out, rows, tokenizer, max_steps=2)  # the same set-up resumes
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 2
+
+
+def test_a_kill_while_rotating_or_publishing_leaves_checkpoints_complete_or_absent(tmp_path, rows, tokenizer,
+                                                                                   monkeypatch):
+    out = tmp_path / "run"
+    removed_in_place = shutil.rmtree
+
+    def killed_while_deleting(path, *args, **kwargs):  # the run dies with checkpoint-1 half deleted
+        if os.path.basename(path).endswith("checkpoint-1") and os.path.exists(os.path.join(path, "trainer_state.json")):
+            for name in ("adapter_model.safetensors", "optimizer.pt"):
+                os.remove(os.path.join(path, name))
+            raise KeyboardInterrupt("killed")
+        return removed_in_place(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        sft_trainer(out, rows, tokenizer, max_steps=3, save_strategy="steps", save_steps=1, save_total_limit=1).train()
+    monkeypatch.undo()
+    # rotation used to delete checkpoint-1 in place: its marker and trainer_state.json outlived its weights
+    for name in checkpoint_folders(out):
+        assert checkpoint_problem(str(out / name)) is None and (out / name / "adapter_model.safetensors").exists(), name
+
+    def resume(steps):
+        trainer = sft_trainer(out, rows, tokenizer, max_steps=steps, save_strategy="steps", save_steps=1,
+                              save_total_limit=1)
+        trainer.train(resume_from_checkpoint=True)
+        assert trainer.state.global_step == steps
+        assert checkpoint_folders(out) == [f"checkpoint-{steps}"]
+        assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+
+    resume(3)
+    # killed after the marker, before the rename: the complete staged checkpoint is published, not removed
+    os.makedirs(out / f"{STAGING_PREFIX}checkpoint-3")
+    os.replace(out / "checkpoint-3", out / f"{STAGING_PREFIX}checkpoint-3" / "checkpoint-3")
+    resume(4)
+    # killed between publish's two renames (the old checkpoint-4 aside, the new one not complete): it goes back
+    os.replace(out / "checkpoint-4", out / f"{STAGING_PREFIX}replaced-checkpoint-4")
+    os.makedirs(out / f"{STAGING_PREFIX}checkpoint-4" / "checkpoint-4")
+    resume(5)
 
 
 @pytest.mark.parametrize("failure", ["enospc", "torch-writer"])

@@ -61,13 +61,36 @@ def prepare_staging(run_dir: str, step: int) -> str:
     return staging
 
 
+REPLACED_PREFIX = f"{STAGING_PREFIX}replaced-"
+DELETED_PREFIX = f"{STAGING_PREFIX}deleted-"
+
+
 def remove_stale_staging(run_dir: str) -> list[str]:
-    """Remove the staging folders of saves that never finished (a run killed while saving)."""
+    """Finish or undo what a run killed while saving left in ``run_dir``, then remove the rest.
+
+    A staged ``checkpoint-N`` whose marker is written was complete when the run died (between the
+    marker and the rename, or between the two renames of :func:`publish`): it is published. A
+    ``checkpoint-N`` that :func:`publish` had moved aside and no new one replaced goes back. Every
+    other hidden folder (a save cut short, a rotation's or a replacement's removal) is removed."""
     removed = []
     if not os.path.isdir(run_dir):
         return removed
-    for name in os.listdir(run_dir):
+    for name in sorted(os.listdir(run_dir)):
+        match = _CHECKPOINT_RE.match(name[len(STAGING_PREFIX):])
+        if name.startswith(STAGING_PREFIX) and match:
+            staged, final = os.path.join(run_dir, name, match.group(0)), os.path.join(run_dir, match.group(0))
+            marker = read_marker(staged)
+            if marker is not None and marker.get("complete") and not os.path.exists(final):
+                publish(staged, final)
+                logger.warning("swiftune: %s was saved completely before the run stopped; published it", final)
+    for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
+        if name.startswith(REPLACED_PREFIX) and os.path.isdir(path):
+            final = os.path.join(run_dir, name[len(REPLACED_PREFIX):])
+            if not os.path.exists(final) and checkpoint_problem(path) is None:
+                os.replace(path, final)
+                logger.warning("swiftune: restored %s (the run stopped while replacing it)", final)
+                continue
         if name.startswith(STAGING_PREFIX) and os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -75,6 +98,43 @@ def remove_stale_staging(run_dir: str) -> list[str]:
         logger.info("swiftune: removed %d unfinished checkpoint save(s) in %s (a run stopped while saving): %s",
                     len(removed), run_dir, ", ".join(os.path.basename(p) for p in removed))
     return removed
+
+
+def discard_checkpoint(path: str) -> None:
+    """Remove the checkpoint folder ``path``: renamed to a hidden name first, so that a run killed
+    while deleting it leaves no half-deleted ``checkpoint-N`` that still holds its marker."""
+    aside = os.path.join(os.path.dirname(path), DELETED_PREFIX + os.path.basename(path))
+    if os.path.exists(aside):
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.replace(path, aside)
+    except OSError:
+        aside = path
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """transformers' ``rotate_checkpoints`` (newest by mtime kept, the best one kept, the oldest
+    removed down to ``save_total_limit``), each removal through :func:`discard_checkpoint`."""
+    from pathlib import Path
+
+    from transformers.trainer_utils import sort_checkpoints
+
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    checkpoints = sort_checkpoints(run_dir, PREFIX, use_mtime=True)
+    if len(checkpoints) <= save_total_limit:
+        return
+    protected = {checkpoints[-1]}
+    if best_model_checkpoint is not None:
+        protected.add(str(Path(best_model_checkpoint)))
+    remaining = len(checkpoints)
+    for path in checkpoints:
+        if remaining <= max(save_total_limit, len(protected)):
+            break
+        if path not in protected:
+            discard_checkpoint(path)
+            remaining -= 1
 
 
 def write_json_atomic(path: str, data: Any) -> None:
@@ -112,7 +172,7 @@ def publish(staged: str, final: str) -> None:
     another run in a reused output_dir, is moved aside first and removed after)."""
     aside = None
     if os.path.exists(final):
-        aside = os.path.join(os.path.dirname(final), f"{STAGING_PREFIX}replaced-{os.path.basename(final)}")
+        aside = os.path.join(os.path.dirname(final), f"{REPLACED_PREFIX}{os.path.basename(final)}")
         if os.path.exists(aside):
             shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)

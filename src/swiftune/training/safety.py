@@ -24,8 +24,6 @@ import os
 import shutil
 from typing import Any
 
-from transformers.trainer_utils import rotate_checkpoints
-
 from ..errors import ConfigError
 from .loading import first_nonfinite_tensor
 from .checkpoints import (
@@ -39,6 +37,7 @@ from .checkpoints import (
     remove_stale_staging,
     resolve_resume,
     resume_problem,
+    rotate_checkpoints,
     run_settings,
     save_failure,
     staging_run_dir,
@@ -89,7 +88,8 @@ class RunSafetyMixin:
         try:
             with guard:
                 if self.is_world_process_zero():
-                    remove_stale_staging(args.output_dir)
+                    remove_stale_staging(args.output_dir)  # may publish a staged checkpoint: before any lists
+                self.accelerator.wait_for_everyone()
                 resume = resolve_resume(resume_from_checkpoint, args.output_dir)
                 if resume is not None:
                     settings = self.run_settings()
@@ -255,8 +255,7 @@ class RunSafetyMixin:
                     self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
                 write_marker(staged, step, self.run_settings(), self.args.save_only_model)
                 publish(staged, final)
-                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
             self.accelerator.wait_for_everyone()
         except BaseException as error:
             self._staging_run_dir = None
