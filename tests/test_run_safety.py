@@ -456,6 +456,21 @@ def test_a_kill_while_rotating_or_publishing_leaves_checkpoints_complete_or_abse
     resume(5)
 
 
+def test_a_finished_run_resumed_again_trains_nothing_more(tmp_path, rows, tokenizer):
+    out = tmp_path / "run"
+    model = tiny_model()
+    sft_trainer(out, rows, tokenizer, model=model, max_steps=2, save_strategy="steps", save_steps=1).train()
+    done = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    again = tiny_model(lora_seed=5)
+    trainer = sft_trainer(out, rows, tokenizer, model=again, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train(resume_from_checkpoint=True)  # transformers' loop trained step 3 of 2 and saved checkpoint-3
+    assert trainer.state.global_step == 2 and checkpoint_folders(out) == ["checkpoint-1", "checkpoint-2"]
+    assert steps_in(out / "metrics.jsonl") == [1, 2]
+    for n, p in again.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, done[n]), n
+
+
 @pytest.mark.parametrize("failure", ["enospc", "torch-writer"])
 def test_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, rows, tokenizer,
                                                                            monkeypatch, failure):

@@ -111,6 +111,15 @@ class RunSafetyMixin:
         self._resolve_deferred_check()  # the last step's verdict (a deferred check's)
         return output
 
+    def _run_epoch(self, *args: Any, **kwargs: Any):
+        # A run resumed from a checkpoint of its last step (a finished run resumed again, e.g. a job
+        # requeued after it ended): transformers' loop checks max_steps only after a step, so it
+        # trained one step past max_steps (on a schedule past its end) and saved that as the result.
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def _refuse_nonfinite_start(self) -> None:
         bad = first_nonfinite_tensor(self.model.named_parameters())
         if bad is not None:
