@@ -603,3 +603,7 @@ def test_the_summary_of_a_resumed_run_counts_its_own_steps():
     assert run_summary(state, {"train_runtime": 2.0}, {}, 100).startswith("swiftune: trained 6 steps in 2.0 s")
     line = run_summary(state, {"train_runtime": 2.0}, {}, 100, first_step=4)
     assert line.startswith("swiftune: trained 2 steps (steps 5-6, resumed) in 2.0 s") and "50 tokens/s" in line
+    state.max_steps = 6
+    line = run_summary(state, {"train_runtime": 0.0, "train_loss": 0.0}, {}, 0, first_step=6)
+    assert line == "swiftune: nothing to train: the checkpoint is at step 6, the run's last (max_steps 6); the model is " \
+                   "the checkpoint's"

@@ -178,6 +178,9 @@ def run_summary(state: Any, logs: dict[str, Any], last: dict[str, Any], total_to
     logs one."""
     runtime = float(logs.get("train_runtime", 0.0))
     steps = state.global_step - first_step
+    if first_step and steps <= 0:  # a finished run resumed again
+        return (f"swiftune: nothing to train: the checkpoint is at step {first_step}, the run's last "
+                f"(max_steps {state.max_steps}); the model is the checkpoint's")
     resumed = f" (steps {first_step + 1}-{state.global_step}, resumed)" if first_step else ""
     parts = [f"trained {steps} steps{resumed} in {runtime:.1f} s"]
     if "train_loss" in logs:
