@@ -37,6 +37,7 @@
 #   scripts/gpu_suite.sh qlora-grpo   # GRPO largest completion, Qwen3-8B QLoRA on an 80 GB budget, detached (~20+ min): then qlora-grpo-wait
 #   scripts/gpu_suite.sh pieces-tests # the projected-pieces tests on CUDA (~1 min)
 #   scripts/gpu_suite.sh offload-tests # the offloaded checkpointing's and kept attention outputs' tests on CUDA (~1-2 min)
+#   scripts/gpu_suite.sh cli-fp8-tests # the FP8 and generate command tests on a GPU (~2 min)
 #   scripts/gpu_suite.sh loss-tests   # the chunked losses' CUDA tests, the offloaded log-prob hidden states in pinned blocks (~1 min)
 #   scripts/gpu_suite.sh qlora-grpo-at C... # the same at fixed completion lengths, in the foreground (for gpu_chain.sh; ~12-15 min near 330K)
 #   scripts/gpu_suite.sh qlora-grpo-cut LAYERS GPU_GB HOST_GB C... # that trial on the first LAYERS layers, launches synchronous (a crash's repro, ~1-2 min)
@@ -594,6 +595,9 @@ case "$part" in
     # outputs on the GPU and in host pages): its tests, before a long chain that rests on them (~1-2 min)
     run offload_tests 200 python3 -m pytest -q -rf tests/test_checkpointing.py tests/test_attention_outputs.py \
       -p no:cacheprovider ;;
+  cli-fp8-tests)  # the FP8 tests (scaled_mm, saving, the decode) and swiftune generate's (greedy log-probs, chat and
+    # plain prompts' stops, against transformers' generate) on a GPU (~2 min)
+    run cli_fp8_tests 200 python3 -m pytest -q -rf tests/test_fp8.py tests/test_generate_cli.py -p no:cacheprovider ;;
   loss-tests)  # the chunked losses on CUDA: the log-prob loss with its hidden states offloaded in pinned row blocks
     # (read back across block edges), the real offload path bitwise against no offload, bf16 against references (~1 min)
     run loss_tests 150 python3 -m pytest -q -rf tests/test_losses.py -k cuda -p no:cacheprovider ;;
