@@ -584,6 +584,19 @@ def test_ctrl_c_saves_the_step_and_resumes_to_the_same_weights(tmp_path, rows, t
     assert steps_in(out / "metrics.jsonl") == [1, 2, 3, 4, 5]
 
 
+def test_sigterm_with_enable_jit_checkpoint_saves_the_step_and_says_so(tmp_path, rows, tokenizer):
+    # transformers' JIT handler saved before the optimizer step, trained the step on and ended train() as if
+    # the run had finished: the command exited 0 with a model of step 3 of 5 and a checkpoint of step 2
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    trainer = sft_trainer(out, rows, tokenizer, max_steps=5, enable_jit_checkpoint=True,
+                          callbacks=[AtStep(2, lambda m: os.kill(os.getpid(), signal.SIGTERM))])
+    with pytest.raises(TrainingInterrupted, match=r"stopped by SIGTERM after step 2 of 5: saved .*checkpoint-2\."):
+        trainer.train()
+    assert checkpoint_folders(out) == ["checkpoint-2"] and trainer.state.global_step == 2
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_second_ctrl_c_stops_at_once_without_saving(tmp_path, rows, tokenizer):
     out = tmp_path / "run"
     trainer = sft_trainer(out, rows, tokenizer, callbacks=[AtStep(2, ctrl_c(times=2))])

@@ -39,29 +39,35 @@ class InterruptGuard:
     raises ``KeyboardInterrupt``. Outside the main thread (signals cannot be handled there) it does
     nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, sigterm: bool = False) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.reason = "Ctrl-C"
+        self._signals = (signal.SIGINT, signal.SIGTERM) if sigterm else (signal.SIGINT,)
+        self._previous: dict[int, Any] = {}
         self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.requested:
             self._restore()
-            raise KeyboardInterrupt("second Ctrl-C: stopped at once, without saving")
-        self.requested = True
-        logger.warning("swiftune: Ctrl-C: finishing this step, then saving a checkpoint and stopping "
-                       "(press Ctrl-C again to stop at once, without saving)")
+            raise KeyboardInterrupt(f"second {name}: stopped at once, without saving")
+        self.requested, self.reason = True, name
+        logger.warning("swiftune: %s: finishing this step, then saving a checkpoint and stopping "
+                       "(press Ctrl-C again to stop at once, without saving)", name)
 
     def _restore(self) -> None:
         if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
+            for signum, previous in self._previous.items():
+                fallback = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+                signal.signal(signum, previous if previous is not None else fallback)
             self._installed = False
 
     def __enter__(self) -> InterruptGuard:
         if threading.current_thread() is threading.main_thread():
             try:
-                self._previous = signal.getsignal(signal.SIGINT)
-                signal.signal(signal.SIGINT, self._handle)
+                for signum in self._signals:
+                    self._previous[signum] = signal.getsignal(signum)
+                    signal.signal(signum, self._handle)
                 self._installed = True
             except (ValueError, OSError):  # an embedded interpreter without signal support
                 self._installed = False

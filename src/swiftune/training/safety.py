@@ -10,8 +10,8 @@ finished work is never lost (:class:`RunSafetyMixin`, mixed in before ``Trainer`
   disk) says so, removes the partial folder and leaves the previous checkpoints usable
   (:mod:`.checkpoints`);
 * one run per ``output_dir`` (:mod:`.run_lock`);
-* Ctrl-C finishes the step, saves a checkpoint and stops with a message saying how to resume
-  (:mod:`.interrupt`).
+* Ctrl-C (and SIGTERM with ``enable_jit_checkpoint=True``) finishes the step, saves a checkpoint and
+  stops with a message saying how to resume (:mod:`.interrupt`).
 
 A trainer sets :attr:`settings_keys` / :attr:`trainer_kind` and may write more files into each
 checkpoint in :meth:`save_checkpoint_extras` (GRPO: the rollout buffer).
@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 from typing import Any
 
 from ..errors import ConfigError
@@ -82,7 +83,12 @@ class RunSafetyMixin:
               ignore_keys_for_eval: list[str] | None = None, **kwargs: Any):
         args = self.args
         lock = RunLock(args.output_dir).acquire() if self.is_world_process_zero() else None
-        guard = InterruptGuard()
+        # enable_jit_checkpoint (transformers' option): SIGTERM, a scheduler's preemption, too; transformers' own
+        # handler saved before the optimizer step and ended train() as if finished (the command exited 0)
+        sigterm = bool(getattr(args, "enable_jit_checkpoint", False))
+        if sigterm:
+            self._drop_jit_checkpoint_callback()
+        guard = InterruptGuard(sigterm=sigterm)
         stopper = InterruptCallback(guard)
         self.add_callback(stopper)
         try:
@@ -107,7 +113,7 @@ class RunSafetyMixin:
             if lock is not None:
                 lock.release()
         if stopper.stopped_at is not None:
-            self._stopped_by_ctrl_c(stopper.stopped_at, trial)
+            self._stopped_by_ctrl_c(stopper.stopped_at, trial, guard.reason)
         self._resolve_deferred_check()  # the last step's verdict (a deferred check's)
         return output
 
@@ -120,6 +126,16 @@ class RunSafetyMixin:
             return None
         return super()._run_epoch(*args, **kwargs)
 
+    def _drop_jit_checkpoint_callback(self) -> None:
+        """Remove transformers' JIT checkpoint callback and give SIGTERM its handler of before (the
+        guard of :meth:`train` handles SIGTERM instead)."""
+        for callback in list(self.callback_handler.callbacks):
+            if type(callback).__name__ == "JITCheckpointCallback":
+                manager = getattr(callback, "jit_manager", None)
+                if manager is not None and manager._original_sigterm_handler is not None:
+                    signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+                self.remove_callback(callback)
+
     def _refuse_nonfinite_start(self) -> None:
         bad = first_nonfinite_tensor(self.model.named_parameters())
         if bad is not None:
@@ -127,12 +143,12 @@ class RunSafetyMixin:
                                  "it was loaded or built with NaN/inf weights, and every loss and gradient would be "
                                  "NaN. Train from a finite checkpoint.", 0)
 
-    def _stopped_by_ctrl_c(self, step: int, trial: Any) -> None:
+    def _stopped_by_ctrl_c(self, step: int, trial: Any, reason: str = "Ctrl-C") -> None:
         run_dir = super()._get_output_dir(trial=trial)
         folder = os.path.join(run_dir, checkpoint_name(step))
         saved = folder if checkpoint_problem(folder) is None else None
         where = f"saved {saved}" if saved else "no checkpoint could be saved"
-        message = (f"training stopped by Ctrl-C after step {step} of {self.state.max_steps}: {where}. Resume with "
+        message = (f"training stopped by {reason} after step {step} of {self.state.max_steps}: {where}. Resume with "
                    f"trainer.train(resume_from_checkpoint=True) and the same output_dir (the command line: the same "
                    f"command with --resume_from_checkpoint true).")
         logger.warning("swiftune: %s", message)
