@@ -125,6 +125,18 @@ def test_sft_dtype_report_to_and_metrics_file_options(monkeypatch, capsys):
     assert "report_to=['tensorboard'] names tensorboard, which is not installed here" in one_line_error(capsys)
 
 
+def test_deferred_check_under_several_processes_is_refused_before_loading(monkeypatch, capsys):
+    """Under torchrun the config knows the process count: a one-process option is a parse error (exit 2),
+    not a ValueError from train() after the model loaded (exit 1)."""
+    from swiftune.sft import SFTConfig
+
+    assert parse_sft_args(["--deferred_nonfinite_check", "true"])[1].deferred_nonfinite_check
+    monkeypatch.setattr(SFTConfig, "world_size", property(lambda self: 2))
+    assert main(["sft", "--deferred_nonfinite_check", "true"]) == 2
+    assert "runs in one process for now; this launch has 2" in one_line_error(capsys)
+    assert parse_sft_args([])[1].world_size == 2  # without the option the launch is fine
+
+
 def test_grpo_command_defaults_of_the_reward_and_warm_up():
     from swiftune.cli.grpo import builtin_warmup_steps, command_reward_spec, parse_grpo_args
 

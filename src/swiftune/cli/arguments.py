@@ -387,6 +387,11 @@ def parse_command_args(argv: list[str], classes: tuple, prog: str, description: 
         raise CommandLineError(str(e)) from e
     warn_unused_lora_options(model_args)
     check_paths(model_args, config)
+    # the launch's process count is known once the config exists (it sets up the distributed state): refused here,
+    # before the model loads, rather than at train()
+    if getattr(config, "deferred_nonfinite_check", False) and config.world_size > 1:
+        raise CommandLineError(f"--deferred_nonfinite_check true runs in one process for now; this launch has "
+                               f"{config.world_size}: drop it for multi-process training")
     return model_args, config, builtin
 
 

@@ -256,7 +256,8 @@ def run_grpo(argv: list[str]) -> int:
 
     def warm_up(model, tokenizer) -> None:
         if warmup_steps > 0:
-            print(f"swiftune grpo: SFT warm-up, {warmup_steps} steps on the reversal task")
+            if config.process_index == 0:  # once under torchrun
+                print(f"swiftune grpo: SFT warm-up, {warmup_steps} steps on the reversal task")
             sft_warmup(model, tokenizer, builtin_reverse_dataset(num_rows=2000, seed=config.seed + 1),
                        warmup_steps, config)
 

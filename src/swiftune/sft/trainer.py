@@ -254,9 +254,10 @@ class SFTTrainer(SwiftuneTrainer):
         if args.shuffle_dataset:  # TRL shuffles the prepared rows (before packing) with the run's seed
             shuffle_as_datasets(tokenized.examples, args.seed)
         stats = tokenized.stats
-        logger.info("%s data: %d rows -> %d examples (%s), %d tokens, %d trained, %d truncated", split,
-                    stats.num_rows, stats.num_examples, stats.data_shape, stats.num_tokens,
-                    stats.num_trained_tokens, stats.num_truncated)
+        if args.process_index == 0:  # once under torchrun (every process prepares the same rows)
+            logger.info("%s data: %d rows -> %d examples (%s), %d tokens, %d trained, %d truncated", split,
+                        stats.num_rows, stats.num_examples, stats.data_shape, stats.num_tokens,
+                        stats.num_trained_tokens, stats.num_truncated)
         return tokenized
 
     def _prepare_eval(self, data: Any, processing_class: Any, args: SFTConfig) -> Any:
