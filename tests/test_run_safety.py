@@ -47,7 +47,7 @@ from swiftune.training import (
 )
 from swiftune.training.checkpoints import MARKER_NAME, STAGING_PREFIX, checkpoint_problem
 from swiftune.training.run_lock import LOCK_NAME
-from tests.helpers import builtin_qwen3, rel_err
+from tests.helpers import KillAt, builtin_qwen3, rel_err
 
 FAST = dict(kernel_backend="reference", attention_backend="reference", report_to="none", save_strategy="no",
             logging_steps=1, seed=1, data_seed=1, dataloader_pin_memory=False, disable_tqdm=True, plot_loss=False)
@@ -307,6 +307,41 @@ def test_grpo_stops_at_a_nan_loss_and_stores_rollouts_without_pickle(tmp_path, t
     assert "repetition_penalty: checkpoint 1.0, this run 1.1" in caplog.text
     assert resumed.state.global_step == 3
     assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+def token_sum_reward(prompts, completions, completion_ids, **kwargs):
+    return [float(sum(c) % 7) for c in completion_ids]  # varies with the sampled tokens
+
+
+@pytest.mark.parametrize("num_iterations, steps_per_generation, save_steps", [(1, 1, 2), (2, 2, 3)])
+def test_grpo_resumed_with_sampled_rollouts_logs_and_ends_as_the_uninterrupted_run(
+        tmp_path, tokenizer, num_iterations, steps_per_generation, save_steps):
+    """The built-in engine samples (temperature 1) from its own seeded generator: a checkpoint keeps its
+    state, so a run killed after a checkpoint and resumed samples the completions the uninterrupted run
+    samples (the generator started from the seed again: other completions, rewards and weights)."""
+    from tests.test_grpo import PROMPT_ROWS
+
+    def run(out, resume=None, callbacks=(), lora_seed=1):
+        model = tiny_model(lora_seed=lora_seed)
+        args = GRPOConfig(output_dir=str(out), max_steps=5, per_device_train_batch_size=4, num_generations=4,
+                          max_completion_length=6, learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=1,
+                          beta=0.05, temperature=1.0, num_iterations=num_iterations,
+                          steps_per_generation=steps_per_generation, plot_rewards=False,
+                          **{**{k: v for k, v in FAST.items() if k != "plot_loss"}, "save_strategy": "steps",
+                             "save_steps": save_steps})
+        trainer = GRPOTrainer(model, [token_sum_reward], args=args, train_dataset=PROMPT_ROWS,
+                              processing_class=tokenizer, callbacks=list(callbacks))
+        trainer.train(resume_from_checkpoint=resume)
+        logs = {h["step"]: (h["loss"], h["reward"]) for h in trainer.state.log_history if "loss" in h}
+        return logs, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    full_logs, full_weights = run(tmp_path / "full")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "run", callbacks=[KillAt(save_steps + 1)])
+    logs, weights = run(tmp_path / "run", resume=True, lora_seed=5)
+    assert len({r for _, r in full_logs.values()}) > 1  # the rewards depend on what was sampled
+    assert logs == full_logs
+    assert all(torch.equal(weights[n], full_weights[n]) for n in full_weights)
 
 
 def test_rollout_state_round_trips_through_tensors_and_json(tmp_path):

@@ -128,16 +128,19 @@ def current_world_size() -> int:
 
 
 def save_rollout_state(checkpoint_dir: str, rank: int, micro_step: int, buffer: list | None,
-                       world_size: int | None = None, generation_metrics: dict[str, float] | None = None) -> None:
+                       world_size: int | None = None, generation_metrics: dict[str, float] | None = None,
+                       engine_rng_state: torch.Tensor | None = None) -> None:
     """Write process ``rank``'s micro-step counter and rollout buffer; ``world_size`` (default: the
     process group's) is recorded so that a resume on another number of processes can tell.
     ``generation_metrics``: the last generation's logged metrics (reward, lengths, ...), which the steps
-    that reuse its buffer log again (:func:`saved_generation_metrics` reads them back)."""
+    that reuse its buffer log again (:func:`saved_generation_metrics` reads them back).
+    ``engine_rng_state``: the rollout engine's sampling generator state (:func:`saved_engine_rng_state`)."""
     os.makedirs(checkpoint_dir, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     world = current_world_size() if world_size is None else int(world_size)
     tree = {"format": FORMAT, "micro_step": int(micro_step), "world_size": world, "buffer": _encode(buffer, tensors),
-            "generation_metrics": {str(k): float(v) for k, v in (generation_metrics or {}).items()}}
+            "generation_metrics": {str(k): float(v) for k, v in (generation_metrics or {}).items()},
+            "engine_rng_state": _encode(engine_rng_state, tensors)}
     save_file(tensors, rollout_state_path(checkpoint_dir, rank), metadata={_META_KEY: json.dumps(tree)})
 
 
@@ -172,6 +175,32 @@ def saved_generation_metrics(checkpoint_dir: str, rank: int) -> dict[str, float]
     if not isinstance(metrics, dict):
         return {}
     return {str(k): float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _read_tree(path: str, tensors: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            tree = json.loads((f.metadata() or {}).get(_META_KEY) or "{}")
+            loaded = {key: f.get_tensor(key) for key in f.keys()} if tensors else {}
+    except Exception as e:
+        raise UnsafeCheckpointError(f"{path}: not a readable swiftune rollout state ({e})") from e
+    return (tree if isinstance(tree, dict) else {}), loaded
+
+
+def saved_engine_rng_state(checkpoint_dir: str, rank: int, world_size: int | None = None) -> torch.Tensor | None:
+    """The rollout engine's random state :func:`save_rollout_state` wrote for ``rank``; None without one (a
+    checkpoint of an engine without one, or of an older version) or when it was saved by another number of
+    processes (each process's engine draws its own stream: as the Trainer's random states, not carried over)."""
+    path = rollout_state_path(checkpoint_dir, rank)
+    if not os.path.exists(path):
+        return None
+    tree, tensors = _read_tree(path, tensors=True)
+    node = tree.get("engine_rng_state")
+    world = current_world_size() if world_size is None else int(world_size)
+    if not isinstance(node, dict) or tree.get("world_size") != world:
+        return None
+    state = _decode(node, tensors, {}, path)
+    return state if isinstance(state, torch.Tensor) else None
 
 
 def load_rollout_state(checkpoint_dir: str, rank: int, device: torch.device | str,

@@ -48,7 +48,7 @@ from .advantages import group_advantages
 from .aggregation import normalize_then_sum
 from .batching import (GenerationBatchSampler, collate_prompt_rows, EpochLoader, generation_stop_ids,
                        is_conversational, prompt_rows_of, prompt_token_ids, reward_columns)
-from .checkpoint import load_rollout_state, save_rollout_state, saved_generation_metrics
+from .checkpoint import load_rollout_state, save_rollout_state, saved_engine_rng_state, saved_generation_metrics
 from .completions_log import RewardLogs, completion_rows, print_completions
 from .evaluation import evaluate_rewards
 from .config import GRPOConfig
@@ -323,13 +323,18 @@ class GRPOTrainer(SwiftuneTrainer):
         # the metrics a step that reuses the buffer logs again: the last logged generation's, updated by any
         # generation since that log
         metrics = {**self._last_gen_metrics, **self._gen_log.means(clear=False)}
+        # the engine's sampling stream: a resumed run samples what the uninterrupted one samples
+        rng_state = getattr(self.rollout_engine, "rng_state", None)
         save_rollout_state(checkpoint_dir, self.accelerator.process_index, self._micro_step, self._buffer,
-                           generation_metrics=metrics)
+                           generation_metrics=metrics, engine_rng_state=rng_state() if callable(rng_state) else None)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         state = load_rollout_state(resume_from_checkpoint, self.accelerator.process_index, self.args.device,
                                    types=(GRPOMicroBatch,))
+        rng_state = saved_engine_rng_state(resume_from_checkpoint, self.accelerator.process_index)
+        if rng_state is not None and callable(getattr(self.rollout_engine, "set_rng_state", None)):
+            self.rollout_engine.set_rng_state(rng_state)
         if state is not None:
             self._micro_step, self._buffer = state
             if self._buffer is not None:  # the steps that reuse it log its generation's metrics, as unresumed

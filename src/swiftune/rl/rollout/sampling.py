@@ -17,21 +17,40 @@ number generation inside the step, so the step can be a CUDA graph).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from .protocol import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-def seeded_generator(current: torch.Generator | None, device: torch.device, seed: int) -> torch.Generator:
+
+def seeded_generator(current: torch.Generator | None, device: torch.device, seed: int,
+                     state: torch.Tensor | None = None) -> torch.Generator:
     """``current`` if it already lives on ``device``, else a new generator there seeded with ``seed``:
-    an engine keeps one random stream per device, so that the same seed samples the same rollouts."""
-    if current is not None and current.device == device:
-        return current
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    an engine keeps one random stream per device, so that the same seed samples the same rollouts.
+    ``state`` (a resumed run's, :func:`restore_generator_state`): the stream continues from it."""
+    if current is None or current.device != device:
+        current = torch.Generator(device=device)
+        current.manual_seed(seed)
+    if state is not None:
+        restore_generator_state(current, state)
+    return current
+
+
+def restore_generator_state(generator: torch.Generator, state: torch.Tensor) -> bool:
+    """Put ``state`` (``generator.get_state()`` of a checkpoint) into ``generator``; a state of another
+    kind of device (a GPU run's checkpoint resumed on CPU) cannot be: a warning, and the seeded stream."""
+    try:
+        generator.set_state(state.to("cpu", torch.uint8))
+    except (RuntimeError, ValueError) as e:
+        logger.warning("swiftune: the rollout engine's saved random state does not fit its %s generator (%s): "
+                       "sampling continues from the seed, so completions after the resume differ from the "
+                       "uninterrupted run's", generator.device.type, str(e).splitlines()[0][:120])
+        return False
+    return True
 
 
 def seen_mask(rows: Sequence[Sequence[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
