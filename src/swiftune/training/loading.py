@@ -31,6 +31,7 @@ from ..models.qwen3_vl import (VISION_SKIP_MODULES, VISION_TOWER_MODULES, check_
 from ..models.support import require_causal_decoder
 from ..models.tiled_mlp import enable_tiled_mlp
 from .checkpointing import enable_offloaded_checkpointing
+from .merged_save import add_merged_save_methods
 from .quantization import (check_fp8_request, fp8_checkpoint_kwargs, keep_4bit_layout_on_cpu,
                            refuse_full_finetuning_of_4bit, resolve_quantization, skip_modules_in_4bit)
 
@@ -415,7 +416,8 @@ class FastModel:
                 quantization_config, load_in_fp8=load_in_fp8, rope_scaling=rope_scaling, fix_tokenizer=fix_tokenizer,
                 **hf_kwargs)
             tokenizer = adapter_tokenizer(model_name_or_path, tokenizer, fix_tokenizer, model)
-            return load_adapter_folder(model, model_name_or_path, base), tokenizer
+            # Unsloth's save_pretrained_merged / push_to_hub_merged (docs/unsloth_compat.md, "Saving")
+            return add_merged_save_methods(load_adapter_folder(model, model_name_or_path, base)), tokenizer
         # checked before any file is read: a bad combination or a missing bitsandbytes says so first
         check_fp8_request(load_in_fp8, load_in_4bit, load_in_8bit, quantization_config)
         quantization = resolve_quantization(load_in_4bit, load_in_8bit, quantization_config, _resolve_dtype(dtype))
@@ -475,7 +477,8 @@ class FastModel:
 
         if patch:
             patch_model(model, attention=attn_implementation if packed else None, kernel_backend=kernel_backend)
-        return model, tokenizer
+        # Unsloth's save methods, here already so that calling them before get_peft_model says what to do
+        return add_merged_save_methods(model), tokenizer
 
     @staticmethod
     def get_peft_model(
@@ -533,7 +536,7 @@ class FastModel:
                                           offload_host_budget_bytes=offload_host_budget_bytes,
                                           offload_attention_output_layers=offload_attention_output_layers,
                                           offload_attention_outputs_on_host=offload_attention_outputs_on_host)
-            return model
+            return add_merged_save_methods(model)
         if tiled_mlp is not None and not isinstance(tiled_mlp, bool):
             raise ValueError(f"tiled_mlp must be True, False or None (with offloaded checkpointing), got {tiled_mlp!r}")
         config = LoraConfig(
@@ -561,7 +564,8 @@ class FastModel:
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
             enable_tiled_mlp(peft_model, projections=True)
         fuse_lora_if_patched(peft_model)  # one autograd node per LoRA linear (after the tiling: underneath it)
-        return peft_model
+        # model.save_pretrained_merged(dir, tokenizer, save_method="merged_16bit" | "lora"), as in Unsloth
+        return add_merged_save_methods(peft_model)
 
     @staticmethod
     def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True,
