@@ -348,3 +348,26 @@ def test_push_to_hub_merged_uploads_the_merged_folder(checkpoints, tmp_path, mon
     assert repo == "me/tiny-merged" and {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(files)
     assert kwargs["commit_message"] and calls["config"]["architectures"] == ["Qwen3ForCausalLM"]
     assert VOCAB == calls["config"]["vocab_size"]
+
+
+def test_the_methods_hold_no_reference_to_the_model_and_follow_a_deep_copy(checkpoints, tmp_path):
+    import copy
+    import gc
+    import weakref
+
+    model, tokenizer = _lora_model(checkpoints["qwen3"], dtype=torch.float32)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone.get_base_model().model.layers[0].self_attn.q_proj.lora_B["default"].weight.add_(1.0)
+    clone.save_pretrained_merged(tmp_path / "clone", tokenizer)
+    model.save_pretrained_merged(tmp_path / "model", tokenizer)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(_load_plain(str(tmp_path / "clone")).state_dict()[key],
+                           _load_plain(str(tmp_path / "model")).state_dict()[key]), "the copy saved its own weights"
+    gc.disable()
+    try:
+        ref = weakref.ref(model)
+        del model
+        assert ref() is None, "a method kept in the model's __dict__ must not keep the model alive"
+    finally:
+        gc.enable()

@@ -30,9 +30,9 @@ import os
 import re
 import tempfile
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import MethodType
 from typing import Any
 
 import torch
@@ -75,14 +75,47 @@ def mark_fast_model(model: nn.Module) -> None:
     causal_lm_of(model).__dict__[_FAST_MODEL_ATTR] = True
 
 
+class _ModelMethod:
+    """``function`` bound to a model through a weak reference. A bound method kept in the model's own
+    ``__dict__`` would make a reference cycle, and ``del model`` would then leave the whole model (GPU memory
+    included) to the garbage collector instead of freeing it at once. A deep copy binds to the copy; a pickle
+    stores the model itself (pickle handles the cycle)."""
+
+    __slots__ = ("_model", "_function", "__weakref__")
+
+    def __init__(self, model: nn.Module, function: Callable[..., Any]) -> None:
+        self._model = weakref.ref(model)
+        self._function = function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._model()
+        if model is None:
+            raise ReferenceError(f"{self._function.__name__}: the model it belonged to no longer exists")
+        return self._function(model, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _ModelMethod:
+        model = self._model()
+        return _ModelMethod(memo.get(id(model), model), self._function)
+
+    def __reduce__(self) -> tuple:
+        return _ModelMethod, (self._model(), self._function)
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self._function.__doc__
+
+    def __repr__(self) -> str:
+        return f"<swiftune {self._function.__name__} of {type(self._model()).__name__}>"
+
+
 def add_merged_save_methods(model: nn.Module) -> nn.Module:
-    """Bind ``save_pretrained_merged`` and ``push_to_hub_merged`` on ``model`` (instance attributes, as
-    Unsloth adds them) and mark it as FastModel's; returns ``model``."""
+    """Give ``model`` ``save_pretrained_merged`` and ``push_to_hub_merged`` (instance attributes, as Unsloth
+    adds them) and mark it as FastModel's; returns ``model``."""
     mark_fast_model(model)
     # nn.Module.__setattr__ keeps plain callables in the instance __dict__, which wins over PeftModel's
     # __getattr__ forwarding to the base model
-    model.save_pretrained_merged = MethodType(save_pretrained_merged, model)
-    model.push_to_hub_merged = MethodType(push_to_hub_merged, model)
+    model.save_pretrained_merged = _ModelMethod(model, save_pretrained_merged)
+    model.push_to_hub_merged = _ModelMethod(model, push_to_hub_merged)
     return model
 
 
