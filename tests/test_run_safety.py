@@ -417,6 +417,31 @@ def test_resume_skips_incomplete_checkpoint_warns_on_changed_settings_and_logs_e
     assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
 
 
+def test_resume_with_other_training_data_warns_that_it_does_not_continue_where_it_stopped(
+        tmp_path, rows, tokenizer, caplog):
+    """The Trainer resumes by skipping the checkpoint's batches of the data it is given: with another
+    dataset it trains other rows than the uninterrupted run, in silence. The marker records the row count
+    and a hash of a few rows, and a resume with other data says so (the same data: nothing said)."""
+    out = tmp_path / "run"
+    sft_trainer(out, rows, tokenizer, max_steps=2, save_strategy="steps", save_steps=2).train()
+    settings = json.load(open(out / "checkpoint-2" / MARKER_NAME))["settings"]
+    assert settings["data.rows"] == len(rows) and len(settings["data.sample_hash"]) == 16
+    checkpoint = str(out / "checkpoint-2")
+    cases = {"same": rows, "other rows": builtin_instruction_dataset(num_rows=len(rows), seed=4),
+             "fewer rows": rows[:-4]}
+    said = {}
+    for name, data in cases.items():
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="swiftune"):
+            sft_trainer(out, data, tokenizer, max_steps=3).train(resume_from_checkpoint=checkpoint)
+        said[name] = caplog.text
+    assert "other training data" not in said["same"]
+    assert f"the same {len(rows)} rows in number, but other rows" in said["other rows"]
+    assert f"{len(rows)} rows in the checkpoint's, {len(rows) - 4} in this run's" in said["fewer rows"]
+    assert "skips the batches of the checkpoint's 2 steps" in said["fewer rows"]
+    assert "data." not in said["other rows"].split("other training data")[0]  # not also in the settings list
+
+
 def test_resume_from_an_incomplete_folder_says_which_one_to_use(tmp_path):
     good, bad = tmp_path / "checkpoint-2", tmp_path / "checkpoint-4"
     good.mkdir()

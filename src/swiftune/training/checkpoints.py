@@ -12,13 +12,16 @@ Resuming (``resume_from_checkpoint=True``) takes the newest ``checkpoint-N`` tha
 it has the marker, or, written by plain transformers or an older swiftune, a readable
 ``trainer_state.json`` (the Trainer writes it after the weights, optimizer and RNG states). Others
 are skipped with a warning. When the checkpoint's recorded settings differ from the run's (another
-run's folder, or changed options), a warning lists the differences.
+run's folder, or changed options), a warning lists the differences; other training data (the row count
+and a hash of a few rows, :func:`dataset_fingerprint`) gets its own warning, since the resumed run skips
+the checkpoint's batches of whatever data it is given.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -368,6 +371,48 @@ def global_batch_size(settings: dict[str, Any]) -> int | None:
     return parts[0] * parts[1] * parts[2]
 
 
+DATA_KEYS = ("data.rows", "data.sample_hash")
+
+
+def _row_value(value: Any) -> Any:
+    """A JSON stand-in for a value of a dataset row that json cannot write (arrays, tensors, bytes, images)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, (bytes, bytearray)):
+        return hashlib.sha256(value).hexdigest()
+    if hasattr(value, "tobytes"):  # a PIL image
+        return [type(value).__name__, getattr(value, "size", None), hashlib.sha256(value.tobytes()).hexdigest()]
+    return type(value).__name__  # never repr: it can hold a memory address that differs per run
+
+
+def dataset_fingerprint(dataset: Any, sample: int = 8) -> dict[str, Any]:
+    """``{"data.rows": n, "data.sample_hash": h}`` of a training dataset (empty for one without a
+    length, e.g. an iterable dataset): its row count and a hash of a few rows (the first and the last
+    ``sample`` and ``sample`` spread between), so it costs the same for a billion rows as for ten.
+
+    A resumed run skips as many batches as the checkpoint's steps trained, of whatever data it is given:
+    with another dataset (another file, another shuffle, rows added or removed, or another tokenization
+    of the same rows) it continues at another place than where the checkpoint stopped; the checkpoint
+    records this so that a resume can say so (:func:`warn_on_changed_settings`)."""
+    try:
+        n = len(dataset)
+    except TypeError:
+        return {}
+    if n == 0:
+        return {"data.rows": 0}
+    spread = [round(i * (n - 1) / (sample + 1)) for i in range(1, sample + 1)]
+    indices = sorted(set(range(min(sample, n))) | set(range(max(0, n - sample), n)) | set(spread))
+    digest = hashlib.sha256()
+    try:
+        for i in indices:
+            row = dataset[i]
+            digest.update(json.dumps(row, sort_keys=True, default=_row_value).encode())
+    except Exception as e:  # a dataset that cannot be indexed or written: the row count alone
+        logger.debug("swiftune: no sample hash of the training dataset (%s)", e)
+        return {"data.rows": n}
+    return {"data.rows": n, "data.sample_hash": digest.hexdigest()[:16]}
+
+
 # Settings that change together with the number of processes when the global batch stays the same.
 _WORLD_SIZE_KEYS = ("num_processes", "per_device_train_batch_size", "gradient_accumulation_steps")
 
@@ -381,7 +426,7 @@ def settings_differences(saved: dict[str, Any], current: dict[str, Any]) -> list
     same_global = saved["global_batch_size"] is not None and saved["global_batch_size"] == current["global_batch_size"]
     out = []
     for key in sorted(set(saved) | set(current)):
-        if same_global and key in _WORLD_SIZE_KEYS:
+        if (same_global and key in _WORLD_SIZE_KEYS) or key in DATA_KEYS:  # data: data_difference
             continue
         if key in saved and key in current and saved[key] != current[key]:
             out.append(f"{key}: checkpoint {saved[key]!r}, this run {current[key]!r}")
@@ -444,6 +489,18 @@ def resume_problem(folder: str, current: dict[str, Any]) -> str | None:
     return None
 
 
+def data_difference(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """How the training data recorded in ``saved`` differs from ``current``'s (:func:`dataset_fingerprint`),
+    or None (the same, or not recorded on one side)."""
+    rows = (saved.get("data.rows"), current.get("data.rows"))
+    hashes = (saved.get("data.sample_hash"), current.get("data.sample_hash"))
+    if None not in rows and rows[0] != rows[1]:
+        return f"{rows[0]} rows in the checkpoint's, {rows[1]} in this run's"
+    if None not in hashes and hashes[0] != hashes[1]:
+        return f"the same {rows[1]} rows in number, but other rows at the places sampled"
+    return None
+
+
 def warn_on_changed_settings(folder: str, current: dict[str, Any]) -> list[str]:
     """Warn (once, listing them) when ``folder``'s recorded settings differ from ``current``; say
     what a change of the number of processes means (:func:`world_size_change`)."""
@@ -451,6 +508,15 @@ def warn_on_changed_settings(folder: str, current: dict[str, Any]) -> list[str]:
     saved = marker.get("settings") if marker else None
     if not isinstance(saved, dict):
         return []
+    data = data_difference(saved, current)
+    if data:
+        step = marker.get("step")
+        logger.warning("swiftune: resuming from %s with other training data than the checkpoint's (%s). The resumed run "
+                       "skips the batches of the checkpoint's %s steps in this data, so it does not continue where the "
+                       "checkpoint stopped: it trains other rows than the uninterrupted run would, and may leave some "
+                       "rows untrained. Resume with the checkpoint's dataset (and tokenizer, chat template and length "
+                       "settings); to train on this data from the checkpoint's weights, start a new run in another "
+                       "output_dir from them.", folder, data, step if isinstance(step, int) else "recorded")
     diffs = settings_differences(saved, current)
     if diffs:
         logger.warning("swiftune: resuming from %s, written with other settings than this run's (another run's "

@@ -31,6 +31,7 @@ from .checkpoints import (
     TRAINER_STATE_NAME,
     checkpoint_name,
     checkpoint_problem,
+    dataset_fingerprint,
     is_write_failure,
     newest_complete_checkpoint,
     prepare_staging,
@@ -74,8 +75,18 @@ class RunSafetyMixin:
 
     def run_settings(self) -> dict[str, Any]:
         """The settings a checkpoint records and a resume compares."""
-        return run_settings(self.trainer_kind, self.args, self.settings_keys, model=self.model,
-                            num_processes=self.accelerator.num_processes)
+        settings = run_settings(self.trainer_kind, self.args, self.settings_keys, model=self.model,
+                                num_processes=self.accelerator.num_processes)
+        return {**settings, **self._data_fingerprint()}
+
+    def _data_fingerprint(self) -> dict[str, Any]:
+        """The training data's fingerprint (:func:`dataset_fingerprint`), computed once per dataset."""
+        dataset = getattr(self, "train_dataset", None)
+        cached = self.__dict__.get("_swiftune_data_fingerprint")
+        if cached is None or cached[0] is not dataset:
+            cached = self.__dict__["_swiftune_data_fingerprint"] = (
+                dataset, dataset_fingerprint(dataset) if dataset is not None else {})
+        return cached[1]
 
     # ------------------------------------------------------------------------ train
 
