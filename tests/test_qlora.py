@@ -178,6 +178,50 @@ def test_sft_trains_the_adapters_of_a_4bit_model_and_saves_plain_peft_adapters(c
         assert torch.allclose(p.float(), after[name].detach().float(), atol=1e-2, rtol=1e-2), name
 
 
+def test_qlora_run_killed_and_resumed_ends_as_the_uninterrupted_run(checkpoints, tmp_path, caplog):
+    """SFT on a 4-bit base killed after its checkpoint and resumed (other adapter init: the state comes from
+    the checkpoint) ends with the uninterrupted run's adapters and losses; the checkpoint's adapters load in
+    plain PEFT. The marker records the 4-bit base: resuming its adapters onto an unquantised base (which
+    loads without an error, training on another base) says so."""
+    import json
+    import logging
+
+    import swiftune
+    from tests.helpers import KillAt
+
+    rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone", "moon")]
+
+    def run(out, resume=None, callbacks=(), seed=1, load_in_4bit=True):
+        model, tokenizer = FastModel.from_pretrained(checkpoints["qwen3"], load_in_4bit=load_in_4bit,
+                                                     dtype=torch.float32, device_map="cpu", kernel_backend="reference")
+        torch.manual_seed(seed)
+        model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False,
+                                         init_lora_weights=False)
+        args = swiftune.SFTConfig(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2,
+                                  lr_scheduler_type="cosine", logging_steps=1, save_strategy="steps", save_steps=2,
+                                  report_to="none", use_cpu=True, kernel_backend="reference", plot_loss=False)
+        trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer,
+                                      callbacks=list(callbacks))
+        trainer.train(resume_from_checkpoint=resume)
+        return ({h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h},
+                {n: p.detach().clone() for n, p in lora_tensors(model).items()})
+
+    full_losses, full_lora = run(tmp_path / "full")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "run", callbacks=[KillAt(3)])
+    marker = json.load(open(tmp_path / "run" / "checkpoint-2" / "swiftune_checkpoint.json"))
+    assert marker["settings"]["model.quantization"] == "4bit"
+    base16 = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.bfloat16)
+    assert lora_tensors(peft.PeftModel.from_pretrained(base16, tmp_path / "run" / "checkpoint-2"))
+    losses, lora = run(tmp_path / "run", resume=True, seed=7)
+    assert losses == full_losses
+    assert all(torch.equal(lora[n], full_lora[n]) for n in full_lora)
+
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        run(tmp_path / "run", resume=str(tmp_path / "run" / "checkpoint-2"), load_in_4bit=False)
+    assert "model.quantization: checkpoint '4bit', this run 'none'" in caplog.text
+
+
 def test_rollout_engine_generates_from_4bit_weights(checkpoints, monkeypatch):
     """Greedy tokens equal transformers' generate on the same 4-bit + LoRA model, for three engines on one model:
     with ``nf4_decode_kernel=False`` no product goes through swiftune's NF4 kernel; by default the decode steps'

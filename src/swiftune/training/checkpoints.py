@@ -359,7 +359,24 @@ def run_settings(trainer_kind: str, args: Any, keys: tuple[str, ...], model: Any
                 settings[f"model.{key}"] = _plain(value)
         settings["model.lora"] = hasattr(model, "peft_config")
         settings["model.trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        settings["model.quantization"] = weight_quantization(model)
     return settings
+
+
+def weight_quantization(model: Any) -> str:
+    """How the frozen base weights are stored: ``"4bit"`` (bitsandbytes NF4/FP4: QLoRA), ``"8bit"``,
+    ``"fp8"`` or ``"none"``. Adapters of a QLoRA run resume onto an unquantised base (or the reverse)
+    without an error, training on another base than the checkpoint's: a resume says so."""
+    kinds = set()
+    for p in model.parameters():
+        name = type(p).__name__
+        if name == "Params4bit":
+            kinds.add("4bit")
+        elif name == "Int8Params":
+            kinds.add("8bit")
+        elif "float8" in str(p.dtype):
+            kinds.add("fp8")
+    return "+".join(sorted(kinds)) or "none"
 
 
 def global_batch_size(settings: dict[str, Any]) -> int | None:
