@@ -109,6 +109,13 @@ def test_an_adapter_folder_loads_on_its_base_as_peft_does_and_trains_on(tmp_path
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "base_model_name_or_path": None}))
     with pytest.raises(ConfigError, match=r"is a LoRA adapter folder that records no base model"):
         _load(tmp_path / "adapter")
+    # a copy cut short: one message from the library and the generate command alike
+    from swiftune.cli.generate import checked_adapter_config
+
+    config_path.write_text('{"peft_type": "LORA", ')
+    for load in (lambda: _load(tmp_path / "adapter"), lambda: checked_adapter_config(str(tmp_path / "adapter"))):
+        with pytest.raises(ConfigError, match=r"its adapter_config.json is not readable JSON .*copy the folder"):
+            load()
 
 
 def test_save_pretrained_gives_a_plain_transformers_checkpoint(tmp_path):

@@ -28,7 +28,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_CONFIG = "adapter_config.json"  # training.loading's name, kept here so that the command imports no torch
 # the adapter weights PEFT writes (safetensors by default, a torch pickle with safe_serialization=False)
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -194,17 +194,14 @@ def model_and_adapter(model: str | None, adapter: str | None, base_model: str | 
     return model, None
 
 
-def read_adapter_config(adapter: str) -> dict[str, Any]:
-    """The adapter folder's ``adapter_config.json``, with its weights file checked to be there
-    (:class:`ConfigError` when the folder is incomplete or the file is not PEFT's)."""
-    path = os.path.join(adapter, ADAPTER_CONFIG)
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"adapter folder {adapter}: {ADAPTER_CONFIG} is not valid JSON ({e}); copy the folder "
-                          "the training run wrote again") from e
-    if not isinstance(config, dict) or not config.get("peft_type"):
+def checked_adapter_config(adapter: str) -> dict[str, Any]:
+    """The adapter folder's ``adapter_config.json`` (:func:`~swiftune.training.loading.read_adapter_config`),
+    checked to be PEFT's and to have its weights file beside it (:class:`ConfigError` when the folder is
+    incomplete or the file is not PEFT's)."""
+    from ..training.loading import read_adapter_config
+
+    config = read_adapter_config(adapter)
+    if not config.get("peft_type"):
         raise ConfigError(f"adapter folder {adapter}: {ADAPTER_CONFIG} has no peft_type, so it is not a PEFT "
                           "adapter config; give the folder a LoRA run wrote")
     if not any(os.path.isfile(os.path.join(adapter, name)) for name in ADAPTER_WEIGHTS):
@@ -238,7 +235,7 @@ def load_model(base: str | None, adapter: str | None, dtype: str) -> tuple[Any, 
 
     if adapter is None:
         return FastModel.from_pretrained(base, dtype=dtype)
-    config = read_adapter_config(adapter)
+    config = checked_adapter_config(adapter)
     if base is None:
         base = recorded_base(adapter, config)
         try:

@@ -87,22 +87,34 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     raise ValueError(f"dtype must be a torch.dtype, None or one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder a PEFT adapter folder
+
+
+def read_adapter_config(folder: str) -> dict[str, Any]:
+    """``folder``'s ``adapter_config.json`` (PEFT's), as a dict; a :class:`ConfigError` when the file is not a
+    readable JSON object (a copy cut short)."""
+    import json
+
+    try:
+        with open(os.path.join(folder, ADAPTER_CONFIG), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"adapter folder {folder}: its {ADAPTER_CONFIG} is not readable JSON ({e}); copy the "
+                          "folder the training run wrote again") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"adapter folder {folder}: its {ADAPTER_CONFIG} holds no JSON object; copy the folder the "
+                          "training run wrote again")
+    return config
+
+
 def adapter_folder_base(path: str) -> str | None:
     """The base model a PEFT adapter folder records (``adapter_config.json`` and no ``config.json``: what a
     LoRA run saves), or None when ``path`` is not such a folder. An adapter folder that records no base
     raises a :class:`ConfigError` saying what to load instead of transformers' "Unrecognized model"."""
-    import json
-
-    adapter_config = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")) \
-            or not os.path.isfile(adapter_config):
+            or not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
         return None
-    try:
-        with open(adapter_config, encoding="utf-8") as f:
-            base = json.load(f).get("base_model_name_or_path") or None
-    except (OSError, ValueError, AttributeError) as e:
-        raise ConfigError(f"{path}: its adapter_config.json is not readable JSON ({e}); copy the folder the "
-                          "training run wrote again") from e
+    base = read_adapter_config(path).get("base_model_name_or_path") or None
     if base is None:
         raise ConfigError(
             f"{path} is a LoRA adapter folder that records no base model (base_model_name_or_path is empty): load "
