@@ -135,6 +135,17 @@ def test_fp32_base_saved_in_bf16_with_modules_to_save_equals_peft_merge_then_cas
     assert not torch.equal(loaded.lm_head.weight, plain.lm_head.weight)
 
 
+def _assert_merged_save_is_peft_merge_on(model, tokenizer, path, tmp_path, dtype, dequantised) -> None:
+    """``merged_16bit`` of a quantised base, loaded in plain transformers: the weights and logits of PEFT's own
+    merge into the plain model whose projections hold ``dequantised`` (the reference's dequantisation)."""
+    model.save_pretrained_merged(tmp_path / "merged", tokenizer, save_method="merged_16bit")
+    reference = _peft_merged(path, str(tmp_path / "adapter"), dtype, dequantised)
+    loaded = _load_plain(str(tmp_path / "merged"))
+    assert loaded.dtype == dtype
+    _assert_same_weights(loaded, reference)
+    assert torch.equal(_logits(loaded), _logits(reference))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nf4_base_merged_16bit_equals_peft_merge_on_bitsandbytes_dequantised_weights(checkpoints, tmp_path, dtype):
     import bitsandbytes.functional as bnbf
@@ -150,14 +161,7 @@ def test_nf4_base_merged_16bit_equals_peft_merge_on_bitsandbytes_dequantised_wei
             key = name.removesuffix(".base_layer") + ".weight"
             dequantised[key] = bnbf.dequantize_4bit(weight.data, weight.quant_state)
     assert len(dequantised) == 14  # 2 layers x 7 projections really were NF4
-
-    model.save_pretrained_merged(tmp_path / "merged", tokenizer, save_method="merged_16bit")
-
-    reference = _peft_merged(path, str(tmp_path / "adapter"), dtype, dequantised)
-    loaded = _load_plain(str(tmp_path / "merged"))
-    assert loaded.dtype == dtype
-    _assert_same_weights(loaded, reference)
-    assert torch.equal(_logits(loaded), _logits(reference))
+    _assert_merged_save_is_peft_merge_on(model, tokenizer, path, tmp_path, dtype, dequantised)
     assert "quantization_config" not in json.load(open(tmp_path / "merged" / "config.json"))
     # still the 4-bit training model
     assert all(getattr(getattr(hf.get_submodule(n.removesuffix(".weight")), "base_layer").weight, "quant_state", None)
@@ -179,13 +183,7 @@ def test_fp8_base_merged_16bit_equals_peft_merge_on_q_times_s(checkpoints, tmp_p
                 weight.to(torch.float32) * module.weight_scale).to(dtype)
     assert len(dequantised) == 14
     # PEFT itself cannot merge into the e4m3 codes (what the docs promise this replaces)
-    model.save_pretrained_merged(tmp_path / "merged", tokenizer, save_method="merged_16bit")
-
-    reference = _peft_merged(path, str(tmp_path / "adapter"), dtype, dequantised)
-    loaded = _load_plain(str(tmp_path / "merged"))
-    assert loaded.dtype == dtype
-    _assert_same_weights(loaded, reference)
-    assert torch.equal(_logits(loaded), _logits(reference))
+    _assert_merged_save_is_peft_merge_on(model, tokenizer, path, tmp_path, dtype, dequantised)
     # the FP8 model keeps its codes
     assert hf.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.float8_e4m3fn
 

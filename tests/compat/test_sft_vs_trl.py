@@ -301,22 +301,29 @@ def test_lora_init_follows_the_seed_as_in_trl(tmp_path):
     assert_same_tensors(trainable(ref.model), trainable(got.model), 0.0, "LoRA init")
 
 
-def test_remove_unused_columns_true_keeps_the_completion_only_loss():
-    """A TRL config that sets ``remove_unused_columns=True`` (TRL's own default) trains what TRL trains."""
-    rows = datasets.Dataset.from_list(prompt_completion_rows(WORDS))
+def trl_and_swiftune_losses(name: str, rows, max_steps: int, config_kwargs: dict | None = None,
+                            trainer_kwargs: dict | None = None) -> dict[str, list[float]]:
+    """Each step's logged loss of TRL's SFTTrainer and swiftune's on ``rows``, same model, seed and settings."""
     losses = {}
     for kind, config_class, trainer_class, extra in (
             ("trl", trl.SFTConfig, trl.SFTTrainer, {}),
             ("swiftune", swiftune.SFTConfig, swiftune.SFTTrainer,
              dict(kernel_backend="reference", attention_backend="reference", plot_loss=False, metrics_file=None))):
-        config = config_class(**shared_args(scratch_dir(f"sft-columns-{kind}"), max_steps=1), remove_unused_columns=True,
-                              **extra)
+        config = config_class(**shared_args(scratch_dir(f"{name}-{kind}"), max_steps=max_steps),
+                              **(config_kwargs or {}), **extra)
         transformers.set_seed(config.seed)
         trainer = trainer_class(model=load_model(model_dir()), args=config, train_dataset=rows,
-                                processing_class=tokenizer())
+                                processing_class=tokenizer(), **(trainer_kwargs or {}))
         trainer.train()
-        losses[kind] = trainer.state.log_history[0]["loss"]
-    assert abs(losses["trl"] - losses["swiftune"]) <= LOSS_TOL * losses["trl"], losses
+        losses[kind] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses
+
+
+def test_remove_unused_columns_true_keeps_the_completion_only_loss():
+    """A TRL config that sets ``remove_unused_columns=True`` (TRL's own default) trains what TRL trains."""
+    rows = datasets.Dataset.from_list(prompt_completion_rows(WORDS))
+    losses = trl_and_swiftune_losses("sft-columns", rows, 1, config_kwargs=dict(remove_unused_columns=True))
+    assert abs(losses["trl"][0] - losses["swiftune"][0]) <= LOSS_TOL * losses["trl"][0], losses
 
 
 def test_a_trl_data_collator_trains_what_trl_trains():
@@ -326,18 +333,8 @@ def test_a_trl_data_collator_trains_what_trl_trains():
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     rows = datasets.Dataset.from_list(prompt_completion_rows(WORDS))
-    losses = {}
-    for kind, config_class, trainer_class, extra in (
-            ("trl", trl.SFTConfig, trl.SFTTrainer, {}),
-            ("swiftune", swiftune.SFTConfig, swiftune.SFTTrainer,
-             dict(kernel_backend="reference", attention_backend="reference", plot_loss=False, metrics_file=None))):
-        config = config_class(**shared_args(scratch_dir(f"sft-collator-{kind}"), max_steps=2), **extra)
-        transformers.set_seed(config.seed)
-        trainer = trainer_class(model=load_model(model_dir()), args=config, train_dataset=rows,
-                                processing_class=tokenizer(),
-                                data_collator=DataCollatorForLanguageModeling(pad_token_id=tokenizer().pad_token_id))
-        trainer.train()
-        losses[kind] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer().pad_token_id)
+    losses = trl_and_swiftune_losses("sft-collator", rows, 2, trainer_kwargs=dict(data_collator=collator))
     assert len(losses["swiftune"]) == 2
     for a, b in zip(losses["trl"], losses["swiftune"]):
         assert abs(a - b) <= LOSS_TOL * a, losses
