@@ -705,3 +705,48 @@ def test_grpo_on_an_unsupported_moe_says_it_adds_no_router_loss(tmp_path, caplog
         GRPOTrainer(tiny_qwen3_moe(), [lambda prompts, completions, **kw: [0.0] * len(completions)], args,
                     [{"prompt": "abc"}] * 2, processing_class=build_tokenizer())
     assert "router load-balancing" not in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "packed"])
+def test_sft_router_loss_under_gradient_accumulation_is_averaged_over_the_steps(layout, tmp_path):
+    """With ``num_items_in_batch`` (the token count of the whole accumulated step) TRL 1.16's SFTTrainer
+    divides the MoE term ``coef * aux`` by the accumulation steps (it is a per-micro-batch mean) while the
+    cross entropy is already normalised by the step's tokens. Two accumulation steps of the same batch
+    (``num_items_in_batch`` = twice its trained tokens) must then give half of transformers' own loss of
+    the unpatched model on that batch (mean CE + coef * aux) and half of its gradients, the router's
+    included: dropping the division leaves the cross entropy halved but the whole aux term in."""
+    from swiftune.data import build_tokenizer
+    from swiftune.sft import SFTConfig, SFTTrainer
+
+    steps = 2
+    base = tiny_qwen3_moe().train()
+    examples = _examples()
+    reference = copy.deepcopy(base)
+    reference.config.output_router_logits = True
+    padded = make_collator("padded", pad_token_id=PAD_ID)(examples)
+    out = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=padded["labels"],
+                    use_cache=False)
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    (out.loss / steps).backward()
+    want = _grads(reference)
+    # the term is visible well above the tolerance: a trainer that leaves it undivided fails below
+    assert reference.config.router_aux_loss_coef * float(out.aux_loss) / steps > 100 * TOL * float(out.loss)
+
+    model = patch_model(copy.deepcopy(base), kernel_backend="reference")
+    model = FastModel.for_training(model, use_gradient_checkpointing=False).train()
+    args = SFTConfig(output_dir=str(tmp_path), kernel_backend="reference", attention_backend="reference",
+                     report_to="none", max_length=24, packing=layout == "packed", gradient_accumulation_steps=steps)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [5, 6, 7]}],
+                         processing_class=build_tokenizer())
+    assert trainer.router_aux.enabled
+    trainer.current_gradient_accumulation_steps = steps  # what Trainer's loop sets for each step
+    batch = make_collator(layout, max_length=24, pad_token_id=PAD_ID)(examples)
+    model.zero_grad(set_to_none=True)
+    inputs = trainer._prepare_inputs(dict(batch))
+    num_items = torch.tensor(steps * batch["num_trained_tokens"])  # both micro-batches' trained tokens
+    loss = trainer.compute_loss(model, inputs, num_items_in_batch=num_items)
+    loss.backward()
+    assert rel_err(loss.detach().cpu(), (out.loss / steps).detach()) < TOL, (float(loss), float(out.loss / steps))
+    got = _grads(model)
+    assert any(name.endswith("mlp.gate.weight") for name in want)
+    assert_gradients_match(want, {n: g.cpu() for n, g in got.items()}, _trainable(reference), TOL)
