@@ -356,3 +356,18 @@ def test_floating_point_ops_counts_the_parameters_once(tokenizer, rows, tmp_path
     assert trainer.floating_point_ops({"input_ids": torch.ones(1, 4, dtype=torch.long)}) > 0 and len(calls) == 4
     assert trainer.floating_point_ops({"labels": torch.ones(1, 4)}) == 0  # no input ids: no estimate
     assert trainer.state.total_flos > 0
+
+
+def test_a_scripts_collator_gets_trls_labels_beside_the_completion_mask():
+    """What a script's data_collator is fed: TRL's ``labels`` (-100 where nothing trains) for collators written
+    for TRL, and the ``completion_mask`` kept for one that wraps a swiftune collator (which reads the mask);
+    rows without a mask train every token."""
+    from swiftune.data import IGNORE_INDEX
+    from swiftune.sft.trainer import trl_example
+
+    example = {"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]}
+    assert trl_example(example) == {**example, "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8]}
+    assert trl_example({"input_ids": [5, 6], "completion_mask": None})["labels"] == [5, 6]
+    wrapped = make_collator("padding_free", max_length=16, pad_token_id=0)
+    batch = wrapped([trl_example(example)])
+    assert batch["labels"].tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 7, 8]]  # the mask, not every token

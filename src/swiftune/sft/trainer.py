@@ -503,9 +503,10 @@ SWIFTUNE_COLLATORS = (PaddingFreeCollator, PackedCollator, PaddedCollator)  # re
 class TrlExampleCollator:
     """A ``data_collator`` given to the trainer, fed the columns TRL 1.16's prepared examples have:
     ``input_ids``, ``labels`` (the token where it trains, ``-100`` elsewhere, unshifted) and, packed,
-    ``seq_lengths``, in place of swiftune's ``completion_mask``. A collator written for TRL (its own
+    ``seq_lengths``, beside swiftune's ``completion_mask``. A collator written for TRL (its own
     ``DataCollatorForLanguageModeling`` reads ``labels``, falling back to ``input_ids``) then trains
-    the tokens TRL trains: given the mask, it trained every token, prompts included."""
+    the tokens TRL trains: given the mask alone, it trained every token, prompts included. The mask
+    stays, for a script's collator that wraps one of swiftune's (which read it, not ``labels``)."""
 
     def __init__(self, collate: Callable[[list[dict]], dict]):
         self.collate = collate
@@ -515,9 +516,10 @@ class TrlExampleCollator:
 
 
 def trl_example(example: dict) -> dict:
-    """``example`` with TRL's ``labels`` column in place of its ``completion_mask``."""
+    """``example`` with TRL's ``labels`` column beside its ``completion_mask`` (``None``: every token trains)."""
     if "completion_mask" not in example or "labels" in example:
         return example
-    out = {k: v for k, v in example.items() if k != "completion_mask"}
-    out["labels"] = [t if m else IGNORE_INDEX for t, m in zip(example["input_ids"], example["completion_mask"])]
-    return out
+    mask = example["completion_mask"]
+    ids = example["input_ids"]
+    labels = list(ids) if mask is None else [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+    return {**example, "labels": labels}
