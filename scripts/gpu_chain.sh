@@ -5,7 +5,8 @@
 # $CHAIN/ALLDONE appears when the last part has ended; `wait` polls and packs $CHAIN into $OUT/chain.tgz.
 #
 #   scripts/gpu_chain.sh start "check-none" "grpo-65k-attn 36" "qlora-sft-untiled"   # then, in the same call:
-#   (start --beside-check PART...: both no-argument main jobs run in the foreground beside the chain, to $OUT/check)
+#   (start --beside-check PART...: both no-argument main jobs run in the foreground beside the chain, to $OUT/check,
+#    then the offloading, FP8 and generate tests on CUDA)
 #   scripts/gpu_chain.sh wait 540                                                    # and in each later call
 #
 # A part is a gpu_suite.sh part with its arguments in one word ("grpo-65k-attn 36"); "check-none" runs
@@ -47,6 +48,11 @@ case "${1:?start PART... | wait SECONDS}" in
       rm -rf /tmp/chk && mkdir -p /tmp/chk
       tar cf - --exclude=./.whl --exclude=./.shared --exclude=./.git . | tar xf - -C /tmp/chk
       (cd /tmp/chk && PYTHONPATH=/tmp/site OUT="$OUT/check" scripts/gpu_check.sh none --)
+      # then the CUDA tests of the offloaded checkpointing, FP8 and swiftune generate (small: beside a trial capped
+      # at its GPU budget), cut at 240 s so that the call ends within its 10 minutes
+      (cd /tmp/chk && PYTHONPATH="$PWD/src:$PWD:/tmp/site" timeout -s INT 240 python3 -m pytest -q -rf \
+        tests/test_checkpointing.py tests/test_attention_outputs.py tests/test_fp8.py tests/test_generate_cli.py \
+        -p no:cacheprovider -p no:warnings 2>&1 | tail -15 | tee "$OUT/check/beside_tests.txt")
     fi ;;
   wait)
     [ -d "$CHAIN" ] || { echo "gpu_chain.sh: no chain in $CHAIN (a fresh machine? start it again)" >&2; exit 3; }
