@@ -43,12 +43,13 @@ TOL = 1e-5
 
 def _examples(seed: int = 0) -> list[dict]:
     """Five documents of 3..10 tokens (the longest beyond the sliding window of 8); the first third
-    of each is an untrained prompt."""
+    of each is an untrained prompt, except the 4-token one, trained from its first token (which has
+    nothing before it to be predicted from: in a packed row its label must still be masked)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in (10, 4, 7, 3, 6):
         ids = torch.randint(0, VOCAB - 1, (n,), generator=g).tolist()
-        prompt = max(1, n // 3)
+        prompt = 0 if n == 4 else max(1, n // 3)
         out.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (n - prompt)})
     return out
 
