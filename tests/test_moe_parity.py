@@ -625,6 +625,32 @@ def test_from_pretrained_patches_moe_and_sft_trains_padding_free(tmp_path):
     assert torch.isfinite(torch.tensor(out.training_loss))
 
 
+def _router_loss_reference(base, examples, scale: float = 1.0):
+    """transformers' own loss of the unpatched MoE model on the padded batch (mean CE + coef * aux over the real
+    tokens), and the gradients of ``scale`` times it."""
+    reference = copy.deepcopy(base)
+    reference.config.output_router_logits = True
+    padded = make_collator("padded", pad_token_id=PAD_ID)(examples)
+    out = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=padded["labels"],
+                    use_cache=False)
+    (out.loss * scale).backward()
+    return reference, out, _grads(reference)
+
+
+def _moe_sft_trainer(base, layout: str, tmp_path, **config):
+    """The patched copy of ``base`` for full fine-tuning and an SFTTrainer on it (``config``: more SFTConfig)."""
+    from swiftune.data import build_tokenizer
+    from swiftune.sft import SFTConfig, SFTTrainer
+
+    model = patch_model(copy.deepcopy(base), kernel_backend="reference")
+    model = FastModel.for_training(model, use_gradient_checkpointing=False).train()
+    args = SFTConfig(output_dir=str(tmp_path), kernel_backend="reference", attention_backend="reference",
+                     report_to="none", max_length=24, packing=layout == "packed", **config)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [5, 6, 7]}],
+                         processing_class=build_tokenizer())
+    return model, trainer
+
+
 @pytest.mark.parametrize("layout", ["padding_free", "packed"])
 def test_sft_trainer_adds_trls_router_loss_as_transformers_computes_it(layout, tmp_path):
     """SFTTrainer on a MoE model, router_aux_loss_coef left at None (TRL's default: the model config's
@@ -632,27 +658,14 @@ def test_sft_trainer_adds_trls_router_loss_as_transformers_computes_it(layout, t
     unpatched model on the padded batch (mean CE + coef * aux over the real tokens), its gradients
     equal that model's, and aux_loss is logged; 0.0 switches the term off; a dense model refuses a
     non-zero coefficient."""
-    from swiftune.data import build_tokenizer
     from swiftune.errors import ConfigError
-    from swiftune.sft import SFTConfig, SFTTrainer
     from swiftune.training.router_aux import RouterAuxLoss, real_token_mask
 
     base = tiny_qwen3_moe().train()
     examples = _examples()
-    reference = copy.deepcopy(base)
-    reference.config.output_router_logits = True
-    padded = make_collator("padded", pad_token_id=PAD_ID)(examples)
-    out = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=padded["labels"],
-                    use_cache=False)
-    out.loss.backward()
-    want = _grads(reference)
+    _, out, want = _router_loss_reference(base, examples)
 
-    model = patch_model(copy.deepcopy(base), kernel_backend="reference")
-    model = FastModel.for_training(model, use_gradient_checkpointing=False).train()
-    args = SFTConfig(output_dir=str(tmp_path), kernel_backend="reference", attention_backend="reference",
-                     report_to="none", max_length=24, packing=layout == "packed")
-    trainer = SFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [5, 6, 7]}],
-                         processing_class=build_tokenizer())
+    model, trainer = _moe_sft_trainer(base, layout, tmp_path)
     assert trainer.router_aux.enabled and model.config.output_router_logits
     batch = make_collator(layout, max_length=24, pad_token_id=PAD_ID)(examples)
     if layout == "packed":
@@ -715,29 +728,15 @@ def test_sft_router_loss_under_gradient_accumulation_is_averaged_over_the_steps(
     (``num_items_in_batch`` = twice its trained tokens) must then give half of transformers' own loss of
     the unpatched model on that batch (mean CE + coef * aux) and half of its gradients, the router's
     included: dropping the division leaves the cross entropy halved but the whole aux term in."""
-    from swiftune.data import build_tokenizer
-    from swiftune.sft import SFTConfig, SFTTrainer
-
     steps = 2
     base = tiny_qwen3_moe().train()
     examples = _examples()
-    reference = copy.deepcopy(base)
-    reference.config.output_router_logits = True
-    padded = make_collator("padded", pad_token_id=PAD_ID)(examples)
-    out = reference(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], labels=padded["labels"],
-                    use_cache=False)
+    reference, out, want = _router_loss_reference(base, examples, scale=1 / steps)
     assert out.aux_loss is not None and float(out.aux_loss) > 0
-    (out.loss / steps).backward()
-    want = _grads(reference)
     # the term is visible well above the tolerance: a trainer that leaves it undivided fails below
     assert reference.config.router_aux_loss_coef * float(out.aux_loss) / steps > 100 * TOL * float(out.loss)
 
-    model = patch_model(copy.deepcopy(base), kernel_backend="reference")
-    model = FastModel.for_training(model, use_gradient_checkpointing=False).train()
-    args = SFTConfig(output_dir=str(tmp_path), kernel_backend="reference", attention_backend="reference",
-                     report_to="none", max_length=24, packing=layout == "packed", gradient_accumulation_steps=steps)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=[{"input_ids": [5, 6, 7]}],
-                         processing_class=build_tokenizer())
+    model, trainer = _moe_sft_trainer(base, layout, tmp_path, gradient_accumulation_steps=steps)
     assert trainer.router_aux.enabled
     trainer.current_gradient_accumulation_steps = steps  # what Trainer's loop sets for each step
     batch = make_collator(layout, max_length=24, pad_token_id=PAD_ID)(examples)
