@@ -36,7 +36,7 @@ from torch import nn
 
 from ...models.patching import causal_lm_of
 from .protocol import RolloutEngine, Rollouts, SamplingParams, check_prompts
-from .sampling import filter_logits, mark_seen, sample_next, sample_tokens, seeded_generator, seen_mask
+from .sampling import SamplingStream, filter_logits, mark_seen, sample_next, sample_tokens, seen_mask
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -78,8 +78,7 @@ class TransformersRolloutEngine:
         self.pad_token_id = int(pad_token_id)
         self.seed = seed
         self.max_batch_size = max_batch_size
-        self._generator: torch.Generator | None = None
-        self._resumed_rng: torch.Tensor | None = None
+        self._stream = SamplingStream(seed)
         self._cache_arg = cache_kwarg(model)
 
     def load_weights(self, model: nn.Module) -> None:
@@ -90,18 +89,15 @@ class TransformersRolloutEngine:
         return next(self.model.parameters()).device
 
     def generator(self) -> torch.Generator:
-        self._generator = seeded_generator(self._generator, self._device(), self.seed, self._resumed_rng)
-        self._resumed_rng = None
-        return self._generator
+        return self._stream.on(self._device())
 
     def rng_state(self) -> torch.Tensor | None:
-        """The sampling stream's state (None before the first draw): GRPO checkpoints store it, so that
-        a resumed run samples the completions the uninterrupted run samples."""
-        return None if self._generator is None else self._generator.get_state()
+        """The sampling stream's state (None before the first draw): GRPO checkpoints store it."""
+        return self._stream.state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         """Continue the sampling stream from ``state`` (:meth:`rng_state` of a checkpoint), from the next draw."""
-        self._resumed_rng = state
+        self._stream.resume_from(state)
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:
         if not prompt_ids:

@@ -94,7 +94,7 @@ from .kv_cache import DecodeContext, Workspace
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
 from .protocol import Rollouts, SamplingParams, check_prompts
-from .sampling import mark_seen, sample_tokens, seeded_generator, seen_mask
+from .sampling import SamplingStream, mark_seen, sample_tokens, seen_mask
 
 #: model types the engine runs (the families whose record says it can)
 SUPPORTED = tuple(t for t, f in FAMILIES.items() if f.fast_rollout)
@@ -242,8 +242,7 @@ class FastRolloutEngine:
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
         self.nf4_dense = nf4_dense
-        self._generator: torch.Generator | None = None
-        self._resumed_rng: torch.Tensor | None = None
+        self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
 
@@ -258,19 +257,16 @@ class FastRolloutEngine:
         self._drop_workspace()
 
     def generator(self, device: torch.device) -> torch.Generator:
-        self._generator = seeded_generator(self._generator, device, self.seed, self._resumed_rng)
-        self._resumed_rng = None
-        return self._generator
+        return self._stream.on(device)
 
     def rng_state(self) -> torch.Tensor | None:
-        """The sampling stream's state (None before the first draw): GRPO checkpoints store it, so that
-        a resumed run samples the completions the uninterrupted run samples."""
-        return None if self._generator is None else self._generator.get_state()
+        """The sampling stream's state (None before the first draw): GRPO checkpoints store it."""
+        return self._stream.state()
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         """Continue the sampling stream from ``state`` (:meth:`rng_state` of a checkpoint), from the next draw
         (the noise is drawn outside the captured graphs, so they need no new capture)."""
-        self._resumed_rng = state
+        self._stream.resume_from(state)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int, params: SamplingParams) -> Rollouts:

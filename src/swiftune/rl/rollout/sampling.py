@@ -27,17 +27,34 @@ from .protocol import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-def seeded_generator(current: torch.Generator | None, device: torch.device, seed: int,
-                     state: torch.Tensor | None = None) -> torch.Generator:
-    """``current`` if it already lives on ``device``, else a new generator there seeded with ``seed``:
-    an engine keeps one random stream per device, so that the same seed samples the same rollouts.
-    ``state`` (a resumed run's, :func:`restore_generator_state`): the stream continues from it."""
-    if current is None or current.device != device:
-        current = torch.Generator(device=device)
-        current.manual_seed(seed)
-    if state is not None:
-        restore_generator_state(current, state)
-    return current
+class SamplingStream:
+    """An engine's random stream for its draws: one generator, seeded with ``seed`` on the device it is
+    first asked for (a new one, seeded again, when the device changes), so that the same seed samples the
+    same rollouts. :meth:`state` / :meth:`resume_from` carry it through a GRPO checkpoint, so that a resumed
+    run samples the completions the uninterrupted run samples."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._generator: torch.Generator | None = None
+        self._resumed: torch.Tensor | None = None
+
+    def on(self, device: torch.device) -> torch.Generator:
+        """The generator on ``device``, continued from a resumed state at its first use after a resume."""
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        if self._resumed is not None:
+            restore_generator_state(self._generator, self._resumed)
+            self._resumed = None
+        return self._generator
+
+    def state(self) -> torch.Tensor | None:
+        """The stream's state (None before the first draw)."""
+        return None if self._generator is None else self._generator.get_state()
+
+    def resume_from(self, state: torch.Tensor) -> None:
+        """Continue from ``state`` (:meth:`state` of a checkpoint) at the next draw."""
+        self._resumed = state
 
 
 def restore_generator_state(generator: torch.Generator, state: torch.Tensor) -> bool:
