@@ -365,20 +365,33 @@ def grpo_largest(fig: Figure) -> str:
 
 def grpo_largest_beside(fig: Figure) -> str:
     """The largest completion per row of each tool on one budget, the bracket to its first failure, the step at
-    the fit, and each fit as a multiple of the baseline's (the row that is not swiftune's)."""
+    the fit, and each fit as a multiple of the baseline's (the row that is not swiftune's).
+
+    A baseline with no failure (every length tried fitted) has only a lower bound, so a multiple of it is only an
+    upper bound: a tool's row then reads "< F/B", its first failure F over the baseline's fit B (its own largest
+    is below F, the baseline's at least B), or nothing where the tool has no failure either."""
     best = _largest(fig, "max_fit_completion", "first_fail_completion")
     steps = {(mode, s["completion"]): (s.get("tokens"), m) for mode, _, s, m in fig.groups() if "step_s" in m}
-    base_mode, base = next(((mode, n) for (_, mode), (_, n, _, _) in best.items() if not mode.startswith("swiftune")),
-                           (None, None))
+    base_mode, base, base_first = next(((mode, n, first) for (_, mode), (_, n, first, _) in best.items()
+                                        if not mode.startswith("swiftune")), (None, None, None))
+
+    def multiple(mode: str, n: int, first: int | None) -> str:
+        if not base:
+            return ""
+        if base_first or mode == base_mode:
+            return fmt(n / base)
+        return f"< {fmt(first / base)}" if first else ""
+
     out = []
     for (model, mode), (s, n, first, fit_rows) in sorted(best.items(), key=lambda kv: kv[1][1]):
         tokens, m = steps.get((mode, n), (None, {}))
         rows = "one prompt shared by the rows" if s.get("share_prompt") else "each row after its own prompt"
         out.append([MODELS.get(model, model), marked(fit_rows, LABELS.get(mode, mode)), rows, f"{n:,}",
-                    f"{first:,}" if first else "", f"{100 * (first / n - 1):.1f}%" if first else "",
+                    f"{first:,}" if first else ("none tried failed" if mode == base_mode else ""),
+                    f"{100 * (first / n - 1):.1f}%" if first else "",
                     f"{tokens:,}" if tokens else "", fmt(val(m, "step_s")), fmt(val(m, "peak_gb"), 1),
                     fmt(val(m, "host_rss_gb"), 1) if val(m, "host_rss_gb") else "",
-                    fmt(n / base) if base else ""])
+                    multiple(mode, n, first)])
     return table(["shape", "tool", "rows", "largest completion / row that fitted", "first that failed", "bracket",
                   "tokens / step", "s / step there", "peak GPU GB", "host RSS GB",
                   f"x {LABELS.get(base_mode, base_mode)}" if base_mode else "x baseline"], out,
@@ -557,7 +570,9 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
 def commands(rows) -> str:
     seen = list(dict.fromkeys(r.command for r in rows))
     dates = sorted({r.date for r in rows})
-    gpus = sorted({r.gpu for r in rows})
+    named = {r.gpu for r in rows}
+    # a figure joined from two cards names the one in full ("H100 ... and, for X, H200"): its plain name goes
+    gpus = sorted(g for g in named if not any(other != g and other.startswith(g) for other in named))
     versions = sorted({", ".join(f"{k} {v}" for k, v in r.versions.items()) for r in rows}, key=len)[-1]
     head = f"Measured {' and '.join(dates)} on {', '.join(gpus)} ({versions})."
     return head + "\n\n```bash\n" + "\n".join(seen) + "\n```"

@@ -427,10 +427,12 @@ def test_docs_tables_are_generated_from_the_committed_rows():
     assert "| deferred (on the device) | 9,874 | 7,398 | 237.2 | 283.4 | 84% |  | 5.2 | 1.1 |" in \
         tables["sft_deferred_check_qwen3-8b"]
     # both tools' QLoRA GRPO brackets on one 80 GB budget, each joined from several runs (benchmarks.merge_bisect)
+    # (Unsloth's lengths all fitted: its bracket is open, so swiftune's multiple is only an upper bound)
     qlora = tables["qlora_grpo_80gb_qwen3-8b"]
-    assert "| Qwen3-8B | Unsloth | each row after its own prompt | 86,016 | 90,112 | 4.8% |" in qlora
+    assert "| Qwen3-8B | Unsloth | each row after its own prompt | 90,112 | none tried failed |  |" in qlora
     assert "| Qwen3-8B | **swiftune** | one prompt shared by the rows | 337,920 | 354,816 | 5.0% |" in qlora
-    assert qlora.split("\n")[3].endswith("| 3.93 |") and "x Unsloth |" in qlora.split("\n")[0]
+    assert qlora.split("\n")[3].endswith("| < 3.94 |") and "x Unsloth |" in qlora.split("\n")[0]
+    assert "on NVIDIA H100 80GB HBM3 and, for swiftune's first failure, NVIDIA H200 (" in qlora
     # a changed row changes the page
     rows = read_rows(os.path.join(ROOT, "docs", "results", "results.jsonl"))
     rows[0].value *= 2
@@ -482,3 +484,28 @@ def test_fp8_layer_summary_with_q_k_v_and_gate_up_stacked():
     assert stacked[0]["bf16_layer_ms"] == pytest.approx(1.8 + 1.0 + 3.9 + 2.0)
     assert stacked[0]["fp8_layer_ms"] == pytest.approx(1.0 + 0.8 + 2.6 + 1.6)
     assert "qkv_stacked:dot" in stacked[0]["paths"] and "k/v_proj" not in stacked[0]["paths"]
+
+
+def test_largest_beside_multiple_is_an_upper_bound_when_the_baseline_never_failed():
+    """``report.grpo_largest_beside``: with both brackets closed, swiftune's fit over the baseline's fit; with the
+    baseline's open (every length it tried fitted), only the bound its first failure gives ("< F/B"), and
+    nothing when swiftune has no failure either; the baseline's row says none of its lengths failed."""
+    from benchmarks import report, results
+
+    def table(base_first, ours_first):
+        def mode(fit, first, tool):
+            trials = [{"completion": fit, "tokens": 2 * fit, "status": "ok", "s": 10.0, "peak_gb": 70.0}]
+            if first:
+                trials.append({"completion": first, "tokens": 2 * first, "status": "oom"})
+            return {"mode": tool, "max_fit": fit, "first_fail": first, "trials": trials}
+        data = {"benchmark": "grpo_bisect", "model": "qwen3-8b", "rows": 2, "prompt_tokens": 256,
+                "modes": {"unsloth": mode(100, base_first, "unsloth"), "swiftune": mode(300, ours_first, "swiftune")}}
+        ctx = results.Context(command="c", date="d", gpu="g", versions={}, settings={"figure": "f"})
+        return report.grpo_largest_beside(report.Figure(results.rows_from_grpo_bisect(data, ctx)))
+
+    closed = table(105, 315)
+    assert "| 100 | 105 | 5.0% |" in closed and closed.split("\n")[3].endswith("| 3.00 |")
+    open_base = table(None, 315)
+    assert "| 100 | none tried failed |  |" in open_base and open_base.split("\n")[3].endswith("| < 3.15 |")
+    both_open = table(None, None)
+    assert both_open.split("\n")[3].endswith("|  |") and "| 1.00 |" in both_open.split("\n")[2]
