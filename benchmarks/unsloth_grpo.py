@@ -15,8 +15,10 @@ of ``python -m benchmarks.grpo --bisect-completion`` (``docs/benchmarks.md`` ren
 
 ``--records FILE`` converts the RESULT records an earlier anchor run appended to ``FILE`` (its
 ``--out-jsonl``) instead of running it. ``--gpu-budget-gb`` emulates a smaller GPU as ``benchmarks.grpo``
-does (the anchor's ``--gpu-mem-fraction``: that many GB of this GPU's memory); ``--4bit`` is Unsloth's
-QLoRA (NF4).
+does (the anchor's ``--gpu-mem-fraction``: that many GB of this GPU's memory), and through
+:mod:`benchmarks.capped_card` also in what ``torch.cuda.mem_get_info`` reports, from which Unsloth sizes its
+loss chunks and buffers (without it, an emulated 80 GB on an H200 failed at a length Unsloth fits on an H100
+80GB); ``--4bit`` is Unsloth's QLoRA (NF4).
 
     python -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --completion-lengths 65536 \\
         --out unsloth_grpo_65k.json
@@ -153,9 +155,9 @@ def run_unsloth(args) -> list[dict]:
                    "--scan-time-budget", str(max(60.0, left - 60))]
     if args.load_in_4bit:
         anchor.append("--4bit")
-    if fraction:
+    if fraction:  # the anchor's own cap records the limit in its environment record; capped_card sets the same
         anchor += ["--gpu-mem-fraction", f"{fraction:.6f}"]
-    return run_anchor(shared, site, anchor, args.time_budget + 120)
+    return run_anchor(shared, site, anchor, args.time_budget + 120, gpu_fraction=fraction)
 
 
 def report(args, argv: list[str] | None, records: list[dict], wall_s: float) -> int:

@@ -54,9 +54,14 @@ def install_wheels(folder: str) -> str:
     return site
 
 
-def run_anchor(shared: str, site: str, args: list[str], timeout: float) -> list[dict]:
-    """The ``RESULT`` records of one anchor run (its stderr tail in an ``error`` record if none)."""
-    cmd = [sys.executable, os.path.join("anchors", "unsloth_anchor.py"), *args]
+def run_anchor(shared: str, site: str, args: list[str], timeout: float, gpu_fraction: float = 0.0) -> list[dict]:
+    """The ``RESULT`` records of one anchor run (its stderr tail in an ``error`` record if none). With
+    ``gpu_fraction``, the anchor runs through :mod:`benchmarks.capped_card`: a card of that share of the GPU's
+    memory for the allocator and for what ``torch.cuda.mem_get_info`` reports, which Unsloth sizes its work by."""
+    script = os.path.join("anchors", "unsloth_anchor.py")
+    capped = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "capped_card.py"),
+              "--fraction", f"{gpu_fraction:.6f}"] if gpu_fraction else []
+    cmd = [sys.executable, *capped, script, *args]
     try:
         proc = subprocess.run(cmd, cwd=shared, env=anchor_env(site), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -619,3 +619,51 @@ if '--scan' in args:
     assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                               "--completion-lengths", "2000", "--out", str(out)]) == 1
     assert "no unsloth" in json.load(open(out))["modes"]["unsloth"]["error"]
+
+
+def test_capped_card_reports_the_capped_share_of_the_card():
+    """benchmarks.capped_card: ``mem_get_info`` as a card of ``fraction`` x the total would report it: total the
+    capped bytes, free those less everything the driver counts as used (never below 0)."""
+    from benchmarks.capped_card import capped_mem_get_info
+
+    calls = []
+
+    def real(device=None):
+        calls.append(device)
+        return used_free, 150_000_000_000
+
+    used_free = 100_000_000_000  # 50e9 used of the 150e9 card
+    info = capped_mem_get_info(real, 0.5)
+    assert info() == (25_000_000_000, 75_000_000_000) and info(1) == (25_000_000_000, 75_000_000_000)
+    assert calls == [None, 1]  # the device asked about is the one the driver is asked about
+    used_free = 60_000_000_000  # 90e9 used: more than the capped card holds
+    assert info() == (0, 75_000_000_000)
+
+
+def test_unsloth_anchor_runs_on_the_capped_card_when_a_budget_is_given(tmp_path):
+    """With a GPU fraction, benchmarks.unsloth_sft.run_anchor starts the anchor through benchmarks/capped_card.py:
+    the anchor runs as __main__ with its own arguments, torch.cuda.mem_get_info (both names) is the capped one,
+    and its own folder, not benchmarks/ (whose kernels.py / losses.py / results.py would shadow packages), leads
+    sys.path. Without a fraction it runs plainly."""
+    from benchmarks.unsloth_sft import run_anchor
+
+    shared = tmp_path / "shared"
+    stand_in_unsloth_anchor(shared, """
+import torch
+capped = torch.cuda.mem_get_info.__qualname__.startswith('capped_mem_get_info')
+try:
+    import results  # benchmarks/results.py, if benchmarks/ were on the path
+    shadowed = True
+except ImportError:
+    shadowed = False
+print('RESULT ' + json.dumps(dict(status='ok', args=args, capped=capped, same=torch.cuda.memory.mem_get_info is
+                                  torch.cuda.mem_get_info, path0=sys.path[0], shadowed=shadowed, name=__name__)))
+""")
+    got = run_anchor(str(shared), str(tmp_path), ["--mode", "grpo", "--4bit"], 120, gpu_fraction=0.533)
+    assert len(got) == 1 and got[0]["status"] == "ok", got
+    r = got[0]
+    assert r["args"] == ["--mode", "grpo", "--4bit"] and r["capped"] and r["same"] and not r["shadowed"]
+    assert r["name"] == "__main__"
+    assert os.path.samefile(r["path0"], shared / "anchors")
+    plain = run_anchor(str(shared), str(tmp_path), ["--mode", "grpo"], 120)[0]
+    assert plain["args"] == ["--mode", "grpo"] and not plain["capped"]
