@@ -62,11 +62,15 @@ BETA = 0.04
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # the rollouts: two prompts of two byte tokens, G completions each; a completion ending with EOS
 # finished, the other was cut (masked when mask_truncated_completions); one completion is EOS alone
-# (a single target predicted by the prompt's last token, no input token of its own)
+# (a single target predicted by the prompt's last token, no input token of its own). Every group's
+# rewards differ (test_every_group_has_non_zero_advantages): with tied rewards a group's advantages are
+# zero and at beta=0 it adds nothing to the loss, so a cross-completion attention leak in a
+# shared-prompt row (which can only show in "xy": "ab"'s second completion has no input token) would
+# pass the beta=0 cases. "xy": rewards 3 + 8.0 and 2 + 9.1.
 PROMPTS = ("ab", "xy")
 COMPLETIONS = {
     "ab": ([65, 66, EOS_TOKEN_ID], [EOS_TOKEN_ID]),
-    "xy": ([80, 81, 82], [90, EOS_TOKEN_ID]),
+    "xy": ([80, 81, 82], [91, EOS_TOKEN_ID]),
 }
 # the optimizer step between the rollouts (old log-probs) and the policy step (Reference.first_step):
 # sign(gradient) as AdamW's first step, plus noise; in units of each tensor's mean magnitude
@@ -191,6 +195,8 @@ class Reference:
             if finished[i] or not mask_truncated:
                 self.mask[i, :n] = 1
         self.advantages = _group_advantages(reward(None, None, [c for _, c in samples]))
+        assert bool((self.advantages.view(-1, G).abs() > 0.1).any(1).all()), ("a group has zero advantages",
+                                                                                 self.advantages)
         with torch.no_grad():
             self.old = _padded(_full_logit_logps(model, samples))
             with model.disable_adapter():
@@ -392,6 +398,21 @@ def test_every_objective_is_covered():
     kl = {(o["loss_type"], bool(o.get("beta"))) for _, o in CASES}
     assert kl == {(t, b) for t in LOSS_TYPES for b in (False, True)}
     assert {LAYOUTS[n][1] for n, _ in CASES} == {True, False}
+
+
+def test_every_group_has_non_zero_advantages():
+    """Every group's rewards differ, so each group's advantages are non-zero and every group's tokens
+    enter the policy-gradient term at beta=0; and some group has a later completion with an input token
+    of its own after a sibling's (with a non-zero advantage): the token through which a cross-completion
+    attention leak in a shared-prompt row changes a log-prob (a tie there once let such a leak pass
+    every beta=0 shared-prompt case)."""
+    for prompt in PROMPTS:
+        rewards = reward(None, None, list(COMPLETIONS[prompt]))
+        assert len(set(rewards)) > 1, (prompt, rewards)
+        advantages = _group_advantages(rewards)
+        assert bool((advantages.abs() > 0.1).all()), (prompt, rewards, advantages)
+    exposed = [p for p in PROMPTS if len(COMPLETIONS[p][0]) > 1 and any(len(c) > 1 for c in COMPLETIONS[p][1:])]
+    assert exposed, "no completion could attend to a sibling's tokens"
 
 
 def test_negative_control_parity_catches_a_dropped_lora_gradient(layouts, monkeypatch):
