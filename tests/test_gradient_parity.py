@@ -10,7 +10,8 @@ through the interpreter on CPU; packed attention), ``FastModel.for_training`` /
 ``FastModel.get_peft_model`` for full fine-tuning / LoRA on all seven projections, swiftune's
 own collators for padded, padding-free and packed batches, gradient checkpointing off, on,
 ``"offload"`` (every layer input on the host) and the tiled MLP, and the fused chunked loss of
-``SFTTrainer`` (``sft_loss``).
+``SFTTrainer`` (``sft_loss``). The tiled-MLP cases arrange the same documents so that the last tile
+of the batch's tokens holds a scored token in every layout (see ``TILE_TOKENS``).
 
 For each case: the loss and **every trainable tensor's gradient** within fp32 tolerance (relative
 norm < 1e-5) of the reference, the same set of tensors with a gradient, and each of them non-zero
@@ -27,7 +28,7 @@ import torch
 from swiftune.data import make_collator
 from swiftune.models import patch_model
 from swiftune.training import FastModel
-from swiftune.models.tiled_mlp import enable_tiled_mlp
+from swiftune.models.tiled_mlp import enable_tiled_mlp, tile_bounds
 from swiftune.sft.trainer import sft_loss
 from tests.helpers import VOCAB, assert_gradients_match, rel_err, tiny_model
 
@@ -39,19 +40,32 @@ CHECKPOINTING = ("off", "on", "offload", "tiled_mlp")
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PAD_ID = VOCAB - 1
 TOL = 1e-5
+# The tiled MLP runs over the batch's flattened tokens (rows x width, padding included) in tiles of
+# TILE_TOKENS. With the documents in _examples' order the padded and packed batches end in padding,
+# so their last tile held no token the loss sees and a bug in the last tile went unnoticed. The
+# tiled cases therefore put the longest document last (a padded batch's last row has no padding) and
+# pack rows of at most TILED_MAX_LENGTH tokens ([10, 6] and [7, 4, 3] + 2 padding, in place of
+# [10, 7, 6] and [4, 3] + 16 padding). Last tile: padded 50 tokens -> [48, 50), padding-free 30 ->
+# [28, 30) (both partial, the 10-token document's last two tokens), packed 32 -> [28, 32) (the
+# 3-token document's last two tokens, then padding); tiles such as [8, 12) straddle two documents.
+# _swiftune_step asserts that the last tile holds a scored token.
+TILE_TOKENS = 4
+MAX_LENGTH = 24
+TILED_MAX_LENGTH = 16
 
 
-def _examples(seed: int = 0) -> list[dict]:
+def _examples(seed: int = 0, tiled: bool = False) -> list[dict]:
     """Five documents of 3..10 tokens (the longest beyond the sliding window of 8); the first third
     of each is an untrained prompt, except the 4-token one, trained from its first token (which has
-    nothing before it to be predicted from: in a packed row its label must still be masked)."""
+    nothing before it to be predicted from: in a packed row its label must still be masked).
+    ``tiled``: the same documents with the 10-token one moved last (see ``TILE_TOKENS``)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in (10, 4, 7, 3, 6):
         ids = torch.randint(0, VOCAB - 1, (n,), generator=g).tolist()
         prompt = 0 if n == 4 else max(1, n // 3)
         out.append({"input_ids": ids, "completion_mask": [0] * prompt + [1] * (n - prompt)})
-    return out
+    return out[1:] + out[:1] if tiled else out
 
 
 def _trained_labels(example: dict) -> torch.Tensor:
@@ -86,18 +100,63 @@ def _trainable(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def _swiftune_step(model: torch.nn.Module, examples: list[dict], layout: str) -> tuple[torch.Tensor, dict]:
-    collate = make_collator(layout, max_length=24, pad_token_id=PAD_ID)
+def _scored(batch: dict) -> torch.Tensor:
+    """Per token of the batch, rows flattened: whether its output is scored (the next token of its
+    document is trained)."""
+    labels = batch["labels"]
+    target = torch.full_like(labels, -100)
+    target[:, :-1] = labels[:, 1:]
+    if "position_ids" in batch:  # a document's first token is predicted from nothing
+        target[:, :-1][batch["position_ids"][:, 1:] == 0] = -100
+    return (target != -100).reshape(-1)
+
+
+def _swiftune_step(model: torch.nn.Module, examples: list[dict], layout: str,
+                   tiled: bool = False) -> tuple[torch.Tensor, dict]:
+    collate = make_collator(layout, max_length=TILED_MAX_LENGTH if tiled else MAX_LENGTH, pad_token_id=PAD_ID)
     batch = collate(examples)
     count = batch["num_trained_tokens"]
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "position_ids", "attention_mask")}
     if layout == "packed":
         assert batch["input_ids"].shape[0] > 1, "the packed case must have several rows"
+    if tiled:  # a bug in the last tile must reach the loss
+        scored = _scored(batch)
+        a, b = tile_bounds(scored.numel(), TILE_TOKENS)[-1]
+        assert scored[a:b].any(), f"{layout}: the tiled MLP's last tile [{a}, {b}) of {scored.numel()} tokens is not scored"
     model.zero_grad(set_to_none=True)
     loss, _ = sft_loss(model, inputs, batch["labels"].to(device), num_items_in_batch=count)
     loss.backward()
     return loss.detach(), _grads(model)
+
+
+def _documents(batch: dict) -> torch.Tensor:
+    """Per token of the batch, rows flattened: its document's number, -1 for padding."""
+    rows, width = batch["input_ids"].shape
+    if "attention_mask" in batch:  # padded: one document a row
+        doc = torch.arange(rows).unsqueeze(1).expand(rows, width).clone()
+        doc[batch["attention_mask"] == 0] = -1
+        return doc.reshape(-1)
+    doc = (batch["position_ids"] == 0).reshape(-1).cumsum(0) - 1
+    real = torch.arange(width).unsqueeze(0) < batch["row_tokens"].unsqueeze(1)
+    return torch.where(real.reshape(-1), doc, torch.full_like(doc, -1))
+
+
+def test_tiled_cases_reach_the_last_tile():
+    """The tiled cases' batches (no model): in every layout the last tile holds a scored token; where
+    a row holds several documents (padding-free, packed) a tile holds real tokens of two of them; at
+    least one layout ends in a partial tile."""
+    partial = []
+    for layout in LAYOUTS:
+        batch = make_collator(layout, max_length=TILED_MAX_LENGTH, pad_token_id=PAD_ID)(_examples(tiled=True))
+        scored, doc = _scored(batch), _documents(batch)
+        tiles = tile_bounds(scored.numel(), TILE_TOKENS)
+        a, b = tiles[-1]
+        assert scored[a:b].any(), (layout, a, b)
+        if layout != "padded":
+            assert any(len(set(doc[a:b][doc[a:b] >= 0].tolist())) > 1 for a, b in tiles), layout
+        partial.append(b - a < TILE_TOKENS)
+    assert any(partial), "no tiled layout ends in a partial tile"
 
 
 def _lora_reference(base: torch.nn.Module) -> torch.nn.Module:
@@ -122,7 +181,7 @@ def _swiftune_model(base: torch.nn.Module, reference: torch.nn.Module, lora: boo
     else:
         model = FastModel.for_training(model, use_gradient_checkpointing=mode, **budget)
     if checkpointing == "tiled_mlp":
-        enable_tiled_mlp(model, tile_tokens=4, projections=lora)  # several tiles per document
+        enable_tiled_mlp(model, tile_tokens=TILE_TOKENS, projections=lora)  # several tiles per document
     return model.train()
 
 
@@ -135,16 +194,20 @@ def _assert_parity(reference: tuple, got: tuple, trainable: list[str], tol: floa
 
 @pytest.fixture(scope="module")
 def references() -> dict:
-    """Per (family, lora): the unpatched base model, its PEFT copy and the reference step."""
+    """Per (family, lora): the unpatched base model, its PEFT copy and the reference step (``tiled``:
+    on the tiled cases' document order)."""
     cache: dict = {}
 
-    def get(family: str, lora: bool):
+    def get(family: str, lora: bool, tiled: bool = False):
         key = (family, lora)
         if key not in cache:
             base = tiny_model(family, window=family in WINDOWED).train()
             reference = _lora_reference(base) if lora else copy.deepcopy(base)
-            cache[key] = (base, reference, _reference_step(reference, _examples()))
-        return cache[key]
+            cache[key] = (base, reference, {})
+        base, reference, steps = cache[key]
+        if tiled not in steps:  # the tiled cases' document order (the same documents)
+            steps[tiled] = _reference_step(reference, _examples(tiled=tiled))
+        return base, reference, steps[tiled]
 
     return get
 
@@ -182,10 +245,11 @@ def test_training_gradients_equal_unpatched_model(references, case):
 
 
 def _check_case(references, family: str, lora: bool, layout: str, checkpointing: str, kernel_backend: str) -> None:
-    base, reference, expected = references(family, lora)
+    tiled = checkpointing == "tiled_mlp"
+    base, reference, expected = references(family, lora, tiled)
     model = _swiftune_model(base, reference, lora, checkpointing, kernel_backend)
     assert _trainable(model) == _trainable(reference)
-    _assert_parity(expected, _swiftune_step(model, _examples(), layout), _trainable(reference))
+    _assert_parity(expected, _swiftune_step(model, _examples(tiled=tiled), layout, tiled), _trainable(reference))
 
 
 def test_negative_control_parity_catches_a_detached_projection(references, monkeypatch):
