@@ -17,6 +17,11 @@ own folder first on ``sys.path``, as ``python script.py`` would), so the tool se
     python benchmarks/capped_card.py --fraction 0.533 anchors/unsloth_anchor.py --mode grpo ...
 
 It imports nothing but torch and the standard library (it runs inside another tool's environment).
+
+Not emulated: ``torch.cuda.get_device_properties(i).total_memory`` still gives the whole card. Unsloth 2026.10
+reads it only to pick smaller kernels for cards of 24.5 GiB or less (its fused-linear loss and flex-attention
+block sizes), so an emulated 80 GB card is complete, but an emulated 24 GB card still runs the big card's kernel
+choices there.
 """
 
 from __future__ import annotations
