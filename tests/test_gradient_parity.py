@@ -111,6 +111,13 @@ def _scored(batch: dict) -> torch.Tensor:
     return (target != -100).reshape(-1)
 
 
+def _last_tile(batch: dict) -> tuple[int, int, bool]:
+    """The tiled MLP's last tile ``[a, b)`` over the batch's flattened tokens, and whether it holds a scored token."""
+    scored = _scored(batch)
+    a, b = tile_bounds(scored.numel(), TILE_TOKENS)[-1]
+    return a, b, bool(scored[a:b].any())
+
+
 def _swiftune_step(model: torch.nn.Module, examples: list[dict], layout: str,
                    tiled: bool = False) -> tuple[torch.Tensor, dict]:
     collate = make_collator(layout, max_length=TILED_MAX_LENGTH if tiled else MAX_LENGTH, pad_token_id=PAD_ID)
@@ -121,9 +128,8 @@ def _swiftune_step(model: torch.nn.Module, examples: list[dict], layout: str,
     if layout == "packed":
         assert batch["input_ids"].shape[0] > 1, "the packed case must have several rows"
     if tiled:  # a bug in the last tile must reach the loss
-        scored = _scored(batch)
-        a, b = tile_bounds(scored.numel(), TILE_TOKENS)[-1]
-        assert scored[a:b].any(), f"{layout}: the tiled MLP's last tile [{a}, {b}) of {scored.numel()} tokens is not scored"
+        a, b, scored = _last_tile(batch)
+        assert scored, f"{layout}: the tiled MLP's last tile [{a}, {b}) is not scored"
     model.zero_grad(set_to_none=True)
     loss, _ = sft_loss(model, inputs, batch["labels"].to(device), num_items_in_batch=count)
     loss.backward()
@@ -149,12 +155,12 @@ def test_tiled_cases_reach_the_last_tile():
     partial = []
     for layout in LAYOUTS:
         batch = make_collator(layout, max_length=TILED_MAX_LENGTH, pad_token_id=PAD_ID)(_examples(tiled=True))
-        scored, doc = _scored(batch), _documents(batch)
-        tiles = tile_bounds(scored.numel(), TILE_TOKENS)
-        a, b = tiles[-1]
-        assert scored[a:b].any(), (layout, a, b)
+        a, b, scored = _last_tile(batch)
+        assert scored, (layout, a, b)
+        doc = _documents(batch)
+        tiles = tile_bounds(doc.numel(), TILE_TOKENS)
         if layout != "padded":
-            assert any(len(set(doc[a:b][doc[a:b] >= 0].tolist())) > 1 for a, b in tiles), layout
+            assert any(len(set(doc[s:e][doc[s:e] >= 0].tolist())) > 1 for s, e in tiles), layout
         partial.append(b - a < TILE_TOKENS)
     assert any(partial), "no tiled layout ends in a partial tile"
 
