@@ -72,7 +72,7 @@
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
-#   scripts/gpu_suite.sh qlora-grpo-unsloth [START] # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% from START (carry .shared; ~9 min)
+#   scripts/gpu_suite.sh qlora-grpo-unsloth [START] [SECONDS] [REPEATS] # Unsloth --4bit's largest GRPO completion on an 80 GB budget, G=2, scanned to 5% from START (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-grpo-unsloth-at C... # Unsloth --4bit GRPO trials at fixed completions, 80 GB budget (carry .shared)
 #   scripts/gpu_suite.sh sft-deferred-busy # the graphed batch-16 step with the deferred check: profiled (with token slots), then timed with a sync each step and as one window (~11 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh grpo-3x      # swiftune at 2 x 294,912 (3x TRL's 2 x 98,304), detached: poll with grpo-3x-wait (~10+ min)
@@ -447,10 +447,11 @@ case "$part" in
   qlora-grpo-unsloth)  # issue 24's "Unsloth's own largest on the same budget": Unsloth --4bit, G=2, prompt 256, on an
     # 80 GB budget, doubling from START (default 65,536) then bisected to 5% (carry .shared; ~8-9 min). On an H200
     # its 420 s ran out after the 65,536 trial; on an H100 80GB 86,016 and 90,112 both fitted (qlora-grpo-unsloth-at).
-    # Usage: qlora-grpo-unsloth [START]
-    run unsloth_qlora_grpo 560 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
-      --gpu-budget-gb 80 --scan --scan-start "${2:-65536}" --repeats 2 --time-budget 420 --model-dir /tmp/ck8b \
-      --out "$OUT/unsloth_qlora_grpo_80gb.json" ;;
+    # Usage: qlora-grpo-unsloth [START] [SECONDS] [REPEATS]  (SECONDS > 420 only as a gpu_chain.sh part: detached)
+    budget=${3:-420}
+    run unsloth_qlora_grpo $((budget + 140)) python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
+      --4bit --gpu-budget-gb 80 --scan --scan-start "${2:-65536}" --repeats "${4:-2}" --time-budget "$budget" \
+      --model-dir /tmp/ck8b --out "$OUT/unsloth_qlora_grpo_80gb.json" ;;
   qlora-grpo-unsloth-at)  # Unsloth --4bit's GRPO trials at fixed completion lengths (as qlora-grpo-unsloth, one call
     # each, no scan): the 5% bracket around its largest fit when the scan's time runs out. Usage: qlora-grpo-unsloth-at C...
     run unsloth_qlora_grpo_at 580 python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit \
