@@ -25,7 +25,7 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_file_bytes, load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from swiftune.data import build_tokenizer, builtin_instruction_dataset, tiny_model_config
@@ -680,3 +680,51 @@ def test_the_summary_of_a_resumed_run_counts_its_own_steps():
     line = run_summary(state, {"train_runtime": 0.0, "train_loss": 0.0}, {}, 0, first_step=6)
     assert line == "swiftune: nothing to train: the checkpoint is at step 6, the run's last (max_steps 6); the model is " \
                    "the checkpoint's"
+
+
+class _TokenizerKilledWhileSaving:
+    """A tokenizer whose save fails: the final save stops after the weights were written (a kill, a full disk)."""
+
+    def save_pretrained(self, save_directory, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_the_final_save_is_complete_or_leaves_the_earlier_files(tmp_path, rows, tokenizer):
+    """The commands' final save (swiftune.cli.runs.save_final_model) writes into a hidden folder and moves the
+    files in when complete: a save cut short leaves a reused output_dir's earlier model as it was (not new
+    weights beside the old config); the next run's start removes the leftover; a complete save replaces the
+    earlier files and holds exactly the trained adapter."""
+    from peft import get_peft_model_state_dict
+
+    from swiftune.cli.runs import save_final_model
+
+    out = tmp_path / "run"
+    first = sft_trainer(out, rows, tokenizer, max_steps=1)
+    first.train()
+    save_final_model(first, tokenizer, str(out))
+    saved = {n: (out / n).read_bytes() for n in os.listdir(out) if (out / n).is_file() and n != "metrics.jsonl"}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer_config.json"} <= set(saved)
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+
+    second = sft_trainer(out, rows, tokenizer, model=tiny_model(lora_seed=7), max_steps=1, learning_rate=5e-3)
+    second.train()
+    with pytest.raises(OSError, match="No space left"):
+        save_final_model(second, _TokenizerKilledWhileSaving(), str(out))
+    for name, data in saved.items():  # the earlier model, untouched
+        assert (out / name).read_bytes() == data, name
+    leftover = [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+    assert leftover and "adapter_model.safetensors" in os.listdir(out / leftover[0])  # the cut-short save
+
+    third = sft_trainer(out, rows, tokenizer, model=tiny_model(lora_seed=9), max_steps=1)
+    third.train()  # its start removes the leftover
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+    save_final_model(third, tokenizer, str(out))
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    expected = get_peft_model_state_dict(third.model)
+    assert weights.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(weights[key], tensor.detach().cpu()), key
+    assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].ne(
+        load_file_bytes(saved["adapter_model.safetensors"])["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    ).any()
+    assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]

@@ -6,6 +6,7 @@ printed at the end.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -124,14 +125,31 @@ def describe_training(use_lora: bool, lora_r: int) -> str:
     return f"LoRA r={lora_r}" if use_lora else "full fine-tuning"
 
 
+def save_final_model(trainer, tokenizer, output_dir: str) -> None:
+    """The trained model and the tokenizer into ``output_dir``, written into a hidden folder first and
+    moved in when complete: a run stopped while saving never leaves weights cut short beside a config
+    (the checkpoints are complete or absent the same way, :mod:`swiftune.training.checkpoints`)."""
+    from ..training.checkpoints import final_staging_dir, move_saved_files
+
+    staging = final_staging_dir(output_dir)
+    main = trainer.is_world_process_zero()
+    if main and os.path.exists(staging):
+        shutil.rmtree(staging)
+    trainer.accelerator.wait_for_everyone()
+    trainer.save_model(staging)  # every process takes part (sharded weights); the main one writes
+    if main:
+        tokenizer.save_pretrained(staging)
+        move_saved_files(staging, output_dir)
+    trainer.accelerator.wait_for_everyone()
+
+
 def train_save_and_report(trainer, config, tokenizer, metric: str, plot: str) -> None:
     """Train (resuming if asked), save the model and tokenizer, then print how ``metric`` moved
     from the first fifth of the run to the last, so that a user sees at once whether it learned."""
     trainer.train(resume_from_checkpoint=resume_target(config.resume_from_checkpoint))
-    trainer.save_model(config.output_dir)  # the Trainer writes on the main process only
+    save_final_model(trainer, tokenizer, config.output_dir)
     if not trainer.is_world_process_zero():
         return
-    tokenizer.save_pretrained(config.output_dir)
     if not config.metrics_file:
         print(f"wrote the model to {config.output_dir} (load it from there); no {metric} summary or {plot}: "
               "metrics_file is off")

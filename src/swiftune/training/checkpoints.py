@@ -193,6 +193,31 @@ def publish(staged: str, final: str) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+FINAL_STAGING_NAME = f"{STAGING_PREFIX}final"
+
+
+def final_staging_dir(output_dir: str) -> str:
+    """The hidden folder a command's final save writes into before its files move into ``output_dir``
+    (a leftover of a run killed while saving is removed with the other ``.saving-*`` folders)."""
+    return os.path.join(output_dir, FINAL_STAGING_NAME)
+
+
+def move_saved_files(staged: str, output_dir: str) -> list[str]:
+    """Move everything the final save wrote into ``staged`` into ``output_dir``, one rename each (a file
+    or folder of the same name, e.g. from an earlier run into the same folder, is replaced), then remove
+    ``staged``. Until then ``output_dir`` holds no half-written weights: a run stopped while saving leaves
+    the earlier files or none. Returns the names moved."""
+    names = sorted(os.listdir(staged))
+    for name in names:
+        target = os.path.join(output_dir, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            discard_checkpoint(target)  # os.replace cannot replace a folder that holds files
+        os.replace(os.path.join(staged, name), target)
+    _fsync_dir(output_dir)
+    shutil.rmtree(staged, ignore_errors=True)
+    return names
+
+
 _WRITE_FAILURE_TEXT = ("unexpected pos", "pytorchstreamwriter", "file write failed", "no space left",
                        "disk quota", "write failed")
 
