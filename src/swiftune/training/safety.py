@@ -28,6 +28,7 @@ from typing import Any
 from ..errors import ConfigError
 from .loading import first_nonfinite_tensor
 from .checkpoints import (
+    FINAL_STAGING_NAME,
     TRAINER_STATE_NAME,
     checkpoint_name,
     checkpoint_problem,
@@ -248,6 +249,8 @@ class RunSafetyMixin:
         self._resolve_deferred_check()
         if self._staging_run_dir is None:  # a checkpoint's weights were checked before staging it
             target = output_dir or self.args.output_dir
+            if os.path.basename(os.path.normpath(target)) == FINAL_STAGING_NAME:  # the commands' staged final save
+                target = os.path.dirname(os.path.normpath(target))
             check_weights(self.model, self.state.global_step, f"saving the model to {target}")
         super().save_model(output_dir, _internal_call)
 
