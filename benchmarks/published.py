@@ -28,9 +28,10 @@ QLORA_GRPO_AT = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m ben
                  "--completion-lengths")
 UNSLOTH_QLORA_GRPO = ("python -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --4bit --gpu-budget-gb 80 "
                       "--model-dir /tmp/ck8b")
-QLORA_GRPO_80GB = "2026-12-05/qlora_grpo_80gb_side_by_side_qwen3-8b_h100.json"
+QLORA_GRPO_80GB = "2026-12-06/qlora_grpo_80gb_side_by_side_qwen3-8b_h100.json"
 QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.json qlora_grpo_at.json:swiftune "
-                    "qlora_grpo_at_354816.json:swiftune=+swiftune unsloth_at_86016.json:unsloth")
+                    "qlora_grpo_at_354816.json:swiftune=+swiftune unsloth_at_86016.json:unsloth "
+                    "unsloth_at_94208.json:unsloth=+unsloth")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -414,14 +415,18 @@ FIGURES: list[dict] = [
     # --4bit in one detached chain on one H100 80GB (a real 80 GB card: Unsloth sizes its loss chunks and buffers by
     # the card's free memory, which an emulated budget on a larger card does not lower); swiftune's first failure
     # from the same 80e9-byte cap on an H200 (swiftune sizes itself by the cap: its peak at 337,920 was the same to
-    # the byte on both cards); Unsloth's first failure was not reached (both lengths fitted)
-    dict(figure="qlora_grpo_80gb_qwen3-8b", file=QLORA_GRPO_80GB, date="2026-12-05", versions=BASE,
+    # the byte on both cards). Unsloth's bracket from two H100 calls: 86,016 and 90,112 fitted in one process
+    # (2026-12-05, before benchmarks/capped_card.py: Unsloth saw the card's own free memory, under the same 80e9-byte
+    # allocator cap); 94,208 failed in a fresh process (2026-12-06, through capped_card: the card reported as 80e9
+    # bytes), as did 100,352 and 110,592 each in its own, and as 94,208 had on an H200 that reported 139 GiB free
+    dict(figure="qlora_grpo_80gb_qwen3-8b", file=QLORA_GRPO_80GB, date="2026-12-06", versions=BASE,
          gpu="NVIDIA H100 80GB HBM3 and, for swiftune's first failure, NVIDIA H200", keep=_modes("swiftune"),
          command=f"{QLORA_GRPO_AT} 337920 --fixed-only --time-budget 1450 --out qlora_grpo_at.json && "
                  f"{QLORA_GRPO_AT} 354816 --fixed-only --time-budget 1450 --out qlora_grpo_at_354816.json && "
                  f"{QLORA_GRPO_MERGE}"),
-    dict(figure="qlora_grpo_80gb_qwen3-8b", file=QLORA_GRPO_80GB, date="2026-12-05", versions=WITH_UNSLOTH,
+    dict(figure="qlora_grpo_80gb_qwen3-8b", file=QLORA_GRPO_80GB, date="2026-12-06", versions=WITH_UNSLOTH,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("unsloth"),
          command=f"{UNSLOTH_QLORA_GRPO} --completion-lengths 86016 90112 --repeats 1 --time-budget 540 "
-                 f"--out unsloth_at_86016.json && {QLORA_GRPO_MERGE}"),
+                 f"--out unsloth_at_86016.json && {UNSLOTH_QLORA_GRPO} --completion-lengths 94208 --repeats 1 "
+                 f"--time-budget 540 --out unsloth_at_94208.json && {QLORA_GRPO_MERGE}"),
 ]
