@@ -37,7 +37,7 @@ SAME = ("benchmark", "model", "prompt_tokens", "rows")
 #: what each mode keeps of the run it came from
 PROVENANCE = ("torch", "transformers", "peft", "trl", "device", "swiftune_checkpointing", "attention_output_layers",
               "attention_outputs_on_host", "share_prompt",
-              "trial_repeats", "planner")
+              "trial_repeats", "planner", "mem_get_info")
 
 
 def parse_spec(spec: str) -> tuple[str, list[tuple[str, str]]]:

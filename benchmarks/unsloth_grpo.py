@@ -172,6 +172,9 @@ def report(args, argv: list[str] | None, records: list[dict], wall_s: float) -> 
             "load_in_4bit": args.load_in_4bit, "gpu_budget_gb": args.gpu_budget_gb, "unsloth": version,
             **{k: versions[k] for k in ("torch", "transformers", "peft", "trl") if versions.get(k)},
             **({"device": env["gpu"]} if env.get("gpu") else {}),
+            # what Unsloth's torch.cuda.mem_get_info reported, from which it sizes its loss chunks and buffers:
+            # a card of the budget's size (benchmarks.capped_card) or the card's own; unknown for --records
+            **({} if args.records else {"mem_get_info": "budget" if args.gpu_budget_gb else "card"}),
             "modes": {"unsloth": mode}, "wall_s": wall_s}
     print(f"\n# Unsloth GRPO policy step, {args.model}, G={args.generations}, prompt {args.prompt_tokens}"
           + (", QLoRA" if args.load_in_4bit else "") + (f", {args.gpu_budget_gb} GB" if args.gpu_budget_gb else ""))

@@ -558,7 +558,7 @@ def test_grpo_bisect_load_in_fp8_builds_fp8_weights_and_plans_their_bytes():
     assert proc.returncode == 2 and "pick one" in proc.stderr
 
 
-def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path):
+def test_unsloth_grpo_turns_the_anchors_probes_into_a_bisection(tmp_path, monkeypatch):
     """benchmarks.unsloth_grpo runs the anchor in a child process (here a stand-in printing the anchor's
     RESULT records: fixed probes, then a scan's probes and summary) and writes a benchmarks.grpo bisection
     JSON of mode ``unsloth`` (GiB -> GB, the first call apart, OOM probes as failed trials) and its rows."""
@@ -594,6 +594,7 @@ if '--scan' in args:
     assert (data["device"], data["torch"], data["trl"], data["unsloth"]) == ("NVIDIA H200", "2.11.0", "1.15.0",
                                                                             "2026.10.9")
     assert "transformers" not in data  # what the anchor did not name is not made up
+    assert data["mem_get_info"] == "card"  # no budget: Unsloth saw the card's own memory
     first = mode["trials"][0]
     assert first["completion"] == 2000 and first["tokens"] == 2 * (256 + 2000)
     assert first["s"] == 2.0 and first["first_s"] == 4.0 and abs(first["peak_gb"] - 20 * 2**30 / 1e9) < 1e-9
@@ -615,6 +616,12 @@ if '--scan' in args:
     assert unsloth_grpo.main(["--records", str(records), "--completion-lengths", "65536", "--out", str(out)]) == 0
     mode = json.load(open(out))["modes"]["unsloth"]
     assert mode["max_fit"] == 65536 and mode["trials"][0]["s"] == 31.6 and "first_s" not in mode["trials"][0]
+    assert "mem_get_info" not in json.load(open(out))  # how the earlier run saw the card is not known here
+    monkeypatch.setattr(unsloth_grpo, "gpu_fraction", lambda budget_gb: 0.5)  # a budget needs CUDA otherwise
+    assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
+                              "--model", "tiny", "--4bit", "--completion-lengths", "2000", "--gpu-budget-gb", "80",
+                              "--out", str(out)]) == 0
+    assert json.load(open(out))["mem_get_info"] == "budget"  # through benchmarks.capped_card
     stand_in_unsloth_anchor(shared, "sys.exit('ImportError: no unsloth')")
     assert unsloth_grpo.main(["--shared", str(shared), "--site", str(tmp_path), "--model-dir", str(tmp_path / "ck"),
                               "--completion-lengths", "2000", "--out", str(out)]) == 1
