@@ -446,7 +446,8 @@ case "$part" in
       --modes unsloth_packed --out "$OUT/unsloth_qlora_packed.json" ;;
   qlora-grpo-unsloth)  # issue 24's "Unsloth's own largest on the same budget": Unsloth --4bit, G=2, prompt 256, on an
     # 80 GB budget, doubling from START (default 65,536) then bisected to 5% (carry .shared; ~8-9 min). On an H200
-    # its 420 s ran out after the 65,536 trial; on an H100 80GB 86,016 and 90,112 both fitted (qlora-grpo-unsloth-at).
+    # its 420 s ran out after the 65,536 trial; on an H100 80GB 86,016 and 90,112 fitted, 94,208 failed (each length
+    # through qlora-grpo-unsloth-at, which runs in well under a call).
     # Usage: qlora-grpo-unsloth [START] [SECONDS] [REPEATS]  (SECONDS > 420 only as a gpu_chain.sh part: detached)
     budget=${3:-420}
     run unsloth_qlora_grpo $((budget + 140)) python3 -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b \
