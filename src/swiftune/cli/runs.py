@@ -127,7 +127,7 @@ def describe_training(use_lora: bool, lora_r: int) -> str:
 
 def save_final_model(trainer, tokenizer, output_dir: str) -> None:
     """The trained model and the tokenizer into ``output_dir``, written into a hidden folder first and
-    moved in when complete: a run stopped while saving never leaves weights cut short beside a config
+    moved in when complete: a run stopped while saving never leaves weights cut short in ``output_dir``
     (the checkpoints are complete or absent the same way, :mod:`swiftune.training.checkpoints`)."""
     from ..training.checkpoints import final_staging_dir, move_saved_files
 

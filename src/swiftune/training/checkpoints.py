@@ -205,8 +205,8 @@ def final_staging_dir(output_dir: str) -> str:
 def move_saved_files(staged: str, output_dir: str) -> list[str]:
     """Move everything the final save wrote into ``staged`` into ``output_dir``, one rename each (a file
     or folder of the same name, e.g. from an earlier run into the same folder, is replaced), then remove
-    ``staged``. Until then ``output_dir`` holds no half-written weights: a run stopped while saving leaves
-    the earlier files or none. Returns the names moved."""
+    ``staged``. No file in ``output_dir`` is ever half-written: a run stopped before the moves leaves the
+    earlier files as they were, and each move is a rename. Returns the names moved."""
     names = sorted(os.listdir(staged))
     for name in names:
         target = os.path.join(output_dir, name)
