@@ -728,3 +728,25 @@ def test_the_final_save_is_complete_or_leaves_the_earlier_files(tmp_path, rows, 
         load_file_bytes(saved["adapter_model.safetensors"])["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     ).any()
     assert not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+
+
+def test_moving_the_final_save_in_replaces_files_and_folders_of_the_same_name(tmp_path):
+    """training.checkpoints.move_saved_files: a file and a folder (PEFT saves a named adapter in a subfolder) of an
+    earlier save are replaced, other files of output_dir are left alone, and the staging folder is gone."""
+    from swiftune.training.checkpoints import final_staging_dir, move_saved_files
+
+    out = tmp_path / "run"
+    (out / "second_adapter").mkdir(parents=True)
+    (out / "second_adapter" / "stale.safetensors").write_text("old")
+    (out / "adapter_config.json").write_text("old")
+    (out / "metrics.jsonl").write_text("kept")
+    staged = final_staging_dir(str(out))
+    os.makedirs(os.path.join(staged, "second_adapter"))
+    with open(os.path.join(staged, "second_adapter", "adapter_model.safetensors"), "w") as f:
+        f.write("new")
+    with open(os.path.join(staged, "adapter_config.json"), "w") as f:
+        f.write("new")
+    assert move_saved_files(staged, str(out)) == ["adapter_config.json", "second_adapter"]
+    assert (out / "adapter_config.json").read_text() == "new" and (out / "metrics.jsonl").read_text() == "kept"
+    assert os.listdir(out / "second_adapter") == ["adapter_model.safetensors"]
+    assert not os.path.exists(staged) and not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
