@@ -219,13 +219,14 @@ def test_planner_4bit_weight_bytes_are_bitsandbytes_sizes():
 def test_planner_counts_the_dequantised_weight_of_a_4bit_matmul():
     """bitsandbytes multiplies by a dequantised copy of the weight ([out, in] in the compute dtype,
     dequantize_4bit's output): with checkpointing, a 4-bit plan's working set is the unquantised plan's plus the
-    widest projection's copy in bf16."""
+    widest projection's copy in bf16, with its layer inputs kept on the GPU, offloaded, or with no checkpointing
+    at all (where the working set is the last layer's backward, which makes the copy too)."""
     from swiftune.memory.planner import plan_memory
 
     layer = _nf4_layer(64, 192, bias=False)
     copy = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(torch.bfloat16)
     assert copy.shape == (192, 64)  # one element per weight, in the compute dtype
-    for checkpointing in (True, "offload"):
+    for checkpointing in (False, True, "offload"):
         full = plan_memory("qwen3-8b", 4096, gradient_checkpointing=checkpointing)
         q = plan_memory("qwen3-8b", 4096, weight_quantization="nf4_double_quant", gradient_checkpointing=checkpointing)
         assert q.layer_working_set - full.layer_working_set == 12288 * 4096 * copy.element_size(), checkpointing

@@ -712,9 +712,9 @@ def plan_memory(
 
     T, L = int(tokens), shape.layers
     per_layer = T * shape.hidden * dtype_bytes  # one saved layer input
-    working = layer_working_set(shape, T, s)
-    if weight_quantization is not None:  # a quantised weight's matmul needs temporaries of its own
-        working += _quantized_matmul_bytes(shape, T, weight_quantization, s)
+    # a quantised weight's matmul needs temporaries of its own, in the forward and in the backward
+    quantized_matmul = 0 if weight_quantization is None else _quantized_matmul_bytes(shape, T, weight_quantization, s)
+    working = layer_working_set(shape, T, s) + quantized_matmul
     loss = loss_bytes(shape, T, s)
     vision, vision_working = vision_activation_bytes(shape, int(image_tokens), s, gradient_checkpointing)
     transfer = 0
@@ -724,7 +724,7 @@ def plan_memory(
         kept, off = L, 0
         # every layer keeps its input and saved set; the last one also runs its backward transient
         checkpoints = L * (per_layer + layer_saved_bytes(shape, T, s))
-        working = layer_backward_bytes(shape, T, s)
+        working = layer_backward_bytes(shape, T, s) + quantized_matmul
     elif gradient_checkpointing is True:
         kept, off = L, 0
         checkpoints = L * per_layer
