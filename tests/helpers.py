@@ -127,3 +127,14 @@ def save_tiny_checkpoints(tmp_path_factory, families: tuple[str, ...] = ("llama"
 def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The LoRA parameters of a PEFT model by name."""
     return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def copy_lora_tensors(source: torch.nn.Module, target: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Give ``target`` the LoRA parameters of ``source`` (the same names, at least one), so that both sides of a
+    parity test train the same adapters; returns ``target``'s LoRA parameters."""
+    want, got = lora_tensors(source), lora_tensors(target)
+    assert got.keys() == want.keys() and got
+    with torch.no_grad():
+        for name, p in got.items():
+            p.copy_(want[name])
+    return got

@@ -28,8 +28,8 @@ from swiftune.memory.shapes import linear_weight_count, model_shape, param_count
 from swiftune.models.fp8_linear import FP8Linear, FP8State, fp8_grad_input, fp8_matmul, quantize_model_fp8  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import check_fp8_request, is_quantized_fp8  # noqa: E402
-from tests.helpers import (assert_gradients_match, lora_tensors, rel_err, save_tiny_checkpoints,  # noqa: E402
-                           train_adapters_two_sft_steps)
+from tests.helpers import (assert_gradients_match, copy_lora_tensors, lora_tensors, rel_err,  # noqa: E402
+                           save_tiny_checkpoints, train_adapters_two_sft_steps)
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -116,12 +116,8 @@ def test_fp8_lora_loss_and_gradients_equal_transformers_peft_on_dequantised_weig
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
     reference = peft.get_peft_model(_plain_with_weights(path, model), config).train()
-    want, got = lora_tensors(reference), lora_tensors(model)
-    assert got.keys() == want.keys() and got
+    got = copy_lora_tensors(reference, model)
     assert all(p.dtype == torch.float32 for p in got.values())  # the adapters keep the model's dtype, not e4m3
-    with torch.no_grad():
-        for name, p in got.items():
-            p.copy_(want[name])
     ref_loss, ref_grads = _reference_step(reference, _examples())
     calls = []
     apply = LoRALinearFunction.apply
@@ -561,10 +557,7 @@ def test_fp8_scaled_mm_training_step_within_measured_error(checkpoints, device, 
     torch.manual_seed(1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PROJECTIONS, lora_dropout=0.0, init_lora_weights=False)
     reference = peft.get_peft_model(_plain_with_weights(path, model), config).to(device).train()
-    want, got = lora_tensors(reference), lora_tensors(model)
-    with torch.no_grad():
-        for name, p in got.items():
-            p.copy_(want[name])
+    copy_lora_tensors(reference, model)
     ref_loss, ref_grads = _reference_step(reference, _examples())
     import swiftune.models.fp8_linear as fl
     import swiftune.models.lora_linear as ll

@@ -22,8 +22,8 @@ from swiftune.errors import ConfigError  # noqa: E402
 from swiftune.memory.planner import QUANTIZED_WEIGHT_BYTES, plan_memory  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
 from swiftune.training.quantization import is_quantized_4bit, nf4_config  # noqa: E402
-from tests.helpers import (assert_gradients_match, lora_tensors, rel_err, save_tiny_checkpoints,  # noqa: E402
-                           train_adapters_two_sft_steps)
+from tests.helpers import (assert_gradients_match, copy_lora_tensors, lora_tensors, rel_err,  # noqa: E402
+                           save_tiny_checkpoints, train_adapters_two_sft_steps)
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
 
 
@@ -46,12 +46,7 @@ def _swiftune(path: str, reference, checkpointing, dtype: torch.dtype = torch.fl
     budget = {"offload_gpu_budget_bytes": 0} if checkpointing == "offload" else {}
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
                                      use_gradient_checkpointing=checkpointing, init_lora_weights=False, **budget)
-    want = lora_tensors(reference)
-    got = lora_tensors(model)
-    assert got.keys() == want.keys() and got
-    with torch.no_grad():  # the same adapters on both sides
-        for name, p in got.items():
-            p.copy_(want[name])
+    copy_lora_tensors(reference, model)  # the same adapters on both sides
     return model.train()
 
 

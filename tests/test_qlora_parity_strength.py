@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 from swiftune.data import build_tokenizer  # noqa: E402
 from swiftune.training import FastModel  # noqa: E402
-from tests.helpers import assert_gradients_match, lora_tensors, rel_err, tiny_model  # noqa: E402
+from tests.helpers import assert_gradients_match, copy_lora_tensors, lora_tensors, rel_err, tiny_model  # noqa: E402
 from tests.test_gradient_parity import PROJECTIONS, _examples, _reference_step, _swiftune_step, _trainable  # noqa: E402
+from tests.test_nf4_matmul import _layer as nf4_layer  # noqa: E402
 
 
 def _bnb_config(compute_dtype: torch.dtype) -> BitsAndBytesConfig:
@@ -59,11 +60,7 @@ def _reference(path: str, compute_dtype: torch.dtype):
 def _swiftune(model, reference, checkpointing):
     model = FastModel.get_peft_model(model, r=4, lora_alpha=8, target_modules=PROJECTIONS,
                                      use_gradient_checkpointing=checkpointing, init_lora_weights=False)
-    want, got = lora_tensors(reference), lora_tensors(model)
-    assert got.keys() == want.keys() and got
-    with torch.no_grad():
-        for name, p in got.items():
-            p.copy_(want[name])
+    copy_lora_tensors(reference, model)
     return model.train()
 
 
@@ -114,25 +111,12 @@ def test_qlora_with_a_bf16_compute_dtype_under_float32_weights_equals_peft_bitsa
     assert_gradients_match(ref_grads, grads, _trainable(reference), 1e-3)
 
 
-def _nf4_layer(k: int, n: int, bias: bool) -> nn.Module:
-    g = torch.Generator().manual_seed(0)
-    layer = bnb.nn.Linear4bit(k, n, bias=bias, compute_dtype=torch.float32, compress_statistics=True,
-                              quant_type="nf4", device="meta")
-    layer.weight = bnb.nn.Params4bit(torch.randn(n, k, generator=g), requires_grad=False, compress_statistics=True,
-                                     quant_type="nf4")
-    if bias:
-        layer.bias = nn.Parameter(torch.randn(n, generator=g) * 2, requires_grad=False)
-    layer = layer.to("cpu")
-    layer.support_avx512bf16_for_cpu = False  # keep the layout it was quantised in
-    return layer.train()
-
-
 def test_nf4_dense_copy_keeps_the_bias():
     """The rollout engine's dequantised-copy forward (nf4_dense) on an NF4 layer with a bias: bitsandbytes'
     own layer's output, and the plain formula x dequantize_4bit(W)^T + b."""
     from swiftune.models.nf4_dense import nf4_dense_layers
 
-    layer = _nf4_layer(128, 64, bias=True)
+    layer = nf4_layer(128, 64, torch.float32, nested=True, bias=True, device="cpu")
     model = nn.Sequential(layer)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -223,7 +207,7 @@ def test_planner_counts_the_dequantised_weight_of_a_4bit_matmul():
     at all (where the working set is the last layer's backward, which makes the copy too)."""
     from swiftune.memory.planner import plan_memory
 
-    layer = _nf4_layer(64, 192, bias=False)
+    layer = nf4_layer(64, 192, torch.float32, nested=True, bias=False, device="cpu")
     copy = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(torch.bfloat16)
     assert copy.shape == (192, 64)  # one element per weight, in the compute dtype
     for checkpointing in (False, True, "offload"):

@@ -33,6 +33,7 @@ import swiftune  # noqa: E402
 from swiftune.data.multimodal import prepare_multimodal_dataset  # noqa: E402
 from swiftune.models.fp8_linear import FP8Linear  # noqa: E402
 from swiftune.training.quantization import is_quantized_4bit, is_quantized_fp8  # noqa: E402
+from tests.helpers import copy_lora_tensors  # noqa: E402
 from tests.test_qwen3_vl import SEVEN, VISION_LINEARS, _check_parity, _model, _processor, _rows  # noqa: E402
 
 E4M3_MAX = 448.0
@@ -62,15 +63,6 @@ def _bnb_reference(path: str, targets: list[str], device: str = "cpu", dtype: to
     # train mode (no dropout here): in eval mode without gradients, bitsandbytes' CPU backend repacks
     # the weights for its bf16 (AVX512-BF16) kernel, another rounding than the float32 compute asked for
     return peft.get_peft_model(base, peft.LoraConfig(target_modules=targets, **LORA)).train()
-
-
-def _copy_adapters(model: nn.Module, reference: nn.Module) -> None:
-    want = {n: p for n, p in reference.named_parameters() if "lora_" in n}
-    got = {n: p for n, p in model.named_parameters() if "lora_" in n}
-    assert got.keys() == want.keys() and got
-    with torch.no_grad():
-        for name, p in got.items():
-            p.copy_(want[name])
 
 
 def _assert_vision_tower_unquantized(model: nn.Module, dtype: torch.dtype = torch.float32) -> None:
@@ -107,7 +99,7 @@ def test_qlora_loss_and_gradients_equal_bitsandbytes_peft(saved, targets, checkp
     assert len(quantized) == 7 * 2
     for name, p in quantized:  # the same checkpoint quantised the same way
         assert torch.equal(p.data, ref_params[name].data), name
-    _copy_adapters(model, reference)
+    copy_lora_tensors(reference, model)
     assert sum(e.get("pixel_values") is not None for e in data.examples) == 2
     _check_parity(reference, model.train(), proc, data.examples)
 
@@ -139,7 +131,7 @@ def test_fp8_loss_and_gradients_equal_transformers_peft_on_dequantised_weights(s
     model = swiftune.FastModel.get_peft_model(model, target_modules=targets, use_gradient_checkpointing=False, **LORA)
     torch.manual_seed(1)
     reference = peft.get_peft_model(plain, peft.LoraConfig(target_modules=targets, **LORA))
-    _copy_adapters(model, reference)
+    copy_lora_tensors(reference, model)
     _check_parity(reference, model.train(), proc, data.examples)
 
 
@@ -156,7 +148,7 @@ def test_grpo_logprobs_and_trainer_step_on_a_4bit_policy(saved, tmp_path):
     path, proc, _ = saved
     reference = _bnb_reference(path, SEVEN)
     model = _swiftune_4bit(path, SEVEN)
-    _copy_adapters(model, reference)
+    copy_lora_tensors(reference, model)
     frozen = {n: p.data.clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
     model.eval()  # as in a rollout; FastModel keeps the NF4 layout (no bf16 repacking: see _bnb_reference)
     vision = VisionGRPO(model, proc)
@@ -207,7 +199,7 @@ def test_sft_trainer_two_steps_on_a_4bit_model(saved, tmp_path):
     reference = _bnb_reference(path, SEVEN)
     base, processor = swiftune.FastModel.from_pretrained(path, load_in_4bit=True, **LOAD)
     model = swiftune.FastModel.get_peft_model(base, target_modules=SEVEN, use_gradient_checkpointing=False, **LORA)
-    _copy_adapters(model, reference)
+    copy_lora_tensors(reference, model)
     with torch.no_grad():
         want = float(_reference_loss(reference, proc, data.examples))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
@@ -271,7 +263,7 @@ def test_gpu_qlora_parity(saved, dtype):
     def reference_step(compute: torch.dtype, adapters_of: nn.Module | None = None):
         reference = _bnb_reference(path, targets, device="cuda", dtype=compute)
         if adapters_of is not None:
-            _copy_adapters(reference, adapters_of)
+            copy_lora_tensors(adapters_of, reference)
         loss = _reference_loss(reference, proc, data.examples)
         loss.backward()
         return reference, loss.detach(), _grads(reference)
@@ -283,7 +275,7 @@ def test_gpu_qlora_parity(saved, dtype):
         model, _ = swiftune.FastModel.from_pretrained(path, load_in_4bit=True, dtype=dtype)
         model = swiftune.FastModel.get_peft_model(model, target_modules=targets, **LORA).train()
         _assert_vision_tower_unquantized(model, dtype)
-        _copy_adapters(model, reference)
+        copy_lora_tensors(reference, model)
         batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in _collator(reference, proc)(data.examples).items()}
         batch["pixel_values"] = batch["pixel_values"].to(dtype)
         loss = _patched_loss(model, batch)
