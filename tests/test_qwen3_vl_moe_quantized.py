@@ -33,7 +33,8 @@ from swiftune.data.multimodal import prepare_multimodal_dataset  # noqa: E402
 from swiftune.models.qwen3_vl import unquantized_expert_stacks  # noqa: E402
 from swiftune.training.quantization import is_quantized_4bit  # noqa: E402
 from tests.test_qwen3_vl import SEVEN, VISION_LINEARS, _check_parity, _model, _processor, _rows, tiny_vl_moe  # noqa: E402
-from tests.test_qwen3_vl_quantized import LOAD, LORA, _assert_vision_tower_unquantized, _copy_adapters  # noqa: E402
+from tests.helpers import copy_lora_tensors  # noqa: E402
+from tests.test_qwen3_vl_quantized import LOAD, LORA, _assert_vision_tower_unquantized  # noqa: E402
 
 if not hasattr(transformers, "Qwen3VLMoeForConditionalGeneration"):
     pytest.skip("this transformers has no Qwen3-VL-MoE", allow_module_level=True)
@@ -111,7 +112,7 @@ def test_qlora_loss_and_gradients_equal_bitsandbytes_peft(saved, targets, target
     assert {n for n, _ in quantized} == {n for n, p in ref_params.items() if type(p).__name__ == "Params4bit"}
     for name, p in quantized:  # the same checkpoint quantised the same way
         assert torch.equal(p.data, ref_params[name].data), name
-    _copy_adapters(model, reference)
+    copy_lora_tensors(reference, model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if target_parameters:
         assert sum("mlp.experts" in n for n in trainable) == 4  # A and B of both stacks
@@ -139,7 +140,7 @@ def test_gpu_qlora_parity(saved):
         model = swiftune.FastModel.get_peft_model(model, target_modules=SEVEN, target_parameters=EXPERTS,
                                                   **LORA).train()
         _assert_moe_layout(model, plain)
-        _copy_adapters(model, reference)
+        copy_lora_tensors(reference, model)
         batch = {k: (v.cuda() if torch.is_tensor(v) else v) for k, v in _collator(reference, proc)(data.examples).items()}
         loss = _patched_loss(model, batch)
         loss.backward()
