@@ -32,6 +32,12 @@ QLORA_GRPO_80GB = "2026-12-06/qlora_grpo_80gb_side_by_side_qwen3-8b_h100.json"
 QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.json qlora_grpo_at.json:swiftune "
                     "qlora_grpo_at_354816.json:swiftune=+swiftune unsloth_at_86016.json:unsloth "
                     "unsloth_at_94208.json:unsloth=+unsloth")
+MOE_SFT = "python -m benchmarks.sft --model"
+GPTOSS_GRPO = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
+               "--model gpt-oss-20b --share-prompt --gpu-budget-gb 80")
+GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_h100.json"
+GPTOSS_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out grpo_gptoss_80gb.json gptoss_grpo.json:swiftune "
+                     "gptoss_grpo_trl.json:trl_grpo")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -429,4 +435,28 @@ FIGURES: list[dict] = [
          command=f"{UNSLOTH_QLORA_GRPO} --completion-lengths 86016 90112 --repeats 1 --time-budget 540 "
                  f"--out unsloth_at_86016.json && {UNSLOTH_QLORA_GRPO} --completion-lengths 94208 --repeats 1 "
                  f"--time-budget 540 --out unsloth_at_94208.json && {QLORA_GRPO_MERGE}"),
+    # 2026-12-06, one H100 80GB (the H200 could not be started): issue 25's MoE rows. SFT: one detached chain, each
+    # mode in its own process (gpu_suite.sh moe-sft); LoRA r=16 on PEFT's "all-linear" in every mode, which on
+    # Qwen3-30B-A3B also adapts the experts' fused weights (PEFT's target_parameters) and on gpt-oss-20b only the
+    # attention projections (its experts are not linear modules); Liger 0.8.5's Qwen3-MoE patch fails on PEFT's
+    # expert wrapper (AttributeError), so that shape's baseline is TRL alone.
+    dict(figure="sft_moe_b16", file="2026-12-06/sft_moe_gpt-oss-20b_b16_h100.json", date="2026-12-06",
+         versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
+         command=f"{MOE_SFT} gpt-oss-20b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
+                 "--out moe_sft_gpt-oss-20b.json"),
+    dict(figure="sft_moe_b16", file="2026-12-06/sft_moe_qwen3-30b-a3b_b16_h100.json", date="2026-12-06",
+         versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
+         command=f"{MOE_SFT} qwen3-30b-a3b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
+                 "--out moe_sft_qwen3-30b-a3b.json"),
+    # GRPO, gpt-oss-20b on an 80e9-byte budget, one device call then two polls of one H100: swiftune at the
+    # planner's bracket (213,504 fitted; the time budget skipped 204,032, which a fit above rules in; no failure
+    # tried), then TRL's loss path bisected to 5%
+    dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=BASE,
+         gpu="NVIDIA H100 80GB HBM3", keep=_modes("swiftune"),
+         command=f"{GPTOSS_GRPO} --bisect-modes swiftune --completion-from-planner --time-budget 560 "
+                 f"--out gptoss_grpo.json && {GPTOSS_GRPO_MERGE}"),
+    dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=WITH_TRL,
+         gpu="NVIDIA H100 80GB HBM3", keep=_modes("trl_grpo"),
+         command=f"{GPTOSS_GRPO} --bisect-modes trl_grpo --time-budget 400 --out gptoss_grpo_trl.json && "
+                 f"{GPTOSS_GRPO_MERGE}"),
 ]

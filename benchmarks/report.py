@@ -31,7 +31,7 @@ LABELS = {"hf_padded": "transformers + PEFT, padded", "trl_padding_free": "TRL, 
           "hf_full_logits": "transformers + PEFT, full logits", "trl_grpo": "TRL GRPOTrainer loss path",
           "baseline": "transformers + PEFT", "ckpt": "swiftune, checkpoints on the GPU",
           "offload": "swiftune, offloaded checkpoints", "swiftune_offload_all": "swiftune, every layer input on the host"}
-MODELS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "mixtral-8x7b": "Mixtral-8x7B", "qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
+MODELS = {"qwen3-30b-a3b": "Qwen3-30B-A3B", "gpt-oss-20b": "gpt-oss-20b", "mixtral-8x7b": "Mixtral-8x7B", "qwen3-8b": "Qwen3-8B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-0.6b": "Qwen3-0.6B", "llama3-8b": "Llama-3-8B"}
 MODE_ORDER = ["hf_padded", "trl_padding_free", "trl_liger", "unsloth", "unsloth_packed", "swiftune_peft_lora", "swiftune",
               "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget", "swiftune_budget_offload_untiled",
               "swiftune_budget_offload"]
@@ -123,6 +123,23 @@ def sft(fig: Figure) -> str:
     header = ["mode", "batch", "tok/s", "x padded", "x TRL + Liger"] + (["x Unsloth"] if with_unsloth else [])
     header += ["peak GB", "s / step", "padding"]
     return table(header, out, set(range(1, len(header))))
+
+
+def sft_beside_trl(fig: Figure) -> str:
+    """One row per (shape, mode) at one batch size: tok/s as a multiple of TRL's padding-free trainer and of TRL +
+    Liger (where Liger ran on that shape), peak memory, step time."""
+    cells = {(model, MODE_ORDER.index(mode) if mode in MODE_ORDER else 99, mode): (s, m)
+             for mode, model, s, m in fig.groups()}
+    tps = {(model, mode): val(m, "tokens_per_s") for (model, _, mode), (_, m) in cells.items()}
+    out = []
+    for (model, _, mode), (s, m) in sorted(cells.items()):
+        own = tps[(model, mode)]
+        trl, liger = tps.get((model, "trl_padding_free")), tps.get((model, "trl_liger"))
+        out.append([MODELS.get(model, model), marked(m, LABELS.get(mode, mode)), str(s["batch"]),
+                    fmt(own, thousands=True), fmt(own / trl) if trl else "", fmt(own / liger) if liger else "",
+                    fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s"))])
+    return table(["shape", "mode", "batch", "tok/s", "x TRL", "x TRL + Liger", "peak GB", "s / step"], out,
+                 set(range(2, 8)))
 
 
 def sft_fp8(fig: Figure) -> str:
@@ -555,7 +572,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "qlora_sft_offload_qwen3-8b": sft,
           "qlora_sft_untiled_qwen3-8b": sft, "qlora_sft_16k_untiled_qwen3-8b": sft,
           "qlora_sft_16k_unsloth_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft,
-          "sft_full_qwen3-0.6b": sft,
+          "sft_full_qwen3-0.6b": sft, "sft_moe_b16": sft_beside_trl, "grpo_gptoss_80gb": grpo_largest_beside,
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_65k_attn": grpo_65k_attn, "grpo_largest": grpo_largest,
           "grpo_step": grpo_step, "grpo_e2e_qwen3-1.7b": grpo_e2e,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,

@@ -486,6 +486,27 @@ def test_fp8_layer_summary_with_q_k_v_and_gate_up_stacked():
     assert "qkv_stacked:dot" in stacked[0]["paths"] and "k/v_proj" not in stacked[0]["paths"]
 
 
+def test_sft_beside_trl_divides_by_each_shapes_own_baselines():
+    """``report.sft_beside_trl``: each shape's rows over that shape's TRL and TRL + Liger tok/s, never another
+    shape's; the Liger column blank where Liger has no row for the shape (it failed there)."""
+    from benchmarks import report, results
+
+    records = [dict(mode="trl_padding_free", model="a", tokens_per_s=1000.0),
+               dict(mode="trl_liger", model="a", tokens_per_s=1250.0),
+               dict(mode="swiftune", model="a", tokens_per_s=5000.0),
+               dict(mode="trl_padding_free", model="b", tokens_per_s=2000.0),
+               dict(mode="trl_liger", model="b", error="AttributeError: no hidden_dim"),
+               dict(mode="swiftune", model="b", tokens_per_s=3000.0)]
+    for r in records:
+        r.update(batch=16, peak_gb=50.0, sec_per_step=1.0, padding_fraction=0.0) if "error" not in r else None
+    ctx = results.Context(command="c", date="d", gpu="g", versions={}, settings={"figure": "f"})
+    text = report.sft_beside_trl(report.Figure(results.rows_from_sft(records, ctx)))
+    lines = text.split("\n")[2:]
+    assert len(lines) == 5
+    assert "| a | **swiftune** | 16 | 5,000 | 5.00 | 4.00 |" in text
+    assert "| b | **swiftune** | 16 | 3,000 | 1.50 |  |" in text
+    assert "| b | TRL, padding_free | 16 | 2,000 | 1.00 |  |" in text
+
 def test_largest_beside_multiple_is_an_upper_bound_when_the_baseline_never_failed():
     """``report.grpo_largest_beside``: with both brackets closed, swiftune's fit over the baseline's fit; with the
     baseline's open (every length it tried fitted), only the bound its first failure gives ("< F/B"), and
