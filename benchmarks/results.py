@@ -261,6 +261,8 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
             s["deferred_nonfinite_check"] = True
         if r.get("step_sync"):  # timed as one window, synchronised at its ends only
             s["step_sync"] = r["step_sync"]
+        if r.get("lora_target_parameters"):  # adapters on parameters too (MoE experts), beside all-linear
+            s["lora_target_parameters"] = ",".join(r["lora_target_parameters"])
         s = {k: v for k, v in s.items() if v is not None}
         one = lambda metric, value: out.append(ctx.row(tool_of(r["mode"]), r["mode"], r["model"], s, metric, value))  # noqa: E731
         one("tokens_per_s", r["tokens_per_s"])

@@ -131,7 +131,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
             full: bool = False, memory_profile: bool = False, logit_chunk_tokens: int | None = None,
             time_profile: bool = False, host_profile: bool = False, load_in_4bit: bool = False,
             gpu_budget_gb: float | None = None, load_in_fp8: bool = False, deferred_check: bool = False,
-            step_sync: str = "each") -> dict:
+            step_sync: str = "each", target_parameters: list[str] | None = None) -> dict:
     """One mode at one batch size; ``full``: every weight trained (no LoRA) in every mode;
     ``memory_profile`` (CUDA): what is alive at the peak of the last warm-up step (untimed);
     ``time_profile`` (CUDA): device time by kind of kernel over that step, against its wall time;
@@ -140,7 +140,9 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     ``load_in_4bit``: QLoRA, the decoder's linear weights in NF4 in every mode (LoRA only);
     ``load_in_fp8``: the decoder's linear weights in FP8 (e4m3, per-row scales) in every mode (LoRA only);
     ``gpu_budget_gb`` (CUDA): a smaller GPU emulated (``torch.cuda.set_per_process_memory_fraction``);
-    ``deferred_check``: swiftune modes' ``SFTConfig.deferred_nonfinite_check`` (no device sync per step)."""
+    ``deferred_check``: swiftune modes' ``SFTConfig.deferred_nonfinite_check`` (no device sync per step);
+    ``target_parameters``: PEFT's ``LoraConfig.target_parameters`` beside ``"all-linear"`` in every mode (MoE experts
+    stored as parameters, e.g. gpt-oss's ``mlp.experts.gate_up_proj``, which ``"all-linear"`` does not reach)."""
     import torch
     from peft import LoraConfig
 
@@ -162,7 +164,9 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
     config = model.config
     n_rows = max(steps * batch * 2, 512)
     rows = random_token_rows(sample_lengths(n_rows, max_length=max_length), config.vocab_size)
-    lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    targets = {"target_parameters": list(target_parameters)} if target_parameters else {}
+    lora = LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM",
+                      **targets)
     common = dict(output_dir=f"/tmp/bench_sft_{mode}", max_steps=steps, per_device_train_batch_size=batch,
                   learning_rate=1e-4, logging_steps=10_000, save_strategy="no", report_to="none", bf16=True,
                   gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
@@ -208,7 +212,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
         else:
             model = swiftune.FastModel.get_peft_model(model, r=16, lora_alpha=16, use_gradient_checkpointing=gc_mode,
                                                       offload_gpu_budget_bytes=budget_0,
-                                                      tiled_mlp=False if mode.endswith("_untiled") else None)
+                                                      tiled_mlp=False if mode.endswith("_untiled") else None,
+                                                      **targets)
         examples = [{"input_ids": r["input_ids"], "completion_mask": None} for r in rows]
         data = TokenizedDataset(examples, FormattingStats(data_shape="pretokenized"))
         extra = dict(max_tokens_per_batch=budget) if mode.startswith("swiftune_budget") else {}
@@ -254,6 +259,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                                               else "lora r=16"),
                 **({"gpu_budget_gb": gpu_budget_gb} if gpu_budget_gb is not None else {}),
                 **({"deferred_nonfinite_check": True} if deferred_check and mode.startswith("swiftune") else {}),
+                **({"lora_target_parameters": list(target_parameters)} if target_parameters else {}),
                 **({"logit_chunk_tokens": logit_chunk_tokens} if logit_chunk_tokens and mode.startswith("swiftune") else {}),
                 trainable_fraction=trainable / sum(p.numel() for p in params),
                 steps=steps - warmup, tokens_per_s=tokens / elapsed,
@@ -360,6 +366,9 @@ def main(argv=None) -> int:
                    help="each: synchronise the device after every timed step (per-step times; the steady figure "
                         "leaves out steps that captured graphs); ends: only around the timed window, so the host "
                         "prepares a step while the device runs the one before, as in training")
+    p.add_argument("--lora-target-parameters", nargs="+", default=None, metavar="NAME",
+                   help="PEFT target_parameters added to every mode's LoRA (all-linear): MoE experts stored as "
+                        "parameters, e.g. mlp.experts.gate_up_proj mlp.experts.down_proj on gpt-oss")
     p.add_argument("--one", help="run a single mode in this process and print its JSON")
     p.add_argument("--out", help="write all rows as JSON here")
     p.add_argument("--rows", default=None, help="write the figures as result rows (JSON Lines) here "
@@ -382,7 +391,8 @@ def main(argv=None) -> int:
                               logit_chunk_tokens=args.logit_chunk_tokens, time_profile=args.time_profile,
                               host_profile=args.host_profile, load_in_4bit=args.load_in_4bit,
                               gpu_budget_gb=args.gpu_budget_gb, load_in_fp8=args.load_in_fp8,
-                              deferred_check=args.deferred_nonfinite_check, step_sync=args.step_sync)
+                              deferred_check=args.deferred_nonfinite_check, step_sync=args.step_sync,
+                              target_parameters=args.lora_target_parameters)
             except Exception as e:  # noqa: BLE001 - out of memory (or a baseline failing): report, go on
                 row = dict(mode=args.one, model=args.model, batch=batch,
                            error=f"{type(e).__name__}: {str(e).splitlines()[0][:250]}")
@@ -403,6 +413,7 @@ def main(argv=None) -> int:
                *(["--load-in-fp8"] if args.load_in_fp8 else []),
                *(["--deferred-nonfinite-check"] if args.deferred_nonfinite_check else []),
                *(["--step-sync", args.step_sync] if args.step_sync != "each" else []),
+               *(["--lora-target-parameters", *args.lora_target_parameters] if args.lora_target_parameters else []),
                *(["--gpu-budget-gb", str(args.gpu_budget_gb)] if args.gpu_budget_gb is not None else []),
                *(["--logit-chunk-tokens", str(args.logit_chunk_tokens)] if args.logit_chunk_tokens else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env())

@@ -69,6 +69,7 @@
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~12 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh grpo-65k-host [MODEL] # 2 x 65,536, every layer keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
@@ -472,6 +473,11 @@ case "$part" in
       run "moe_sft_$model" 290 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 8 --warmup 3 \
         --modes swiftune trl_padding_free trl_liger --out "$OUT/moe_sft_$model.json"
     done ;;
+  moe-sft-experts)  # moe-sft's gpt-oss-20b row with its experts adapted too (PEFT's target_parameters beside
+    # all-linear, in every mode: all-linear alone reaches only gpt-oss's attention projections; ~3 min)
+    run moe_sft_experts_gpt-oss-20b 290 python3 -m benchmarks.sft --model gpt-oss-20b --batch 16 --steps 8 --warmup 3 \
+      --modes swiftune trl_padding_free trl_liger --lora-target-parameters mlp.experts.gate_up_proj \
+      mlp.experts.down_proj --out "$OUT/moe_sft_experts_gpt-oss-20b.json" ;;
   gptoss-grpo)  # issue 25's GRPO row: gpt-oss-20b, G=2, shared 256-token prompt, LoRA r=16, on an 80 GB budget
     # (gptoss-grpo GB: another): TRL's loss path bisected to 5%, then swiftune 2% above and 2.5% below the
     # planner's answer (flex attention with the sinks); detached (~15-20 min), poll with gptoss-grpo-wait
