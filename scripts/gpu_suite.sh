@@ -69,6 +69,8 @@
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~12 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh grpo-65k-host [MODEL] # 2 x 65,536, every layer keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
+#   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -487,6 +489,19 @@ case "$part" in
     detach gptoss_grpo bash -c "${grpo[*]} --bisect-modes trl_grpo --time-budget 500 --out /tmp/gptoss_grpo_trl.json;
       ${grpo[*]} --bisect-modes swiftune --completion-from-planner --time-budget 700 --out /tmp/gptoss_grpo.json"
     wait_for gptoss_grpo 54 12 ;;
+  gptoss-grpo-at)  # gptoss-grpo's swiftune trials at fixed completion lengths, in the foreground (for gpu_chain.sh):
+    # gptoss-grpo-at GB C...: on a GB budget, or on the whole GPU with GB "whole" (then the host's memory, which
+    # holds the offloaded checkpoints, is the limit; a trial near 213K took ~7 min on an H100, attention is
+    # quadratic in the full layers); gptoss-grpo-trl GB: TRL's loss path bisected on the same budget (~3 min)
+    gb=$2; budget=(); [ "$gb" = whole ] || budget=(--gpu-budget-gb "$gb")
+    run "gptoss_grpo_at_$gb" 3000 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.grpo \
+      --bisect-completion --model gpt-oss-20b --share-prompt "${budget[@]}" --bisect-modes swiftune \
+      --completion-lengths "${@:3}" --fixed-only --time-budget 2900 --out "$OUT/gptoss_grpo_at_$gb.json" ;;
+  gptoss-grpo-trl)
+    gb=$2; budget=(); [ "$gb" = whole ] || budget=(--gpu-budget-gb "$gb")
+    run "gptoss_grpo_trl_$gb" 600 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.grpo \
+      --bisect-completion --model gpt-oss-20b --share-prompt "${budget[@]}" --bisect-modes trl_grpo \
+      --time-budget 500 --out "$OUT/gptoss_grpo_trl_$gb.json" ;;
   gptoss-grpo-wait)
     wait_for gptoss_grpo 56 12; cp /tmp/gptoss_grpo_trl.json "$OUT/" 2>/dev/null ;;
   grpo-3x)  # one trial at 2 x 294,912 in the background (quadratic attention: ~8-10 min); grpo-3x-wait polls
