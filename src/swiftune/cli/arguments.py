@@ -91,6 +91,12 @@ class ModelArguments:
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Module names to adapt (space- or comma-separated; a list in YAML), or all-linear."},
     )
+    lora_target_parameters: list[str] | None = field(
+        default=None,
+        metadata={"help": "Parameters to adapt besides the modules (PEFT's target_parameters, TRL's option): "
+                          "mixture-of-experts weights stored as parameters, which all-linear does not reach, "
+                          "e.g. mlp.experts.gate_up_proj mlp.experts.down_proj on gpt-oss."},
+    )
     use_gradient_checkpointing: str = field(
         default="true", metadata={"help": "true, false, or offload (saved layer inputs in CPU memory; unsloth is the same)."}
     )
@@ -402,7 +408,7 @@ def check_tiled_mlp_with_lora(model_args: ModelArguments, use_lora: bool) -> Non
                           "projections); full fine-tuning runs the MLP untiled: drop --tiled_mlp or add --use_lora")
 
 
-LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
+LORA_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters")
 
 
 def warn_unused_lora_options(model_args: ModelArguments) -> list[str]:
@@ -458,6 +464,10 @@ def check_model_args(model_args: ModelArguments) -> None:
     if not 0 <= model_args.lora_dropout < 1:
         raise ConfigError(f"--lora_dropout {model_args.lora_dropout}: must be in [0, 1), e.g. 0.0")
     lora_targets(model_args.lora_target_modules)
+    lora_target_parameter_names(model_args.lora_target_parameters)
+    if model_args.lora_target_parameters and model_args.lora_dropout:
+        raise ConfigError(f"--lora_target_parameters with --lora_dropout {model_args.lora_dropout}: PEFT's adapters "
+                          "on parameters take no dropout; give --lora_dropout 0")
     for flag, model, frozen in (("load_in_4bit", "a 4-bit model", "its NF4 weights take no gradient steps"),
                                 ("load_in_fp8", "an FP8 model", "its e4m3 weights are frozen")):
         if not getattr(model_args, flag, False):
@@ -507,6 +517,20 @@ def lora_targets(value: str | list[str]) -> str | list[str]:
             raise ConfigError(f"--lora_target_modules {','.join(names)}: all-linear already takes every linear "
                              "layer; give it alone or list module names")
         return "all-linear"
+    return names
+
+
+def lora_target_parameter_names(value: list[str] | None) -> list[str] | None:
+    """``--lora_target_parameters`` as PEFT takes it: parameter names (or name suffixes), or None."""
+    if value is None:
+        return None
+    names = _split_commas(list(value))
+    if not names:
+        raise ConfigError("--lora_target_parameters names no parameter; give parameter names such as "
+                          "mlp.experts.gate_up_proj, or leave it out")
+    if "all-linear" in names:
+        raise ConfigError("--lora_target_parameters all-linear: all-linear is a --lora_target_modules value; "
+                          "--lora_target_parameters takes parameter names such as mlp.experts.gate_up_proj")
     return names
 
 

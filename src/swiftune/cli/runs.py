@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .arguments import (ModelArguments, check_model_args, check_tiled_mlp_with_lora, gradient_checkpointing_mode,
-                        lora_targets, resume_target)
+                        lora_target_parameter_names, lora_targets, resume_target)
 
 
 def load_rows(spec: str | None, split: str, builtin_rows: Callable[[], Any]):
@@ -94,9 +94,11 @@ def build_model(model_args: ModelArguments, config, builtin: bool,
         use_lora = model_args.use_lora is not False
     check_tiled_mlp_with_lora(model_args, use_lora)  # the built-in model decides use_lora only here
     if use_lora:
+        parameters = lora_target_parameter_names(model_args.lora_target_parameters)
         model = FastModel.get_peft_model(
             model, r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
             target_modules=lora_targets(model_args.lora_target_modules), use_gradient_checkpointing=gc,
+            **({"target_parameters": parameters} if parameters else {}),
             offload_gpu_budget_bytes=budget_bytes,
             offload_attention_output_layers=model_args.offload_attention_output_layers,
             offload_attention_outputs_on_host=model_args.offload_attention_outputs_on_host,

@@ -571,6 +571,7 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
+        check_target_parameters_adapted(peft_model, lora_kwargs.get("target_parameters"))
         if tiled_mlp or (tiled_mlp is None and use_gradient_checkpointing in ("offload", "unsloth")):
             # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
@@ -595,6 +596,31 @@ class FastModel:
                                       offload_attention_output_layers=offload_attention_output_layers,
                                       offload_attention_outputs_on_host=offload_attention_outputs_on_host)
         return model.train()
+
+
+def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: Iterable[str] | None) -> None:
+    """Refuse ``target_parameters`` names that adapted nothing. PEFT skips such a name without a word when the
+    module targets matched (``gate_proj`` for gpt-oss's ``gate_up_proj``: the experts would train no adapter);
+    a name counts as adapted when a ``ParamWrapper`` adapts a parameter whose full name ends with it."""
+    if not target_parameters:
+        return
+    if isinstance(target_parameters, str):
+        target_parameters = [target_parameters]
+    adapted = set()
+    for name, module in peft_model.named_modules():
+        parameter = getattr(module, "parameter_name", None)
+        if parameter is not None and hasattr(module, "lora_A"):  # PEFT's ParamWrapper (nested ones: base_layer)
+            adapted.add(f"{name.replace('.base_layer', '')}.{parameter}")
+    missed = [t for t in target_parameters if not any(a == t or a.endswith("." + t) for a in adapted)]
+    if not missed:
+        return
+    # what could be meant: the model's stacked (3-D) expert weights, layer indices dropped
+    stacked = sorted({re.sub(r"^(base_model\.model\.)?(model\.)?layers\.\d+\.", "", n.replace(".base_layer", ""))
+                      for n, p in peft_model.named_parameters() if p.dim() == 3})
+    hint = (f"the model's expert weights stored as parameters: {', '.join(stacked)}" if stacked else
+            "this model has no expert weights stored as parameters (its linear layers take target_modules)")
+    raise ConfigError(f"target_parameters (--lora_target_parameters) {', '.join(missed)}: adapted no parameter of "
+                      f"the model (PEFT skips such a name silently); {hint}")
 
 
 # ------------------------------------------------------------------ LoRA targets in the vision tower

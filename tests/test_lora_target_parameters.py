@@ -1,0 +1,90 @@
+"""LoRA on parameters (PEFT's ``target_parameters``: mixture-of-experts weights stored as 3-D parameters, such as
+gpt-oss's experts, which ``"all-linear"`` does not reach): ``FastModel.get_peft_model`` adapts exactly what PEFT's
+own ``get_peft_model`` adapts, refuses a name that adapts nothing (PEFT skips it without a word), and the command
+line takes TRL's ``--lora_target_parameters``."""
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from swiftune import FastModel
+from swiftune.cli import main
+from swiftune.cli.sft import parse_sft_args
+from swiftune.errors import ConfigError
+from tests.helpers import VOCAB, tiny_model
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _tiny_gpt_oss() -> transformers.PreTrainedModel:
+    config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_local_experts=4,
+                                       num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, sliding_window=8, tie_word_embeddings=False,
+                                       max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_target_parameters_adapt_what_peft_adapts():
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", target_parameters=EXPERTS)
+    reference = _trainable(peft.get_peft_model(_tiny_gpt_oss(), config))
+    ours = _trainable(FastModel.get_peft_model(_tiny_gpt_oss(), r=4, lora_alpha=8, target_parameters=EXPERTS,
+                                               use_gradient_checkpointing=False))
+    assert ours == reference
+    # both expert stacks of every layer carry an adapter (not only the attention projections)
+    assert sum("experts" in n and "lora_A" in n for n in ours) == 2 * 2
+    suffix = FastModel.get_peft_model(_tiny_gpt_oss(), r=4, lora_alpha=8, target_parameters=["gate_up_proj"],
+                                      use_gradient_checkpointing=False)
+    assert sum("experts" in n and "lora_A" in n for n in _trainable(suffix)) == 2  # a name's suffix, as PEFT
+
+
+def test_a_target_parameter_that_adapts_nothing_is_refused():
+    with pytest.raises(ConfigError, match=r"mlp\.experts\.gate_proj: adapted no parameter.*"
+                                          r"mlp\.experts\.down_proj, mlp\.experts\.gate_up_proj"):
+        FastModel.get_peft_model(_tiny_gpt_oss(), r=4, target_parameters=["mlp.experts.gate_proj", EXPERTS[1]],
+                                 use_gradient_checkpointing=False)
+    with pytest.raises(ConfigError, match="no expert weights stored as parameters"):
+        FastModel.get_peft_model(tiny_model("qwen3"), r=4, target_parameters=EXPERTS, use_gradient_checkpointing=False)
+
+
+def test_command_line_refuses_target_parameters_it_cannot_use(capsys):
+    for argv, says in ((["--lora_target_parameters", "all-linear"], "is a --lora_target_modules value"),
+                       (["--lora_target_parameters", ","], "expected at least one argument"),
+                       (["--lora_target_parameters", EXPERTS[0], "--lora_dropout", "0.1"], "take no dropout")):
+        assert main(["sft", "--use_lora", "true", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], (argv, err)
+    model_args, _, _ = parse_sft_args(["--lora_target_parameters", f"{EXPERTS[0]},{EXPERTS[1]}", "--use_lora"])
+    assert model_args.lora_target_parameters == EXPERTS
+
+
+def test_sft_command_trains_and_saves_the_expert_adapters(tmp_path, capsys):
+    from swiftune.data import build_tokenizer
+
+    model_dir, out = tmp_path / "oss", tmp_path / "out"
+    _tiny_gpt_oss().save_pretrained(model_dir)
+    build_tokenizer().save_pretrained(model_dir)
+    common = ["sft", "--model_name_or_path", str(model_dir), "--max_steps", "2", "--per_device_train_batch_size", "2",
+              "--max_length", "64", "--logging_steps", "1", "--report_to", "none", "--dtype", "fp32"]
+    assert main([*common, "--output_dir", str(out), "--lora_target_parameters", ",".join(EXPERTS)]) == 0
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == sorted(EXPERTS)
+    saved = load_file(os.path.join(out, "adapter_model.safetensors"))
+    experts = [k for k in saved if ".experts." in k]
+    assert len(experts) == 2 * 2 * 2  # lora_A and lora_B of both stacks in both layers
+    assert all(saved[k].abs().sum() > 0 for k in experts if "lora_A" in k)
+    capsys.readouterr()
+    assert main([*common, "--output_dir", str(tmp_path / "bad"), "--lora_target_parameters", "mlp.experts.gate_proj"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("swiftune sft: error: target_parameters") and "Traceback" not in "".join(err), err
+    assert "mlp.experts.gate_proj: adapted no parameter" in err[-1] and not (tmp_path / "bad" / "adapter_config.json").exists()
