@@ -180,6 +180,16 @@ def test_lora_options_of_a_full_fine_tuning_run_are_named_as_ignored(caplog):
                for r in caplog.records)
 
 
+
+@pytest.mark.parametrize("argv", [["generate", "--bogus", "1"], ["generate", "--max_tokens", "abc"],
+                                  ["plan", "--tokenz", "5"]])
+def test_generate_and_plan_mistakes_end_in_one_line(capsys, argv):
+    """``swiftune generate`` / ``plan`` parse with argparse too: a mistake is one line naming it, exit 2, as
+    the training commands' (not argparse's usage block)."""
+    assert main(argv) == 2
+    line = one_line_error(capsys)
+    assert line.startswith(f"swiftune {argv[0]}: error:") and argv[1] in line and "--help lists the options" in line
+
 # ----------------------------------------------------------------------------- YAML
 
 

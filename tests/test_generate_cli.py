@@ -144,6 +144,9 @@ def test_generate_applies_a_lora_adapter_folder_as_peft_does(capsys, lora_folder
         assert all(r["tokens"] == 5 for r in rows)
     plain = run(capsys, *GREEDY, "--model", base_dir)
     assert [r["completion"] for r in plain] == peft_greedy(base_dir, None) != expected
+    # the training commands' --model_name_or_path and transformers' --max_new_tokens name the same options
+    spelled = [a.replace("--max_tokens", "--max_new_tokens") for a in GREEDY]
+    assert [r["completion"] for r in run(capsys, *spelled, "--model_name_or_path", adapter_dir)] == expected
 
 
 def copy_adapter(adapter_dir: str, dest, **config_changes) -> str:

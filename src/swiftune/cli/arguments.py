@@ -129,6 +129,14 @@ class CommandLineError(ConfigError):
     ``swiftune`` prints it as one line and exits with status 2."""
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An argparse parser whose mistakes raise :class:`CommandLineError` (one line from ``swiftune``, as the
+    training commands' mistakes) instead of printing the whole usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise CommandLineError(f"{message} (--help lists the options)")
+
+
 def read_yaml_config(path: str) -> dict[str, Any]:
     """The option mapping of a YAML config file (``yaml.safe_load``: plain data only)."""
     import yaml

@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from ..errors import ConfigError
+from .arguments import OneLineArgumentParser
 
 ADAPTER_CONFIG = "adapter_config.json"  # training.loading's name, kept here so that the command imports no torch
 # the adapter weights PEFT writes (safetensors by default, a torch pickle with safe_serialization=False)
@@ -35,9 +36,10 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``swiftune generate``."""
-    p = argparse.ArgumentParser(prog="swiftune generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None,
+    p = OneLineArgumentParser(prog="swiftune generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --model_name_or_path: the training commands' name for it; --max_new_tokens: transformers' generate's
+    p.add_argument("--model", "--model_name_or_path", dest="model", default=None,
                    help="local path or hub name of a model, or a PEFT adapter folder (its base loads first); "
                         "with --adapter: the base model (default: the built-in tiny model)")
     p.add_argument("--adapter", default=None,
@@ -49,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for several)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     p.add_argument("--num_generations", type=int, default=1, help="completions per prompt (G)")
-    p.add_argument("--max_tokens", type=int, default=64)
+    p.add_argument("--max_tokens", "--max_new_tokens", dest="max_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--top_k", type=int, default=None)

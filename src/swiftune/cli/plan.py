@@ -13,6 +13,7 @@ import sys
 
 from ..memory import KNOWN_MODELS, max_tokens, plan_memory
 from ..memory.planner import OPTIMIZER_STATE_BYTES
+from .arguments import OneLineArgumentParser
 
 
 def _bool_or_offload(text: str) -> bool | str:
@@ -31,7 +32,7 @@ _DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "f
 
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``swiftune plan``."""
-    p = argparse.ArgumentParser(prog="swiftune plan", description="Predict peak GPU memory of one training step.")
+    p = OneLineArgumentParser(prog="swiftune plan", description="Predict peak GPU memory of one training step.")
     p.add_argument("--model", default="qwen3-8b",
                    help=f"a config.json path, a model folder, or one of: {', '.join(KNOWN_MODELS)}")
     p.add_argument("--tokens", type=int, default=65536, help="tokens per step (batch x sequence)")
