@@ -615,7 +615,7 @@ def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: It
     if not missed:
         return
     # what could be meant: the model's stacked (3-D) expert weights, layer indices dropped
-    stacked = sorted({re.sub(r"^(base_model\.model\.)?(model\.)?layers\.\d+\.", "", n.replace(".base_layer", ""))
+    stacked = sorted({re.sub(r"^.*\blayers\.\d+\.", "", n.replace(".base_layer", ""))
                       for n, p in peft_model.named_parameters() if p.dim() == 3})
     hint = (f"the model's expert weights stored as parameters: {', '.join(stacked)}" if stacked else
             "this model has no expert weights stored as parameters (its linear layers take target_modules)")
