@@ -88,3 +88,51 @@ def test_sft_command_trains_and_saves_the_expert_adapters(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("swiftune sft: error: target_parameters") and "Traceback" not in "".join(err), err
     assert "mlp.experts.gate_proj: adapted no parameter" in err[-1] and not (tmp_path / "bad" / "adapter_config.json").exists()
+
+
+def _tiny_qwen3_moe() -> transformers.PreTrainedModel:
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("build", [_tiny_gpt_oss, _tiny_qwen3_moe, lambda: tiny_model("qwen3")],
+                         ids=["gpt-oss", "qwen3-moe", "dense"])
+def test_unsloth_names_adapt_the_experts_as_unsloth_does(build):
+    """Unsloth's ``get_peft_model`` (2026.10) turns the MLP names of its target list into ``target_parameters``
+    for experts stored as parameters ("Enabling LoRA on MoE parameters"). ``FastLanguageModel.get_peft_model``
+    with Unsloth's default list adapts what PEFT's own ``get_peft_model`` adapts with those parameters added:
+    gpt-oss's experts (PEFT alone adapts only its attention), Qwen3-MoE's (PEFT already maps the names there:
+    unchanged), nothing more on a dense model. Attention-only lists add nothing."""
+    import peft
+
+    from swiftune import FastLanguageModel
+    from swiftune.training.loading import LORA_PROJECTIONS
+
+    experts = {"gpt-oss": EXPERTS, "qwen3-moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+    kind = {_tiny_gpt_oss: "gpt-oss", _tiny_qwen3_moe: "qwen3-moe"}.get(build, "dense")
+    targets = dict(target_parameters=experts[kind]) if kind in experts else {}
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(LORA_PROJECTIONS), **targets)
+    reference = _trainable(peft.get_peft_model(build(), config))
+    ours = _trainable(FastLanguageModel.get_peft_model(build(), r=4, lora_alpha=8, use_gradient_checkpointing=False))
+    assert ours == reference
+    assert any(".experts." in n for n in ours) == (kind != "dense")
+    if kind == "gpt-oss":  # PEFT's get_peft_model with the same list alone: the attention only
+        plain = _trainable(peft.get_peft_model(build(), peft.LoraConfig(r=4, target_modules=list(LORA_PROJECTIONS))))
+        assert not any(".experts." in n for n in plain)
+    if kind == "qwen3-moe":  # PEFT's own mapping of the names gives the same adapters
+        plain = _trainable(peft.get_peft_model(build(), peft.LoraConfig(r=4, lora_alpha=8,
+                                                                         target_modules=list(LORA_PROJECTIONS))))
+        assert plain == ours
+    attention = _trainable(FastLanguageModel.get_peft_model(build(), r=4, target_modules=["q_proj", "v_proj"],
+                                                            use_gradient_checkpointing=False))
+    assert not any(".experts." in n for n in attention)
+
+
+def test_unsloth_names_refuse_dropout_on_the_experts_parameter_adapters():
+    from swiftune import FastLanguageModel
+
+    with pytest.raises(ConfigError, match="lora_dropout=0.1 with the MLP projections.*leave gate_proj"):
+        FastLanguageModel.get_peft_model(_tiny_gpt_oss(), r=4, lora_dropout=0.1, use_gradient_checkpointing=False)

@@ -7,6 +7,8 @@ have), or is refused with what to use instead (docs/unsloth_compat.md has the ta
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +20,13 @@ from ..errors import ConfigError
 from ..models.patching import causal_lm_of
 from .checkpointing import disable_offloaded_checkpointing, is_offloaded_checkpointing
 from .loading import LORA_PROJECTIONS, FastModel, check_checkpointing_mode, enable_gradient_checkpointing
+
+logger = logging.getLogger(__name__)
+
+#: an MLP projection name of a target_modules list -> the expert stacks it stands for on a model whose experts
+#: are 3-D parameters, first choice first: gate and up live in one fused gate_up_proj stack where the model has it
+_EXPERT_STACKS_OF_MLP_NAME = {"gate_proj": ("gate_up_proj", "gate_proj"), "up_proj": ("gate_up_proj", "up_proj"),
+                              "gate_up_proj": ("gate_up_proj",), "down_proj": ("down_proj",)}
 
 __all__ = ["FastLanguageModel"]
 
@@ -178,6 +187,18 @@ class FastLanguageModel:
                 "start as PEFT's defaults (B = 0, so training starts from the base model), seeded by random_state")
         if not isinstance(target_modules, str):
             target_modules = list(target_modules)
+        if "target_parameters" not in kwargs:
+            experts = expert_parameter_targets(model, target_modules)
+            if experts:
+                if lora_dropout:
+                    raise ConfigError(
+                        f"lora_dropout={lora_dropout} with the MLP projections on a model whose experts are "
+                        f"parameters ({', '.join(experts)}, adapted as Unsloth adapts them): PEFT's adapters on "
+                        "parameters take no dropout; give lora_dropout=0, or leave gate_proj / up_proj / down_proj "
+                        "out of target_modules to train the attention only")
+                logger.info("swiftune: the experts are parameters here; target_modules' MLP names adapt them as "
+                            "Unsloth does: target_parameters=%s", experts)
+                kwargs["target_parameters"] = experts
         peft_model = FastModel.get_peft_model(
             model, r=r, lora_alpha=lora_alpha, target_modules=target_modules, lora_dropout=lora_dropout, bias=bias,
             use_gradient_checkpointing=use_gradient_checkpointing, random_state=random_state, use_rslora=use_rslora,
@@ -213,3 +234,28 @@ class FastLanguageModel:
             enable_gradient_checkpointing(model, True)
         hf_model.config.use_cache = False  # a KV cache is useless in training and conflicts with checkpointing
         return model.train()
+
+
+def expert_parameter_targets(model: nn.Module, target_modules: str | Sequence[str]) -> list[str]:
+    """The PEFT ``target_parameters`` that Unsloth's ``get_peft_model`` (2026.10) adds for a list of
+    ``target_modules`` on a mixture-of-experts model whose experts are stacked 3-D parameters (gpt-oss, and
+    Qwen3-MoE / Mixtral in transformers 5): ``gate_proj`` / ``up_proj`` stand for the fused
+    ``experts.gate_up_proj`` stack (or the unfused ``gate_proj`` / ``up_proj`` stacks), ``down_proj`` for
+    ``experts.down_proj``; only stacks the model has. Empty for a string target (``"all-linear"`` or a regular
+    expression), a dense model, or a list without MLP names. PEFT alone adapts none of them on gpt-oss (the
+    names match no module there), so Unsloth's default target list would train its attention only."""
+    if isinstance(target_modules, str):
+        return []
+    stacks: dict[str, str] = {}  # leaf name -> its path below the layer ("mlp.experts.gate_up_proj")
+    for name, parameter in model.named_parameters():
+        found = re.search(r"((?:mlp\.)?experts\.(\w+))$", name.replace(".base_layer", ""))
+        if parameter.dim() == 3 and found:
+            stacks.setdefault(found.group(2), found.group(1))
+    out: list[str] = []
+    for target in target_modules:
+        for leaf in _EXPERT_STACKS_OF_MLP_NAME.get(target, ()):
+            if leaf in stacks:
+                if stacks[leaf] not in out:
+                    out.append(stacks[leaf])
+                break
+    return out
