@@ -136,3 +136,28 @@ def test_unsloth_names_refuse_dropout_on_the_experts_parameter_adapters():
 
     with pytest.raises(ConfigError, match="lora_dropout=0.1 with the MLP projections.*leave gate_proj"):
         FastLanguageModel.get_peft_model(_tiny_gpt_oss(), r=4, lora_dropout=0.1, use_gradient_checkpointing=False)
+
+
+def test_target_modules_that_match_nothing_are_named_in_a_warning():
+    """A dense recipe's gate/up/down names on gpt-oss match no module (its experts are parameters): PEFT trains
+    the attention alone without a word; swiftune's warning names them and the expert stacks. No warning where
+    every name matched, where PEFT mapped the MLP names onto expert stacks (Qwen3-MoE), or for all-linear."""
+    import warnings
+
+    from swiftune.training.loading import LORA_PROJECTIONS
+
+    def warned(build, targets, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            FastModel.get_peft_model(build(), r=4, target_modules=targets, use_gradient_checkpointing=False, **kw)
+        return [str(w.message) for w in caught if "matched no module" in str(w.message)]
+
+    (message,) = warned(_tiny_gpt_oss, list(LORA_PROJECTIONS))
+    assert message.startswith("swiftune: target_modules gate_proj, up_proj, down_proj matched no module")
+    assert "['mlp.experts.down_proj', 'mlp.experts.gate_up_proj']" in message
+    (typo,) = warned(lambda: tiny_model("qwen3"), ["q_proj", "v_prj"])
+    assert "target_modules v_prj matched no module" in typo and "experts" not in typo
+    assert not warned(_tiny_gpt_oss, list(LORA_PROJECTIONS), target_parameters=EXPERTS)
+    assert not warned(_tiny_qwen3_moe, list(LORA_PROJECTIONS))
+    assert not warned(lambda: tiny_model("qwen3"), list(LORA_PROJECTIONS))
+    assert not warned(_tiny_gpt_oss, "all-linear")

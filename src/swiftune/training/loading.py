@@ -572,6 +572,7 @@ class FastModel:
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
         check_target_parameters_adapted(peft_model, lora_kwargs.get("target_parameters"))
+        warn_about_unmatched_target_modules(peft_model, target_modules)
         if tiled_mlp or (tiled_mlp is None and use_gradient_checkpointing in ("offload", "unsloth")):
             # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
@@ -598,6 +599,47 @@ class FastModel:
         return model.train()
 
 
+def _adapted_parameter_paths(peft_model: nn.Module) -> set[str]:
+    """The full names of the parameters PEFT's ``ParamWrapper`` layers adapt (nested wrappers: ``base_layer``)."""
+    adapted = set()
+    for name, module in peft_model.named_modules():
+        parameter = getattr(module, "parameter_name", None)
+        if parameter is not None and hasattr(module, "lora_A"):
+            adapted.add(f"{name.replace('.base_layer', '')}.{parameter}")
+    return adapted
+
+
+def _expert_stack_names(peft_model: nn.Module) -> list[str]:
+    """The model's stacked (3-D) expert weights, named below their layer (``mlp.experts.gate_up_proj``)."""
+    return sorted({re.sub(r"^.*\blayers\.\d+\.", "", n.replace(".base_layer", ""))
+                   for n, p in peft_model.named_parameters() if p.dim() == 3})
+
+
+#: target_modules names of MLP projections that stand for expert stacks on MoE models (PEFT maps them there on
+#: the families in its conversion table, as Unsloth does everywhere)
+_MLP_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3"})
+
+
+def warn_about_unmatched_target_modules(peft_model: nn.Module, target_modules: Any) -> list[str]:
+    """Warn about names of a ``target_modules`` list that adapted nothing (PEFT skips them once another name
+    matched): the gate/up/down names of a dense-model recipe on gpt-oss, whose experts are parameters, left its
+    experts untrained without a word. Names of MLP projections count as adapted where PEFT mapped them onto
+    expert stacks. Returns the names warned about (a regular expression or ``"all-linear"``: none)."""
+    if isinstance(target_modules, str) or not target_modules:
+        return []
+    wrapped = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+    experts_adapted = any(".experts." in p for p in _adapted_parameter_paths(peft_model))
+    missed = [t for t in target_modules
+              if not any(n == t or n.endswith("." + t) for n in wrapped) and not (t in _MLP_NAMES and experts_adapted)]
+    if missed:
+        stacks = _expert_stack_names(peft_model)
+        hint = (f"; this model's experts are parameters, which target_parameters adapts: {stacks}" if stacks
+                and any(t in _MLP_NAMES for t in missed) else "")
+        warnings.warn(f"swiftune: target_modules {', '.join(missed)} matched no module of this model and train no "
+                      f"adapter (PEFT skips them without a word){hint}", stacklevel=3)
+    return missed
+
+
 def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: Iterable[str] | None) -> None:
     """Refuse ``target_parameters`` names that adapted nothing. PEFT skips such a name without a word when the
     module targets matched (``gate_proj`` for gpt-oss's ``gate_up_proj``: the experts would train no adapter);
@@ -606,17 +648,11 @@ def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: It
         return
     if isinstance(target_parameters, str):
         target_parameters = [target_parameters]
-    adapted = set()
-    for name, module in peft_model.named_modules():
-        parameter = getattr(module, "parameter_name", None)
-        if parameter is not None and hasattr(module, "lora_A"):  # PEFT's ParamWrapper (nested ones: base_layer)
-            adapted.add(f"{name.replace('.base_layer', '')}.{parameter}")
+    adapted = _adapted_parameter_paths(peft_model)
     missed = [t for t in target_parameters if not any(a == t or a.endswith("." + t) for a in adapted)]
     if not missed:
         return
-    # what could be meant: the model's stacked (3-D) expert weights, layer indices dropped
-    stacked = sorted({re.sub(r"^.*\blayers\.\d+\.", "", n.replace(".base_layer", ""))
-                      for n, p in peft_model.named_parameters() if p.dim() == 3})
+    stacked = _expert_stack_names(peft_model)  # what could be meant
     hint = (f"the model's expert weights stored as parameters: {', '.join(stacked)}" if stacked else
             "this model has no expert weights stored as parameters (its linear layers take target_modules)")
     raise ConfigError(f"target_parameters (--lora_target_parameters) {', '.join(missed)}: adapted no parameter of "
