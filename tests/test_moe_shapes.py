@@ -4,6 +4,8 @@ models and on the real sizes of Qwen3-30B-A3B and gpt-oss-20b built on the meta 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -175,3 +177,35 @@ def test_planner_counts_each_tokens_chosen_experts_in_the_activations():
     assert layer_saved_bytes(shape, 1000, setup) == layer_saved_bytes(dense_equivalent, 1000, setup) + 1000 * k * H * b
     fewer = dataclasses.replace(shape, experts_per_token=2)
     assert layer_saved_bytes(fewer, 1000, setup) < layer_saved_bytes(shape, 1000, setup)
+
+
+def test_plan_counts_expert_adapters_given_as_target_parameters():
+    """``lora_experts``: the plan's trainable parameters are PEFT's own count for all-linear plus explicit expert
+    ``target_parameters`` (gpt-oss, where all-linear reaches only the attention), with their gradients and AdamW
+    states; on Qwen3-MoE, whose experts all-linear already adapts, nothing changes. ``swiftune plan
+    --lora_experts`` asks for it."""
+    from peft import LoraConfig, get_peft_model
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = _tiny("gpt_oss").config.to_dict()
+    with_experts = plan_memory(config, 512, 4, lora_experts=True)
+    plain = plan_memory(config, 512, 4)
+    peft_count = _numel(get_peft_model(_tiny("gpt_oss"), LoraConfig(r=4, target_modules="all-linear",
+                                                                     target_parameters=experts)),
+                        lambda n: "lora_" in n)
+    assert with_experts.trainable_params == peft_count > plain.trainable_params
+    added = with_experts.trainable_params - plain.trainable_params
+    assert (with_experts.trainable - plain.trainable, with_experts.gradients - plain.gradients,
+            with_experts.optimizer - plain.optimizer) == (4 * added, 4 * added, 8 * added)
+    moe = _tiny("qwen3_moe").config.to_dict()
+    assert plan_memory(moe, 512, 4, lora_experts=True).trainable_params == plan_memory(moe, 512, 4).trainable_params
+
+
+def test_plan_command_takes_lora_experts(capsys):
+    from swiftune.cli import main
+
+    assert main(["plan", "--model", "gpt-oss-20b", "--tokens", "4096", "--gpu_gb", "80", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["plan", "--model", "gpt-oss-20b", "--tokens", "4096", "--gpu_gb", "80", "--json", "--lora_experts"]) == 0
+    experts = json.loads(capsys.readouterr().out)
+    assert experts["plan"]["trainable_params"] - plain["plan"]["trainable_params"] == 176_947_200

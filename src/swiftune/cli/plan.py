@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sdpa_attention", action="store_true",
                    help="attention runs sdpa per document (what `auto` picks on CUDA for documents of 4,096+ "
                         "tokens, without sliding windows or soft-caps): K/V keep their heads")
+    p.add_argument("--lora_experts", action="store_true",
+                   help="LoRA on the stacked expert weights too (--lora_target_parameters mlp.experts.gate_up_proj "
+                        "mlp.experts.down_proj; gpt-oss, where all-linear reaches only the attention)")
     p.add_argument("--load_in_4bit", action="store_true",
                    help="QLoRA: the decoder's linear weights in NF4 with double quantisation (as --load_in_4bit "
                         "loads them)")
@@ -114,7 +117,7 @@ def main_plan(argv: list[str] | None = None) -> int:
         weight_quantization="nf4_double_quant" if args.load_in_4bit else ("fp8" if args.load_in_fp8 else None),
         image_tokens=args.image_tokens, world_size=args.world_size, fsdp=args.fsdp,
         ranks_per_host=args.ranks_per_host, attention_output_layers=args.offload_attention_output_layers,
-        attention_outputs_on_host=args.offload_attention_outputs_on_host,
+        attention_outputs_on_host=args.offload_attention_outputs_on_host, lora_experts=args.lora_experts,
     )
     if args.load_in_4bit and args.load_in_fp8:
         print("swiftune plan: choose one of --load_in_4bit and --load_in_fp8", file=sys.stderr)

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .shapes import (KNOWN_MODELS, ModelShape, VisionShape, linear_weight_count, lora_param_count, model_shape,
-                     param_count, vision_param_count)
+from .shapes import (KNOWN_MODELS, PEFT_MAPS_EXPERT_NAMES, ModelShape, VisionShape, expert_lora_param_count,
+                     linear_weight_count, lora_param_count, model_shape, param_count, vision_param_count)
 
 GiB = 2**30
 
@@ -153,6 +153,10 @@ class TrainSetup:
             adapts their linears too; full fine-tuning trains them), so their blocks save tensors for
             backward (checkpointed per block, as transformers' checkpointing does); ``False``: adapters
             on the text decoder only, the tower runs without a graph.
+        lora_experts: LoRA on the stacked expert weights of a mixture-of-experts model through explicit
+            ``target_parameters`` (``mlp.experts.gate_up_proj`` and ``down_proj``, both at rank ``r``), where
+            ``"all-linear"`` does not reach them (gpt-oss); on Qwen3-MoE and Mixtral PEFT's all-linear adapts
+            them already (counted either way). Their activations (rank ``r`` per routed token) are left out.
     """
 
     lora_rank: int = 16
@@ -171,6 +175,7 @@ class TrainSetup:
     autocast: bool = False
     lora_input_casts: bool = True
     train_vision: bool = True
+    lora_experts: bool = False
 
     @property
     def lora(self) -> bool:
@@ -693,6 +698,8 @@ def plan_memory(
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if s.lora:
         n_train = lora_param_count(shape, s.lora_rank, vision=s.train_vision)
+        if s.lora_experts and shape.is_moe and shape.model_type not in PEFT_MAPS_EXPERT_NAMES:
+            n_train += expert_lora_param_count(shape, s.lora_rank)
         trainable = n_train * s.lora_dtype_bytes
         grads = n_train * s.lora_dtype_bytes
         optim = n_train * opt

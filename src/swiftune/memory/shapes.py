@@ -74,7 +74,7 @@ _QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 # MoE families whose fused experts PEFT (0.21) targets for the per-expert linear names (its weight
 # conversion table), "all-linear" included
-_PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe", "mixtral")
+PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe", "mixtral")
 _QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
 _FOUR_NORMS = ("gemma2", "gemma3_text", "gemma3")
 
@@ -429,7 +429,7 @@ def _text_lora_param_count(shape: ModelShape, rank: int) -> int:
     attention = rank * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
     if not shape.is_moe:
         return attention + rank * (2 * (H + I) + (I + H)) * shape.layers
-    if shape.model_type not in _PEFT_MAPS_EXPERT_NAMES:
+    if shape.model_type not in PEFT_MAPS_EXPERT_NAMES:
         dense_layers = shape.layers - shape.moe_layers
         return attention + rank * (2 * (H + I) + (I + H)) * dense_layers
     router = rank * (H + shape.experts) * shape.moe_layers
