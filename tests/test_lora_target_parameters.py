@@ -1,7 +1,9 @@
 """LoRA on parameters (PEFT's ``target_parameters``: mixture-of-experts weights stored as 3-D parameters, such as
 gpt-oss's experts, which ``"all-linear"`` does not reach): ``FastModel.get_peft_model`` adapts exactly what PEFT's
-own ``get_peft_model`` adapts, refuses a name that adapts nothing (PEFT skips it without a word), and the command
-line takes TRL's ``--lora_target_parameters``."""
+own ``get_peft_model`` adapts, refuses a name that adapts nothing (PEFT skips it without a word), warns about
+``target_modules`` names that adapt nothing, and the command line takes TRL's ``--lora_target_parameters``;
+Unsloth's ``FastLanguageModel.get_peft_model`` adapts the experts for the MLP names of its target list, as
+Unsloth does."""
 
 import json
 import os
