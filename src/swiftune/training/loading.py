@@ -609,10 +609,11 @@ def _adapted_parameter_paths(peft_model: nn.Module) -> set[str]:
     return adapted
 
 
-def _expert_stack_names(peft_model: nn.Module) -> list[str]:
-    """The model's stacked (3-D) expert weights, named below their layer (``mlp.experts.gate_up_proj``)."""
+def expert_stack_names(model: nn.Module) -> list[str]:
+    """The model's stacked (3-D) weights, named below their layer (``mlp.experts.gate_up_proj``), with or without
+    PEFT's wrappers around them."""
     return sorted({re.sub(r"^.*\blayers\.\d+\.", "", n.replace(".base_layer", ""))
-                   for n, p in peft_model.named_parameters() if p.dim() == 3})
+                   for n, p in model.named_parameters() if p.dim() == 3})
 
 
 #: target_modules names of MLP projections that stand for expert stacks on MoE models (PEFT maps them there on
@@ -632,7 +633,7 @@ def warn_about_unmatched_target_modules(peft_model: nn.Module, target_modules: A
     missed = [t for t in target_modules
               if not any(n == t or n.endswith("." + t) for n in wrapped) and not (t in _MLP_NAMES and experts_adapted)]
     if missed:
-        stacks = _expert_stack_names(peft_model)
+        stacks = expert_stack_names(peft_model)
         hint = (f"; this model's experts are parameters, which target_parameters adapts: {stacks}" if stacks
                 and any(t in _MLP_NAMES for t in missed) else "")
         warnings.warn(f"swiftune: target_modules {', '.join(missed)} matched no module of this model and train no "
@@ -652,7 +653,7 @@ def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: It
     missed = [t for t in target_parameters if not any(a == t or a.endswith("." + t) for a in adapted)]
     if not missed:
         return
-    stacked = _expert_stack_names(peft_model)  # what could be meant
+    stacked = expert_stack_names(peft_model)  # what could be meant
     hint = (f"the model's expert weights stored as parameters: {', '.join(stacked)}" if stacked else
             "this model has no expert weights stored as parameters (its linear layers take target_modules)")
     raise ConfigError(f"target_parameters (--lora_target_parameters) {', '.join(missed)}: adapted no parameter of "

@@ -8,7 +8,6 @@ have), or is refused with what to use instead (docs/unsloth_compat.md has the ta
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +18,8 @@ from torch import nn
 from ..errors import ConfigError
 from ..models.patching import causal_lm_of
 from .checkpointing import disable_offloaded_checkpointing, is_offloaded_checkpointing
-from .loading import LORA_PROJECTIONS, FastModel, check_checkpointing_mode, enable_gradient_checkpointing
+from .loading import (LORA_PROJECTIONS, FastModel, check_checkpointing_mode, enable_gradient_checkpointing,
+                      expert_stack_names)
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +247,10 @@ def expert_parameter_targets(model: nn.Module, target_modules: str | Sequence[st
     if isinstance(target_modules, str):
         return []
     stacks: dict[str, str] = {}  # leaf name -> its path below the layer ("mlp.experts.gate_up_proj")
-    for name, parameter in model.named_parameters():
-        found = re.search(r"((?:mlp\.)?experts\.(\w+))$", name.replace(".base_layer", ""))
-        if parameter.dim() == 3 and found:
-            stacks.setdefault(found.group(2), found.group(1))
+    for name in expert_stack_names(model):
+        *path, leaf = name.split(".")
+        if "experts" in path:
+            stacks.setdefault(leaf, name)
     out: list[str] = []
     for target in target_modules:
         for leaf in _EXPERT_STACKS_OF_MLP_NAME.get(target, ()):
