@@ -177,7 +177,7 @@ def time_generate(model, prompt: list[int], rows: int, steps: int, static: bool)
 
 
 def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: int, lora: str = "runtime",
-              **engine_options) -> dict:
+              profile_steps: int = 0, **engine_options) -> dict:
     from swiftune.rl.rollout.fast import FastRolloutEngine
     from swiftune.rl.rollout import SamplingParams
 
@@ -198,7 +198,30 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
             "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens,
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
-            "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0))}
+            "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
+            **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
+
+
+def decode_profile(engine, prompt: list[int], rows: int, steps: int) -> dict:
+    """Where a decode step's device time goes: one more ``generate`` of ``steps`` tokens under
+    ``torch.profiler`` (its graphs are already captured), each kernel's device time summed by name and
+    divided by the steps (the prefill is in it: one 256-token forward beside hundreds of steps).
+    ``device_ms_per_step`` below the timed step is the launch gaps' share; ``launches_per_step``
+    counts the kernels. CUDA only (``{}`` elsewhere)."""
+    from benchmarks.time_profile import device_time_profile
+    from swiftune.rl.rollout import SamplingParams
+
+    if not torch.cuda.is_available():
+        return {}
+    result: dict = {}
+    with device_time_profile(result):
+        engine.generate([prompt], rows, SamplingParams(max_tokens=steps, temperature=1.0))
+    prof = result["profile"]
+    per_step = {"steps": steps, "device_ms_per_step": prof["device_ms"] / steps,
+                "launches_per_step": prof["launches"] / steps,
+                "kinds": [{**k, "ms": k["ms"] / steps} for k in prof["kinds"]],
+                "top": [{**k, "ms": k["ms"] / steps, "calls": k["calls"] / steps} for k in prof["top"]]}
+    return per_step
 
 
 def nf4_options(a) -> dict:
@@ -355,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-budget", type=float, default=420.0,
                    help="seconds: an engine run whose estimated end lies past it is skipped (listed in the JSON)")
     p.add_argument("--no-checks", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after each engine run, one more of this many tokens under torch.profiler: the device time "
+                        "per decode step by kernel (the JSON's fast.profile; CUDA only; 0: none)")
     p.add_argument("--lora-rows", type=int, nargs="*", default=None,
                    help="after the plain runs of the first shape: LoRA r=16 on all linear layers, the engine with "
                         "lora=runtime and lora=merge at these G and the shortest N (default: 8)")
@@ -450,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
                     continue
                 r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens,
+                              profile_steps=a.profile_steps,
                               **nf4_options(a))
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
@@ -470,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
                 save()
                 print(f"{name} fast G={rows} N={new}: {r['tokens_per_s']:.0f} tok/s, {r['step_ms']:.2f} ms/step "
                       f"(floor {floor_ms:.2f}), capture {r['capture_s']:.1f}s", flush=True)
+                if r.get("profile"):
+                    prof = r["profile"]
+                    print(f"  profile: {prof['device_ms_per_step']:.2f} device ms and "
+                          f"{prof['launches_per_step']:.0f} launches a step; " + "; ".join(
+                              f"{k['kernel'][:60]} {k['ms']:.3f} ms x{k['calls']:.0f}" for k in prof["top"]),
+                          flush=True)
                 reset_cuda_memory(device.type == "cuda")
         if name == models[0] and a.ab_fused_rows:
             results["fused_ab"] = []

@@ -570,6 +570,10 @@ case "$part" in
     run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
     run moe_rollout 380 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_moe.json" ;;
+  moe-rollout-profile)  # issue 25's decode target (within 3x the HBM floor): Qwen3-30B-A3B's engine at G 8 and 64, then
+    # 256 more tokens under torch.profiler: device time per decode step by kernel, and launches a step (~3 min)
+    run rollout_moe_profile 280 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 \
+      --no-baselines --no-checks --profile-steps 256 --time-budget 200 --out "$OUT/rollout_moe_profile.json" ;;
   moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B
     # expert sizes, graph replay == eager, the engine's captured decode vs generate), the MoE engine's CUDA tests (its
     # bf16 graph case now runs the kernels), then one 30B-A3B layer at T 8/64: kernel vs grouped_mm vs HBM floor (~4 min)

@@ -122,3 +122,31 @@ def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_pat
     assert abs(r["runs"][0]["weight_gb"] * 1e9 - rollout.weight_bytes(q)) < 1
     assert [x["lora"] for x in r["lora"]] == ["runtime"]
     assert_rows(out, "rollout", {"tokens_per_s", "step_ms"})
+
+
+def test_decode_profile_divides_the_profiled_run_by_its_steps(monkeypatch):
+    """--profile-steps: the kernels' device time and launches of the profiled generate, per decode step."""
+    import contextlib
+
+    rollout = load_bench_module("rollout")
+    tp = load_bench_module("time_profile")
+
+    calls = []
+
+    class Engine:
+        def generate(self, prompts, rows, params):
+            calls.append((rows, params.max_tokens))
+
+    @contextlib.contextmanager
+    def fake_profile(result):
+        yield
+        result["profile"] = tp.summarise([("gemm_a", 2000.0, 100), ("moe_decode_up", 1000.0, 300)])
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tp, "device_time_profile", fake_profile)
+    p = rollout.decode_profile(Engine(), [1, 2, 3], 8, 100)
+    assert calls == [(8, 100)]
+    assert p["steps"] == 100 and p["device_ms_per_step"] == pytest.approx(0.03) and p["launches_per_step"] == 4
+    assert [(k["kernel"], k["ms"], k["calls"]) for k in p["top"]] == [("gemm_a", 0.02, 1), ("moe_decode_up", 0.01, 3)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rollout.decode_profile(Engine(), [1], 8, 100) == {}
