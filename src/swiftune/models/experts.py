@@ -30,6 +30,8 @@ A decode step (at most :func:`default_decode_kernel_cap` tokens, no LoRA factors
 CUDA) skips the gather / grouped GEMM / combine chain: :func:`swiftune.kernels.moe_decode.moe_decode`
 runs it as three Triton kernels that read each routed expert's weights once, with the same
 ascending-expert, rounded-per-add combine and no atomics (:func:`decode_kernel_applies` says when).
+The routers of the same model run their softmax / top-k / renormalisation / cast as one Triton launch
+(:func:`rollout_router_forward`, :mod:`swiftune.kernels.moe_router`) instead of five of torch's.
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ from torch import nn
 
 from ..kernels import swiglu
 from ..kernels.moe_decode import moe_decode, moe_decode_interpreted
-from .families import ExpertsSpec, Family
+from ..kernels.moe_router import moe_router_topk
+from .families import ExpertsSpec, Family, RouterSpec
 from .state import is_bound, patch_state
 
 __all__ = ["DECODE_KERNEL_MAX_TOKENS", "INTERLEAVED_DECODE_KERNEL_MAX_TOKENS", "check_decode_kernel_max_tokens",
            "default_decode_kernel_cap", "decode_kernel_applies", "expert_blocks",
            "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
-           "rollout_experts", "rollout_experts_forward"]
+           "rollout_experts", "rollout_experts_forward", "rollout_router_forward"]
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -345,6 +348,23 @@ def _adapted_rollout_forward(
     return rollout_experts_forward(experts, hidden_states, top_k_index, top_k_weights, spec=spec, adapters=adapters)
 
 
+def rollout_router_forward(self: nn.Module, hidden_states: torch.Tensor, *, spec: RouterSpec, backend: str = "auto"
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``{prefix}TopKRouter``'s forward for the rollout engine (bound on the module): ``(logits,
+    weights, experts)`` as the router's own forward returns them, its matmul through ``F.linear`` (the
+    weight read through the module, so a PEFT parametrisation of it applies) and the rest through
+    :func:`~swiftune.kernels.moe_router.moe_router_topk` as ``spec`` says the family computes it.
+    ``backend`` is the model's ``kernel_backend``: the kernel on CUDA unless ``"reference"``; on the CPU
+    torch's own ops unless ``"triton"`` asks for the interpreter (as the experts' decode kernels)."""
+    weight = self.weight
+    logits = F.linear(hidden_states.reshape(-1, weight.shape[1]), weight, getattr(self, "bias", None))
+    normalize = True if spec.normalize_attr is None else bool(getattr(self, spec.normalize_attr))
+    weights, experts = moe_router_topk(logits, int(self.top_k), spec.order, normalize,
+                                       torch.float32 if spec.float32_weights else logits.dtype,
+                                       backend=backend if logits.is_cuda or backend != "auto" else "reference")
+    return logits, weights, experts
+
+
 @contextlib.contextmanager
 def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: int | None = None
                     ) -> Iterator[tuple[int, int]]:
@@ -353,7 +373,9 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
     :func:`_adapted_rollout_forward` (both restored on exit); yields ``(bound, total)`` experts modules
     of the family's class, so a caller can tell whether transformers' own experts forward (with its host
     syncs) would still run somewhere. ``decode_kernel_max_tokens``: the most tokens a step sends
-    through the fused decode kernels (``None``: :func:`default_decode_kernel_cap`)."""
+    through the fused decode kernels (``None``: :func:`default_decode_kernel_cap`). The family's routers
+    of a patched model (those with no forward of their own bound) run :func:`rollout_router_forward` in
+    the block too: their top-k in one launch."""
     if decode_kernel_max_tokens is not None:
         check_decode_kernel_max_tokens(decode_kernel_max_tokens)
     if family.experts is None:
@@ -361,6 +383,8 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
         return
     modules = [m for m in model.modules() if type(m).__name__ == family.experts_class]
     bound = [m for m in modules if is_bound(m) and "forward" in m.__dict__]
+    routers = [] if family.router is None or not bound else \
+        [m for m in model.modules() if type(m).__name__ == family.router_class and "forward" not in m.__dict__]
     wrapped = {id(w.base_layer) for w in model.modules() if _is_param_wrapper(w)}  # wrappers inside wrappers
     outer = []
     for w in model.modules():
@@ -371,8 +395,12 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
             chain.append(chain[-1].base_layer)
         if any(chain[-1].base_layer is m for m in bound):
             outer.append((w, chain, chain[-1].base_layer))
-    saved = [(m, m.__dict__.get("forward")) for m in bound + [w for w, _, _ in outer]]
+    saved = [(m, m.__dict__.get("forward")) for m in bound + [w for w, _, _ in outer] + routers]
     try:
+        state = patch_state(bound[0]) if bound else None
+        backend = state.kernel_backend if state is not None else "auto"
+        for m in routers:
+            m.forward = MethodType(partial(rollout_router_forward, spec=family.router, backend=backend), m)
         for m in bound:
             m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts,
                                            decode_kernel_max_tokens=decode_kernel_max_tokens), m)

@@ -46,6 +46,25 @@ class ExpertsSpec:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """How a family's router (``{prefix}TopKRouter``) turns its logits into routing weights, so that the
+    rollout engine's one-launch top-k (:func:`swiftune.kernels.moe_router.moe_router_topk`) computes what
+    the router's own forward does.
+
+    Attributes:
+        order: ``"softmax_first"`` (softmax over all experts, then top-k: Qwen3-MoE, Mixtral) or
+            ``"topk_first"`` (top-k of the logits, then a softmax over those k: gpt-oss).
+        normalize_attr: the router attribute that says whether the top-k probabilities are
+            renormalised (Qwen3-MoE's ``norm_topk_prob``); ``None``: always (Mixtral, Qwen3-VL-MoE).
+        float32_weights: the weights stay float32 (Mixtral) rather than being cast to the logits' dtype.
+    """
+
+    order: str = "softmax_first"
+    normalize_attr: str | None = None
+    float32_weights: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """What swiftune knows about one architecture family.
 
@@ -71,6 +90,8 @@ class Family:
             with a router (``output_router_logits``, the load-balancing auxiliary loss).
         experts: the layout of the family's experts module, whose forward swiftune replaces with
             grouped GEMMs (:mod:`swiftune.models.experts`); ``None`` for dense families.
+        router: how the family's router computes its routing weights (:class:`RouterSpec`), for the
+            rollout engine's fused top-k; ``None`` for dense families.
         gated_mlp: whether the module named :attr:`mlp_class` is a dense gated MLP
             (``gate_proj``/``up_proj``/``down_proj``/``act_fn``) that the fused SwiGLU/GeGLU forward
             replaces; gpt-oss's ``GptOssMLP`` is its MoE block (router + experts) instead.
@@ -89,6 +110,7 @@ class Family:
     fast_rollout: bool = True
     moe: bool = False
     experts: ExpertsSpec | None = None
+    router: RouterSpec | None = None
     gated_mlp: bool = True
     vision_language: bool = False
 
@@ -139,7 +161,8 @@ def _qwen3_moe() -> Family:
     On the fast rollout engine: its layers run the model's own MoE block, whose experts route on the
     device inside the decode step's CUDA graph (:func:`swiftune.models.experts.rollout_experts`).
     """
-    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, experts=ExpertsSpec())
+    return Family("qwen3_moe", "Qwen3Moe", window=layer_window, pre_norm=True, moe=True, experts=ExpertsSpec(),
+                  router=RouterSpec(normalize_attr="norm_topk_prob"))
 
 
 def _gpt_oss() -> Family:
@@ -150,7 +173,8 @@ def _gpt_oss() -> Family:
     the experts as grouped GEMMs; its forward also returns the router scores). On the fast rollout
     engine: the sinks join its prefill and decode attention, each layer keeps its own window."""
     return Family("gpt_oss", "GptOss", window=layer_window, pre_norm=True, moe=True, gated_mlp=False,
-                  experts=ExpertsSpec(transposed=True, interleaved=True, biased=True))
+                  experts=ExpertsSpec(transposed=True, interleaved=True, biased=True),
+                  router=RouterSpec(order="topk_first"))
 
 
 def _mixtral() -> Family:
@@ -160,7 +184,7 @@ def _mixtral() -> Family:
     (``MixtralExperts``, Qwen3-MoE's layout: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) run
     as grouped GEMMs. No dense ``MixtralMLP`` exists. On the fast rollout engine as Qwen3-MoE."""
     return Family("mixtral", "Mixtral", window=config_window, pre_norm=True, moe=True, experts=ExpertsSpec(),
-                  gated_mlp=False)
+                  router=RouterSpec(float32_weights=True), gated_mlp=False)
 
 
 def _qwen3_vl() -> Family:
@@ -178,7 +202,7 @@ def _qwen3_vl_moe() -> Family:
     (router ``Qwen3VLMoeTextTopKRouter`` stays transformers'; fused experts ``[E, 2I, H]`` / ``[E, H, I]``,
     Qwen3-MoE's layout, as grouped GEMMs). Rolled out as Qwen3-VL (``fast_rollout=False`` for the text engine)."""
     return Family("qwen3_vl_moe", "Qwen3VLMoeText", pre_norm=True, moe=True, experts=ExpertsSpec(),
-                  fast_rollout=False, vision_language=True)
+                  router=RouterSpec(), fast_rollout=False, vision_language=True)
 
 
 FAMILIES: dict[str, Family] = {
