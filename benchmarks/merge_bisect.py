@@ -104,7 +104,12 @@ def merge(runs: list[tuple[str, dict, list[tuple[str, str]]]]) -> dict:
 
 
 def provenance(path: str, data: dict, mode: str) -> dict:
-    """Where a merged mode came from: the file, its name there, and the run's :data:`PROVENANCE`."""
+    """Where a merged mode came from: the file, its name there, and the run's :data:`PROVENANCE`. A mode of
+    a file that is itself a merge keeps the provenance recorded there (its runs' files, settings and joins),
+    with the merged file it was read from as ``via``."""
+    earlier = (data.get("sources") or {}).get(mode)
+    if earlier is not None:
+        return {**earlier, "via": path}
     return {"file": path, "mode": mode, **{k: data.get(k) for k in PROVENANCE if k in data}}
 
 

@@ -126,16 +126,18 @@ def sft(fig: Figure) -> str:
 
 
 def sft_beside_trl(fig: Figure) -> str:
-    """One row per (shape, mode) at one batch size: tok/s as a multiple of TRL's padding-free trainer and of TRL +
-    Liger (where Liger ran on that shape), peak memory, step time."""
-    cells = {(model, MODE_ORDER.index(mode) if mode in MODE_ORDER else 99, mode): (s, m)
-             for mode, model, s, m in fig.groups()}
-    tps = {(model, mode): val(m, "tokens_per_s") for (model, _, mode), (_, m) in cells.items()}
+    """One row per (shape, LoRA targets, mode) at one batch size: tok/s as a multiple of TRL's padding-free trainer
+    and of TRL + Liger on the same shape and targets (where Liger ran there), peak memory, step time. Rows whose
+    adapters also sit on parameters (``lora_target_parameters``: MoE experts) are their own shape."""
+    cells = {(model, s.get("lora_target_parameters", ""), MODE_ORDER.index(mode) if mode in MODE_ORDER else 99,
+              mode): (s, m) for mode, model, s, m in fig.groups()}
+    tps = {(model, targets, mode): val(m, "tokens_per_s") for (model, targets, _, mode), (_, m) in cells.items()}
     out = []
-    for (model, _, mode), (s, m) in sorted(cells.items()):
-        own = tps[(model, mode)]
-        trl, liger = tps.get((model, "trl_padding_free")), tps.get((model, "trl_liger"))
-        out.append([MODELS.get(model, model), marked(m, LABELS.get(mode, mode)), str(s["batch"]),
+    for (model, targets, _, mode), (s, m) in sorted(cells.items()):
+        own = tps[(model, targets, mode)]
+        trl, liger = tps.get((model, targets, "trl_padding_free")), tps.get((model, targets, "trl_liger"))
+        shape = MODELS.get(model, model) + (f", LoRA also on {targets.replace(',', ', ')}" if targets else "")
+        out.append([shape, marked(m, LABELS.get(mode, mode)), str(s["batch"]),
                     fmt(own, thousands=True), fmt(own / trl) if trl else "", fmt(own / liger) if liger else "",
                     fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s"))])
     return table(["shape", "mode", "batch", "tok/s", "x TRL", "x TRL + Liger", "peak GB", "s / step"], out,

@@ -452,6 +452,15 @@ def test_merge_bisect_joins_one_modes_trials_from_two_runs(tmp_path, grpo_bisect
     assert [t["completion"] for t in joined["trials"]] == [380, 417, 398]
     assert merged["sources"]["swift"]["file"] == str(paths[1])
     assert [j["file"] for j in merged["sources"]["swift"]["joined"]] == [str(paths[0])]
+    # a merged file merged again (one more trial joined later): its modes keep the provenance recorded there
+    # (the runs' settings, e.g. share_prompt), not the merged file's header, which has none
+    fits_src = dict(fits, share_prompt=True)
+    first = merge_bisect.merge([("fits.json", fits_src, [(mode, "swift")])])
+    again = merge_bisect.merge([("merged.json", first, [("swift", "swift")]),
+                                ("more.json", run((390, "ok")), [(mode, "+swift")])])
+    src = again["sources"]["swift"]
+    assert (src["file"], src["via"], src["share_prompt"]) == ("fits.json", "merged.json", True)
+    assert [j["file"] for j in src["joined"]] == ["more.json"] and again["modes"]["swift"]["max_fit"] == 390
     # a failure below the fit does not bound it; without a failure above, the first run's status stays
     alone = merge_bisect.joined_mode(fits["modes"][mode], run((100, "oom"))["modes"][mode])
     assert (alone["max_fit"], alone["first_fail"], alone["status"]) == (380, None, "fixed_only")

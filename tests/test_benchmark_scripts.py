@@ -496,14 +496,18 @@ def test_sft_beside_trl_divides_by_each_shapes_own_baselines():
                dict(mode="swiftune", model="a", tokens_per_s=5000.0),
                dict(mode="trl_padding_free", model="b", tokens_per_s=2000.0),
                dict(mode="trl_liger", model="b", error="AttributeError: no hidden_dim"),
-               dict(mode="swiftune", model="b", tokens_per_s=3000.0)]
+               dict(mode="swiftune", model="b", tokens_per_s=3000.0),
+               # the same shape with adapters on its experts too: over its own baselines, not the shape's others
+               dict(mode="trl_padding_free", model="a", tokens_per_s=500.0, lora_target_parameters=["x.e1", "x.e2"]),
+               dict(mode="swiftune", model="a", tokens_per_s=1500.0, lora_target_parameters=["x.e1", "x.e2"])]
     for r in records:
         r.update(batch=16, peak_gb=50.0, sec_per_step=1.0, padding_fraction=0.0) if "error" not in r else None
     ctx = results.Context(command="c", date="d", gpu="g", versions={}, settings={"figure": "f"})
     text = report.sft_beside_trl(report.Figure(results.rows_from_sft(records, ctx)))
     lines = text.split("\n")[2:]
-    assert len(lines) == 5
+    assert len(lines) == 7
     assert "| a | **swiftune** | 16 | 5,000 | 5.00 | 4.00 |" in text
+    assert "| a, LoRA also on x.e1, x.e2 | **swiftune** | 16 | 1,500 | 3.00 |  |" in text
     assert "| b | **swiftune** | 16 | 3,000 | 1.50 |  |" in text
     assert "| b | TRL, padding_free | 16 | 2,000 | 1.00 |  |" in text
 
