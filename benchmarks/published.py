@@ -35,9 +35,9 @@ QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.jso
 MOE_SFT = "python -m benchmarks.sft --model"
 GPTOSS_GRPO = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
                "--model gpt-oss-20b --share-prompt --gpu-budget-gb 80")
-GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_h100.json"
+GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_224k_h100.json"
 GPTOSS_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out grpo_gptoss_80gb.json gptoss_grpo.json:swiftune "
-                     "gptoss_grpo_trl.json:trl_grpo")
+                     "gptoss_grpo_at_80.json:swiftune=+swiftune gptoss_grpo_trl.json:trl_grpo")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -316,6 +316,14 @@ FIGURES: list[dict] = [
          versions=BASE, settings={"experts": "kernels <= 64 tokens, A/B call"},
          command="python -m benchmarks.rollout --model gpt-oss-20b --rows 64 --new-tokens 1024 --no-baselines "
                  "--no-checks --moe-decode-max-tokens 64 --time-budget 100 --out rollout_gptoss_kernel_cap64.json"),
+    # 2026-12-06, one H100 80GB (the H200 could not be started): Qwen3-30B-A3B with the routers' softmax / top-k /
+    # renormalisation in one Triton launch (swiftune.kernels.moe_router); the floor is this card's (its copy
+    # bandwidth, 2.99 TB/s); then 256 more tokens profiled (raw JSON: fast.profile)
+    dict(figure="rollout_moe", file="2026-12-06/rollout_moe_router_profile_h100.json", date="2026-12-06",
+         versions=BASE, gpu="NVIDIA H100 80GB HBM3",
+         settings={"experts": "decode kernels <= 16 tokens (G=64: grouped GEMM), router top-k kernel"},
+         command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 --no-baselines "
+                 "--no-checks --profile-steps 256 --time-budget 200 --out rollout_moe_profile.json"),
     # session 22, one device call: the engine decoding from NF4 (bitsandbytes) weights, LoRA r=16 at run time at
     # G=8, beside transformers' generate on the same 4-bit model
     dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_qwen3-8b_h200.json", date="2026-12-03",
@@ -448,13 +456,22 @@ FIGURES: list[dict] = [
          versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
          command=f"{MOE_SFT} qwen3-30b-a3b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
                  "--out moe_sft_qwen3-30b-a3b.json"),
+    # a later call (another H100 80GB, the same day): gpt-oss-20b with its experts adapted too (PEFT's
+    # target_parameters beside all-linear, in every mode), each mode in its own process (gpu_suite.sh moe-sft-experts)
+    dict(figure="sft_moe_b16", file="2026-12-06/sft_moe_experts_gpt-oss-20b_b16_h100.json", date="2026-12-06",
+         versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
+         command=f"{MOE_SFT} gpt-oss-20b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
+                 "--lora-target-parameters mlp.experts.gate_up_proj mlp.experts.down_proj "
+                 "--out moe_sft_experts_gpt-oss-20b.json"),
     # GRPO, gpt-oss-20b on an 80e9-byte budget, one device call then two polls of one H100: swiftune at the
     # planner's bracket (213,504 fitted; the time budget skipped 204,032, which a fit above rules in; no failure
     # tried), then TRL's loss path bisected to 5%
+    # and a later call (another H100 80GB, the same day): one more swiftune trial, at 224,000 (5% above 213,504)
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=BASE,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("swiftune"),
          command=f"{GPTOSS_GRPO} --bisect-modes swiftune --completion-from-planner --time-budget 560 "
-                 f"--out gptoss_grpo.json && {GPTOSS_GRPO_MERGE}"),
+                 f"--out gptoss_grpo.json && {GPTOSS_GRPO} --bisect-modes swiftune --completion-lengths 224000 "
+                 f"--fixed-only --time-budget 2900 --out gptoss_grpo_at_80.json && {GPTOSS_GRPO_MERGE}"),
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=WITH_TRL,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("trl_grpo"),
          command=f"{GPTOSS_GRPO} --bisect-modes trl_grpo --time-budget 400 --out gptoss_grpo_trl.json && "
