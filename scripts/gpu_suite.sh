@@ -71,6 +71,7 @@
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
+#   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with the MoE routing kernels and without, G 8 / 64, profiled (~5 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -574,6 +575,13 @@ case "$part" in
     # 256 more tokens under torch.profiler: device time per decode step by kernel, and launches a step (~3 min)
     run rollout_moe_profile 280 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 \
       --no-baselines --no-checks --profile-steps 256 --time-budget 200 --out "$OUT/rollout_moe_profile.json" ;;
+  moe-routing-ab)  # the MoE routing kernels (router top-k, the grouped-GEMM path's sort and combine) against
+    # torch's ops, Qwen3-30B-A3B at G 8 and 64, each profiled for 256 more tokens, in one call (~5 min)
+    for routing in fused-routing no-fused-routing; do
+      run "rollout_moe_$routing" 200 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 \
+        --new-tokens 1024 --no-baselines --no-checks --profile-steps 256 --"moe-$routing" --time-budget 150 \
+        --out "$OUT/rollout_moe_$routing.json"
+    done ;;
   moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B
     # expert sizes, graph replay == eager, the engine's captured decode vs generate), the MoE engine's CUDA tests (its
     # bf16 graph case now runs the kernels), then one 30B-A3B layer at T 8/64: kernel vs grouped_mm vs HBM floor (~4 min)

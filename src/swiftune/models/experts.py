@@ -31,7 +31,9 @@ CUDA) skips the gather / grouped GEMM / combine chain: :func:`swiftune.kernels.m
 runs it as three Triton kernels that read each routed expert's weights once, with the same
 ascending-expert, rounded-per-add combine and no atomics (:func:`decode_kernel_applies` says when).
 The routers of the same model run their softmax / top-k / renormalisation / cast as one Triton launch
-(:func:`rollout_router_forward`, :mod:`swiftune.kernels.moe_router`) instead of five of torch's.
+(:func:`rollout_router_forward`, :mod:`swiftune.kernels.moe_router`) instead of five of torch's, and a step
+above that cap sorts by expert and combines in one launch each (:mod:`swiftune.kernels.moe_route`; the same
+bits as the torch ops it replaces, :func:`route_kernels_apply` says when).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from torch import nn
 
 from ..kernels import swiglu
 from ..kernels.moe_decode import moe_decode, moe_decode_interpreted
+from ..kernels.moe_route import EXPERT_SORT_MAX_ASSIGNMENTS, EXPERT_SORT_MAX_EXPERTS, expert_combine, expert_sort
 from ..kernels.moe_router import moe_router_topk
 from .families import ExpertsSpec, Family, RouterSpec
 from .state import is_bound, patch_state
@@ -56,7 +59,7 @@ from .state import is_bound, patch_state
 __all__ = ["DECODE_KERNEL_MAX_TOKENS", "INTERLEAVED_DECODE_KERNEL_MAX_TOKENS", "check_decode_kernel_max_tokens",
            "default_decode_kernel_cap", "decode_kernel_applies", "expert_blocks",
            "grouped_experts_forward", "grouped_linear", "grouped_mm_supported",
-           "rollout_experts", "rollout_experts_forward", "rollout_router_forward"]
+           "rollout_experts", "rollout_experts_forward", "rollout_router_forward", "route_kernels_apply"]
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -145,7 +148,7 @@ def grouped_experts_forward(
 def rollout_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *, spec: ExpertsSpec, adapters: dict[str, LowRank] | None = None, decode_kernel: bool = True,
-    decode_kernel_max_tokens: int | None = None,
+    decode_kernel_max_tokens: int | None = None, route_kernels: bool = True,
 ) -> torch.Tensor:
     """:func:`grouped_experts_forward` for the rollout engine (module docstring): on CUDA no host sync
     (capturable), and each token's expert outputs added in ascending expert order, deterministically.
@@ -153,10 +156,18 @@ def rollout_experts_forward(
     (PEFT's ``ParamWrapper.get_delta_factors``), applied per expert block as ``x W + s (x lhs) rhs``.
     ``decode_kernel``: whether a decode step may take the fused kernels (:func:`decode_kernel_applies`);
     ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times).
-    ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :func:`default_decode_kernel_cap`)."""
+    ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :func:`default_decode_kernel_cap`).
+    ``route_kernels``: whether the grouped-GEMM path may sort and combine through
+    :mod:`swiftune.kernels.moe_route` (:func:`route_kernels_apply`); ``False`` keeps torch's ops."""
     _check_fused_layout(self)
     if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, decode_kernel_max_tokens):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
+    if route_kernels and route_kernels_apply(self, hidden_states, top_k_index):
+        # the sort and the weighted combine in one launch each (kernels/moe_route.py), the same bits
+        order, token_of, ends, slot_row = expert_sort(top_k_index, self.gate_up_proj.shape[0])
+        _, _, y = _routed_outputs(self, hidden_states, top_k_index, None, spec, static=hidden_states.is_cuda,
+                                  adapters=adapters or {}, blocks=(order, token_of, ends))
+        return expert_combine(y, slot_row, order, top_k_weights, hidden_states.dtype)
     order, _, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec,
                                   static=hidden_states.is_cuda, adapters=adapters or {})
     tokens, k = top_k_index.shape
@@ -228,6 +239,22 @@ def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: 
     return backend == "triton" and moe_decode_interpreted()
 
 
+def route_kernels_apply(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+    """Whether a rollout step's grouped-GEMM path sorts and combines through :mod:`swiftune.kernels.moe_route`:
+    no autograd, at most :data:`EXPERT_SORT_MAX_ASSIGNMENTS` assignments and :data:`EXPERT_SORT_MAX_EXPERTS`
+    experts, and compiled Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"``
+    asks for kernels (as :func:`decode_kernel_applies`)."""
+    state = patch_state(module)
+    backend = state.kernel_backend if state is not None else "auto"
+    if backend == "reference" or torch.is_grad_enabled() or hidden_states.dim() != 2:
+        return False
+    if top_k_index.numel() > EXPERT_SORT_MAX_ASSIGNMENTS or module.gate_up_proj.shape[0] > EXPERT_SORT_MAX_EXPERTS:
+        return False
+    if hidden_states.is_cuda:
+        return True
+    return backend == "triton" and moe_decode_interpreted()
+
+
 def _decode_kernel_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor, spec: ExpertsSpec) -> torch.Tensor:
     """The experts of a decode step through :func:`moe_decode` (the same ascending-expert combine)."""
@@ -245,18 +272,20 @@ def _decode_kernel_forward(module: nn.Module, hidden_states: torch.Tensor, top_k
 
 
 def _routed_outputs(
-    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,
     spec: ExpertsSpec, *, static: bool, adapters: dict[str, LowRank] | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order, token_of, y)``: the assignments sorted by expert and each one's weighted expert output
-    ``y [T * k, H]`` (in sorted order). ``static``: where the grouped kernel does not apply, the
-    sync-free loop (:func:`static_grouped_linear`) instead of the per-block one. ``adapters``: see
-    :func:`rollout_experts_forward`."""
+    ``y [T * k, H]`` (in sorted order; unweighted when ``top_k_weights`` is ``None``). ``static``: where the
+    grouped kernel does not apply, the sync-free loop (:func:`static_grouped_linear`) instead of the per-block
+    one. ``adapters``: see :func:`rollout_experts_forward`. ``blocks``: :func:`expert_blocks`' ``(order,
+    token_of, ends)`` when already sorted."""
     state = patch_state(module)
     backend = state.kernel_backend if state is not None else "auto"
     grouped = False if backend == "reference" else None
     num_experts = module.gate_up_proj.shape[0]
-    order, token_of, offsets = expert_blocks(top_k_index, num_experts)
+    order, token_of, offsets = blocks if blocks is not None else expert_blocks(top_k_index, num_experts)
     x = hidden_states[token_of]
 
     def linear(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -284,6 +313,8 @@ def _routed_outputs(
     y = project(h, "down_proj")
     if spec.biased:
         y = y + module.down_proj_bias[expert_of]
+    if top_k_weights is None:
+        return order, token_of, y
     return order, token_of, y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
 
 
@@ -366,8 +397,8 @@ def rollout_router_forward(self: nn.Module, hidden_states: torch.Tensor, *, spec
 
 
 @contextlib.contextmanager
-def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: int | None = None
-                    ) -> Iterator[tuple[int, int]]:
+def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: int | None = None,
+                    fused_routing: bool = True) -> Iterator[tuple[int, int]]:
     """Within the block, every experts module of ``model`` that :func:`swiftune.patch_model` bound runs
     :func:`rollout_experts_forward`, and the outermost PEFT ``target_parameters`` wrapper around one runs
     :func:`_adapted_rollout_forward` (both restored on exit); yields ``(bound, total)`` experts modules
@@ -375,7 +406,9 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
     syncs) would still run somewhere. ``decode_kernel_max_tokens``: the most tokens a step sends
     through the fused decode kernels (``None``: :func:`default_decode_kernel_cap`). The family's routers
     of a patched model (those with no forward of their own bound) run :func:`rollout_router_forward` in
-    the block too: their top-k in one launch."""
+    the block too: their top-k in one launch; and steps above the decode kernels' cap sort and combine
+    through :mod:`swiftune.kernels.moe_route`. ``fused_routing=False`` leaves both to torch's ops (the
+    baseline of an A/B)."""
     if decode_kernel_max_tokens is not None:
         check_decode_kernel_max_tokens(decode_kernel_max_tokens)
     if family.experts is None:
@@ -383,7 +416,7 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
         return
     modules = [m for m in model.modules() if type(m).__name__ == family.experts_class]
     bound = [m for m in modules if is_bound(m) and "forward" in m.__dict__]
-    routers = [] if family.router is None or not bound else \
+    routers = [] if family.router is None or not bound or not fused_routing else \
         [m for m in model.modules() if type(m).__name__ == family.router_class and "forward" not in m.__dict__]
     wrapped = {id(w.base_layer) for w in model.modules() if _is_param_wrapper(w)}  # wrappers inside wrappers
     outer = []
@@ -403,7 +436,8 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
             m.forward = MethodType(partial(rollout_router_forward, spec=family.router, backend=backend), m)
         for m in bound:
             m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts,
-                                           decode_kernel_max_tokens=decode_kernel_max_tokens), m)
+                                           decode_kernel_max_tokens=decode_kernel_max_tokens,
+                                           route_kernels=fused_routing), m)
         for w, chain, experts in outer:
             w.forward = MethodType(partial(_adapted_rollout_forward, chain=chain, experts=experts, spec=family.experts,
                                            peft_forward=w.forward), w)

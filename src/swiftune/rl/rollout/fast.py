@@ -190,6 +190,10 @@ class FastRolloutEngine:
             the fused decode kernels (:mod:`swiftune.kernels.moe_decode`) rather than the grouped GEMM
             (``None``: :func:`swiftune.models.experts.default_decode_kernel_cap`, 16 tokens, 64 for
             gpt-oss's interleaved layout, where the kernels won on the H200; 0: the grouped GEMM always).
+        moe_fused_routing: mixture-of-experts models: the routers' softmax / top-k / renormalisation in one
+            Triton launch (:mod:`swiftune.kernels.moe_router`), and the grouped-GEMM path's sort by expert and
+            weighted combine in one launch each (:mod:`swiftune.kernels.moe_route`), the same numbers as
+            torch's ops with fewer launches a layer; ``False``: torch's ops (the baseline of an A/B).
         nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to ``nf4_decode_max_rows``
             rows multiply through swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which
             decodes the 4-bit codes in registers, instead of bitsandbytes' dequantise-then-multiply (faster at
@@ -213,7 +217,7 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
+                 moe_fused_routing: bool = True, nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
@@ -239,6 +243,7 @@ class FastRolloutEngine:
         self.fused_layers = fused_layers
         self.moe_decode_max_tokens = (None if moe_decode_max_tokens is None
                                       else check_decode_kernel_max_tokens(moe_decode_max_tokens))
+        self.moe_fused_routing = bool(moe_fused_routing)
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
         self.nf4_dense = nf4_dense
@@ -288,7 +293,7 @@ class FastRolloutEngine:
         dense = self._uses_nf4_dense()
         try:
             with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type],
-                                                          self.moe_decode_max_tokens) as (bound, total), \
+                                                  self.moe_decode_max_tokens, self.moe_fused_routing) as (bound, total), \
                     nf4_dense_layers(self.model, dense) as dense_layers, \
                     nf4_decode_layers(self.model, self.nf4_decode_kernel and not dense, self.nf4_decode_max_rows):
                 if bound < total:
