@@ -140,5 +140,6 @@ def expert_combine(y: torch.Tensor, slot_row: torch.Tensor, order: torch.Tensor,
     _expert_combine_kernel[(tokens, triton.cdiv(size, block_h))](
         y, slot_row, order, top_k_weights.reshape(-1).contiguous(), out, size, y.stride(0), out.stride(0),
         TOP_K=top_k, BLOCK_H=block_h, ROUND_BF16=moe_decode_interpreted() and dtype == torch.bfloat16, num_warps=4,
+        enable_fp_fusion=False,  # torch rounds the product before the add: no fused multiply-add (float32 rows)
     )
     return out
