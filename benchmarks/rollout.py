@@ -197,7 +197,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
             "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens,
-            "moe_fused_routing": engine.moe_fused_routing,
+            "moe_fused_routing": engine.moe_fused_routing, "decode_attention": engine.decode_attention,
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
@@ -367,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE shapes: the routers' top-k and the grouped-GEMM path's sort and combine as single "
                         "Triton launches (the engine's default); --no-moe-fused-routing: torch's ops "
                         "(FastRolloutEngine(moe_fused_routing=False)), the baseline of an A/B")
+    p.add_argument("--decode-attention", choices=("sdpa", "split"), default="sdpa",
+                   help="the decode step's attention over the cache: SDPA (the engine's default) or the split "
+                        "kernel (FastRolloutEngine(decode_attention='split'), swiftune.kernels.decode_attention)")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
@@ -481,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
                     continue
                 r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens,
-                              moe_fused_routing=a.moe_fused_routing, profile_steps=a.profile_steps,
+                              moe_fused_routing=a.moe_fused_routing, decode_attention=a.decode_attention,
+                              profile_steps=a.profile_steps,
                               **nf4_options(a))
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)

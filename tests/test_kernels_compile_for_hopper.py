@@ -1,4 +1,4 @@
-"""The MoE routing kernels compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
+"""The MoE routing kernels and the split decode attention compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
 that it compiles: types, shapes and layouts are only settled by the compiler. Triton compiles for a named
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from swiftune.kernels import moe_route, moe_router  # noqa: E402
+from swiftune.kernels import decode_attention, moe_route, moe_router  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -48,6 +48,19 @@ CASES = {
          "stride_w": "i32", "stride_i": "i32", "TOP_K": "constexpr", "SOFTMAX_FIRST": "constexpr",
          "NORMALIZE": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"},
         {"TOP_K": 4, "SOFTMAX_FIRST": False, "NORMALIZE": True, "BLOCK_E": 32, "BLOCK_K": 4}, {}),
+    "split decode attention, bf16 cache, 8 query heads a K/V head, D 128": (
+        decode_attention._split_kernel,
+        {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cur_ptr": "*i64", "m_ptr": "*fp32",
+         "l_ptr": "*fp32", "acc_ptr": "*fp32", "kv_heads": "i32", "kv_len": "i32", "chunk": "i32", "window": "i32",
+         "scale": "fp32", **{f"s_{t}{a}": "i32" for t in "qkv" for a in ("b", "h", "g" if t == "q" else "l")},
+         "G": "constexpr", "D": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "F32": "constexpr"},
+        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False}, {}),
+    "split decode attention, merge": (
+        decode_attention._merge_kernel,
+        {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "kv_heads": "i32",
+         "splits": "i32", "s_ob": "i32", "s_oh": "i32", "s_og": "i32", "G": "constexpr", "D": "constexpr",
+         "BLOCK_G": "constexpr"},
+        {"G": 8, "D": 128, "BLOCK_G": 16}, {}),
 }
 
 

@@ -194,6 +194,11 @@ class FastRolloutEngine:
             Triton launch (:mod:`swiftune.kernels.moe_router`), and the grouped-GEMM path's sort by expert and
             weighted combine in one launch each (:mod:`swiftune.kernels.moe_route`), the same numbers as
             torch's ops with fewer launches a layer; ``False``: torch's ops (the baseline of an A/B).
+        decode_attention: a decode step's attention over the cache (no soft-cap, no sinks): ``"sdpa"``, one
+            program per row and K/V head over the whole cache; ``"split"``, the cache cut into chunks across the
+            SMs and merged (:mod:`swiftune.kernels.decode_attention`, flash-decoding), for steps of few rows
+            whose SDPA leaves most SMs idle. ``"sdpa"`` stays the default until the split kernel is measured on
+            a GPU (``scripts/gpu_suite.sh decode-attention-ab``).
         nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to ``nf4_decode_max_rows``
             rows multiply through swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which
             decodes the 4-bit codes in registers, instead of bitsandbytes' dequantise-then-multiply (faster at
@@ -217,12 +222,14 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 moe_fused_routing: bool = True, nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
+                 moe_fused_routing: bool = True, decode_attention: str = "sdpa", nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
             raise ValueError(f"lora must be 'auto', 'runtime' or 'merge', got {lora!r}")
+        if decode_attention not in ("sdpa", "split"):
+            raise ValueError(f"decode_attention must be 'sdpa' or 'split', got {decode_attention!r}")
         if nf4_dense not in (True, False, "auto"):
             raise ValueError(f"nf4_dense must be True, False or 'auto', got {nf4_dense!r}")
         self.model = model
@@ -244,6 +251,7 @@ class FastRolloutEngine:
         self.moe_decode_max_tokens = (None if moe_decode_max_tokens is None
                                       else check_decode_kernel_max_tokens(moe_decode_max_tokens))
         self.moe_fused_routing = bool(moe_fused_routing)
+        self.decode_attention = decode_attention
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
         self.nf4_dense = nf4_dense
@@ -416,7 +424,8 @@ class FastRolloutEngine:
             chunk.ws.keep_slots(slots)
             chunk.slot_row = [chunk.slot_row[i] for i in slots]
             chunk.view = chunk.ws.view(keep)
-            chunk.view_ctx.setdefault(keep, DecodeContext(chunk.view, self.attention_backend, chunk.fused))
+            chunk.view_ctx.setdefault(keep, DecodeContext(chunk.view, self.attention_backend, chunk.fused,
+                                                                  self.decode_attention))
             self.stats["compactions"] = self.stats.get("compactions", 0.0) + 1
         return True
 
@@ -431,7 +440,7 @@ class FastRolloutEngine:
         # whether the fused layer loop applies: a walk over every layer's norms, so once per call
         fused = self.fused_layers and fused_prenorm_supported(decoder, hf.config.model_type,
                                                                  decoder.embed_tokens.weight.dtype)
-        ctx = DecodeContext(ws, self.attention_backend, fused)
+        ctx = DecodeContext(ws, self.attention_backend, fused, self.decode_attention)
         gen = self.generator(device)
         prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
         ws.cur.copy_(prompt_len)

@@ -14,6 +14,7 @@ from ...attention import packed_attention
 from ...attention.kv_cache import (additive_mask, cached_attention, sink_cached_attention, slot_mask,
                                    softcapped_cached_attention)
 from ...attention.sinks import sink_attention
+from ...kernels.decode_attention import split_decode_attention
 
 
 class Workspace:
@@ -92,9 +93,10 @@ class Workspace:
 class DecodeContext:
     """What the attention function needs during one forward (passed to every layer as a kwarg)."""
 
-    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False):
+    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False, decode_attention: str = "sdpa"):
         self.ws, self.backend = ws, backend
         self.fused_layers = fused_layers  # run the engine's fused pre-norm layer loop (decided per call)
+        self.decode_attention = decode_attention  # "sdpa", or "split": swiftune.kernels.decode_attention
         self.mode = "decode"
         self.kv_len = 0
         self.packed = None
@@ -144,6 +146,12 @@ class DecodeContext:
         values = self.ws.v[layer][:, :, :self.kv_len]
         if sinks is not None:
             return sink_cached_attention(query, keys, values, self.mask(window), scale, sinks)
+        if not softcap and self.decode_attention == "split":
+            rows, heads, _, dim = query.shape
+            kv_heads = keys.shape[1]
+            out = split_decode_attention(query.reshape(rows, kv_heads, heads // kv_heads, dim), keys, values,
+                                         self.ws.cur, window, scale)
+            return out.reshape(rows, 1, heads, dim)
         if not softcap:
             return cached_attention(query, keys, values, self.bias(window, query.dtype), scale)
         return softcapped_cached_attention(query, keys, values, self.mask(window), scale, softcap)

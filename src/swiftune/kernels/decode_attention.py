@@ -1,0 +1,168 @@
+"""Decode attention split along the cache (flash-decoding): a step's few queries spread over every SM.
+
+A decode step's attention has one query per row and head against the row's cached keys. SDPA runs one
+program per (row, K/V head) over the whole cache: at G=8 rows and 4 or 8 K/V heads that is 32-64 programs
+on a GPU of 132 SMs, each streaming the whole cache alone, so the step's KV read runs at a fraction of the
+bandwidth. Here the cache is cut into ``S`` chunks and each (row, K/V head, chunk) is one program; a second
+launch merges the chunks.
+
+For row ``b``, K/V head ``h``, its ``g = Hq / Hk`` query heads ``q_i`` (one tile, padded to 16 rows for the
+tensor cores) and the visible slots ``j`` (``j <= cur[b]`` and, with a window ``w``, ``cur[b] - j < w``)::
+
+    chunk c:   m_c = max_j s_ij,   l_c = sum_j exp(s_ij - m_c),   a_c = sum_j exp(s_ij - m_c) v_j
+               s_ij = scale q_i . k_j   over the chunk's visible slots, online (tile by tile)
+    merge:     M = max_c m_c,   out_i = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c
+
+Hidden slots score ``-1e30`` (finite, so a chunk with none visible gives no NaN; its ``m_c`` stays at
+``-1e30`` and its weight ``exp(m_c - M)`` is 0 in the merge, as every row sees at least its own slot).
+Scores, the softmax and the accumulator are float32; the probabilities multiply ``V`` in the cache's
+dtype (as flash attention does), so results match SDPA to that rounding, not bit for bit. No backward:
+decoding runs under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import Backend, choose_backend, kernel_is_interpreted, next_pow2, tl, triton
+
+__all__ = ["split_decode_attention", "split_decode_attention_reference"]
+
+_BLOCK_N = 64  # cache slots a program scores at once
+_MIN_ROWS = 16  # the tensor cores' smallest tile: a K/V head's g query heads are padded to it
+
+
+def split_decode_attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                                     cur: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """The same attention in plain PyTorch (float32 math): ``query [B, Hk, g, D]``, ``keys, values
+    [B, Hk, L, D]``, ``cur [B]`` -> ``[B, Hk, g, D]`` in the query's dtype."""
+    j = torch.arange(keys.shape[2], device=keys.device)[None, :]
+    allowed = j <= cur[:, None]
+    if window:
+        allowed = allowed & (cur[:, None] - j < window)
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, cur_ptr, m_ptr, l_ptr, acc_ptr,
+                      kv_heads, kv_len, chunk, window, scale,
+                      s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                      G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                      F32: tl.constexpr):
+        bh = tl.program_id(0)
+        c = tl.program_id(1)
+        splits = tl.num_programs(1)
+        b = (bh // kv_heads).to(tl.int64)
+        h = (bh % kv_heads).to(tl.int64)
+        gi = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * s_qb + h * s_qh + gi[:, None] * s_qg + d[None, :], mask=gi[:, None] < G, other=0.0)
+        last = tl.load(cur_ptr + b)
+        m = tl.full((BLOCK_G,), -1.0e30, tl.float32)
+        l_sum = tl.zeros((BLOCK_G,), tl.float32)
+        acc = tl.zeros((BLOCK_G, D), tl.float32)
+        start = c * chunk
+        for off in range(start, tl.minimum(start + chunk, kv_len), BLOCK_N):
+            j = off + tl.arange(0, BLOCK_N)
+            visible = (j <= last) & (j < kv_len)
+            if window > 0:
+                visible = visible & (last - j < window)
+            k = tl.load(k_ptr + b * s_kb + h * s_kh + j[:, None] * s_kl + d[None, :], mask=(j < kv_len)[:, None],
+                        other=0.0)
+            if F32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(visible[None, :], s * scale, -1.0e30)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * s_vb + h * s_vh + j[:, None] * s_vl + d[None, :], mask=(j < kv_len)[:, None],
+                        other=0.0)
+            if F32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        part = (bh * splits + c) * BLOCK_G + gi
+        tl.store(m_ptr + part, m)
+        tl.store(l_ptr + part, l_sum)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, kv_heads, splits, s_ob, s_oh, s_og,
+                      G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
+        bh = tl.program_id(0)
+        b = (bh // kv_heads).to(tl.int64)
+        h = (bh % kv_heads).to(tl.int64)
+        gi = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        top = tl.full((BLOCK_G,), -1.0e30, tl.float32)
+        for c in range(0, splits):
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + c) * BLOCK_G + gi))
+        den = tl.zeros((BLOCK_G,), tl.float32)
+        num = tl.zeros((BLOCK_G, D), tl.float32)
+        for c in range(0, splits):
+            part = (bh * splits + c) * BLOCK_G + gi
+            w = tl.exp(tl.load(m_ptr + part) - top)
+            den += w * tl.load(l_ptr + part)
+            num += w[:, None] * tl.load(acc_ptr + part[:, None] * D + d[None, :])
+        out = num / den[:, None]
+        tl.store(out_ptr + b * s_ob + h * s_oh + gi[:, None] * s_og + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=gi[:, None] < G)
+
+else:  # pragma: no cover
+    _split_kernel = _merge_kernel = None
+
+
+def _splits(programs: int, kv_len: int, device: torch.device) -> int:
+    """Chunks per (row, K/V head): enough programs for two waves over the SMs, each chunk at least one
+    tile of slots."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(triton.cdiv(kv_len, _BLOCK_N), triton.cdiv(2 * sms, max(1, programs))))
+
+
+def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cur: torch.Tensor,
+                           window: int | None, scale: float, *, splits: int | None = None,
+                           backend: Backend = "auto") -> torch.Tensor:
+    """Decode attention (module docstring): ``query [B, Hk, g, D]`` (a K/V head's query heads together),
+    ``keys, values [B, Hk, L, D]`` (the cache's first ``L`` slots), ``cur [B]`` each row's last visible
+    slot, ``window`` its sliding window (``None``/0: none) -> ``[B, Hk, g, D]`` in the query's dtype.
+    ``splits``: chunks per (row, K/V head) (default: two waves of programs over the SMs)."""
+    rows, kv_heads, group, dim = query.shape
+    if keys.shape[:2] != (rows, kv_heads) or values.shape != keys.shape or keys.shape[3] != dim:
+        raise ValueError(f"query {tuple(query.shape)} takes keys/values [B, Hk, L, D] of its B, Hk and D; got "
+                         f"{tuple(keys.shape)} and {tuple(values.shape)}")
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"the head dimension must be a power of two >= 16, got {dim}")
+    kind = choose_backend(backend, _split_kernel, {"query": query, "keys": keys, "values": values, "cur": cur})
+    if kind == "reference":
+        return split_decode_attention_reference(query, keys, values, cur, window, scale)
+    query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
+    kv_len = keys.shape[2]
+    block_g = max(_MIN_ROWS, next_pow2(group))
+    programs = rows * kv_heads
+    splits = splits or _splits(programs, kv_len, query.device)
+    chunk = triton.cdiv(triton.cdiv(kv_len, splits), _BLOCK_N) * _BLOCK_N
+    splits = triton.cdiv(kv_len, chunk)
+    m = torch.empty(programs * splits * block_g, dtype=torch.float32, device=query.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(programs * splits * block_g, dim, dtype=torch.float32, device=query.device)
+    f32 = query.dtype == torch.float32 or kernel_is_interpreted(_split_kernel)
+    _split_kernel[(programs, splits)](
+        query, keys, values, cur, m, l_sum, acc, kv_heads, kv_len, chunk, int(window or 0), float(scale),
+        query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        G=group, D=dim, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, F32=f32, num_warps=4,
+    )
+    out = torch.empty(rows, kv_heads, group, dim, dtype=query.dtype, device=query.device)
+    _merge_kernel[(programs,)](
+        m, l_sum, acc, out, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
+        G=group, D=dim, BLOCK_G=block_g, num_warps=4,
+    )
+    return out

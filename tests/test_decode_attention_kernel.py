@@ -1,0 +1,103 @@
+"""Decode attention split along the cache (swiftune.kernels.decode_attention) against attention computed in
+float64 from its definition, and against the engine's SDPA path (attention.kv_cache.cached_attention with the
+engine's slot mask). On the CPU the kernels run through the Triton interpreter (tests/conftest.py); on CUDA
+they are compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiftune.attention.kv_cache import additive_mask, cached_attention, slot_mask
+from swiftune.kernels.decode_attention import split_decode_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _float64_attention(q, k, v, cur, window, scale):
+    j = torch.arange(k.shape[2], device=k.device)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for b in range(q.shape[0]):
+        keep = j <= cur[b]
+        if window:
+            keep &= cur[b] - j < window
+        scores = q[b].double() @ k[b][:, keep].double().transpose(-1, -2) * scale
+        out[b] = torch.softmax(scores, dim=-1) @ v[b][:, keep].double()
+    return out
+
+
+def _case(rows, kv_heads, group, dim, kv_len, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(rows, kv_heads, group, dim, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(rows, kv_heads, kv_len, dim, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(rows, kv_heads, kv_len, dim, generator=g).to(dtype).to(DEVICE)
+    # rows at different lengths: one sees a single slot, one the whole cache, others in between
+    cur = torch.tensor([0, kv_len - 1] + [int(x) for x in torch.randint(1, kv_len, (rows - 2,), generator=g)],
+                       device=DEVICE)
+    return q, k, v, cur
+
+
+@pytest.mark.parametrize("rows,kv_heads,group,dim,kv_len,window,splits", [
+    (4, 2, 4, 32, 300, None, None),   # chunks of several tiles, a ragged last tile
+    (3, 1, 8, 64, 130, 48, 3),        # a sliding window: early slots hidden too; whole chunks hidden for row 0
+    (5, 2, 2, 16, 64, None, 1),       # one chunk
+    (2, 4, 1, 32, 257, 100, 7),       # g = 1 (multi-head), more chunks than needed for short rows
+])
+def test_split_decode_attention_equals_float64_attention(rows, kv_heads, group, dim, kv_len, window, splits):
+    q, k, v, cur = _case(rows, kv_heads, group, dim, kv_len, torch.float32, seed=kv_len)
+    got = split_decode_attention(q, k, v, cur, window, dim ** -0.5, splits=splits, backend="triton")
+    want = _float64_attention(q, k, v, cur, window, dim ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_split_decode_attention_matches_the_engines_sdpa_path(window):
+    """The engine's own decode attention (SDPA with its additive slot mask) gives the same, bf16 rounding aside."""
+    rows, kv_heads, group, dim, kv_len = 6, 2, 4, 64, 200
+    q, k, v, cur = _case(rows, kv_heads, group, dim, kv_len, torch.bfloat16, seed=1)
+    bias = additive_mask(slot_mask(cur, kv_len, window), torch.bfloat16)
+    sdpa = cached_attention(q.reshape(rows, kv_heads * group, 1, dim), k, v, bias, dim ** -0.5)
+    got = split_decode_attention(q, k, v, cur, window, dim ** -0.5, backend="triton")
+    want = _float64_attention(q, k, v, cur, window, dim ** -0.5)
+    assert (got.double() - want).abs().max() < 2e-2
+    assert (got.reshape(rows, 1, kv_heads * group, dim).double() - sdpa.double()).abs().max() < 3e-2
+
+
+def test_split_decode_attention_refuses_mismatched_shapes():
+    q, k, v, cur = _case(3, 2, 2, 16, 20, torch.float32)
+    with pytest.raises(ValueError, match=r"\[B, Hk, L, D\]"):
+        split_decode_attention(q, k[:, :1], v[:, :1], cur, None, 0.25)
+    with pytest.raises(ValueError, match="power of two"):
+        split_decode_attention(q[..., :12], k[..., :12], v[..., :12], cur, None, 0.25)
+
+
+@pytest.mark.parametrize("family,window", [("qwen3", False), ("qwen3", True), ("llama", False)])
+def test_engine_with_split_decode_attention_equals_generate_of_the_unpatched_model(family, window, monkeypatch):
+    """``FastRolloutEngine(decode_attention="split")``: greedy tokens (fp32) equal transformers' generate on the
+    unpatched model, rows of different prompt lengths in one step (and a sliding window)."""
+    import copy
+
+    from swiftune.models import patch_model
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+    from tests.helpers import tiny_model
+
+    import swiftune.rl.rollout.kv_cache as engine_cache
+
+    calls = []
+    monkeypatch.setattr(engine_cache, "split_decode_attention",
+                        lambda *a, **k: calls.append(a) or split_decode_attention(*a, **k))
+    reference = tiny_model(family, window=window).to(DEVICE)
+    model = patch_model(copy.deepcopy(reference))
+    prompts = [[5, 9, 17, 33, 2, 61], [7, 8, 100, 12, 4, 40, 41, 42, 43, 44, 45, 46], [3, 250]]
+    steps = 20
+    engine = FastRolloutEngine(model, use_cuda_graph=torch.cuda.is_available(), decode_attention="split")
+    out = engine.generate(prompts, 1, SamplingParams(max_tokens=steps, temperature=0.0))
+    for prompt, got in zip(prompts, out.completion_ids):
+        ids = torch.tensor([prompt], device=DEVICE)
+        want = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                  max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0)[0, len(prompt):]
+        assert list(got) == want.tolist()
+    assert calls  # the decode steps took the split kernel
+    with pytest.raises(ValueError, match="decode_attention"):
+        FastRolloutEngine(model, decode_attention="flash")
