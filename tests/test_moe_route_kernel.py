@@ -129,3 +129,22 @@ def test_fused_routing_off_leaves_routers_and_the_sort_to_torch(monkeypatch):
     engine = FastRolloutEngine(model, use_cuda_graph=False, moe_fused_routing=False)
     engine.generate([[1, 2, 3]], 2, SamplingParams(max_tokens=2, temperature=0.0))
     assert seen == [False]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_expert_adapters_at_run_time_follow_the_engines_routing_setting(fused, monkeypatch):
+    """LoRA on the experts (PEFT's target_parameters, applied per block at run time): a step above the cap takes
+    the sort kernel exactly when fused routing is on, and equals the unpatched PEFT model's MoE block."""
+    from tests.test_moe_rollout import _models
+
+    reference, policy = _models("qwen3_moe", "experts", seed=2, kernel_backend="triton")
+    reference, policy = reference.to(DEVICE), policy.to(DEVICE)
+    calls = []
+    monkeypatch.setattr(experts_module, "expert_sort", lambda *a: calls.append(a) or expert_sort(*a))
+    x = torch.randn(1, 40, reference.config.hidden_size, device=DEVICE)
+    block = policy.base_model.model.model.layers[0].mlp
+    with torch.no_grad(), experts_module.rollout_experts(policy, FAMILIES["qwen3_moe"], 16, fused_routing=fused):
+        got = block(x)
+        want = reference.base_model.model.model.layers[0].mlp(x)
+    assert bool(calls) == fused
+    assert rel_err(got, want) < 1e-5

@@ -218,8 +218,7 @@ def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: 
     leave plain weights), fp16/bf16/fp32 weights of the activation dtype, SiLU (or gpt-oss's clamped
     SwiGLU), and compiled Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"``
     asks for kernels (the tests); everything else keeps the grouped-GEMM path."""
-    state = patch_state(module)
-    backend = state.kernel_backend if state is not None else "auto"
+    backend = _kernel_backend(module)
     if backend == "reference" or adapters or torch.is_grad_enabled():
         return False
     if max_tokens is None:
@@ -234,6 +233,18 @@ def decode_kernel_applies(module: nn.Module, hidden_states: torch.Tensor, spec: 
         return False
     if not spec.interleaved and type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
         return False
+    return _kernels_run_on(hidden_states, backend)
+
+
+def _kernel_backend(module: nn.Module) -> str:
+    """The ``kernel_backend`` :func:`swiftune.patch_model` bound the module with (``"auto"`` if unbound)."""
+    state = patch_state(module)
+    return state.kernel_backend if state is not None else "auto"
+
+
+def _kernels_run_on(hidden_states: torch.Tensor, backend: str) -> bool:
+    """Whether the rollout's Triton kernels take ``hidden_states``: compiled on CUDA; on the CPU only through
+    the interpreter and where ``kernel_backend="triton"`` asks for kernels (the tests)."""
     if hidden_states.is_cuda:
         return True
     return backend == "triton" and moe_decode_interpreted()
@@ -244,15 +255,12 @@ def route_kernels_apply(module: nn.Module, hidden_states: torch.Tensor, top_k_in
     no autograd, at most :data:`EXPERT_SORT_MAX_ASSIGNMENTS` assignments and :data:`EXPERT_SORT_MAX_EXPERTS`
     experts, and compiled Triton on CUDA, or the interpreter on the CPU where ``kernel_backend="triton"``
     asks for kernels (as :func:`decode_kernel_applies`)."""
-    state = patch_state(module)
-    backend = state.kernel_backend if state is not None else "auto"
+    backend = _kernel_backend(module)
     if backend == "reference" or torch.is_grad_enabled() or hidden_states.dim() != 2:
         return False
     if top_k_index.numel() > EXPERT_SORT_MAX_ASSIGNMENTS or module.gate_up_proj.shape[0] > EXPERT_SORT_MAX_EXPERTS:
         return False
-    if hidden_states.is_cuda:
-        return True
-    return backend == "triton" and moe_decode_interpreted()
+    return _kernels_run_on(hidden_states, backend)
 
 
 def _decode_kernel_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -281,8 +289,7 @@ def _routed_outputs(
     grouped kernel does not apply, the sync-free loop (:func:`static_grouped_linear`) instead of the per-block
     one. ``adapters``: see :func:`rollout_experts_forward`. ``blocks``: :func:`expert_blocks`' ``(order,
     token_of, ends)`` when already sorted."""
-    state = patch_state(module)
-    backend = state.kernel_backend if state is not None else "auto"
+    backend = _kernel_backend(module)
     grouped = False if backend == "reference" else None
     num_experts = module.gate_up_proj.shape[0]
     order, token_of, offsets = blocks if blocks is not None else expert_blocks(top_k_index, num_experts)
@@ -364,11 +371,13 @@ def _single_adapter_factors(wrapper: nn.Module) -> LowRank | bool:
 def _adapted_rollout_forward(
     wrapper: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *, chain: list[nn.Module], experts: nn.Module, spec: ExpertsSpec, peft_forward: Callable,
+    decode_kernel_max_tokens: int | None = None, route_kernels: bool = True,
 ) -> torch.Tensor:
     """The outermost ``ParamWrapper`` of an experts module in a rollout: the adapters' factors passed to
-    :func:`rollout_experts_forward` (each expert's block gets ``x W + s (x lhs) rhs``), where PEFT would
-    register a parametrisation that rebuilds every expert's adapted matrix on every call (twice: once to
-    check it, once to use it); any other adapter state runs PEFT's own forward."""
+    :func:`rollout_experts_forward` (each expert's block gets ``x W + s (x lhs) rhs``; the engine's
+    ``decode_kernel_max_tokens`` and ``route_kernels`` with them), where PEFT would register a
+    parametrisation that rebuilds every expert's adapted matrix on every call (twice: once to check it,
+    once to use it); any other adapter state runs PEFT's own forward."""
     adapters: dict[str, LowRank] = {}
     for layer in chain:
         factors = _single_adapter_factors(layer)
@@ -376,7 +385,8 @@ def _adapted_rollout_forward(
             return peft_forward(hidden_states, top_k_index, top_k_weights)
         if factors is not False:
             adapters[layer.parameter_name] = factors
-    return rollout_experts_forward(experts, hidden_states, top_k_index, top_k_weights, spec=spec, adapters=adapters)
+    return rollout_experts_forward(experts, hidden_states, top_k_index, top_k_weights, spec=spec, adapters=adapters,
+                                   decode_kernel_max_tokens=decode_kernel_max_tokens, route_kernels=route_kernels)
 
 
 def rollout_router_forward(self: nn.Module, hidden_states: torch.Tensor, *, spec: RouterSpec, backend: str = "auto"
@@ -430,8 +440,7 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
             outer.append((w, chain, chain[-1].base_layer))
     saved = [(m, m.__dict__.get("forward")) for m in bound + [w for w, _, _ in outer] + routers]
     try:
-        state = patch_state(bound[0]) if bound else None
-        backend = state.kernel_backend if state is not None else "auto"
+        backend = _kernel_backend(bound[0]) if bound else "auto"
         for m in routers:
             m.forward = MethodType(partial(rollout_router_forward, spec=family.router, backend=backend), m)
         for m in bound:
@@ -440,7 +449,8 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
                                            route_kernels=fused_routing), m)
         for w, chain, experts in outer:
             w.forward = MethodType(partial(_adapted_rollout_forward, chain=chain, experts=experts, spec=family.experts,
-                                           peft_forward=w.forward), w)
+                                           peft_forward=w.forward, decode_kernel_max_tokens=decode_kernel_max_tokens,
+                                           route_kernels=fused_routing), w)
         yield (len(bound), len(modules))
     finally:
         for m, forward in saved:
