@@ -8,6 +8,7 @@ benchmarks run on, with the arguments the library launches them with.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,16 +72,29 @@ def compile_for_sm90(case: str) -> str:
     return compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_kernel_compiles_for_sm90(case):
-    """In a subprocess without ``TRITON_INTERPRET`` (set for this suite on a CPU machine: the kernels decorated
-    under it are the interpreter's, which the compiler does not take)."""
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every case compiled in one subprocess without ``TRITON_INTERPRET`` (set for this suite on a CPU machine:
+    the kernels decorated under it are the interpreter's, which the compiler does not take): case -> the PTX's
+    target line, or the error."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__, case], env=env, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert ".target sm_90" in proc.stdout
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_compiles_for_sm90(case, compiled):
+    assert compiled[case].startswith(".target sm_90"), compiled[case]  # sm_90a: Hopper with its wgmma
 
 
 if __name__ == "__main__":
-    print(compile_for_sm90(sys.argv[1]))
+    results = {}
+    for name in CASES:
+        try:
+            ptx = compile_for_sm90(name)
+            results[name] = next((line.strip() for line in ptx.splitlines() if line.startswith(".target")), ptx[:200])
+        except Exception as error:  # noqa: BLE001 - reported per case to the test
+            results[name] = f"{type(error).__name__}: {str(error)[-1500:]}"
+    print(json.dumps(results))
