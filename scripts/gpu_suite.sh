@@ -575,7 +575,7 @@ case "$part" in
   moe-rollout-profile)  # issue 25's decode target (within 3x the HBM floor): Qwen3-30B-A3B's engine at G 8 and 64, then
     # 256 more tokens under torch.profiler: device time per decode step by kernel, and launches a step (~3 min)
     run rollout_moe_profile 280 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 \
-      --no-baselines --no-checks --profile-steps 256 --time-budget 200 --out "$OUT/rollout_moe_profile.json" ;;
+      --no-baselines --no-checks --lora-rows --profile-steps 256 --time-budget 200 --out "$OUT/rollout_moe_profile.json" ;;
   moe-routing-ab)  # the MoE routing kernels (router top-k, the grouped-GEMM path's sort and combine) against
     # torch's ops, Qwen3-30B-A3B at G 8 and 64, each profiled for 256 more tokens, in one call (~5 min)
     for routing in fused-routing no-fused-routing; do
