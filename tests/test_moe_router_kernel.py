@@ -100,3 +100,16 @@ def test_bound_router_equals_the_family_router(family, monkeypatch):
     for (lg, w, i), (rl, rw, ri) in zip(got, expected):
         assert torch.equal(lg, rl) and torch.equal(i, ri) and w.dtype == rw.dtype
         torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["softmax_first", "topk_first"])
+def test_router_topk_keeps_distinct_experts_in_range_on_nan_logits(order):
+    """A diverged model's NaN logits give garbage weights but k distinct expert ids of the layer: the expert
+    kernels index memory with them."""
+    logits = torch.randn(3, 12, device=DEVICE)
+    logits[0] = float("nan")
+    logits[1, 4] = float("nan")
+    _, index = moe_router_topk(logits, 4, order, backend="triton")
+    assert ((index >= 0) & (index < 12)).all()
+    assert all(len(set(row)) == 4 for row in index.tolist())
+    assert 4 not in index[1].tolist()  # a NaN logit ranks last

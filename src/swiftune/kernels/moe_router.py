@@ -24,8 +24,9 @@ descending sort gives), then the normalisation and the cast.
 Roundings: float32 throughout, as transformers' routers; the softmax's sum is reduced in another order
 than torch's kernel, so a weight may differ from torch's in its last float32 bit (``moe_router_reference``
 is torch's formula; the tests compare the two). Where two experts' values tie exactly at the k-th place,
-torch's ``topk`` may keep either; this kernel keeps the lower id. No backward: a decode step runs under
-``no_grad``.
+torch's ``topk`` may keep either; this kernel keeps the lower id. A NaN logit (a diverged model) ranks
+below every number, so the k experts are always distinct ids of the layer (the expert kernels index with
+them). No backward: a decode step runs under ``no_grad``.
 """
 
 from __future__ import annotations
@@ -67,18 +68,21 @@ if triton is not None:
         z = tl.load(z_ptr + t * stride_z + cols, mask=valid, other=float("-inf")).to(tl.float32)
         if SOFTMAX_FIRST:
             e = tl.where(valid, tl.exp(z - tl.max(z, axis=0)), 0.0)
-            values = tl.where(valid, e / tl.sum(e, axis=0), -1.0)  # probabilities; padding below every one
+            values = e / tl.sum(e, axis=0)
         else:
             values = z
+        # a NaN (a diverged model's logits) ranks lowest: the experts chosen stay k distinct ids in range
+        values = tl.where(values == values, values, float("-inf"))
+        free = valid  # the experts not chosen yet (padding lanes never are)
         slots = tl.arange(0, BLOCK_K)
         top = tl.zeros((BLOCK_K,), dtype=tl.float32)
         index = tl.zeros((BLOCK_K,), dtype=tl.int64)
         for j in tl.static_range(TOP_K):
-            best = tl.max(values, axis=0)
-            at = tl.min(tl.where(values == best, cols, BLOCK_E), axis=0)  # the lowest id among ties
+            best = tl.max(tl.where(free, values, float("-inf")), axis=0)
+            at = tl.min(tl.where(free & (values == best), cols, BLOCK_E), axis=0)  # the lowest id among ties
             top = tl.where(slots == j, best, top)
             index = tl.where(slots == j, at.to(tl.int64), index)
-            values = tl.where(cols == at, float("-inf"), values)
+            free = free & (cols != at)
         kept = slots < TOP_K
         if SOFTMAX_FIRST:
             if NORMALIZE:
