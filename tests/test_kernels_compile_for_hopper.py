@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from swiftune.kernels import decode_attention, moe_route, moe_router  # noqa: E402
+from swiftune.kernels import decode_attention, moe_decode, moe_route, moe_router  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -37,6 +37,17 @@ CASES = {
          "hidden": "i32", "s_y": "i32", "s_o": "i32", "TOP_K": "constexpr", "BLOCK_H": "constexpr",
          "ROUND_BF16": "constexpr"},
         {"TOP_K": 8, "BLOCK_H": 1024, "ROUND_BF16": False}, {"enable_fp_fusion": False}),
+    "expert_combine, explicit bf16 rounding (the interpreter's path, compiled here for its code)": (
+        moe_route._expert_combine_kernel,
+        {"y_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
+         "hidden": "i32", "s_y": "i32", "s_o": "i32", "TOP_K": "constexpr", "BLOCK_H": "constexpr",
+         "ROUND_BF16": "constexpr"},
+        {"TOP_K": 2, "BLOCK_H": 256, "ROUND_BF16": True}, {"enable_fp_fusion": False}),
+    "moe_decode combine, explicit bf16 rounding": (
+        moe_decode._moe_combine_kernel,
+        {"y_ptr": "*bf16", "out_ptr": "*bf16", "s_yt": "i32", "s_yr": "i32", "s_ot": "i32", "hidden": "i32",
+         "TOP_K": "constexpr", "BLOCK_H": "constexpr", "ROUND_BF16": "constexpr"},
+        {"TOP_K": 8, "BLOCK_H": 1024, "ROUND_BF16": True}, {}),
     "router top-k, softmax first (Qwen3-MoE)": (
         moe_router._router_topk_kernel,
         {"z_ptr": "*bf16", "w_ptr": "*bf16", "idx_ptr": "*i64", "num_experts": "i32", "stride_z": "i32",

@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from ._fp8_common import round_to_bf16
 from .launch import Backend, choose_backend, kernel_is_interpreted, next_pow2, tl, triton
 
 __all__ = ["moe_decode", "moe_decode_interpreted", "moe_decode_reference"]
@@ -113,8 +114,7 @@ if triton is not None:
         interpreter's float32 -> bf16 cast truncates where compiled Triton's rounds, so the cast after
         this is exact on both."""
         if ROUND:
-            bits = v.to(tl.int32, bitcast=True)
-            v = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+            v = round_to_bf16(v)
         return v
 
     @triton.jit

@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from ._fp8_common import round_to_bf16
 from .launch import next_pow2, tl, triton
-from .moe_decode import _bf16_rounded, moe_decode_interpreted
+from .moe_decode import moe_decode_interpreted
 
 __all__ = ["EXPERT_SORT_MAX_ASSIGNMENTS", "EXPERT_SORT_MAX_EXPERTS", "expert_combine", "expert_sort"]
 
@@ -87,11 +88,17 @@ if triton is not None:
             row = tl.load(slot_ptr + t * TOP_K + r)
             w = tl.load(w_ptr + tl.load(order_ptr + row)).to(tl.float32)
             y = tl.load(y_ptr + row * s_y + n, mask=n_mask, other=0.0).to(tl.float32)
-            part = _bf16_rounded(y * w, ROUND_BF16).to(out_ptr.dtype.element_ty).to(tl.float32)
+            part = y * w
+            if ROUND_BF16:  # the interpreter's cast truncates: round first, then the cast is exact
+                part = round_to_bf16(part)
+            part = part.to(out_ptr.dtype.element_ty).to(tl.float32)
             if r == 0:
                 acc = part
             else:
-                acc = _bf16_rounded(acc + part, ROUND_BF16).to(out_ptr.dtype.element_ty).to(tl.float32)
+                acc = acc + part
+                if ROUND_BF16:
+                    acc = round_to_bf16(acc)
+                acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + t * s_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 else:  # pragma: no cover
