@@ -71,7 +71,7 @@
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
-#   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64 and Qwen3-30B-A3B G 8, profiled, with the new kernels' CUDA tests (~8 min)
+#   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with the MoE routing kernels and without, G 8 / 64, profiled (~5 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
@@ -584,8 +584,8 @@ case "$part" in
         --out "$OUT/rollout_moe_$routing.json"
     done ;;
   decode-attention-ab)  # the split decode attention (flash-decoding) against SDPA in the engine, one call: its and
-    # the MoE routing kernels' CUDA tests, then Qwen3-8B at G 8 / 64 and Qwen3-30B-A3B at G 8, each attention in
-    # its own run, profiled for 256 more tokens (~8 min)
+    # the MoE routing kernels' CUDA tests, then Qwen3-8B at G 8 / 64, Qwen3-30B-A3B and gpt-oss-20b (sinks) at G 8,
+    # each attention in its own run, profiled for 256 more tokens (~10 min: through scripts/gpu_chain.sh)
     run decode_kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention_kernel.py \
       tests/test_moe_route_kernel.py tests/test_moe_router_kernel.py
     for attention in sdpa split; do
@@ -595,6 +595,9 @@ case "$part" in
       run "rollout_attention_${attention}_qwen3-30b-a3b" 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b \
         --rows 8 --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 \
         --decode-attention "$attention" --time-budget 120 --out "$OUT/rollout_attention_${attention}_qwen3-30b-a3b.json"
+      run "rollout_attention_${attention}_gpt-oss-20b" 150 python3 -m benchmarks.rollout --model gpt-oss-20b \
+        --rows 8 --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 \
+        --decode-attention "$attention" --time-budget 120 --out "$OUT/rollout_attention_${attention}_gpt-oss-20b.json"
     done ;;
   moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B
     # expert sizes, graph replay == eager, the engine's captured decode vs generate), the MoE engine's CUDA tests (its

@@ -14,15 +14,19 @@ from swiftune.kernels.decode_attention import split_decode_attention
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _float64_attention(q, k, v, cur, window, scale):
+def _float64_attention(q, k, v, cur, window, scale, sinks=None):
+    """Row by row over the visible slots only; a sink is one more softmax column with no value."""
     j = torch.arange(k.shape[2], device=k.device)
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     for b in range(q.shape[0]):
         keep = j <= cur[b]
         if window:
             keep &= cur[b] - j < window
-        scores = q[b].double() @ k[b][:, keep].double().transpose(-1, -2) * scale
-        out[b] = torch.softmax(scores, dim=-1) @ v[b][:, keep].double()
+        scores = q[b].double() @ k[b][:, keep].double().transpose(-1, -2) * scale  # [Hk, g, n]
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().reshape(*scores.shape[:2], 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        out[b] = (probs[..., :-1] if sinks is not None else probs) @ v[b][:, keep].double()
     return out
 
 
@@ -37,16 +41,20 @@ def _case(rows, kv_heads, group, dim, kv_len, dtype, seed=0):
     return q, k, v, cur
 
 
-@pytest.mark.parametrize("rows,kv_heads,group,dim,kv_len,window,splits", [
-    (4, 2, 4, 32, 300, None, None),   # chunks of several tiles, a ragged last tile
-    (3, 1, 8, 64, 130, 48, 3),        # a sliding window: early slots hidden too; whole chunks hidden for row 0
-    (5, 2, 2, 16, 64, None, 1),       # one chunk
-    (2, 4, 1, 32, 257, 100, 7),       # g = 1 (multi-head), more chunks than needed for short rows
+@pytest.mark.parametrize("rows,kv_heads,group,dim,kv_len,window,splits,sinks", [
+    (4, 2, 4, 32, 300, None, None, False),  # chunks of several tiles, a ragged last tile
+    (3, 1, 8, 64, 130, 48, 3, False),       # a sliding window: early slots hidden; whole chunks hidden for row 0
+    (5, 2, 2, 16, 64, None, 1, False),      # one chunk
+    (2, 4, 1, 32, 257, 100, 7, False),      # g = 1 (multi-head), more chunks than needed for short rows
+    (4, 2, 4, 32, 300, None, 5, True),      # gpt-oss's attention sinks
+    (3, 2, 8, 64, 130, 16, 3, True),        # sinks with a window (gpt-oss's sliding layers)
 ])
-def test_split_decode_attention_equals_float64_attention(rows, kv_heads, group, dim, kv_len, window, splits):
+def test_split_decode_attention_equals_float64_attention(rows, kv_heads, group, dim, kv_len, window, splits, sinks):
     q, k, v, cur = _case(rows, kv_heads, group, dim, kv_len, torch.float32, seed=kv_len)
-    got = split_decode_attention(q, k, v, cur, window, dim ** -0.5, splits=splits, backend="triton")
-    want = _float64_attention(q, k, v, cur, window, dim ** -0.5)
+    sink = (torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(9)) * 2).to(DEVICE) if sinks \
+        else None
+    got = split_decode_attention(q, k, v, cur, window, dim ** -0.5, sink, splits=splits, backend="triton")
+    want = _float64_attention(q, k, v, cur, window, dim ** -0.5, sink)
     assert got.dtype == torch.float32 and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -70,6 +78,8 @@ def test_split_decode_attention_refuses_mismatched_shapes():
         split_decode_attention(q, k[:, :1], v[:, :1], cur, None, 0.25)
     with pytest.raises(ValueError, match="power of two"):
         split_decode_attention(q[..., :12], k[..., :12], v[..., :12], cur, None, 0.25)
+    with pytest.raises(ValueError, match="one logit per query head"):
+        split_decode_attention(q, k, v, cur, None, 0.25, torch.zeros(3))
 
 
 @pytest.mark.parametrize("family,window", [("qwen3", False), ("qwen3", True), ("llama", False)])
@@ -101,3 +111,23 @@ def test_engine_with_split_decode_attention_equals_generate_of_the_unpatched_mod
     assert calls  # the decode steps took the split kernel
     with pytest.raises(ValueError, match="decode_attention"):
         FastRolloutEngine(model, decode_attention="flash")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_engine_with_split_decode_attention_equals_generate_on_moe_families(family, monkeypatch):
+    """gpt-oss (attention sinks, sliding and full layers) and Qwen3-MoE on the engine with the split attention:
+    greedy tokens (fp32) equal transformers' generate on the unpatched model."""
+    import swiftune.rl.rollout.kv_cache as engine_cache
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+    from tests.test_moe_rollout import PAD, PROMPTS, _hf_greedy, _models
+
+    calls = []
+    monkeypatch.setattr(engine_cache, "split_decode_attention",
+                        lambda *a, **k: calls.append(a) or split_decode_attention(*a, **k))
+    reference, policy = _models(family, None, seed=5)
+    engine = FastRolloutEngine(policy.to(DEVICE), pad_token_id=PAD, kv_bucket=4, decode_attention="split",
+                               use_cuda_graph=torch.cuda.is_available())
+    out = engine.generate(PROMPTS, 1, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=()))
+    for prompt, got in zip(PROMPTS, out.completion_ids):
+        assert got == _hf_greedy(reference.to(DEVICE), prompt, 12)
+    assert calls and (family != "gpt_oss" or any(len(a) > 6 and a[6] is not None for a in calls))  # sinks passed

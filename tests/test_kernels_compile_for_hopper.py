@@ -67,12 +67,12 @@ CASES = {
          "scale": "fp32", **{f"s_{t}{a}": "i32" for t in "qkv" for a in ("b", "h", "g" if t == "q" else "l")},
          "G": "constexpr", "D": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "F32": "constexpr"},
         {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False}, {}),
-    "split decode attention, merge": (
+    "split decode attention, merge with gpt-oss's sinks": (
         decode_attention._merge_kernel,
-        {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "kv_heads": "i32",
-         "splits": "i32", "s_ob": "i32", "s_oh": "i32", "s_og": "i32", "G": "constexpr", "D": "constexpr",
-         "BLOCK_G": "constexpr"},
-        {"G": 8, "D": 128, "BLOCK_G": 16}, {}),
+        {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sink_ptr": "*bf16", "out_ptr": "*bf16",
+         "kv_heads": "i32", "splits": "i32", "s_ob": "i32", "s_oh": "i32", "s_og": "i32", "G": "constexpr",
+         "D": "constexpr", "BLOCK_G": "constexpr", "HAS_SINKS": "constexpr"},
+        {"G": 8, "D": 64, "BLOCK_G": 16, "HAS_SINKS": True}, {}),
 }
 
 

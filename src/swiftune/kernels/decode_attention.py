@@ -13,6 +13,9 @@ tensor cores) and the visible slots ``j`` (``j <= cur[b]`` and, with a window ``
                s_ij = scale q_i . k_j   over the chunk's visible slots, online (tile by tile)
     merge:     M = max_c m_c,   out_i = sum_c exp(m_c - M) a_c / sum_c exp(m_c - M) l_c
 
+With gpt-oss's attention sinks (one learned logit ``z_i`` per query head, a softmax column with no value)
+the merge takes ``M = max(max_c m_c, z_i)`` and adds ``exp(z_i - M)`` to the denominator.
+
 Hidden slots score ``-1e30`` (finite, so a chunk with none visible gives no NaN; its ``m_c`` stays at
 ``-1e30`` and its weight ``exp(m_c - M)`` is 0 in the merge, as every row sees at least its own slot).
 Scores, the softmax and the accumulator are float32; the probabilities multiply ``V`` in the cache's
@@ -33,16 +36,22 @@ _MIN_ROWS = 16  # the tensor cores' smallest tile: a K/V head's g query heads ar
 
 
 def split_decode_attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                                     cur: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                                     cur: torch.Tensor, window: int | None, scale: float,
+                                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same attention in plain PyTorch (float32 math): ``query [B, Hk, g, D]``, ``keys, values
-    [B, Hk, L, D]``, ``cur [B]`` -> ``[B, Hk, g, D]`` in the query's dtype."""
+    [B, Hk, L, D]``, ``cur [B]``, ``sinks [Hk g]`` -> ``[B, Hk, g, D]`` in the query's dtype."""
     j = torch.arange(keys.shape[2], device=keys.device)[None, :]
     allowed = j <= cur[:, None]
     if window:
         allowed = allowed & (cur[:, None] - j < window)
     scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values.float()).to(query.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink's column joins the softmax, then is dropped
+        column = sinks.float().reshape(1, *scores.shape[1:3], 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, values.float()).to(query.dtype)
 
 
 if triton is not None:
@@ -95,8 +104,8 @@ if triton is not None:
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, kv_heads, splits, s_ob, s_oh, s_og,
-                      G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
+    def _merge_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, kv_heads, splits, s_ob, s_oh, s_og,
+                      G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, HAS_SINKS: tl.constexpr):
         bh = tl.program_id(0)
         b = (bh // kv_heads).to(tl.int64)
         h = (bh % kv_heads).to(tl.int64)
@@ -105,6 +114,9 @@ if triton is not None:
         top = tl.full((BLOCK_G,), -1.0e30, tl.float32)
         for c in range(0, splits):
             top = tl.maximum(top, tl.load(m_ptr + (bh * splits + c) * BLOCK_G + gi))
+        if HAS_SINKS:  # query head h g + i's sink logit: a softmax column with no value
+            sink = tl.load(sink_ptr + h * G + gi, mask=gi < G, other=-1.0e30).to(tl.float32)
+            top = tl.maximum(top, sink)
         den = tl.zeros((BLOCK_G,), tl.float32)
         num = tl.zeros((BLOCK_G, D), tl.float32)
         for c in range(0, splits):
@@ -112,6 +124,8 @@ if triton is not None:
             w = tl.exp(tl.load(m_ptr + part) - top)
             den += w * tl.load(l_ptr + part)
             num += w[:, None] * tl.load(acc_ptr + part[:, None] * D + d[None, :])
+        if HAS_SINKS:
+            den += tl.exp(sink - top)
         out = num / den[:, None]
         tl.store(out_ptr + b * s_ob + h * s_oh + gi[:, None] * s_og + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=gi[:, None] < G)
@@ -128,12 +142,13 @@ def _splits(programs: int, kv_len: int, device: torch.device) -> int:
 
 
 def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cur: torch.Tensor,
-                           window: int | None, scale: float, *, splits: int | None = None,
-                           backend: Backend = "auto") -> torch.Tensor:
+                           window: int | None, scale: float, sinks: torch.Tensor | None = None, *,
+                           splits: int | None = None, backend: Backend = "auto") -> torch.Tensor:
     """Decode attention (module docstring): ``query [B, Hk, g, D]`` (a K/V head's query heads together),
     ``keys, values [B, Hk, L, D]`` (the cache's first ``L`` slots), ``cur [B]`` each row's last visible
-    slot, ``window`` its sliding window (``None``/0: none) -> ``[B, Hk, g, D]`` in the query's dtype.
-    ``splits``: chunks per (row, K/V head) (default: two waves of programs over the SMs)."""
+    slot, ``window`` its sliding window (``None``/0: none), ``sinks [Hk g]`` one sink logit per query head
+    (gpt-oss; ``None``: none) -> ``[B, Hk, g, D]`` in the query's dtype. ``splits``: chunks per (row, K/V
+    head) (default: two waves of programs over the SMs)."""
     rows, kv_heads, group, dim = query.shape
     if keys.shape[:2] != (rows, kv_heads) or values.shape != keys.shape or keys.shape[3] != dim:
         raise ValueError(f"query {tuple(query.shape)} takes keys/values [B, Hk, L, D] of its B, Hk and D; got "
@@ -141,8 +156,10 @@ def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"the head dimension must be a power of two >= 16, got {dim}")
     kind = choose_backend(backend, _split_kernel, {"query": query, "keys": keys, "values": values, "cur": cur})
+    if sinks is not None and sinks.numel() != kv_heads * group:
+        raise ValueError(f"sinks must hold one logit per query head ({kv_heads * group}), got {sinks.numel()}")
     if kind == "reference":
-        return split_decode_attention_reference(query, keys, values, cur, window, scale)
+        return split_decode_attention_reference(query, keys, values, cur, window, scale, sinks)
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
     kv_len = keys.shape[2]
     block_g = max(_MIN_ROWS, next_pow2(group))
@@ -162,7 +179,8 @@ def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     )
     out = torch.empty(rows, kv_heads, group, dim, dtype=query.dtype, device=query.device)
     _merge_kernel[(programs,)](
-        m, l_sum, acc, out, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
-        G=group, D=dim, BLOCK_G=block_g, num_warps=4,
+        m, l_sum, acc, sinks.reshape(-1).contiguous() if sinks is not None else m, out, kv_heads, splits,
+        out.stride(0), out.stride(1), out.stride(2), G=group, D=dim, BLOCK_G=block_g, HAS_SINKS=sinks is not None,
+        num_warps=4,
     )
     return out

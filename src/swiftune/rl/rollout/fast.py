@@ -194,10 +194,11 @@ class FastRolloutEngine:
             Triton launch (:mod:`swiftune.kernels.moe_router`), and the grouped-GEMM path's sort by expert and
             weighted combine in one launch each (:mod:`swiftune.kernels.moe_route`), the same numbers as
             torch's ops with fewer launches a layer; ``False``: torch's ops (the baseline of an A/B).
-        decode_attention: a decode step's attention over the cache (no soft-cap, no sinks): ``"sdpa"``, one
-            program per row and K/V head over the whole cache; ``"split"``, the cache cut into chunks across the
-            SMs and merged (:mod:`swiftune.kernels.decode_attention`, flash-decoding), for steps of few rows
-            whose SDPA leaves most SMs idle. ``"sdpa"`` stays the default until the split kernel is measured on
+        decode_attention: a decode step's attention over the cache (no soft-cap): ``"sdpa"``, one program per
+            row and K/V head over the whole cache (gpt-oss's sinks: matmul, float32 softmax, matmul);
+            ``"split"``, the cache cut into chunks across the SMs and merged, sinks included
+            (:mod:`swiftune.kernels.decode_attention`, flash-decoding), for steps of few rows whose SDPA leaves
+            most SMs idle. ``"sdpa"`` stays the default until the split kernel is measured on
             a GPU (``scripts/gpu_suite.sh decode-attention-ab``).
         nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to ``nf4_decode_max_rows``
             rows multiply through swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which

@@ -144,14 +144,14 @@ class DecodeContext:
         (``sinks [Hq]``: gpt-oss's sink logits); returns ``[B, 1, Hq, D]``."""
         keys = self.ws.k[layer][:, :, :self.kv_len]
         values = self.ws.v[layer][:, :, :self.kv_len]
-        if sinks is not None:
-            return sink_cached_attention(query, keys, values, self.mask(window), scale, sinks)
         if not softcap and self.decode_attention == "split":
             rows, heads, _, dim = query.shape
             kv_heads = keys.shape[1]
             out = split_decode_attention(query.reshape(rows, kv_heads, heads // kv_heads, dim), keys, values,
-                                         self.ws.cur, window, scale)
+                                         self.ws.cur, window, scale, sinks)
             return out.reshape(rows, 1, heads, dim)
+        if sinks is not None:
+            return sink_cached_attention(query, keys, values, self.mask(window), scale, sinks)
         if not softcap:
             return cached_attention(query, keys, values, self.bias(window, query.dtype), scale)
         return softcapped_cached_attention(query, keys, values, self.mask(window), scale, softcap)
