@@ -72,6 +72,7 @@
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
 #   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
+#   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with the MoE routing kernels and without, G 8 / 64, profiled (~5 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
@@ -598,6 +599,13 @@ case "$part" in
       run "rollout_attention_${attention}_gpt-oss-20b" 150 python3 -m benchmarks.rollout --model gpt-oss-20b \
         --rows 8 --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 \
         --decode-attention "$attention" --time-budget 120 --out "$OUT/rollout_attention_${attention}_gpt-oss-20b.json"
+    done ;;
+  moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
+    # layer sweep's best) against the default cap of 16 (grouped GEMM with the route kernels), one call (~4 min)
+    for cap in 16 64; do
+      run "rollout_moe_cap$cap" 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
+        --no-baselines --no-checks --lora-rows --profile-steps 256 --moe-decode-max-tokens "$cap" --time-budget 120 \
+        --out "$OUT/rollout_moe_cap$cap.json"
     done ;;
   moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B
     # expert sizes, graph replay == eager, the engine's captured decode vs generate), the MoE engine's CUDA tests (its

@@ -48,6 +48,15 @@ CASES = {
         {"y_ptr": "*bf16", "out_ptr": "*bf16", "s_yt": "i32", "s_yr": "i32", "s_ot": "i32", "hidden": "i32",
          "TOP_K": "constexpr", "BLOCK_H": "constexpr", "ROUND_BF16": "constexpr"},
         {"TOP_K": 8, "BLOCK_H": 1024, "ROUND_BF16": True}, {}),
+    "moe_decode gate/up, Qwen3-30B-A3B layout at 64 tokens (64/64/4 tiles)": (
+        moe_decode._moe_gate_up_kernel,
+        {"x_ptr": "*bf16", "idx_ptr": "*i64", "w_ptr": "*bf16", "b_ptr": "*bf16", "h_ptr": "*bf16",
+         **dict.fromkeys(("s_xt", "s_we", "s_wk", "s_wc", "s_be", "s_hm", "num_assign", "top_k", "hidden", "inter"),
+                         "i32"), "alpha": "fp32", "limit": "fp32",
+         **dict.fromkeys(("HAS_BIAS", "CLAMPED", "INTERLEAVED", "DOT_F32", "ROUND_BF16", "BLOCK_M", "BLOCK_N",
+                          "BLOCK_K", "BLOCK_A"), "constexpr")},
+        {"HAS_BIAS": False, "CLAMPED": False, "INTERLEAVED": False, "DOT_F32": False, "ROUND_BF16": False,
+         "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_A": 64}, {"num_warps": 4}),
     "router top-k, softmax first (Qwen3-MoE)": (
         moe_router._router_topk_kernel,
         {"z_ptr": "*bf16", "w_ptr": "*bf16", "idx_ptr": "*i64", "num_experts": "i32", "stride_z": "i32",

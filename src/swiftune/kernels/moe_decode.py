@@ -404,9 +404,11 @@ def moe_decode(
         return max(16, min(next_pow2(n), block_n or default))
 
     fp32 = hidden.dtype == torch.float32
-    # the interleaved layout (gpt-oss) above 16 rows: 64-column tiles (a 128-column fused gate/up tile), depth
-    # 64, 4 warps: the fastest of benchmarks.moe_decode's sweep at 32 and 64 tokens on the H200
-    wide = interleaved and not fp32 and many
+    # above 16 rows: 64-column tiles (gpt-oss: a 128-column fused gate/up tile), depth 64, 4 warps: the fastest of
+    # benchmarks.moe_decode's sweep at 32 and 64 tokens on the H200 for the interleaved layout, and at 64 tokens
+    # for the gate-then-up one (Qwen3-30B-A3B: 0.57 ms a layer against 0.75 with 32/128/8,
+    # docs/results/2026-12-02/moe_decode_h200.json), which the engine sends past 16 tokens only when asked
+    wide = not fp32 and many
     if block_n is None and wide:
         block_n = 64
     if block_k is None:
