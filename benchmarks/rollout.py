@@ -197,7 +197,8 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "step_ms": 1e3 * st["decode_s"] / max(1.0, st["decode_steps"] - 1), "prefill_s": st["prefill_s"],
             "capture_s": st["capture_s"], "kv_cache_gb": st["kv_cache_bytes"] / 1e9,
             "fused_layers": engine.fused_layers, "moe_decode_max_tokens": engine.moe_decode_max_tokens,
-            "moe_fused_routing": engine.moe_fused_routing, "decode_attention": engine.decode_attention,
+            "moe_fused_routing": engine.moe_fused_routing, "moe_route_kernels": engine.moe_route_kernels,
+            "decode_attention": engine.decode_attention,
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
@@ -364,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE shapes: the most tokens a decode step sends through the fused decode kernels "
                         "(FastRolloutEngine(moe_decode_max_tokens=...); default: the library's)")
     p.add_argument("--moe-fused-routing", action=argparse.BooleanOptionalAction, default=True,
-                   help="MoE shapes: the routers' top-k and the grouped-GEMM path's sort and combine as single "
-                        "Triton launches (the engine's default); --no-moe-fused-routing: torch's ops "
-                        "(FastRolloutEngine(moe_fused_routing=False)), the baseline of an A/B")
+                   help="MoE shapes: the routers' top-k as one Triton launch (the engine's default); "
+                        "--no-moe-fused-routing: torch's ops (FastRolloutEngine(moe_fused_routing=False))")
+    p.add_argument("--moe-route-kernels", action="store_true",
+                   help="MoE shapes: steps above the decode kernels' cap sort and combine in one launch each "
+                        "(FastRolloutEngine(moe_route_kernels=True); off by default)")
     p.add_argument("--decode-attention", choices=("sdpa", "split"), default="sdpa",
                    help="the decode step's attention over the cache: SDPA (the engine's default) or the split "
                         "kernel (FastRolloutEngine(decode_attention='split'), swiftune.kernels.decode_attention)")
@@ -484,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{name} fast G={rows} N={new}: skipped (estimated {est:.0f}s over --time-budget)")
                     continue
                 r = time_fast(model, prompt, rows, new, a.kv_bucket, moe_decode_max_tokens=a.moe_decode_max_tokens,
-                              moe_fused_routing=a.moe_fused_routing, decode_attention=a.decode_attention,
+                              moe_fused_routing=a.moe_fused_routing, moe_route_kernels=a.moe_route_kernels,
+                              decode_attention=a.decode_attention,
                               profile_steps=a.profile_steps,
                               **nf4_options(a))
                 step_at.setdefault(rows, r["step_ms"])

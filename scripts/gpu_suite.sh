@@ -73,7 +73,7 @@
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
 #   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
-#   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with the MoE routing kernels and without, G 8 / 64, profiled (~5 min)
+#   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -577,11 +577,14 @@ case "$part" in
     # 256 more tokens under torch.profiler: device time per decode step by kernel, and launches a step (~3 min)
     run rollout_moe_profile 280 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 \
       --no-baselines --no-checks --lora-rows --profile-steps 256 --time-budget 200 --out "$OUT/rollout_moe_profile.json" ;;
-  moe-routing-ab)  # the MoE routing kernels (router top-k, the grouped-GEMM path's sort and combine) against
-    # torch's ops, Qwen3-30B-A3B at G 8 and 64, each profiled for 256 more tokens, in one call (~5 min)
-    for routing in fused-routing no-fused-routing; do
+  moe-routing-ab)  # the MoE routing kernels against torch's ops, Qwen3-30B-A3B at G 8 and 64, each profiled for 256
+    # more tokens, in one call: torch's ops, the router top-k kernel (the default), and with the route kernels too
+    # (the sort and combine above the decode kernels' cap) (~7 min)
+    for routing in no-fused-routing fused-routing route-kernels; do
+      flags=(--moe-fused-routing); [ "$routing" = no-fused-routing ] && flags=(--no-moe-fused-routing)
+      [ "$routing" = route-kernels ] && flags+=(--moe-route-kernels)
       run "rollout_moe_$routing" 200 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 \
-        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --"moe-$routing" --time-budget 150 \
+        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 150 \
         --out "$OUT/rollout_moe_$routing.json"
     done ;;
   decode-attention-ab)  # the split decode attention (flash-decoding) against SDPA in the engine, one call: its and
@@ -601,7 +604,7 @@ case "$part" in
         --decode-attention "$attention" --time-budget 120 --out "$OUT/rollout_attention_${attention}_gpt-oss-20b.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
-    # layer sweep's best) against the default cap of 16 (grouped GEMM with the route kernels), one call (~4 min)
+    # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)
     for cap in 16 64; do
       run "rollout_moe_cap$cap" 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
         --no-baselines --no-checks --lora-rows --profile-steps 256 --moe-decode-max-tokens "$cap" --time-budget 120 \

@@ -84,7 +84,8 @@ def test_rollout_experts_above_the_cap_take_the_route_kernels(family, monkeypatc
     x = torch.randn(1, 40, reference.config.hidden_size, device=DEVICE)
     calls = []
     monkeypatch.setattr(experts_module, "expert_sort", lambda *a: calls.append(a) or expert_sort(*a))
-    with torch.no_grad(), experts_module.rollout_experts(model, FAMILIES[family], decode_kernel_max_tokens=16):
+    with torch.no_grad(), experts_module.rollout_experts(model, FAMILIES[family], decode_kernel_max_tokens=16,
+                                                         route_kernels=True):
         got = block(x)
         got = got[0] if isinstance(got, tuple) else got
         assert calls  # the sort kernel ran
@@ -97,9 +98,10 @@ def test_rollout_experts_above_the_cap_take_the_route_kernels(family, monkeypatc
     assert rel_err(got, want) < 1e-5
 
 
-def test_fused_routing_off_leaves_routers_and_the_sort_to_torch(monkeypatch):
-    """``rollout_experts(fused_routing=False)`` (``FastRolloutEngine(moe_fused_routing=False)``, the A/B's
-    baseline): no router bound, no sort kernel; the engine passes its setting through."""
+def test_routing_settings_bind_what_they_say(monkeypatch):
+    """``rollout_experts``: the router kernel unless ``fused_routing=False`` (``FastRolloutEngine(
+    moe_fused_routing=False)``, the A/B's baseline); the sort kernel only with ``route_kernels=True``
+    (``FastRolloutEngine(moe_route_kernels=True)``, off until timed on a GPU); the engine passes both through."""
     torch.manual_seed(0)
     model = patch_model(tiny_moe("qwen3_moe").to(DEVICE), kernel_backend="triton")
     family = FAMILIES["qwen3_moe"]
@@ -110,9 +112,11 @@ def test_fused_routing_off_leaves_routers_and_the_sort_to_torch(monkeypatch):
     with torch.no_grad(), experts_module.rollout_experts(model, family, 16, fused_routing=False):
         assert "forward" not in router.__dict__
         model.model.layers[0].mlp(x)
-    assert not calls
     with torch.no_grad(), experts_module.rollout_experts(model, family, 16):
         assert "forward" in router.__dict__
+        model.model.layers[0].mlp(x)
+    assert not calls  # the route kernels are off unless asked for
+    with torch.no_grad(), experts_module.rollout_experts(model, family, 16, route_kernels=True):
         model.model.layers[0].mlp(x)
     assert calls
 
@@ -120,21 +124,22 @@ def test_fused_routing_off_leaves_routers_and_the_sort_to_torch(monkeypatch):
     seen = []
     real = experts_module.rollout_experts
 
-    def spy(model, family, cap=None, fused_routing=True):
-        seen.append(fused_routing)
-        return real(model, family, cap, fused_routing)
+    def spy(model, family, cap=None, fused_routing=True, route_kernels=False):
+        seen.append((fused_routing, route_kernels))
+        return real(model, family, cap, fused_routing, route_kernels)
 
     import swiftune.rl.rollout.fast as fast
     monkeypatch.setattr(fast, "rollout_experts", spy)
-    engine = FastRolloutEngine(model, use_cuda_graph=False, moe_fused_routing=False)
-    engine.generate([[1, 2, 3]], 2, SamplingParams(max_tokens=2, temperature=0.0))
-    assert seen == [False]
+    for fused, route in [(False, False), (True, True)]:
+        engine = FastRolloutEngine(model, use_cuda_graph=False, moe_fused_routing=fused, moe_route_kernels=route)
+        engine.generate([[1, 2, 3]], 2, SamplingParams(max_tokens=2, temperature=0.0))
+    assert seen == [(False, False), (True, True)]
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_expert_adapters_at_run_time_follow_the_engines_routing_setting(fused, monkeypatch):
+@pytest.mark.parametrize("route", [True, False])
+def test_expert_adapters_at_run_time_follow_the_engines_routing_setting(route, monkeypatch):
     """LoRA on the experts (PEFT's target_parameters, applied per block at run time): a step above the cap takes
-    the sort kernel exactly when fused routing is on, and equals the unpatched PEFT model's MoE block."""
+    the sort kernel exactly when the route kernels are asked for, and equals the unpatched PEFT model's block."""
     from tests.test_moe_rollout import _models
 
     reference, policy = _models("qwen3_moe", "experts", seed=2, kernel_backend="triton")
@@ -143,8 +148,8 @@ def test_expert_adapters_at_run_time_follow_the_engines_routing_setting(fused, m
     monkeypatch.setattr(experts_module, "expert_sort", lambda *a: calls.append(a) or expert_sort(*a))
     x = torch.randn(1, 40, reference.config.hidden_size, device=DEVICE)
     block = policy.base_model.model.model.layers[0].mlp
-    with torch.no_grad(), experts_module.rollout_experts(policy, FAMILIES["qwen3_moe"], 16, fused_routing=fused):
+    with torch.no_grad(), experts_module.rollout_experts(policy, FAMILIES["qwen3_moe"], 16, route_kernels=route):
         got = block(x)
         want = reference.base_model.model.model.layers[0].mlp(x)
-    assert bool(calls) == fused
+    assert bool(calls) == route
     assert rel_err(got, want) < 1e-5

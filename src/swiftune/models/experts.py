@@ -31,9 +31,10 @@ CUDA) skips the gather / grouped GEMM / combine chain: :func:`swiftune.kernels.m
 runs it as three Triton kernels that read each routed expert's weights once, with the same
 ascending-expert, rounded-per-add combine and no atomics (:func:`decode_kernel_applies` says when).
 The routers of the same model run their softmax / top-k / renormalisation / cast as one Triton launch
-(:func:`rollout_router_forward`, :mod:`swiftune.kernels.moe_router`) instead of five of torch's, and a step
-above that cap sorts by expert and combines in one launch each (:mod:`swiftune.kernels.moe_route`; the same
-bits as the torch ops it replaces, :func:`route_kernels_apply` says when).
+(:func:`rollout_router_forward`, :mod:`swiftune.kernels.moe_router`) instead of five of torch's; asked for
+(``route_kernels``), a step above that cap sorts by expert and combines in one launch each
+(:mod:`swiftune.kernels.moe_route`; the same bits as the torch ops it replaces, :func:`route_kernels_apply`
+says when).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def grouped_experts_forward(
 def rollout_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *, spec: ExpertsSpec, adapters: dict[str, LowRank] | None = None, decode_kernel: bool = True,
-    decode_kernel_max_tokens: int | None = None, route_kernels: bool = True,
+    decode_kernel_max_tokens: int | None = None, route_kernels: bool = False,
 ) -> torch.Tensor:
     """:func:`grouped_experts_forward` for the rollout engine (module docstring): on CUDA no host sync
     (capturable), and each token's expert outputs added in ascending expert order, deterministically.
@@ -158,7 +159,7 @@ def rollout_experts_forward(
     ``False`` keeps the grouped-GEMM chain (the baseline benchmarks/moe_decode.py times).
     ``decode_kernel_max_tokens``: the most tokens that take them (``None``: :func:`default_decode_kernel_cap`).
     ``route_kernels``: whether the grouped-GEMM path may sort and combine through
-    :mod:`swiftune.kernels.moe_route` (:func:`route_kernels_apply`); ``False`` keeps torch's ops."""
+    :mod:`swiftune.kernels.moe_route` (:func:`route_kernels_apply`; the same bits); ``False`` keeps torch's ops."""
     _check_fused_layout(self)
     if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, decode_kernel_max_tokens):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
@@ -371,7 +372,7 @@ def _single_adapter_factors(wrapper: nn.Module) -> LowRank | bool:
 def _adapted_rollout_forward(
     wrapper: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
     *, chain: list[nn.Module], experts: nn.Module, spec: ExpertsSpec, peft_forward: Callable,
-    decode_kernel_max_tokens: int | None = None, route_kernels: bool = True,
+    decode_kernel_max_tokens: int | None = None, route_kernels: bool = False,
 ) -> torch.Tensor:
     """The outermost ``ParamWrapper`` of an experts module in a rollout: the adapters' factors passed to
     :func:`rollout_experts_forward` (each expert's block gets ``x W + s (x lhs) rhs``; the engine's
@@ -408,7 +409,7 @@ def rollout_router_forward(self: nn.Module, hidden_states: torch.Tensor, *, spec
 
 @contextlib.contextmanager
 def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: int | None = None,
-                    fused_routing: bool = True) -> Iterator[tuple[int, int]]:
+                    fused_routing: bool = True, route_kernels: bool = False) -> Iterator[tuple[int, int]]:
     """Within the block, every experts module of ``model`` that :func:`swiftune.patch_model` bound runs
     :func:`rollout_experts_forward`, and the outermost PEFT ``target_parameters`` wrapper around one runs
     :func:`_adapted_rollout_forward` (both restored on exit); yields ``(bound, total)`` experts modules
@@ -416,9 +417,9 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
     syncs) would still run somewhere. ``decode_kernel_max_tokens``: the most tokens a step sends
     through the fused decode kernels (``None``: :func:`default_decode_kernel_cap`). The family's routers
     of a patched model (those with no forward of their own bound) run :func:`rollout_router_forward` in
-    the block too: their top-k in one launch; and steps above the decode kernels' cap sort and combine
-    through :mod:`swiftune.kernels.moe_route`. ``fused_routing=False`` leaves both to torch's ops (the
-    baseline of an A/B)."""
+    the block too: their top-k in one launch (``fused_routing=False``: torch's ops, the baseline of an A/B).
+    ``route_kernels``: steps above the decode kernels' cap sort and combine through
+    :mod:`swiftune.kernels.moe_route` (the same bits as torch's ops; off until timed on a GPU)."""
     if decode_kernel_max_tokens is not None:
         check_decode_kernel_max_tokens(decode_kernel_max_tokens)
     if family.experts is None:
@@ -446,11 +447,11 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
         for m in bound:
             m.forward = MethodType(partial(rollout_experts_forward, spec=family.experts,
                                            decode_kernel_max_tokens=decode_kernel_max_tokens,
-                                           route_kernels=fused_routing), m)
+                                           route_kernels=route_kernels), m)
         for w, chain, experts in outer:
             w.forward = MethodType(partial(_adapted_rollout_forward, chain=chain, experts=experts, spec=family.experts,
                                            peft_forward=w.forward, decode_kernel_max_tokens=decode_kernel_max_tokens,
-                                           route_kernels=fused_routing), w)
+                                           route_kernels=route_kernels), w)
         yield (len(bound), len(modules))
     finally:
         for m, forward in saved:

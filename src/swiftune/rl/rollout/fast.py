@@ -191,9 +191,12 @@ class FastRolloutEngine:
             (``None``: :func:`swiftune.models.experts.default_decode_kernel_cap`, 16 tokens, 64 for
             gpt-oss's interleaved layout, where the kernels won on the H200; 0: the grouped GEMM always).
         moe_fused_routing: mixture-of-experts models: the routers' softmax / top-k / renormalisation in one
-            Triton launch (:mod:`swiftune.kernels.moe_router`), and the grouped-GEMM path's sort by expert and
-            weighted combine in one launch each (:mod:`swiftune.kernels.moe_route`), the same numbers as
-            torch's ops with fewer launches a layer; ``False``: torch's ops (the baseline of an A/B).
+            Triton launch (:mod:`swiftune.kernels.moe_router`) instead of five; ``False``: torch's ops (the
+            baseline of an A/B).
+        moe_route_kernels: mixture-of-experts steps above the decode kernels' cap (G=64 on Qwen3-MoE, and
+            prefill): the grouped-GEMM path's sort by expert and weighted combine in one launch each
+            (:mod:`swiftune.kernels.moe_route`), the same bits as torch's ops with about twenty fewer launches
+            a layer; off until timed on a GPU (``scripts/gpu_suite.sh moe-routing-ab``).
         decode_attention: a decode step's attention over the cache (no soft-cap): ``"sdpa"``, one program per
             row and K/V head over the whole cache (gpt-oss's sinks: matmul, float32 softmax, matmul);
             ``"split"``, the cache cut into chunks across the SMs and merged, sinks included
@@ -223,7 +226,8 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 moe_fused_routing: bool = True, decode_attention: str = "sdpa", nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
+                 moe_fused_routing: bool = True, moe_route_kernels: bool = False, decode_attention: str = "sdpa",
+                 nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
@@ -252,6 +256,7 @@ class FastRolloutEngine:
         self.moe_decode_max_tokens = (None if moe_decode_max_tokens is None
                                       else check_decode_kernel_max_tokens(moe_decode_max_tokens))
         self.moe_fused_routing = bool(moe_fused_routing)
+        self.moe_route_kernels = bool(moe_route_kernels)
         self.decode_attention = decode_attention
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
@@ -302,7 +307,8 @@ class FastRolloutEngine:
         dense = self._uses_nf4_dense()
         try:
             with torch.no_grad(), rollout_experts(self.model, FAMILIES[hf.config.model_type],
-                                                  self.moe_decode_max_tokens, self.moe_fused_routing) as (bound, total), \
+                                                  self.moe_decode_max_tokens, self.moe_fused_routing,
+                                                  self.moe_route_kernels) as (bound, total), \
                     nf4_dense_layers(self.model, dense) as dense_layers, \
                     nf4_decode_layers(self.model, self.nf4_decode_kernel and not dense, self.nf4_decode_max_rows):
                 if bound < total:
