@@ -113,3 +113,33 @@ def test_router_topk_keeps_distinct_experts_in_range_on_nan_logits(order):
     assert ((index >= 0) & (index < 12)).all()
     assert all(len(set(row)) == 4 for row in index.tolist())
     assert 4 not in index[1].tolist()  # a NaN logit ranks last
+
+
+def test_engine_with_lora_on_the_router_equals_generate_of_the_peft_model(monkeypatch):
+    """PEFT's "all-linear" (swiftune's default targets) wraps Qwen3-MoE's router too (a ParamWrapper on its
+    weight): in the engine the fused top-k runs inside that wrapper on the adapted weight, and greedy tokens
+    (fp32) equal transformers' generate on the unpatched PEFT model."""
+    from peft import LoraConfig, get_peft_model
+
+    import swiftune.models.experts as experts_module
+    from swiftune import FastModel
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+    from tests.test_moe_rollout import PAD, PROMPTS, _hf_greedy
+
+    base = tiny_moe("qwen3_moe", seed=6, eos_token_id=None)
+    torch.manual_seed(1)
+    reference = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                init_lora_weights=False)).eval()
+    policy = patch_model(copy.deepcopy(base), kernel_backend="triton")
+    policy = FastModel.get_peft_model(policy, r=4, lora_alpha=8, init_lora_weights=False,
+                                      use_gradient_checkpointing=False, target_modules="all-linear")
+    policy.load_state_dict(reference.state_dict())
+    assert type(policy.base_model.model.model.layers[0].mlp.gate).__name__ == "ParamWrapper"
+    calls = []
+    monkeypatch.setattr(experts_module, "moe_router_topk", lambda *a, **k: calls.append(a) or moe_router_topk(*a, **k))
+    engine = FastRolloutEngine(policy.eval().to(DEVICE), pad_token_id=PAD, kv_bucket=4,
+                               use_cuda_graph=torch.cuda.is_available())
+    out = engine.generate(PROMPTS, 1, SamplingParams(max_tokens=10, temperature=0, stop_token_ids=()))
+    assert calls
+    for prompt, got in zip(PROMPTS, out.completion_ids):
+        assert got == _hf_greedy(reference.to(DEVICE), prompt, 10)
