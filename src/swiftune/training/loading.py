@@ -571,8 +571,9 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
-        check_target_parameters_adapted(peft_model, lora_kwargs.get("target_parameters"))
-        warn_about_unmatched_target_modules(peft_model, target_modules)
+        adapted = _adapted_parameter_paths(peft_model)  # one walk for both checks
+        check_target_parameters_adapted(peft_model, lora_kwargs.get("target_parameters"), adapted)
+        warn_about_unmatched_target_modules(peft_model, target_modules, adapted)
         if tiled_mlp or (tiled_mlp is None and use_gradient_checkpointing in ("offload", "unsloth")):
             # Long contexts: the MLP (LoRA projections included, hence after PEFT wrapped them)
             # runs in tiles along the sequence so one layer's temporaries stay a few GB.
@@ -609,6 +610,11 @@ def _adapted_parameter_paths(peft_model: nn.Module) -> set[str]:
     return adapted
 
 
+def _names_end_with(name: str, target: str) -> bool:
+    """Whether the dotted ``name`` is ``target`` or ends with it as whole components (PEFT's suffix match)."""
+    return name == target or name.endswith("." + target)
+
+
 def expert_stack_names(model: nn.Module) -> list[str]:
     """The model's stacked (3-D) weights, named below their layer (``mlp.experts.gate_up_proj``), with or without
     PEFT's wrappers around them."""
@@ -621,17 +627,21 @@ def expert_stack_names(model: nn.Module) -> list[str]:
 _MLP_NAMES = frozenset({"gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3"})
 
 
-def warn_about_unmatched_target_modules(peft_model: nn.Module, target_modules: Any) -> list[str]:
+def warn_about_unmatched_target_modules(peft_model: nn.Module, target_modules: Any,
+                                        adapted: set[str] | None = None) -> list[str]:
     """Warn about names of a ``target_modules`` list that adapted nothing (PEFT skips them once another name
     matched): the gate/up/down names of a dense-model recipe on gpt-oss, whose experts are parameters, left its
     experts untrained without a word. Names of MLP projections count as adapted where PEFT mapped them onto
-    expert stacks. Returns the names warned about (a regular expression or ``"all-linear"``: none)."""
+    expert stacks. Returns the names warned about (a regular expression or ``"all-linear"``: none).
+    ``adapted``: :func:`_adapted_parameter_paths` of ``peft_model`` where the caller has it already."""
     if isinstance(target_modules, str) or not target_modules:
         return []
     wrapped = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
-    experts_adapted = any(".experts." in p for p in _adapted_parameter_paths(peft_model))
+    if adapted is None:
+        adapted = _adapted_parameter_paths(peft_model)
+    experts_adapted = any(".experts." in p for p in adapted)
     missed = [t for t in target_modules
-              if not any(n == t or n.endswith("." + t) for n in wrapped) and not (t in _MLP_NAMES and experts_adapted)]
+              if not any(_names_end_with(n, t) for n in wrapped) and not (t in _MLP_NAMES and experts_adapted)]
     if missed:
         stacks = expert_stack_names(peft_model)
         hint = (f"; this model's experts are parameters, which target_parameters adapts: {stacks}" if stacks
@@ -641,16 +651,19 @@ def warn_about_unmatched_target_modules(peft_model: nn.Module, target_modules: A
     return missed
 
 
-def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: Iterable[str] | None) -> None:
+def check_target_parameters_adapted(peft_model: nn.Module, target_parameters: Iterable[str] | None,
+                                    adapted: set[str] | None = None) -> None:
     """Refuse ``target_parameters`` names that adapted nothing. PEFT skips such a name without a word when the
     module targets matched (``gate_proj`` for gpt-oss's ``gate_up_proj``: the experts would train no adapter);
-    a name counts as adapted when a ``ParamWrapper`` adapts a parameter whose full name ends with it."""
+    a name counts as adapted when a ``ParamWrapper`` adapts a parameter whose full name ends with it.
+    ``adapted``: :func:`_adapted_parameter_paths` of ``peft_model`` where the caller has it already."""
     if not target_parameters:
         return
     if isinstance(target_parameters, str):
         target_parameters = [target_parameters]
-    adapted = _adapted_parameter_paths(peft_model)
-    missed = [t for t in target_parameters if not any(a == t or a.endswith("." + t) for a in adapted)]
+    if adapted is None:
+        adapted = _adapted_parameter_paths(peft_model)
+    missed = [t for t in target_parameters if not any(_names_end_with(a, t) for a in adapted)]
     if not missed:
         return
     stacked = expert_stack_names(peft_model)  # what could be meant
