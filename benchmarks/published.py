@@ -45,6 +45,15 @@ def _modes(*modes):
     return lambda row: row.mode in modes
 
 
+def _moe_sft(file: str, model: str, out: str, extra: str = "") -> dict:
+    """A ``sft_moe_b16`` file of 2026-12-06 (one H100 80GB): batch 16, swiftune, TRL and TRL + Liger, each mode in
+    its own process; ``extra``: more options of the command, ending in a space."""
+    return dict(figure="sft_moe_b16", file=f"2026-12-06/{file}", date="2026-12-06", versions=WITH_TRL,
+                gpu="NVIDIA H100 80GB HBM3",
+                command=f"{MOE_SFT} {model} --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free "
+                        f"trl_liger {extra}--out {out}")
+
+
 def _not_rows(rows: int):
     """Every row of a rollout figure's file but those of ``rows`` sequences (measured again later)."""
     return lambda row: row.settings.get("rows") != rows
@@ -448,25 +457,16 @@ FIGURES: list[dict] = [
     # Qwen3-30B-A3B also adapts the experts' fused weights (PEFT's target_parameters) and on gpt-oss-20b only the
     # attention projections (its experts are not linear modules); Liger 0.8.5's Qwen3-MoE patch fails on PEFT's
     # expert wrapper (AttributeError), so that shape's baseline is TRL alone.
-    dict(figure="sft_moe_b16", file="2026-12-06/sft_moe_gpt-oss-20b_b16_h100.json", date="2026-12-06",
-         versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
-         command=f"{MOE_SFT} gpt-oss-20b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
-                 "--out moe_sft_gpt-oss-20b.json"),
-    dict(figure="sft_moe_b16", file="2026-12-06/sft_moe_qwen3-30b-a3b_b16_h100.json", date="2026-12-06",
-         versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
-         command=f"{MOE_SFT} qwen3-30b-a3b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
-                 "--out moe_sft_qwen3-30b-a3b.json"),
+    _moe_sft("sft_moe_gpt-oss-20b_b16_h100.json", "gpt-oss-20b", "moe_sft_gpt-oss-20b.json"),
+    _moe_sft("sft_moe_qwen3-30b-a3b_b16_h100.json", "qwen3-30b-a3b", "moe_sft_qwen3-30b-a3b.json"),
     # a later call (another H100 80GB, the same day): gpt-oss-20b with its experts adapted too (PEFT's
     # target_parameters beside all-linear, in every mode), each mode in its own process (gpu_suite.sh moe-sft-experts)
-    dict(figure="sft_moe_b16", file="2026-12-06/sft_moe_experts_gpt-oss-20b_b16_h100.json", date="2026-12-06",
-         versions=WITH_TRL, gpu="NVIDIA H100 80GB HBM3",
-         command=f"{MOE_SFT} gpt-oss-20b --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free trl_liger "
-                 "--lora-target-parameters mlp.experts.gate_up_proj mlp.experts.down_proj "
-                 "--out moe_sft_experts_gpt-oss-20b.json"),
+    _moe_sft("sft_moe_experts_gpt-oss-20b_b16_h100.json", "gpt-oss-20b", "moe_sft_experts_gpt-oss-20b.json",
+             "--lora-target-parameters mlp.experts.gate_up_proj mlp.experts.down_proj "),
     # GRPO, gpt-oss-20b on an 80e9-byte budget, one device call then two polls of one H100: swiftune at the
     # planner's bracket (213,504 fitted; the time budget skipped 204,032, which a fit above rules in; no failure
     # tried), then TRL's loss path bisected to 5%
-    # and a later call (another H100 80GB, the same day): one more swiftune trial, at 224,000 (5% above 213,504)
+    # and a later call (another H100 80GB, the same day): one more swiftune trial, at 224,000 (4.9% above 213,504)
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=BASE,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("swiftune"),
          command=f"{GPTOSS_GRPO} --bisect-modes swiftune --completion-from-planner --time-budget 560 "
