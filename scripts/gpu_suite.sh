@@ -593,15 +593,13 @@ case "$part" in
     run decode_kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention_kernel.py \
       tests/test_moe_route_kernel.py tests/test_moe_router_kernel.py
     for attention in sdpa split; do
-      run "rollout_attention_${attention}_qwen3-8b" 150 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 \
-        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --decode-attention "$attention" \
-        --time-budget 120 --out "$OUT/rollout_attention_${attention}_qwen3-8b.json"
-      run "rollout_attention_${attention}_qwen3-30b-a3b" 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b \
-        --rows 8 --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 \
-        --decode-attention "$attention" --time-budget 120 --out "$OUT/rollout_attention_${attention}_qwen3-30b-a3b.json"
-      run "rollout_attention_${attention}_gpt-oss-20b" 150 python3 -m benchmarks.rollout --model gpt-oss-20b \
-        --rows 8 --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 \
-        --decode-attention "$attention" --time-budget 120 --out "$OUT/rollout_attention_${attention}_gpt-oss-20b.json"
+      for shape in "qwen3-8b 8 64" "qwen3-30b-a3b 8" "gpt-oss-20b 8"; do  # a model, then its G values
+        read -r model rows <<< "$shape"
+        # shellcheck disable=SC2086  # $rows: one G or several
+        run "rollout_attention_${attention}_$model" 150 python3 -m benchmarks.rollout --model "$model" --rows $rows \
+          --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --decode-attention "$attention" \
+          --time-budget 120 --out "$OUT/rollout_attention_${attention}_$model.json"
+      done
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)
