@@ -367,12 +367,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--moe-fused-routing", action=argparse.BooleanOptionalAction, default=True,
                    help="MoE shapes: the routers' top-k as one Triton launch (the engine's default); "
                         "--no-moe-fused-routing: torch's ops (FastRolloutEngine(moe_fused_routing=False))")
-    p.add_argument("--moe-route-kernels", action="store_true",
+    p.add_argument("--moe-route-kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="MoE shapes: steps above the decode kernels' cap sort and combine in one launch each "
-                        "(FastRolloutEngine(moe_route_kernels=True); off by default)")
-    p.add_argument("--decode-attention", choices=("sdpa", "split"), default="sdpa",
-                   help="the decode step's attention over the cache: SDPA (the engine's default) or the split "
-                        "kernel (FastRolloutEngine(decode_attention='split'), swiftune.kernels.decode_attention)")
+                        "(the engine's default); --no-moe-route-kernels: torch's ops "
+                        "(FastRolloutEngine(moe_route_kernels=False)), the baseline")
+    p.add_argument("--decode-attention", choices=("auto", "sdpa", "split"), default="auto",
+                   help="the decode step's attention over the cache: the split kernel where it compiles (auto, the "
+                        "engine's default; swiftune.kernels.decode_attention), always (split) or SDPA (sdpa, the "
+                        "baseline) (FastRolloutEngine(decode_attention=...))")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "

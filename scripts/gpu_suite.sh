@@ -581,8 +581,9 @@ case "$part" in
     # more tokens, in one call: torch's ops, the router top-k kernel (the default), and with the route kernels too
     # (the sort and combine above the decode kernels' cap) (~7 min)
     for routing in no-fused-routing fused-routing route-kernels; do
-      flags=(--moe-fused-routing); [ "$routing" = no-fused-routing ] && flags=(--no-moe-fused-routing)
-      [ "$routing" = route-kernels ] && flags+=(--moe-route-kernels)
+      flags=(--moe-fused-routing --no-moe-route-kernels)
+      [ "$routing" = no-fused-routing ] && flags=(--no-moe-fused-routing --no-moe-route-kernels)
+      [ "$routing" = route-kernels ] && flags=(--moe-fused-routing --moe-route-kernels)
       run "rollout_moe_$routing" 200 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 \
         --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 150 \
         --out "$OUT/rollout_moe_$routing.json"
@@ -605,7 +606,8 @@ case "$part" in
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)
     for cap in 16 64; do
       run "rollout_moe_cap$cap" 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
-        --no-baselines --no-checks --lora-rows --profile-steps 256 --moe-decode-max-tokens "$cap" --time-budget 120 \
+        --no-baselines --no-checks --lora-rows --profile-steps 256 --moe-decode-max-tokens "$cap" --no-moe-route-kernels \
+        --decode-attention sdpa --time-budget 120 \
         --out "$OUT/rollout_moe_cap$cap.json"
     done ;;
   moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B

@@ -131,3 +131,27 @@ def test_engine_with_split_decode_attention_equals_generate_on_moe_families(fami
     for prompt, got in zip(PROMPTS, out.completion_ids):
         assert got == _hf_greedy(reference.to(DEVICE), prompt, 12)
     assert calls and (family != "gpt_oss" or any(len(a) > 6 and a[6] is not None for a in calls))  # sinks passed
+
+
+def test_auto_decode_attention_takes_the_split_kernel_only_where_it_was_timed(monkeypatch):
+    """``decode_attention="auto"`` (the engine's default): the split kernel on CUDA for power-of-two head
+    dimensions of 16 to 128; SDPA on the CPU, for other head dimensions (Gemma 3's 256, 80, 96) and where
+    ``"sdpa"`` is asked for; ``"split"`` always."""
+    from types import SimpleNamespace
+
+    import swiftune.rl.rollout.kv_cache as engine_cache
+    from swiftune.rl.rollout import FastRolloutEngine
+    from swiftune.rl.rollout.kv_cache import DecodeContext
+    from tests.helpers import tiny_model
+
+    monkeypatch.setattr(engine_cache, "HAS_TRITON", True)
+    on_cuda = {dim: SimpleNamespace(shape=(8, 32, 1, dim), is_cuda=True) for dim in (8, 16, 64, 80, 96, 128, 256)}
+    auto = DecodeContext(None, "auto")
+    assert [d for d, q in on_cuda.items() if auto.split_attention_applies(q)] == [16, 64, 128]
+    assert not auto.split_attention_applies(SimpleNamespace(shape=(8, 32, 1, 128), is_cuda=False))
+    assert not DecodeContext(None, "auto", decode_attention="sdpa").split_attention_applies(on_cuda[128])
+    assert DecodeContext(None, "auto", decode_attention="split").split_attention_applies(on_cuda[80])
+    monkeypatch.setattr(engine_cache, "HAS_TRITON", False)
+    assert not auto.split_attention_applies(on_cuda[128])
+    engine = FastRolloutEngine(tiny_model("qwen3"))
+    assert engine.decode_attention == "auto" and engine.moe_route_kernels and engine.moe_fused_routing

@@ -101,7 +101,7 @@ def test_rollout_experts_above_the_cap_take_the_route_kernels(family, monkeypatc
 def test_routing_settings_bind_what_they_say(monkeypatch):
     """``rollout_experts``: the router kernel unless ``fused_routing=False`` (``FastRolloutEngine(
     moe_fused_routing=False)``, the A/B's baseline); the sort kernel only with ``route_kernels=True``
-    (``FastRolloutEngine(moe_route_kernels=True)``, off until timed on a GPU); the engine passes both through."""
+    (``FastRolloutEngine(moe_route_kernels=True)``, the default); the engine passes both through."""
     torch.manual_seed(0)
     model = patch_model(tiny_moe("qwen3_moe").to(DEVICE), kernel_backend="triton")
     family = FAMILIES["qwen3_moe"]

@@ -196,13 +196,13 @@ class FastRolloutEngine:
         moe_route_kernels: mixture-of-experts steps above the decode kernels' cap (G=64 on Qwen3-MoE, and
             prefill): the grouped-GEMM path's sort by expert and weighted combine in one launch each
             (:mod:`swiftune.kernels.moe_route`), the same bits as torch's ops with about twenty fewer launches
-            a layer; off until timed on a GPU (``scripts/gpu_suite.sh moe-routing-ab``).
-        decode_attention: a decode step's attention over the cache (no soft-cap): ``"sdpa"``, one program per
-            row and K/V head over the whole cache (gpt-oss's sinks: matmul, float32 softmax, matmul);
-            ``"split"``, the cache cut into chunks across the SMs and merged, sinks included
-            (:mod:`swiftune.kernels.decode_attention`, flash-decoding), for steps of few rows whose SDPA leaves
-            most SMs idle. ``"sdpa"`` stays the default until the split kernel is measured on
-            a GPU (``scripts/gpu_suite.sh decode-attention-ab``).
+            a layer (the decode step's time: docs/benchmarks.md, "rollout_moe"); ``False``: torch's ops.
+        decode_attention: a decode step's attention over the cache (no soft-cap): ``"split"``, the cache cut
+            into chunks across the SMs and merged, sinks included (:mod:`swiftune.kernels.decode_attention`,
+            flash-decoding); ``"sdpa"``, one program per row and K/V head over the whole cache (gpt-oss's
+            sinks: matmul, float32 softmax, matmul); ``"auto"``: ``"split"`` on CUDA for head dimensions of 16
+            to 128 (powers of two: where it was timed), else ``"sdpa"`` (the A/B: docs/benchmarks.md,
+            "rollout_decode_attention").
         nf4_decode_kernel: bitsandbytes NF4 (QLoRA) base weights: decode steps of 2 to ``nf4_decode_max_rows``
             rows multiply through swiftune's weight-only NF4 kernel (:mod:`swiftune.models.nf4_decode`), which
             decodes the 4-bit codes in registers, instead of bitsandbytes' dequantise-then-multiply (faster at
@@ -226,15 +226,15 @@ class FastRolloutEngine:
                  keep_cache: bool | str = "auto", check_every: int = 16, kv_bucket: int = 256, lora: str = "auto",
                  share_prompt_prefill: bool = True, attention_backend: str = "auto", memory_fraction: float = 0.8,
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
-                 moe_fused_routing: bool = True, moe_route_kernels: bool = False, decode_attention: str = "sdpa",
+                 moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
             raise ValueError(f"lora must be 'auto', 'runtime' or 'merge', got {lora!r}")
-        if decode_attention not in ("sdpa", "split"):
-            raise ValueError(f"decode_attention must be 'sdpa' or 'split', got {decode_attention!r}")
+        if decode_attention not in ("auto", "sdpa", "split"):
+            raise ValueError(f"decode_attention must be 'auto', 'sdpa' or 'split', got {decode_attention!r}")
         if nf4_dense not in (True, False, "auto"):
             raise ValueError(f"nf4_dense must be True, False or 'auto', got {nf4_dense!r}")
         self.model = model

@@ -15,6 +15,7 @@ from ...attention.kv_cache import (additive_mask, cached_attention, sink_cached_
                                    softcapped_cached_attention)
 from ...attention.sinks import sink_attention
 from ...kernels.decode_attention import split_decode_attention
+from ...kernels.launch import HAS_TRITON
 
 
 class Workspace:
@@ -93,10 +94,10 @@ class Workspace:
 class DecodeContext:
     """What the attention function needs during one forward (passed to every layer as a kwarg)."""
 
-    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False, decode_attention: str = "sdpa"):
+    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False, decode_attention: str = "auto"):
         self.ws, self.backend = ws, backend
         self.fused_layers = fused_layers  # run the engine's fused pre-norm layer loop (decided per call)
-        self.decode_attention = decode_attention  # "sdpa", or "split": swiftune.kernels.decode_attention
+        self.decode_attention = decode_attention  # "auto", "sdpa", or "split": swiftune.kernels.decode_attention
         self.mode = "decode"
         self.kv_len = 0
         self.packed = None
@@ -138,13 +139,23 @@ class DecodeContext:
         vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
         return self.attend_cached(layer, query, scale, window, softcap, sinks)
 
+    def split_attention_applies(self, query: torch.Tensor) -> bool:
+        """Whether a decode step's attention runs the split kernel: ``"split"`` always (it raises on a head
+        dimension it cannot take); ``"auto"`` on CUDA for the head dimensions it was timed at, powers of two
+        from 16 to 128 (Gemma 3's 256 keeps SDPA until measured); on the CPU SDPA (the interpreter is for the
+        tests, which ask for ``"split"``)."""
+        if self.decode_attention != "auto":
+            return self.decode_attention == "split"
+        dim = query.shape[-1]
+        return query.is_cuda and HAS_TRITON and 16 <= dim <= 128 and dim & (dim - 1) == 0
+
     def attend_cached(self, layer: int, query, scale: float, window: int | None, softcap: float | None = None,
                       sinks: torch.Tensor | None = None):
         """Decode attention of ``query [B, Hq, 1, D]`` over the cache, this step's K/V already in it
         (``sinks [Hq]``: gpt-oss's sink logits); returns ``[B, 1, Hq, D]``."""
         keys = self.ws.k[layer][:, :, :self.kv_len]
         values = self.ws.v[layer][:, :, :self.kv_len]
-        if not softcap and self.decode_attention == "split":
+        if not softcap and self.split_attention_applies(query):
             rows, heads, _, dim = query.shape
             kv_heads = keys.shape[1]
             out = split_decode_attention(query.reshape(rows, kv_heads, heads // kv_heads, dim), keys, values,
