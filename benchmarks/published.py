@@ -35,14 +35,27 @@ QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.jso
 MOE_SFT = "python -m benchmarks.sft --model"
 GPTOSS_GRPO = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
                "--model gpt-oss-20b --share-prompt --gpu-budget-gb 80")
-GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_224k_h100.json"
+GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_235k_h100.json"
 GPTOSS_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out grpo_gptoss_80gb.json gptoss_grpo.json:swiftune "
-                     "gptoss_grpo_at_80.json:swiftune=+swiftune gptoss_grpo_trl.json:trl_grpo")
+                     "gptoss_grpo_at_80.json:swiftune=+swiftune gptoss_grpo_at_80_235008.json:swiftune=+swiftune "
+                     "gptoss_grpo_trl.json:trl_grpo")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
 def _modes(*modes):
     return lambda row: row.mode in modes
+
+
+def _moe_routing(file: str, label: str, flags: str) -> dict:
+    """A ``rollout_moe`` file of the 2026-12-06 routing A/B (one H100 80GB, one call): Qwen3-30B-A3B, G 8 and 64,
+    the routing options ``flags``, profiled for 256 more tokens."""
+    return dict(figure="rollout_moe", file=f"2026-12-06/{file}", date="2026-12-06", versions=BASE,
+                gpu="NVIDIA H100 80GB HBM3",
+                settings={"experts": f"decode kernels <= 16 tokens (G=64: grouped GEMM), {label}, routing A/B call"},
+                command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 "
+                        f"--no-baselines --no-checks --lora-rows --profile-steps 256 {flags} --decode-attention sdpa "
+                        "--time-budget 150 "
+                        f"--out {file.removesuffix('_h100.json')}.json")
 
 
 def _moe_sft(file: str, model: str, out: str, extra: str = "") -> dict:
@@ -333,6 +346,32 @@ FIGURES: list[dict] = [
          settings={"experts": "decode kernels <= 16 tokens (G=64: grouped GEMM), router top-k kernel"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 --no-baselines "
                  "--no-checks --profile-steps 256 --time-budget 200 --out rollout_moe_profile.json"),
+    # 2026-12-06, another H100 80GB, one detached chain (scripts/gpu_suite.sh moe-routing-ab, then moe-cap-ab):
+    # Qwen3-30B-A3B with torch's routing ops, with the router top-k kernel, and with the route kernels too (the
+    # grouped-GEMM path's sort and combine in one launch each: the default since); then the G=64 step with the
+    # decode kernels up to 64 tokens against the cap of 16 (route kernels off, as then)
+    *(_moe_routing(f"rollout_moe_{name}_h100.json", label, flags) for name, label, flags in (
+        ("no-fused-routing", "torch's routing ops", "--no-moe-fused-routing --no-moe-route-kernels"),
+        ("fused-routing", "router top-k kernel", "--moe-fused-routing --no-moe-route-kernels"),
+        ("route-kernels", "router top-k + route kernels", "--moe-fused-routing --moe-route-kernels"))),
+    *(dict(figure="rollout_moe", file=f"2026-12-06/rollout_moe_cap{cap}_h100.json", date="2026-12-06",
+           versions=BASE, gpu="NVIDIA H100 80GB HBM3",
+           settings={"experts": f"decode kernels <= {cap} tokens, router top-k kernel, cap A/B call"},
+           command="python -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 --no-baselines "
+                   f"--no-checks --lora-rows --profile-steps 256 --moe-decode-max-tokens {cap} --no-moe-route-kernels "
+                   f"--decode-attention sdpa --time-budget 120 --out rollout_moe_cap{cap}.json")
+      for cap in (16, 64)),
+    # the same chain, first part (scripts/gpu_suite.sh decode-attention-ab): the decode step's attention through
+    # SDPA and through the split kernel (swiftune.kernels.decode_attention; "auto", the default since, takes it
+    # on CUDA), each shape and attention its own run, route kernels off (as then; they touch no timed MoE step
+    # here: G=8 runs the decode kernels)
+    *(dict(figure="rollout_decode_attention", file=f"2026-12-06/rollout_attention_{attention}_{model}_h100.json",
+           date="2026-12-06", versions=BASE, gpu="NVIDIA H100 80GB HBM3", settings={"decode_attention": attention},
+           command=f"python -m benchmarks.rollout --model {model} --rows {rows} --new-tokens 1024 --no-baselines "
+                   f"--no-checks --lora-rows --profile-steps 256 --decode-attention {attention} --no-moe-route-kernels "
+                   f"--time-budget 120 --out rollout_attention_{attention}_{model}.json")
+      for model, rows in (("qwen3-8b", "8 64"), ("qwen3-30b-a3b", "8"), ("gpt-oss-20b", "8"))
+      for attention in ("sdpa", "split")),
     # session 22, one device call: the engine decoding from NF4 (bitsandbytes) weights, LoRA r=16 at run time at
     # G=8, beside transformers' generate on the same 4-bit model
     dict(figure="rollout_nf4", file="2026-12-03/rollout_nf4_qwen3-8b_h200.json", date="2026-12-03",
@@ -466,12 +505,15 @@ FIGURES: list[dict] = [
     # GRPO, gpt-oss-20b on an 80e9-byte budget, one device call then two polls of one H100: swiftune at the
     # planner's bracket (213,504 fitted; the time budget skipped 204,032, which a fit above rules in; no failure
     # tried), then TRL's loss path bisected to 5%
-    # and a later call (another H100 80GB, the same day): one more swiftune trial, at 224,000 (4.9% above 213,504)
+    # and later calls (other H100 80GBs, the same day): one more swiftune trial at 224,000 (4.9% above 213,504),
+    # then one at 235,008 (4.9% above 224,000); both fitted
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=BASE,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("swiftune"),
          command=f"{GPTOSS_GRPO} --bisect-modes swiftune --completion-from-planner --time-budget 560 "
                  f"--out gptoss_grpo.json && {GPTOSS_GRPO} --bisect-modes swiftune --completion-lengths 224000 "
-                 f"--fixed-only --time-budget 2900 --out gptoss_grpo_at_80.json && {GPTOSS_GRPO_MERGE}"),
+                 f"--fixed-only --time-budget 2900 --out gptoss_grpo_at_80.json && {GPTOSS_GRPO} --bisect-modes "
+                 f"swiftune --completion-lengths 235008 --fixed-only --time-budget 2900 --out "
+                 f"gptoss_grpo_at_80_235008.json && {GPTOSS_GRPO_MERGE}"),
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=WITH_TRL,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("trl_grpo"),
          command=f"{GPTOSS_GRPO} --bisect-modes trl_grpo --time-budget 400 --out gptoss_grpo_trl.json && "

@@ -485,6 +485,7 @@ def rollout(fig: Figure) -> str:
         out.append([MODELS.get(model, model), str(s["rows"]), f"{s['new_tokens']:,}",
                     ("fused layers" if s.get("fused_layers") else "layers' own forward")
                     + (f", experts: {s['experts']}" if s.get("experts") else "")
+                    + (f", decode attention: {s['decode_attention']}" if s.get("decode_attention") else "")
                     + (f", NF4 matmul: {s['nf4_matmul']}" if s.get("nf4_matmul") else ""), fmt(tps, thousands=True),
                     fmt(ms), fmt(floor), fmt(ms / floor), fmt(st, thousands=True) if st else "-",
                     fmt(tps / st) if st else "-", fmt(dy, thousands=True) if dy else "-",
@@ -578,7 +579,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_65k_attn": grpo_65k_attn, "grpo_largest": grpo_largest,
           "grpo_step": grpo_step, "grpo_e2e_qwen3-1.7b": grpo_e2e,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
-          "rollout_moe": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
+          "rollout_moe": rollout, "rollout_decode_attention": rollout, "rollout_fp8": rollout_fp8, "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
           "fp8_sft_qwen3-8b": sft_fp8, "fp8_sft_16k_shared_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
           "sft_deferred_check_qwen3-8b": sft_busy, "qlora_grpo_80gb_qwen3-8b": grpo_largest_beside,

@@ -585,7 +585,8 @@ case "$part" in
       [ "$routing" = no-fused-routing ] && flags=(--no-moe-fused-routing --no-moe-route-kernels)
       [ "$routing" = route-kernels ] && flags=(--moe-fused-routing --moe-route-kernels)
       run "rollout_moe_$routing" 200 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 \
-        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 150 \
+        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" \
+        --decode-attention sdpa --time-budget 150 \
         --out "$OUT/rollout_moe_$routing.json"
     done ;;
   decode-attention-ab)  # the split decode attention (flash-decoding) against SDPA in the engine, one call: its and
@@ -599,7 +600,7 @@ case "$part" in
         # shellcheck disable=SC2086  # $rows: one G or several
         run "rollout_attention_${attention}_$model" 150 python3 -m benchmarks.rollout --model "$model" --rows $rows \
           --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --decode-attention "$attention" \
-          --time-budget 120 --out "$OUT/rollout_attention_${attention}_$model.json"
+          --no-moe-route-kernels --time-budget 120 --out "$OUT/rollout_attention_${attention}_$model.json"
       done
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
