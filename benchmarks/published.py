@@ -361,6 +361,15 @@ FIGURES: list[dict] = [
                    f"--no-checks --lora-rows --profile-steps 256 --moe-decode-max-tokens {cap} --no-moe-route-kernels "
                    f"--decode-attention sdpa --time-budget 120 --out rollout_moe_cap{cap}.json")
       for cap in (16, 64)),
+    # later the same day, the same H100 (two calls after the chain): the engine's defaults since, together: the
+    # router top-k and route kernels, the split decode attention (decode kernels up to 16 tokens, 64 on gpt-oss)
+    *(dict(figure="rollout_moe", file=f"2026-12-06/{file}_h100.json", date="2026-12-06", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3",
+           settings={"experts": "router top-k + route kernels, split decode attention (the defaults)"},
+           command=f"python -m benchmarks.rollout --model {model} --rows 8 64 --new-tokens 1024 --no-baselines "
+                   f"--no-checks --lora-rows --time-budget {budget} --out {file}.json")
+      for file, model, budget in (("rollout_moe_defaults", "qwen3-30b-a3b", 110),
+                                  ("rollout_gptoss_defaults", "gpt-oss-20b", 70))),
     # the same chain, first part (scripts/gpu_suite.sh decode-attention-ab): the decode step's attention through
     # SDPA and through the split kernel (swiftune.kernels.decode_attention; "auto", the default since, takes it
     # on CUDA), each shape and attention its own run, route kernels off (as then; they touch no timed MoE step
