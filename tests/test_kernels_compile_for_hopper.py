@@ -25,12 +25,25 @@ from swiftune.kernels import decode_attention, moe_decode, moe_route, moe_router
 HOPPER = GPUTarget("cuda", 90, 32)
 
 CASES = {
-    "expert_sort, Qwen3-30B-A3B (128 experts, top-8)": (
-        moe_route._expert_sort_kernel,
-        {"idx_ptr": "*i64", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32", "slot_ptr": "*i64",
-         "num_assign": "i32", "num_experts": "i32", "TOP_K": "constexpr", "BLOCK_A": "constexpr",
-         "BLOCK_E": "constexpr", "BLOCK_K": "constexpr", "NO_EXPERT": "constexpr"},
-        {"TOP_K": 8, "BLOCK_A": 64, "BLOCK_E": 128, "BLOCK_K": 8, "NO_EXPERT": 2**30}, {}),
+    "expert_sort's count, Qwen3-30B-A3B (128 experts)": (
+        moe_route._expert_count_kernel,
+        {"idx_ptr": "*i64", "hist_ptr": "*i32", "num_assign": "i32", "BLOCK_A": "constexpr", "BLOCK_E": "constexpr"},
+        {"BLOCK_A": 64, "BLOCK_E": 128}, {}),
+    "expert_sort's placement, Qwen3-30B-A3B (128 experts, top-8, 8 blocks)": (
+        moe_route._expert_place_kernel,
+        {"idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32",
+         "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
+         "BLOCK_A": "constexpr", "BLOCK_E": "constexpr", "BLOCK_B": "constexpr", "BLOCK_K": "constexpr",
+         "NO_EXPERT": "constexpr"},
+        {"TOP_K": 8, "BLOCK_A": 64, "BLOCK_E": 128, "BLOCK_B": 8, "BLOCK_K": 8, "NO_EXPERT": 2**30}, {}),
+    "expert_sort's placement, the largest (256 experts, 64 blocks)": (
+        moe_route._expert_place_kernel,
+        {"idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32",
+         "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
+         "BLOCK_A": "constexpr", "BLOCK_E": "constexpr", "BLOCK_B": "constexpr", "BLOCK_K": "constexpr",
+         "NO_EXPERT": "constexpr"},
+        {"TOP_K": 8, "BLOCK_A": 64, "BLOCK_E": 256, "BLOCK_B": 64, "BLOCK_K": 8, "NO_EXPERT": 2**30},
+        {"num_warps": 8}),
     "expert_combine, bf16 rows and weights": (
         moe_route._expert_combine_kernel,
         {"y_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16",

@@ -41,7 +41,8 @@ def _torch_sort(top_k_index: torch.Tensor, experts: int):
     return order, order // top_k_index.shape[1], ends.to(torch.int32), slot_row
 
 
-@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (64, 128, 8), (37, 60, 4), (70, 256, 8), (17, 32, 1)])
+@pytest.mark.parametrize("tokens,experts,k", [(1, 8, 2), (64, 128, 8), (37, 60, 4), (70, 256, 8), (17, 32, 1),
+                                              (512, 256, 8)])  # the largest it takes: 64 blocks, 256 experts
 def test_expert_sort_equals_a_stable_sort(tokens, experts, k):
     index = _routing(tokens, experts, k, seed=tokens + experts)
     got = expert_sort(index, experts)

@@ -1,5 +1,5 @@
-"""The grouped-GEMM path's bookkeeping for a rollout step of routed experts: the sort by expert in one launch, the
-weighted combine in another.
+"""The grouped-GEMM path's bookkeeping for a rollout step of routed experts: the sort by expert in two launches,
+the weighted combine in one.
 
 Above the decode kernels' token cap (:mod:`swiftune.kernels.moe_decode`) a rollout step runs its experts as grouped
 GEMMs over the ``A = T k`` (token, expert) assignments sorted by expert. Around the two GEMMs, torch's ops take
@@ -7,13 +7,15 @@ about twenty launches a layer: a stable ``argsort`` (a radix sort, tens of micro
 assignments), a search for the blocks' ends, gathers, the inverse permutation, a second sort for each token's
 experts in ascending id, and ``k`` rounded adds. Here:
 
-* :func:`expert_sort` (one program): ``order [A]`` (the flat assignment index of each sorted row, exactly what a
-  stable sort by expert gives), ``token_of [A]``, ``ends [E]`` int32 (the end of each expert's block) and
-  ``slot_row [T, k]`` (the sorted row of token ``t``'s ``r``-th smallest expert id). A counting sort: one pass
-  counts each expert's assignments (a one-hot block summed over its rows), their running sum gives the blocks'
-  starts; a second pass places each assignment at its block's start plus the assignments of that expert seen
-  before it (earlier blocks: a running count; its own block: a strictly-lower-triangular comparison). Its rank
-  among its token's experts is how many of the token's ``k`` ids are smaller (a token's experts are distinct).
+* :func:`expert_sort` (two launches, a program per block of 64 assignments): ``order [A]`` (the flat assignment
+  index of each sorted row, exactly what a stable sort by expert gives), ``token_of [A]``, ``ends [E]`` int32 (the
+  end of each expert's rows) and ``slot_row [T, k]`` (the sorted row of token ``t``'s ``r``-th smallest expert
+  id). A counting sort: the first launch counts each block's assignments per expert (a one-hot block summed over
+  its rows); in the second, each program sums every block's counts (the running sum over experts gives each
+  expert's first row) and places its own block's assignments after that expert's rows from earlier blocks and
+  earlier lanes of its own block (a strictly-lower-triangular comparison). An assignment's rank among its token's
+  experts is how many of the token's ``k`` ids are smaller (a token's experts are distinct). Both passes in one
+  program, serially over the blocks, was the first version (docs/benchmarks.md, "rollout_moe").
 * :func:`expert_combine` (a program per token and column block)::
 
       out_t = p_{t,1} + p_{t,2} + ... + p_{t,k}       p_{t,r} = round(y[slot_row[t, r]] * w[order[slot_row[t, r]]])
@@ -35,8 +37,8 @@ from .moe_decode import moe_decode_interpreted
 
 __all__ = ["EXPERT_SORT_MAX_ASSIGNMENTS", "EXPERT_SORT_MAX_EXPERTS", "expert_combine", "expert_sort"]
 
-#: the most assignments (tokens x k) one program sorts (two passes over them in blocks of 64); a prefill
-#: above it keeps torch's sort
+#: the most assignments (tokens x k) the sort takes (every program holds all blocks' counts: 64 x E at most); a
+#: prefill above it keeps torch's sort
 EXPERT_SORT_MAX_ASSIGNMENTS = 4096
 #: the most experts a layer may have for the one-hot block (64 x E) to stay in registers
 EXPERT_SORT_MAX_EXPERTS = 256
@@ -47,35 +49,48 @@ _NO_EXPERT = 2**30  # above every expert id: the masked lanes of a token's ids
 if triton is not None:
 
     @triton.jit
-    def _expert_sort_kernel(idx_ptr, order_ptr, token_ptr, ends_ptr, slot_ptr, num_assign, num_experts,
-                            TOP_K: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
-                            BLOCK_K: tl.constexpr, NO_EXPERT: tl.constexpr):
+    def _expert_count_kernel(idx_ptr, hist_ptr, num_assign, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Program ``b``: how many of assignments ``[b BLOCK_A, (b + 1) BLOCK_A)`` each expert has, to row ``b``
+        of ``hist [blocks, BLOCK_E]``."""
+        b = tl.program_id(0)
         experts = tl.arange(0, BLOCK_E)
+        a = b * BLOCK_A + tl.arange(0, BLOCK_A)
+        e = tl.load(idx_ptr + a, mask=a < num_assign, other=-1).to(tl.int32)
+        counts = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        tl.store(hist_ptr + b * BLOCK_E + experts, counts)
+
+    @triton.jit
+    def _expert_place_kernel(idx_ptr, hist_ptr, order_ptr, token_ptr, ends_ptr, slot_ptr, num_assign, num_experts,
+                             num_blocks, TOP_K: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_E: tl.constexpr,
+                             BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, NO_EXPERT: tl.constexpr):
+        """Program ``b`` places block ``b``'s assignments: the blocks' ends from every block's counts, the start
+        of each expert's rows for this block (its block start plus the earlier blocks' counts), then each
+        assignment's row (plus the same expert's earlier lanes of this block) and its slot among its token's
+        experts. Program 0 also writes the ends."""
+        b = tl.program_id(0)
+        experts = tl.arange(0, BLOCK_E)
+        blocks = tl.arange(0, BLOCK_B)
+        hist = tl.load(hist_ptr + blocks[:, None] * BLOCK_E + experts[None, :], mask=blocks[:, None] < num_blocks,
+                       other=0)
+        total = tl.sum(hist, axis=0)
+        ends = tl.cumsum(total, axis=0)
+        tl.store(ends_ptr + experts, ends, mask=experts + b * BLOCK_E < num_experts)  # program 0 only
+        before = ends - total + tl.sum(tl.where(blocks[:, None] < b, hist, 0), axis=0)
         lanes = tl.arange(0, BLOCK_A)
-        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-        for start in range(0, num_assign, BLOCK_A):
-            a = start + lanes
-            e = tl.load(idx_ptr + a, mask=a < num_assign, other=-1).to(tl.int32)
-            counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        ends = tl.cumsum(counts, axis=0)
-        tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
-        before = ends - counts  # each block's start; grows by the assignments placed so far
+        a = b * BLOCK_A + lanes
+        valid = a < num_assign
+        e = tl.load(idx_ptr + a, mask=valid, other=-1).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+        row = tl.sum(onehot * before[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(order_ptr + row, a.to(tl.int64), mask=valid)
+        t = a // TOP_K
+        tl.store(token_ptr + row, t.to(tl.int64), mask=valid)
         ks = tl.arange(0, BLOCK_K)
-        for start in range(0, num_assign, BLOCK_A):
-            a = start + lanes
-            valid = a < num_assign
-            e = tl.load(idx_ptr + a, mask=valid, other=-1).to(tl.int32)
-            onehot = (e[:, None] == experts[None, :]).to(tl.int32)
-            earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-            row = tl.sum(onehot * before[None, :], axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
-            tl.store(order_ptr + row, a.to(tl.int64), mask=valid)
-            t = a // TOP_K
-            tl.store(token_ptr + row, t.to(tl.int64), mask=valid)
-            before += tl.sum(onehot, axis=0)
-            ids = tl.load(idx_ptr + t[:, None] * TOP_K + ks[None, :], mask=valid[:, None] & (ks[None, :] < TOP_K),
-                          other=NO_EXPERT).to(tl.int32)
-            rank = tl.sum((ids < e[:, None]).to(tl.int32), axis=1)
-            tl.store(slot_ptr + t * TOP_K + rank, row.to(tl.int64), mask=valid)
+        ids = tl.load(idx_ptr + t[:, None] * TOP_K + ks[None, :], mask=valid[:, None] & (ks[None, :] < TOP_K),
+                      other=NO_EXPERT).to(tl.int32)
+        rank = tl.sum((ids < e[:, None]).to(tl.int32), axis=1)
+        tl.store(slot_ptr + t * TOP_K + rank, row.to(tl.int64), mask=valid)
 
     @triton.jit
     def _expert_combine_kernel(y_ptr, slot_ptr, order_ptr, w_ptr, out_ptr, hidden, s_y, s_o,
@@ -102,13 +117,13 @@ if triton is not None:
         tl.store(out_ptr + t * s_o + n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 else:  # pragma: no cover
-    _expert_sort_kernel = _expert_combine_kernel = None
+    _expert_count_kernel = _expert_place_kernel = _expert_combine_kernel = None
 
 
 def expert_sort(top_k_index: torch.Tensor, num_experts: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order [A], token_of [A], ends [E] int32, slot_row [T, k])`` of the ``[T, k]`` assignments (module
-    docstring), in one launch. Takes at most :data:`EXPERT_SORT_MAX_ASSIGNMENTS` assignments and
+    docstring), in two launches. Takes at most :data:`EXPERT_SORT_MAX_ASSIGNMENTS` assignments and
     :data:`EXPERT_SORT_MAX_EXPERTS` experts, each token's ``k`` experts distinct; CUDA tensors, or CPU ones
     through the Triton interpreter."""
     tokens, top_k = top_k_index.shape
@@ -123,10 +138,15 @@ def expert_sort(top_k_index: torch.Tensor, num_experts: int
     slot_row = torch.empty(tokens, top_k, dtype=torch.int64, device=flat.device)
     if num_assign == 0:
         return order, token_of, ends.zero_(), slot_row
-    _expert_sort_kernel[(1,)](
-        flat, order, token_of, ends, slot_row, num_assign, num_experts, TOP_K=top_k, BLOCK_A=_BLOCK_A,
-        BLOCK_E=max(16, next_pow2(num_experts)), BLOCK_K=max(2, next_pow2(top_k)), NO_EXPERT=_NO_EXPERT,
-        num_warps=4,
+    blocks = triton.cdiv(num_assign, _BLOCK_A)
+    block_e = max(16, next_pow2(num_experts))
+    hist = torch.empty(blocks, block_e, dtype=torch.int32, device=flat.device)
+    _expert_count_kernel[(blocks,)](flat, hist, num_assign, BLOCK_A=_BLOCK_A, BLOCK_E=block_e, num_warps=4)
+    block_b = max(2, next_pow2(blocks))
+    _expert_place_kernel[(blocks,)](
+        flat, hist, order, token_of, ends, slot_row, num_assign, num_experts, blocks, TOP_K=top_k, BLOCK_A=_BLOCK_A,
+        BLOCK_E=block_e, BLOCK_B=block_b, BLOCK_K=max(2, next_pow2(top_k)), NO_EXPERT=_NO_EXPERT,
+        num_warps=4 if block_b * block_e <= 4096 else 8,
     )
     return order, token_of, ends, slot_row
 
