@@ -23,6 +23,11 @@ from triton.compiler import ASTSource  # noqa: E402
 from swiftune.kernels import decode_attention, moe_decode, moe_route, moe_router  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+EXPERT_PLACE_SIGNATURE = {
+    "idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32",
+    "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
+    "BLOCK_A": "constexpr", "BLOCK_E": "constexpr", "BLOCK_B": "constexpr", "BLOCK_K": "constexpr",
+    "NO_EXPERT": "constexpr"}
 
 CASES = {
     "expert_sort's count, Qwen3-30B-A3B (128 experts)": (
@@ -31,17 +36,11 @@ CASES = {
         {"BLOCK_A": 64, "BLOCK_E": 128}, {}),
     "expert_sort's placement, Qwen3-30B-A3B (128 experts, top-8, 8 blocks)": (
         moe_route._expert_place_kernel,
-        {"idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32",
-         "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
-         "BLOCK_A": "constexpr", "BLOCK_E": "constexpr", "BLOCK_B": "constexpr", "BLOCK_K": "constexpr",
-         "NO_EXPERT": "constexpr"},
+        EXPERT_PLACE_SIGNATURE,
         {"TOP_K": 8, "BLOCK_A": 64, "BLOCK_E": 128, "BLOCK_B": 8, "BLOCK_K": 8, "NO_EXPERT": 2**30}, {}),
     "expert_sort's placement, the largest (256 experts, 64 blocks)": (
         moe_route._expert_place_kernel,
-        {"idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32",
-         "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
-         "BLOCK_A": "constexpr", "BLOCK_E": "constexpr", "BLOCK_B": "constexpr", "BLOCK_K": "constexpr",
-         "NO_EXPERT": "constexpr"},
+        EXPERT_PLACE_SIGNATURE,
         {"TOP_K": 8, "BLOCK_A": 64, "BLOCK_E": 256, "BLOCK_B": 64, "BLOCK_K": 8, "NO_EXPERT": 2**30},
         {"num_warps": 8}),
     "expert_combine, bf16 rows and weights": (
