@@ -72,6 +72,7 @@
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
 #   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
+#   scripts/gpu_suite.sh moe-decode-defaults # Qwen3-30B-A3B and gpt-oss-20b decode at G 8 / 64 with the engine's defaults, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
@@ -602,6 +603,13 @@ case "$part" in
           --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --decode-attention "$attention" \
           --no-moe-route-kernels --time-budget 120 --out "$OUT/rollout_attention_${attention}_$model.json"
       done
+    done ;;
+  moe-decode-defaults)  # the MoE decode rows with the engine's defaults (router and route kernels, split decode
+    # attention), Qwen3-30B-A3B and gpt-oss-20b at G 8 / 64, then each profiled for 256 more tokens (~4 min)
+    for model in qwen3-30b-a3b gpt-oss-20b; do
+      run "rollout_${model}_defaults" 200 python3 -m benchmarks.rollout --model "$model" --rows 8 64 --new-tokens 1024 \
+        --no-baselines --no-checks --lora-rows --profile-steps 256 --time-budget 150 \
+        --out "$OUT/rollout_${model}_defaults.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)
