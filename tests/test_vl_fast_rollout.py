@@ -152,13 +152,16 @@ def test_greedy_equals_transformers_generate_per_prompt(setup, patched):
 def test_triton_kernels_in_the_fused_decode_step(setup):
     """The patched policy with swiftune's Triton kernels (the interpreter on CPU): the fused decode
     step (q/k norms, the M-RoPE tables at the shifted positions and the cache writes in one kernel)
-    gives transformers' greedy tokens (the one-image prompt: the interpreter is slow)."""
+    gives transformers' greedy tokens (the one-image prompt: the interpreter is slow), with the attention
+    over the cache split along it (``decode_attention="split"``, what ``"auto"`` takes on CUDA)."""
+    import swiftune.rl.rollout.kv_cache as engine_cache
+    from swiftune.kernels.decode_attention import split_decode_attention
     from swiftune.rl.rollout import layers
 
     proc, base, _, vision, prompts, greedy = setup
     policy = swiftune.patch_model(copy.deepcopy(base), attention="reference", kernel_backend="triton")
-    engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id)
-    steps = []
+    engine = VisionFastRolloutEngine(policy, vision.rope_index, vision.image_token_id, decode_attention="split")
+    steps, splits = [], []
     original = layers.decode_attention
 
     def counted(*args, **kwargs):
@@ -166,12 +169,15 @@ def test_triton_kernels_in_the_fused_decode_step(setup):
         return original(*args, **kwargs)
 
     layers.decode_attention = counted
+    engine_cache.split_decode_attention = lambda *a, **k: splits.append(1) or split_decode_attention(*a, **k)
     try:
         out = vision.generate(engine, prompts[1:2], 1, SamplingParams(max_tokens=3, temperature=0.0,
                                                                       stop_token_ids=()))
     finally:
         layers.decode_attention = original
-    assert len(steps) == 2 * causal_lm_of(base).config.text_config.num_hidden_layers  # the fused loop ran
+        engine_cache.split_decode_attention = split_decode_attention
+    layer_count = causal_lm_of(base).config.text_config.num_hidden_layers
+    assert len(steps) == len(splits) == 2 * layer_count  # the fused loop ran, its attention split
     assert out.completion_ids == [greedy[1][:3]]
 
 
