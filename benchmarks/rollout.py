@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="MoE shapes: the routers' top-k as one Triton launch (the engine's default); "
                         "--no-moe-fused-routing: torch's ops (FastRolloutEngine(moe_fused_routing=False))")
     p.add_argument("--moe-route-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="MoE shapes: steps above the decode kernels' cap sort and combine in one launch each "
+                   help="MoE shapes: steps above the decode kernels' cap sort (two launches) and combine (one) "
                         "(the engine's default); --no-moe-route-kernels: torch's ops "
                         "(FastRolloutEngine(moe_route_kernels=False)), the baseline")
     p.add_argument("--decode-attention", choices=("auto", "sdpa", "split"), default="auto",

@@ -32,7 +32,7 @@ runs it as three Triton kernels that read each routed expert's weights once, wit
 ascending-expert, rounded-per-add combine and no atomics (:func:`decode_kernel_applies` says when).
 The routers of the same model run their softmax / top-k / renormalisation / cast as one Triton launch
 (:func:`rollout_router_forward`, :mod:`swiftune.kernels.moe_router`) instead of five of torch's; asked for
-(``route_kernels``), a step above that cap sorts by expert and combines in one launch each
+(``route_kernels``), a step above that cap sorts by expert in two launches and combines in one
 (:mod:`swiftune.kernels.moe_route`; the same bits as the torch ops it replaces, :func:`route_kernels_apply`
 says when).
 """
@@ -164,7 +164,7 @@ def rollout_experts_forward(
     if decode_kernel and decode_kernel_applies(self, hidden_states, spec, adapters, decode_kernel_max_tokens):
         return _decode_kernel_forward(self, hidden_states, top_k_index, top_k_weights, spec)
     if route_kernels and route_kernels_apply(self, hidden_states, top_k_index):
-        # the sort and the weighted combine in one launch each (kernels/moe_route.py), the same bits
+        # the sort (two launches) and the weighted combine (one) of kernels/moe_route.py, the same bits
         order, token_of, ends, slot_row = expert_sort(top_k_index, self.gate_up_proj.shape[0])
         _, _, y = _routed_outputs(self, hidden_states, top_k_index, None, spec, static=hidden_states.is_cuda,
                                   adapters=adapters or {}, blocks=(order, token_of, ends))

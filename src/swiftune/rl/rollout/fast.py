@@ -194,7 +194,7 @@ class FastRolloutEngine:
             Triton launch (:mod:`swiftune.kernels.moe_router`) instead of five; ``False``: torch's ops (the
             baseline of an A/B).
         moe_route_kernels: mixture-of-experts steps above the decode kernels' cap (G=64 on Qwen3-MoE, and
-            prefill): the grouped-GEMM path's sort by expert and weighted combine in one launch each
+            prefill): the grouped-GEMM path's sort by expert in two launches and weighted combine in one
             (:mod:`swiftune.kernels.moe_route`), the same bits as torch's ops with about twenty fewer launches
             a layer (the decode step's time: docs/benchmarks.md, "rollout_moe"); ``False``: torch's ops.
         decode_attention: a decode step's attention over the cache (no soft-cap): ``"split"``, the cache cut
