@@ -50,7 +50,7 @@ case "${1:?start PART... | wait SECONDS}" in
       (cd /tmp/chk && PYTHONPATH=/tmp/site OUT="$OUT/check" scripts/gpu_check.sh none --)
       # then the CUDA tests of the offloaded checkpointing, FP8 and swiftune generate (small: beside a trial capped
       # at its GPU budget), cut at 240 s so that the call ends within its 10 minutes
-      (cd /tmp/chk && PYTHONPATH="$PWD/src:$PWD:/tmp/site" timeout -s INT 240 python3 -m pytest -q -rf \
+      (cd /tmp/chk && PYTHONPATH="$PWD/src:$PWD:/tmp/site" timeout -s INT 240 python3 -m pytest -rf \
         tests/test_checkpointing.py tests/test_attention_outputs.py tests/test_fp8.py tests/test_generate_cli.py \
         -p no:cacheprovider -p no:warnings 2>&1 | tail -15 | tee "$OUT/check/beside_tests.txt")
     fi ;;

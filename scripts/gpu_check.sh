@@ -38,7 +38,7 @@ summary=()
 if [ "${tests[0]}" != "none" ]; then
   # SIGINT at the limit (PYTEST_LIMIT_S, default 480 s), not SIGKILL: pytest then still prints which tests failed so
   # far (-rf), and the run leaves time for the two main jobs within one 10-minute device call
-  timeout -s INT "${PYTEST_LIMIT_S:-480}" python3 -m pytest "${tests[@]}" -q -rf --maxfail=10 -p no:cacheprovider \
+  timeout -s INT "${PYTEST_LIMIT_S:-480}" python3 -m pytest "${tests[@]}" -rf --maxfail=10 -p no:cacheprovider \
     -W ignore 2>&1 | tee "$OUT/pytest.log" | grep -Ev '^[.sx]+ *\[ *[0-9]+%\]$' | tail -40
   summary+=("pytest: $(tail -1 "$OUT/pytest.log")")
 fi

@@ -242,7 +242,7 @@ case "$part" in
     # /tmp/site-unsloth, where the test looks for them (~4 min)
     [ -f /tmp/site-unsloth/unsloth/__init__.py ] || python3 -m pip install -q --no-index --no-deps --no-compile \
       --target /tmp/site-unsloth .shared/wheels/unsloth/*.whl
-    run unsloth_flow 290 python3 -m pytest -q -rs tests/compat/test_unsloth_flow.py -p no:cacheprovider ;;
+    run unsloth_flow 290 python3 -m pytest -rs tests/compat/test_unsloth_flow.py -p no:cacheprovider ;;
   qlora-sft)  # QLoRA (NF4 base) SFT Qwen3-8B side by side: swiftune batch 16 and 16K-token micro-batches, TRL +
     # Liger, Unsloth --4bit; then the 16K-token step on a 24 GB budget (carry .shared)
     # swiftune_offload: batch 16 with the layer inputs on the host, for the "at <= Unsloth's memory" half of the row
@@ -254,7 +254,7 @@ case "$part" in
       --gpu-budget-gb 24 --modes swiftune_budget swiftune_budget_offload --out "$OUT/qlora_sft_24gb.json" ;;
   fp8-sft)  # FP8 (e4m3, per-row scales, torch._scaled_mm) base weights against swiftune's own bf16 on the same
     # shapes: batch 16 and 16K-token micro-batches, Qwen3-8B, LoRA r=16; the fp8 CUDA tests first (~7 min)
-    run fp8_tests 90 python3 -m pytest -q tests/test_fp8.py -p no:cacheprovider -k "cuda or scaled_mm"
+    run fp8_tests 90 python3 -m pytest tests/test_fp8.py -p no:cacheprovider -k "cuda or scaled_mm"
     run fp8_sft_bf16 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 \
       --modes swiftune swiftune_budget --out "$OUT/fp8_sft_bf16.json"
     run fp8_sft 240 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 10 --warmup 3 --load-in-fp8 \
@@ -311,7 +311,7 @@ case "$part" in
   sft-graphs)  # CUDA-graphed decoder layers (SFTConfig.cuda_graph_layers): their CUDA tests (real captures against
     # the unpatched model per document), then the Qwen3-8B step A/B in one call: batch 16 (warm-up long enough to
     # capture the run's token buckets) and 16K-token micro-batches, each mode in its own process
-    run layer_graphs_tests 150 python3 -m pytest -q -rf tests/test_layer_graphs.py -k cuda -p no:cacheprovider
+    run layer_graphs_tests 150 python3 -m pytest -rf tests/test_layer_graphs.py -k cuda -p no:cacheprovider
     run sft_graphs_b16 250 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 70 --warmup 30 \
       --modes swiftune swiftune_graphs --out "$OUT/sft_graphs_qwen3-8b_b16.json"
     run sft_graphs_16k 170 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 22 --warmup 8 \
@@ -319,7 +319,7 @@ case "$part" in
   sft-deferred)  # issue 23's busy share: where the graphed batch-16 step's device idles (--time-profile's gaps, each
     # charged to the host wait that opened it), with the NaN/inf guards' per-step syncs and with them deferred
     # (SFTConfig.deferred_nonfinite_check); then both unprofiled for tok/s, each mode in its own process
-    run sft_deferred_tests 60 python3 -m pytest -q -rf tests/test_run_safety.py -k "deferred or nan_" -p no:cacheprovider
+    run sft_deferred_tests 60 python3 -m pytest -rf tests/test_run_safety.py -k "deferred or nan_" -p no:cacheprovider
     run sft_sync_profile 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 34 --warmup 30 \
       --time-profile --modes swiftune_graphs --out "$OUT/sft_graphs_sync_profile.json"
     run sft_deferred_profile 200 python3 -m benchmarks.sft --model qwen3-8b --batch 16 --steps 34 --warmup 30 \
@@ -373,7 +373,7 @@ case "$part" in
       --mode-timeout 255 --out "$OUT/vl_sft_qwen3-vl-8b.json" ;;
   vl-gpu-tests)  # issue 28's tests that have not run on a GPU: GRPO parity on image prompts (compiled kernels, packed
     # and shared-prompt attention, fp32 / bf16), batched rollouts vs transformers, VisionFastRolloutEngine (~5 min)
-    run vl_gpu_tests 540 python3 -m pytest -q -rf -p no:cacheprovider tests/test_qwen3_vl_grpo.py \
+    run vl_gpu_tests 540 python3 -m pytest -rf -p no:cacheprovider tests/test_qwen3_vl_grpo.py \
       tests/test_vl_rollout_batched.py tests/test_vl_fast_rollout.py ;;
   vl-grpo)  # issue 28's GRPO target: QLoRA, one 448x448 image + 256 prompt tokens, G=2, largest completion per row
     # on a BUDGET_GB (24) GPU; the random checkpoint stays in /tmp/vl8b_ckpt for the next call on a warm machine
@@ -404,7 +404,7 @@ case "$part" in
     # every layer input on the host, without and with all 36 layers keeping their sdpa outputs (+38.6 GB on the
     # GPU: the row stays under Unsloth's 66.5 GiB), then Unsloth's anchor in its own process, one call (carry .shared);
     # the kept outputs' tests first (their CUDA case: bit-identical to the recompute, and the unpatched model's)
-    run attention_outputs_tests 120 python3 -m pytest -q tests/test_attention_outputs.py -p no:cacheprovider
+    run attention_outputs_tests 120 python3 -m pytest tests/test_attention_outputs.py -p no:cacheprovider
     layers=("${@:2}"); [ ${#layers[@]} = 0 ] && layers=(0 36)
     for kept in "${layers[@]}"; do
       run "grpo_65k_attn$kept" 200 python3 -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes \
@@ -422,7 +422,7 @@ case "$part" in
     # recompute). [MODEL]: qwen3-8b (default) or llama3-8b (the Llama row)
     model=${2:-qwen3-8b}
     layers=$(python3 -c "from benchmarks.workload import shape_of; print(shape_of('$model')['num_hidden_layers'])")
-    run attention_outputs_tests 150 python3 -m pytest -q tests/test_attention_outputs.py -p no:cacheprovider
+    run attention_outputs_tests 150 python3 -m pytest tests/test_attention_outputs.py -p no:cacheprovider
     run "grpo_65k_attn${layers}_host_$model" 230 python3 -m benchmarks.grpo --bisect-completion --model "$model" \
       --bisect-modes swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$layers" \
       --attention-outputs-on-host --completion-lengths 65536 --fixed-only --trial-repeats 2 --time-budget 220 \
@@ -526,7 +526,7 @@ case "$part" in
       --no-checks --lora-rows 8 --time-budget 480 --out "$OUT/rollout_nf4.json" ;;
   qlora-rollout-nf4)  # the NF4 decode kernel: its tests compiled, then the engine with it and without (bitsandbytes'
     # dequantise-then-multiply) on the same 4-bit model in one call, G 8/16 (the kernel's rows) and 64 (~8 min)
-    run nf4_tests 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_nf4_matmul.py
+    run nf4_tests 120 python3 -m pytest -rf -p no:cacheprovider tests/test_nf4_matmul.py
     run nf4_matmul_kernels 200 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul.json"
     run nf4_rollout_kernel 240 python3 -m benchmarks.rollout --model qwen3-8b --load-in-4bit --nf4-decode-kernel \
       --rows 8 16 64 --new-tokens 1024 --no-baselines --lora-rows 8 --time-budget 200 --out "$OUT/rollout_nf4_kernel.json"
@@ -544,7 +544,7 @@ case "$part" in
   qlora-rollout-nf4-64)  # the NF4 kernel above 16 rows (FastRolloutEngine(nf4_decode_max_rows=64)): its tests
     # compiled, its matmul table at 1-64 rows against bitsandbytes, then the engine at G=32/64 bound to 64 rows
     # against the default bound of 16 (bitsandbytes' dequantise-then-multiply above it), Qwen3-8B, N 1024 (~8 min)
-    run nf4_tests 120 python3 -m pytest -q -rf -p no:cacheprovider tests/test_nf4_matmul.py
+    run nf4_tests 120 python3 -m pytest -rf -p no:cacheprovider tests/test_nf4_matmul.py
     run nf4_matmul_kernels 150 python3 -m benchmarks.kernels --nf4-matmul --out "$OUT/kernels_nf4_matmul_64.json"
     for rows in 64 16; do  # the engine's checks (its tokens against generate's) at 64 only
       checks=(); [ "$rows" = 16 ] && checks=(--no-checks)
@@ -555,13 +555,13 @@ case "$part" in
   fp8-dot)  # fp8_dot_matmul: every test of its file compiled (small shapes with the FP8 tensor cores' slack, the
     # Qwen3-8B projections at 17 and 64 rows, graph replay == eager), then the decode matmul table (weight-only,
     # dot, _scaled_mm, bf16 at M 1/8/32/64, the dot sweep at 64, one decoder layer's total per M)
-    run fp8_dot_tests 240 python3 -m pytest -q tests/test_fp8_dot.py -p no:cacheprovider
+    run fp8_dot_tests 240 python3 -m pytest tests/test_fp8_dot.py -p no:cacheprovider
     run fp8_matmul_kernels 150 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
   fp8-rollout)  # decode step against the HBM floor of the e4m3 weights + float32 scales + KV cache, and swiftune's
     # own bf16 engine on the same shape, G and N in the same call (no generate baselines: the rollout part has them);
     # the FP8 run checks graph replay == eager through the quantise kernel and the weight-only decode kernel;
     # first those kernels' CUDA tests and the decode matmul microbenchmark (weight-only vs _scaled_mm vs bf16, ~1 min)
-    run fp8_quant_tests 90 python3 -m pytest -q tests/test_fp8_quant.py tests/test_fp8_matmul.py -p no:cacheprovider \
+    run fp8_quant_tests 90 python3 -m pytest tests/test_fp8_quant.py tests/test_fp8_matmul.py -p no:cacheprovider \
       -k "not formula"
     run fp8_matmul_kernels 90 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json"
     run fp8_rollout_bf16 200 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 \
@@ -571,7 +571,7 @@ case "$part" in
   moe-rollout)  # MoE decode (experts routed on the device inside the CUDA graph): graph replay == eager in bf16 and
     # fp32 greedy == generate first; then the decode step against the HBM floor of the experts the G rows route to
     # (measured per step) + attention and other weights + KV cache; transformers' generate (dynamic cache) over 16 steps
-    run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
+    run moe_rollout_tests 120 python3 -m pytest tests/test_moe_rollout.py -k cuda -p no:cacheprovider
     run moe_rollout 380 python3 -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 \
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_moe.json" ;;
   moe-rollout-profile)  # issue 25's decode target (within 3x the HBM floor): Qwen3-30B-A3B's engine at G 8 and 64, then
@@ -593,7 +593,7 @@ case "$part" in
   decode-attention-ab)  # the split decode attention (flash-decoding) against SDPA in the engine, one call: its and
     # the MoE routing kernels' CUDA tests, then Qwen3-8B at G 8 / 64, Qwen3-30B-A3B and gpt-oss-20b (sinks) at G 8,
     # each attention in its own run, profiled for 256 more tokens (~10 min: through scripts/gpu_chain.sh)
-    run decode_kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_attention_kernel.py \
+    run decode_kernel_tests 150 python3 -m pytest -p no:cacheprovider tests/test_decode_attention_kernel.py \
       tests/test_moe_route_kernel.py tests/test_moe_router_kernel.py
     for attention in sdpa split; do
       for shape in "qwen3-8b 8 64" "qwen3-30b-a3b 8" "gpt-oss-20b 8"; do  # a model, then its G values
@@ -622,20 +622,20 @@ case "$part" in
   moe-decode)  # the routed experts' fused decode kernels (swiftune.kernels.moe_decode): their tests compiled (30B-A3B
     # expert sizes, graph replay == eager, the engine's captured decode vs generate), the MoE engine's CUDA tests (its
     # bf16 graph case now runs the kernels), then one 30B-A3B layer at T 8/64: kernel vs grouped_mm vs HBM floor (~4 min)
-    run moe_decode_tests 200 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
-    run moe_rollout_tests 120 python3 -m pytest -q tests/test_moe_rollout.py -k cuda -p no:cacheprovider
+    run moe_decode_tests 200 python3 -m pytest tests/test_moe_decode_kernel.py -p no:cacheprovider
+    run moe_rollout_tests 120 python3 -m pytest tests/test_moe_rollout.py -k cuda -p no:cacheprovider
     run moe_decode 120 python3 -m benchmarks.moe_decode --out "$OUT/moe_decode.json" ;;
   gptoss-rollout)  # gpt-oss on the engine (attention sinks in the prefill and decode attention, sliding and full layers,
     # YaRN, biased experts routed on the device inside the graph): graph replay == eager in bf16, fp32 greedy == generate;
     # then moe-rollout's measurement on the gpt-oss-20b shape (generate: transformers' eager attention, dynamic cache)
-    run gptoss_rollout_tests 150 python3 -m pytest -q tests/test_gptoss_rollout.py -k cuda -p no:cacheprovider
+    run gptoss_rollout_tests 150 python3 -m pytest tests/test_gptoss_rollout.py -k cuda -p no:cacheprovider
     run gptoss_rollout 380 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 \
       --baseline-kinds dynamic --baseline-steps 16 --lora-rows 8 --time-budget 300 --out "$OUT/rollout_gptoss.json" ;;
   gptoss-decode)  # the decode kernels on gpt-oss's expert layout (one contiguous tile of interleaved gate/up
     # columns): their tests compiled, one layer of gpt-oss-20b's experts kernel vs grouped GEMM, then the engine's
     # G 8/64 rows against the HBM floor (no generate baselines: gptoss-rollout has them), then G=64 with the kernels
     # up to 64 tokens (~8 min)
-    run moe_decode_tests 150 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
+    run moe_decode_tests 150 python3 -m pytest tests/test_moe_decode_kernel.py -p no:cacheprovider
     run moe_decode_gptoss 120 python3 -m benchmarks.moe_decode --model gpt-oss-20b --tokens 8,16,64 \
       --out "$OUT/moe_decode_gptoss.json"
     run gptoss_engine 230 python3 -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 \
@@ -646,7 +646,7 @@ case "$part" in
       --out "$OUT/rollout_gptoss_kernel_cap64.json" ;;
   moe-decode-cap)  # the decode kernels' token cap: their tests compiled, then the engine at G=64 on Qwen3-30B-A3B
     # at its default cap of 16 (the grouped GEMM) and at 64, and gpt-oss-20b at its default of 64 (~7 min)
-    run moe_decode_tests 120 python3 -m pytest -q tests/test_moe_decode_kernel.py -p no:cacheprovider
+    run moe_decode_tests 120 python3 -m pytest tests/test_moe_decode_kernel.py -p no:cacheprovider
     run qwen3_moe_cap16 110 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
       --no-baselines --no-checks --lora-rows --moe-decode-max-tokens 16 --time-budget 80 --out "$OUT/rollout_qwen3_moe_cap16.json"
     run qwen3_moe_cap64 110 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 64 --new-tokens 1024 \
@@ -663,17 +663,17 @@ case "$part" in
   pieces-tests)  # per-document sdpa outputs projected one by one (swiftune.attention.pieces): its tests on CUDA
     # (the CPU parity cases, one saved attention output fewer per layer in bf16, the kernels' contiguous [L, H, D]
     # output at the 8B shape) (~1 min)
-    run attention_pieces_tests 150 python3 -m pytest -q -rf tests/test_attention_pieces.py -p no:cacheprovider ;;
+    run attention_pieces_tests 150 python3 -m pytest -rf tests/test_attention_pieces.py -p no:cacheprovider ;;
   offload-tests)  # the offloaded checkpointing on CUDA (side-stream copies to pinned pages and back, kept attention
     # outputs on the GPU and in host pages): its tests, before a long chain that rests on them (~1-2 min)
-    run offload_tests 200 python3 -m pytest -q -rf tests/test_checkpointing.py tests/test_attention_outputs.py \
+    run offload_tests 200 python3 -m pytest -rf tests/test_checkpointing.py tests/test_attention_outputs.py \
       -p no:cacheprovider ;;
   cli-fp8-tests)  # the FP8 tests (scaled_mm, saving, the decode) and swiftune generate's (greedy log-probs, chat and
     # plain prompts' stops, against transformers' generate) on a GPU (~2 min)
-    run cli_fp8_tests 200 python3 -m pytest -q -rf tests/test_fp8.py tests/test_generate_cli.py -p no:cacheprovider ;;
+    run cli_fp8_tests 200 python3 -m pytest -rf tests/test_fp8.py tests/test_generate_cli.py -p no:cacheprovider ;;
   loss-tests)  # the chunked losses on CUDA: the log-prob loss with its hidden states offloaded in pinned row blocks
     # (read back across block edges), the real offload path bitwise against no offload, bf16 against references (~1 min)
-    run loss_tests 150 python3 -m pytest -q -rf tests/test_losses.py -k cuda -p no:cacheprovider ;;
+    run loss_tests 150 python3 -m pytest -rf tests/test_losses.py -k cuda -p no:cacheprovider ;;
   qlora-grpo-at)  # GRPO trials at fixed completion lengths, Qwen3-8B QLoRA (NF4 base), G=2, prompt 256, on an 80 GB
     # budget, in the foreground (for scripts/gpu_chain.sh, which is already detached; a trial near 2 x 330K takes
     # ~12-15 min). Usage: qlora-grpo-at COMPLETION...
@@ -768,13 +768,13 @@ case "$part" in
     run grpo_step 120 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   multi-gpu-resume)  # (kind nvidia-h200-x2) FSDP2 through the Trainer, full FT: checkpoints of 2 GPUs resumed on
     # 1 and back equal the uninterrupted runs (tests/test_distributed_resume.py; three torchrun launches, ~2-3 min)
-    run multi_gpu_resume 300 python3 -m pytest -q -rs -s tests/test_distributed_resume.py -p no:cacheprovider \
+    run multi_gpu_resume 300 python3 -m pytest -rs -s tests/test_distributed_resume.py -p no:cacheprovider \
       -k fsdp2_checkpoints ;;
   decode-kernels)  # the MoE and FP8 decode kernels in one call: the MoE decode kernels' compiled tests with the engine
     # and GRPO cases of MoE / gpt-oss / VL fixed on 2026-12-02, one 30B-A3B layer (kernel vs grouped_mm vs HBM floor),
     # the engine on Qwen3-30B-A3B with the kernels (G 8/64, N 1024, no baselines: moe-rollout's table has them), then
     # the FP8 x FP8 decode kernel's tests and the decode matmul table (~9.5 min; pytest stops itself with SIGINT)
-    run recheck_tests 175 timeout -s INT 170 python3 -m pytest -q -rf -p no:cacheprovider tests/test_moe_decode_kernel.py \
+    run recheck_tests 175 timeout -s INT 170 python3 -m pytest -rf -p no:cacheprovider tests/test_moe_decode_kernel.py \
       tests/test_moe_rollout.py::test_grpo_step_on_the_fast_engine_with_moe tests/test_gptoss_rollout.py \
       "tests/test_moe_rollout.py::test_cuda_graph_decode_equals_eager_bf16" \
       tests/test_vl_fast_rollout.py::test_cuda_graph_replay_equals_eager_and_transformers tests/test_vl_moe_grpo_router.py \
@@ -783,10 +783,10 @@ case "$part" in
     run moe_decode 80 python3 -m benchmarks.moe_decode --out "$OUT/moe_decode.json"
     run moe_rollout_kernel 150 python3 -m benchmarks.rollout --model qwen3-30b-a3b --rows 8 64 --new-tokens 1024 \
       --no-baselines --lora-rows --time-budget 125 --out "$OUT/rollout_moe_kernel.json"
-    run fp8_dot_tests 75 timeout -s INT 70 python3 -m pytest -q -rf tests/test_fp8_dot.py -p no:cacheprovider
+    run fp8_dot_tests 75 timeout -s INT 70 python3 -m pytest -rf tests/test_fp8_dot.py -p no:cacheprovider
     run fp8_matmul_kernels 100 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
   per-rank-memory)  # (kind nvidia-h200-x2) each rank's pinned host budget is the host's over its 2 ranks and the GPU
     # reserve counts FSDP2's local shards (tests/test_per_rank_memory.py: one NCCL and one gloo torchrun launch, ~1 min)
-    run per_rank_memory 180 python3 -m pytest -q -rs -s tests/test_per_rank_memory.py -p no:cacheprovider ;;
+    run per_rank_memory 180 python3 -m pytest -rs -s tests/test_per_rank_memory.py -p no:cacheprovider ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
