@@ -201,6 +201,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "decode_attention": engine.decode_attention,
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
+            "fp8_stacked_qkv": engine.fp8_stacked_qkv,
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
 
 
@@ -226,9 +227,10 @@ def decode_profile(engine, prompt: list[int], rows: int, steps: int) -> dict:
     return per_step
 
 
-def nf4_options(a) -> dict:
-    """The engine's NF4 options the command line names (the library's defaults where it names none)."""
-    options = {"nf4_decode_kernel": a.nf4_decode_kernel,
+def weight_options(a) -> dict:
+    """The engine's options for quantised (NF4, FP8) weights the command line names (the library's defaults
+    where it names none)."""
+    options = {"nf4_decode_kernel": a.nf4_decode_kernel, "fp8_stacked_qkv": a.fp8_stacked_qkv,
                "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}
     if a.nf4_decode_max_rows is not None:
         options["nf4_decode_max_rows"] = a.nf4_decode_max_rows
@@ -375,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decode step's attention over the cache: the split kernel where it compiles (auto, the "
                         "engine's default; swiftune.kernels.decode_attention), always (split) or SDPA (sdpa, the "
                         "baseline) (FastRolloutEngine(decode_attention=...))")
+    p.add_argument("--fp8-stacked-qkv", action="store_true",
+                   help="--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes "
+                        "(FastRolloutEngine(fp8_stacked_qkv=True); off by default until timed)")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
@@ -492,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                               moe_fused_routing=a.moe_fused_routing, moe_route_kernels=a.moe_route_kernels,
                               decode_attention=a.decode_attention,
                               profile_steps=a.profile_steps,
-                              **nf4_options(a))
+                              **weight_options(a))
                 step_at.setdefault(rows, r["step_ms"])
                 kv_mean = rows * kv_tok * (prompt_tokens + new / 2)
                 read = moe_read_bytes(model, routed[rows]) if moe else wbytes
@@ -531,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         if name == models[0] and (a.lora_rows is None or a.lora_rows):
             results["lora"] = lora_runs(model, name, prompt, a.lora_rows or [8], min(new_list), a.kv_bucket,
-                                        **nf4_options(a))
+                                        **weight_options(a))
         # every reference to the model's modules goes (the expert stacks too), or the next shape's weights
         # meet this one's still on the GPU
         del model, moe

@@ -73,6 +73,7 @@
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
 #   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-decode-defaults # Qwen3-30B-A3B and gpt-oss-20b decode at G 8 / 64 with the engine's defaults, profiled (~4 min)
+#   scripts/gpu_suite.sh fp8-stacked-ab # Qwen3-8B FP8 decode, q/k/v as one product vs three, G 8 / 64, profiled, with its CUDA tests (~6 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
@@ -610,6 +611,15 @@ case "$part" in
       run "rollout_${model}_defaults" 200 python3 -m benchmarks.rollout --model "$model" --rows 8 64 --new-tokens 1024 \
         --no-baselines --no-checks --lora-rows --profile-steps 256 --time-budget 150 \
         --out "$OUT/rollout_${model}_defaults.json"
+    done ;;
+  fp8-stacked-ab)  # FP8 decode with q/k/v as one product over their adjacent codes against three, Qwen3-8B at G 8 /
+    # 64, one call, each profiled for 256 more tokens; the stacked path's tests on CUDA first (~6 min)
+    run fp8_stacked_tests 200 python3 -m pytest tests/test_fp8_stacked_qkv.py -p no:cacheprovider
+    for stacked in no-stacked stacked; do
+      flags=(); [ "$stacked" = stacked ] && flags=(--fp8-stacked-qkv)
+      run "rollout_fp8_$stacked" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
+        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 130 \
+        --out "$OUT/rollout_fp8_$stacked.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)

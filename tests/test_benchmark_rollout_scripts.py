@@ -95,7 +95,8 @@ def test_rollout_benchmark_counts_nf4_weight_bytes_for_the_hbm_floor():
 def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_path):
     """benchmarks.rollout --load-in-fp8: the floor reads a byte per e4m3 weight plus a float32 scale per
     output row of each decoder projection, not the fp32 / bf16 bytes; a CPU run of the script decodes
-    from the FP8 layers (LoRA at run time only: e4m3 weights take no merge) and its JSON says fp8."""
+    from the FP8 layers (LoRA at run time only: e4m3 weights take no merge; q/k/v as one product,
+    --fp8-stacked-qkv) and its JSON says fp8."""
     import torch
 
     from benchmarks import rollout
@@ -114,13 +115,14 @@ def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_pat
         rollout.main(["--model", "tiny", "--load-in-4bit", "--load-in-fp8"])
     out = tmp_path / "rollout_fp8.json"
     run_script("rollout.py", "--model", "tiny", "--load-in-fp8", "--rows", "2", "--new-tokens", "8",
-               "--lora-rows", "2", "--out", str(out))
+               "--lora-rows", "2", "--fp8-stacked-qkv", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["weights"] == "fp8"
     assert r["checks"]["tiny"]["graph_equals_eager_greedy"]
     assert [(x["rows"], x["new_tokens"]) for x in r["runs"]] == [(2, 8)]
     assert abs(r["runs"][0]["weight_gb"] * 1e9 - rollout.weight_bytes(q)) < 1
     assert [x["lora"] for x in r["lora"]] == ["runtime"]
+    assert r["runs"][0]["fast"]["fp8_stacked_qkv"] and r["lora"][0]["fast"]["fp8_stacked_qkv"]  # the option reached both
     assert_rows(out, "rollout", {"tokens_per_s", "step_ms"})
 
 

@@ -70,9 +70,9 @@ from ..kernels.fp8_matmul import fp8_weight_only_matmul
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
 __all__ = ["DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State",
-           "QuantizedActivation", "block_scales_to_layer_scales", "block_size_of", "dequantize_rowwise",
+           "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales", "block_size_of", "dequantize_rowwise",
            "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear", "quantize_activation",
-           "quantize_model_fp8", "quantize_rowwise", "quantize_shared_input"]
+           "lay_out_adjacent", "quantize_model_fp8", "quantize_rowwise", "quantize_shared_input"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -468,6 +468,48 @@ def is_fp8_linear(module: nn.Module) -> bool:
     return isinstance(module, FP8Linear)
 
 
+#: the projections of one attention module that read the same input, laid out adjacent at load
+QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+
+
+def lay_out_adjacent(layers: Sequence[FP8Linear]) -> bool:
+    """Move the e4m3 codes and the scales of ``layers`` (FP8 layers of one input size, per-row scales, one
+    device) into one buffer each, in this order, each layer's ``weight`` / ``weight_scale`` a view of its
+    rows, so that one product can span them without a copy (:func:`adjacent_rows`). The values do not
+    change; the old buffers are freed as the views replace them. Returns whether it did (False, nothing
+    moved: other layers, block scales, mixed devices)."""
+    first = layers[0] if layers else None
+    if first is None or not all(
+            isinstance(m, FP8Linear) and m.in_features == first.in_features and m.weight.device == first.weight.device
+            and m.block_size == (1, m.in_features) for m in layers):
+        return False
+    codes = torch.cat([m.weight.detach() for m in layers])
+    scales = torch.cat([m.weight_scale for m in layers])
+    start = 0
+    for m in layers:
+        rows = slice(start, start + m.out_features)
+        m.weight = nn.Parameter(codes[rows], requires_grad=False)
+        m.weight_scale = scales[rows]
+        start += m.out_features
+    return True
+
+
+def adjacent_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[sum of rows, cols]`` view spanning ``tensors`` (2-D, contiguous, one dtype and width) where each
+    starts in one storage right where the one before it ends (:func:`lay_out_adjacent`); else None."""
+    first = tensors[0]
+    if first.dim() != 2:
+        return None
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (t.dim() != 2 or not t.is_contiguous() or t.dtype != first.dtype or t.shape[1] != first.shape[1]
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), first.shape[1]), first.stride(),
+                            first.storage_offset())
+
+
 def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoint: str | None = None,
                        skip: tuple[str, ...] = ()) -> int:
     """Replace each ``nn.Linear`` of ``model``'s decoder by an :class:`FP8Linear` (in place, one at a
@@ -480,7 +522,11 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoi
     ``weight_scale_inv`` takes those codes and scales as they are (:meth:`FP8Linear.from_block_fp8`);
     any other is quantised per row from its loaded weight. ``None``: every one per row.
 
-    ``skip``: module-name prefixes left unquantised (``"model.visual"``: a vision tower and its mergers)."""
+    ``skip``: module-name prefixes left unquantised (``"model.visual"``: a vision tower and its mergers).
+
+    Then each attention module's ``q_proj`` / ``k_proj`` / ``v_proj`` codes (and scales) move into one
+    buffer, each layer a view of its rows (:func:`lay_out_adjacent`), where all three have per-row scales:
+    the same values and bytes, one allocation instead of three."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head
                and not any(name == p or name.startswith(p + ".") for p in skip)]
@@ -501,6 +547,10 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoi
             layer = FP8Linear.from_linear(linear, scaled_mm)
         setattr(parent, child, layer)
         linear.weight = None  # the full-precision copy goes now, not with the last reference to the model
+    for module in model.modules():  # q/k/v codes in one buffer: the rollout engine may multiply them at once
+        projections = [getattr(module, name, None) for name in QKV_NAMES]
+        if all(isinstance(m, FP8Linear) for m in projections):
+            lay_out_adjacent(projections)
     return len(targets)
 
 

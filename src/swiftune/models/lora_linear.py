@@ -55,12 +55,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp8_linear import FP8State, QuantizedActivation, fp8_grad_input, fp8_matmul, is_fp8_linear, quantize_shared_input
+from .fp8_linear import (FP8State, QuantizedActivation, _compute_dtype, adjacent_rows, fp8_grad_input, fp8_matmul,
+                         is_fp8_linear, quantize_shared_input)
 from .nf4_decode import takes_nf4_decode
 from .tiled_mlp import replace_untiled_forward
 
 __all__ = ["LoRALinearFunction", "fp8_product_layer", "fuse_lora_linears", "fused_lora_forward", "is_fused_lora",
-           "shared_fp8_input", "unfuse_lora_linears"]
+           "shared_fp8_input", "stacked_fp8_products", "unfuse_lora_linears"]
 
 _FUSED = "_swiftune_fused_lora"  # instance-dict marker: fused_lora_forward is bound (or under the tiling)
 
@@ -260,6 +261,52 @@ def shared_fp8_input(x: torch.Tensor, projections: Sequence[nn.Module]) -> dict[
         bases.append(base)
     quantized = quantize_shared_input(x, bases)
     return {} if quantized is None else {"quantized": quantized}
+
+
+def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
+                         quantized: QuantizedActivation | None = None) -> list[torch.Tensor] | None:
+    """``[p(x) for p in projections]`` with one FP8 product for all their bases, under ``torch.no_grad`` (the
+    rollout engine's decode step): where each projection is an :class:`~swiftune.models.fp8_linear.FP8Linear`
+    without bias, or a fused LoRA layer over one (:func:`fused_lora_forward`), and the bases' codes and scales
+    lie adjacent in one buffer (:func:`~swiftune.models.fp8_linear.lay_out_adjacent`, as
+    ``quantize_model_fp8`` leaves q/k/v), the product multiplies the spanning ``[sum out, in]`` view once and
+    each projection's adapter product is added to its columns as :class:`LoRALinearFunction` adds it. Each
+    output column is the same dot product as the projection's own; a kernel may tile the wider product
+    differently, so results match each projection's call to its rounding (tests/test_fp8_stacked_qkv.py).
+    ``quantized``: ``x``'s codes (:func:`shared_fp8_input`). ``None`` where that does not hold: call each."""
+    if torch.is_grad_enabled():
+        return None
+    dtype = _compute_dtype(x)
+    bases, adapters = [], []
+    for p in projections:
+        if is_fp8_linear(p):
+            bases.append(p)
+            adapters.append(None)
+            continue
+        operands = _fused_operands(p, x) if is_fused_lora(p) else None
+        if operands is None or not operands[6] or operands[1] != dtype:
+            return None
+        bases.append(operands[3])
+        adapters.append((float(p.scaling[operands[0]]), *operands[2:3], *operands[4:6]))
+    if any(b.bias is not None or b.scaled_mm != bases[0].scaled_mm for b in bases):
+        return None
+    weight = adjacent_rows([b.weight for b in bases])
+    scale = adjacent_rows([b.weight_scale for b in bases])
+    if weight is None or scale is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fp8_matmul(x2.to(dtype), weight, FP8State(scale, bases[0].scaled_mm, inference=True), dtype, None, quantized)
+    outs = list(y.split([b.out_features for b in bases], dim=1))
+    for i, adapter in enumerate(adapters):
+        if adapter is None:
+            continue
+        scaling, lora_dtype, lora_a, lora_b = adapter
+        h = torch.mm(x2.to(lora_dtype), lora_a.weight.to(lora_dtype).t())
+        if lora_dtype == dtype:
+            outs[i].addmm_(h, lora_b.weight.t(), alpha=scaling)  # into y's columns
+        else:
+            outs[i] = torch.addmm(outs[i].to(lora_dtype), h, lora_b.weight.to(lora_dtype).t(), alpha=scaling).to(dtype)
+    return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
 def _is_peft_lora_linear(module: nn.Module) -> bool:

@@ -216,6 +216,11 @@ class FastRolloutEngine:
             step. ``"auto"``: on CUDA when the copies take at most a quarter of the free memory (the 8B shape's
             ~14 GB on an 80 GB GPU, not on a 24 GB one); ``True``: always; ``False``: never. While it is on, the
             NF4 kernel is not bound.
+        fp8_stacked_qkv: FP8 base weights (``load_in_fp8``): a decode step multiplies q/k/v's codes, which
+            ``quantize_model_fp8`` lays out in one buffer, as one product, each projection's LoRA adapter
+            (at run time) added to its columns (:func:`swiftune.models.lora_linear.stacked_fp8_products`), instead
+            of three products; off until timed on a GPU (``scripts/gpu_suite.sh fp8-stacked-ab``). Other weights,
+            and q/k/v not laid out so, are unaffected.
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -228,7 +233,7 @@ class FastRolloutEngine:
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
-                 nf4_dense: bool | str = "auto"):
+                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = False):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -261,6 +266,7 @@ class FastRolloutEngine:
         self.nf4_decode_kernel = bool(nf4_decode_kernel)
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
         self.nf4_dense = nf4_dense
+        self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
         self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
@@ -431,10 +437,13 @@ class FastRolloutEngine:
             chunk.ws.keep_slots(slots)
             chunk.slot_row = [chunk.slot_row[i] for i in slots]
             chunk.view = chunk.ws.view(keep)
-            chunk.view_ctx.setdefault(keep, DecodeContext(chunk.view, self.attention_backend, chunk.fused,
-                                                                  self.decode_attention))
+            chunk.view_ctx.setdefault(keep, self._context(chunk.view, chunk.fused))
             self.stats["compactions"] = self.stats.get("compactions", 0.0) + 1
         return True
+
+    def _context(self, ws: Workspace, fused: bool) -> DecodeContext:
+        """The attention context of a workspace (or of a compacted view of one)."""
+        return DecodeContext(ws, self.attention_backend, fused, self.decode_attention, self.fp8_stacked_qkv)
 
     def _start_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
                      stops: tuple[str, ...]) -> Chunk:
@@ -447,7 +456,7 @@ class FastRolloutEngine:
         # whether the fused layer loop applies: a walk over every layer's norms, so once per call
         fused = self.fused_layers and fused_prenorm_supported(decoder, hf.config.model_type,
                                                                  decoder.embed_tokens.weight.dtype)
-        ctx = DecodeContext(ws, self.attention_backend, fused, self.decode_attention)
+        ctx = self._context(ws, fused)
         gen = self.generator(device)
         prompt_len = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
         ws.cur.copy_(prompt_len)

@@ -34,7 +34,7 @@ from torch import nn
 
 from ...kernels import add_rms_norm, decode_qkv, rms_norm
 from ...models.families import FAMILIES
-from ...models.lora_linear import shared_fp8_input
+from ...models.lora_linear import shared_fp8_input, stacked_fp8_products
 from ...models.state import is_bound, patch_state
 
 #: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
@@ -107,10 +107,12 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     two norms, RoPE, two cache writes) or three (no q/k norms)."""
     rows = x.shape[0]
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
-    shared = shared_fp8_input(x, (attn.q_proj, attn.k_proj, attn.v_proj))
-    q = attn.q_proj(x, **shared).view(rows, heads, dim)
-    k = attn.k_proj(x, **shared).view(rows, kv_heads, dim)
-    v = attn.v_proj(x, **shared).view(rows, kv_heads, dim)
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    shared = shared_fp8_input(x, projections)
+    stacked = stacked_fp8_products(projections, x, **shared) if ctx.fp8_stacked_qkv else None
+    if stacked is None:
+        stacked = [p(x, **shared) for p in projections]
+    q, k, v = (t.view(rows, n, dim) for t, n in zip(stacked, (heads, kv_heads, kv_heads)))
     cos, sin = position_embeddings  # [B, 1, D]
     if cos.dtype != q.dtype:  # as the attention forward does (e.g. under autocast)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
