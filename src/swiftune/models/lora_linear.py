@@ -284,10 +284,13 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
             adapters.append(None)
             continue
         operands = _fused_operands(p, x) if is_fused_lora(p) else None
-        if operands is None or not operands[6] or operands[1] != dtype:
+        if operands is None:
             return None
-        bases.append(operands[3])
-        adapters.append((float(p.scaling[operands[0]]), *operands[2:3], *operands[4:6]))
+        name, base_dtype, lora_dtype, base, lora_a, lora_b, fp8 = operands
+        if not fp8 or base_dtype != dtype:
+            return None
+        bases.append(base)
+        adapters.append((float(p.scaling[name]), lora_dtype, lora_a, lora_b))
     if any(b.bias is not None or b.scaled_mm != bases[0].scaled_mm for b in bases):
         return None
     weight = adjacent_rows([b.weight for b in bases])
