@@ -69,10 +69,11 @@ from ..kernels.fp8_dot import fp8_dot_matmul, fp8_dot_quantize
 from ..kernels.fp8_matmul import fp8_weight_only_matmul
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
-__all__ = ["DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8_DTYPE", "BlockFP8Checkpoint", "FP8Linear", "FP8State",
-           "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales", "block_size_of", "dequantize_rowwise",
-           "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "is_fp8_linear", "quantize_activation",
-           "lay_out_adjacent", "quantize_model_fp8", "quantize_rowwise", "quantize_shared_input"]
+__all__ = ["BlockFP8Checkpoint", "DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8Linear", "FP8State", "FP8_DTYPE",
+           "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales", "block_size_of",
+           "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "input_compute_dtype",
+           "is_fp8_linear", "lay_out_adjacent", "quantize_activation", "quantize_model_fp8", "quantize_rowwise",
+           "quantize_shared_input"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -230,7 +231,7 @@ class QuantizedActivation:
     scales: torch.Tensor
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def input_compute_dtype(x: torch.Tensor) -> torch.dtype:
     # the autocast dtype when autocast is on, else the input's (as nn.Linear computes in its weight's)
     kind = x.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
@@ -249,7 +250,7 @@ def quantize_shared_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> Quant
     product."""
     if not layers or not all(isinstance(m, FP8Linear) for m in layers):
         return None
-    dtype = _compute_dtype(x)
+    dtype = input_compute_dtype(x)
     if x.dtype != dtype:  # a layer alone would quantise x or its cast, by path: keep one rule, its own
         return None
     x2 = x.reshape(-1, x.shape[-1])
@@ -401,7 +402,7 @@ class FP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor, quantized: QuantizedActivation | None = None) -> torch.Tensor:
         """``quantized``: ``x``'s codes shared with other layers that read ``x``
         (:func:`quantize_shared_input`)."""
-        dtype = _compute_dtype(x)
+        dtype = input_compute_dtype(x)
         if quantized is not None and quantized.source is not x:
             raise ValueError("quantized= takes the codes quantize_shared_input made of this very input")
         if torch.is_grad_enabled():

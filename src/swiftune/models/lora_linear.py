@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .fp8_linear import (FP8State, QuantizedActivation, _compute_dtype, adjacent_rows, fp8_grad_input, fp8_matmul,
+from .fp8_linear import (FP8State, QuantizedActivation, adjacent_rows, fp8_grad_input, fp8_matmul, input_compute_dtype,
                          is_fp8_linear, quantize_shared_input)
 from .nf4_decode import takes_nf4_decode
 from .tiled_mlp import replace_untiled_forward
@@ -276,7 +276,7 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
     ``quantized``: ``x``'s codes (:func:`shared_fp8_input`). ``None`` where that does not hold: call each."""
     if torch.is_grad_enabled():
         return None
-    dtype = _compute_dtype(x)
+    dtype = input_compute_dtype(x)
     bases, adapters = [], []
     for p in projections:
         if is_fp8_linear(p):
