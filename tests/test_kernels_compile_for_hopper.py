@@ -23,6 +23,17 @@ from triton.compiler import ASTSource  # noqa: E402
 from swiftune.kernels import decode_attention, moe_decode, moe_route, moe_router  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
+def _expert_combine_signature(weights: str) -> dict:
+    """expert_combine's signature with routing weights of type ``weights``."""
+    return {"y_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i64", "w_ptr": weights, "out_ptr": "*bf16",
+            "hidden": "i32", "s_y": "i32", "s_o": "i32", "TOP_K": "constexpr", "BLOCK_H": "constexpr",
+            "ROUND_BF16": "constexpr"}
+
+
+ROUTER_TOPK_SIGNATURE = {
+    "z_ptr": "*bf16", "w_ptr": "*bf16", "idx_ptr": "*i64", "num_experts": "i32", "stride_z": "i32", "stride_w": "i32",
+    "stride_i": "i32", "TOP_K": "constexpr", "SOFTMAX_FIRST": "constexpr", "NORMALIZE": "constexpr",
+    "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"}
 EXPERT_PLACE_SIGNATURE = {
     "idx_ptr": "*i64", "hist_ptr": "*i32", "order_ptr": "*i64", "token_ptr": "*i64", "ends_ptr": "*i32",
     "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
@@ -45,15 +56,11 @@ CASES = {
         {"num_warps": 8}),
     "expert_combine, bf16 rows and weights": (
         moe_route._expert_combine_kernel,
-        {"y_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16",
-         "hidden": "i32", "s_y": "i32", "s_o": "i32", "TOP_K": "constexpr", "BLOCK_H": "constexpr",
-         "ROUND_BF16": "constexpr"},
+        _expert_combine_signature("*bf16"),
         {"TOP_K": 8, "BLOCK_H": 1024, "ROUND_BF16": False}, {"enable_fp_fusion": False}),
     "expert_combine, explicit bf16 rounding (the interpreter's path, compiled here for its code)": (
         moe_route._expert_combine_kernel,
-        {"y_ptr": "*bf16", "slot_ptr": "*i64", "order_ptr": "*i64", "w_ptr": "*fp32", "out_ptr": "*bf16",
-         "hidden": "i32", "s_y": "i32", "s_o": "i32", "TOP_K": "constexpr", "BLOCK_H": "constexpr",
-         "ROUND_BF16": "constexpr"},
+        _expert_combine_signature("*fp32"),
         {"TOP_K": 2, "BLOCK_H": 256, "ROUND_BF16": True}, {"enable_fp_fusion": False}),
     "moe_decode combine, explicit bf16 rounding": (
         moe_decode._moe_combine_kernel,
@@ -71,15 +78,11 @@ CASES = {
          "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_A": 64}, {"num_warps": 4}),
     "router top-k, softmax first (Qwen3-MoE)": (
         moe_router._router_topk_kernel,
-        {"z_ptr": "*bf16", "w_ptr": "*bf16", "idx_ptr": "*i64", "num_experts": "i32", "stride_z": "i32",
-         "stride_w": "i32", "stride_i": "i32", "TOP_K": "constexpr", "SOFTMAX_FIRST": "constexpr",
-         "NORMALIZE": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"},
+        ROUTER_TOPK_SIGNATURE,
         {"TOP_K": 8, "SOFTMAX_FIRST": True, "NORMALIZE": True, "BLOCK_E": 128, "BLOCK_K": 8}, {}),
     "router top-k, top-k first (gpt-oss)": (
         moe_router._router_topk_kernel,
-        {"z_ptr": "*bf16", "w_ptr": "*bf16", "idx_ptr": "*i64", "num_experts": "i32", "stride_z": "i32",
-         "stride_w": "i32", "stride_i": "i32", "TOP_K": "constexpr", "SOFTMAX_FIRST": "constexpr",
-         "NORMALIZE": "constexpr", "BLOCK_E": "constexpr", "BLOCK_K": "constexpr"},
+        ROUTER_TOPK_SIGNATURE,
         {"TOP_K": 4, "SOFTMAX_FIRST": False, "NORMALIZE": True, "BLOCK_E": 32, "BLOCK_K": 4}, {}),
     "split decode attention, bf16 cache, 8 query heads a K/V head, D 128": (
         decode_attention._split_kernel,

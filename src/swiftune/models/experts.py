@@ -419,7 +419,7 @@ def rollout_experts(model: nn.Module, family: Family, decode_kernel_max_tokens: 
     of a patched model (those with no forward of their own bound) run :func:`rollout_router_forward` in
     the block too: their top-k in one launch (``fused_routing=False``: torch's ops, the baseline of an A/B).
     ``route_kernels``: steps above the decode kernels' cap sort and combine through
-    :mod:`swiftune.kernels.moe_route` (the same bits as torch's ops; off until timed on a GPU)."""
+    :mod:`swiftune.kernels.moe_route` (the same bits as torch's ops; ``FastRolloutEngine`` asks for it by default)."""
     if decode_kernel_max_tokens is not None:
         check_decode_kernel_max_tokens(decode_kernel_max_tokens)
     if family.experts is None:

@@ -478,7 +478,7 @@ def lay_out_adjacent(layers: Sequence[FP8Linear]) -> bool:
     device) into one buffer each, in this order, each layer's ``weight`` / ``weight_scale`` a view of its
     rows, so that one product can span them without a copy (:func:`adjacent_rows`). The values do not
     change; the old buffers are freed as the views replace them. Returns whether it did (False, nothing
-    moved: other layers, block scales, mixed devices)."""
+    moved: other layers or none, block scales, mixed devices)."""
     first = layers[0] if layers else None
     if first is None or not all(
             isinstance(m, FP8Linear) and m.in_features == first.in_features and m.weight.device == first.weight.device
@@ -549,9 +549,7 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoi
         setattr(parent, child, layer)
         linear.weight = None  # the full-precision copy goes now, not with the last reference to the model
     for module in model.modules():  # q/k/v codes in one buffer: the rollout engine may multiply them at once
-        projections = [getattr(module, name, None) for name in QKV_NAMES]
-        if all(isinstance(m, FP8Linear) for m in projections):
-            lay_out_adjacent(projections)
+        lay_out_adjacent([getattr(module, name, None) for name in QKV_NAMES])  # other modules: nothing moves
     return len(targets)
 
 
