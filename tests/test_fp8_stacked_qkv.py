@@ -61,7 +61,8 @@ def _peft_fp8(model: nn.Module, adapter_dtype: torch.dtype = torch.float32) -> n
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+                # drawn on the CPU, so the same values on either device (a CPU generator cannot fill a CUDA tensor)
+                param.copy_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
             if "lora_" in name:
                 param.data = param.data.to(adapter_dtype)
     ll.fuse_lora_linears(peft_model)
