@@ -377,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decode step's attention over the cache: the split kernel where it compiles (auto, the "
                         "engine's default; swiftune.kernels.decode_attention), always (split) or SDPA (sdpa, the "
                         "baseline) (FastRolloutEngine(decode_attention=...))")
-    p.add_argument("--fp8-stacked-qkv", action="store_true",
-                   help="--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes "
-                        "(FastRolloutEngine(fp8_stacked_qkv=True); off by default until timed)")
+    p.add_argument("--fp8-stacked-qkv", action=argparse.BooleanOptionalAction, default=True,
+                   help="--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes (the "
+                        "engine's default); --no-fp8-stacked-qkv: three products, the baseline "
+                        "(FastRolloutEngine(fp8_stacked_qkv=...))")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "

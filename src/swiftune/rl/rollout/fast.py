@@ -219,8 +219,8 @@ class FastRolloutEngine:
         fp8_stacked_qkv: FP8 base weights (``load_in_fp8``): a decode step multiplies q/k/v's codes, which
             ``quantize_model_fp8`` lays out in one buffer, as one product, each projection's LoRA adapter
             (at run time) added to its columns (:func:`swiftune.models.lora_linear.stacked_fp8_products`), instead
-            of three products; off until timed on a GPU (``scripts/gpu_suite.sh fp8-stacked-ab``). Other weights,
-            and q/k/v not laid out so, are unaffected.
+            of three products (on by default: faster at G 8 and 64 in ``scripts/gpu_suite.sh fp8-stacked-ab``);
+            ``False``: three products. Other weights, and q/k/v not laid out so, are unaffected.
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -233,7 +233,7 @@ class FastRolloutEngine:
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
-                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = False):
+                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
