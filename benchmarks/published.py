@@ -35,10 +35,10 @@ QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.jso
 MOE_SFT = "python -m benchmarks.sft --model"
 GPTOSS_GRPO = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
                "--model gpt-oss-20b --share-prompt --gpu-budget-gb 80")
-GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_235k_h100.json"
+GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_247k_h100.json"
 GPTOSS_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out grpo_gptoss_80gb.json gptoss_grpo.json:swiftune "
                      "gptoss_grpo_at_80.json:swiftune=+swiftune gptoss_grpo_at_80_235008.json:swiftune=+swiftune "
-                     "gptoss_grpo_trl.json:trl_grpo")
+                     "gptoss_grpo_at_80_246784.json:swiftune=+swiftune gptoss_grpo_trl.json:trl_grpo")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -309,6 +309,22 @@ FIGURES: list[dict] = [
          versions=BASE,
          command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 "
                  "--no-baselines --no-checks --lora-rows --time-budget 90 --out rollout_g64_fp8.json"),
+    # 2026-12-06, one H100 80GB (the H200 could not be started), three calls: q/k/v as one FP8 decode product over
+    # their adjacent codes against three (scripts/gpu_suite.sh fp8-stacked-ab; one product is the engine's default
+    # since), then bf16 beside the one product at G=64 and at G=8, each pair in one call; "x bf16" pairs a call's rows
+    *(dict(figure="rollout_fp8", file=f"2026-12-06/{file}_h100.json", date="2026-12-06", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3", settings={"call": call, **({"qkv": qkv} if qkv else {})},
+           command=f"python -m benchmarks.rollout --model qwen3-8b {flags}--rows {rows} --new-tokens 1024 "
+                   f"--no-baselines --no-checks --lora-rows {extra}--time-budget {budget} --out {file}.json")
+      for file, call, qkv, flags, rows, extra, budget in (
+          ("rollout_fp8_no-stacked", "H100, q/k/v A/B", "three products", "--load-in-fp8 ", "8 64",
+           "--profile-steps 256 --no-fp8-stacked-qkv ", 130),
+          ("rollout_fp8_stacked", "H100, q/k/v A/B", "one product", "--load-in-fp8 ", "8 64",
+           "--profile-steps 256 --fp8-stacked-qkv ", 130),
+          ("rollout_g64_bf16_s44", "H100, G=64", "", "", "64", "", 80),
+          ("rollout_g64_fp8_stacked", "H100, G=64", "one product", "--load-in-fp8 ", "64", "--fp8-stacked-qkv ", 90),
+          ("rollout_g8_bf16_s44", "H100, G=8", "", "", "8", "", 80),
+          ("rollout_g8_fp8_stacked", "H100, G=8", "one product", "--load-in-fp8 ", "8", "--fp8-stacked-qkv ", 90))),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
          settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "
@@ -370,6 +386,15 @@ FIGURES: list[dict] = [
                    f"--no-checks --lora-rows --time-budget {budget} --out {file}.json")
       for file, model, budget in (("rollout_moe_defaults", "qwen3-30b-a3b", 110),
                                   ("rollout_gptoss_defaults", "gpt-oss-20b", 70))),
+    # a later session the same day, another H100 80GB (scripts/gpu_suite.sh moe-decode-defaults): the defaults
+    # again, now with the route kernels' sort in two launches (a count per block of assignments, then each block
+    # placed), each shape profiled for 256 more tokens
+    *(dict(figure="rollout_moe", file=f"2026-12-06/{file}_sort2_h100.json", date="2026-12-06", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3",
+           settings={"experts": "router top-k + route kernels (two-launch sort), split decode attention (the defaults)"},
+           command=f"python -m benchmarks.rollout --model {model} --rows 8 64 --new-tokens 1024 --no-baselines "
+                   f"--no-checks --lora-rows --profile-steps 256 --time-budget 150 --out rollout_{model}_defaults.json")
+      for file, model in (("rollout_moe_defaults", "qwen3-30b-a3b"), ("rollout_gptoss_defaults", "gpt-oss-20b"))),
     # the same chain, first part (scripts/gpu_suite.sh decode-attention-ab): the decode step's attention through
     # SDPA and through the split kernel (swiftune.kernels.decode_attention; "auto", the default since, takes it
     # on CUDA), each shape and attention its own run, route kernels off (as then; they touch no timed MoE step
@@ -515,14 +540,15 @@ FIGURES: list[dict] = [
     # planner's bracket (213,504 fitted; the time budget skipped 204,032, which a fit above rules in; no failure
     # tried), then TRL's loss path bisected to 5%
     # and later calls (other H100 80GBs, the same day): one more swiftune trial at 224,000 (4.9% above 213,504),
-    # then one at 235,008 (4.9% above 224,000); both fitted
+    # then one at 235,008 (4.9% above 224,000), then one at 246,784 (5.0% above 235,008); each fitted
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=BASE,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("swiftune"),
          command=f"{GPTOSS_GRPO} --bisect-modes swiftune --completion-from-planner --time-budget 560 "
                  f"--out gptoss_grpo.json && {GPTOSS_GRPO} --bisect-modes swiftune --completion-lengths 224000 "
                  f"--fixed-only --time-budget 2900 --out gptoss_grpo_at_80.json && {GPTOSS_GRPO} --bisect-modes "
                  f"swiftune --completion-lengths 235008 --fixed-only --time-budget 2900 --out "
-                 f"gptoss_grpo_at_80_235008.json && {GPTOSS_GRPO_MERGE}"),
+                 f"gptoss_grpo_at_80_235008.json && {GPTOSS_GRPO} --bisect-modes swiftune --completion-lengths "
+                 f"246784 --fixed-only --time-budget 2900 --out gptoss_grpo_at_80_246784.json && {GPTOSS_GRPO_MERGE}"),
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=WITH_TRL,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("trl_grpo"),
          command=f"{GPTOSS_GRPO} --bisect-modes trl_grpo --time-budget 400 --out gptoss_grpo_trl.json && "

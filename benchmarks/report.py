@@ -499,20 +499,22 @@ def rollout(fig: Figure) -> str:
 
 
 def rollout_fp8(fig: Figure) -> str:
-    """FP8 (e4m3 weights, per-row scales) against bf16 weights, same engine, shape, G and N, one call."""
+    """FP8 (e4m3 weights, per-row scales) against bf16 weights, same engine, shape, G and N; "x bf16" pairs the
+    rows of one call only (a ``call`` setting names later calls; ``qkv``: q/k/v as one FP8 product or three)."""
     runs = {}
     for mode, model, s, m in fig.groups():
-        weights = s.get("weights", "bf16")
-        key = (model, s["rows"], s["new_tokens"], "LoRA r=16 at runtime" if mode == "fast_engine_lora" else "")
-        runs[(key, weights)] = m
+        lora = "LoRA r=16 at runtime" if mode == "fast_engine_lora" else ""
+        key = (model, s["rows"], s["new_tokens"], lora, s.get("call", ""))
+        runs[(key, s.get("weights", "bf16"), s.get("qkv", ""))] = m
     out = []
-    for (key, weights), m in runs.items():
-        bf16 = runs.get((key, "bf16"))
+    for (key, weights, qkv), m in runs.items():
+        model, rows, new_tokens, lora, call = key
+        bf16 = runs.get((key, "bf16", ""))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         base = val(bf16, "tokens_per_s") if bf16 and weights != "bf16" else None
-        out.append([MODELS.get(key[0], key[0]), str(key[1]), f"{key[2]:,}", weights + (f", {key[3]}" if key[3] else ""),
-                    fmt(tps, thousands=True), fmt(ms), fmt(floor) if floor else "", fmt(ms / floor) if floor else "",
-                    fmt(tps / base) if base else ""])
+        label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", lora) if x) + (f" ({call})" if call else "")
+        out.append([MODELS.get(model, model), str(rows), f"{new_tokens:,}", label, fmt(tps, thousands=True), fmt(ms),
+                    fmt(floor) if floor else "", fmt(ms / floor) if floor else "", fmt(tps / base) if base else ""])
     return table(["shape", "G", "N", "weights", "engine tok/s", "step ms", "HBM floor ms", "x floor", "x bf16"], out,
                  set(range(1, 9)) - {3})
 
