@@ -201,7 +201,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "decode_attention": engine.decode_attention,
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
-            "fp8_stacked_qkv": engine.fp8_stacked_qkv,
+            "fp8_stacked_qkv": engine.fp8_stacked_qkv, "fp8_stacked_gate_up": engine.fp8_stacked_gate_up,
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
 
 
@@ -231,6 +231,7 @@ def weight_options(a) -> dict:
     """The engine's options for quantised (NF4, FP8) weights the command line names (the library's defaults
     where it names none)."""
     options = {"nf4_decode_kernel": a.nf4_decode_kernel, "fp8_stacked_qkv": a.fp8_stacked_qkv,
+               "fp8_stacked_gate_up": a.fp8_stacked_gate_up,
                "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}
     if a.nf4_decode_max_rows is not None:
         options["nf4_decode_max_rows"] = a.nf4_decode_max_rows
@@ -381,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes (the "
                         "engine's default); --no-fp8-stacked-qkv: three products, the baseline "
                         "(FastRolloutEngine(fp8_stacked_qkv=...))")
+    p.add_argument("--fp8-stacked-gate-up", action=argparse.BooleanOptionalAction, default=False,
+                   help="--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent codes "
+                        "(FastRolloutEngine(fp8_stacked_gate_up=True); off by default until timed)")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "

@@ -621,6 +621,20 @@ case "$part" in
         --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 130 \
         --out "$OUT/rollout_fp8_$stacked.json"
     done ;;
+  fp8-stacked-gate-up-ab)  # FP8 decode with gate/up as one product too (the activation reading its halves in
+    # place) against q/k/v alone (the default), and bf16 beside them: Qwen3-8B at G 8 / 64, one call, the FP8 runs
+    # profiled for 256 more tokens; the stacked paths' and the GLU kernel's tests on CUDA first (~7 min)
+    run fp8_stacked_gate_up_tests 200 python3 -m pytest tests/test_fp8_stacked_qkv.py tests/test_glu_rows.py \
+      -p no:cacheprovider
+    run rollout_fp8_bf16 130 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 \
+      --no-baselines --no-checks --lora-rows --time-budget 110 --out "$OUT/rollout_fp8_bf16.json"
+    for stacked in qkv gate-up; do
+      flags=(--fp8-stacked-qkv --no-fp8-stacked-gate-up)
+      [ "$stacked" = gate-up ] && flags=(--fp8-stacked-qkv --fp8-stacked-gate-up)
+      run "rollout_fp8_stacked_$stacked" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
+        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 130 \
+        --out "$OUT/rollout_fp8_stacked_$stacked.json"
+    done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)
     for cap in 16 64; do

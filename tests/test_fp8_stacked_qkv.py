@@ -1,9 +1,11 @@
-"""q/k/v's FP8 products as one (``quantize_model_fp8``'s adjacent layout, ``stacked_fp8_products``,
-``FastRolloutEngine(fp8_stacked_qkv=True)``).
+"""q/k/v's and gate/up's FP8 products as one each (``quantize_model_fp8``'s adjacent layout,
+``stacked_fp8_products``, ``FastRolloutEngine(fp8_stacked_qkv=True, fp8_stacked_gate_up=True)``, the decode
+step's ``decode_mlp``).
 
 References, never the stacked path itself: each projection's own call (the FP8 layer, or PEFT's LoRA layer over
-it: its own forward), per-row quantisation of the unquantised weights (``quantize_rowwise``), and the engine's
-decoding with three products a layer (the same greedy tokens and log-probabilities). On the CPU the FP8 kernels run through the Triton interpreter (tests/conftest.py); ``_scaled_mm``'s path (18+ rows) is
+it: its own forward), transformers' own MLP forward over them, per-row quantisation of the unquantised weights
+(``quantize_rowwise``), and the engine's decoding with a product per projection (the same greedy tokens and
+log-probabilities). On the CPU the FP8 kernels run through the Triton interpreter (tests/conftest.py); ``_scaled_mm``'s path (18+ rows) is
 switched on by hand, as tests/test_fp8_shared_quant.py does.
 """
 
@@ -32,32 +34,41 @@ def _qkv(attn: nn.Module) -> list[nn.Module]:
     return [getattr(attn, name) for name in fl.QKV_NAMES]
 
 
-def test_quantize_model_lays_qkv_out_adjacent_with_each_layers_own_codes():
+def _gate_up(mlp: nn.Module) -> list[nn.Module]:
+    return [getattr(mlp, name) for name in fl.GATE_UP_NAMES]
+
+
+def test_quantize_model_lays_qkv_and_gate_up_out_adjacent_with_each_layers_own_codes():
     """After ``quantize_model_fp8`` every attention's q/k/v codes and scales are views of one buffer each, in
-    that order (one spanning view exists), and equal the per-row quantisation of each unquantised weight; o_proj
-    and the MLP keep their own buffers. A layer moved off the buffer (a copy of its weight) breaks the span."""
+    that order (one spanning view exists), and so are every MLP's gate/up; each equals the per-row quantisation
+    of its unquantised weight; o_proj and down_proj keep their own buffers. A layer moved off the buffer (a copy
+    of its weight) breaks the span."""
     reference, model = _fp8_model()
     for ref_layer, layer in zip(reference.model.layers, model.model.layers):
-        projections = _qkv(layer.self_attn)
-        span = fl.adjacent_rows([p.weight for p in projections])
-        scales = fl.adjacent_rows([p.weight_scale for p in projections])
-        assert span is not None and scales is not None
-        assert span.shape == (sum(p.out_features for p in projections), projections[0].in_features)
-        for p, ref in zip(projections, _qkv(ref_layer.self_attn)):
-            codes, scale = fl.quantize_rowwise(ref.weight.detach())
-            assert torch.equal(p.weight.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(p.weight_scale, scale)
+        for group, ref_group in ((_qkv(layer.self_attn), _qkv(ref_layer.self_attn)),
+                                 (_gate_up(layer.mlp), _gate_up(ref_layer.mlp))):
+            span = fl.adjacent_rows([p.weight for p in group])
+            scales = fl.adjacent_rows([p.weight_scale for p in group])
+            assert span is not None and scales is not None
+            assert span.shape == (sum(p.out_features for p in group), group[0].in_features)
+            for p, ref in zip(group, ref_group):
+                codes, scale = fl.quantize_rowwise(ref.weight.detach())
+                assert torch.equal(p.weight.view(torch.uint8), codes.view(torch.uint8))
+                assert torch.equal(p.weight_scale, scale)
         assert fl.adjacent_rows([layer.self_attn.o_proj.weight, layer.mlp.gate_proj.weight]) is None
+        assert fl.adjacent_rows([layer.mlp.up_proj.weight, layer.mlp.down_proj.weight]) is None
     k_proj = model.model.layers[0].self_attn.k_proj
     k_proj.weight = nn.Parameter(k_proj.weight.clone(), requires_grad=False)
     assert fl.adjacent_rows([p.weight for p in _qkv(model.model.layers[0].self_attn)]) is None
 
 
 def _peft_fp8(model: nn.Module, adapter_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """LoRA r=8 on q/k/v over the FP8 bases, PEFT's own layers (B made non-zero; the adapters in ``adapter_dtype``:
-    PEFT's float32, or the bases' bf16), then swiftune's fused forward."""
+    """LoRA r=8 on q/k/v and gate/up over the FP8 bases, PEFT's own layers (B made non-zero; the adapters in
+    ``adapter_dtype``: PEFT's float32, or the bases' bf16), then swiftune's fused forward."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(fl.QKV_NAMES)))
+    targets = [*fl.QKV_NAMES, *fl.GATE_UP_NAMES]
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
@@ -71,7 +82,8 @@ def _peft_fp8(model: nn.Module, adapter_dtype: torch.dtype = torch.float32) -> n
 
 @pytest.mark.parametrize("rows,scaled_mm", [(3, False), (16, False), (18, True), (40, True)])
 @pytest.mark.parametrize("lora", [None, torch.float32, torch.bfloat16], ids=["no-lora", "lora-fp32", "lora-bf16"])
-def test_stacked_products_equal_each_projections_own_call(rows, scaled_mm, lora):
+@pytest.mark.parametrize("group", ["qkv", "gate_up"])
+def test_stacked_products_equal_each_projections_own_call(rows, scaled_mm, lora, group):
     """Weight-only kernel rows (3, 16) and the FP8 x FP8 rows (18, 40, shared codes): the stacked product's
     columns equal each projection's own call under no_grad, bit for bit; with LoRA each adapter's product is
     added to its columns as PEFT's layer (fused) adds it."""
@@ -81,15 +93,16 @@ def test_stacked_products_equal_each_projections_own_call(rows, scaled_mm, lora)
         _require_cpu_scaled_mm()
     _, model = _fp8_model(scaled_mm=scaled_mm)
     model = _peft_fp8(model, lora) if lora else model
-    attn = (model.base_model.model if lora else model).model.layers[1].self_attn
-    projections = _qkv(attn)
-    x = torch.randn(rows, 1, attn.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    layer = (model.base_model.model if lora else model).model.layers[1]
+    projections = _qkv(layer.self_attn) if group == "qkv" else _gate_up(layer.mlp)
+    x = torch.randn(rows, 1, layer.self_attn.config.hidden_size,
+                    generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     with torch.no_grad():
         shared = ll.shared_fp8_input(x, projections)
         assert bool(shared) == scaled_mm
         got = ll.stacked_fp8_products(projections, x, **shared)
         want = [p(x) for p in projections]
-    assert got is not None and len(got) == 3
+    assert got is not None and len(got) == len(projections)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         assert torch.equal(g, w)  # the CPU's kernels (interpreter) tile each column alike: the same bits
@@ -113,11 +126,58 @@ def test_stacked_products_decline_what_they_do_not_compute():
         assert ll.stacked_fp8_products([attn.q_proj, attn.k_proj, plain.v_proj], x) is None
 
 
+@pytest.mark.parametrize("rows,scaled_mm", [(3, False), (40, True)])
 @pytest.mark.parametrize("lora", [False, True])
-def test_engine_with_stacked_qkv_decodes_as_with_three_products(lora, monkeypatch):
-    """``FastRolloutEngine(fp8_stacked_qkv=True)`` on an FP8 model (LoRA adapters at run time too): every
-    decode step's attention takes the stacked product, and the greedy tokens and log-probabilities equal the
-    engine's with three products a layer (on the CPU bit for bit; on CUDA, compiled, to bf16's rounding)."""
+def test_decode_mlp_equals_transformers_mlp_forward(rows, scaled_mm, lora):
+    """The decode step's MLP with gate/up as one product (the activation reading its two halves in place) gives
+    transformers' own MLP forward over the same layers (``type(mlp).forward``: each projection's own call,
+    ``act_fn(gate) * up``, then down) to bf16's rounding of the activation (the GLU kernel's, see
+    tests/test_glu_rows.py), and the patched module's own forward (three products) bit for bit on the CPU; LoRA
+    adapters on gate/up (PEFT's layers) too."""
+    from swiftune.models import patch_model
+
+    if scaled_mm:
+        from tests.test_fp8 import _require_cpu_scaled_mm
+
+        _require_cpu_scaled_mm()
+    _, model = _fp8_model(scaled_mm=scaled_mm)
+    model = patch_model(model)
+    model = _peft_fp8(model) if lora else model
+    mlp = (model.base_model.model if lora else model).model.layers[0].mlp
+    x = torch.randn(rows, 1, mlp.config.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    calls = []
+    stacked = rollout_layers.stacked_fp8_products
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rollout_layers, "stacked_fp8_products", lambda *a, **k: calls.append(1) or stacked(*a, **k))
+        got = rollout_layers.decode_mlp(mlp, x)
+        want = type(mlp).forward(mlp, x)
+        own = mlp(x)
+    assert calls and got.shape == want.shape and got.abs().sum() > 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2 * want.float().abs().max().item())
+    assert torch.equal(got, own)
+
+
+def test_decode_mlp_runs_the_modules_own_forward_where_it_cannot_stack():
+    """A bf16 MLP (nothing laid out), or gate/up moved off their buffer: the module's forward, the same result."""
+    from swiftune.models import patch_model
+
+    plain = patch_model(tiny_model("qwen3").to(torch.bfloat16).eval())
+    _, fp8 = _fp8_model()
+    fp8 = patch_model(fp8)
+    up = fp8.model.layers[0].mlp.up_proj
+    up.weight = nn.Parameter(up.weight.clone(), requires_grad=False)
+    for mlp in (plain.model.layers[0].mlp, fp8.model.layers[0].mlp):
+        x = torch.randn(2, 1, mlp.config.hidden_size).to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(rollout_layers.decode_mlp(mlp, x), mlp(x))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_engine_with_stacked_products_decodes_as_with_a_product_per_projection(lora, monkeypatch):
+    """``FastRolloutEngine(fp8_stacked_qkv=..., fp8_stacked_gate_up=...)`` on an FP8 model (LoRA adapters at run
+    time too): every decode step's attention (and MLP) takes the stacked product, and the greedy tokens and
+    log-probabilities equal the engine's with a product per projection (on the CPU bit for bit; on CUDA,
+    compiled, to bf16's rounding)."""
     from swiftune.models import patch_model
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
 
@@ -126,7 +186,7 @@ def test_engine_with_stacked_qkv_decodes_as_with_three_products(lora, monkeypatc
     fl.quantize_model_fp8(reference)
     model = patch_model(reference)
     model = _peft_fp8(model) if lora else model
-    calls = []  # per decode step's attention: did the stacked product run
+    calls = []  # per decode step's attention and MLP: did the stacked product run
     stacked = rollout_layers.stacked_fp8_products
 
     def counted(*args, **kwargs):
@@ -137,15 +197,19 @@ def test_engine_with_stacked_qkv_decodes_as_with_three_products(lora, monkeypatc
     monkeypatch.setattr(rollout_layers, "stacked_fp8_products", counted)
     prompts = [[5, 9, 17, 33, 2], [7, 8, 100, 12]]
     params = SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=())
-    runs = {}
-    for on in (False, True):
+    runs, counts = {}, {}
+    for qkv, gate_up in ((False, False), (True, False), (True, True)):
         calls.clear()
-        engine = FastRolloutEngine(model, use_cuda_graph=False, kv_bucket=4, fp8_stacked_qkv=on)
-        runs[on] = engine.generate(prompts, 2, params)
-        assert (bool(calls) and all(calls)) if on else not calls
-    assert runs[True].completion_ids == runs[False].completion_ids
-    for got, want in zip(runs[True].logprobs, runs[False].logprobs):
-        if device == "cpu":
-            assert torch.equal(got, want)
-        else:  # a compiled kernel may tile the wider product's columns otherwise: bf16 roundings apart
-            torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+        engine = FastRolloutEngine(model, use_cuda_graph=False, kv_bucket=4, fp8_stacked_qkv=qkv,
+                                   fp8_stacked_gate_up=gate_up)
+        runs[qkv, gate_up] = engine.generate(prompts, 2, params)
+        assert all(calls)
+        counts[qkv, gate_up] = len(calls)
+    assert counts[False, False] == 0 and counts[True, False] > 0 and counts[True, True] == 2 * counts[True, False]
+    for on in ((True, False), (True, True)):
+        assert runs[on].completion_ids == runs[False, False].completion_ids
+        for got, want in zip(runs[on].logprobs, runs[False, False].logprobs):
+            if device == "cpu":
+                assert torch.equal(got, want)
+            else:  # a compiled kernel may tile the wider product's columns otherwise: bf16 roundings apart
+                torch.testing.assert_close(got, want, rtol=0, atol=2e-2)

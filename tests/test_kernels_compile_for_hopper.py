@@ -1,4 +1,4 @@
-"""The MoE routing kernels and the split decode attention compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
+"""The MoE routing kernels, the split decode attention and the GLU's row kernel compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
 that it compiles: types, shapes and layouts are only settled by the compiler. Triton compiles for a named
@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from swiftune.kernels import decode_attention, moe_decode, moe_route, moe_router  # noqa: E402
+from swiftune.kernels import decode_attention, glu, moe_decode, moe_route, moe_router  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 def _expert_combine_signature(weights: str) -> dict:
@@ -97,6 +97,11 @@ CASES = {
          "kv_heads": "i32", "splits": "i32", "s_ob": "i32", "s_oh": "i32", "s_og": "i32", "G": "constexpr",
          "D": "constexpr", "BLOCK_G": "constexpr", "HAS_SINKS": "constexpr"},
         {"G": 8, "D": 64, "BLOCK_G": 16, "HAS_SINKS": True}, {}),
+    "SwiGLU on gate/up column halves (the stacked FP8 decode product)": (
+        glu._glu_rows_fwd_kernel,
+        {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "cols": "i32", "g_stride": "i32", "u_stride": "i32",
+         "ACT": "constexpr", "BLOCK": "constexpr"},
+        {"ACT": 0, "BLOCK": 1024}, {}),
 }
 
 

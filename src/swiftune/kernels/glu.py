@@ -20,7 +20,11 @@ with the derivatives
     tanh approximation, with k = sqrt(2 / pi), u(g) = k * (g + 0.044715 g^3), t = tanh(u):
     gelu_t(g) = g/2 * (1 + t)                gelu_t'(g) = (1 + t) / 2 + g/2 * (1 - t^2) * k * (1 + 3 * 0.044715 g^2)
 
-The kernels treat gate and up as flat arrays (they come out of linear layers, contiguous).
+The kernels treat gate and up as flat arrays (they come out of linear layers, contiguous). One more forward
+kernel takes them as rows with a stride (``[rows, cols]`` views, each row ``stride`` elements after the one
+before): the two column halves of one product that computed gate and up at once (the rollout engine's FP8
+decode step, :func:`swiftune.models.lora_linear.stacked_fp8_products`), read in place instead of copied; the
+same arithmetic, element by element.
 """
 
 from __future__ import annotations
@@ -91,6 +95,19 @@ if triton is not None:
         tl.store(out_ptr + offs, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _glu_rows_fwd_kernel(g_ptr, u_ptr, out_ptr, cols, g_stride, u_stride, ACT: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """A program per (row, block of ``BLOCK`` columns); gate and up rows ``g_stride`` / ``u_stride`` apart,
+        ``out`` contiguous ``[rows, cols]``."""
+        row = tl.program_id(0).to(tl.int64)
+        cols_ = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols_ < cols
+        g = tl.load(g_ptr + row * g_stride + cols_, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_stride + cols_, mask=mask, other=0.0).to(tl.float32)
+        a = _act_fwd(g, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * cols + cols_, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _glu_bwd_kernel(
         dout_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr
     ):
@@ -107,23 +124,42 @@ else:  # pragma: no cover
     _glu_fwd_kernel = None
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a ``[rows, cols]`` view whose rows are one stride apart and whose columns are adjacent (a
+    column slice of a wider product), without a copy; None where it is not one."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:  # leading dimensions that do not merge into one stride
+        return None
+
+
 class GLUFunction(torch.autograd.Function):
     """``round(act(gate)) * up`` with a recomputing backward; saves only gate and up."""
 
     @staticmethod
     def forward(ctx, gate, up, act: int, force_int64: bool):
-        gate, up = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate)
-        n = gate.numel()
-        int64 = force_int64 or needs_int64(gate)
-        _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, ACT=act, BLOCK=_BLOCK, INT64=int64)
+        rows = None if gate.is_contiguous() and up.is_contiguous() else (_as_rows(gate), _as_rows(up))
+        if rows is not None and None not in rows and rows[0].numel() > 0:
+            g, u = rows  # read in place (column halves of one product); the flat kernel would need copies
+            out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+            grid = (g.shape[0], triton.cdiv(g.shape[1], _BLOCK))
+            _glu_rows_fwd_kernel[grid](g, u, out, g.shape[1], g.stride(0), u.stride(0), ACT=act, BLOCK=_BLOCK)
+            int64 = force_int64 or needs_int64(out)
+        else:
+            gate, up = gate.contiguous(), up.contiguous()
+            out = torch.empty_like(gate)
+            n = gate.numel()
+            int64 = force_int64 or needs_int64(gate)
+            _glu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, out, n, ACT=act, BLOCK=_BLOCK, INT64=int64)
         ctx.save_for_backward(gate, up)
         ctx.act, ctx.int64 = act, int64
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        gate, up = ctx.saved_tensors
+        gate, up = (t.contiguous() for t in ctx.saved_tensors)  # (strided views: the flat kernel's layout)
         dout = dout.contiguous()
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()

@@ -19,7 +19,8 @@ from ..kernels import geglu, rms_norm, rope_qk, swiglu
 from .lora_linear import shared_fp8_input
 from .state import AttentionSpec, PatchState, patch_state
 
-__all__ = ["AttentionSpec", "fused_attention_forward", "fused_mlp_forward", "fused_rms_norm_forward"]
+__all__ = ["AttentionSpec", "fused_attention_forward", "fused_mlp_forward", "fused_rms_norm_forward",
+           "gated_activation"]
 
 
 def _state(module: nn.Module) -> PatchState:
@@ -113,15 +114,19 @@ def fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate = self.gate_proj(x, **shared)
     up = self.up_proj(x, **shared)
     del shared
-    state = _state(self)
-    activation, backend = state.activation, state.kernel_backend
     if gate.dtype != up.dtype:  # unusual mixed setups: keep transformers' own arithmetic
         return type(self).forward(self, x)
-    if activation.kernel == "swiglu":
-        hidden = swiglu(gate, up, backend=backend)
-    else:
-        hidden = geglu(gate, up, approximate=activation.approximate, backend=backend)
-    return self.down_proj(hidden)
+    return self.down_proj(gated_activation(self, gate, up))
+
+
+def gated_activation(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` of a gated MLP that :func:`swiftune.patch_model` patched, through its fused kernel
+    (SwiGLU or GeGLU, the family's activation): what :func:`fused_mlp_forward` multiplies ``down_proj`` by.
+    ``gate`` / ``up`` may be column views of one wider product (read in place)."""
+    state = _state(mlp)
+    if state.activation.kernel == "swiglu":
+        return swiglu(gate, up, backend=state.kernel_backend)
+    return geglu(gate, up, approximate=state.activation.approximate, backend=state.kernel_backend)
 
 
 def fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ from ..kernels.fp8_matmul import fp8_weight_only_matmul
 from ..kernels.fp8_quant import fp8_quantize_rowwise
 
 __all__ = ["BlockFP8Checkpoint", "DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8Linear", "FP8State", "FP8_DTYPE",
-           "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales", "block_size_of",
+           "GATE_UP_NAMES", "QKV_NAMES", "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales", "block_size_of",
            "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "input_compute_dtype",
            "is_fp8_linear", "lay_out_adjacent", "quantize_activation", "quantize_model_fp8", "quantize_rowwise",
            "quantize_shared_input"]
@@ -471,6 +471,8 @@ def is_fp8_linear(module: nn.Module) -> bool:
 
 #: the projections of one attention module that read the same input, laid out adjacent at load
 QKV_NAMES = ("q_proj", "k_proj", "v_proj")
+#: the same for a gated MLP's two input projections
+GATE_UP_NAMES = ("gate_proj", "up_proj")
 
 
 def lay_out_adjacent(layers: Sequence[FP8Linear]) -> bool:
@@ -527,7 +529,8 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoi
 
     Then each attention module's ``q_proj`` / ``k_proj`` / ``v_proj`` codes (and scales) move into one
     buffer, each layer a view of its rows (:func:`lay_out_adjacent`), where all three have per-row scales:
-    the same values and bytes, one allocation instead of three."""
+    the same values and bytes, one allocation instead of three; so do each gated MLP's ``gate_proj`` /
+    ``up_proj``."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m is not head
                and not any(name == p or name.startswith(p + ".") for p in skip)]
@@ -548,8 +551,9 @@ def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoi
             layer = FP8Linear.from_linear(linear, scaled_mm)
         setattr(parent, child, layer)
         linear.weight = None  # the full-precision copy goes now, not with the last reference to the model
-    for module in model.modules():  # q/k/v codes in one buffer: the rollout engine may multiply them at once
-        lay_out_adjacent([getattr(module, name, None) for name in QKV_NAMES])  # other modules: nothing moves
+    for module in model.modules():  # codes of one input in one buffer: the rollout engine may multiply them at once
+        for names in (QKV_NAMES, GATE_UP_NAMES):
+            lay_out_adjacent([getattr(module, name, None) for name in names])  # other modules: nothing moves
     return len(targets)
 
 

@@ -221,6 +221,10 @@ class FastRolloutEngine:
             (at run time) added to its columns (:func:`swiftune.models.lora_linear.stacked_fp8_products`), instead
             of three products (on by default: faster at G 8 and 64 in ``scripts/gpu_suite.sh fp8-stacked-ab``);
             ``False``: three products. Other weights, and q/k/v not laid out so, are unaffected.
+        fp8_stacked_gate_up: the same for each gated MLP's gate / up codes (``quantize_model_fp8`` lays them out
+            in one buffer too), the fused activation reading the product's two column halves in place
+            (``rollout.layers.decode_mlp``); off until timed on a GPU (``scripts/gpu_suite.sh
+            fp8-stacked-gate-up-ab``). The fused layer loop's decode steps only (pre-norm families).
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -233,7 +237,7 @@ class FastRolloutEngine:
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
-                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True):
+                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = False):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -267,6 +271,7 @@ class FastRolloutEngine:
         self.nf4_decode_max_rows = check_nf4_decode_max_rows(nf4_decode_max_rows, "nf4_decode_max_rows")
         self.nf4_dense = nf4_dense
         self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
+        self.fp8_stacked_gate_up = bool(fp8_stacked_gate_up)
         self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
@@ -443,7 +448,8 @@ class FastRolloutEngine:
 
     def _context(self, ws: Workspace, fused: bool) -> DecodeContext:
         """The attention context of a workspace (or of a compacted view of one)."""
-        return DecodeContext(ws, self.attention_backend, fused, self.decode_attention, self.fp8_stacked_qkv)
+        return DecodeContext(ws, self.attention_backend, fused, self.decode_attention, self.fp8_stacked_qkv,
+                             self.fp8_stacked_gate_up)
 
     def _start_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
                      stops: tuple[str, ...]) -> Chunk:

@@ -34,6 +34,7 @@ from torch import nn
 
 from ...kernels import add_rms_norm, decode_qkv, rms_norm
 from ...models.families import FAMILIES
+from ...models.forwards import gated_activation
 from ...models.lora_linear import shared_fp8_input, stacked_fp8_products
 from ...models.state import is_bound, patch_state
 
@@ -92,11 +93,27 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             out = out[0] if isinstance(out, tuple) else out
         post = layer.post_attention_layernorm
         x, residual = add_rms_norm(out, residual, post.weight, _eps(post), backend=backend)
-        out = layer.mlp(x)  # swiftune's MLP forward shares an FP8 quantisation of x between gate and up
+        out = decode_mlp(layer.mlp, x) if ctx.mode == "decode" and ctx.fp8_stacked_gate_up else layer.mlp(x)
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
         x, residual = add_rms_norm(out, residual, nxt.weight, _eps(nxt), backend=backend)
     return x
+
+
+def decode_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple:
+    """One decode step of a gated MLP whose FP8 ``gate_proj`` / ``up_proj`` codes lie in one buffer
+    (``quantize_model_fp8``): one product for both (each LoRA adapter added to its own columns), the fused
+    activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
+    computes, each column the same dot product. Anything else (MoE blocks, other weights, a layout moved
+    since) runs the module's own forward."""
+    state = patch_state(mlp)
+    if not (is_bound(mlp) and state.activation is not None and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")):
+        return mlp(x)  # (patched gated MLPs carry their activation)
+    projections = (mlp.gate_proj, mlp.up_proj)
+    products = stacked_fp8_products(projections, x, **shared_fp8_input(x, projections))
+    if products is None:
+        return mlp(x)
+    return mlp.down_proj(gated_activation(mlp, *products))
 
 
 def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any, ctx: Any, backend: str) -> torch.Tensor:
