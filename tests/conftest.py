@@ -7,8 +7,18 @@ so it is set here, at collection time, and nowhere in the library.
 import os
 
 import pytest
-import torch
 
+# pytest-xdist's workers share the machine's cores: each takes its share for torch's intra-op threads (and the
+# scripts it runs as subprocesses, through OMP_NUM_THREADS), instead of every worker starting one thread per core.
+# On the 2-core CI machine with `-n 2` the oversubscribed threads made CPU-bound tests up to 2.5x slower.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: torch sizes its thread pool from it)
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
