@@ -391,7 +391,8 @@ FIGURES: list[dict] = [
     # placed), each shape profiled for 256 more tokens
     *(dict(figure="rollout_moe", file=f"2026-12-06/{file}_sort2_h100.json", date="2026-12-06", versions=BASE,
            gpu="NVIDIA H100 80GB HBM3",
-           settings={"experts": "router top-k + route kernels (two-launch sort), split decode attention (the defaults)"},
+           settings={"experts": "router top-k + route kernels (two-launch sort), split decode attention "
+                                "(the defaults)"},
            command=f"python -m benchmarks.rollout --model {model} --rows 8 64 --new-tokens 1024 --no-baselines "
                    f"--no-checks --lora-rows --profile-steps 256 --time-budget 150 --out rollout_{model}_defaults.json")
       for file, model in (("rollout_moe_defaults", "qwen3-30b-a3b"), ("rollout_gptoss_defaults", "gpt-oss-20b"))),

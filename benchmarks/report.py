@@ -512,7 +512,8 @@ def rollout_fp8(fig: Figure) -> str:
         bf16 = runs.get((key, "bf16", ""))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         base = val(bf16, "tokens_per_s") if bf16 and weights != "bf16" else None
-        label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", lora) if x) + (f" ({call})" if call else "")
+        label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", lora) if x)
+        label += f" ({call})" if call else ""
         out.append([MODELS.get(model, model), str(rows), f"{new_tokens:,}", label, fmt(tps, thousands=True), fmt(ms),
                     fmt(floor) if floor else "", fmt(ms / floor) if floor else "", fmt(tps / base) if base else ""])
     return table(["shape", "G", "N", "weights", "engine tok/s", "step ms", "HBM floor ms", "x floor", "x bf16"], out,

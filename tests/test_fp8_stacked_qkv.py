@@ -5,8 +5,8 @@ step's ``decode_mlp``).
 References, never the stacked path itself: each projection's own call (the FP8 layer, or PEFT's LoRA layer over
 it: its own forward), transformers' own MLP forward over them, per-row quantisation of the unquantised weights
 (``quantize_rowwise``), and the engine's decoding with a product per projection (the same greedy tokens and
-log-probabilities). On the CPU the FP8 kernels run through the Triton interpreter (tests/conftest.py); ``_scaled_mm``'s path (18+ rows) is
-switched on by hand, as tests/test_fp8_shared_quant.py does.
+log-probabilities). On the CPU the FP8 kernels run through the Triton interpreter (tests/conftest.py);
+``_scaled_mm``'s path (18+ rows) is switched on by hand, as tests/test_fp8_shared_quant.py does.
 """
 
 from __future__ import annotations

@@ -106,9 +106,9 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple:
     activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
     computes, each column the same dot product. Anything else (MoE blocks, other weights, a layout moved
     since) runs the module's own forward."""
-    state = patch_state(mlp)
-    if not (is_bound(mlp) and state.activation is not None and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")):
-        return mlp(x)  # (patched gated MLPs carry their activation)
+    gated = is_bound(mlp) and patch_state(mlp).activation is not None  # (patched gated MLPs carry their activation)
+    if not (gated and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")):
+        return mlp(x)
     projections = (mlp.gate_proj, mlp.up_proj)
     products = stacked_fp8_products(projections, x, **shared_fp8_input(x, projections))
     if products is None:
