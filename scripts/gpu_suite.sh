@@ -502,6 +502,14 @@ case "$part" in
     run "gptoss_grpo_at_$gb" 3000 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.grpo \
       --bisect-completion --model gpt-oss-20b --share-prompt "${budget[@]}" --bisect-modes swiftune \
       --completion-lengths "${@:3}" --fixed-only --time-budget 2900 --out "$OUT/gptoss_grpo_at_$gb.json" ;;
+  gptoss-grpo-at-profiled)  # one gptoss-grpo-at trial whose allocator history is recorded: what is alive at its
+    # peak, by allocation site (the memory planner plans gpt-oss's layer working set ~30% above what the trials
+    # measured): gptoss-grpo-at-profiled GB C (~10 min near 250K)
+    gb=$2; budget=(); [ "$gb" = whole ] || budget=(--gpu-budget-gb "$gb")
+    run "gptoss_grpo_profiled_$gb" 3000 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m \
+      benchmarks.grpo --bisect-completion --model gpt-oss-20b --share-prompt "${budget[@]}" --bisect-modes swiftune \
+      --completion-lengths "$3" --memory-profile-completion "$3" --fixed-only --time-budget 2900 \
+      --out "$OUT/gptoss_grpo_profiled_$gb.json" ;;
   gptoss-grpo-trl)
     gb=$2; budget=(); [ "$gb" = whole ] || budget=(--gpu-budget-gb "$gb")
     run "gptoss_grpo_trl_$gb" 600 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m benchmarks.grpo \
