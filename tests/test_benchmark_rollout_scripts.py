@@ -115,14 +115,15 @@ def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_pat
         rollout.main(["--model", "tiny", "--load-in-4bit", "--load-in-fp8"])
     out = tmp_path / "rollout_fp8.json"
     run_script("rollout.py", "--model", "tiny", "--load-in-fp8", "--rows", "2", "--new-tokens", "8",
-               "--lora-rows", "2", "--fp8-stacked-qkv", "--out", str(out))
+               "--lora-rows", "2", "--fp8-stacked-qkv", "--fp8-stacked-gate-up", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["weights"] == "fp8"
     assert r["checks"]["tiny"]["graph_equals_eager_greedy"]
     assert [(x["rows"], x["new_tokens"]) for x in r["runs"]] == [(2, 8)]
     assert abs(r["runs"][0]["weight_gb"] * 1e9 - rollout.weight_bytes(q)) < 1
     assert [x["lora"] for x in r["lora"]] == ["runtime"]
-    assert r["runs"][0]["fast"]["fp8_stacked_qkv"] and r["lora"][0]["fast"]["fp8_stacked_qkv"]  # the option reached both
+    for run in (r["runs"][0], r["lora"][0]):  # the options reached both
+        assert run["fast"]["fp8_stacked_qkv"] and run["fast"]["fp8_stacked_gate_up"]
     assert_rows(out, "rollout", {"tokens_per_s", "step_ms"})
 
 
