@@ -71,9 +71,9 @@ from ..kernels.fp8_quant import fp8_quantize_rowwise
 
 __all__ = ["BlockFP8Checkpoint", "DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8Linear", "FP8State", "FP8_DTYPE",
            "GATE_UP_NAMES", "QKV_NAMES", "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales",
-           "block_size_of", "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported", "input_compute_dtype",
-           "is_fp8_linear", "lay_out_adjacent", "quantize_activation", "quantize_model_fp8", "quantize_rowwise",
-           "quantize_shared_input"]
+           "block_size_of", "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported",
+           "input_compute_dtype", "is_fp8_linear", "lay_out_adjacent", "quantize_activation", "quantize_model_fp8",
+           "quantize_rowwise", "quantize_shared_input"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448

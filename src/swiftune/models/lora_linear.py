@@ -89,10 +89,7 @@ class LoRALinearFunction(torch.autograd.Function):
             raise ValueError("quantized= is for an FP8 base product")
         else:
             y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
-        if lora_dtype == base_dtype:
-            y.addmm_(h, b.t(), alpha=scaling)
-        else:
-            y = torch.addmm(y.to(lora_dtype), h, b.t(), alpha=scaling).to(base_dtype)
+        y = _add_adapter_product(y, h, b, scaling, lora_dtype, base_dtype)
         # a 4-bit weight is dequantised again in backward rather than kept at full size
         ctx.save_for_backward(xb, xl, h, weight if quant_state is not None else w, a, b)
         ctx.quant_state, ctx.base_dtype = quant_state, base_dtype
@@ -131,6 +128,15 @@ class LoRALinearFunction(torch.autograd.Function):
         if need_bias:
             dbias = g.sum(0).to(bias_dtype)
         return dx, dw, dbias, da, db, None, None, None, None, None
+
+
+def _add_adapter_product(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scaling: float,
+                         lora_dtype: torch.dtype, base_dtype: torch.dtype) -> torch.Tensor:
+    """``y + scaling h B^T`` (``h = x A^T``, ``b`` in ``lora_dtype``) as PEFT sums the base and adapter products:
+    into ``y`` in place when the adapter computes in the base dtype, else in ``lora_dtype`` and cast back."""
+    if lora_dtype == base_dtype:
+        return y.addmm_(h, b.t(), alpha=scaling)
+    return torch.addmm(y.to(lora_dtype), h, b.t(), alpha=scaling).to(base_dtype)
 
 
 def _base_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -305,10 +311,7 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
             continue
         scaling, lora_dtype, lora_a, lora_b = adapter
         h = torch.mm(x2.to(lora_dtype), lora_a.weight.to(lora_dtype).t())
-        if lora_dtype == dtype:
-            outs[i].addmm_(h, lora_b.weight.t(), alpha=scaling)  # into y's columns
-        else:
-            outs[i] = torch.addmm(outs[i].to(lora_dtype), h, lora_b.weight.to(lora_dtype).t(), alpha=scaling).to(dtype)
+        outs[i] = _add_adapter_product(outs[i], h, lora_b.weight.to(lora_dtype), scaling, lora_dtype, dtype)
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
