@@ -59,6 +59,28 @@ def test_split_decode_attention_equals_float64_attention(rows, kv_heads, group, 
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("window,sinks", [(None, False), (70, False), (70, True)])
+def test_split_decode_attention_never_reads_hidden_slots(window, sinks):
+    """The cache past each row's last slot (a decode step's bucketed length runs up to a bucket beyond it) and,
+    with a window, before the window holds NaN here: the kernel does not read those tiles, and hidden slots of a
+    tile it reads load as zeros, so the output is finite and equals attention over the visible slots alone."""
+    rows, kv_heads, group, dim, kv_len = 4, 2, 4, 32, 400
+    q, k, v, cur = _case(rows, kv_heads, group, dim, kv_len, torch.float32, seed=3)
+    j = torch.arange(kv_len, device=DEVICE)
+    hidden = j[None, :] > cur[:, None]
+    if window:
+        hidden |= cur[:, None] - j[None, :] >= window
+    assert hidden.sum(dim=1).ge(64).sum() >= rows - 1  # whole tiles hidden in every row but the one at the end
+    k[hidden[:, None, :, None].expand_as(k)] = float("nan")
+    v[hidden[:, None, :, None].expand_as(v)] = float("nan")
+    sink = (torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(5)) * 2).to(DEVICE) if sinks \
+        else None
+    got = split_decode_attention(q, k, v, cur, window, dim ** -0.5, sink, splits=4, backend="triton")
+    want = _float64_attention(q, k, v, cur, window, dim ** -0.5, sink)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
 @pytest.mark.parametrize("window", [None, 40])
 def test_split_decode_attention_matches_the_engines_sdpa_path(window):
     """The engine's own decode attention (SDPA with its additive slot mask) gives the same, bf16 rounding aside."""

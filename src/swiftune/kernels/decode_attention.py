@@ -16,8 +16,11 @@ tensor cores) and the visible slots ``j`` (``j <= cur[b]`` and, with a window ``
 With gpt-oss's attention sinks (one learned logit ``z_i`` per query head, a softmax column with no value)
 the merge takes ``M = max(max_c m_c, z_i)`` and adds ``exp(z_i - M)`` to the denominator.
 
-Hidden slots score ``-1e30`` (finite, so a chunk with none visible gives no NaN; its ``m_c`` stays at
-``-1e30`` and its weight ``exp(m_c - M)`` is 0 in the merge, as every row sees at least its own slot).
+A program reads only the tiles of ``BLOCK_N`` slots that hold a visible one: not the cache past the row's
+last slot (the step's ``L`` is a bucket, up to a bucket beyond it), nor, with a window, before the window.
+Hidden slots in a tile read score ``-1e30`` and load as zeros (never the cache's stale contents). A chunk
+with no visible slot leaves ``m_c = -1e30``, ``l_c = 0``, and its weight ``exp(m_c - M)`` is 0 in the merge
+(every row sees at least its own slot).
 Scores, the softmax and the accumulator are float32; the probabilities multiply ``V`` in the cache's
 dtype (as flash attention does), so results match SDPA to that rounding, not bit for bit. No backward:
 decoding runs under ``no_grad``.
@@ -70,17 +73,22 @@ if triton is not None:
         gi = tl.arange(0, BLOCK_G)
         d = tl.arange(0, D)
         q = tl.load(q_ptr + b * s_qb + h * s_qh + gi[:, None] * s_qg + d[None, :], mask=gi[:, None] < G, other=0.0)
-        last = tl.load(cur_ptr + b)
+        last = tl.load(cur_ptr + b).to(tl.int32)  # a slot index below kv_len (int32): the loop bounds mix the two
         m = tl.full((BLOCK_G,), -1.0e30, tl.float32)
         l_sum = tl.zeros((BLOCK_G,), tl.float32)
         acc = tl.zeros((BLOCK_G, D), tl.float32)
         start = c * chunk
-        for off in range(start, tl.minimum(start + chunk, kv_len), BLOCK_N):
+        # only the tiles holding visible slots are read: the cache beyond the row's last slot (up to the
+        # step's bucketed kv_len) and, with a window, before its first are never loaded
+        lo = start
+        if window > 0:
+            lo = tl.maximum(start, ((last - window + 1) // BLOCK_N) * BLOCK_N)
+        for off in range(lo, tl.minimum(tl.minimum(start + chunk, kv_len), last + 1), BLOCK_N):
             j = off + tl.arange(0, BLOCK_N)
             visible = (j <= last) & (j < kv_len)
             if window > 0:
                 visible = visible & (last - j < window)
-            k = tl.load(k_ptr + b * s_kb + h * s_kh + j[:, None] * s_kl + d[None, :], mask=(j < kv_len)[:, None],
+            k = tl.load(k_ptr + b * s_kb + h * s_kh + j[:, None] * s_kl + d[None, :], mask=visible[:, None],
                         other=0.0)
             if F32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -91,7 +99,7 @@ if triton is not None:
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * s_vb + h * s_vh + j[:, None] * s_vl + d[None, :], mask=(j < kv_len)[:, None],
+            v = tl.load(v_ptr + b * s_vb + h * s_vh + j[:, None] * s_vl + d[None, :], mask=visible[:, None],
                         other=0.0)
             if F32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
