@@ -633,7 +633,7 @@ case "$part" in
     # place) against q/k/v alone (the default), and bf16 beside them: Qwen3-8B at G 8 / 64, one call, the FP8 runs
     # profiled for 256 more tokens; the stacked paths' and the GLU kernel's tests on CUDA first (~7 min)
     run fp8_stacked_gate_up_tests 200 python3 -m pytest tests/test_fp8_stacked_qkv.py tests/test_glu_rows.py \
-      -p no:cacheprovider
+      tests/test_decode_attention_kernel.py -p no:cacheprovider
     run rollout_fp8_bf16 130 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 \
       --no-baselines --no-checks --lora-rows --time-budget 110 --out "$OUT/rollout_fp8_bf16.json"
     for stacked in qkv gate-up; do
