@@ -35,10 +35,11 @@ QLORA_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out qlora_grpo_80gb.jso
 MOE_SFT = "python -m benchmarks.sft --model"
 GPTOSS_GRPO = ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m benchmarks.grpo --bisect-completion "
                "--model gpt-oss-20b --share-prompt --gpu-budget-gb 80")
-GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_247k_h100.json"
+GPTOSS_GRPO_80GB = "2026-12-06/grpo_gptoss_80gb_gpt-oss-20b_259k_h100.json"
 GPTOSS_GRPO_MERGE = ("python -m benchmarks.merge_bisect --out grpo_gptoss_80gb.json gptoss_grpo.json:swiftune "
                      "gptoss_grpo_at_80.json:swiftune=+swiftune gptoss_grpo_at_80_235008.json:swiftune=+swiftune "
-                     "gptoss_grpo_at_80_246784.json:swiftune=+swiftune gptoss_grpo_trl.json:trl_grpo")
+                     "gptoss_grpo_at_80_246784.json:swiftune=+swiftune gptoss_grpo_at_80_259072.json:swiftune=+swiftune "
+                     "gptoss_grpo_trl.json:trl_grpo")
 VL_GRPO_24GB = "python -m benchmarks.vl grpo --model qwen3-vl-8b --load-in-4bit --gpu-budget-gb 24 --checkpoint /tmp/vl8b_ckpt"
 
 
@@ -325,6 +326,20 @@ FIGURES: list[dict] = [
           ("rollout_g64_fp8_stacked", "H100, G=64", "one product", "--load-in-fp8 ", "64", "--fp8-stacked-qkv ", 90),
           ("rollout_g8_bf16_s44", "H100, G=8", "", "", "8", "", 80),
           ("rollout_g8_fp8_stacked", "H100, G=8", "one product", "--load-in-fp8 ", "8", "--fp8-stacked-qkv ", 90))),
+    # a later H100 80GB call (scripts/gpu_suite.sh fp8-stacked-gate-up-ab): bf16, then FP8 with q/k/v as one product,
+    # then gate/up as one product too (the engine's default since), the split decode attention reading only the
+    # tiles with visible slots in all three
+    *(dict(figure="rollout_fp8", file=f"2026-12-06/{file}_s45_h100.json", date="2026-12-06", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3",
+           settings={"call": "H100, gate/up A/B", **({"qkv": "one product", "gate_up": gate_up} if gate_up else {})},
+           command=f"python -m benchmarks.rollout --model qwen3-8b {flags}--rows 8 64 --new-tokens 1024 "
+                   f"--no-baselines --no-checks --lora-rows {extra}--time-budget {budget} --out {out}.json")
+      for file, out, gate_up, flags, extra, budget in (
+          ("rollout_fp8_bf16", "rollout_fp8_bf16", "", "", "", 110),
+          ("rollout_fp8_stacked_qkv", "rollout_fp8_stacked_qkv", "one each", "--load-in-fp8 ",
+           "--profile-steps 256 --fp8-stacked-qkv --no-fp8-stacked-gate-up ", 130),
+          ("rollout_fp8_stacked_gate-up", "rollout_fp8_stacked_gate-up", "one product", "--load-in-fp8 ",
+           "--profile-steps 256 --fp8-stacked-qkv --fp8-stacked-gate-up ", 130))),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
          settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "
@@ -475,6 +490,11 @@ FIGURES: list[dict] = [
     dict(figure="fp8_sft_16k_shared_qwen3-8b", file="2026-12-05/fp8_sft_16k_qwen3-8b_fp8_h200.json",
          date="2026-12-05", versions=BASE, settings={"weights": "fp8"},
          command=f"{SFT} --model qwen3-8b --batch 16 --load-in-fp8 --modes swiftune_budget --out fp8_sft_16k.json"),
+    # the same two commands on an H100 80GB (scripts/gpu_suite.sh fp8-sft-16k, one call, 2026-12-06)
+    *(dict(figure="fp8_sft_16k_h100_qwen3-8b", file=f"2026-12-06/fp8_sft_16k{suffix}_s45_h100.json",
+           date="2026-12-06", versions=BASE, gpu="NVIDIA H100 80GB HBM3", settings={"weights": weights},
+           command=f"{SFT} --model qwen3-8b --batch 16 {flag}--modes swiftune_budget --out fp8_sft_16k{suffix}.json")
+      for suffix, weights, flag in (("_bf16", "bf16", ""), ("", "fp8", "--load-in-fp8 "))),
     dict(figure="loss_curve_fp8", file="2026-12-03/loss_curve_fp8_qwen3-0.6b_h200.json", date="2026-12-03",
          versions=BASE, command="python -m benchmarks.loss_curve --compare fp8 --out loss_curve_fp8.json"),
     # session 24, one device call: FP8 eager and graphed, then bf16 graphed, Qwen3-8B batch 16, 40 timed steps
@@ -549,7 +569,9 @@ FIGURES: list[dict] = [
                  f"--fixed-only --time-budget 2900 --out gptoss_grpo_at_80.json && {GPTOSS_GRPO} --bisect-modes "
                  f"swiftune --completion-lengths 235008 --fixed-only --time-budget 2900 --out "
                  f"gptoss_grpo_at_80_235008.json && {GPTOSS_GRPO} --bisect-modes swiftune --completion-lengths "
-                 f"246784 --fixed-only --time-budget 2900 --out gptoss_grpo_at_80_246784.json && {GPTOSS_GRPO_MERGE}"),
+                 f"246784 --fixed-only --time-budget 2900 --out gptoss_grpo_at_80_246784.json && {GPTOSS_GRPO} "
+                 f"--bisect-modes swiftune --completion-lengths 259072 --memory-profile-completion 259072 --fixed-only "
+                 f"--time-budget 2900 --out gptoss_grpo_at_80_259072.json && {GPTOSS_GRPO_MERGE}"),
     dict(figure="grpo_gptoss_80gb", file=GPTOSS_GRPO_80GB, date="2026-12-06", versions=WITH_TRL,
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("trl_grpo"),
          command=f"{GPTOSS_GRPO} --bisect-modes trl_grpo --time-budget 400 --out gptoss_grpo_trl.json && "

@@ -500,19 +500,21 @@ def rollout(fig: Figure) -> str:
 
 def rollout_fp8(fig: Figure) -> str:
     """FP8 (e4m3 weights, per-row scales) against bf16 weights, same engine, shape, G and N; "x bf16" pairs the
-    rows of one call only (a ``call`` setting names later calls; ``qkv``: q/k/v as one FP8 product or three)."""
+    rows of one call only (a ``call`` setting names later calls; ``qkv`` / ``gate_up``: q/k/v, gate/up as one FP8
+    product or one each)."""
     runs = {}
     for mode, model, s, m in fig.groups():
         lora = "LoRA r=16 at runtime" if mode == "fast_engine_lora" else ""
         key = (model, s["rows"], s["new_tokens"], lora, s.get("call", ""))
-        runs[(key, s.get("weights", "bf16"), s.get("qkv", ""))] = m
+        runs[(key, s.get("weights", "bf16"), s.get("qkv", ""), s.get("gate_up", ""))] = m
     out = []
-    for (key, weights, qkv), m in runs.items():
+    for (key, weights, qkv, gate_up), m in runs.items():
         model, rows, new_tokens, lora, call = key
-        bf16 = runs.get((key, "bf16", ""))
+        bf16 = runs.get((key, "bf16", "", ""))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         base = val(bf16, "tokens_per_s") if bf16 and weights != "bf16" else None
-        label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", lora) if x)
+        label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", f"gate/up: {gate_up}" if gate_up
+                                      else "", lora) if x)
         label += f" ({call})" if call else ""
         out.append([MODELS.get(model, model), str(rows), f"{new_tokens:,}", label, fmt(tps, thousands=True), fmt(ms),
                     fmt(floor) if floor else "", fmt(ms / floor) if floor else "", fmt(tps / base) if base else ""])
@@ -585,7 +587,7 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "rollout_moe": rollout, "rollout_decode_attention": rollout, "rollout_fp8": rollout_fp8,
           "attention_backends": attention,
           "rollout_nf4": rollout, "vl_sft_qwen3-vl-8b": vl_sft, "vl_grpo_qwen3-vl-8b_24gb": grpo_budget_largest,
-          "fp8_sft_qwen3-8b": sft_fp8, "fp8_sft_16k_shared_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
+          "fp8_sft_qwen3-8b": sft_fp8, "fp8_sft_16k_shared_qwen3-8b": sft_fp8, "fp8_sft_16k_h100_qwen3-8b": sft_fp8, "loss_curve_fp8": loss_curve,
           "sft_deferred_check_qwen3-8b": sft_busy, "qlora_grpo_80gb_qwen3-8b": grpo_largest_beside,
           "fp8_graphs_qwen3-8b": sft_fp8_graphs, "reward_curve_fp8": reward_curve,
           "grpo_fp8_24gb_qwen3-8b": lambda fig: grpo_budget_largest(fig, "weights", "base weights")}

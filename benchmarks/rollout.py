@@ -382,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes (the "
                         "engine's default); --no-fp8-stacked-qkv: three products, the baseline "
                         "(FastRolloutEngine(fp8_stacked_qkv=...))")
-    p.add_argument("--fp8-stacked-gate-up", action=argparse.BooleanOptionalAction, default=False,
-                   help="--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent codes "
-                        "(FastRolloutEngine(fp8_stacked_gate_up=True); off by default until timed)")
+    p.add_argument("--fp8-stacked-gate-up", action=argparse.BooleanOptionalAction, default=True,
+                   help="--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent codes (the "
+                        "engine's default); --no-fp8-stacked-gate-up: two products, the baseline "
+                        "(FastRolloutEngine(fp8_stacked_gate_up=...))")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "

@@ -624,7 +624,8 @@ case "$part" in
     # 64, one call, each profiled for 256 more tokens; the stacked path's tests on CUDA first (~6 min)
     run fp8_stacked_tests 200 python3 -m pytest tests/test_fp8_stacked_qkv.py -p no:cacheprovider
     for stacked in no-stacked stacked; do
-      flags=(--no-fp8-stacked-qkv); [ "$stacked" = stacked ] && flags=(--fp8-stacked-qkv)
+      flags=(--no-fp8-stacked-qkv --no-fp8-stacked-gate-up)
+      [ "$stacked" = stacked ] && flags=(--fp8-stacked-qkv --no-fp8-stacked-gate-up)
       run "rollout_fp8_$stacked" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
         --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 130 \
         --out "$OUT/rollout_fp8_$stacked.json"

@@ -178,3 +178,4 @@ def test_auto_decode_attention_takes_the_split_kernel_only_where_it_was_timed(mo
     engine = FastRolloutEngine(tiny_model("qwen3"))
     assert engine.decode_attention == "auto" and engine.moe_route_kernels and engine.moe_fused_routing
     assert engine.fp8_stacked_qkv  # q/k/v as one FP8 product where laid out so (fp8-stacked-ab: faster at G 8, 64)
+    assert engine.fp8_stacked_gate_up  # and gate/up (fp8-stacked-gate-up-ab: faster at G 8, 64)

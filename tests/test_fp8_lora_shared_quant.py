@@ -204,8 +204,9 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
     def generate():
         quantise.clear(), given.clear(), steps.clear()
         engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
-                                   lora="runtime", fp8_stacked_qkv=False)  # three products: what is counted
-                                   # is the sharing per projection (stacked q/k/v: tests/test_fp8_stacked_qkv.py)
+                                   lora="runtime", fp8_stacked_qkv=False, fp8_stacked_gate_up=False)
+        # a product per projection: what is counted is the sharing per projection (the stacked products:
+        # tests/test_fp8_stacked_qkv.py)
         return engine.generate(prompts, group, SamplingParams(max_tokens=2, temperature=0)), list(quantise), \
             list(given), list(steps)
 

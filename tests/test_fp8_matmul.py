@@ -164,12 +164,12 @@ def test_fp8_linear_no_grad_small_m_forward_equals_formula(device, dtype, monkey
     assert _rel(y, want) <= _rel(ref, want) + 1e-7
 
 
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked-qkv", "three-products"])
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "a-product-each"])
 def test_fp8_engine_greedy_tokens_equal_transformers_generate(tmp_path_factory, monkeypatch, stacked):
     """The fast rollout engine on an FP8 model without adapters decodes through the weight-only
     kernel (every prefill and decode product has <= DECODE_MAX_ROWS rows here) and gives transformers' own greedy
-    tokens on the unpatched model holding the dequantised weights; with q/k/v as one product (the default) and as
-    three."""
+    tokens on the unpatched model holding the dequantised weights; with q/k/v as one product and gate/up as one (the
+    defaults), and with a product per projection."""
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
     from swiftune.training import FastModel
     from tests.helpers import save_tiny_checkpoints
@@ -182,10 +182,10 @@ def test_fp8_engine_greedy_tokens_equal_transformers_generate(tmp_path_factory, 
     prompts = [tokenizer(t)["input_ids"] for t in ("Reverse: abc\n", "Hi\n")]
     calls = _counting(monkeypatch)
     engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
-                               fp8_stacked_qkv=stacked)
+                               fp8_stacked_qkv=stacked, fp8_stacked_gate_up=stacked)
     out = engine.generate(prompts, 1, SamplingParams(max_tokens=5, temperature=0))
     layers = sum(isinstance(m, fl.FP8Linear) for m in model.modules())
-    products = layers - (2 * len(model.model.layers) if stacked else 0)  # stacked: q/k/v one product a layer
+    products = layers - (3 * len(model.model.layers) if stacked else 0)  # stacked: q/k/v one product, gate/up one
     assert layers and len(calls) >= 5 * products  # the prefill and every decode step through the kernel
     for prompt, got in zip(prompts, out.completion_ids):
         with torch.no_grad():

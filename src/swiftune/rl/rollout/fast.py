@@ -223,7 +223,7 @@ class FastRolloutEngine:
             ``False``: three products. Other weights, and q/k/v not laid out so, are unaffected.
         fp8_stacked_gate_up: the same for each gated MLP's gate / up codes (``quantize_model_fp8`` lays them out
             in one buffer too), the fused activation reading the product's two column halves in place
-            (``rollout.layers.decode_mlp``); off until timed on a GPU (``scripts/gpu_suite.sh
+            (``rollout.layers.decode_mlp``); on by default (faster at G 8 and 64 in ``scripts/gpu_suite.sh
             fp8-stacked-gate-up-ab``). The fused layer loop's decode steps only (pre-norm families).
     """
 
@@ -237,7 +237,7 @@ class FastRolloutEngine:
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
-                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = False):
+                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
