@@ -506,7 +506,8 @@ def rollout_fp8(fig: Figure) -> str:
     for mode, model, s, m in fig.groups():
         lora = "LoRA r=16 at runtime" if mode == "fast_engine_lora" else ""
         key = (model, s["rows"], s["new_tokens"], lora, s.get("call", ""))
-        runs[(key, s.get("weights", "bf16"), s.get("qkv", ""), s.get("gate_up", ""))] = m
+        weights = s.get("weights", "bf16") + (", KV cache fp8" if s.get("kv_cache") == "fp8" else "")
+        runs[(key, weights, s.get("qkv", ""), s.get("gate_up", ""))] = m
     out = []
     for (key, weights, qkv, gate_up), m in runs.items():
         model, rows, new_tokens, lora, call = key

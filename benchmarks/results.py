@@ -420,6 +420,8 @@ def rows_from_rollout(data: dict, ctx: Context) -> list[Row]:
     for r in data.get("runs", []):
         fast = r.get("fast") or {}
         s = {**base, "rows": r["rows"], "new_tokens": r["new_tokens"], "fused_layers": fast.get("fused_layers")}
+        if fast.get("kv_cache_dtype") == "fp8":  # the default cache (and files written before the field) add nothing
+            s["kv_cache"] = "fp8"
         mode = "fast_engine"
         for metric, value in (("tokens_per_s", fast.get("tokens_per_s")), ("step_ms", fast.get("step_ms")),
                               ("hbm_floor_ms", r.get("hbm_floor_ms"))):

@@ -202,6 +202,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
             "fp8_stacked_qkv": engine.fp8_stacked_qkv, "fp8_stacked_gate_up": engine.fp8_stacked_gate_up,
+            "kv_cache_dtype": engine.kv_cache_dtype,
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
 
 
@@ -228,10 +229,10 @@ def decode_profile(engine, prompt: list[int], rows: int, steps: int) -> dict:
 
 
 def weight_options(a) -> dict:
-    """The engine's options for quantised (NF4, FP8) weights the command line names (the library's defaults
-    where it names none)."""
+    """The engine's options for quantised (NF4, FP8) weights and the KV cache's dtype that the command line names
+    (the library's defaults where it names none)."""
     options = {"nf4_decode_kernel": a.nf4_decode_kernel, "fp8_stacked_qkv": a.fp8_stacked_qkv,
-               "fp8_stacked_gate_up": a.fp8_stacked_gate_up,
+               "fp8_stacked_gate_up": a.fp8_stacked_gate_up, "kv_cache_dtype": a.kv_cache_dtype,
                "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}
     if a.nf4_decode_max_rows is not None:
         options["nf4_decode_max_rows"] = a.nf4_decode_max_rows
@@ -386,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent codes (the "
                         "engine's default); --no-fp8-stacked-gate-up: two products, the baseline "
                         "(FastRolloutEngine(fp8_stacked_gate_up=...))")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the engine's KV cache: the model's dtype (the default) or e4m3 codes with a float32 scale "
+                        "per slot and head (FastRolloutEngine(kv_cache_dtype='fp8')); the HBM floor counts its bytes")
     p.add_argument("--nf4-decode-kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="--load-in-4bit: decode steps of 2 to --nf4-decode-max-rows rows through swiftune's NF4 "
                         "kernel (the engine's default); --no-nf4-decode-kernel: bitsandbytes' dequantise-then-multiply "
@@ -470,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist()
         wbytes = weight_bytes(model)
-        kv_tok = kv_bytes_per_token(cfg, torch.finfo(dtype).bits // 8)
+        kv_tok = kv_bytes_per_token(cfg, torch.finfo(dtype).bits // 8, a.kv_cache_dtype)
         base: dict = {}
         if not a.no_baselines:
             for rows in rows_list:

@@ -74,6 +74,8 @@
 #   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh moe-decode-defaults # Qwen3-30B-A3B and gpt-oss-20b decode at G 8 / 64 with the engine's defaults, profiled (~4 min)
 #   scripts/gpu_suite.sh fp8-stacked-ab # Qwen3-8B FP8 decode, q/k/v as one product vs three, G 8 / 64, profiled, with its CUDA tests (~6 min)
+#   scripts/gpu_suite.sh fp8-stacked-gate-up-ab # Qwen3-8B FP8 decode, gate/up as one product vs two, bf16 beside, G 8 / 64, profiled, with CUDA tests (~7 min)
+#   scripts/gpu_suite.sh fp8-kv-ab   # Qwen3-8B FP8 decode, the FP8 KV cache vs bf16 cache, bf16 beside, G 8 / 64, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
@@ -643,6 +645,18 @@ case "$part" in
       run "rollout_fp8_stacked_$stacked" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
         --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 "${flags[@]}" --time-budget 130 \
         --out "$OUT/rollout_fp8_stacked_$stacked.json"
+    done ;;
+  fp8-kv-ab)  # the FP8 KV cache (FastRolloutEngine(kv_cache_dtype="fp8"), e4m3 codes with a float32 scale per slot and
+    # head) against the bf16 cache, Qwen3-8B on FP8 weights at G 8 / 64, bf16 weights beside them, one call, the FP8
+    # runs profiled for 256 more tokens; the cache's and the split attention's tests on CUDA first (~8 min)
+    run fp8_kv_tests 200 python3 -m pytest tests/test_kv_cache_fp8.py tests/test_decode_attention_kernel.py \
+      -p no:cacheprovider
+    run rollout_kv_bf16 130 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 64 --new-tokens 1024 \
+      --no-baselines --no-checks --lora-rows --time-budget 110 --out "$OUT/rollout_kv_bf16.json"
+    for kv in auto fp8; do
+      run "rollout_fp8_kv_$kv" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
+        --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --kv-cache-dtype "$kv" \
+        --time-budget 130 --out "$OUT/rollout_fp8_kv_$kv.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)

@@ -1,4 +1,5 @@
-"""The MoE routing kernels, the split decode attention and the GLU's row kernel compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
+"""The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path and the GLU's row kernel
+compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
 that it compiles: types, shapes and layouts are only settled by the compiler. Triton compiles for a named
@@ -8,6 +9,7 @@ benchmarks run on, with the arguments the library launches them with.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -21,6 +23,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from swiftune.kernels import decode_attention, glu, moe_decode, moe_route, moe_router  # noqa: E402
+
+decode_qkv = importlib.import_module("swiftune.kernels.decode_qkv")  # the package exports a function of that name
 
 HOPPER = GPUTarget("cuda", 90, 32)
 def _expert_combine_signature(weights: str) -> dict:
@@ -39,6 +43,23 @@ EXPERT_PLACE_SIGNATURE = {
     "slot_ptr": "*i64", "num_assign": "i32", "num_experts": "i32", "num_blocks": "i32", "TOP_K": "constexpr",
     "BLOCK_A": "constexpr", "BLOCK_E": "constexpr", "BLOCK_B": "constexpr", "BLOCK_K": "constexpr",
     "NO_EXPERT": "constexpr"}
+
+def _split_attention_signature(cache: str) -> dict:
+    """The split decode attention's signature over a cache of element type ``cache``."""
+    return {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "cur_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
+            "acc_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kv_heads": "i32", "kv_len": "i32",
+            "chunk": "i32", "window": "i32", "scale": "fp32",
+            **{f"s_{t}{a}": "i32" for t in "qkv" for a in ("b", "h", "g" if t == "q" else "l")},
+            "s_sb": "i32", "s_sh": "i32", "G": "constexpr", "D": "constexpr", "BLOCK_G": "constexpr",
+            "BLOCK_N": "constexpr", "F32": "constexpr", "SCALED": "constexpr"}
+
+
+DECODE_QKV_SIGNATURE = {
+    **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "qo_ptr"), "*bf16"),
+    "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "slot_ptr": "*i64", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+    **dict.fromkeys(("sq_b", "sq_h", "sk_b", "sk_h", "sv_b", "sv_h", "sc_b", "sqo_b", "sqo_h", "skc_b", "skc_h",
+                     "skc_s", "svc_b", "svc_h", "svc_s", "ss_b", "ss_h", "n_q_heads", "head_dim", "half"), "i32"),
+    "eps": "fp32", "NORM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_HALF": "constexpr", "FP8": "constexpr"}
 
 CASES = {
     "expert_sort's count, Qwen3-30B-A3B (128 experts)": (
@@ -86,11 +107,16 @@ CASES = {
         {"TOP_K": 4, "SOFTMAX_FIRST": False, "NORMALIZE": True, "BLOCK_E": 32, "BLOCK_K": 4}, {}),
     "split decode attention, bf16 cache, 8 query heads a K/V head, D 128": (
         decode_attention._split_kernel,
-        {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "cur_ptr": "*i64", "m_ptr": "*fp32",
-         "l_ptr": "*fp32", "acc_ptr": "*fp32", "kv_heads": "i32", "kv_len": "i32", "chunk": "i32", "window": "i32",
-         "scale": "fp32", **{f"s_{t}{a}": "i32" for t in "qkv" for a in ("b", "h", "g" if t == "q" else "l")},
-         "G": "constexpr", "D": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "F32": "constexpr"},
-        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False}, {}),
+        _split_attention_signature("*bf16"),
+        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": False}, {}),
+    "split decode attention, FP8 cache with per-slot scales, D 128": (
+        decode_attention._split_kernel,
+        _split_attention_signature("*fp8e4nv"),
+        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": True}, {}),
+    "decode_qkv into an FP8 cache, Qwen3 (q/k norms), D 128": (
+        decode_qkv._decode_qkv_kernel,
+        DECODE_QKV_SIGNATURE,
+        {"NORM": True, "BLOCK_D": 128, "BLOCK_HALF": 64, "FP8": True}, {}),
     "split decode attention, merge with gpt-oss's sinks": (
         decode_attention._merge_kernel,
         {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sink_ptr": "*bf16", "out_ptr": "*bf16",

@@ -24,6 +24,11 @@ with no visible slot leaves ``m_c = -1e30``, ``l_c = 0``, and its weight ``exp(m
 Scores, the softmax and the accumulator are float32; the probabilities multiply ``V`` in the cache's
 dtype (as flash attention does), so results match SDPA to that rounding, not bit for bit. No backward:
 decoding runs under ``no_grad``.
+
+An FP8 cache (``key_scales`` / ``value_scales``: each slot's vector is its e4m3 codes ``c_j`` times a float32
+scale ``t_j``): ``q . k_j = t_j (q . c_j)`` and ``sum_j p_j v_j = sum_j (p_j t^v_j) c^v_j``, so the codes go
+through the same dots in the query's dtype (e4m3 values are exact in bf16) and the scales multiply the scores'
+columns and the probabilities' columns; the softmax's sums use the unscaled ``p``.
 """
 
 from __future__ import annotations
@@ -32,10 +37,16 @@ import torch
 
 from .launch import Backend, choose_backend, kernel_is_interpreted, next_pow2, tl, triton
 
-__all__ = ["split_decode_attention", "split_decode_attention_reference"]
+__all__ = ["dequantize_cache", "split_decode_attention", "split_decode_attention_reference"]
 
 _BLOCK_N = 64  # cache slots a program scores at once
 _MIN_ROWS = 16  # the tensor cores' smallest tile: a K/V head's g query heads are padded to it
+
+
+def dequantize_cache(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An FP8 cache's vectors: ``codes [..., D]`` (e4m3) times ``scales [...]`` (float32, one per slot), in
+    ``dtype``."""
+    return (codes.to(torch.float32) * scales.unsqueeze(-1)).to(dtype)
 
 
 def split_decode_attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -60,11 +71,11 @@ def split_decode_attention_reference(query: torch.Tensor, keys: torch.Tensor, va
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, cur_ptr, m_ptr, l_ptr, acc_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, cur_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr,
                       kv_heads, kv_len, chunk, window, scale,
-                      s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
+                      s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_sb, s_sh,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                      F32: tl.constexpr):
+                      F32: tl.constexpr, SCALED: tl.constexpr):
         bh = tl.program_id(0)
         c = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -93,7 +104,9 @@ if triton is not None:
             if F32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # e4m3 codes are exact in bf16 / fp16
+            if SCALED:  # an FP8 cache: each slot's key is its codes times its scale, a column factor of s
+                s = s * tl.load(ks_ptr + b * s_sb + h * s_sh + j, mask=visible, other=0.0)[None, :]
             s = tl.where(visible[None, :], s * scale, -1.0e30)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
@@ -101,10 +114,13 @@ if triton is not None:
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + b * s_vb + h * s_vh + j[:, None] * s_vl + d[None, :], mask=visible[:, None],
                         other=0.0)
+            pv = p
+            if SCALED:  # and each slot's value its codes times its scale: a factor of p's column
+                pv = p * tl.load(vs_ptr + b * s_sb + h * s_sh + j, mask=visible, other=0.0)[None, :]
             if F32:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float32), input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
             m = m_new
         part = (bh * splits + c) * BLOCK_G + gi
         tl.store(m_ptr + part, m)
@@ -151,24 +167,40 @@ def _splits(programs: int, kv_len: int, device: torch.device) -> int:
 
 def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cur: torch.Tensor,
                            window: int | None, scale: float, sinks: torch.Tensor | None = None, *,
+                           key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None,
                            splits: int | None = None, backend: Backend = "auto") -> torch.Tensor:
     """Decode attention (module docstring): ``query [B, Hk, g, D]`` (a K/V head's query heads together),
     ``keys, values [B, Hk, L, D]`` (the cache's first ``L`` slots), ``cur [B]`` each row's last visible
     slot, ``window`` its sliding window (``None``/0: none), ``sinks [Hk g]`` one sink logit per query head
     (gpt-oss; ``None``: none) -> ``[B, Hk, g, D]`` in the query's dtype. ``splits``: chunks per (row, K/V
-    head) (default: two waves of programs over the SMs)."""
+    head) (default: two waves of programs over the SMs). ``key_scales, value_scales [B, Hk, L]`` (float32):
+    an FP8 cache, ``keys`` / ``values`` e4m3 codes, each slot's vector its codes times its scale (the rollout
+    engine's ``kv_cache_dtype="fp8"``); the kernel multiplies the codes in the query's dtype (exact) and
+    applies the scales to the scores' and the probabilities' columns."""
     rows, kv_heads, group, dim = query.shape
     if keys.shape[:2] != (rows, kv_heads) or values.shape != keys.shape or keys.shape[3] != dim:
         raise ValueError(f"query {tuple(query.shape)} takes keys/values [B, Hk, L, D] of its B, Hk and D; got "
                          f"{tuple(keys.shape)} and {tuple(values.shape)}")
+    scaled = key_scales is not None
+    if scaled != (value_scales is not None):
+        raise ValueError("an FP8 cache takes both key_scales and value_scales (or neither)")
+    if scaled and (key_scales.shape != keys.shape[:3] or value_scales.shape != keys.shape[:3]):
+        raise ValueError(f"key_scales / value_scales must be [B, Hk, L] = {tuple(keys.shape[:3])}, got "
+                         f"{tuple(key_scales.shape)} and {tuple(value_scales.shape)}")
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"the head dimension must be a power of two >= 16, got {dim}")
     kind = choose_backend(backend, _split_kernel, {"query": query, "keys": keys, "values": values, "cur": cur})
     if sinks is not None and sinks.numel() != kv_heads * group:
         raise ValueError(f"sinks must hold one logit per query head ({kv_heads * group}), got {sinks.numel()}")
     if kind == "reference":
+        if scaled:
+            keys, values = dequantize_cache(keys, key_scales), dequantize_cache(values, value_scales)
         return split_decode_attention_reference(query, keys, values, cur, window, scale, sinks)
     query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
+    if scaled:
+        if key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1:
+            raise ValueError("key_scales and value_scales must share their strides, the slot axis contiguous")
+        scale_strides = key_scales.stride(0), key_scales.stride(1)
     kv_len = keys.shape[2]
     block_g = max(_MIN_ROWS, next_pow2(group))
     programs = rows * kv_heads
@@ -180,10 +212,11 @@ def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     acc = torch.empty(programs * splits * block_g, dim, dtype=torch.float32, device=query.device)
     f32 = query.dtype == torch.float32 or kernel_is_interpreted(_split_kernel)
     _split_kernel[(programs, splits)](
-        query, keys, values, cur, m, l_sum, acc, kv_heads, kv_len, chunk, int(window or 0), float(scale),
+        query, keys, values, cur, m, l_sum, acc, key_scales if scaled else m, value_scales if scaled else m,
+        kv_heads, kv_len, chunk, int(window or 0), float(scale),
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        G=group, D=dim, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, F32=f32, num_warps=4,
+        values.stride(0), values.stride(1), values.stride(2), *(scale_strides if scaled else (0, 0)),
+        G=group, D=dim, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, F32=f32, SCALED=scaled, num_warps=4,
     )
     out = torch.empty(rows, kv_heads, group, dim, dtype=query.dtype, device=query.device)
     _merge_kernel[(programs,)](

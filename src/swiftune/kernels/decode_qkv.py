@@ -16,6 +16,11 @@ it is rotated, exactly as the two unfused kernels do. One kernel replaces five l
 (two norms, the rotation, two cache writes), which matters when a decode step at a few rows is
 bound by kernel count.
 
+An FP8 cache (``k_scales`` / ``v_scales`` given, e4m3 caches): V's vector and K's rotated vector (as rounded to
+q's dtype) are quantised per slot as :mod:`swiftune.kernels.fp8_quant` quantises a row (largest magnitude to
+448, IEEE division, round to nearest even), their codes and scales written; K is rotated in its own row of the
+returned buffer first (the cache slot holds codes, not the activation dtype).
+
 One program handles one (row, head): it normalises the head, writes it to its destination (the
 returned q row, or the cache slot), then reads the two halves back to rotate them in place (a
 barrier orders the write and the reads, which different threads of the program perform).
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .fp8_quant import fp8_quantize_rowwise_reference, round_e4m3
 from .launch import Backend, choose_backend, next_pow2, tl, triton
 from .rms_norm import rms_norm_reference, rms_row
 from .rope import rope_qk_reference
@@ -33,15 +39,21 @@ from .rope import rope_qk_reference
 def decode_qkv_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None, wk: torch.Tensor | None,
     eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot: torch.Tensor,
+    slot: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch: the unfused ops (norms, rotation, two indexed writes)."""
+    """Plain PyTorch: the unfused ops (norms, rotation, two indexed writes; an FP8 cache: each written vector
+    quantised per slot by :func:`~swiftune.kernels.fp8_quant.fp8_quantize_rowwise_reference`)."""
     if wq is not None:
         q, k = rms_norm_reference(q, wq, eps), rms_norm_reference(k, wk, eps)
     # rope_qk's layout: [B, H, S, D] with cos/sin [B, S, D]; here S = 1
     q, k = rope_qk_reference(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])
     rows = torch.arange(q.shape[0], device=q.device)
-    k_cache[rows, :, slot] = k[:, :, 0].to(k_cache.dtype)
+    k = k[:, :, 0]
+    if k_scales is not None:
+        (k, ks), (v, vs) = fp8_quantize_rowwise_reference(k), fp8_quantize_rowwise_reference(v)
+        k_scales[rows, :, slot] = ks[..., 0]
+        v_scales[rows, :, slot] = vs[..., 0]
+    k_cache[rows, :, slot] = k.to(k_cache.dtype)
     v_cache[rows, :, slot] = v.to(v_cache.dtype)
     return q[:, :, 0]
 
@@ -50,10 +62,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_qkv_kernel(
-        q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr,
+        q_ptr, k_ptr, v_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
         sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sc_b, sqo_b, sqo_h, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
-        n_q_heads, head_dim, half, eps,
-        NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+        ss_b, ss_h, n_q_heads, head_dim, half, eps,
+        NORM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -66,11 +78,20 @@ if triton is not None:
             w_ptr = wq_ptr
         else:
             src = k_ptr + b * sk_b + kh * sk_h
-            dst = kc_ptr + b * skc_b + kh * skc_h + slot * skc_s
+            if FP8:  # the head is rotated in its own row after q's (qo has Hq + Hk rows), then quantised
+                dst = qo_ptr + b * sqo_b + h * sqo_h
+            else:
+                dst = kc_ptr + b * skc_b + kh * skc_h + slot * skc_s
             w_ptr = wk_ptr
-            # V goes to its slot unchanged
+            # V goes to its slot unchanged (an FP8 cache: its codes and scale, fp8_quant's arithmetic)
             d_all = tl.arange(0, BLOCK_D)
             vrow = tl.load(v_ptr + b * sv_b + kh * sv_h + d_all, mask=d_all < head_dim, other=0.0)
+            if FP8:
+                vrow = vrow.to(tl.float32)
+                v_scale = tl.math.div_rn(tl.max(tl.abs(vrow), axis=0), 448.0)
+                v_scale = tl.where(v_scale > 0.0, v_scale, 1.0)
+                vrow = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(vrow, v_scale), -448.0), 448.0))
+                tl.store(vs_ptr + b * ss_b + kh * ss_h + slot, v_scale)
             tl.store(vc_ptr + b * svc_b + kh * svc_h + slot * svc_s + d_all,
                      vrow.to(vc_ptr.dtype.element_ty), mask=d_all < head_dim)
         if NORM:  # rms_norm's own row function: float32, rounded to the output dtype
@@ -90,8 +111,22 @@ if triton is not None:
         x1 = tl.load(src + e, mask=emask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half + e, mask=emask, other=0.0).to(tl.float32)
         tl.debug_barrier()  # every read of the head before it is overwritten
-        tl.store(dst + e, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=emask)
-        tl.store(dst + half + e, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=emask)
+        y1 = (x1 * c1 - x2 * s1).to(dst.dtype.element_ty)
+        y2 = (x2 * c2 + x1 * s2).to(dst.dtype.element_ty)
+        tl.store(dst + e, y1, mask=emask)
+        tl.store(dst + half + e, y2, mask=emask)
+        if FP8:
+            if h >= n_q_heads:  # K: the rotated head as rounded above, quantised per slot into the cache
+                r1 = tl.where(emask, y1.to(tl.float32), 0.0)
+                r2 = tl.where(emask, y2.to(tl.float32), 0.0)
+                k_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(r1), axis=0), tl.max(tl.abs(r2), axis=0)), 448.0)
+                k_scale = tl.where(k_scale > 0.0, k_scale, 1.0)
+                kslot = kc_ptr + b * skc_b + kh * skc_h + slot * skc_s
+                code1 = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(r1, k_scale), -448.0), 448.0))
+                code2 = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(r2, k_scale), -448.0), 448.0))
+                tl.store(kslot + e, code1.to(kc_ptr.dtype.element_ty), mask=emask)
+                tl.store(kslot + half + e, code2.to(kc_ptr.dtype.element_ty), mask=emask)
+                tl.store(ks_ptr + b * ss_b + kh * ss_h + slot, k_scale)
 
 else:  # pragma: no cover
     _decode_qkv_kernel = None
@@ -100,13 +135,17 @@ else:  # pragma: no cover
 def decode_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wq: torch.Tensor | None, wk: torch.Tensor | None,
     eps: float, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot: torch.Tensor, *, backend: Backend = "auto",
+    slot: torch.Tensor, *, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Norm (optional), rotate and cache one decode step's q/k/v (see the module docstring).
 
     Shapes: ``q [B, Hq, D]``, ``k, v [B, Hk, D]`` (last dim contiguous), ``wq, wk [D]`` or both
     ``None``, ``cos, sin [B, D]``, caches ``[B, Hk, L, D]``, ``slot [B]`` (int64). Returns the
-    rotated q ``[B, Hq, D]``; K and V are written into the caches. No autograd.
+    rotated q ``[B, Hq, D]``; K and V are written into the caches. No autograd. ``k_scales, v_scales
+    [B, Hk, L]`` (float32): an FP8 cache (``float8_e4m3fn`` caches), each written K / V vector stored as its
+    per-slot codes and scale (:func:`~swiftune.kernels.fp8_quant.fp8_quantize_rowwise`'s bytes; K quantised
+    after its rotation, as rounded to q's dtype).
     """
     B, Hq, D = q.shape
     Hk = k.shape[1]
@@ -117,20 +156,26 @@ def decode_qkv(
         raise ValueError("decode_qkv: give both norm weights or neither, and an even head_dim")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, wq, wk)):
         raise RuntimeError("decode_qkv has no backward: call it under torch.no_grad() (decoding)")
+    fp8 = k_scales is not None
+    if fp8 != (v_scales is not None) or fp8 != (k_cache.dtype == torch.float8_e4m3fn == v_cache.dtype):
+        raise ValueError("decode_qkv: an FP8 cache (float8_e4m3fn K and V) takes k_scales and v_scales, and only it")
     named = {"q": q, "k": k, "v": v, "k_cache": k_cache}
     # the kernel writes q's and k's rows through one pointer type: mixed dtypes take the reference
-    same_dtype = q.dtype == k.dtype == k_cache.dtype and (wq is None or wq.dtype == wk.dtype)
+    same_dtype = q.dtype == k.dtype and (fp8 or k.dtype == k_cache.dtype) and (wq is None or wq.dtype == wk.dtype)
     if choose_backend(backend, _decode_qkv_kernel, named) == "reference" or not same_dtype:
-        return decode_qkv_reference(q, k, v, wq, wk, eps, cos, sin, k_cache, v_cache, slot)
-    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache)):
+        return decode_qkv_reference(q, k, v, wq, wk, eps, cos, sin, k_cache, v_cache, slot, k_scales, v_scales)
+    if any(t.stride(-1) != 1 for t in (q, k, v, cos, sin, k_cache, v_cache, *((k_scales, v_scales) if fp8 else ()))):
         raise ValueError("decode_qkv needs the last dimension of every tensor contiguous")
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if fp8 and k_scales.stride() != v_scales.stride():
+        raise ValueError("decode_qkv: k_scales and v_scales must share their strides")
+    q_out = torch.empty(B, Hq + Hk if fp8 else Hq, D, dtype=q.dtype, device=q.device)  # FP8: K rotated here first
     norm = wq is not None
     _decode_qkv_kernel[(B, Hq + Hk)](
         q, k, v, wq if norm else q, wk if norm else q, cos, sin, q_out, k_cache, v_cache, slot,
+        k_scales if fp8 else q_out, v_scales if fp8 else q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         q_out.stride(0), q_out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
-        Hq, D, D // 2, float(eps),
-        NORM=norm, BLOCK_D=next_pow2(D), BLOCK_HALF=next_pow2(D // 2), num_warps=4,
+        *(k_scales.stride()[:2] if fp8 else (0, 0)), Hq, D, D // 2, float(eps),
+        NORM=norm, BLOCK_D=next_pow2(D), BLOCK_HALF=next_pow2(D // 2), FP8=fp8, num_warps=4,
     )
-    return q_out
+    return q_out[:, :Hq] if fp8 else q_out

@@ -20,7 +20,7 @@ that fits one chunk is loaded once): pass one reduces ``amax``, pass two divides
 stores. It reads ``x`` once (twice from cache for wide rows) and writes 1 byte an element plus 4
 bytes a row, where the unfused torch ops write and read a float32 copy of ``x``.
 
-The rounding to e4m3 is done in float32 arithmetic before the cast (``_round_e4m3``), so the
+The rounding to e4m3 is done in float32 arithmetic before the cast (``round_e4m3``), so the
 cast only ever sees values e4m3 holds exactly: the bytes are then those of ``torch``'s
 ``.to(torch.float8_e4m3fn)`` on every backend. (The Triton interpreter's own float32 -> e4m3
 conversion drops the carry of a rounding that overflows the mantissa, e.g. 125.4 -> 64, and rounds
@@ -35,7 +35,7 @@ import torch
 
 from .launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
-__all__ = ["FP8_E4M3_MAX", "fp8_quantize_rowwise", "fp8_quantize_rowwise_reference"]
+__all__ = ["FP8_E4M3_MAX", "fp8_quantize_rowwise", "fp8_quantize_rowwise_reference", "round_e4m3"]
 
 FP8_E4M3_MAX = 448.0
 _MAX_BLOCK = 4096  # widest chunk one program holds in registers (Qwen3-8B's hidden size)
@@ -60,7 +60,7 @@ def fp8_quantize_rowwise_reference(x: torch.Tensor, col_scale: torch.Tensor | No
 if triton is not None:
 
     @triton.jit
-    def _round_e4m3(v):
+    def round_e4m3(v):
         """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32."""
         bits = v.to(tl.int32, bitcast=True)
         mag_bits = bits & 0x7FFFFFFF
@@ -107,7 +107,7 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
         if ONE_BLOCK:
             y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-            tl.store(q_row + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_row + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
         else:
             for start in range(0, n_cols, BLOCK):
                 mask = start + cols < n_cols
@@ -115,10 +115,10 @@ if triton is not None:
                 if HAS_C:
                     v = v * tl.load(c_ptr + start + cols, mask=mask, other=0.0)
                 y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-                tl.store(q_row + start + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+                tl.store(q_row + start + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _fp8_quant_kernel = None
+    _fp8_quant_kernel = round_e4m3 = None
 
 
 def fp8_quantize_rowwise(x: torch.Tensor, col_scale: torch.Tensor | None = None, *,

@@ -90,7 +90,7 @@ from ...models.families import FAMILIES
 from ...models.nf4_decode import NF4_DECODE_MAX_ROWS, check_nf4_decode_max_rows, nf4_decode_layers
 from ...models.nf4_dense import nf4_dense_bytes, nf4_dense_layers
 from ...models.patching import causal_lm_of
-from .kv_cache import DecodeContext, Workspace
+from .kv_cache import DecodeContext, Workspace, check_kv_cache_dtype
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
 from .protocol import Rollouts, SamplingParams, check_prompts
@@ -117,9 +117,11 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def kv_bytes_per_token(config, itemsize: int) -> int:
-    """Bytes of K and V that one token occupies in the cache, over all layers."""
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim_of(config) * itemsize
+def kv_bytes_per_token(config, itemsize: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of K and V that one token occupies in the cache, over all layers: ``itemsize`` bytes an element, or
+    with ``kv_cache_dtype="fp8"`` a byte a code plus a float32 scale per head's vector."""
+    per_head = head_dim_of(config) + 4 if kv_cache_dtype == "fp8" else head_dim_of(config) * itemsize
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
 
 
 @dataclass
@@ -225,6 +227,13 @@ class FastRolloutEngine:
             in one buffer too), the fused activation reading the product's two column halves in place
             (``rollout.layers.decode_mlp``); on by default (faster at G 8 and 64 in ``scripts/gpu_suite.sh
             fp8-stacked-gate-up-ab``). The fused layer loop's decode steps only (pre-norm families).
+        kv_cache_dtype: ``"auto"`` (default): the KV cache in the model's dtype. ``"fp8"``: each cached K / V
+            vector as e4m3 codes with a float32 scale per slot and head (:class:`~.kv_cache.Workspace`), about
+            half the cache's bytes, so a decode step whose cache read is as large as its weight read (many rows,
+            long completions) reads less, and a group fits more tokens. The prompt's own attention in the
+            prefill uses the unquantised K/V; every decode step attends to the dequantised cache, so the sampled
+            tokens' log-probabilities differ from the model's by the cache's rounding (tests/test_kv_cache_fp8.py
+            measures it). Not timed on a GPU yet.
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk
@@ -237,7 +246,8 @@ class FastRolloutEngine:
                  compact_finished: bool = True, fused_layers: bool = True, moe_decode_max_tokens: int | None = None,
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
-                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True):
+                 nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True,
+                 kv_cache_dtype: str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -272,6 +282,7 @@ class FastRolloutEngine:
         self.nf4_dense = nf4_dense
         self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
         self.fp8_stacked_gate_up = bool(fp8_stacked_gate_up)
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
         self.stats: dict[str, float] = {}
@@ -602,7 +613,7 @@ class FastRolloutEngine:
     def _row_bytes(self, length: int) -> int:
         cfg = self._decoder_config()
         itemsize = next(self.model.parameters()).element_size()
-        return kv_bytes_per_token(cfg, itemsize) * length
+        return kv_bytes_per_token(cfg, itemsize, self.kv_cache_dtype) * length
 
     def _prompts_per_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams) -> int:
         per_chunk = len(prompts)
@@ -628,7 +639,8 @@ class FastRolloutEngine:
         cfg = self._decoder_config()
         dtype = decoder.embed_tokens.weight.dtype
         self._ws = self.workspace_class(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, head_dim_of(cfg),
-                                        length, max_tokens, hf.lm_head.out_features, dtype, device)
+                                        length, max_tokens, hf.lm_head.out_features, dtype, device,
+                                        kv_cache_dtype=self.kv_cache_dtype)
         return self._ws
 
     @staticmethod

@@ -14,19 +14,33 @@ from ...attention import packed_attention
 from ...attention.kv_cache import (additive_mask, cached_attention, sink_cached_attention, slot_mask,
                                    softcapped_cached_attention)
 from ...attention.sinks import sink_attention
-from ...kernels.decode_attention import split_decode_attention
+from ...kernels.decode_attention import dequantize_cache, split_decode_attention
+from ...kernels.fp8_quant import fp8_quantize_rowwise
 from ...kernels.launch import HAS_TRITON
+
+#: ``FastRolloutEngine(kv_cache_dtype=...)``: the model's dtype, or e4m3 codes with a float32 scale per slot and head
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 class Workspace:
-    """Static buffers of one call shape: KV cache, decode state, outputs, random numbers."""
+    """Static buffers of one call shape: KV cache, decode state, outputs, random numbers.
+
+    ``kv_cache_dtype="fp8"``: each cached K / V vector (one slot of one head) is stored as ``float8_e4m3fn``
+    codes with one float32 scale (``k_scale`` / ``v_scale [rows, kv_heads, length]`` per layer; the codes times
+    the scale is the vector), quantised as :func:`~swiftune.kernels.fp8_quant.fp8_quantize_rowwise` quantises a
+    row: 2 x (D + 4) bytes a slot and head instead of 2 x 2 D in bf16. ``"auto"``: the model's dtype, no scales."""
 
     def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, length: int, max_tokens: int,
-                 vocab: int, dtype: torch.dtype, device: torch.device):
+                 vocab: int, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto"):
         self.rows, self.length, self.max_tokens, self.vocab = rows, length, max_tokens, vocab
         shape = (rows, kv_heads, length, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        fp8 = check_kv_cache_dtype(kv_cache_dtype) == "fp8"
+        codes = torch.float8_e4m3fn if fp8 else dtype
+        self.k = [torch.zeros(shape, dtype=codes, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=codes, device=device) for _ in range(layers)]
+        scales = shape[:3]
+        self.k_scale = [torch.ones(scales, device=device) for _ in range(layers)] if fp8 else None
+        self.v_scale = [torch.ones(scales, device=device) for _ in range(layers)] if fp8 else None
         z = dict(dtype=torch.long, device=device)
         self.row_ids = torch.arange(rows, **z)
         self.tok = torch.zeros(rows, **z)
@@ -60,6 +74,8 @@ class Workspace:
             v.rows, v.length, v.max_tokens, v.vocab = rows, self.length, self.max_tokens, self.vocab
             v.k = [t[:rows] for t in self.k]
             v.v = [t[:rows] for t in self.v]
+            v.k_scale = None if self.k_scale is None else [t[:rows] for t in self.k_scale]
+            v.v_scale = None if self.v_scale is None else [t[:rows] for t in self.v_scale]
             for name in self.ROW_FIELDS:
                 setattr(v, name, getattr(self, name)[:rows])
             v.step, v.stop_ids = self.step, self.stop_ids
@@ -71,7 +87,7 @@ class Workspace:
         """Move the rows of ``slots`` (in that order) to the front: KV cache and per-row state."""
         index = torch.tensor(slots, dtype=torch.long, device=self.tok.device)
         n = len(slots)
-        for t in self.k + self.v + [getattr(self, name) for name in self.ROW_FIELDS if name != "row_ids"]:
+        for t in self._caches() + [getattr(self, name) for name in self.ROW_FIELDS if name != "row_ids"]:
             t[:n].copy_(t.index_select(0, index))
 
     def drop_graphs(self) -> None:
@@ -88,7 +104,40 @@ class Workspace:
         return [self.tok, self.cur, self.step, self.lengths, self.finished, self.seen]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._caches())
+
+    def _caches(self) -> list[torch.Tensor]:
+        return self.k + self.v + (self.k_scale + self.v_scale if self.k_scale is not None else [])
+
+    def write(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+              ) -> None:
+        """``key, value [N, Hk, D]`` into slot ``slots[i]`` of row ``rows[i]`` (an FP8 cache: their codes and
+        per-slot scales)."""
+        if self.k_scale is None:
+            self.k[layer][rows, :, slots] = key.to(self.k[layer].dtype)
+            self.v[layer][rows, :, slots] = value.to(self.v[layer].dtype)
+            return
+        for codes, scales, x in ((self.k, self.k_scale, key), (self.v, self.v_scale, value)):
+            q, s = fp8_quantize_rowwise(x)
+            codes[layer][rows, :, slots] = q
+            scales[layer][rows, :, slots] = s[..., 0]
+
+    def read(self, layer: int, kv_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``kv_len`` slots of layer ``layer``'s K and V in ``dtype`` (an FP8 cache dequantised: what
+        the SDPA and eager decode paths read)."""
+        keys, values = self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
+        if self.k_scale is None:
+            return keys, values
+        return (dequantize_cache(keys, self.k_scale[layer][:, :, :kv_len], dtype),
+                dequantize_cache(values, self.v_scale[layer][:, :, :kv_len], dtype))
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """``kv_cache_dtype`` if it is one of :data:`KV_CACHE_DTYPES`; a ``ValueError`` saying what to pass otherwise."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} ('auto': the model's dtype; 'fp8': "
+                         f"e4m3 codes with a float32 scale per slot and head), got {kv_cache_dtype!r}")
+    return kv_cache_dtype
 
 
 class DecodeContext:
@@ -125,7 +174,6 @@ class DecodeContext:
         if sinks is not None and softcap:
             raise ValueError("attention sinks with a soft-cap: no family has both, and no backend computes it")
         ws = self.ws
-        kc, vc = ws.k[layer], ws.v[layer]
         if self.mode == "prefill":  # query [1, Hq, T, D] packed prompts
             q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
             if sinks is not None:  # gpt-oss: the training side's packed sink attention (flex on CUDA)
@@ -134,12 +182,10 @@ class DecodeContext:
             else:
                 out = packed_attention(q, k, v, self.packed, scale=scale, window=window, softcap=softcap,
                                        backend=self.backend)
-            kc[self.dst_rows, :, self.dst_slots] = k[self.src_tok].to(kc.dtype)
-            vc[self.dst_rows, :, self.dst_slots] = v[self.src_tok].to(vc.dtype)
+            ws.write(layer, self.dst_rows, self.dst_slots, k[self.src_tok], v[self.src_tok])
             return out.unsqueeze(0)
         # decode: query [B, Hq, 1, D]; row b's new K/V go to slot cur[b]
-        kc[ws.row_ids, :, ws.cur] = key[:, :, 0].to(kc.dtype)
-        vc[ws.row_ids, :, ws.cur] = value[:, :, 0].to(vc.dtype)
+        ws.write(layer, ws.row_ids, ws.cur, key[:, :, 0], value[:, :, 0])
         return self.attend_cached(layer, query, scale, window, softcap, sinks)
 
     def split_attention_applies(self, query: torch.Tensor) -> bool:
@@ -156,14 +202,17 @@ class DecodeContext:
                       sinks: torch.Tensor | None = None):
         """Decode attention of ``query [B, Hq, 1, D]`` over the cache, this step's K/V already in it
         (``sinks [Hq]``: gpt-oss's sink logits); returns ``[B, 1, Hq, D]``."""
-        keys = self.ws.k[layer][:, :, :self.kv_len]
-        values = self.ws.v[layer][:, :, :self.kv_len]
+        ws = self.ws
         if not softcap and self.split_attention_applies(query):
             rows, heads, _, dim = query.shape
+            keys, values = ws.k[layer][:, :, :self.kv_len], ws.v[layer][:, :, :self.kv_len]
+            scales = {} if ws.k_scale is None else {"key_scales": ws.k_scale[layer][:, :, :self.kv_len],
+                                                     "value_scales": ws.v_scale[layer][:, :, :self.kv_len]}
             kv_heads = keys.shape[1]
             out = split_decode_attention(query.reshape(rows, kv_heads, heads // kv_heads, dim), keys, values,
-                                         self.ws.cur, window, scale, sinks)
+                                         ws.cur, window, scale, sinks, **scales)
             return out.reshape(rows, 1, heads, dim)
+        keys, values = ws.read(layer, self.kv_len, query.dtype)
         if sinks is not None:
             return sink_cached_attention(query, keys, values, self.mask(window), scale, sinks)
         if not softcap:

@@ -134,10 +134,11 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     if cos.dtype != q.dtype:  # as the attention forward does (e.g. under autocast)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    ws = ctx.ws
+    ws, layer = ctx.ws, attn.layer_idx
+    scales = {} if ws.k_scale is None else {"k_scales": ws.k_scale[layer], "v_scales": ws.v_scale[layer]}
     q = decode_qkv(q, k, v, q_norm.weight if q_norm is not None else None,
                    k_norm.weight if k_norm is not None else None, _eps(q_norm) if q_norm is not None else 1e-6,
-                   cos[:, 0], sin[:, 0], ws.k[attn.layer_idx], ws.v[attn.layer_idx], ws.cur, backend=backend)
+                   cos[:, 0], sin[:, 0], ws.k[layer], ws.v[layer], ws.cur, **scales, backend=backend)
     window = patch_state(attn).attention.window(attn)
     out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window,
                             sinks=getattr(attn, "sinks", None))  # gpt-oss's per-head sink logits
