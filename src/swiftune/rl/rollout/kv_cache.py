@@ -88,6 +88,7 @@ class Workspace:
         index = torch.tensor(slots, dtype=torch.long, device=self.tok.device)
         n = len(slots)
         for t in self._caches() + [getattr(self, name) for name in self.ROW_FIELDS if name != "row_ids"]:
+            t = _bytes_view(t)
             t[:n].copy_(t.index_select(0, index))
 
     def drop_graphs(self) -> None:
@@ -119,7 +120,7 @@ class Workspace:
             return
         for codes, scales, x in ((self.k, self.k_scale, key), (self.v, self.v_scale, value)):
             q, s = fp8_quantize_rowwise(x)
-            codes[layer][rows, :, slots] = q
+            _bytes_view(codes[layer])[rows, :, slots] = _bytes_view(q)
             scales[layer][rows, :, slots] = s[..., 0]
 
     def read(self, layer: int, kv_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +131,12 @@ class Workspace:
             return keys, values
         return (dequantize_cache(keys, self.k_scale[layer][:, :, :kv_len], dtype),
                 dequantize_cache(values, self.v_scale[layer][:, :, :kv_len], dtype))
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as their bytes (``uint8``), other tensors as they are: indexed writes and row moves of the codes
+    then run on a dtype every torch op takes on every device."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
