@@ -70,6 +70,14 @@ def test_decode_qkv_writes_each_vector_as_its_e4m3_codes_and_scale(dtype):
     got_k = dequantize_cache(k_cache[rows_, :, slot], k_scales[rows_, :, slot])
     assert ((got_k - want_k).abs() <= torch.maximum(want_k.abs() / 16, k_scales[rows_, :, slot, None] / 1024)
             + 1e-6).all()
+    # the unfused reference (torch's ops, what other dtypes fall back to) writes the same V bytes and K to the bound
+    ref = [torch.zeros_like(t) for t in (k_cache, v_cache, k_scales, v_scales)]
+    decode_qkv(q, k, v, wq, wk, 1e-6, cos, sin, ref[0], ref[1], slot, k_scales=ref[2], v_scales=ref[3],
+               backend="reference")
+    assert torch.equal(ref[1].view(torch.uint8), v_cache.view(torch.uint8)) and torch.equal(ref[3], v_scales)
+    ref_k = dequantize_cache(ref[0][rows_, :, slot], ref[2][rows_, :, slot])
+    assert ((ref_k - want_k).abs() <= torch.maximum(want_k.abs() / 16, ref[2][rows_, :, slot, None] / 1024)
+            + 1e-6).all()
     untouched = torch.ones(rows, length, dtype=torch.bool, device=DEVICE)
     untouched[rows_, slot] = False
     for cache in (k_cache, v_cache):  # no other slot written

@@ -49,10 +49,11 @@ def decode_qkv_reference(
     q, k = rope_qk_reference(q[:, :, None], k[:, :, None], cos[:, None], sin[:, None])
     rows = torch.arange(q.shape[0], device=q.device)
     k = k[:, :, 0]
-    if k_scales is not None:
+    if k_scales is not None:  # the codes written as their bytes: index_put on float8 is not on every device
         (k, ks), (v, vs) = fp8_quantize_rowwise_reference(k), fp8_quantize_rowwise_reference(v)
         k_scales[rows, :, slot] = ks[..., 0]
         v_scales[rows, :, slot] = vs[..., 0]
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache[rows, :, slot] = k.to(k_cache.dtype)
     v_cache[rows, :, slot] = v.to(v_cache.dtype)
     return q[:, :, 0]
