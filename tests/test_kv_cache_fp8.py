@@ -202,3 +202,57 @@ def test_workspace_moves_scales_with_codes_and_reads_them_back():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         Workspace(layers, rows, kv_heads, dim, length, 4, 32, torch.float32, torch.device(DEVICE),
                   kv_cache_dtype="e5m2")
+
+
+def _logprobs_with_rounded_cache(reference, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Transformers' own model decoding ``completion`` token by token with its ``DynamicCache`` rounded as the FP8
+    cache rounds it: the prefill attends to the unrounded K/V and leaves them rounded in the cache; each later
+    token's K/V are rounded before the cache takes them (and before its own attention reads them)."""
+    from transformers import DynamicCache
+
+    def rounded(x):
+        codes, scale = _quantise(x)
+        return (codes.float() * scale[..., None]).to(x.dtype)
+
+    cache = DynamicCache(config=reference.config)
+    with torch.no_grad():
+        out = reference(input_ids=torch.tensor([prompt], device=DEVICE), past_key_values=cache, use_cache=True)
+        for layer in cache.layers:
+            layer.keys, layer.values = rounded(layer.keys), rounded(layer.values)
+        update = cache.update
+        cache.update = lambda k, v, i, *a, **kw: update(rounded(k), rounded(v), i, *a, **kw)
+        logps = [torch.log_softmax(out.logits[0, -1].float(), -1)[completion[0]]]
+        for token, following in zip(completion[:-1], completion[1:]):
+            out = reference(input_ids=torch.tensor([[token]], device=DEVICE), past_key_values=cache, use_cache=True)
+            logps.append(torch.log_softmax(out.logits[0, -1].float(), -1)[following])
+    return torch.stack(logps)
+
+
+@pytest.mark.parametrize("family,decode_attention", [("qwen3", "split"), ("qwen3", "sdpa"), ("llama", "split"),
+                                                     ("gpt_oss", "split"), ("gpt_oss", "sdpa")])
+def test_engine_with_an_fp8_cache_equals_transformers_with_its_cache_rounded(family, decode_attention):
+    """The engine with ``kv_cache_dtype="fp8"`` (greedy, fp32) reports, for every token, the log-probability that
+    transformers' own unpatched model gives when its KV cache holds the same e4m3 rounding
+    (:func:`_logprobs_with_rounded_cache`), to float32's noise: Qwen3 (q/k norms), Llama, and gpt-oss (attention
+    sinks, sliding and full layers, experts). What the rounding itself moves (against the unrounded model) is
+    bounded by the test above on Qwen3; docs/fp8.md gives it for these tiny models."""
+    from swiftune.models import patch_model
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+    from tests.helpers import tiny_model
+    from tests.test_moe_rollout import PAD, PROMPTS, _models
+
+    if family == "gpt_oss":
+        reference, model = _models(family, None, seed=5)
+    else:
+        reference = tiny_model(family)
+        model = patch_model(copy.deepcopy(reference))
+    reference, model = reference.to(DEVICE).eval(), model.to(DEVICE)
+    engine = FastRolloutEngine(model, pad_token_id=PAD, use_cuda_graph=torch.cuda.is_available(),
+                               decode_attention=decode_attention, kv_cache_dtype="fp8")
+    out = engine.generate(PROMPTS, 1, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=()))
+    for prompt, completion, logps in zip(PROMPTS, out.completion_ids, out.logprobs):
+        assert len(completion) == 12
+        want = _logprobs_with_rounded_cache(reference, prompt, list(completion))
+        # float32 noise (2e-6 measured on the CPU); CUDA's float32 matmuls may round through TF32
+        torch.testing.assert_close(torch.as_tensor(logps, device=DEVICE).float(), want, rtol=0,
+                                   atol=2e-5 if DEVICE == "cpu" else 1e-3)
