@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_quant import fp8_quantize_rowwise_reference, round_e4m3
+from .fp8_quant import e4m3_codes, e4m3_scale, fp8_quantize_rowwise_reference
 from .launch import Backend, choose_backend, next_pow2, tl, triton
 from .rms_norm import rms_norm_reference, rms_row
 from .rope import rope_qk_reference
@@ -89,9 +89,8 @@ if triton is not None:
             vrow = tl.load(v_ptr + b * sv_b + kh * sv_h + d_all, mask=d_all < head_dim, other=0.0)
             if FP8:
                 vrow = vrow.to(tl.float32)
-                v_scale = tl.math.div_rn(tl.max(tl.abs(vrow), axis=0), 448.0)
-                v_scale = tl.where(v_scale > 0.0, v_scale, 1.0)
-                vrow = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(vrow, v_scale), -448.0), 448.0))
+                v_scale = e4m3_scale(tl.max(tl.abs(vrow), axis=0))
+                vrow = e4m3_codes(vrow, v_scale)
                 tl.store(vs_ptr + b * ss_b + kh * ss_h + slot, v_scale)
             tl.store(vc_ptr + b * svc_b + kh * svc_h + slot * svc_s + d_all,
                      vrow.to(vc_ptr.dtype.element_ty), mask=d_all < head_dim)
@@ -120,13 +119,10 @@ if triton is not None:
             if h >= n_q_heads:  # K: the rotated head as rounded above, quantised per slot into the cache
                 r1 = tl.where(emask, y1.to(tl.float32), 0.0)
                 r2 = tl.where(emask, y2.to(tl.float32), 0.0)
-                k_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(r1), axis=0), tl.max(tl.abs(r2), axis=0)), 448.0)
-                k_scale = tl.where(k_scale > 0.0, k_scale, 1.0)
+                k_scale = e4m3_scale(tl.maximum(tl.max(tl.abs(r1), axis=0), tl.max(tl.abs(r2), axis=0)))
                 kslot = kc_ptr + b * skc_b + kh * skc_h + slot * skc_s
-                code1 = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(r1, k_scale), -448.0), 448.0))
-                code2 = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(r2, k_scale), -448.0), 448.0))
-                tl.store(kslot + e, code1.to(kc_ptr.dtype.element_ty), mask=emask)
-                tl.store(kslot + half + e, code2.to(kc_ptr.dtype.element_ty), mask=emask)
+                tl.store(kslot + e, e4m3_codes(r1, k_scale).to(kc_ptr.dtype.element_ty), mask=emask)
+                tl.store(kslot + half + e, e4m3_codes(r2, k_scale).to(kc_ptr.dtype.element_ty), mask=emask)
                 tl.store(ks_ptr + b * ss_b + kh * ss_h + slot, k_scale)
 
 else:  # pragma: no cover

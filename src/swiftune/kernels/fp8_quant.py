@@ -7,7 +7,7 @@ upstream gradient this way, ``g * s^T``, without a float32 copy of ``g``)::
     v     = x * c                                    (float32, one rounding; v = x when c is None)
     amax  = max_k |v_k|                              (exact)
     scale = amax / 448   if that is > 0, else 1      (float32, IEEE division; 448 = e4m3's largest finite)
-    q     = round_e4m3(clamp(v / scale, -448, 448))  (IEEE division, round to nearest even)
+    q     = _round_e4m3(clamp(v / scale, -448, 448))  (IEEE division, round to nearest even)
 
 so that ``v ~= q * scale`` with the row's largest magnitude mapped to 448 exactly (nothing
 saturates). A row of zeros (or one whose ``amax / 448`` underflows float32) gets ``scale = 1`` and
@@ -20,7 +20,7 @@ that fits one chunk is loaded once): pass one reduces ``amax``, pass two divides
 stores. It reads ``x`` once (twice from cache for wide rows) and writes 1 byte an element plus 4
 bytes a row, where the unfused torch ops write and read a float32 copy of ``x``.
 
-The rounding to e4m3 is done in float32 arithmetic before the cast (``round_e4m3``), so the
+The rounding to e4m3 is done in float32 arithmetic before the cast (``_round_e4m3``), so the
 cast only ever sees values e4m3 holds exactly: the bytes are then those of ``torch``'s
 ``.to(torch.float8_e4m3fn)`` on every backend. (The Triton interpreter's own float32 -> e4m3
 conversion drops the carry of a rounding that overflows the mantissa, e.g. 125.4 -> 64, and rounds
@@ -35,7 +35,7 @@ import torch
 
 from .launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
-__all__ = ["FP8_E4M3_MAX", "fp8_quantize_rowwise", "fp8_quantize_rowwise_reference", "round_e4m3"]
+__all__ = ["FP8_E4M3_MAX", "e4m3_codes", "e4m3_scale", "fp8_quantize_rowwise", "fp8_quantize_rowwise_reference"]
 
 FP8_E4M3_MAX = 448.0
 _MAX_BLOCK = 4096  # widest chunk one program holds in registers (Qwen3-8B's hidden size)
@@ -60,7 +60,7 @@ def fp8_quantize_rowwise_reference(x: torch.Tensor, col_scale: torch.Tensor | No
 if triton is not None:
 
     @triton.jit
-    def round_e4m3(v):
+    def _round_e4m3(v):
         """``v`` (float32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, in float32."""
         bits = v.to(tl.int32, bitcast=True)
         mag_bits = bits & 0x7FFFFFFF
@@ -75,6 +75,18 @@ if triton is not None:
         sub = (mag + 16384.0) - 16384.0
         r = tl.where(mag < 0.015625, sub, normal)
         return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def e4m3_scale(amax):
+        """A row's scale from its largest magnitude (float32): ``amax / 448`` (IEEE division), 1 where that is 0."""
+        scale = tl.math.div_rn(amax, 448.0)
+        return tl.where(scale > 0.0, scale, 1.0)
+
+    @triton.jit
+    def e4m3_codes(v, scale):
+        """``v / scale`` (float32, IEEE division) clamped to e4m3's range and rounded to its nearest value, in
+        float32 (cast it to the codes' dtype to store)."""
+        return _round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0))
 
     @triton.jit
     def _fp8_quant_kernel(
@@ -102,23 +114,20 @@ if triton is not None:
                     v = v * tl.load(c_ptr + start + cols, mask=mask, other=0.0)
                 acc = tl.maximum(acc, tl.abs(v))
             amax = tl.max(acc, axis=0)
-        scale = tl.math.div_rn(amax, 448.0)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = e4m3_scale(amax)
         tl.store(s_ptr + row, scale)
         if ONE_BLOCK:
-            y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-            tl.store(q_row + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(q_row + cols, e4m3_codes(v, scale).to(q_ptr.dtype.element_ty), mask=mask)
         else:
             for start in range(0, n_cols, BLOCK):
                 mask = start + cols < n_cols
                 v = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 if HAS_C:
                     v = v * tl.load(c_ptr + start + cols, mask=mask, other=0.0)
-                y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-                tl.store(q_row + start + cols, round_e4m3(y).to(q_ptr.dtype.element_ty), mask=mask)
+                tl.store(q_row + start + cols, e4m3_codes(v, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _fp8_quant_kernel = round_e4m3 = None
+    _fp8_quant_kernel = _round_e4m3 = e4m3_scale = e4m3_codes = None
 
 
 def fp8_quantize_rowwise(x: torch.Tensor, col_scale: torch.Tensor | None = None, *,
