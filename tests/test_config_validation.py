@@ -75,13 +75,21 @@ def test_packing_and_padding_free():
     ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("num_iterations", 0),
     ("steps_per_generation", 0), ("generation_batch_size", 0), ("max_rollout_batch_size", 0),
     ("loss_type", "ppo"), ("importance_sampling_level", "tokens"), ("scale_rewards", "batches"),
-    ("rollout_engine", "vllm"), ("stop_token_ids", [-1]), ("reward_weights", [1.0, math.nan]),
+    ("rollout_engine", "vllm"), ("rollout_kv_cache_dtype", "int8"), ("stop_token_ids", [-1]), ("reward_weights", [1.0, math.nan]),
     ("delta", 0.5), ("gradient_accumulation_steps", 0), ("per_device_train_batch_size", 0),
     ("learning_rate", -1e-6), ("logit_chunk_tokens", 0), ("kernel_backend", "gpu"), ("reward_timeout", 0),
     ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
 ])
 def test_grpo_config_refuses(field, value):
     refused(GRPOConfig, field, value)
+
+
+def test_grpo_fp8_kv_cache_needs_the_fast_engine():
+    """The FP8 cache is the fast engine's: beside rollout_engine='transformers' the config says what to set."""
+    with pytest.raises(ValueError, match="rollout_kv_cache_dtype='fp8' is the fast rollout engine's cache.*set "
+                                         "rollout_engine to 'fast'"):
+        GRPOConfig(**BASE, rollout_engine="transformers", rollout_kv_cache_dtype="fp8")
+    assert GRPOConfig(**BASE, rollout_kv_cache_dtype="fp8").rollout_kv_cache_dtype == "fp8"
 
 
 def test_grpo_lengths_none_means_no_limit():

@@ -3,6 +3,7 @@ a LoRA adapter folder (``--model ADAPTER_DIR`` or ``--model BASE --adapter ADAPT
 what PEFT's own model generates, and adapter folders that cannot work end in one line."""
 
 import json
+import math
 import os
 import shutil
 
@@ -76,6 +77,27 @@ def test_generate_fused_layers_gives_the_same_samples(capsys):
     # the same samples; log-probs within float32 rounding (the fused run also patches the model's kernels)
     assert len(fused) == 3 and [r["completion"] for r in fused] == [r["completion"] for r in plain]
     assert all(abs(a["mean_logprob"] - b["mean_logprob"]) < 1e-5 for a, b in zip(fused, plain))
+
+
+def test_generate_kv_cache_dtype_reaches_the_fast_engine(capsys, monkeypatch):
+    """--kv_cache_dtype fp8: the fast engine decodes from an FP8 cache (its workspace holds e4m3 codes);
+    without --engine fast it is refused before the model loads."""
+    import swiftune.rl.rollout as rollout
+
+    engines = []
+
+    class Recorded(rollout.FastRolloutEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(rollout, "FastRolloutEngine", Recorded)
+    out = run(capsys, "--max_tokens", "6", "--json", "--temperature", "0", "--engine", "fast",
+              "--kv_cache_dtype", "fp8", "--prompt", "Sort: cab\n")
+    assert len(out) == 1 and math.isfinite(out[0]["mean_logprob"])
+    assert [e.kv_cache_dtype for e in engines] == ["fp8"] and engines[0]._ws.k[0].dtype == torch.float8_e4m3fn
+    line = one_line_error(capsys, "--kv_cache_dtype", "fp8")
+    assert "--kv_cache_dtype fp8 need --engine fast" in line, line
 
 
 # ----------------------------------------------------------------------------- LoRA adapter folders

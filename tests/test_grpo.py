@@ -782,6 +782,39 @@ def test_trainer_runs_on_the_fast_rollout_engine(tokenizer, tmp_path):
                     args=GRPOConfig(output_dir=str(tmp_path / "x"), rollout_engine="vllm", **FAST))
 
 
+def test_rollout_kv_cache_dtype_reaches_the_fast_engine(tokenizer, tmp_path, caplog):
+    """GRPOConfig(rollout_kv_cache_dtype="fp8"): the built-in fast engine samples from an FP8 cache (its
+    workspace holds e4m3 codes and scales after training); the default keeps the model's dtype; when "auto"
+    picks transformers' generate the run says the setting has no effect."""
+    from swiftune.rl.rollout.fast import FastRolloutEngine
+    from swiftune.rl.rollout import TransformersRolloutEngine
+
+    caches = {}
+    for kv in ("auto", "fp8"):
+        args = GRPOConfig(output_dir=str(tmp_path / kv), max_steps=1, per_device_train_batch_size=4,
+                          num_generations=4, max_completion_length=6, learning_rate=1e-2, rollout_engine="fast",
+                          rollout_kv_cache_dtype=kv, **FAST)
+        trainer = GRPOTrainer(tiny_model(seed=11), [answer_reward], args=args, train_dataset=PROMPT_ROWS,
+                              processing_class=tokenizer)
+        assert isinstance(trainer.rollout_engine, FastRolloutEngine)
+        assert trainer.rollout_engine.kv_cache_dtype == kv
+        trainer.train()
+        metrics = [json.loads(line) for line in open(tmp_path / kv / "metrics.jsonl")]
+        assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
+        ws = trainer.rollout_engine._ws
+        caches[kv] = (ws.k[0].dtype, ws.k_scale is not None)
+    assert caches == {"auto": (torch.float32, False), "fp8": (torch.float8_e4m3fn, True)}
+    if torch.cuda.is_available():
+        return  # "auto" picks the fast engine there
+    args = GRPOConfig(output_dir=str(tmp_path / "auto_picks"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=6, rollout_kv_cache_dtype="fp8", **FAST)
+    with caplog.at_level("WARNING", logger="swiftune"):
+        trainer = GRPOTrainer(tiny_model(seed=11), [answer_reward], args=args, train_dataset=PROMPT_ROWS,
+                              processing_class=tokenizer)
+    assert type(trainer.rollout_engine) is TransformersRolloutEngine
+    assert "rollout_kv_cache_dtype='fp8' has no effect" in caplog.text
+
+
 def test_training_on_the_fused_layer_engine_equals_the_plain_engine(tokenizer, tmp_path, monkeypatch):
     """GRPO with LoRA on FastRolloutEngine(fused_layers=True) trains to the same weights and logs as
     with the engine calling the decoder layers (same seed: the same completions, bit for bit)."""

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_fused_layers", dest="fused_layers", action="store_false",
                    help="fast engine: run each layer's own forward instead of the engine's fused layer loop "
                         "(which needs a patched model: the built-in one is patched for it)")
+    p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="fast engine: the KV cache in the model's dtype (auto) or as e4m3 codes with a float32 "
+                        "scale per slot and head (fp8, about half the bytes; docs/fp8.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--json", action="store_true", help="one JSON object per completion")
@@ -88,9 +91,11 @@ def main_generate(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise ConfigError(f"--{e}") from e
     base, adapter = model_and_adapter(args.model, args.adapter, args.base_model)
-    if args.engine != "fast" and (args.stop or not args.fused_layers):
-        # checked before the model loads: only the fast engine matches stop strings and has a fused loop
-        raise ConfigError("--stop strings and --no_fused_layers need --engine fast; add --engine fast or drop them")
+    if args.engine != "fast" and (args.stop or not args.fused_layers or args.kv_cache_dtype != "auto"):
+        # checked before the model loads: only the fast engine matches stop strings, has a fused loop and an
+        # FP8 cache
+        raise ConfigError("--stop strings, --no_fused_layers and --kv_cache_dtype fp8 need --engine fast; add "
+                          "--engine fast or drop them")
     if base is None and adapter is None:
         from transformers import AutoModelForCausalLM
 
@@ -128,7 +133,7 @@ def main_generate(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--engine fast runs {', '.join(SUPPORTED)}, not {model_type!r}: use --engine "
                               "transformers")
         engine = FastRolloutEngine(model, pad_token_id=pad, seed=args.seed, tokenizer=tokenizer,
-                                   fused_layers=args.fused_layers)
+                                   fused_layers=args.fused_layers, kv_cache_dtype=args.kv_cache_dtype)
         params = FastSamplingParams(stop=tuple(args.stop), **params_kw)
     else:
         engine = TransformersRolloutEngine(model, pad_token_id=pad, seed=args.seed)

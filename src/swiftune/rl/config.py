@@ -32,6 +32,8 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 ROLLOUT_ENGINES = ("auto", "fast", "transformers")
+#: the fast engine's KV cache (``FastRolloutEngine(kv_cache_dtype=...)``; the same names as rollout.kv_cache's)
+ROLLOUT_KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -91,6 +93,13 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
         metadata={"help": "Built-in rollout engine: fast (static KV cache, shared-prompt prefill, CUDA-graph decode "
                           "on CUDA; see docs/rollout.md), transformers (its generate with a KV cache), or auto: fast "
                           "on CUDA for the families it supports, transformers otherwise."},
+    )
+    rollout_kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "The fast rollout engine's KV cache: auto (the model's dtype) or fp8 (e4m3 codes with a "
+                          "float32 scale per slot and head, about half the bytes: longer or more completions per "
+                          "chunk, less to read each decode step). Sampling only: the policy's old log-probs are "
+                          "recomputed by the policy model, not taken from the engine (see docs/rollout.md)."},
     )
     max_rollout_batch_size: int | None = field(
         default=None,
@@ -266,6 +275,11 @@ class GRPOConfig(TrainingArguments, TRLGRPOFields):
             fail(self, "scale_rewards", self.scale_rewards, f"is not one of {', '.join(SCALE_REWARDS)} (or true/false)",
                  "set scale_rewards to one of them")
         require_choice(self, "rollout_engine", ROLLOUT_ENGINES)
+        require_choice(self, "rollout_kv_cache_dtype", ROLLOUT_KV_CACHE_DTYPES)
+        if self.rollout_kv_cache_dtype != "auto" and self.rollout_engine == "transformers":
+            fail(self, "rollout_kv_cache_dtype", self.rollout_kv_cache_dtype, "is the fast rollout engine's cache; "
+                 "rollout_engine='transformers' keeps transformers' own cache in the model's dtype",
+                 "set rollout_engine to 'fast' (or 'auto'), or rollout_kv_cache_dtype to 'auto'")
         require_choice(self, "kernel_backend", KERNEL_BACKENDS)
         check_attention_backend(self)
         require_int(self, "num_generations", 2, "the completions sampled per prompt, e.g. 8 (GRPO's advantage "

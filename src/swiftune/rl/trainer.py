@@ -249,13 +249,22 @@ class GRPOTrainer(SwiftuneTrainer):
             # embedding / LM head) and captures CUDA graphs (no collectives inside)
             raise ValueError("rollout_engine='fast' does not run on FSDP-sharded models: use 'transformers' "
                              "(or 'auto', which picks it under FSDP)")
+        if choice == "transformers" and self.args.rollout_kv_cache_dtype != "auto":
+            # only 'auto' gets here (GRPOConfig refuses it beside an explicit 'transformers'): the run goes on,
+            # said once, as with max_prefill_tokens below
+            logger.warning("swiftune: GRPOConfig.rollout_kv_cache_dtype=%r has no effect: rollout_engine='auto' "
+                           "picked transformers' generate here (%s), which keeps its cache in the model's dtype; "
+                           "the fast engine runs on CUDA for %s", self.args.rollout_kv_cache_dtype,
+                           "FSDP-sharded model" if sharded else f"{self.args.device.type}, {family}",
+                           ", ".join(fast_families))
         if self.vision is not None:  # image prompts: the engines that prefill through the vision tower
             if choice == "fast":
                 return VisionFastRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
                                                pad_token_id=pad_token_id, seed=seed, tokenizer=self.vision.tokenizer,
                                                max_batch_size=self.args.max_rollout_batch_size,
                                                attention_backend=self.args.attention_backend,
-                                               max_prefill_tokens=self.args.max_prefill_tokens)
+                                               max_prefill_tokens=self.args.max_prefill_tokens,
+                                               kv_cache_dtype=self.args.rollout_kv_cache_dtype)
             return VisionRolloutEngine(self.model, self.vision.rope_index, self.vision.image_token_id,
                                        pad_token_id=pad_token_id, seed=seed,
                                        max_batch_size=self.args.max_rollout_batch_size,
@@ -269,7 +278,8 @@ class GRPOTrainer(SwiftuneTrainer):
         if choice == "fast":
             return FastRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed, tokenizer=self.processing_class,
                                      max_batch_size=self.args.max_rollout_batch_size,
-                                     attention_backend=self.args.attention_backend)
+                                     attention_backend=self.args.attention_backend,
+                                     kv_cache_dtype=self.args.rollout_kv_cache_dtype)
         return TransformersRolloutEngine(self.model, pad_token_id=pad_token_id, seed=seed,
                                          max_batch_size=self.args.max_rollout_batch_size)
 
