@@ -202,7 +202,7 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
             "fp8_stacked_qkv": engine.fp8_stacked_qkv, "fp8_stacked_gate_up": engine.fp8_stacked_gate_up,
-            "kv_cache_dtype": engine.kv_cache_dtype,
+            "fp8_norm_codes": engine.fp8_norm_codes, "kv_cache_dtype": engine.kv_cache_dtype,
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
 
 
@@ -232,7 +232,8 @@ def weight_options(a) -> dict:
     """The engine's options for quantised (NF4, FP8) weights and the KV cache's dtype that the command line names
     (the library's defaults where it names none)."""
     options = {"nf4_decode_kernel": a.nf4_decode_kernel, "fp8_stacked_qkv": a.fp8_stacked_qkv,
-               "fp8_stacked_gate_up": a.fp8_stacked_gate_up, "kv_cache_dtype": a.kv_cache_dtype,
+               "fp8_stacked_gate_up": a.fp8_stacked_gate_up, "fp8_norm_codes": a.fp8_norm_codes,
+               "kv_cache_dtype": a.kv_cache_dtype,
                "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}
     if a.nf4_decode_max_rows is not None:
         options["nf4_decode_max_rows"] = a.nf4_decode_max_rows
@@ -387,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent codes (the "
                         "engine's default); --no-fp8-stacked-gate-up: two products, the baseline "
                         "(FastRolloutEngine(fp8_stacked_gate_up=...))")
+    p.add_argument("--fp8-norm-codes", action=argparse.BooleanOptionalAction, default=True,
+                   help="FP8 weights: the residual add + norm kernel makes q/k/v's and gate/up's input codes (the "
+                        "engine's default); --no-fp8-norm-codes: a separate quantise launch, the baseline "
+                        "(FastRolloutEngine(fp8_norm_codes=...))")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the engine's KV cache: the model's dtype (the default) or e4m3 codes with a float32 scale "
                         "per slot and head (FastRolloutEngine(kv_cache_dtype='fp8')); the HBM floor counts its bytes")

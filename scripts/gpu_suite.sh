@@ -75,6 +75,7 @@
 #   scripts/gpu_suite.sh moe-decode-defaults # Qwen3-30B-A3B and gpt-oss-20b decode at G 8 / 64 with the engine's defaults, profiled (~4 min)
 #   scripts/gpu_suite.sh fp8-stacked-ab # Qwen3-8B FP8 decode, q/k/v as one product vs three, G 8 / 64, profiled, with its CUDA tests (~6 min)
 #   scripts/gpu_suite.sh fp8-stacked-gate-up-ab # Qwen3-8B FP8 decode, gate/up as one product vs two, bf16 beside, G 8 / 64, profiled, with CUDA tests (~7 min)
+#   scripts/gpu_suite.sh fp8-norm-kv-ab # Qwen3-8B G=64: bf16, FP8 with / without the norms making the codes, and with the FP8 KV cache, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh fp8-kv-ab   # Qwen3-8B FP8 decode, the FP8 KV cache vs bf16 cache, bf16 beside, G 8 / 64, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
@@ -657,6 +658,23 @@ case "$part" in
       run "rollout_fp8_kv_$kv" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
         --new-tokens 1024 --no-baselines --no-checks --lora-rows --profile-steps 256 --kv-cache-dtype "$kv" \
         --time-budget 130 --out "$OUT/rollout_fp8_kv_$kv.json"
+    done ;;
+  fp8-norm-kv-ab)  # #26's G=64 step, one call: bf16 weights; FP8 weights with the separate quantise launch
+    # (--no-fp8-norm-codes), with the norms making the codes (the default), and with those and the FP8 KV cache; the
+    # FP8 runs profiled for 256 more tokens; the norm kernel's, the FP8 cache's and the split attention's tests on
+    # CUDA first (~8 min)
+    run fp8_norm_kv_tests 200 python3 -m pytest tests/test_fp8_norm_codes.py tests/test_kv_cache_fp8.py \
+      tests/test_decode_attention_kernel.py tests/test_fp8_lora_shared_quant.py "tests/test_kernels.py::test_add_rms_norm_fp8_is_add_rms_norm_then_the_rowwise_quantiser" \
+      -p no:cacheprovider
+    run rollout_g64_bf16 110 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 \
+      --no-baselines --no-checks --time-budget 95 --out "$OUT/rollout_g64_bf16.json"
+    for variant in no-norm-codes norm-codes norm-codes-kv-fp8; do
+      flags=(--fp8-norm-codes --kv-cache-dtype auto)
+      [ "$variant" = no-norm-codes ] && flags=(--no-fp8-norm-codes --kv-cache-dtype auto)
+      [ "$variant" = norm-codes-kv-fp8 ] && flags=(--fp8-norm-codes --kv-cache-dtype fp8)
+      run "rollout_g64_fp8_$variant" 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
+        --new-tokens 1024 --no-baselines --no-checks --profile-steps 256 "${flags[@]}" --time-budget 105 \
+        --out "$OUT/rollout_g64_fp8_$variant.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)

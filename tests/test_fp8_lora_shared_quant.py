@@ -201,12 +201,14 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
     monkeypatch.setattr(rollout_layers, "decode_attention",
                         lambda a, x, *r: steps.append(x.shape[0]) or attention(a, x, *r))
 
-    def generate():
+    def generate(**options):
         quantise.clear(), given.clear(), steps.clear()
         engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
-                                   lora="runtime", fp8_stacked_qkv=False, fp8_stacked_gate_up=False)
-        # a product per projection: what is counted is the sharing per projection (the stacked products:
-        # tests/test_fp8_stacked_qkv.py)
+                                   lora="runtime", **{"fp8_stacked_qkv": False, "fp8_stacked_gate_up": False,
+                                                      "fp8_norm_codes": False, **options})
+        # a product per projection, each input quantised by its own launch: what is counted is the sharing per
+        # projection (the stacked products: tests/test_fp8_stacked_qkv.py; the norms' codes:
+        # tests/test_fp8_norm_codes.py)
         return engine.generate(prompts, group, SamplingParams(max_tokens=2, temperature=0)), list(quantise), \
             list(given), list(steps)
 
@@ -223,6 +225,12 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
     assert after.completion_ids == before.completion_ids
     assert all(len(c) == 2 for c in after.completion_ids)
     for got, want in zip(after.logprobs, before.logprobs):
+        assert torch.equal(got, want)
+    # the engine's defaults (stacked products, the norms making the codes): the same bits, so the reference
+    # below checks them too
+    defaults = generate(fp8_stacked_qkv=True, fp8_stacked_gate_up=True, fp8_norm_codes=True)[0]
+    assert defaults.completion_ids == after.completion_ids
+    for got, want in zip(defaults.logprobs, after.logprobs):
         assert torch.equal(got, want)
 
     # the reference: transformers + PEFT, unpatched, on the dequantised weights and these adapters

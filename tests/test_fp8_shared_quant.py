@@ -162,9 +162,10 @@ def test_engine_decode_quantises_once_per_shared_input_with_the_same_tokens(tmp_
     def generate():
         quantise.clear(), dot_calls.clear(), steps.clear()
         engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
-                                   fp8_stacked_qkv=False, fp8_stacked_gate_up=False)
-        # a product per projection: what is counted is the sharing per projection (the stacked products:
-        # tests/test_fp8_stacked_qkv.py)
+                                   fp8_stacked_qkv=False, fp8_stacked_gate_up=False, fp8_norm_codes=False)
+        # a product per projection, each input quantised by its own launch: what is counted is the sharing per
+        # projection (the stacked products: tests/test_fp8_stacked_qkv.py; the norms' codes:
+        # tests/test_fp8_norm_codes.py)
         return engine.generate(prompts, group, SamplingParams(max_tokens=4, temperature=0)), list(quantise), \
             list(dot_calls), list(steps)
 

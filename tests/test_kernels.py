@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 from swiftune.kernels import (
     add_rms_norm,
+    add_rms_norm_fp8,
     add_rms_norm_reference,
+    fp8_quantize_rowwise,
     geglu,
     geglu_reference,
     rms_norm,
@@ -435,6 +437,39 @@ def test_add_rms_norm_matches_reference_and_the_unfused_ops_exactly(device, dtyp
         assert torch.equal(s, s_unfused) and torch.equal(y, y_unfused)
     else:  # the Triton interpreter does not round float32 -> bf16 to nearest (DESIGN.md): 1 ulp apart
         assert rel_err(s, s_unfused) < TOL[dtype] and rel_err(y, y_unfused) < TOL[dtype]
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 100, 2050])
+def test_add_rms_norm_fp8_is_add_rms_norm_then_the_rowwise_quantiser(device, dtype, hidden, offset):
+    """add_rms_norm_fp8's y and s are add_rms_norm's bit for bit; its codes and scales are the bytes of
+    fp8_quantize_rowwise of that y (the quantiser an FP8 projection runs on its input), and within e4m3's
+    half step of the float64 norm (checked against the plain formula, not only the kernels); a row of zeros
+    gets scale 1 and zero codes. The torch reference gives the same bytes."""
+    torch.manual_seed(hidden + 7 * int(offset))
+    x64 = torch.randn(5, 3, hidden, dtype=torch.float64)
+    r64 = torch.randn(5, 3, hidden, dtype=torch.float64) * 3
+    r64[1, 2] = -x64[1, 2]  # a row whose sum is zero
+    w64 = torch.randn(hidden, dtype=torch.float64) * 0.5 + (0.0 if offset else 1.0)
+    x, res, w = (t.to(device, dtype) for t in (x64, r64, w64))
+    with torch.no_grad():
+        y, s, codes, scales = add_rms_norm_fp8(x, res, w, 1e-6, offset, backend="triton")
+        y_plain, s_plain = add_rms_norm(x, res, w, 1e-6, offset, backend="triton")
+        q_ref, sc_ref = fp8_quantize_rowwise(y.reshape(-1, hidden), backend="triton")
+        ry, rs, rq, rsc = add_rms_norm_fp8(x, res, w, 1e-6, offset, backend="reference")
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (15, hidden) and scales.shape == (15, 1)
+    assert torch.equal(y, y_plain) and torch.equal(s, s_plain)
+    assert torch.equal(codes.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scales, sc_ref)
+    assert torch.equal(scales[5], torch.ones(1, device=device)) and not codes[5].float().any()
+    assert torch.equal(ry, add_rms_norm_reference(x, res, w, 1e-6, offset)[0]) and torch.equal(rs, x + res)
+    # against float64 (the norm of the rounded sum s): the codes times their scale are y to e4m3's half step
+    # (2^-4 relative, 2^-9 of the scale for subnormal codes) and y's own rounding
+    y64 = rms_norm_reference(s.double().cpu(), w.double().cpu(), 1e-6, offset).reshape(-1, hidden)
+    for q, sc in ((codes, scales), (rq, rsc)):
+        back = q.double().cpu() * sc.double().cpu()
+        assert ((back - y64).abs() <= y64.abs() * (2 ** -4 + 2 ** -7) + sc.double().cpu() * 2 ** -9 + 1e-6).all()
+        assert (q.float().abs().amax(dim=1) == 448.0).sum() == 14  # each nonzero row's largest magnitude -> 448
 
 
 def test_add_rms_norm_refuses_grad_and_mismatched_residual():

@@ -1,5 +1,6 @@
-"""The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path and the GLU's row kernel
-compiled ahead of time for an H100/H200 (sm_90) on a machine without a GPU.
+"""The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path, the GLU's row kernel and the
+residual add + RMSNorm with its FP8 codes compiled ahead of time for an H100/H200 (sm_90) on a machine without
+a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
 that it compiles: types, shapes and layouts are only settled by the compiler. Triton compiles for a named
@@ -24,7 +25,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from swiftune.kernels import decode_attention, glu, moe_decode, moe_route, moe_router  # noqa: E402
 
-decode_qkv = importlib.import_module("swiftune.kernels.decode_qkv")  # the package exports a function of that name
+# the package exports functions of these names
+decode_qkv = importlib.import_module("swiftune.kernels.decode_qkv")
+rms_norm = importlib.import_module("swiftune.kernels.rms_norm")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 def _expert_combine_signature(weights: str) -> dict:
@@ -128,6 +131,13 @@ CASES = {
         {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "cols": "i32", "g_stride": "i32", "u_stride": "i32",
          "ACT": "constexpr", "BLOCK": "constexpr"},
         {"ACT": 0, "BLOCK": 1024}, {}),
+    **{f"residual add + RMSNorm{', with its FP8 codes' if quantize else ''}, hidden 4096": (
+        rms_norm._add_rms_fwd_kernel,
+        {**dict.fromkeys(("x_ptr", "res_ptr", "w_ptr", "y_ptr", "s_ptr"), "*bf16"),
+         "q_ptr": "*fp8e4nv" if quantize else "*bf16", "qs_ptr": "*fp32" if quantize else "*bf16",
+         **dict.fromkeys(("n_cols", "stride_x", "stride_res", "stride_y", "stride_s", "stride_q"), "i32"),
+         "eps": "fp32", "offset": "fp32", "BLOCK": "constexpr", "INT64": "constexpr", "QUANTIZE": "constexpr"},
+        {"BLOCK": 4096, "INT64": False, "QUANTIZE": quantize}, {"num_warps": 8}) for quantize in (False, True)},
 }
 
 

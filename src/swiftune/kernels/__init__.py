@@ -7,11 +7,12 @@ from .fp8_matmul import fp8_weight_only_matmul, fp8_weight_only_matmul_reference
 from .fp8_quant import fp8_quantize_rowwise, fp8_quantize_rowwise_reference
 from .nf4_matmul import NF4Weight, nf4_weight_only_matmul, nf4_weight_only_matmul_reference
 from .glu import geglu, geglu_reference, swiglu, swiglu_reference
-from .rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
+from .rms_norm import add_rms_norm, add_rms_norm_fp8, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope_qk, rope_qk_reference
 
 __all__ = [
     "add_rms_norm",
+    "add_rms_norm_fp8",
     "add_rms_norm_reference",
     "decode_qkv",
     "decode_qkv_reference",

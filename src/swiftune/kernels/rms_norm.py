@@ -13,7 +13,10 @@ Backward, with ``g = dy * (offset + w)``::
 
 ``add_rms_norm`` (decoding only, no backward) fuses the residual add that precedes each norm of
 a pre-norm decoder layer: ``s = round(x + residual)``, ``y = rms_norm(s)``; it returns ``(y, s)``
-with exactly the roundings of the unfused ``rms_norm(x + residual)``.
+with exactly the roundings of the unfused ``rms_norm(x + residual)``. ``add_rms_norm_fp8`` also
+quantises ``y`` (as rounded) per row to e4m3 in the same program, the bytes of
+:func:`swiftune.kernels.fp8_quant.fp8_quantize_rowwise` of ``y``: the codes an FP8 projection that
+reads ``y`` would make, one launch fewer per norm in an FP8 decode step.
 
 Only x, w and the per-row ``r`` (one float32 per row) are saved. The backward kernel runs a
 fixed number of programs that each walk a strided set of rows and accumulate their share of
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from .fp8_quant import e4m3_codes, e4m3_scale, fp8_quantize_rowwise_reference
 from .launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
 
@@ -100,8 +104,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_fwd_kernel(
-        x_ptr, res_ptr, w_ptr, y_ptr, s_ptr, n_cols, stride_x, stride_res, stride_y, stride_s, eps, offset,
-        BLOCK: tl.constexpr, INT64: tl.constexpr,
+        x_ptr, res_ptr, w_ptr, y_ptr, s_ptr, q_ptr, qs_ptr, n_cols, stride_x, stride_res, stride_y, stride_s,
+        stride_q, eps, offset, BLOCK: tl.constexpr, INT64: tl.constexpr, QUANTIZE: tl.constexpr,
     ):
         row, cols, mask, x = _load_program_row(x_ptr, stride_x, n_cols, BLOCK, INT64)
         res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -109,7 +113,17 @@ if triton is not None:
         # normalise the rounded value: the new residual stream and y match the unfused path
         s = (x + res).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + row * stride_s + cols, s, mask=mask)
-        rms_row(s.to(tl.float32), w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
+        sf = s.to(tl.float32)
+        r = rms_row(sf, w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
+        if QUANTIZE:
+            # y as stored (rms_row's expression, rounded to y's dtype), quantised as fp8_quant's kernel
+            # quantises a row that fits one block: masked columns load as 0 there, and are 0 here
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (sf * r * (offset + w)).to(y_ptr.dtype.element_ty).to(tl.float32)
+            y = tl.where(mask, y, 0.0)
+            scale = e4m3_scale(tl.max(tl.abs(y), axis=0))
+            tl.store(qs_ptr + row, scale)
+            tl.store(q_ptr + row * stride_q + cols, e4m3_codes(y, scale).to(q_ptr.dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
     rms_row = None
@@ -205,6 +219,15 @@ def rms_norm(
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), _force_int64)
 
 
+def _check_add_rms_args(name: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    _check_norm_args(x, weight, eps)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs "
+                         f"{tuple(x.shape)} {x.dtype}")
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        raise RuntimeError(f"{name} has no backward: call it under torch.no_grad() (decoding)")
+
+
 def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,22 +251,46 @@ def add_rms_norm(
     No autograd: inputs that require grad are refused (training keeps the separate ops, whose
     backward exists). ``x`` and ``residual`` share shape and dtype; outputs are in that dtype.
     """
-    _check_norm_args(x, weight, eps)
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs "
-                         f"{tuple(x.shape)} {x.dtype}")
-    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
-        raise RuntimeError("add_rms_norm has no backward: call it under torch.no_grad() (decoding)")
+    _check_add_rms_args("add_rms_norm", x, residual, weight, eps)
     if choose_backend(backend, _add_rms_fwd_kernel, {"x": x, "residual": residual, "weight": weight}) == "reference":
         return add_rms_norm_reference(x, residual, weight, eps, offset)
+    y, s, _, _ = _launch_add_rms(x, residual, weight, eps, offset, quantize=False)
+    return y, s
+
+
+def _launch_add_rms(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                    quantize: bool) -> tuple[torch.Tensor, ...]:
     shape = x.shape
     x2, r2 = _as_rows(x, shape[-1]), _as_rows(residual, shape[-1])
     n_rows, n_cols = x2.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y)
+    q = torch.empty((n_rows, n_cols), dtype=torch.float8_e4m3fn, device=x.device) if quantize else y
+    scales = torch.empty((n_rows, 1), dtype=torch.float32, device=x.device) if quantize else y
     block = next_pow2(n_cols)
     _add_rms_fwd_kernel[(n_rows,)](
-        x2, r2, weight, y, s, n_cols, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps),
-        float(offset), BLOCK=block, INT64=needs_int64(x2, r2), num_warps=_num_warps(block),
+        x2, r2, weight, y, s, q, scales, n_cols, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0),
+        q.stride(0), float(eps), float(offset), BLOCK=block, INT64=needs_int64(x2, r2, q),
+        QUANTIZE=quantize, num_warps=_num_warps(block),
     )
-    return y.view(shape), s.view(shape)
+    return y.view(shape), s.view(shape), q, scales
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float = 0.0,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, s, codes, scales)``: :func:`add_rms_norm`'s ``(y, s)`` and ``y``'s per-row e4m3 codes
+    (``[rows, hidden]``, rows = every axis but the last) and float32 scales (``[rows, 1]``), the bytes of
+    ``fp8_quantize_rowwise(y)``, in one launch. For decoding (no autograd), like :func:`add_rms_norm`."""
+    _check_add_rms_args("add_rms_norm_fp8", x, residual, weight, eps)
+    if choose_backend(backend, _add_rms_fwd_kernel, {"x": x, "residual": residual, "weight": weight}) == "reference":
+        y, s = add_rms_norm_reference(x, residual, weight, eps, offset)
+        codes, scales = fp8_quantize_rowwise_reference(y.reshape(-1, y.shape[-1]))
+        return y, s, codes, scales
+    return _launch_add_rms(x, residual, weight, eps, offset, quantize=True)

@@ -248,6 +248,19 @@ def quantize_shared_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> Quant
     quantized=...)`` gives the bits of ``layer(x)``. A PEFT LoRA layer over an FP8 base is given here as
     that base (:func:`swiftune.models.lora_linear.fp8_product_layer`) and takes the codes for its base
     product."""
+    path = shared_input_path(x, layers)
+    if path is None:
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    codes, scales = fp8_dot_quantize(x2) if path == "dot" else quantize_activation(x2)
+    return QuantizedActivation(x, codes, scales)
+
+
+def shared_input_path(x: torch.Tensor, layers: Sequence[nn.Module]) -> str | None:
+    """How every one of ``layers`` would quantise ``x`` (:func:`quantize_shared_input`): ``"dot"`` or
+    ``"scaled_mm"`` when they all would, the same way; ``None`` otherwise. Both quantise per row with
+    :func:`~swiftune.kernels.fp8_quant.fp8_quantize_rowwise`'s bytes, so codes made of ``x`` elsewhere
+    with them (the decode loop's norm kernel) serve either."""
     if not layers or not all(isinstance(m, FP8Linear) for m in layers):
         return None
     dtype = input_compute_dtype(x)
@@ -256,13 +269,7 @@ def quantize_shared_input(x: torch.Tensor, layers: Sequence[nn.Module]) -> Quant
     x2 = x.reshape(-1, x.shape[-1])
     inference = not torch.is_grad_enabled()
     paths = {_quantizing_path(FP8State(m.weight_scale, m.scaled_mm, inference), x2, m.weight, dtype) for m in layers}
-    if paths == {"dot"}:
-        codes, scales = fp8_dot_quantize(x2)
-    elif paths == {"scaled_mm"}:
-        codes, scales = quantize_activation(x2)
-    else:
-        return None
-    return QuantizedActivation(x, codes, scales)
+    return paths.pop() if len(paths) == 1 and None not in paths else None
 
 
 def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: torch.dtype,

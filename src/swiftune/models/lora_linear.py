@@ -56,7 +56,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .fp8_linear import (FP8State, QuantizedActivation, adjacent_rows, fp8_grad_input, fp8_matmul, input_compute_dtype,
-                         is_fp8_linear, quantize_shared_input)
+                         is_fp8_linear, quantize_shared_input, shared_input_path)
 from .nf4_decode import takes_nf4_decode
 from .tiled_mlp import replace_untiled_forward
 
@@ -253,20 +253,43 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
                                     base_dtype, lora_dtype, quant_state, quantized)
 
 
-def shared_fp8_input(x: torch.Tensor, projections: Sequence[nn.Module]) -> dict[str, QuantizedActivation]:
+def shared_fp8_input(x: torch.Tensor, projections: Sequence[nn.Module],
+                     codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, QuantizedActivation]:
     """The keyword that hands ``projections``, which all read ``x``, one quantisation of it (one launch
     instead of one each) where each would quantise it: FP8 layers, or fused LoRA layers over them, on
     ``_scaled_mm``'s path or the FP8 x FP8 decode kernel's
     (:func:`~swiftune.models.fp8_linear.quantize_shared_input`). Empty otherwise (other layers, PEFT's own
-    LoRA forward, a tiling, the weight-only kernel's row counts): then each runs as it does alone."""
+    LoRA forward, a tiling, the weight-only kernel's row counts): then each runs as it does alone.
+    ``codes``: ``x``'s per-row codes and scales made already with the rowwise quantiser's bytes
+    (:func:`swiftune.kernels.add_rms_norm_fp8`), used instead of quantising ``x`` where it would be."""
+    bases = fp8_product_bases(x, projections)
+    if bases is None:
+        return {}
+    if codes is not None:
+        if shared_input_path(x, bases) is None:
+            return {}
+        return {"quantized": QuantizedActivation(x, *codes)}
+    quantized = quantize_shared_input(x, bases)
+    return {} if quantized is None else {"quantized": quantized}
+
+
+def takes_shared_fp8_input(x: torch.Tensor, projections: Sequence[nn.Module]) -> bool:
+    """Whether :func:`shared_fp8_input` would hand ``projections`` codes of ``x`` (or of a tensor of its shape
+    and dtype): so the decode loop makes them in the norm kernel that makes ``x``."""
+    bases = fp8_product_bases(x, projections)
+    return bases is not None and shared_input_path(x, bases) is not None
+
+
+def fp8_product_bases(x: torch.Tensor, projections: Sequence[nn.Module]) -> list[nn.Module] | None:
+    """Each projection's FP8 layer that multiplies ``x`` (:func:`fp8_product_layer`), or ``None`` where one
+    has none."""
     bases = []
     for p in projections:  # the first non-FP8 projection settles it (every layer of a bf16 model asks)
         base = fp8_product_layer(p, x)
         if base is None:
-            return {}
+            return None
         bases.append(base)
-    quantized = quantize_shared_input(x, bases)
-    return {} if quantized is None else {"quantized": quantized}
+    return bases
 
 
 def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,

@@ -227,6 +227,10 @@ class FastRolloutEngine:
             in one buffer too), the fused activation reading the product's two column halves in place
             (``rollout.layers.decode_mlp``); on by default (faster at G 8 and 64 in ``scripts/gpu_suite.sh
             fp8-stacked-gate-up-ab``). The fused layer loop's decode steps only (pre-norm families).
+        fp8_norm_codes: in those decode steps, the residual add + RMSNorm kernel before q/k/v and before gate/up
+            also makes the FP8 codes they read (:func:`swiftune.kernels.add_rms_norm_fp8`, the bytes the
+            separate quantise launch makes, so the same tokens and log-probabilities); on by default, ``False``
+            for the separate launch (the A/B of ``scripts/gpu_suite.sh fp8-norm-codes-ab``).
         kv_cache_dtype: ``"auto"`` (default): the KV cache in the model's dtype. ``"fp8"``: each cached K / V
             vector as e4m3 codes with a float32 scale per slot and head (:class:`~.kv_cache.Workspace`), about
             half the cache's bytes, so a decode step whose cache read is as large as its weight read (many rows,
@@ -247,7 +251,7 @@ class FastRolloutEngine:
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True,
-                 kv_cache_dtype: str = "auto"):
+                 fp8_norm_codes: bool = True, kv_cache_dtype: str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -282,6 +286,7 @@ class FastRolloutEngine:
         self.nf4_dense = nf4_dense
         self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
         self.fp8_stacked_gate_up = bool(fp8_stacked_gate_up)
+        self.fp8_norm_codes = bool(fp8_norm_codes)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
@@ -460,7 +465,7 @@ class FastRolloutEngine:
     def _context(self, ws: Workspace, fused: bool) -> DecodeContext:
         """The attention context of a workspace (or of a compacted view of one)."""
         return DecodeContext(ws, self.attention_backend, fused, self.decode_attention, self.fp8_stacked_qkv,
-                             self.fp8_stacked_gate_up)
+                             self.fp8_stacked_gate_up, self.fp8_norm_codes)
 
     def _start_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
                      stops: tuple[str, ...]) -> Chunk:

@@ -18,6 +18,8 @@ above) quantise it once for q/k/v (here in decode steps, in swiftune's attention
 and once for gate/up (swiftune's MLP forward), with the bits of each quantising its own
 (:func:`swiftune.models.lora_linear.shared_fp8_input`); LoRA layers over FP8 bases (adapters at run
 time) too: their base products share the codes, their adapter products multiply the input itself.
+In decode steps (``fp8_norm_codes``) the residual add + norm kernel before them makes those codes
+itself (:func:`swiftune.kernels.add_rms_norm_fp8`, the quantiser's bytes): one launch fewer per norm.
 
 It runs only on models patched by :func:`swiftune.patch_model`, whose norms already compute with
 swiftune's RMSNorm kernel, so the fused path equals the layers' own forward exactly. Gemma
@@ -32,10 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...kernels import add_rms_norm, decode_qkv, rms_norm
+from ...kernels import add_rms_norm, add_rms_norm_fp8, decode_qkv, rms_norm
 from ...models.families import FAMILIES
 from ...models.forwards import gated_activation
-from ...models.lora_linear import shared_fp8_input, stacked_fp8_products
+from ...models.lora_linear import shared_fp8_input, stacked_fp8_products, takes_shared_fp8_input
 from ...models.state import is_bound, patch_state
 
 #: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
@@ -84,48 +86,79 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
         # gpt-oss's rotary module gives one angle per rotated pair (half width), which swiftune's
         # attention forward widens in every layer; widened once here for all of them
         position_embeddings = (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
+    decode = ctx.mode == "decode"
+    codes = None  # x's FP8 codes, made by the norm that made x (the first layer's input quantises its own)
     for i, layer in enumerate(layers):
-        if ctx.mode == "decode":
-            out = decode_attention(layer.self_attn, x, position_embeddings, ctx, backend)
+        if decode:
+            out = decode_attention(layer.self_attn, x, position_embeddings, ctx, backend, codes)
         else:  # the packed prefill: the module's own forward, the engine's attention function
             out = layer.self_attn(hidden_states=x, attention_mask=None, position_ids=position_ids,
                                   position_embeddings=position_embeddings, **{ctx_kwarg: ctx})
             out = out[0] if isinstance(out, tuple) else out
-        post = layer.post_attention_layernorm
-        x, residual = add_rms_norm(out, residual, post.weight, _eps(post), backend=backend)
-        out = decode_mlp(layer.mlp, x) if ctx.mode == "decode" and ctx.fp8_stacked_gate_up else layer.mlp(x)
+        stacked_mlp = decode and ctx.fp8_stacked_gate_up and gated_projections(layer.mlp) is not None
+        readers = gated_projections(layer.mlp) if stacked_mlp and ctx.fp8_norm_codes else None
+        x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
+        out = decode_mlp(layer.mlp, x, codes) if stacked_mlp else layer.mlp(x)
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
-        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else decoder.norm
-        x, residual = add_rms_norm(out, residual, nxt.weight, _eps(nxt), backend=backend)
+        last = i + 1 == len(layers)
+        nxt = decoder.norm if last else layers[i + 1].input_layernorm
+        readers = None if last or not (decode and ctx.fp8_norm_codes) else attention_projections(layers[i + 1].self_attn)
+        x, residual, codes = _add_norm(out, residual, nxt, readers, backend)
     return x
 
 
-def decode_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | tuple:
+def _add_norm(out: torch.Tensor, residual: torch.Tensor, norm: nn.Module, readers: tuple | None,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``add_rms_norm(out, residual)`` and, where the projections ``readers`` would quantise its output the
+    same way (:func:`takes_shared_fp8_input`), that output's FP8 codes and scales from the same kernel."""
+    if readers is not None and takes_shared_fp8_input(out, readers):
+        x, residual, codes, scales = add_rms_norm_fp8(out, residual, norm.weight, _eps(norm), backend=backend)
+        return x, residual, (codes, scales)
+    x, residual = add_rms_norm(out, residual, norm.weight, _eps(norm), backend=backend)
+    return x, residual, None
+
+
+def attention_projections(attn: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """The projections :func:`decode_attention` multiplies its input by."""
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
+def gated_projections(mlp: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """A patched gated MLP's ``(gate_proj, up_proj)``, which :func:`decode_mlp` multiplies as one product;
+    ``None`` for other MLPs (MoE blocks, unpatched ones), which run their own forward."""
+    gated = is_bound(mlp) and patch_state(mlp).activation is not None  # (patched gated MLPs carry their activation)
+    return (mlp.gate_proj, mlp.up_proj) if gated and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") else None
+
+
+def decode_mlp(mlp: nn.Module, x: torch.Tensor,
+               codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple:
     """One decode step of a gated MLP whose FP8 ``gate_proj`` / ``up_proj`` codes lie in one buffer
     (``quantize_model_fp8``): one product for both (each LoRA adapter added to its own columns), the fused
     activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
     computes, each column the same dot product. Anything else (MoE blocks, other weights, a layout moved
-    since) runs the module's own forward."""
-    gated = is_bound(mlp) and patch_state(mlp).activation is not None  # (patched gated MLPs carry their activation)
-    if not (gated and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")):
+    since) runs the module's own forward. ``codes``: ``x``'s FP8 codes and scales made already
+    (:func:`shared_fp8_input`)."""
+    projections = gated_projections(mlp)
+    if projections is None:
         return mlp(x)
-    projections = (mlp.gate_proj, mlp.up_proj)
-    products = stacked_fp8_products(projections, x, **shared_fp8_input(x, projections))
+    products = stacked_fp8_products(projections, x, **shared_fp8_input(x, projections, codes))
     if products is None:
         return mlp(x)
     return mlp.down_proj(gated_activation(mlp, *products))
 
 
-def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any, ctx: Any, backend: str) -> torch.Tensor:
+def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any, ctx: Any, backend: str,
+                     codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of a patched attention module (``x [B, 1, hidden]``): its own projections
     and o_proj; q/k norms, RoPE and the K/V cache writes in one kernel (:func:`decode_qkv`); then
     the engine's attention over the cache. Computes what ``fused_attention_forward`` with the
     ``swiftune_rollout`` attention function computes, with one launch where there were five (Qwen3:
-    two norms, RoPE, two cache writes) or three (no q/k norms)."""
+    two norms, RoPE, two cache writes) or three (no q/k norms). ``codes``: ``x``'s FP8 codes and scales
+    made already (:func:`shared_fp8_input`)."""
     rows = x.shape[0]
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    shared = shared_fp8_input(x, projections)
+    projections = attention_projections(attn)
+    shared = shared_fp8_input(x, projections, codes)
     stacked = stacked_fp8_products(projections, x, **shared) if ctx.fp8_stacked_qkv else None
     if stacked is None:
         stacked = [p(x, **shared) for p in projections]
