@@ -276,15 +276,8 @@ def _launch_add_rms(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     return y.view(shape), s.view(shape), q, scales
 
 
-def add_rms_norm_fp8(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    offset: float = 0.0,
-    *,
-    backend: Backend = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                     *, backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(y, s, codes, scales)``: :func:`add_rms_norm`'s ``(y, s)`` and ``y``'s per-row e4m3 codes
     (``[rows, hidden]``, rows = every axis but the last) and float32 scales (``[rows, 1]``), the bytes of
     ``fp8_quantize_rowwise(y)``, in one launch. For decoding (no autograd), like :func:`add_rms_norm`."""
