@@ -340,6 +340,23 @@ FIGURES: list[dict] = [
            "--profile-steps 256 --fp8-stacked-qkv --no-fp8-stacked-gate-up ", 130),
           ("rollout_fp8_stacked_gate-up", "rollout_fp8_stacked_gate-up", "one product", "--load-in-fp8 ",
            "--profile-steps 256 --fp8-stacked-qkv --fp8-stacked-gate-up ", 130))),
+    # a later H100 80GB call at G=64 (scripts/gpu_suite.sh fp8-norm-kv-ab): bf16, then FP8 with the q/k/v and gate/up
+    # input codes from a separate quantise launch, from the residual add + norm kernel (the engine's default since),
+    # and with those and the FP8 KV cache
+    *(dict(figure="rollout_fp8", file=f"2026-12-06/{file}_s46_h100.json", date="2026-12-06", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3",
+           settings={"call": "H100, input codes / KV cache A/B",
+                     **({"qkv": "one product", "gate_up": "one product", "codes": codes} if codes else {})},
+           command=f"python -m benchmarks.rollout --model qwen3-8b {flags}--rows 64 --new-tokens 1024 "
+                   f"--no-baselines --no-checks {extra}--time-budget {budget} --out {file}.json")
+      for file, codes, flags, extra, budget in (
+          ("rollout_g64_bf16", "", "", "", 95),
+          ("rollout_g64_fp8_no-norm-codes", "a separate launch", "--load-in-fp8 ",
+           "--profile-steps 256 --no-fp8-norm-codes --kv-cache-dtype auto ", 105),
+          ("rollout_g64_fp8_norm-codes", "the norm kernel's", "--load-in-fp8 ",
+           "--profile-steps 256 --fp8-norm-codes --kv-cache-dtype auto ", 105),
+          ("rollout_g64_fp8_norm-codes-kv-fp8", "the norm kernel's", "--load-in-fp8 ",
+           "--profile-steps 256 --fp8-norm-codes --kv-cache-dtype fp8 ", 105))),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
          settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "
