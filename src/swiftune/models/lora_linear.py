@@ -329,11 +329,14 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
     x2 = x.reshape(-1, x.shape[-1])
     y = fp8_matmul(x2.to(dtype), weight, FP8State(scale, bases[0].scaled_mm, inference=True), dtype, None, quantized)
     outs = list(y.split([b.out_features for b in bases], dim=1))
+    inputs: dict[torch.dtype, torch.Tensor] = {}  # x in each adapter dtype, cast once for the group
     for i, adapter in enumerate(adapters):
         if adapter is None:
             continue
         scaling, lora_dtype, lora_a, lora_b = adapter
-        h = torch.mm(x2.to(lora_dtype), lora_a.weight.to(lora_dtype).t())
+        if lora_dtype not in inputs:
+            inputs[lora_dtype] = x2.to(lora_dtype)
+        h = torch.mm(inputs[lora_dtype], lora_a.weight.to(lora_dtype).t())
         outs[i] = _add_adapter_product(outs[i], h, lora_b.weight.to(lora_dtype), scaling, lora_dtype, dtype)
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outs]
 
