@@ -202,7 +202,8 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
             "fp8_stacked_qkv": engine.fp8_stacked_qkv, "fp8_stacked_gate_up": engine.fp8_stacked_gate_up,
-            "fp8_norm_codes": engine.fp8_norm_codes, "kv_cache_dtype": engine.kv_cache_dtype,
+            "fp8_norm_codes": engine.fp8_norm_codes, "lora_decode_kernel": engine.lora_decode_kernel,
+            "kv_cache_dtype": engine.kv_cache_dtype,
             **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
 
 
@@ -233,6 +234,7 @@ def weight_options(a) -> dict:
     (the library's defaults where it names none)."""
     options = {"nf4_decode_kernel": a.nf4_decode_kernel, "fp8_stacked_qkv": a.fp8_stacked_qkv,
                "fp8_stacked_gate_up": a.fp8_stacked_gate_up, "fp8_norm_codes": a.fp8_norm_codes,
+               "lora_decode_kernel": a.lora_decode_kernel,
                "kv_cache_dtype": a.kv_cache_dtype,
                "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}
     if a.nf4_decode_max_rows is not None:
@@ -392,6 +394,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="FP8 weights: the residual add + norm kernel makes q/k/v's and gate/up's input codes (the "
                         "engine's default); --no-fp8-norm-codes: a separate quantise launch, the baseline "
                         "(FastRolloutEngine(fp8_norm_codes=...))")
+    p.add_argument("--lora-decode-kernel", action=argparse.BooleanOptionalAction, default=False,
+                   help="runtime LoRA rows: each adapter's product added in one launch "
+                        "(FastRolloutEngine(lora_decode_kernel=True)); off: two matmuls and their casts (the "
+                        "engine's default until timed)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the engine's KV cache: the model's dtype (the default) or e4m3 codes with a float32 scale "
                         "per slot and head (FastRolloutEngine(kv_cache_dtype='fp8')); the HBM floor counts its bytes")

@@ -76,6 +76,7 @@
 #   scripts/gpu_suite.sh fp8-stacked-ab # Qwen3-8B FP8 decode, q/k/v as one product vs three, G 8 / 64, profiled, with its CUDA tests (~6 min)
 #   scripts/gpu_suite.sh fp8-stacked-gate-up-ab # Qwen3-8B FP8 decode, gate/up as one product vs two, bf16 beside, G 8 / 64, profiled, with CUDA tests (~7 min)
 #   scripts/gpu_suite.sh fp8-norm-kv-ab # Qwen3-8B G=64: bf16, FP8 with / without the norms making the codes, and with the FP8 KV cache, profiled, with CUDA tests (~8 min)
+#   scripts/gpu_suite.sh lora-decode-ab # Qwen3-8B FP8 runtime LoRA at G 8 / 64: the one-launch adapter product against the ops, bf16 beside (~8 min)
 #   scripts/gpu_suite.sh fp8-kv-ab   # Qwen3-8B FP8 decode, the FP8 KV cache vs bf16 cache, bf16 beside, G 8 / 64, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
@@ -675,6 +676,18 @@ case "$part" in
       run "rollout_g64_fp8_$variant" 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
         --new-tokens 1024 --no-baselines --no-checks --profile-steps 256 "${flags[@]}" --time-budget 105 \
         --out "$OUT/rollout_g64_fp8_$variant.json"
+    done ;;
+  lora-decode-ab)  # runtime LoRA (r=16, every linear layer; FP8 bases are never merged) on Qwen3-8B FP8 at G 8 / 64:
+    # each adapter's product in one launch (FastRolloutEngine(lora_decode_kernel=True)) against two matmuls and
+    # their casts, one call, bf16 (runtime and merged adapters) beside; the kernel's tests on CUDA first (~8 min)
+    run lora_decode_tests 200 python3 -m pytest tests/test_lora_decode_kernel.py tests/test_fp8_lora_shared_quant.py \
+      -p no:cacheprovider
+    run rollout_lora_bf16 150 python3 -m benchmarks.rollout --model qwen3-8b --rows 8 --new-tokens 1024 \
+      --no-baselines --no-checks --lora-rows 8 64 --time-budget 130 --out "$OUT/rollout_lora_bf16.json"
+    for kernel in no-lora-decode-kernel lora-decode-kernel; do
+      run "rollout_lora_fp8_$kernel" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 \
+        --new-tokens 1024 --no-baselines --no-checks --lora-rows 8 64 "--$kernel" --time-budget 130 \
+        --out "$OUT/rollout_lora_fp8_$kernel.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
     # layer sweep's best) against the default cap of 16 (grouped GEMM), one call (~4 min)

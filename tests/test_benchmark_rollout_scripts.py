@@ -116,7 +116,7 @@ def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_pat
     out = tmp_path / "rollout_fp8.json"
     run_script("rollout.py", "--model", "tiny", "--load-in-fp8", "--rows", "2", "--new-tokens", "8",
                "--lora-rows", "2", "--fp8-stacked-qkv", "--fp8-stacked-gate-up", "--no-fp8-norm-codes",
-               "--kv-cache-dtype", "fp8", "--out", str(out))
+               "--lora-decode-kernel", "--kv-cache-dtype", "fp8", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["weights"] == "fp8"
     assert r["checks"]["tiny"]["graph_equals_eager_greedy"]
@@ -126,6 +126,7 @@ def test_rollout_benchmark_counts_fp8_weight_bytes_and_decodes_from_them(tmp_pat
     for run in (r["runs"][0], r["lora"][0]):  # the options reached both
         assert run["fast"]["fp8_stacked_qkv"] and run["fast"]["fp8_stacked_gate_up"]
         assert run["fast"]["kv_cache_dtype"] == "fp8" and run["fast"]["fp8_norm_codes"] is False
+        assert run["fast"]["lora_decode_kernel"] is True
     # the floor counts the FP8 cache's bytes: a byte a code plus a float32 scale per head's vector
     from swiftune.rl.rollout.fast import head_dim_of
 

@@ -232,6 +232,20 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
     assert defaults.completion_ids == after.completion_ids
     for got, want in zip(defaults.logprobs, after.logprobs):
         assert torch.equal(got, want)
+    # each adapter's product added in one launch (lora_decode_add_: its sums in another order, and under the
+    # interpreter a bf16 store that truncates), with the defaults' stacked products and without: the same tokens,
+    # log-probabilities bf16 roundings apart (an ulp of some projection outputs), and the reference's to the
+    # bound below, as the ops' are
+    kernel_calls = []
+    add = ll.lora_decode_add_
+    monkeypatch.setattr(ll, "lora_decode_add_", lambda y, *a, **k: kernel_calls.append(y.shape) or add(y, *a, **k))
+    kernel_runs = [generate(fp8_stacked_qkv=stacked, fp8_stacked_gate_up=stacked, fp8_norm_codes=stacked,
+                            lora_decode_kernel=True)[0] for stacked in (True, False)]
+    assert len(kernel_calls) >= 2 * 7 * decode_layers  # every adapted projection of every decode step, both runs
+    for run in kernel_runs:
+        assert run.completion_ids == after.completion_ids
+        for got, want in zip(run.logprobs, after.logprobs):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
 
     # the reference: transformers + PEFT, unpatched, on the dequantised weights and these adapters
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(_lora_targets(model)), lora_dropout=0.0)
@@ -253,6 +267,8 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
     err, bound = rel_err(got, want), 1e-3
     assert 0 < err < bound, err
     assert rel_err(bare, want) > 50 * bound, rel_err(bare, want)
+    for run in kernel_runs:
+        assert rel_err(torch.cat([run.logprobs[i] for i in rows]), want) < bound
 
 
 def _lora_targets(model: nn.Module) -> set[str]:

@@ -1,6 +1,6 @@
-"""The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path, the GLU's row kernel and the
-residual add + RMSNorm with its FP8 codes compiled ahead of time for an H100/H200 (sm_90) on a machine without
-a GPU.
+"""The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path, the GLU's row kernel, the
+residual add + RMSNorm with its FP8 codes and the LoRA decode product compiled ahead of time for an H100/H200
+(sm_90) on a machine without a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
 that it compiles: types, shapes and layouts are only settled by the compiler. Triton compiles for a named
@@ -28,6 +28,7 @@ from swiftune.kernels import decode_attention, glu, moe_decode, moe_route, moe_r
 # the package exports functions of these names
 decode_qkv = importlib.import_module("swiftune.kernels.decode_qkv")
 rms_norm = importlib.import_module("swiftune.kernels.rms_norm")
+lora_decode = importlib.import_module("swiftune.kernels.lora_decode")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 def _expert_combine_signature(weights: str) -> dict:
@@ -138,6 +139,13 @@ CASES = {
          **dict.fromkeys(("n_cols", "stride_x", "stride_res", "stride_y", "stride_s", "stride_q"), "i32"),
          "eps": "fp32", "offset": "fp32", "BLOCK": "constexpr", "INT64": "constexpr", "QUANTIZE": "constexpr"},
         {"BLOCK": 4096, "INT64": False, "QUANTIZE": quantize}, {"num_warps": 8}) for quantize in (False, True)},
+    **{f"LoRA decode product, {adapter} adapters over bf16 (r 16, 8 rows)": (
+        lora_decode._lora_decode_kernel,
+        {"x_ptr": "*bf16", "a_ptr": f"*{adapter}", "b_ptr": f"*{adapter}", "y_ptr": "*bf16",
+         **dict.fromkeys(("M", "K", "N", "R", "s_x", "s_a", "s_b", "s_y"), "i32"), "scaling": "fp32",
+         **dict.fromkeys(("BLOCK_M", "BLOCK_K", "BLOCK_R", "BLOCK_N", "F32"), "constexpr")},
+        {"BLOCK_M": 16, "BLOCK_K": 128, "BLOCK_R": 16, "BLOCK_N": 128, "F32": adapter == "fp32"}, {"num_warps": 4})
+       for adapter in ("fp32", "bf16")},
 }
 
 

@@ -57,6 +57,7 @@ from torch.nn import functional as F
 
 from .fp8_linear import (FP8State, QuantizedActivation, adjacent_rows, fp8_grad_input, fp8_matmul, input_compute_dtype,
                          is_fp8_linear, quantize_shared_input, shared_input_path)
+from ..kernels.lora_decode import LORA_DECODE_MAX_ROWS, lora_decode_add_
 from .nf4_decode import takes_nf4_decode
 from .tiled_mlp import replace_untiled_forward
 
@@ -232,10 +233,12 @@ def fp8_product_layer(layer: nn.Module, x: torch.Tensor) -> nn.Module | None:
 
 
 def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: QuantizedActivation | None = None,
-                       **kwargs: Any) -> torch.Tensor:
+                       lora_kernel: bool = False, **kwargs: Any) -> torch.Tensor:
     """PEFT ``lora.Linear.forward`` as one :class:`LoRALinearFunction` node where that is the same
     arithmetic (see the module doc); PEFT's own forward otherwise. ``quantized``: ``x``'s codes from
-    :func:`shared_fp8_input` for an FP8 base's product."""
+    :func:`shared_fp8_input` for an FP8 base's product. ``lora_kernel``: in a decode step (no grad, at most
+    :data:`~swiftune.kernels.lora_decode.LORA_DECODE_MAX_ROWS` rows, a plain or FP8 base) the adapter's product
+    is added in one launch (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and their casts."""
     operands = None if (args or kwargs) else _fused_operands(self, x)
     if quantized is not None and (operands is None or not operands[6] or quantized.source is not x):
         raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, for a fused "
@@ -249,8 +252,24 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
         quant_state = FP8State(base.weight_scale, base.scaled_mm, inference=not torch.is_grad_enabled())
     else:
         quant_state = getattr(weight, "quant_state", None) if type(base) is not nn.Linear else None
+    if lora_kernel and _takes_lora_decode_kernel(x, quant_state, fp8):
+        x2 = x.reshape(-1, x.shape[-1])
+        xb = x2.to(base_dtype)
+        bias = base.bias
+        y = (fp8_matmul(xb, weight, quant_state, base_dtype, bias, quantized) if fp8
+             else F.linear(xb, weight.to(base_dtype), None if bias is None else bias.to(base_dtype)))
+        lora_decode_add_(y, x2, lora_a.weight.to(lora_dtype), lora_b.weight.to(lora_dtype), float(self.scaling[name]))
+        return y.view(*x.shape[:-1], y.shape[-1])
     return LoRALinearFunction.apply(x, weight, base.bias, lora_a.weight, lora_b.weight, float(self.scaling[name]),
                                     base_dtype, lora_dtype, quant_state, quantized)
+
+
+def _takes_lora_decode_kernel(x: torch.Tensor, quant_state: Any, fp8: bool) -> bool:
+    """A decode step's adapter product in one launch: no autograd, the kernel's rows, a plain or FP8 base (a 4-bit
+    one keeps its own path)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (not torch.is_grad_enabled() and 0 < rows <= LORA_DECODE_MAX_ROWS
+            and (fp8 or quant_state is None))
 
 
 def shared_fp8_input(x: torch.Tensor, projections: Sequence[nn.Module],
@@ -293,7 +312,8 @@ def fp8_product_bases(x: torch.Tensor, projections: Sequence[nn.Module]) -> list
 
 
 def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
-                         quantized: QuantizedActivation | None = None) -> list[torch.Tensor] | None:
+                         quantized: QuantizedActivation | None = None,
+                         lora_kernel: bool = False) -> list[torch.Tensor] | None:
     """``[p(x) for p in projections]`` with one FP8 product for all their bases, under ``torch.no_grad`` (the
     rollout engine's decode step): where each projection is an :class:`~swiftune.models.fp8_linear.FP8Linear`
     without bias, or a fused LoRA layer over one (:func:`fused_lora_forward`), and the bases' codes and scales
@@ -302,7 +322,8 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
     each projection's adapter product is added to its columns as :class:`LoRALinearFunction` adds it. Each
     output column is the same dot product as the projection's own; a kernel may tile the wider product
     differently, so results match each projection's call to its rounding (tests/test_fp8_stacked_qkv.py).
-    ``quantized``: ``x``'s codes (:func:`shared_fp8_input`). ``None`` where that does not hold: call each."""
+    ``quantized``: ``x``'s codes (:func:`shared_fp8_input`). ``lora_kernel``: each adapter's product added in one
+    launch (:func:`fused_lora_forward`'s). ``None`` where that does not hold: call each."""
     if torch.is_grad_enabled():
         return None
     dtype = input_compute_dtype(x)
@@ -330,10 +351,14 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
     y = fp8_matmul(x2.to(dtype), weight, FP8State(scale, bases[0].scaled_mm, inference=True), dtype, None, quantized)
     outs = list(y.split([b.out_features for b in bases], dim=1))
     inputs: dict[torch.dtype, torch.Tensor] = {}  # x in each adapter dtype, cast once for the group
+    kernel = lora_kernel and _takes_lora_decode_kernel(x2, None, True)
     for i, adapter in enumerate(adapters):
         if adapter is None:
             continue
         scaling, lora_dtype, lora_a, lora_b = adapter
+        if kernel:  # in place on the product's columns
+            lora_decode_add_(outs[i], x2, lora_a.weight.to(lora_dtype), lora_b.weight.to(lora_dtype), scaling)
+            continue
         if lora_dtype not in inputs:
             inputs[lora_dtype] = x2.to(lora_dtype)
         h = torch.mm(inputs[lora_dtype], lora_a.weight.to(lora_dtype).t())

@@ -230,7 +230,12 @@ class FastRolloutEngine:
         fp8_norm_codes: in those decode steps, the residual add + RMSNorm kernel before q/k/v and before gate/up
             also makes the FP8 codes they read (:func:`swiftune.kernels.add_rms_norm_fp8`, the bytes the
             separate quantise launch makes, so the same tokens and log-probabilities); on by default, ``False``
-            for the separate launch (the A/B of ``scripts/gpu_suite.sh fp8-norm-codes-ab``).
+            for the separate launch (the A/B of ``scripts/gpu_suite.sh fp8-norm-kv-ab``).
+        lora_decode_kernel: adapters at run time (``lora="runtime"``, and FP8 or 4-bit bases, which are never
+            merged): in the fused layer loop's decode steps each adapter's product is added to its projection's
+            in one launch (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and, for PEFT's
+            float32 adapters, three casts; plain and FP8 bases. Off until timed (``scripts/gpu_suite.sh
+            lora-decode-ab``); the sums run in another order, so log-probabilities move by float32 rounding.
         kv_cache_dtype: ``"auto"`` (default): the KV cache in the model's dtype. ``"fp8"``: each cached K / V
             vector as e4m3 codes with a float32 scale per slot and head (:class:`~.kv_cache.Workspace`), about
             half the cache's bytes, so a decode step whose cache read is as large as its weight read (many rows,
@@ -251,7 +256,7 @@ class FastRolloutEngine:
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True,
-                 fp8_norm_codes: bool = True, kv_cache_dtype: str = "auto"):
+                 fp8_norm_codes: bool = True, lora_decode_kernel: bool = False, kv_cache_dtype: str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -287,6 +292,7 @@ class FastRolloutEngine:
         self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
         self.fp8_stacked_gate_up = bool(fp8_stacked_gate_up)
         self.fp8_norm_codes = bool(fp8_norm_codes)
+        self.lora_decode_kernel = bool(lora_decode_kernel)
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
@@ -465,7 +471,7 @@ class FastRolloutEngine:
     def _context(self, ws: Workspace, fused: bool) -> DecodeContext:
         """The attention context of a workspace (or of a compacted view of one)."""
         return DecodeContext(ws, self.attention_backend, fused, self.decode_attention, self.fp8_stacked_qkv,
-                             self.fp8_stacked_gate_up, self.fp8_norm_codes)
+                             self.fp8_stacked_gate_up, self.fp8_norm_codes, self.lora_decode_kernel)
 
     def _start_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
                      stops: tuple[str, ...]) -> Chunk:

@@ -151,13 +151,15 @@ class DecodeContext:
     """What the attention function needs during one forward (passed to every layer as a kwarg)."""
 
     def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False, decode_attention: str = "auto",
-                 fp8_stacked_qkv: bool = False, fp8_stacked_gate_up: bool = False, fp8_norm_codes: bool = False):
+                 fp8_stacked_qkv: bool = False, fp8_stacked_gate_up: bool = False, fp8_norm_codes: bool = False,
+                 lora_decode_kernel: bool = False):
         self.ws, self.backend = ws, backend
         self.fused_layers = fused_layers  # run the engine's fused pre-norm layer loop (decided per call)
         self.decode_attention = decode_attention  # "auto", "sdpa", or "split": swiftune.kernels.decode_attention
         self.fp8_stacked_qkv = fp8_stacked_qkv  # q/k/v's FP8 products as one (lora_linear.stacked_fp8_products)
         self.fp8_stacked_gate_up = fp8_stacked_gate_up  # and gate/up's (rollout.layers.decode_mlp)
         self.fp8_norm_codes = fp8_norm_codes  # the norms make the next projections' FP8 codes (add_rms_norm_fp8)
+        self.lora_decode_kernel = lora_decode_kernel  # runtime LoRA products in one launch each (lora_decode_add_)
         self.mode = "decode"
         self.kv_len = 0
         self.packed = None

@@ -37,7 +37,7 @@ from torch import nn
 from ...kernels import add_rms_norm, add_rms_norm_fp8, decode_qkv, rms_norm
 from ...models.families import FAMILIES
 from ...models.forwards import gated_activation
-from ...models.lora_linear import shared_fp8_input, stacked_fp8_products, takes_shared_fp8_input
+from ...models.lora_linear import is_fused_lora, shared_fp8_input, stacked_fp8_products, takes_shared_fp8_input
 from ...models.state import is_bound, patch_state
 
 #: model types whose decoder layers are exactly ``h + attn(norm_1(h))``, ``h + mlp(norm_2(h))``
@@ -95,10 +95,12 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             out = layer.self_attn(hidden_states=x, attention_mask=None, position_ids=position_ids,
                                   position_embeddings=position_embeddings, **{ctx_kwarg: ctx})
             out = out[0] if isinstance(out, tuple) else out
-        stacked_mlp = decode and ctx.fp8_stacked_gate_up and gated_projections(layer.mlp) is not None
-        readers = gated_projections(layer.mlp) if stacked_mlp and ctx.fp8_norm_codes else None
+        own_mlp = (decode and (ctx.fp8_stacked_gate_up or ctx.lora_decode_kernel)
+                   and gated_projections(layer.mlp) is not None)
+        readers = gated_projections(layer.mlp) if own_mlp and ctx.fp8_norm_codes else None
         x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
-        out = decode_mlp(layer.mlp, x, codes) if stacked_mlp else layer.mlp(x)
+        out = (decode_mlp(layer.mlp, x, codes, ctx.lora_decode_kernel, ctx.fp8_stacked_gate_up) if own_mlp
+               else layer.mlp(x))
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         last = i + 1 == len(layers)
         nxt = decoder.norm if last else layers[i + 1].input_layernorm
@@ -130,21 +132,32 @@ def gated_projections(mlp: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return (mlp.gate_proj, mlp.up_proj) if gated and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") else None
 
 
-def decode_mlp(mlp: nn.Module, x: torch.Tensor,
-               codes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple:
+def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+               lora_kernel: bool = False, stacked: bool = True) -> torch.Tensor | tuple:
     """One decode step of a gated MLP whose FP8 ``gate_proj`` / ``up_proj`` codes lie in one buffer
     (``quantize_model_fp8``): one product for both (each LoRA adapter added to its own columns), the fused
     activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
     computes, each column the same dot product. Anything else (MoE blocks, other weights, a layout moved
     since) runs the module's own forward. ``codes``: ``x``'s FP8 codes and scales made already
-    (:func:`shared_fp8_input`)."""
+    (:func:`shared_fp8_input`); ``lora_kernel``: runtime LoRA adapters' products added in one launch each
+    (:func:`swiftune.models.lora_linear.fused_lora_forward`), gate/up then called one by one where they are not
+    stacked (``stacked=False`` or weights not laid out so); without it those run the module's own forward."""
     projections = gated_projections(mlp)
     if projections is None:
         return mlp(x)
-    products = stacked_fp8_products(projections, x, **shared_fp8_input(x, projections, codes))
+    shared = shared_fp8_input(x, projections, codes)
+    products = stacked_fp8_products(projections, x, **shared, lora_kernel=lora_kernel) if stacked else None
     if products is None:
-        return mlp(x)
-    return mlp.down_proj(gated_activation(mlp, *products))
+        if not (lora_kernel and any(is_fused_lora(p) for p in (*projections, mlp.down_proj))):
+            return mlp(x)
+        products = [p(x, **shared, **_lora_options(p, lora_kernel)) for p in projections]
+    return mlp.down_proj(gated_activation(mlp, *products), **_lora_options(mlp.down_proj, lora_kernel))
+
+
+def _lora_options(projection: nn.Module, lora_kernel: bool) -> dict[str, bool]:
+    """The keyword that hands a fused LoRA layer (:func:`~swiftune.models.lora_linear.is_fused_lora`) the
+    one-launch adapter product; nothing for other layers, whose forwards do not take it."""
+    return {"lora_kernel": True} if lora_kernel and is_fused_lora(projection) else {}
 
 
 def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any, ctx: Any, backend: str,
@@ -159,9 +172,10 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
     projections = attention_projections(attn)
     shared = shared_fp8_input(x, projections, codes)
-    stacked = stacked_fp8_products(projections, x, **shared) if ctx.fp8_stacked_qkv else None
+    lora_kernel = ctx.lora_decode_kernel
+    stacked = stacked_fp8_products(projections, x, **shared, lora_kernel=lora_kernel) if ctx.fp8_stacked_qkv else None
     if stacked is None:
-        stacked = [p(x, **shared) for p in projections]
+        stacked = [p(x, **shared, **_lora_options(p, lora_kernel)) for p in projections]
     q, k, v = (t.view(rows, n, dim) for t, n in zip(stacked, (heads, kv_heads, kv_heads)))
     cos, sin = position_embeddings  # [B, 1, D]
     if cos.dtype != q.dtype:  # as the attention forward does (e.g. under autocast)
@@ -175,4 +189,4 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     window = patch_state(attn).attention.window(attn)
     out = ctx.attend_cached(attn.layer_idx, q[:, :, None], attn.scaling, window,
                             sinks=getattr(attn, "sinks", None))  # gpt-oss's per-head sink logits
-    return attn.o_proj(out.reshape(rows, 1, heads * dim))
+    return attn.o_proj(out.reshape(rows, 1, heads * dim), **_lora_options(attn.o_proj, lora_kernel))
