@@ -77,6 +77,7 @@
 #   scripts/gpu_suite.sh fp8-stacked-gate-up-ab # Qwen3-8B FP8 decode, gate/up as one product vs two, bf16 beside, G 8 / 64, profiled, with CUDA tests (~7 min)
 #   scripts/gpu_suite.sh fp8-norm-kv-ab # Qwen3-8B G=64: bf16, FP8 with / without the norms making the codes, and with the FP8 KV cache, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh lora-decode-ab # Qwen3-8B FP8 runtime LoRA at G 8 / 64: the one-launch adapter product against the ops, bf16 beside (~8 min)
+#   scripts/gpu_suite.sh lora-decode-quick # the same cut to G=8 FP8 only, 512 tokens, with the kernels' CUDA tests (~4 min)
 #   scripts/gpu_suite.sh fp8-kv-ab   # Qwen3-8B FP8 decode, the FP8 KV cache vs bf16 cache, bf16 beside, G 8 / 64, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
@@ -687,6 +688,15 @@ case "$part" in
     for kernel in no-lora-decode-kernel lora-decode-kernel; do
       run "rollout_lora_fp8_$kernel" 150 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 \
         --new-tokens 1024 --no-baselines --no-checks --lora-rows 8 64 "--$kernel" --time-budget 130 \
+        --out "$OUT/rollout_lora_fp8_$kernel.json"
+    done ;;
+  lora-decode-quick)  # lora-decode-ab cut to fit a few minutes: the CUDA tests of the LoRA decode kernel, the FP8 KV cache
+    # and the norm-made codes, then FP8 runtime LoRA at G=8 with and without the kernel, 512 tokens (~4 min)
+    run lora_quick_tests 120 python3 -m pytest tests/test_lora_decode_kernel.py tests/test_kv_cache_fp8.py \
+      tests/test_fp8_norm_codes.py -p no:cacheprovider
+    for kernel in no-lora-decode-kernel lora-decode-kernel; do
+      run "rollout_lora_fp8_$kernel" 80 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 \
+        --new-tokens 512 --no-baselines --no-checks --lora-rows 8 "--$kernel" --time-budget 70 \
         --out "$OUT/rollout_lora_fp8_$kernel.json"
     done ;;
   moe-cap-ab)  # Qwen3-30B-A3B's G=64 step with the decode kernels up to 64 tokens (64/64/4 tiles above 16 rows, the
