@@ -11,7 +11,7 @@ default), three casts around an ``addmm``: ``addmm(y.float(), h, B^T, alpha=scal
 ops, an adapted projection costs five launches a decode step; at a few rows each is a few microseconds of
 almost no work, so they, not bytes, make a runtime-adapted decode step slower than a merged one. Here it is one.
 
-One program per block of ``BLOCK_N`` output columns (and of ``BLOCK_M`` rows, one block up to 64 rows): it
+One program per block of ``BLOCK_N`` output columns and of 16 rows: it
 accumulates all of ``h`` itself (``K / BLOCK_K`` steps over ``x`` and ``A``; every program reads the same ``x``
 and ``A``, from L2 after the first), then its columns of ``h B^T``, and rewrites its block of ``y`` in place
 (``y`` may be a column slice of a wider product: rows ``stride`` apart). The sums run in another order than
@@ -31,6 +31,7 @@ __all__ = ["LORA_DECODE_MAX_ROWS", "lora_decode_add_", "lora_decode_add_referenc
 
 #: most rows (tokens) one call takes: the decode steps' range (one block of rows per program)
 LORA_DECODE_MAX_ROWS = 64
+_BLOCK_M = 16
 _BLOCK_N = 128
 _BLOCK_K = 128
 
@@ -107,10 +108,11 @@ def lora_decode_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch
     x, a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, a, b))
     if y.stride(-1) != 1:
         raise ValueError("y must have a unit column stride (a row-major product or a column slice of one)")
-    block_m = max(16, next_pow2(m))
-    _lora_decode_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(m, block_m))](
+    # 16 rows a program (tl.dot's least): each program's K loop costs the same at 8 rows or 64, more rows take
+    # more programs side by side (float32 adapters' IEEE products run on the FMA units: per-program work is latency)
+    _lora_decode_kernel[(triton.cdiv(n, _BLOCK_N), triton.cdiv(m, _BLOCK_M))](
         x, a, b, y, m, k, n, r, x.stride(0), a.stride(0), b.stride(0), y.stride(0), float(scaling),
-        BLOCK_M=block_m, BLOCK_K=_BLOCK_K, BLOCK_R=max(16, next_pow2(r)), BLOCK_N=_BLOCK_N,
+        BLOCK_M=_BLOCK_M, BLOCK_K=_BLOCK_K, BLOCK_R=max(16, next_pow2(r)), BLOCK_N=_BLOCK_N,
         # float32 adapters multiply in IEEE float32 (not TF32); so does everything under the interpreter, whose
         # bf16 dot is not the compiled one's
         F32=a.dtype == torch.float32 or kernel_is_interpreted(_lora_decode_kernel), num_warps=4,
