@@ -229,6 +229,23 @@ def decode_profile(engine, prompt: list[int], rows: int, steps: int) -> dict:
     return per_step
 
 
+#: the engine's on/off decode options for FP8 weights and runtime LoRA: (flag, default, help); each flag's default
+#: is the engine's, its --no- form the A/B's baseline
+FP8_AND_LORA_SWITCHES = (
+    ("--fp8-stacked-qkv", True, "--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes "
+     "(the engine's default); --no-fp8-stacked-qkv: three products, the baseline (FastRolloutEngine(fp8_stacked_qkv=...))"),
+    ("--fp8-stacked-gate-up", True, "--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent "
+     "codes (the engine's default); --no-fp8-stacked-gate-up: two products, the baseline "
+     "(FastRolloutEngine(fp8_stacked_gate_up=...))"),
+    ("--fp8-norm-codes", True, "FP8 weights: the residual add + norm kernel makes q/k/v's and gate/up's input codes "
+     "(the engine's default); --no-fp8-norm-codes: a separate quantise launch, the baseline "
+     "(FastRolloutEngine(fp8_norm_codes=...))"),
+    ("--lora-decode-kernel", False, "runtime LoRA rows: each adapter's product added in one launch "
+     "(FastRolloutEngine(lora_decode_kernel=True)); off: two matmuls and their casts (the engine's default until "
+     "timed)"),
+)
+
+
 def weight_options(a) -> dict:
     """The engine's options for quantised (NF4, FP8) weights and the KV cache's dtype that the command line names
     (the library's defaults where it names none)."""
@@ -382,22 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decode step's attention over the cache: the split kernel where it compiles (auto, the "
                         "engine's default; swiftune.kernels.decode_attention), always (split) or SDPA (sdpa, the "
                         "baseline) (FastRolloutEngine(decode_attention=...))")
-    p.add_argument("--fp8-stacked-qkv", action=argparse.BooleanOptionalAction, default=True,
-                   help="--load-in-fp8: a decode step's q/k/v as one FP8 product over their adjacent codes (the "
-                        "engine's default); --no-fp8-stacked-qkv: three products, the baseline "
-                        "(FastRolloutEngine(fp8_stacked_qkv=...))")
-    p.add_argument("--fp8-stacked-gate-up", action=argparse.BooleanOptionalAction, default=True,
-                   help="--load-in-fp8: a decode step's gate/up as one FP8 product over their adjacent codes (the "
-                        "engine's default); --no-fp8-stacked-gate-up: two products, the baseline "
-                        "(FastRolloutEngine(fp8_stacked_gate_up=...))")
-    p.add_argument("--fp8-norm-codes", action=argparse.BooleanOptionalAction, default=True,
-                   help="FP8 weights: the residual add + norm kernel makes q/k/v's and gate/up's input codes (the "
-                        "engine's default); --no-fp8-norm-codes: a separate quantise launch, the baseline "
-                        "(FastRolloutEngine(fp8_norm_codes=...))")
-    p.add_argument("--lora-decode-kernel", action=argparse.BooleanOptionalAction, default=False,
-                   help="runtime LoRA rows: each adapter's product added in one launch "
-                        "(FastRolloutEngine(lora_decode_kernel=True)); off: two matmuls and their casts (the "
-                        "engine's default until timed)")
+    for flag, default, text in FP8_AND_LORA_SWITCHES:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                    help="the engine's KV cache: the model's dtype (the default) or e4m3 codes with a float32 scale "
                         "per slot and head (FastRolloutEngine(kv_cache_dtype='fp8')); the HBM floor counts its bytes")
