@@ -11,9 +11,9 @@ default), three casts around an ``addmm``: ``addmm(y.float(), h, B^T, alpha=scal
 ops, an adapted projection costs five launches a decode step; at a few rows each is a few microseconds of
 almost no work, so they, not bytes, make a runtime-adapted decode step slower than a merged one. Here it is one.
 
-One program per block of ``BLOCK_N`` output columns and of 16 rows: it
-accumulates all of ``h`` itself (``K / BLOCK_K`` steps over ``x`` and ``A``; every program reads the same ``x``
-and ``A``, from L2 after the first), then its columns of ``h B^T``, and rewrites its block of ``y`` in place
+One program per block of ``BLOCK_N`` output columns and of 16 rows: it accumulates its rows of ``h`` itself
+(``K / BLOCK_K`` steps over ``x`` and ``A``; the programs of a row block read the same ``x`` and ``A``, from L2
+after the first), then its columns of ``h B^T``, and rewrites its block of ``y`` in place
 (``y`` may be a column slice of a wider product: rows ``stride`` apart). The sums run in another order than
 cuBLAS', so results equal the ops' to float32 rounding before the final rounding (a bf16 result can differ by
 an ulp where that rounding is near a tie). Float32 operands multiply in IEEE float32 (``input_precision="ieee"``:
@@ -29,7 +29,7 @@ from .launch import Backend, choose_backend, kernel_is_interpreted, next_pow2, t
 
 __all__ = ["LORA_DECODE_MAX_ROWS", "lora_decode_add_", "lora_decode_add_reference"]
 
-#: most rows (tokens) one call takes: the decode steps' range (one block of rows per program)
+#: most rows (tokens) one call takes: the decode steps' range
 LORA_DECODE_MAX_ROWS = 64
 _BLOCK_M = 16
 _BLOCK_N = 128
