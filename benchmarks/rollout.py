@@ -204,13 +204,24 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "fp8_stacked_qkv": engine.fp8_stacked_qkv, "fp8_stacked_gate_up": engine.fp8_stacked_gate_up,
             "fp8_norm_codes": engine.fp8_norm_codes, "lora_decode_kernel": engine.lora_decode_kernel,
             "kv_cache_dtype": engine.kv_cache_dtype,
-            **({"profile": decode_profile(engine, prompt, rows, profile_steps)} if profile_steps else {})}
+            **({"profile": decode_profile(engine, profile_prompt(prompt, new_tokens, profile_steps), rows,
+                                          profile_steps)} if profile_steps else {})}
+
+
+def profile_prompt(prompt: list[int], new_tokens: int, steps: int) -> list[int]:
+    """The prompt of the profiled ``generate``: ``prompt`` lengthened (its own tokens repeated) so that the
+    ``steps`` profiled decode steps attend to as many slots as the timed run's ``new_tokens`` steps do on average
+    (prompt + new_tokens / 2): the attention's share of a step grows with the slots it reads, and a profile of
+    the first ``steps`` tokens after the bare prompt would show a short-row step."""
+    extra = max(0, new_tokens // 2 - steps // 2)
+    return prompt + [prompt[i % len(prompt)] for i in range(extra)]
 
 
 def decode_profile(engine, prompt: list[int], rows: int, steps: int) -> dict:
     """Where a decode step's device time goes: one more ``generate`` of ``steps`` tokens under
     ``torch.profiler`` (its graphs are already captured), each kernel's device time summed by name and
-    divided by the steps (the prefill is in it: one 256-token forward beside hundreds of steps).
+    divided by the steps (the prefill is in it: one forward of ``prompt`` beside hundreds of steps; the timed
+    runs pass :func:`profile_prompt`'s, so the steps attend to the timed run's mean number of slots).
     ``device_ms_per_step`` below the timed step is the launch gaps' share; ``launches_per_step``
     counts the kernels. CUDA only (``{}`` elsewhere)."""
     from benchmarks.time_profile import device_time_profile
@@ -222,7 +233,7 @@ def decode_profile(engine, prompt: list[int], rows: int, steps: int) -> dict:
     with device_time_profile(result):
         engine.generate([prompt], rows, SamplingParams(max_tokens=steps, temperature=1.0))
     prof = result["profile"]
-    per_step = {"steps": steps, "device_ms_per_step": prof["device_ms"] / steps,
+    per_step = {"steps": steps, "prompt_tokens": len(prompt), "device_ms_per_step": prof["device_ms"] / steps,
                 "launches_per_step": prof["launches"] / steps,
                 "kinds": [{**k, "ms": k["ms"] / steps} for k in prof["kinds"]],
                 "top": [{**k, "ms": k["ms"] / steps, "calls": k["calls"] / steps} for k in prof["top"]]}

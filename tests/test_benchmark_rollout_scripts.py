@@ -160,5 +160,16 @@ def test_decode_profile_divides_the_profiled_run_by_its_steps(monkeypatch):
     assert calls == [(8, 100)]
     assert p["steps"] == 100 and p["device_ms_per_step"] == pytest.approx(0.03) and p["launches_per_step"] == 4
     assert [(k["kernel"], k["ms"], k["calls"]) for k in p["top"]] == [("gemm_a", 0.02, 1), ("moe_decode_up", 0.01, 3)]
+    assert p["prompt_tokens"] == 3
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert rollout.decode_profile(Engine(), [1], 8, 100) == {}
+
+
+def test_profiled_steps_attend_to_the_timed_runs_mean_slots():
+    """The profiled generate's prompt is lengthened so that its steps' middle sits at the timed run's mean number of
+    slots (prompt + N / 2), with the prompt's own tokens; no longer than the prompt where N is short."""
+    rollout = load_bench_module("rollout")
+    prompt = [5, 6, 7]
+    longer = rollout.profile_prompt(prompt, 1024, 256)
+    assert len(longer) + 256 / 2 == len(prompt) + 1024 / 2 and longer[:3] == prompt and set(longer) == {5, 6, 7}
+    assert rollout.profile_prompt(prompt, 128, 256) == prompt
