@@ -63,20 +63,17 @@ def test_norm_codes_decode_as_the_separate_quantiser(lora, stacked, monkeypatch)
         assert torch.equal(got, want)  # the same codes: the same products
 
 
-def test_norm_codes_left_out_where_the_projections_do_not_quantise():
+def test_norm_codes_left_out_where_the_projections_do_not_quantise(monkeypatch):
     """bf16 weights, and the weight-only kernel's rows (<= 16): the norms make no codes (nothing reads them)."""
     from swiftune.models import patch_model
     from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
 
     calls = []
     original = rollout_layers.add_rms_norm_fp8
-    rollout_layers.add_rms_norm_fp8 = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        plain = patch_model(tiny_model("qwen3").to(torch.bfloat16).eval())
-        FastRolloutEngine(plain, use_cuda_graph=False).generate([[5, 9, 17]], 18, SamplingParams(max_tokens=3))
-        fp8 = tiny_model("qwen3").to(torch.bfloat16).eval()
-        fl.quantize_model_fp8(fp8, scaled_mm=True)
-        FastRolloutEngine(patch_model(fp8), use_cuda_graph=False).generate([[5, 9, 17]], 4, SamplingParams(max_tokens=3))
-    finally:
-        rollout_layers.add_rms_norm_fp8 = original
+    monkeypatch.setattr(rollout_layers, "add_rms_norm_fp8", lambda *a, **k: calls.append(1) or original(*a, **k))
+    plain = patch_model(tiny_model("qwen3").to(torch.bfloat16).eval())
+    FastRolloutEngine(plain, use_cuda_graph=False).generate([[5, 9, 17]], 18, SamplingParams(max_tokens=3))
+    fp8 = tiny_model("qwen3").to(torch.bfloat16).eval()
+    fl.quantize_model_fp8(fp8, scaled_mm=True)
+    FastRolloutEngine(patch_model(fp8), use_cuda_graph=False).generate([[5, 9, 17]], 4, SamplingParams(max_tokens=3))
     assert calls == []
