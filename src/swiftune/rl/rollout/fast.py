@@ -242,7 +242,7 @@ class FastRolloutEngine:
             long completions) reads less, and a group fits more tokens. The prompt's own attention in the
             prefill uses the unquantised K/V; every decode step attends to the dequantised cache, so the sampled
             tokens' log-probabilities differ from the model's by the cache's rounding (tests/test_kv_cache_fp8.py
-            measures it). Not timed on a GPU yet.
+            measures it). Off by default (timed: docs/fp8.md).
     """
 
     #: the static per-call state (KV cache, per-row decode state) of a chunk

@@ -87,6 +87,8 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
         # attention forward widens in every layer; widened once here for all of them
         position_embeddings = (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
     decode = ctx.mode == "decode"
+    # decode steps run a gated MLP's projections here (stacked FP8 gate/up, one-launch LoRA products)
+    mlp_here = decode and (ctx.fp8_stacked_gate_up or ctx.lora_decode_kernel)
     codes = None  # x's FP8 codes, made by the norm that made x (the first layer's input quantises its own)
     for i, layer in enumerate(layers):
         if decode:
@@ -95,11 +97,10 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             out = layer.self_attn(hidden_states=x, attention_mask=None, position_ids=position_ids,
                                   position_embeddings=position_embeddings, **{ctx_kwarg: ctx})
             out = out[0] if isinstance(out, tuple) else out
-        own_mlp = (decode and (ctx.fp8_stacked_gate_up or ctx.lora_decode_kernel)
-                   and gated_projections(layer.mlp) is not None)
-        readers = gated_projections(layer.mlp) if own_mlp and ctx.fp8_norm_codes else None
+        gate_up = gated_projections(layer.mlp) if mlp_here else None
+        readers = gate_up if ctx.fp8_norm_codes else None
         x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
-        out = (decode_mlp(layer.mlp, x, codes, ctx.lora_decode_kernel, ctx.fp8_stacked_gate_up) if own_mlp
+        out = (decode_mlp(layer.mlp, x, codes, ctx.lora_decode_kernel, ctx.fp8_stacked_gate_up) if gate_up
                else layer.mlp(x))
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         last = i + 1 == len(layers)
