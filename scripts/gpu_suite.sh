@@ -77,6 +77,7 @@
 #   scripts/gpu_suite.sh fp8-stacked-gate-up-ab # Qwen3-8B FP8 decode, gate/up as one product vs two, bf16 beside, G 8 / 64, profiled, with CUDA tests (~7 min)
 #   scripts/gpu_suite.sh fp8-norm-kv-ab # Qwen3-8B G=64: bf16, FP8 with / without the norms making the codes, and with the FP8 KV cache, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh lora-decode-ab # Qwen3-8B FP8 runtime LoRA at G 8 / 64: the one-launch adapter product against the ops, bf16 beside (~8 min)
+#   scripts/gpu_suite.sh decode-attention-tune # the split decode attention's launch settings swept at G 8 / 64, bf16 / FP8 caches, with its CUDA tests (~4 min)
 #   scripts/gpu_suite.sh lora-decode-quick # the same cut to G=8 FP8 only, 512 tokens, with the kernels' CUDA tests (~4 min)
 #   scripts/gpu_suite.sh fp8-kv-ab   # Qwen3-8B FP8 decode, the FP8 KV cache vs bf16 cache, bf16 beside, G 8 / 64, profiled, with CUDA tests (~8 min)
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
@@ -690,6 +691,10 @@ case "$part" in
         --new-tokens 1024 --no-baselines --no-checks --lora-rows 8 64 "--$kernel" --time-budget 130 \
         --out "$OUT/rollout_lora_fp8_$kernel.json"
     done ;;
+  decode-attention-tune)  # the split decode attention's launch settings swept (tile, warps, stages, chunks) at G 8 / 64,
+    # 256-2048 slots, bf16 and FP8 caches, with its CUDA tests (the one-chunk path writes without the merge) (~4 min)
+    run decode_attention_tests 120 python3 -m pytest tests/test_decode_attention_kernel.py -p no:cacheprovider
+    run decode_attention_tune 240 python3 -m benchmarks.tune_decode_attention --out "$OUT/tune_decode_attention.json" ;;
   lora-decode-quick)  # lora-decode-ab cut to fit a few minutes: the CUDA tests of the LoRA decode kernel, the FP8 KV cache
     # and the norm-made codes, then FP8 runtime LoRA at G=8 with and without the kernel, 512 tokens (~4 min)
     run lora_quick_tests 120 python3 -m pytest tests/test_lora_decode_kernel.py tests/test_kv_cache_fp8.py \

@@ -5,6 +5,8 @@ they are compiled."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -48,6 +50,8 @@ def _case(rows, kv_heads, group, dim, kv_len, dtype, seed=0):
     (2, 4, 1, 32, 257, 100, 7, False),      # g = 1 (multi-head), more chunks than needed for short rows
     (4, 2, 4, 32, 300, None, 5, True),      # gpt-oss's attention sinks
     (3, 2, 8, 64, 130, 16, 3, True),        # sinks with a window (gpt-oss's sliding layers)
+    (4, 2, 4, 32, 300, None, 1, True),      # one chunk with sinks: the split kernel writes the output itself
+    (3, 2, 8, 64, 130, 16, 1, True),        # and with a window
 ])
 def test_split_decode_attention_equals_float64_attention(rows, kv_heads, group, dim, kv_len, window, splits, sinks):
     q, k, v, cur = _case(rows, kv_heads, group, dim, kv_len, torch.float32, seed=kv_len)
@@ -92,6 +96,35 @@ def test_split_decode_attention_matches_the_engines_sdpa_path(window):
     want = _float64_attention(q, k, v, cur, window, dim ** -0.5)
     assert (got.double() - want).abs().max() < 2e-2
     assert (got.reshape(rows, 1, kv_heads * group, dim).double() - sdpa.double()).abs().max() < 3e-2
+
+
+@pytest.mark.parametrize("rows,splits,chunks", [(64, None, 1), (2, None, 3), (64, 1, 1), (2, 3, 3)])
+def test_one_chunk_is_written_without_the_merge_launch(rows, splits, chunks, monkeypatch):
+    """Where one chunk covers a row (the default at G=64: rows x K/V heads fill two waves alone), the split
+    kernel normalises and writes the output itself and the merge kernel is not launched; with several chunks
+    the merge runs. Both equal the float64 attention."""
+    module = importlib.import_module("swiftune.kernels.decode_attention")
+    merges = []
+    real = module._merge_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, "_merge_kernel", Counted())
+    monkeypatch.setattr(module, "_splits", lambda programs, kv_len, device, block_n=64:
+                        max(1, min(_cdiv(kv_len, block_n), _cdiv(16, programs))))
+    q, k, v, cur = _case(rows, 2, 4, 32, 300, torch.float32, seed=rows)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    got = split_decode_attention(q, k, v, cur, None, 32 ** -0.5, sink, splits=splits, backend="triton")
+    torch.testing.assert_close(got.double(), _float64_attention(q, k, v, cur, None, 32 ** -0.5, sink),
+                               rtol=1e-5, atol=1e-5)
+    assert len(merges) == (0 if chunks == 1 else 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def test_split_decode_attention_refuses_mismatched_shapes():

@@ -71,11 +71,11 @@ def split_decode_attention_reference(query: torch.Tensor, keys: torch.Tensor, va
 if triton is not None:
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, cur_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, cur_ptr, m_ptr, l_ptr, acc_ptr, ks_ptr, vs_ptr, sink_ptr, out_ptr,
                       kv_heads, kv_len, chunk, window, scale,
-                      s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_sb, s_sh,
+                      s_qb, s_qh, s_qg, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl, s_sb, s_sh, s_ob, s_oh, s_og,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                      F32: tl.constexpr, SCALED: tl.constexpr):
+                      F32: tl.constexpr, SCALED: tl.constexpr, WHOLE: tl.constexpr, HAS_SINKS: tl.constexpr):
         bh = tl.program_id(0)
         c = tl.program_id(1)
         splits = tl.num_programs(1)
@@ -122,10 +122,28 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype))
             m = m_new
-        part = (bh * splits + c) * BLOCK_G + gi
-        tl.store(m_ptr + part, m)
-        tl.store(l_ptr + part, l_sum)
-        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+        if WHOLE:  # one chunk covers the row: the merge of one part, here (no partials written, no second launch)
+            _finish(m, l_sum, acc, sink_ptr, out_ptr, b, h, gi, d, s_ob, s_oh, s_og, G, HAS_SINKS)
+        else:
+            part = (bh * splits + c) * BLOCK_G + gi
+            tl.store(m_ptr + part, m)
+            tl.store(l_ptr + part, l_sum)
+            tl.store(acc_ptr + part[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _finish(top, den, num, sink_ptr, out_ptr, b, h, gi, d, s_ob, s_oh, s_og, G: tl.constexpr,
+                HAS_SINKS: tl.constexpr):
+        """``out = num / den`` for the query heads of (row b, K/V head h), whose scores' maximum so far is
+        ``top``; with sinks, each head's sink column joins the softmax first."""
+        if HAS_SINKS:  # query head h g + i's sink logit: a softmax column with no value
+            sink = tl.load(sink_ptr + h * G + gi, mask=gi < G, other=-1.0e30).to(tl.float32)
+            new_top = tl.maximum(top, sink)
+            w = tl.exp(top - new_top)
+            den = den * w + tl.exp(sink - new_top)
+            num = num * w[:, None]
+        out = num / den[:, None]
+        tl.store(out_ptr + b * s_ob + h * s_oh + gi[:, None] * s_og + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=gi[:, None] < G)
 
     @triton.jit
     def _merge_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, kv_heads, splits, s_ob, s_oh, s_og,
@@ -138,9 +156,6 @@ if triton is not None:
         top = tl.full((BLOCK_G,), -1.0e30, tl.float32)
         for c in range(0, splits):
             top = tl.maximum(top, tl.load(m_ptr + (bh * splits + c) * BLOCK_G + gi))
-        if HAS_SINKS:  # query head h g + i's sink logit: a softmax column with no value
-            sink = tl.load(sink_ptr + h * G + gi, mask=gi < G, other=-1.0e30).to(tl.float32)
-            top = tl.maximum(top, sink)
         den = tl.zeros((BLOCK_G,), tl.float32)
         num = tl.zeros((BLOCK_G, D), tl.float32)
         for c in range(0, splits):
@@ -148,21 +163,17 @@ if triton is not None:
             w = tl.exp(tl.load(m_ptr + part) - top)
             den += w * tl.load(l_ptr + part)
             num += w[:, None] * tl.load(acc_ptr + part[:, None] * D + d[None, :])
-        if HAS_SINKS:
-            den += tl.exp(sink - top)
-        out = num / den[:, None]
-        tl.store(out_ptr + b * s_ob + h * s_oh + gi[:, None] * s_og + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=gi[:, None] < G)
+        _finish(top, den, num, sink_ptr, out_ptr, b, h, gi, d, s_ob, s_oh, s_og, G, HAS_SINKS)
 
 else:  # pragma: no cover
-    _split_kernel = _merge_kernel = None
+    _split_kernel = _merge_kernel = _finish = None
 
 
-def _splits(programs: int, kv_len: int, device: torch.device) -> int:
+def _splits(programs: int, kv_len: int, device: torch.device, block_n: int = _BLOCK_N) -> int:
     """Chunks per (row, K/V head): enough programs for two waves over the SMs, each chunk at least one
     tile of slots."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(triton.cdiv(kv_len, _BLOCK_N), triton.cdiv(2 * sms, max(1, programs))))
+    return max(1, min(triton.cdiv(kv_len, block_n), triton.cdiv(2 * sms, max(1, programs))))
 
 
 def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cur: torch.Tensor,
@@ -200,28 +211,47 @@ def split_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torc
     if scaled:
         if key_scales.stride() != value_scales.stride() or key_scales.stride(-1) != 1:
             raise ValueError("key_scales and value_scales must share their strides, the slot axis contiguous")
-        scale_strides = key_scales.stride(0), key_scales.stride(1)
+    out = torch.empty(rows, kv_heads, group, dim, dtype=query.dtype, device=query.device)
+    _launch_split(query, keys, values, cur, window, scale, sinks, key_scales, value_scales, out, splits=splits)
+    return out
+
+
+def _launch_split(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cur: torch.Tensor,
+                  window: int | None, scale: float, sinks: torch.Tensor | None, key_scales: torch.Tensor | None,
+                  value_scales: torch.Tensor | None, out: torch.Tensor, *, splits: int | None = None,
+                  block_n: int = _BLOCK_N, num_warps: int = 4, num_stages: int | None = None) -> int:
+    """The kernels on checked arguments, writing ``out``; the launch settings are arguments so that
+    ``benchmarks.tune_decode_attention`` can sweep them. Returns the number of chunks."""
+    rows, kv_heads, group, dim = query.shape
     kv_len = keys.shape[2]
     block_g = max(_MIN_ROWS, next_pow2(group))
     programs = rows * kv_heads
-    splits = splits or _splits(programs, kv_len, query.device)
-    chunk = triton.cdiv(triton.cdiv(kv_len, splits), _BLOCK_N) * _BLOCK_N
+    splits = splits or _splits(programs, kv_len, query.device, block_n)
+    chunk = triton.cdiv(triton.cdiv(kv_len, splits), block_n) * block_n
     splits = triton.cdiv(kv_len, chunk)
-    m = torch.empty(programs * splits * block_g, dtype=torch.float32, device=query.device)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty(programs * splits * block_g, dim, dtype=torch.float32, device=query.device)
+    whole = splits == 1
+    if whole:  # no partials: the split kernel normalises and writes out itself
+        m = l_sum = acc = out
+    else:
+        m = torch.empty(programs * splits * block_g, dtype=torch.float32, device=query.device)
+        l_sum = torch.empty_like(m)
+        acc = torch.empty(programs * splits * block_g, dim, dtype=torch.float32, device=query.device)
+    scaled = key_scales is not None
+    scale_strides = (key_scales.stride(0), key_scales.stride(1)) if scaled else (0, 0)
+    sink_values = sinks.reshape(-1).contiguous() if sinks is not None else out
     f32 = query.dtype == torch.float32 or kernel_is_interpreted(_split_kernel)
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     _split_kernel[(programs, splits)](
         query, keys, values, cur, m, l_sum, acc, key_scales if scaled else m, value_scales if scaled else m,
-        kv_heads, kv_len, chunk, int(window or 0), float(scale),
+        sink_values, out, kv_heads, kv_len, chunk, int(window or 0), float(scale),
         query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), *(scale_strides if scaled else (0, 0)),
-        G=group, D=dim, BLOCK_G=block_g, BLOCK_N=_BLOCK_N, F32=f32, SCALED=scaled, num_warps=4,
+        values.stride(0), values.stride(1), values.stride(2), *scale_strides, out.stride(0), out.stride(1),
+        out.stride(2), G=group, D=dim, BLOCK_G=block_g, BLOCK_N=block_n, F32=f32, SCALED=scaled, WHOLE=whole,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, **stages,
     )
-    out = torch.empty(rows, kv_heads, group, dim, dtype=query.dtype, device=query.device)
-    _merge_kernel[(programs,)](
-        m, l_sum, acc, sinks.reshape(-1).contiguous() if sinks is not None else m, out, kv_heads, splits,
-        out.stride(0), out.stride(1), out.stride(2), G=group, D=dim, BLOCK_G=block_g, HAS_SINKS=sinks is not None,
-        num_warps=4,
-    )
-    return out
+    if not whole:
+        _merge_kernel[(programs,)](
+            m, l_sum, acc, sink_values, out, kv_heads, splits, out.stride(0), out.stride(1), out.stride(2),
+            G=group, D=dim, BLOCK_G=block_g, HAS_SINKS=sinks is not None, num_warps=4,
+        )
+    return splits
