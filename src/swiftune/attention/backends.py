@@ -54,6 +54,8 @@ __all__ = [
     "causal_window_mask",
     "dense_causal_attention",
     "document_block_mask",
+    "flex_head_groups",
+    "flex_in_head_groups",
     "flex_token_major",
     "layout_attention_kernel",
     "packed_attention",
@@ -97,28 +99,69 @@ def flex_fn(device: torch.device) -> Callable:
     return _compiled_flex() if device.type == "cuda" else flex_attention
 
 
+# torch's flex_attention kernels compute their q/k/v/out offsets in int32: a tensor of 2^31 elements or more
+# reads and writes outside itself (pytorch/pytorch#190857; gpt-oss's 64 x 64 query heads pass it at 524,288
+# tokens a step, a CUDA illegal memory access in the backward). Longer steps run in groups of K/V heads.
+FLEX_MAX_ELEMENTS = 2**31 - 1
+
+
+def flex_head_groups(tokens: int, q_heads: int, kv_heads: int, dim: int) -> list[tuple[int, int]]:
+    """K/V head ranges ``[h0, h1)`` whose query heads, as a contiguous ``[tokens, (h1 - h0) g, dim]``
+    tensor, hold at most :data:`FLEX_MAX_ELEMENTS` elements: one range (all heads) when the whole q does."""
+    per_kv_head = tokens * (q_heads // kv_heads) * dim
+    heads = FLEX_MAX_ELEMENTS // per_kv_head
+    if heads >= kv_heads:
+        return [(0, kv_heads)]
+    if heads == 0:
+        raise ValueError(
+            f"{tokens} tokens a step is more than flex attention can index: one K/V head's "
+            f"{q_heads // kv_heads} query heads of dimension {dim} hold {per_kv_head} elements, and its kernels "
+            f"address at most {FLEX_MAX_ELEMENTS}; use fewer tokens a step (shorter rows, or fewer rows)")
+    return [(h0, min(h0 + heads, kv_heads)) for h0 in range(0, kv_heads, heads)]
+
+
+def flex_in_head_groups(attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor) -> torch.Tensor:
+    """``attend(q, k, v, first_q_head)`` on token-major ``q [T, Hq, D]``, ``k, v [T', Hk, D]``, called once
+    when q fits flex's int32 offsets, else once per group of K/V heads (:func:`flex_head_groups`) with each
+    group's slices made contiguous, the outputs joined along the heads. Attention is per head, so the groups'
+    results are the whole call's; autograd carries the gradients through the slices."""
+    groups = flex_head_groups(q.shape[0], q.shape[1], k.shape[1], q.shape[2])
+    if len(groups) == 1:
+        return attend(q, k, v, 0)
+    g = q.shape[1] // k.shape[1]
+    return torch.cat([attend(q[:, h0 * g:h1 * g].contiguous(), k[:, h0:h1].contiguous(), v[:, h0:h1].contiguous(),
+                             h0 * g) for h0, h1 in groups], dim=1)
+
+
 def flex_token_major(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, *, scale: float, softcap: float | None = None,
 ) -> torch.Tensor:
     """flex_attention of token-major ``[T, H, D]`` q/k/v (one flat row) under ``block_mask``, with
-    Gemma 2's soft-cap when given; GQA when q has more heads than k. Returns ``[T, Hq, D]``."""
-    with warnings.catch_warnings():
-        # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = flex_fn(q.device)(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            score_mod=softcap_score_mod(softcap, q.device),
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-            # Rows under 128 tokens would otherwise compile inductor's decoding kernel, a forward-only
-            # kernel for short queries that has no valid configuration for some head sizes (the
-            # built-in GRPO model's short rows failed with NoValidChoicesError on torch 2.11).
-            kernel_options=FLEX_TRAINING_KERNEL,
-        )
-    return out.squeeze(0).transpose(0, 1)
+    Gemma 2's soft-cap when given; GQA when q has more heads than k. Returns ``[T, Hq, D]``. A q past
+    flex's int32 offsets runs in groups of heads (:func:`flex_in_head_groups`)."""
+    score_mod = softcap_score_mod(softcap, q.device)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_head: int) -> torch.Tensor:
+        with warnings.catch_warnings():
+            # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = flex_fn(q.device)(
+                q.transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+                # Rows under 128 tokens would otherwise compile inductor's decoding kernel, a forward-only
+                # kernel for short queries that has no valid configuration for some head sizes (the
+                # built-in GRPO model's short rows failed with NoValidChoicesError on torch 2.11).
+                kernel_options=FLEX_TRAINING_KERNEL,
+            )
+        return out.squeeze(0).transpose(0, 1)
+
+    return flex_in_head_groups(attend, q, k, v)
 
 
 FLEX_TRAINING_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}

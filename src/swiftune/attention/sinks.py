@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .backends import FLEX_TRAINING_KERNEL, causal_window_mask, document_block_mask, document_bounds, flex_fn
+from .backends import (FLEX_TRAINING_KERNEL, causal_window_mask, document_block_mask, document_bounds, flex_fn,
+                       flex_in_head_groups)
 from .packing import PackedBatch
 
 SINK_BACKENDS = ("flex", "reference")
@@ -102,27 +103,32 @@ def flex_sink_with_mask(
     """flex_attention of token-major ``q [T, Hq, D]``, ``k, v [T, Hk, D]`` plus the sink slot (key ``T``,
     zero key and value, its score replaced by ``sinks[h]``) under ``block_mask``, a mask over ``T + 1``
     keys that must open the last one to every query. Shared by the packed rows here and GRPO's
-    shared-prompt rows (:mod:`.shared_prompt`), which differ only in the mask."""
+    shared-prompt rows (:mod:`.shared_prompt`), which differ only in the mask. A q past flex's int32
+    offsets runs in groups of heads (:func:`~.backends.flex_in_head_groups`), each with its heads' sinks."""
     total = q.shape[0]
     k1 = torch.cat([k, k.new_zeros(1, *k.shape[1:])], dim=0)
     v1 = torch.cat([v, v.new_zeros(1, *v.shape[1:])], dim=0)
-    sink_logits = sinks.float()
     # a device tensor, not a Python int: compiled for dynamic shapes, dynamo would lift the int to a
     # CPU scalar tensor, which the CUDA kernel cannot read (see softcap_score_mod)
     sink_slot = torch.tensor(total, dtype=torch.int32, device=q.device)
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.where(kv_idx == sink_slot, sink_logits[h].to(score.dtype), score)
+    def attend(q: torch.Tensor, k1: torch.Tensor, v1: torch.Tensor, first_head: int) -> torch.Tensor:
+        sink_logits = sinks[first_head:first_head + q.shape[1]].float()  # this call's query heads
 
-    with warnings.catch_warnings():
-        # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        out = flex_fn(q.device)(
-            q.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0), v1.transpose(0, 1).unsqueeze(0),
-            score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-            kernel_options=FLEX_TRAINING_KERNEL,
-        )
-    return out.squeeze(0).transpose(0, 1)
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(kv_idx == sink_slot, sink_logits[h].to(score.dtype), score)
+
+        with warnings.catch_warnings():
+            # Off CUDA flex runs eagerly (tests only) and warns that it materialises the scores.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = flex_fn(q.device)(
+                q.transpose(0, 1).unsqueeze(0), k1.transpose(0, 1).unsqueeze(0), v1.transpose(0, 1).unsqueeze(0),
+                score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k1.shape[1],
+                kernel_options=FLEX_TRAINING_KERNEL,
+            )
+        return out.squeeze(0).transpose(0, 1)
+
+    return flex_in_head_groups(attend, q, k1, v1)
 
 
 def sink_attention(
