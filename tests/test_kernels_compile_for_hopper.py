@@ -51,11 +51,12 @@ EXPERT_PLACE_SIGNATURE = {
 def _split_attention_signature(cache: str) -> dict:
     """The split decode attention's signature over a cache of element type ``cache``."""
     return {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "cur_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32",
-            "acc_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "kv_heads": "i32", "kv_len": "i32",
-            "chunk": "i32", "window": "i32", "scale": "fp32",
+            "acc_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "sink_ptr": "*bf16", "out_ptr": "*bf16",
+            "kv_heads": "i32", "kv_len": "i32", "chunk": "i32", "window": "i32", "scale": "fp32",
             **{f"s_{t}{a}": "i32" for t in "qkv" for a in ("b", "h", "g" if t == "q" else "l")},
-            "s_sb": "i32", "s_sh": "i32", "G": "constexpr", "D": "constexpr", "BLOCK_G": "constexpr",
-            "BLOCK_N": "constexpr", "F32": "constexpr", "SCALED": "constexpr"}
+            "s_sb": "i32", "s_sh": "i32", "s_ob": "i32", "s_oh": "i32", "s_og": "i32", "G": "constexpr",
+            "D": "constexpr", "BLOCK_G": "constexpr", "BLOCK_N": "constexpr", "F32": "constexpr",
+            "SCALED": "constexpr", "WHOLE": "constexpr", "HAS_SINKS": "constexpr"}
 
 
 DECODE_QKV_SIGNATURE = {
@@ -112,11 +113,18 @@ CASES = {
     "split decode attention, bf16 cache, 8 query heads a K/V head, D 128": (
         decode_attention._split_kernel,
         _split_attention_signature("*bf16"),
-        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": False}, {}),
+        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": False, "WHOLE": False,
+         "HAS_SINKS": False}, {}),
+    "split decode attention, one chunk a row written whole with gpt-oss's sinks, D 64": (
+        decode_attention._split_kernel,
+        _split_attention_signature("*bf16"),
+        {"G": 8, "D": 64, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": False, "WHOLE": True,
+         "HAS_SINKS": True}, {}),
     "split decode attention, FP8 cache with per-slot scales, D 128": (
         decode_attention._split_kernel,
         _split_attention_signature("*fp8e4nv"),
-        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": True}, {}),
+        {"G": 8, "D": 128, "BLOCK_G": 16, "BLOCK_N": 64, "F32": False, "SCALED": True, "WHOLE": False,
+         "HAS_SINKS": False}, {}),
     "decode_qkv into an FP8 cache, Qwen3 (q/k norms), D 128": (
         decode_qkv._decode_qkv_kernel,
         DECODE_QKV_SIGNATURE,
@@ -139,12 +147,19 @@ CASES = {
          **dict.fromkeys(("n_cols", "stride_x", "stride_res", "stride_y", "stride_s", "stride_q"), "i32"),
          "eps": "fp32", "offset": "fp32", "BLOCK": "constexpr", "INT64": "constexpr", "QUANTIZE": "constexpr"},
         {"BLOCK": 4096, "INT64": False, "QUANTIZE": quantize}, {"num_warps": 8}) for quantize in (False, True)},
-    **{f"LoRA decode product, {adapter} adapters over bf16 (r 16, 8 rows)": (
-        lora_decode._lora_decode_kernel,
-        {"x_ptr": "*bf16", "a_ptr": f"*{adapter}", "b_ptr": f"*{adapter}", "y_ptr": "*bf16",
-         **dict.fromkeys(("M", "K", "N", "R", "s_x", "s_a", "s_b", "s_y"), "i32"), "scaling": "fp32",
-         **dict.fromkeys(("BLOCK_M", "BLOCK_K", "BLOCK_R", "BLOCK_N", "F32"), "constexpr")},
-        {"BLOCK_M": 16, "BLOCK_K": 128, "BLOCK_R": 16, "BLOCK_N": 128, "F32": adapter == "fp32"}, {"num_warps": 4})
+    **{f"LoRA decode product's x A^T parts, {adapter} adapters over bf16 (r 16, 8 rows)": (
+        lora_decode._lora_down_kernel,
+        {"x_ptr": "*bf16", "a_ptr": f"*{adapter}", "part_ptr": "*fp32",
+         **dict.fromkeys(("M", "K", "R", "s_x", "s_a"), "i32"),
+         **dict.fromkeys(("BLOCK_M", "BLOCK_K", "BLOCK_R", "F32"), "constexpr")},
+        {"BLOCK_M": 16, "BLOCK_K": 128, "BLOCK_R": 16, "F32": adapter == "fp32"}, {"num_warps": 4})
+       for adapter in ("fp32", "bf16")},
+    **{f"LoRA decode product's h B^T added to y, {adapter} adapters over bf16 (r 16, 8 rows)": (
+        lora_decode._lora_up_add_kernel,
+        {"part_ptr": "*fp32", "b_ptr": f"*{adapter}", "y_ptr": "*bf16",
+         **dict.fromkeys(("M", "N", "R", "k_blocks", "s_b", "s_y"), "i32"), "scaling": "fp32",
+         **dict.fromkeys(("BLOCK_M", "BLOCK_R", "BLOCK_N", "F32"), "constexpr")},
+        {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_N": 128, "F32": adapter == "fp32"}, {"num_warps": 4})
        for adapter in ("fp32", "bf16")},
 }
 
