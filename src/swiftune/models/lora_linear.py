@@ -238,7 +238,7 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
     arithmetic (see the module doc); PEFT's own forward otherwise. ``quantized``: ``x``'s codes from
     :func:`shared_fp8_input` for an FP8 base's product. ``lora_kernel``: in a decode step (no grad, at most
     :data:`~swiftune.kernels.lora_decode.LORA_DECODE_MAX_ROWS` rows, a plain or FP8 base) the adapter's product
-    is added in one launch (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and their casts."""
+    is added in two launches (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and their casts."""
     operands = None if (args or kwargs) else _fused_operands(self, x)
     if quantized is not None and (operands is None or not operands[6] or quantized.source is not x):
         raise ValueError("quantized= takes the codes quantize_shared_input made of this very input, for a fused "
@@ -265,7 +265,7 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
 
 
 def _takes_lora_decode_kernel(x: torch.Tensor, quant_state: Any, fp8: bool) -> bool:
-    """A decode step's adapter product in one launch: no autograd, the kernel's rows, a plain or FP8 base (a 4-bit
+    """A decode step's adapter product in two launches: no autograd, the kernel's rows, a plain or FP8 base (a 4-bit
     one keeps its own path)."""
     rows = x.numel() // max(1, x.shape[-1])
     return (not torch.is_grad_enabled() and 0 < rows <= LORA_DECODE_MAX_ROWS

@@ -233,7 +233,7 @@ class FastRolloutEngine:
             for the separate launch (the A/B of ``scripts/gpu_suite.sh fp8-norm-kv-ab``).
         lora_decode_kernel: adapters at run time (``lora="runtime"``, and FP8 or 4-bit bases, which are never
             merged): in the fused layer loop's decode steps each adapter's product is added to its projection's
-            in one launch (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and, for PEFT's
+            in two launches (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and, for PEFT's
             float32 adapters, three casts; plain and FP8 bases. Off until timed (``scripts/gpu_suite.sh
             lora-decode-ab``); the sums run in another order, so log-probabilities move by float32 rounding.
         kv_cache_dtype: ``"auto"`` (default): the KV cache in the model's dtype. ``"fp8"``: each cached K / V

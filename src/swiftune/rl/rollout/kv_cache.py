@@ -159,7 +159,7 @@ class DecodeContext:
         self.fp8_stacked_qkv = fp8_stacked_qkv  # q/k/v's FP8 products as one (lora_linear.stacked_fp8_products)
         self.fp8_stacked_gate_up = fp8_stacked_gate_up  # and gate/up's (rollout.layers.decode_mlp)
         self.fp8_norm_codes = fp8_norm_codes  # the norms make the next projections' FP8 codes (add_rms_norm_fp8)
-        self.lora_decode_kernel = lora_decode_kernel  # runtime LoRA products in one launch each (lora_decode_add_)
+        self.lora_decode_kernel = lora_decode_kernel  # runtime LoRA products in two launches each (lora_decode_add_)
         self.mode = "decode"
         self.kv_len = 0
         self.packed = None

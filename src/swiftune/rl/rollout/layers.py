@@ -87,7 +87,7 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
         # attention forward widens in every layer; widened once here for all of them
         position_embeddings = (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
     decode = ctx.mode == "decode"
-    # decode steps run a gated MLP's projections here (stacked FP8 gate/up, one-launch LoRA products)
+    # decode steps run a gated MLP's projections here (stacked FP8 gate/up, the LoRA decode kernel's products)
     mlp_here = decode and (ctx.fp8_stacked_gate_up or ctx.lora_decode_kernel)
     codes = None  # x's FP8 codes, made by the norm that made x (the first layer's input quantises its own)
     for i, layer in enumerate(layers):
@@ -140,7 +140,7 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch
     activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
     computes, each column the same dot product. Anything else (MoE blocks, other weights, a layout moved
     since) runs the module's own forward. ``codes``: ``x``'s FP8 codes and scales made already
-    (:func:`shared_fp8_input`); ``lora_kernel``: runtime LoRA adapters' products added in one launch each
+    (:func:`shared_fp8_input`); ``lora_kernel``: runtime LoRA adapters' products added in two launches each
     (:func:`swiftune.models.lora_linear.fused_lora_forward`), gate/up then called one by one where they are not
     stacked (``stacked=False`` or weights not laid out so); without it those run the module's own forward."""
     projections = gated_projections(mlp)
@@ -157,7 +157,7 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch
 
 def _lora_options(projection: nn.Module, lora_kernel: bool) -> dict[str, bool]:
     """The keyword that hands a fused LoRA layer (:func:`~swiftune.models.lora_linear.is_fused_lora`) the
-    one-launch adapter product; nothing for other layers, whose forwards do not take it."""
+    two-launch adapter product; nothing for other layers, whose forwards do not take it."""
     return {"lora_kernel": True} if lora_kernel and is_fused_lora(projection) else {}
 
 
