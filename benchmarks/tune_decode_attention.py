@@ -4,9 +4,10 @@ swiftune.kernels.decode_attention).
 A decode step's attention on the Qwen3-8B shape (8 K/V heads of 4 query heads, D=128) at G rows, every row
 attending to ``slots`` cached slots of a cache laid out as the engine's (a longer buffer, sliced), with a bf16
 or an FP8 (e4m3 codes + float32 scales) cache. Each launch setting (slots a tile, warps, pipeline stages,
-chunks a row) is timed with CUDA events over repeated calls; the bytes are the visible keys and values (and
-their scales) read once. The default setting is always timed, so each case prints the best setting's time
-as a ratio to the default's.
+chunks a row) is timed as the engine runs it, inside a CUDA graph (20 calls a graph, replays timed with CUDA
+events): the host's launch cost is out. The bytes are the visible keys and values (and their scales) read
+once. The default setting is timed first and last, so each case prints the best setting's time as a ratio to
+the default's.
 
     python -m benchmarks.tune_decode_attention [--rows 8 64] [--slots 256 768 2048] \
         [--out tune_decode_attention.json]
@@ -42,18 +43,29 @@ def _case(rows: int, slots: int, fp8: bool, capacity: int):
     return q, k[:, :, :slots], v[:, :, :slots], cur, scales
 
 
-def _seconds(fn, repeats: int = 50) -> float:
-    """Median seconds per call over ``repeats`` calls, each timed with CUDA events, after a warm-up."""
-    for _ in range(3):
+def _seconds(fn, calls: int = 20, replays: int = 10) -> float:
+    """Median GPU seconds per call: ``calls`` calls captured in one CUDA graph (a decode step's attention runs
+    inside the engine's graph, so the host's launch cost is not the kernel's), the graph replayed ``replays``
+    times, each replay timed with CUDA events."""
+    fn()  # compiled before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     times = []
-    for _ in range(repeats):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -64,9 +76,9 @@ def sweep(rows: int, slots: int, fp8: bool, settings: list[dict], budget_s: floa
     item = 1 if fp8 else 2
     read = 2 * rows * KV_HEADS * slots * (DIM * item + (4 if fp8 else 0))
     found, deadline = [], time.monotonic() + budget_s
-    for setting in settings:
-        if time.monotonic() > deadline:
-            break
+    for i, setting in enumerate(settings):
+        if time.monotonic() > deadline and i < len(settings) - 1:
+            continue  # out of time: only the default's second timing (the last setting) is left to run
         try:
             chunks = attention._launch_split(q, k, v, cur, None, DIM ** -0.5, None, scales.get("key_scales"),
                                              scales.get("value_scales"), out, **setting)
@@ -82,7 +94,9 @@ def sweep(rows: int, slots: int, fp8: bool, settings: list[dict], budget_s: floa
 
 
 def settings_to_try(rows: int, slots: int) -> list[dict]:
-    """The default first, then tiles x warps x stages x chunks a row (1, the default's, and 2x / 4x it)."""
+    """The default first, then tiles x warps x stages x chunks a row (1, the default's, and 2x / 4x it), then
+    the default again (a first setting timed on a cold GPU reads slower: each case reports the faster of the
+    default's two timings)."""
     programs = rows * KV_HEADS
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tried = [{}]
@@ -91,7 +105,7 @@ def settings_to_try(rows: int, slots: int) -> list[dict]:
         for splits in sorted({1, default, 2 * default, 4 * default}):
             if splits <= triton.cdiv(slots, block_n):
                 tried.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits})
-    return tried
+    return tried + [{}]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,18 +120,20 @@ def main(argv: list[str] | None = None) -> None:
     timed, best = [], []
     for cache, rows, slots in itertools.product(a.caches, a.rows, a.slots):
         found = sweep(rows, slots, cache == "fp8", settings_to_try(rows, slots), a.case_budget)
-        if not found or found[0]["setting"]:
+        defaults = [r for r in found if not r["setting"]]
+        if not defaults:
             continue
+        default = min(defaults, key=lambda r: r["us"])
         top = min(found, key=lambda r: r["us"])
         timed += found
-        best.append({"rows": rows, "slots": slots, "cache": cache, "default_us": found[0]["us"],
-                     "default_chunks": found[0]["chunks"], "default_tb_per_s": found[0]["tb_per_s"],
+        best.append({"rows": rows, "slots": slots, "cache": cache, "default_us": default["us"],
+                     "default_chunks": default["chunks"], "default_tb_per_s": default["tb_per_s"],
                      "best_us": top["us"], "best": top["setting"], "best_chunks": top["chunks"],
-                     "best_tb_per_s": top["tb_per_s"], "speedup": found[0]["us"] / top["us"],
+                     "best_tb_per_s": top["tb_per_s"], "speedup": default["us"] / top["us"],
                      "settings_timed": len(found)})
-        print(f"{cache:4s} G={rows:3d} slots {slots:5d}: default {found[0]['us']:7.1f} us "
-              f"({found[0]['tb_per_s']:.2f} TB/s, {found[0]['chunks']} chunks)  best {top['us']:7.1f} us "
-              f"({top['tb_per_s']:.2f} TB/s) {top['setting']}  x{found[0]['us'] / top['us']:.2f}", flush=True)
+        print(f"{cache:4s} G={rows:3d} slots {slots:5d}: default {default['us']:7.1f} us "
+              f"({default['tb_per_s']:.2f} TB/s, {default['chunks']} chunks)  best {top['us']:7.1f} us "
+              f"({top['tb_per_s']:.2f} TB/s) {top['setting']}  x{default['us'] / top['us']:.2f}", flush=True)
     if a.out:
         device = torch.cuda.get_device_name(0)
         with open(a.out, "w") as f:
