@@ -336,3 +336,21 @@ def test_memory_docs_example_is_the_commands_output(capsys):
     assert main_plan(argv) == 0
     printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     assert printed == [line.rstrip() for line in block.group(2).strip().splitlines()]
+
+
+def test_flex_attention_in_head_groups_is_planned_past_its_int32_offsets():
+    """flex's q of 2^31 elements or more runs in groups of heads (attention.backends.flex_in_head_groups): the
+    layer being recomputed holds the joined output and the joined dq beside the groups' (2 dq bytes a token
+    more), from the first token past the limit; below it the plan is unchanged."""
+    from swiftune.attention.backends import FLEX_MAX_ELEMENTS, planner_attention_terms
+    from swiftune.memory.planner import layer_working_set
+
+    shape = model_shape(KNOWN_MODELS["gpt-oss-20b"])
+    flex = TrainSetup(**planner_attention_terms("flex"))
+    never = TrainSetup(**{**planner_attention_terms("flex"), "attention_group_elements": None})
+    first_split = FLEX_MAX_ELEMENTS // shape.q_dim + 1  # 524,288 tokens for 64 heads x 64
+    assert first_split == 524_288
+    below = first_split - 1
+    assert layer_working_set(shape, below, flex) == layer_working_set(shape, below, never)
+    extra = layer_working_set(shape, first_split, flex) - layer_working_set(shape, first_split, never)
+    assert extra == 2 * first_split * shape.q_dim * flex.dtype_bytes

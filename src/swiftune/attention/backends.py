@@ -130,8 +130,12 @@ def flex_in_head_groups(attend: Callable[..., torch.Tensor], q: torch.Tensor, k:
     if len(groups) == 1:
         return attend(q, k, v, 0)
     g = q.shape[1] // k.shape[1]
-    return torch.cat([attend(q[:, h0 * g:h1 * g].contiguous(), k[:, h0:h1].contiguous(), v[:, h0:h1].contiguous(),
-                             h0 * g) for h0, h1 in groups], dim=1)
+    widths = [h1 - h0 for h0, h1 in groups]
+    # split, not slicing: split's backward joins the groups' gradients into one tensor, where each slice's
+    # backward would write a zero-filled gradient of the whole q to be summed
+    qs, ks, vs = (t.split([w * m for w in widths], dim=1) for t, m in ((q, g), (k, 1), (v, 1)))
+    return torch.cat([attend(qg.contiguous(), kg.contiguous(), vg.contiguous(), h0 * g)
+                      for qg, kg, vg, (h0, _) in zip(qs, ks, vs, groups)], dim=1)
 
 
 def flex_token_major(
@@ -376,9 +380,11 @@ def varlen_expands_kv() -> bool:
 
 def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = None) -> dict[str, Any]:
     """The memory planner's attention terms (``TrainSetup.kv_expanded``, ``float32_dq``,
-    ``attention_out_copy``, ``float32_dq_tokens``) for the kernel a forward runs:
+    ``attention_out_copy``, ``float32_dq_tokens``, ``attention_group_elements``) for the kernel a forward
+    runs:
 
-    * ``"flex"`` keeps the K/V heads and writes dq in the activation dtype;
+    * ``"flex"`` keeps the K/V heads and writes dq in the activation dtype; a q past its int32 offsets
+      runs in groups of heads (:func:`flex_in_head_groups`, ``attention_group_elements``);
     * ``"sdpa"`` (one call per document, :func:`sdpa_packed_attention`: GQA in the kernel) keeps
       the K/V heads too, and the documents' outputs, concatenated for the output projection, are
       saved twice (``attention_out_copy``; documents of ``PIECE_MIN_TOKENS`` or more are projected
@@ -393,7 +399,7 @@ def planner_attention_terms(kernel: str | None, max_doc_tokens: int | None = Non
       covered by the sdpa terms, see ``attention.shared_prompt.RowLayout.attention_kernel``.)
     """
     if kernel == "flex":
-        return {"kv_expanded": False, "float32_dq": False}
+        return {"kv_expanded": False, "float32_dq": False, "attention_group_elements": FLEX_MAX_ELEMENTS}
     if kernel == "sdpa":
         return {"kv_expanded": False, "float32_dq": True, "attention_out_copy": True,
                 "float32_dq_tokens": max_doc_tokens}

@@ -138,6 +138,10 @@ class TrainSetup:
             a token.
         float32_dq_tokens: the float32 dq accumulator covers at most this many tokens at a time
             (per-document sdpa: the longest document); ``None``: the whole row (varlen, flash).
+        attention_group_elements: a q of more elements than this runs in groups of heads (flex, whose
+            int32 offsets stop at 2^31: ``attention.backends.flex_in_head_groups``): the layer being
+            recomputed keeps the joined output beside the groups' (``dq b`` a token) and its backward joins
+            the groups' dq into one more (``dq b``); ``None``: never split.
         chunked_loss: swiftune's fused chunked cross entropy; ``False``: full logits +
             ``F.cross_entropy`` (the transformers baseline).
         logit_chunk_tokens: token chunk of the fused loss (``None``: :data:`DEFAULT_LOGIT_CHUNK`).
@@ -170,6 +174,7 @@ class TrainSetup:
     float32_dq: bool = True
     attention_out_copy: bool = False
     float32_dq_tokens: int | None = None
+    attention_group_elements: int | None = None
     chunked_loss: bool = True
     logit_chunk_tokens: int | None = None
     autocast: bool = False
@@ -291,7 +296,8 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
     dq/dk/dv (``(dq + 2 kv') b``), flash attention's float32 dq accumulator (``dq 4``; not with
     flex, ``float32_dq=False``; for ``float32_dq_tokens`` tokens only with per-document sdpa) and
     ``nq 4`` softmax terms, plus for untiled float32 LoRA the
-    float32 output gradient and input-cast gradient of the widest projection (``(H + dq) 4``).
+    float32 output gradient and input-cast gradient of the widest projection (``(H + dq) 4``), and
+    where attention runs in head groups (``attention_group_elements``) ``2 dq b`` more.
     """
     H, I, b = shape.hidden, shape.active_intermediate, s.dtype_bytes
     dq, dkv = shape.q_dim, shape.kv_dim
@@ -308,6 +314,8 @@ def layer_working_set(shape: ModelShape, tokens: int, s: TrainSetup) -> int:
         attn_phase += dq * fp32 * (tokens if s.float32_dq_tokens is None else min(tokens, s.float32_dq_tokens))
     if not s.tiled_projections and s.lora_copies_input:
         attn_phase += tokens * (H + dq) * fp32
+    if s.attention_group_elements is not None and tokens * dq > s.attention_group_elements:
+        attn_phase += 2 * tokens * dq * b  # attention in head groups: the joined output and the joined dq
     return max(mlp_phase, attn_phase)
 
 
