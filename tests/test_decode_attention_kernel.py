@@ -196,7 +196,7 @@ def test_auto_decode_attention_takes_the_split_kernel_only_where_it_was_timed(mo
 
     import swiftune.rl.rollout.kv_cache as engine_cache
     from swiftune.rl.rollout import FastRolloutEngine
-    from swiftune.rl.rollout.kv_cache import DecodeContext
+    from swiftune.rl.rollout.kv_cache import DecodeContext, DecodeOptions
     from tests.helpers import tiny_model
 
     monkeypatch.setattr(engine_cache, "HAS_TRITON", True)
@@ -204,8 +204,10 @@ def test_auto_decode_attention_takes_the_split_kernel_only_where_it_was_timed(mo
     auto = DecodeContext(None, "auto")
     assert [d for d, q in on_cuda.items() if auto.split_attention_applies(q)] == [16, 64, 128]
     assert not auto.split_attention_applies(SimpleNamespace(shape=(8, 32, 1, 128), is_cuda=False))
-    assert not DecodeContext(None, "auto", decode_attention="sdpa").split_attention_applies(on_cuda[128])
-    assert DecodeContext(None, "auto", decode_attention="split").split_attention_applies(on_cuda[80])
+    sdpa, split = (DecodeContext(None, "auto", options=DecodeOptions(decode_attention=name))
+                   for name in ("sdpa", "split"))
+    assert not sdpa.split_attention_applies(on_cuda[128])
+    assert split.split_attention_applies(on_cuda[80])
     monkeypatch.setattr(engine_cache, "HAS_TRITON", False)
     assert not auto.split_attention_applies(on_cuda[128])
     engine = FastRolloutEngine(tiny_model("qwen3"))

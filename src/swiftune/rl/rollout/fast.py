@@ -90,7 +90,7 @@ from ...models.families import FAMILIES
 from ...models.nf4_decode import NF4_DECODE_MAX_ROWS, check_nf4_decode_max_rows, nf4_decode_layers
 from ...models.nf4_dense import nf4_dense_bytes, nf4_dense_layers
 from ...models.patching import causal_lm_of
-from .kv_cache import DecodeContext, Workspace, check_kv_cache_dtype
+from .kv_cache import DecodeContext, DecodeOptions, Workspace, check_kv_cache_dtype
 from .layers import fused_prenorm_supported, prenorm_layers
 from .lora_merge import merge_lora, unmerge_lora
 from .protocol import Rollouts, SamplingParams, check_prompts
@@ -468,10 +468,16 @@ class FastRolloutEngine:
             self.stats["compactions"] = self.stats.get("compactions", 0.0) + 1
         return True
 
+    @property
+    def decode_options(self) -> DecodeOptions:
+        """The decode-step choices the layers read, as one object for each step's :class:`DecodeContext`."""
+        return DecodeOptions(decode_attention=self.decode_attention, fp8_stacked_qkv=self.fp8_stacked_qkv,
+                             fp8_stacked_gate_up=self.fp8_stacked_gate_up, fp8_norm_codes=self.fp8_norm_codes,
+                             lora_decode_kernel=self.lora_decode_kernel)
+
     def _context(self, ws: Workspace, fused: bool) -> DecodeContext:
         """The attention context of a workspace (or of a compacted view of one)."""
-        return DecodeContext(ws, self.attention_backend, fused, self.decode_attention, self.fp8_stacked_qkv,
-                             self.fp8_stacked_gate_up, self.fp8_norm_codes, self.lora_decode_kernel)
+        return DecodeContext(ws, self.attention_backend, fused, self.decode_options)
 
     def _start_chunk(self, prompts: Sequence[Sequence[int]], n: int, params: SamplingParams,
                      stops: tuple[str, ...]) -> Chunk:

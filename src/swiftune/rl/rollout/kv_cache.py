@@ -6,6 +6,7 @@ cache (the attention arithmetic itself is :mod:`swiftune.attention.kv_cache`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -147,19 +148,26 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """The engine's decode-step choices that the layers read (:class:`~.fast.FastRolloutEngine`'s arguments of
+    the same names)."""
+
+    decode_attention: str = "auto"  # "auto", "sdpa", or "split": swiftune.kernels.decode_attention
+    fp8_stacked_qkv: bool = False  # q/k/v's FP8 products as one (lora_linear.stacked_fp8_products)
+    fp8_stacked_gate_up: bool = False  # and gate/up's (rollout.layers.decode_mlp)
+    fp8_norm_codes: bool = False  # the norms make the next projections' FP8 codes (add_rms_norm_fp8)
+    lora_decode_kernel: bool = False  # runtime LoRA products in two launches each (lora_decode_add_)
+
+
 class DecodeContext:
     """What the attention function needs during one forward (passed to every layer as a kwarg)."""
 
-    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False, decode_attention: str = "auto",
-                 fp8_stacked_qkv: bool = False, fp8_stacked_gate_up: bool = False, fp8_norm_codes: bool = False,
-                 lora_decode_kernel: bool = False):
+    def __init__(self, ws: Workspace, backend: str, fused_layers: bool = False,
+                 options: DecodeOptions = DecodeOptions()):
         self.ws, self.backend = ws, backend
         self.fused_layers = fused_layers  # run the engine's fused pre-norm layer loop (decided per call)
-        self.decode_attention = decode_attention  # "auto", "sdpa", or "split": swiftune.kernels.decode_attention
-        self.fp8_stacked_qkv = fp8_stacked_qkv  # q/k/v's FP8 products as one (lora_linear.stacked_fp8_products)
-        self.fp8_stacked_gate_up = fp8_stacked_gate_up  # and gate/up's (rollout.layers.decode_mlp)
-        self.fp8_norm_codes = fp8_norm_codes  # the norms make the next projections' FP8 codes (add_rms_norm_fp8)
-        self.lora_decode_kernel = lora_decode_kernel  # runtime LoRA products in two launches each (lora_decode_add_)
+        self.options = options
         self.mode = "decode"
         self.kv_len = 0
         self.packed = None
@@ -203,8 +211,8 @@ class DecodeContext:
         dimension it cannot take); ``"auto"`` on CUDA for the head dimensions it was timed at, powers of two
         from 16 to 128 (Gemma 3's 256 keeps SDPA until measured); on the CPU SDPA (the interpreter is for the
         tests, which ask for ``"split"``)."""
-        if self.decode_attention != "auto":
-            return self.decode_attention == "split"
+        if self.options.decode_attention != "auto":
+            return self.options.decode_attention == "split"
         dim = query.shape[-1]
         return query.is_cuda and HAS_TRITON and 16 <= dim <= 128 and dim & (dim - 1) == 0
 

@@ -86,9 +86,9 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
         # gpt-oss's rotary module gives one angle per rotated pair (half width), which swiftune's
         # attention forward widens in every layer; widened once here for all of them
         position_embeddings = (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
-    decode = ctx.mode == "decode"
+    decode, options = ctx.mode == "decode", ctx.options
     # decode steps run a gated MLP's projections here (stacked FP8 gate/up, the LoRA decode kernel's products)
-    mlp_here = decode and (ctx.fp8_stacked_gate_up or ctx.lora_decode_kernel)
+    mlp_here = decode and (options.fp8_stacked_gate_up or options.lora_decode_kernel)
     codes = None  # x's FP8 codes, made by the norm that made x (the first layer's input quantises its own)
     for i, layer in enumerate(layers):
         if decode:
@@ -98,14 +98,15 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
                                   position_embeddings=position_embeddings, **{ctx_kwarg: ctx})
             out = out[0] if isinstance(out, tuple) else out
         gate_up = gated_projections(layer.mlp) if mlp_here else None
-        readers = gate_up if ctx.fp8_norm_codes else None
+        readers = gate_up if options.fp8_norm_codes else None
         x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
-        out = (decode_mlp(layer.mlp, x, codes, ctx.lora_decode_kernel, ctx.fp8_stacked_gate_up) if gate_up
+        out = (decode_mlp(layer.mlp, x, codes, options.lora_decode_kernel, options.fp8_stacked_gate_up) if gate_up
                else layer.mlp(x))
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         last = i + 1 == len(layers)
         nxt = decoder.norm if last else layers[i + 1].input_layernorm
-        readers = None if last or not (decode and ctx.fp8_norm_codes) else attention_projections(layers[i + 1].self_attn)
+        readers = (attention_projections(layers[i + 1].self_attn) if decode and options.fp8_norm_codes and not last
+                   else None)
         x, residual, codes = _add_norm(out, residual, nxt, readers, backend)
     return x
 
@@ -173,8 +174,9 @@ def decode_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: Any,
     heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
     projections = attention_projections(attn)
     shared = shared_fp8_input(x, projections, codes)
-    lora_kernel = ctx.lora_decode_kernel
-    stacked = stacked_fp8_products(projections, x, **shared, lora_kernel=lora_kernel) if ctx.fp8_stacked_qkv else None
+    lora_kernel = ctx.options.lora_decode_kernel
+    stacked = (stacked_fp8_products(projections, x, **shared, lora_kernel=lora_kernel) if ctx.options.fp8_stacked_qkv
+               else None)
     if stacked is None:
         stacked = [p(x, **shared, **_lora_options(p, lora_kernel)) for p in projections]
     q, k, v = (t.view(rows, n, dim) for t, n in zip(stacked, (heads, kv_heads, kv_heads)))
