@@ -695,10 +695,11 @@ case "$part" in
     # 256-2048 slots, bf16 and FP8 caches, with its CUDA tests (the one-chunk path writes without the merge) (~4 min)
     run decode_attention_tests 120 python3 -m pytest tests/test_decode_attention_kernel.py -p no:cacheprovider
     run decode_attention_tune 240 python3 -m benchmarks.tune_decode_attention --out "$OUT/tune_decode_attention.json" ;;
-  lora-decode-quick)  # lora-decode-ab cut to fit a few minutes: the CUDA tests of the LoRA decode kernel, the FP8 KV cache
-    # and the norm-made codes, then FP8 runtime LoRA at G=8 with and without the kernel, 512 tokens (~4 min)
-    run lora_quick_tests 120 python3 -m pytest tests/test_lora_decode_kernel.py tests/test_kv_cache_fp8.py \
-      tests/test_fp8_norm_codes.py -p no:cacheprovider
+  lora-decode-quick)  # lora-decode-ab cut to fit a few minutes: the CUDA tests of the LoRA decode kernel, the FP8 KV cache,
+    # the norm-made codes and flex attention in head groups, then FP8 runtime LoRA at G=8 with and without the
+    # kernel, 512 tokens (~4 min)
+    run lora_quick_tests 150 python3 -m pytest tests/test_lora_decode_kernel.py tests/test_kv_cache_fp8.py \
+      tests/test_fp8_norm_codes.py tests/test_flex_head_groups.py -p no:cacheprovider
     for kernel in no-lora-decode-kernel lora-decode-kernel; do
       run "rollout_lora_fp8_$kernel" 80 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 \
         --new-tokens 512 --no-baselines --no-checks --lora-rows 8 "--$kernel" --time-budget 70 \
