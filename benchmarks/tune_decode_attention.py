@@ -24,6 +24,8 @@ import time
 import torch
 import triton
 
+from benchmarks.moe_decode import as_graph
+
 attention = importlib.import_module("swiftune.kernels.decode_attention")
 
 KV_HEADS, GROUP, DIM = 8, 4, 128  # Qwen3-8B's attention
@@ -48,21 +50,13 @@ def _seconds(fn, calls: int = 20, replays: int = 10) -> float:
     inside the engine's graph, so the host's launch cost is not the kernel's), the graph replayed ``replays``
     times, each replay timed with CUDA events."""
     fn()  # compiled before capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
+    replay, _ = as_graph(lambda: [fn() for _ in range(calls)])
+    replay()
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)

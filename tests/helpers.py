@@ -138,3 +138,17 @@ def copy_lora_tensors(source: torch.nn.Module, target: torch.nn.Module) -> dict[
         for name, p in got.items():
             p.copy_(want[name])
     return got
+
+
+def count_launches(monkeypatch, module, name: str) -> list:
+    """Replace the Triton kernel ``module.<name>`` with one that records each launch's grid, then launches the
+    real kernel; returns the list of grids (one per launch)."""
+    kernel, grids = getattr(module, name), []
+
+    class Counted:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, name, Counted())
+    return grids

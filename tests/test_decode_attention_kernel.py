@@ -12,6 +12,7 @@ import torch
 
 from swiftune.attention.kv_cache import additive_mask, cached_attention, slot_mask
 from swiftune.kernels.decode_attention import split_decode_attention
+from tests.helpers import count_launches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -104,15 +105,7 @@ def test_one_chunk_is_written_without_the_merge_launch(rows, splits, chunks, mon
     kernel normalises and writes the output itself and the merge kernel is not launched; with several chunks
     the merge runs. Both equal the float64 attention."""
     module = importlib.import_module("swiftune.kernels.decode_attention")
-    merges = []
-    real = module._merge_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(module, "_merge_kernel", Counted())
+    merges = count_launches(monkeypatch, module, "_merge_kernel")
     monkeypatch.setattr(module, "_splits", lambda programs, kv_len, device, block_n=64:
                         max(1, min(_cdiv(kv_len, block_n), _cdiv(16, programs))))
     q, k, v, cur = _case(rows, 2, 4, 32, 300, torch.float32, seed=rows)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from swiftune.kernels import glu
 from tests.conftest import DEVICES
+from tests.helpers import count_launches
 
 DEVICE = DEVICES[0]  # CUDA (compiled) on the GPU machine, else the CPU (interpreter)
 
@@ -55,15 +56,7 @@ def test_strided_halves_give_the_flat_kernel_and_transformers_bits(dtype, shape,
 def test_row_kernel_is_what_runs_on_column_views(monkeypatch):
     """The row kernel runs for column halves; contiguous inputs and views whose rows do not share one stride
     (a transpose) take the flat kernel on copies, as before."""
-    launched = []
-    kernel = glu._glu_rows_fwd_kernel
-
-    class Counting:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(glu, "_glu_rows_fwd_kernel", Counting())
+    launched = count_launches(monkeypatch, glu, "_glu_rows_fwd_kernel")
     gate, up = _halves((4,), 64, torch.bfloat16, seed=0)
     want = glu.swiglu(gate.contiguous(), up.contiguous())
     assert not launched
