@@ -80,16 +80,9 @@ class LoRALinearFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xb, xl = x2.to(base_dtype), x2.to(lora_dtype)
-        fp8 = isinstance(quant_state, FP8State)
-        w = weight if fp8 else _base_weight(weight, quant_state, base_dtype)
         a, b = lora_a.to(lora_dtype), lora_b.to(lora_dtype)
         h = torch.mm(xl, a.t())
-        if fp8:
-            y = fp8_matmul(xb, weight, quant_state, base_dtype, bias, quantized)
-        elif quantized is not None:
-            raise ValueError("quantized= is for an FP8 base product")
-        else:
-            y = F.linear(xb, w, None if bias is None else bias.to(base_dtype))
+        y, w = _base_product(xb, weight, bias, quant_state, base_dtype, quantized)
         y = _add_adapter_product(y, h, b, scaling, lora_dtype, base_dtype)
         # a 4-bit weight is dequantised again in backward rather than kept at full size
         ctx.save_for_backward(xb, xl, h, weight if quant_state is not None else w, a, b)
@@ -138,6 +131,19 @@ def _add_adapter_product(y: torch.Tensor, h: torch.Tensor, b: torch.Tensor, scal
     if lora_dtype == base_dtype:
         return y.addmm_(h, b.t(), alpha=scaling)
     return torch.addmm(y.to(lora_dtype), h, b.t(), alpha=scaling).to(base_dtype)
+
+
+def _base_product(xb: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant_state: Any,
+                  base_dtype: torch.dtype, quantized: QuantizedActivation | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``xb W^T + b`` in ``base_dtype`` (an FP8 base through :func:`fp8_matmul`, a 4-bit one dequantised first)
+    and the weight as multiplied, which the input gradient multiplies again (an FP8 base: its codes)."""
+    if isinstance(quant_state, FP8State):
+        return fp8_matmul(xb, weight, quant_state, base_dtype, bias, quantized), weight
+    if quantized is not None:
+        raise ValueError("quantized= is for an FP8 base product")
+    w = _base_weight(weight, quant_state, base_dtype)
+    return F.linear(xb, w, None if bias is None else bias.to(base_dtype)), w
 
 
 def _base_weight(weight: torch.Tensor, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -254,10 +260,7 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
         quant_state = getattr(weight, "quant_state", None) if type(base) is not nn.Linear else None
     if lora_kernel and _takes_lora_decode_kernel(x, quant_state, fp8):
         x2 = x.reshape(-1, x.shape[-1])
-        xb = x2.to(base_dtype)
-        bias = base.bias
-        y = (fp8_matmul(xb, weight, quant_state, base_dtype, bias, quantized) if fp8
-             else F.linear(xb, weight.to(base_dtype), None if bias is None else bias.to(base_dtype)))
+        y, _ = _base_product(x2.to(base_dtype), weight, base.bias, quant_state, base_dtype, quantized)
         lora_decode_add_(y, x2, lora_a.weight.to(lora_dtype), lora_b.weight.to(lora_dtype), float(self.scaling[name]))
         return y.view(*x.shape[:-1], y.shape[-1])
     return LoRALinearFunction.apply(x, weight, base.bias, lora_a.weight, lora_b.weight, float(self.scaling[name]),
