@@ -56,31 +56,39 @@ def _lower_the_limit(monkeypatch, tokens, group, dim, heads_per_call):
 
 
 def test_split_calls_join_into_the_unsplit_result_with_every_gradient(monkeypatch):
-    """The grouping's own arithmetic (slices, contiguous copies, the join), with a differentiable stand-in
-    for flex: per-head softmax attention over every key, GQA by head groups. Split in three (K/V heads of 2,
-    2, 1) against one call: output and the q, k, v gradients."""
-    def attend(q, k, v, first_head):
-        g = q.shape[1] // k.shape[1]
-        kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        probs = torch.softmax(torch.einsum("thd,shd->hts", q, kk), dim=-1)
-        return torch.einsum("hts,shd->thd", probs, vv)
+    """The grouping's own arithmetic (the split, contiguous copies, the join, each group's sinks), with
+    transformers' own gpt-oss eager attention (causal, sinks) standing in for flex, which has no CPU backward.
+    Split in three (K/V heads of 2, 2, 1) against one unsplit call of that same function: the output and the
+    gradients of q, k, v and the sinks, each non-zero."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
+    tokens, kv_heads, group, dim = 6, 5, 3, 4
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(6, 15, 4, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(6, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    want = attend(q, k, v, 0)
-    cotangent = torch.randn_like(want)
-    want_grads = torch.autograd.grad((want * cotangent).sum(), (q, k, v))
+    q = torch.randn(tokens, kv_heads * group, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    sinks = torch.randn(kv_heads * group, generator=gen, dtype=torch.float64).mul(2).requires_grad_()
+    causal = torch.zeros(tokens, tokens, dtype=torch.float64).masked_fill(
+        torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))[None, None]
     seen = []
 
-    def counted(q, k, v, first_head):
+    def attend(q, k, v, first_head):
         seen.append((first_head, q.shape[1], k.shape[1], q.is_contiguous()))
-        return attend(q, k, v, first_head)
+        module = torch.nn.Module()
+        module.num_key_value_groups, module.training = group, False
+        module.sinks = sinks[first_head:first_head + q.shape[1]]  # this call's query heads' sinks
+        out, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], causal, scaling=dim ** -0.5)
+        return out[0]  # [T, heads, D]
 
-    _lower_the_limit(monkeypatch, 6, 3, 4, heads_per_call=2)
-    got = flex_in_head_groups(counted, q, k, v)
+    want = attend(q, k, v, 0)
+    cotangent = torch.randn_like(want)
+    want_grads = torch.autograd.grad((want * cotangent).sum(), (q, k, v, sinks))
+    seen.clear()
+    _lower_the_limit(monkeypatch, tokens, group, dim, heads_per_call=2)
+    got = flex_in_head_groups(attend, q, k, v)
     assert seen == [(0, 6, 2, True), (6, 6, 2, True), (12, 3, 1, True)]
-    got_grads = torch.autograd.grad((got * cotangent).sum(), (q, k, v))
+    got_grads = torch.autograd.grad((got * cotangent).sum(), (q, k, v, sinks))
     assert rel_err(got, want) < 1e-12
     for g, w in zip(got_grads, want_grads):
         assert rel_err(g, w) < 1e-12 and w.abs().max() > 0
