@@ -24,6 +24,7 @@ import time
 import torch
 import triton
 
+from benchmarks.kernels import bench
 from benchmarks.moe_decode import as_graph
 
 attention = importlib.import_module("swiftune.kernels.decode_attention")
@@ -51,16 +52,7 @@ def _seconds(fn, calls: int = 20, replays: int = 10) -> float:
     times, each replay timed with CUDA events."""
     fn()  # compiled before capture
     replay, _ = as_graph(lambda: [fn() for _ in range(calls)])
-    replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return bench(replay, warmup=1, iters=replays) / 1e3 / calls
 
 
 def sweep(rows: int, slots: int, fp8: bool, settings: list[dict], budget_s: float) -> list[dict]:

@@ -325,8 +325,8 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
     each projection's adapter product is added to its columns as :class:`LoRALinearFunction` adds it. Each
     output column is the same dot product as the projection's own; a kernel may tile the wider product
     differently, so results match each projection's call to its rounding (tests/test_fp8_stacked_qkv.py).
-    ``quantized``: ``x``'s codes (:func:`shared_fp8_input`). ``lora_kernel``: each adapter's product added in one
-    launch (:func:`fused_lora_forward`'s). ``None`` where that does not hold: call each."""
+    ``quantized``: ``x``'s codes (:func:`shared_fp8_input`). ``lora_kernel``: each adapter's product added by the LoRA
+    decode kernel (:func:`fused_lora_forward`'s two launches). ``None`` where that does not hold: call each."""
     if torch.is_grad_enabled():
         return None
     dtype = input_compute_dtype(x)
