@@ -750,3 +750,42 @@ def test_moving_the_final_save_in_replaces_files_and_folders_of_the_same_name(tm
     assert (out / "adapter_config.json").read_text() == "new" and (out / "metrics.jsonl").read_text() == "kept"
     assert os.listdir(out / "second_adapter") == ["adapter_model.safetensors"]
     assert not os.path.exists(staged) and not [n for n in os.listdir(out) if n.startswith(STAGING_PREFIX)]
+
+
+def test_a_fresh_run_into_an_output_dir_with_an_earlier_runs_checkpoints_says_what_happens_to_them(
+        tmp_path, rows, tokenizer, caplog):
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        sft_trainer(out, rows, tokenizer, max_steps=4, save_strategy="steps", save_steps=2).train()
+    assert "earlier run" not in caplog.text  # an empty output_dir: nothing to say
+    assert checkpoint_folders(out) == ["checkpoint-2", "checkpoint-4"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="swiftune"):
+        sft_trainer(out, rows, tokenizer, max_steps=2, save_strategy="steps", save_steps=2,
+                    save_total_limit=1).train()
+    said = caplog.text
+    assert "already holds checkpoints of an earlier run (checkpoint-4, checkpoint-2)" in said
+    assert "save_total_limit=1" in said and "--resume_from_checkpoint true" in said
+    # what it said happened: this run's checkpoint-2 replaced the earlier one, the rotation removed checkpoint-4
+    assert checkpoint_folders(out) == ["checkpoint-2"]
+    assert json.load(open(out / "checkpoint-2" / MARKER_NAME))["step"] == 2
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="swiftune"):  # resuming is continuing: no warning
+        sft_trainer(out, rows, tokenizer, max_steps=4, save_strategy="steps", save_steps=2).train(
+            resume_from_checkpoint=True)
+    assert "earlier run" not in caplog.text
+
+
+def test_rotation_orders_checkpoints_by_their_markers_write_time_not_by_step(tmp_path):
+    from swiftune.training.checkpoints import checkpoints_oldest_first, rotate_checkpoints, write_marker
+
+    for step, when in ((9, None), (2, 300.0), (4, 100.0), (8, 200.0)):  # checkpoint-9: no marker (cut short)
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if when is not None:
+            write_marker(str(tmp_path / f"checkpoint-{step}"), step, {})
+            marker = json.load(open(tmp_path / f"checkpoint-{step}" / MARKER_NAME))
+            (tmp_path / f"checkpoint-{step}" / MARKER_NAME).write_text(json.dumps({**marker, "time": when}))
+    assert [os.path.basename(p) for p in checkpoints_oldest_first(str(tmp_path))] == [
+        "checkpoint-9", "checkpoint-4", "checkpoint-8", "checkpoint-2"]
+    rotate_checkpoints(str(tmp_path), 2, str(tmp_path / "checkpoint-4"))  # the best one is kept too
+    assert checkpoint_folders(tmp_path) == ["checkpoint-2", "checkpoint-4"]

@@ -117,27 +117,39 @@ def discard_checkpoint(path: str) -> None:
 
 
 def rotate_checkpoints(run_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
-    """transformers' ``rotate_checkpoints`` (newest by mtime kept, the best one kept, the oldest
-    removed down to ``save_total_limit``), each removal through :func:`discard_checkpoint`."""
-    from pathlib import Path
-
-    from transformers.trainer_utils import sort_checkpoints
-
+    """transformers' ``rotate_checkpoints`` (the newest kept, the best one kept, the oldest removed down to
+    ``save_total_limit``), each removal through :func:`discard_checkpoint`, with "newest" read from the
+    completion markers' write times (:func:`checkpoints_oldest_first`), not from folder mtimes or step numbers."""
     if save_total_limit is None or save_total_limit <= 0:
         return
-    checkpoints = sort_checkpoints(run_dir, PREFIX, use_mtime=True)
+    checkpoints = checkpoints_oldest_first(run_dir)
     if len(checkpoints) <= save_total_limit:
         return
-    protected = {checkpoints[-1]}
+    protected = {os.path.abspath(checkpoints[-1])}
     if best_model_checkpoint is not None:
-        protected.add(str(Path(best_model_checkpoint)))
+        protected.add(os.path.abspath(best_model_checkpoint))
     remaining = len(checkpoints)
     for path in checkpoints:
         if remaining <= max(save_total_limit, len(protected)):
             break
-        if path not in protected:
+        if os.path.abspath(path) not in protected:
             discard_checkpoint(path)
             remaining -= 1
+
+
+def checkpoints_oldest_first(run_dir: str) -> list[str]:
+    """The ``checkpoint-N`` folders of ``run_dir``, the one written last at the end: ordered by the time their
+    completion markers record, folders without one first, steps breaking ties. transformers orders by folder
+    mtime, or by step where it finds mtimes unreliable; after a run started from scratch in an earlier run's
+    output_dir, step order ranks the earlier run's higher steps as newer, and the rotation then removed the
+    checkpoint just written."""
+    def written(item: tuple[int, str]) -> tuple[int, float, int]:
+        step, path = item
+        marker = read_marker(path)
+        when = marker.get("time") if marker else None
+        return (0, 0.0, step) if not isinstance(when, (int, float)) else (1, float(when), step)
+
+    return [path for _, path in sorted(list_checkpoints(run_dir), key=written)]
 
 
 def write_json_atomic(path: str, data: Any) -> None:
@@ -346,6 +358,25 @@ def resolve_resume(resume: str | bool | None, run_dir: str) -> str | None:
         hint = f"; the newest complete checkpoint beside it is {newest}" if newest else ""
         raise ValueError(f"resume_from_checkpoint={path!r} cannot be resumed from: {problem}{hint}")
     return path
+
+
+def warn_on_earlier_checkpoints(run_dir: str, save_total_limit: int | None) -> list[str]:
+    """Warn once when a run that starts from scratch (no ``resume_from_checkpoint``) finds ``checkpoint-N``
+    folders of an earlier run in ``run_dir``: its own checkpoints replace theirs of the same step, its rotation
+    removes the oldest (theirs first), and a later ``resume_from_checkpoint=True`` takes the highest step of
+    either run. Returns their names, newest first (empty: nothing to say)."""
+    names = [os.path.basename(path) for _, path in list_checkpoints(run_dir)]
+    if not names:
+        return []
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    rotation = (f"; with save_total_limit={save_total_limit} its rotation removes the oldest checkpoints, the "
+                "earlier run's first" if save_total_limit else "")
+    logger.warning("swiftune: output_dir %s already holds checkpoints of an earlier run (%s), and this run starts "
+                   "from scratch (no resume_from_checkpoint). Its checkpoints replace those of the same step%s, and "
+                   "resume_from_checkpoint=true would later take the highest step of either run. To keep that run's "
+                   "checkpoints, choose another output_dir; to continue that run, pass resume_from_checkpoint=true "
+                   "(--resume_from_checkpoint true).", run_dir, shown, rotation)
+    return names
 
 
 # ------------------------------------------------------------------------------------ settings

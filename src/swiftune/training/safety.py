@@ -45,6 +45,7 @@ from .checkpoints import (
     save_failure,
     staging_run_dir,
     warn_on_changed_settings,
+    warn_on_earlier_checkpoints,
     write_marker,
 )
 from .guards import DeferredNonFiniteCheck, NonFiniteError, check_grad_norm, check_loss, check_weights, is_finite
@@ -118,6 +119,8 @@ class RunSafetyMixin:
                         warn_on_changed_settings(resume, settings)
                 if resume is None:
                     self._refuse_nonfinite_start()
+                    if self.is_world_process_zero():
+                        warn_on_earlier_checkpoints(args.output_dir, args.save_total_limit)
                 output = super().train(resume_from_checkpoint=resume, trial=trial,
                                        ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
         finally:
