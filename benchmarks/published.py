@@ -357,6 +357,18 @@ FIGURES: list[dict] = [
            "--profile-steps 256 --fp8-norm-codes --kv-cache-dtype auto ", 105),
           ("rollout_g64_fp8_norm-codes-kv-fp8", "the norm kernel's", "--load-in-fp8 ",
            "--profile-steps 256 --fp8-norm-codes --kv-cache-dtype fp8 ", 105))),
+    # a later H100 80GB call (scripts/gpu_suite.sh lora-decode-quick): FP8 runtime LoRA at G=8, 512 tokens, each
+    # adapter's product from the torch ops, then from the two-launch kernel (the engine's default since); the
+    # adapter-free row once, from the kernel's run (the same engine and settings in both)
+    *(dict(figure="rollout_fp8", file=f"2026-12-06/rollout_lora_g8_fp8_{file}_s48_h100.json", date="2026-12-06",
+           versions=BASE, gpu="NVIDIA H100 80GB HBM3", keep=keep,
+           settings={"call": "H100, LoRA product A/B", "qkv": "one product", "gate_up": "one product",
+                     "codes": "the norm kernel's", "lora_product": product},
+           command="python -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 --new-tokens 512 "
+                   f"--no-baselines --no-checks --lora-rows 8 --{flag} --time-budget 70 --out rollout_lora_fp8_{flag}.json")
+      for file, product, flag, keep in (
+          ("ops", "the torch ops", "no-lora-decode-kernel", _modes("fast_engine_lora")),
+          ("two-launch-kernel", "the two-launch kernel", "lora-decode-kernel", None))),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
          settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "

@@ -506,6 +506,7 @@ def rollout_fp8(fig: Figure) -> str:
     for mode, model, s, m in fig.groups():
         # the row's own LoRA mode (a bf16 call times the adapters at run time and merged; FP8 bases only at run time)
         lora = (f"LoRA r=16 {'merged' if s.get('lora') == 'merge' else 'at runtime'}"
+                + (f", its product from {s['lora_product']}" if s.get("lora_product") else "")
                 if mode == "fast_engine_lora" else "")
         key = (model, s["rows"], s["new_tokens"], lora, s.get("call", ""))
         weights = s.get("weights", "bf16") + (", KV cache fp8" if s.get("kv_cache") == "fp8" else "")

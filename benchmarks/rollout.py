@@ -251,9 +251,9 @@ FP8_AND_LORA_SWITCHES = (
     ("--fp8-norm-codes", True, "FP8 weights: the residual add + norm kernel makes q/k/v's and gate/up's input codes "
      "(the engine's default); --no-fp8-norm-codes: a separate quantise launch, the baseline "
      "(FastRolloutEngine(fp8_norm_codes=...))"),
-    ("--lora-decode-kernel", False, "runtime LoRA rows: each adapter's product added in one launch "
-     "(FastRolloutEngine(lora_decode_kernel=True)); off: two matmuls and their casts (the engine's default until "
-     "timed)"),
+    ("--lora-decode-kernel", True, "runtime LoRA rows: each adapter's product added in two launches (the "
+     "engine's default); --no-lora-decode-kernel: two matmuls and their casts, the baseline "
+     "(FastRolloutEngine(lora_decode_kernel=...))"),
 )
 
 

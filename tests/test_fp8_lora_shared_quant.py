@@ -205,7 +205,8 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
         quantise.clear(), given.clear(), steps.clear()
         engine = FastRolloutEngine(model, pad_token_id=tokenizer.pad_token_id, kv_bucket=4, check_every=3,
                                    lora="runtime", **{"fp8_stacked_qkv": False, "fp8_stacked_gate_up": False,
-                                                      "fp8_norm_codes": False, **options})
+                                                      "fp8_norm_codes": False, "lora_decode_kernel": False,
+                                                      **options})
         # a product per projection, each input quantised by its own launch: what is counted is the sharing per
         # projection (the stacked products: tests/test_fp8_stacked_qkv.py; the norms' codes:
         # tests/test_fp8_norm_codes.py)
@@ -226,8 +227,8 @@ def test_engine_with_runtime_lora_shares_the_quantisation_and_matches_transforme
     assert all(len(c) == 2 for c in after.completion_ids)
     for got, want in zip(after.logprobs, before.logprobs):
         assert torch.equal(got, want)
-    # the engine's defaults (stacked products, the norms making the codes): the same bits, so the reference
-    # below checks them too
+    # the engine's defaults but the LoRA kernel (stacked products, the norms making the codes): the same bits, so
+    # the reference below checks them too; with the kernel too (all the defaults): the first kernel run below
     defaults = generate(fp8_stacked_qkv=True, fp8_stacked_gate_up=True, fp8_norm_codes=True)[0]
     assert defaults.completion_ids == after.completion_ids
     for got, want in zip(defaults.logprobs, after.logprobs):
