@@ -127,6 +127,16 @@ FIGURES: list[dict] = [
     dict(figure="sft_graphs_shared_buffers_qwen3-8b",
          file="2026-12-02/unsloth_sft_shared_buffers_call_qwen3-8b_b16_h200.json", date="2026-12-02",
          versions=WITH_UNSLOTH, command=f"{UNSLOTH_SFT} --steps 12 --out unsloth_sft.json"),
+    # one H100 80GB call (scripts/gpu_suite.sh sft-graphs-memory): Unsloth padding-free and packed, then the graphed
+    # row with the NaN/inf check deferred and the loss in 256-token chunks (its try on an 18.4 GB budget ran out of
+    # memory: raw sft_graphs_18gb_qwen3-8b_s48_h100.json, no rows)
+    dict(figure="sft_graphs_memory_qwen3-8b", file="2026-12-06/sft_graphs_chunk256_qwen3-8b_s48_h100.json",
+         date="2026-12-06", versions=BASE, gpu="NVIDIA H100 80GB HBM3",
+         command=f"{GRAPHED_B16} --steps 70 --warmup 30 --deferred-nonfinite-check --logit-chunk-tokens 256 "
+                 "--modes swiftune_graphs --out sft_graphs_chunk256.json"),
+    dict(figure="sft_graphs_memory_qwen3-8b", file="2026-12-06/unsloth_sft_qwen3-8b_s48_h100.json",
+         date="2026-12-06", versions=WITH_UNSLOTH, gpu="NVIDIA H100 80GB HBM3",
+         command=f"{UNSLOTH_SFT} --steps 12 --out unsloth_sft.json"),
     # one device call (scripts/gpu_suite.sh sft-deferred): the graphed batch-16 step with the NaN/inf guards' host
     # waits and with the check deferred, each profiled once and timed over 70 steps, every run its own process
     *[dict(figure="sft_deferred_check_qwen3-8b", file=f"2026-12-05/{out}_qwen3-8b_b16_h200.json",

@@ -579,7 +579,7 @@ def attention(fig: Figure) -> str:
 
 
 RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_graphs_side_by_side_qwen3-8b": sft_graphs,
-          "sft_graphs_shared_buffers_qwen3-8b": sft_graphs,
+          "sft_graphs_shared_buffers_qwen3-8b": sft_graphs, "sft_graphs_memory_qwen3-8b": sft_graphs,
           "sft_16k_fit_qwen3-8b": sft, "sft_16k_fit_second_call_qwen3-8b": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "qlora_sft_offload_qwen3-8b": sft,
           "qlora_sft_untiled_qwen3-8b": sft, "qlora_sft_16k_untiled_qwen3-8b": sft,
