@@ -141,13 +141,23 @@ def test_fused_residual_norm_layers_equal_the_layers_own_forward(tokenizer, prom
     assert len(calls) == n  # ... and the unfused engine did not use it
     assert fused.completion_ids == plain.completion_ids
     assert torch.equal(torch.cat(fused.logprobs), torch.cat(plain.logprobs))
-    # the engine's default, each adapter's product from the LoRA decode kernel: the same tokens, log-probs float32
-    # sums apart (bf16 / fp16 outputs: an ulp of some projection outputs)
-    kernel = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime",
-                               fused_layers=True).generate(prompts, 2, params)
+    # each adapter's product from the LoRA decode kernel (the engine's default on CUDA; here the interpreter runs
+    # it): the same tokens, log-probs float32 sums apart (bf16 / fp16 outputs: an ulp of some projection outputs)
+    kernel = FastRolloutEngine(model, seed=7, kv_bucket=4, check_every=2, lora="runtime", fused_layers=True,
+                               lora_decode_kernel=True).generate(prompts, 2, params)
     assert kernel.completion_ids == plain.completion_ids
     torch.testing.assert_close(torch.cat(kernel.logprobs), torch.cat(plain.logprobs), rtol=0,
                                atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_lora_decode_kernel_is_on_by_default_on_cuda_only():
+    model = AutoModelForCausalLM.from_config(tiny_model_config("qwen3"))
+    assert FastRolloutEngine(model).decode_options.lora_decode_kernel is False  # CPU: the torch ops
+    assert FastRolloutEngine(model, lora_decode_kernel=True).decode_options.lora_decode_kernel is True
+    if torch.cuda.is_available():
+        assert FastRolloutEngine(model.cuda()).decode_options.lora_decode_kernel is True
+    with pytest.raises(ValueError, match="lora_decode_kernel must be True, False or 'auto'"):
+        FastRolloutEngine(model, lora_decode_kernel="yes")
 
 
 def test_fused_residual_norm_only_on_patched_pre_norm_models():

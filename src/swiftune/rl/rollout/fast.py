@@ -234,9 +234,10 @@ class FastRolloutEngine:
         lora_decode_kernel: adapters at run time (``lora="runtime"``, and FP8 or 4-bit bases, which are never
             merged): in the fused layer loop's decode steps each adapter's product is added to its projection's
             in two launches (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and, for PEFT's
-            float32 adapters, three casts; plain and FP8 bases. On by default (faster at G=8 over FP8 weights in
-            ``scripts/gpu_suite.sh lora-decode-quick``); ``False`` for the ops, the A/B's baseline. The sums run in
-            another order, so log-probabilities move by float32 rounding.
+            float32 adapters, three casts; plain and FP8 bases. ``"auto"`` (default): on for a model on CUDA (faster at
+            G=8 over FP8 weights in ``scripts/gpu_suite.sh lora-decode-quick``), off elsewhere (on CPU the kernel
+            would run in Triton's interpreter); ``True`` / ``False`` force it (``False``: the ops, the A/B's
+            baseline). The sums run in another order, so log-probabilities move by float32 rounding.
         kv_cache_dtype: ``"auto"`` (default): the KV cache in the model's dtype. ``"fp8"``: each cached K / V
             vector as e4m3 codes with a float32 scale per slot and head (:class:`~.kv_cache.Workspace`), about
             half the cache's bytes, so a decode step whose cache read is as large as its weight read (many rows,
@@ -257,7 +258,8 @@ class FastRolloutEngine:
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True,
-                 fp8_norm_codes: bool = True, lora_decode_kernel: bool = True, kv_cache_dtype: str = "auto"):
+                 fp8_norm_codes: bool = True, lora_decode_kernel: bool | str = "auto",
+                 kv_cache_dtype: str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
         if lora not in ("auto", "runtime", "merge"):
@@ -293,7 +295,9 @@ class FastRolloutEngine:
         self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
         self.fp8_stacked_gate_up = bool(fp8_stacked_gate_up)
         self.fp8_norm_codes = bool(fp8_norm_codes)
-        self.lora_decode_kernel = bool(lora_decode_kernel)
+        if lora_decode_kernel not in (True, False, "auto"):
+            raise ValueError(f"lora_decode_kernel must be True, False or 'auto', got {lora_decode_kernel!r}")
+        self.lora_decode_kernel = lora_decode_kernel
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
         self._stream = SamplingStream(self.seed)
         self._ws: Workspace | None = None
@@ -474,7 +478,12 @@ class FastRolloutEngine:
         """The decode-step choices the layers read, as one object for each step's :class:`DecodeContext`."""
         return DecodeOptions(decode_attention=self.decode_attention, fp8_stacked_qkv=self.fp8_stacked_qkv,
                              fp8_stacked_gate_up=self.fp8_stacked_gate_up, fp8_norm_codes=self.fp8_norm_codes,
-                             lora_decode_kernel=self.lora_decode_kernel)
+                             lora_decode_kernel=self._lora_decode_kernel_on())
+
+    def _lora_decode_kernel_on(self) -> bool:
+        if self.lora_decode_kernel != "auto":
+            return bool(self.lora_decode_kernel)
+        return next(self.model.parameters()).device.type == "cuda"
 
     def _context(self, ws: Workspace, fused: bool) -> DecodeContext:
         """The attention context of a workspace (or of a compacted view of one)."""

@@ -87,8 +87,6 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
         # attention forward widens in every layer; widened once here for all of them
         position_embeddings = (torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
     decode, options = ctx.mode == "decode", ctx.options
-    # decode steps run a gated MLP's projections here (stacked FP8 gate/up, the LoRA decode kernel's products)
-    mlp_here = decode and (options.fp8_stacked_gate_up or options.lora_decode_kernel)
     codes = None  # x's FP8 codes, made by the norm that made x (the first layer's input quantises its own)
     for i, layer in enumerate(layers):
         if decode:
@@ -97,7 +95,8 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             out = layer.self_attn(hidden_states=x, attention_mask=None, position_ids=position_ids,
                                   position_embeddings=position_embeddings, **{ctx_kwarg: ctx})
             out = out[0] if isinstance(out, tuple) else out
-        gate_up = gated_projections(layer.mlp) if mlp_here else None
+        gate_up = decode_mlp_projections(layer.mlp, options.fp8_stacked_gate_up, options.lora_decode_kernel) \
+            if decode else None
         readers = gate_up if options.fp8_norm_codes else None
         x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
         out = (decode_mlp(layer.mlp, x, codes, options.lora_decode_kernel, options.fp8_stacked_gate_up) if gate_up
@@ -134,6 +133,20 @@ def gated_projections(mlp: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     return (mlp.gate_proj, mlp.up_proj) if gated and hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj") else None
 
 
+def decode_mlp_projections(mlp: nn.Module, stacked: bool, lora_kernel: bool) -> tuple[nn.Module, nn.Module] | None:
+    """The gate/up projections a decode step runs through :func:`decode_mlp` (as one stacked FP8 product, or, with
+    the LoRA decode kernel, an adapted MLP's projections one by one); ``None`` where the MLP's own forward runs
+    (then nothing is made for :func:`decode_mlp` to read: no norm-made codes, no shared quantisation)."""
+    projections = gated_projections(mlp)
+    if projections is None or stacked:
+        return projections
+    return projections if lora_kernel and _adapted(mlp, projections) else None
+
+
+def _adapted(mlp: nn.Module, projections: tuple[nn.Module, nn.Module]) -> bool:
+    return any(is_fused_lora(p) for p in (*projections, mlp.down_proj))
+
+
 def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor] | None = None,
                lora_kernel: bool = False, stacked: bool = True) -> torch.Tensor | tuple:
     """One decode step of a gated MLP whose FP8 ``gate_proj`` / ``up_proj`` codes lie in one buffer
@@ -144,13 +157,13 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch
     (:func:`shared_fp8_input`); ``lora_kernel``: runtime LoRA adapters' products added in two launches each
     (:func:`swiftune.models.lora_linear.fused_lora_forward`), gate/up then called one by one where they are not
     stacked (``stacked=False`` or weights not laid out so); without it those run the module's own forward."""
-    projections = gated_projections(mlp)
+    projections = decode_mlp_projections(mlp, stacked, lora_kernel)
     if projections is None:
         return mlp(x)
     shared = shared_fp8_input(x, projections, codes)
     products = stacked_fp8_products(projections, x, **shared, lora_kernel=lora_kernel) if stacked else None
     if products is None:
-        if not (lora_kernel and any(is_fused_lora(p) for p in (*projections, mlp.down_proj))):
+        if not (lora_kernel and _adapted(mlp, projections)):
             return mlp(x)
         products = [p(x, **shared, **_lora_options(p, lora_kernel)) for p in projections]
     return mlp.down_proj(gated_activation(mlp, *products), **_lora_options(mlp.down_proj, lora_kernel))
