@@ -76,7 +76,7 @@
 #   scripts/gpu_suite.sh fp8-stacked-ab # Qwen3-8B FP8 decode, q/k/v as one product vs three, G 8 / 64, profiled, with its CUDA tests (~6 min)
 #   scripts/gpu_suite.sh fp8-stacked-gate-up-ab # Qwen3-8B FP8 decode, gate/up as one product vs two, bf16 beside, G 8 / 64, profiled, with CUDA tests (~7 min)
 #   scripts/gpu_suite.sh fp8-norm-kv-ab # Qwen3-8B G=64: bf16, FP8 with / without the norms making the codes, and with the FP8 KV cache, profiled, with CUDA tests (~8 min)
-#   scripts/gpu_suite.sh lora-decode-ab # Qwen3-8B FP8 runtime LoRA at G 8 / 64: the one-launch adapter product against the ops, bf16 beside (~8 min)
+#   scripts/gpu_suite.sh lora-decode-ab # Qwen3-8B FP8 runtime LoRA at G 8 / 64: the two-launch adapter product (the default) against the ops, bf16 beside (~8 min)
 #   scripts/gpu_suite.sh decode-attention-tune # the split decode attention's launch settings swept at G 8 / 64, bf16 / FP8 caches, with its CUDA tests (~4 min)
 #   scripts/gpu_suite.sh lora-decode-quick # the same cut to G=8 FP8 only, 512 tokens, with the kernels' CUDA tests (~4 min)
 #   scripts/gpu_suite.sh fp8-kv-ab   # Qwen3-8B FP8 decode, the FP8 KV cache vs bf16 cache, bf16 beside, G 8 / 64, profiled, with CUDA tests (~8 min)
@@ -680,7 +680,7 @@ case "$part" in
         --out "$OUT/rollout_g64_fp8_$variant.json"
     done ;;
   lora-decode-ab)  # runtime LoRA (r=16, every linear layer; FP8 bases are never merged) on Qwen3-8B FP8 at G 8 / 64:
-    # each adapter's product in one launch (FastRolloutEngine(lora_decode_kernel=True)) against two matmuls and
+    # each adapter's product in two launches (FastRolloutEngine(lora_decode_kernel=True), the CUDA default) against two matmuls and
     # their casts, one call, bf16 (runtime and merged adapters) beside; the kernel's tests on CUDA first (~8 min)
     run lora_decode_tests 200 python3 -m pytest tests/test_lora_decode_kernel.py tests/test_fp8_lora_shared_quant.py \
       -p no:cacheprovider
