@@ -203,6 +203,51 @@ def test_layers_are_recomputed_and_offloaded_inputs_freed_after_forward():
     assert calls[0] == 2  # recomputed in backward
 
 
+@pytest.mark.parametrize("patched", [False, True], ids=["plain", "patched"])
+def test_get_peft_model_lets_the_offloaded_first_input_go(patched):
+    """transformers' and PEFT's checkpointing set-up make the embeddings' output a leaf that requires
+    grad (for reentrant checkpointing); autograd then holds it for the whole step, so the first layer's
+    input stays on the device though it was offloaded. FastModel.get_peft_model removes that hook: the
+    output is freed after the forward, and every LoRA gradient still equals PEFT's own model run
+    without checkpointing."""
+    import peft
+    from swiftune import FastModel, patch_model
+
+    torch.manual_seed(0)
+    cfg = tiny_model_config("qwen3", vocab_size=320, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_config(cfg).train()
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_config(cfg).train(),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    reference.get_base_model().load_state_dict(base.state_dict(), strict=False)
+    if patched:
+        patch_model(base)
+    model = FastModel.get_peft_model(base, r=4, lora_alpha=8, use_gradient_checkpointing="offload",
+                                     offload_gpu_budget_bytes=0)
+    with torch.no_grad():  # non-zero B, so that every A gets a gradient too; the same adapters in both
+        for (name, p), (ref_name, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
+            assert name == ref_name
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+            ref_p.copy_(p)
+    outputs: list[weakref.ref] = []
+    model.get_input_embeddings().register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    ids = torch.randint(0, 320, (1, 48))
+    loss = model(input_ids=ids, labels=ids).loss
+    gc.collect()
+    assert offload_stats(model)["offload"] == (0, 1)
+    assert outputs[0]() is None, "the embeddings' output (the offloaded first layer input) is still held"
+    loss.backward()
+    ref_loss = reference(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-5
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * cfg.num_hidden_layers
+    for name, ref in ref_grads.items():
+        assert grads[name] is not None and ref.abs().max() > 0 and grads[name].abs().max() > 0, name
+        assert rel_err(grads[name], ref) < 1e-4, name
+
+
 def test_retain_graph_restores_again():
     model = _model("qwen3", lora=True)
     ids = torch.randint(0, 320, (1, 40))

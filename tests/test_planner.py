@@ -301,6 +301,53 @@ def test_lora_saved_bytes_match_autograd(autocast, lora_dtype, casts):
     assert setup.lora_copies_input == (lora_dtype == torch.float32 and (casts or not autocast))
 
 
+def _saved_bytes_per_token(block: torch.nn.Module, hidden: int, tiled: bool) -> float:
+    """Bytes a MoE block's forward saves per token beyond its input and its weights, measured with
+    saved-tensor hooks at two token counts (the difference drops what does not grow with T)."""
+    from swiftune.models.tiled_mlp import tiled_moe_forward
+
+    totals = []
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    for tokens in (64, 128):
+        inp = torch.randn(1, tokens, hidden, requires_grad=True) * 1  # an activation, as in a model
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            tiled_moe_forward(block, inp, 16) if tiled else block(inp)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        totals.append(sum(n for ptr, n in storages.items()
+                          if ptr not in params and ptr != inp.untyped_storage().data_ptr()))
+    return (totals[1] - totals[0]) / 64
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_moe_saved_bytes_tiled_and_untiled(family):
+    """What a MoE block saves per token, measured, against the planner's MoE term: tiled experts keep
+    only the routing (the gathered per-expert inputs live inside a tile), untiled ones at least the k
+    gathered inputs (``k H b``), which the planner adds only there."""
+    from tests.test_moe_parity import tiny_moe
+
+    model = tiny_moe(family).train()
+    cfg = model.config
+    hidden, k = cfg.hidden_size, cfg.num_experts_per_tok
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    block = model.model.layers[0].mlp
+    shape = model_shape(cfg)
+    dense = dict(shape.__dict__, experts=0, experts_per_token=0, expert_intermediate=0)
+    plain = type(shape)(**dense)  # the same layer without experts: the planner's MoE term is the difference
+    per_token = {}
+    for tiled in (True, False):
+        setup = TrainSetup(lora_rank=0, full_finetune=True, dtype_bytes=4, tiled_mlp=tiled)
+        per_token[tiled] = layer_saved_bytes(shape, 1, setup)
+    tiled_setup = TrainSetup(lora_rank=0, full_finetune=True, dtype_bytes=4, tiled_mlp=True)
+    moe_term_tiled = layer_saved_bytes(shape, 1, tiled_setup) - layer_saved_bytes(plain, 1, tiled_setup)
+    assert moe_term_tiled == experts * 4 + k * 16 + 4
+    measured_tiled = _saved_bytes_per_token(block, hidden, tiled=True)
+    assert 0 < measured_tiled <= moe_term_tiled
+    measured_untiled = _saved_bytes_per_token(block, hidden, tiled=False)
+    assert measured_untiled >= k * hidden * 4 > moe_term_tiled
+    assert per_token[False] - per_token[True] >= k * hidden * 4 - moe_term_tiled
+
+
 def test_planner_derives_layer_inputs_like_the_runtime_when_the_host_is_short():
     """Offload with too little host memory: the planner recomputes the inputs the host cannot hold
     (at most every second layer), as split_layers does at run time, and fits where it did not."""

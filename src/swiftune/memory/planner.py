@@ -235,7 +235,8 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
           norm 2     H b + 4                                              the residual it normalises
           Gemma 2/3  (H b + 4) per extra norm
           MLP        tiled: H b;  full FT: H b + 3 I b;  LoRA: 2 (cast(H) + r lb) + 2 I b + cast(I) + r lb
-          experts    I is k I_e (k experts of width I_e per token), plus k H b: the gathered inputs
+          experts    I is k I_e (k experts of width I_e per token), plus k H b: the gathered inputs;
+                     tiled: E 4 + k (8 + 2 4) + 4, the routing (the gathered inputs live in a tile)
 
     ``cast(w) = w lb`` when each LoRA layer copies its input (:attr:`TrainSetup.lora_copies_input`:
     PEFT's float32 adapters, casts not switched off), else 0; then the adapters save the shared
@@ -265,7 +266,12 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
             mlp += H * b + I * b
     else:
         mlp += H * b + 3 * I * b
-    if shape.is_moe:  # each token's input gathered once per chosen expert, saved for the experts' backward
+    if shape.is_moe and s.tiled_mlp:
+        # tiled experts save only their input (above) and the routing: the router's float32 probabilities
+        # over the experts, the chosen experts' indices, their weights before and after renormalising and
+        # the renormalising sum; the gathered inputs live inside a tile
+        mlp += shape.experts * 4 + shape.experts_per_token * (8 + 2 * 4) + 4
+    elif shape.is_moe:  # each token's input gathered once per chosen expert, saved for the experts' backward
         mlp += shape.experts_per_token * H * b
     return attn, mlp
 

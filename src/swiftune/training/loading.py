@@ -304,6 +304,22 @@ def check_checkpointing_mode(mode: Any) -> None:
             "memory ('unsloth' is Unsloth's name for 'offload'), False turns checkpointing off")
 
 
+def drop_input_require_grads(hf_model: nn.Module) -> None:
+    """Remove the forward hook that makes the input embeddings' output require grad.
+
+    transformers' ``activation_checkpointing_enable`` and PEFT's model set-up both add it
+    (``enable_input_require_grads``): *reentrant* checkpointing needs an input that requires grad
+    or no gradient reaches the adapters. swiftune checkpoints without reentrance, where the LoRA
+    weights inside each layer carry the graph, so the hook only costs: the output becomes a leaf
+    that requires grad, autograd's accumulator node holds it for the whole step (one layer input
+    on the GPU that offloaded checkpointing was meant to move to the host, ``tokens x hidden``
+    elements), and backward computes its gradient through the first layer for nobody. Each call
+    of ``enable_input_require_grads`` replaces the list ``disable_input_require_grads`` reads, so
+    this runs after each of them."""
+    if hasattr(hf_model, "disable_input_require_grads"):
+        hf_model.disable_input_require_grads()
+
+
 def enable_gradient_checkpointing(
     model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
     offload_host_budget_bytes: int | None = None, offload_attention_output_layers: int = 0,
@@ -338,11 +354,13 @@ def enable_gradient_checkpointing(
     if not mode:
         return model
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    drop_input_require_grads(hf_model)  # one PEFT put there when it loaded an adapter folder
     kwargs = {"use_reentrant": False}
     if hasattr(hf_model, "activation_checkpointing_enable"):  # transformers >= 5.2x (old name deprecated)
         hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    drop_input_require_grads(hf_model)  # non-reentrant: the input need not require grad
     hf_model.config.use_cache = False  # a KV cache is useless in training and conflicts with checkpointing
     if mode in ("offload", "unsloth"):
         # takes over from transformers' per-layer flag
@@ -571,6 +589,7 @@ class FastModel:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(random_state)
             peft_model = get_peft_model(model, config)
+        drop_input_require_grads(peft_model.get_base_model())  # PEFT's (see the helper)
         adapted = _adapted_parameter_paths(peft_model)  # one walk for both checks
         check_target_parameters_adapted(peft_model, lora_kwargs.get("target_parameters"), adapted)
         warn_about_unmatched_target_modules(peft_model, target_modules, adapted)
