@@ -244,6 +244,13 @@ case "$part" in
     run sft_graphs_18gb 200 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
       --deferred-nonfinite-check --gpu-budget-gb 18.4 --modes swiftune_graphs \
       --out "$OUT/sft_graphs_18gb_$model.json" ;;
+  sft-graphs-profile)  # what is alive at the peak of the graphed batch-16 step against the eager one (issue 23: the
+    # graphed row's 20.6 GB against eager's 19.4 and Unsloth's 18.4): the last warm-up step of each profiled, the
+    # run's peak beside it (~4 min)
+    model=${2:-qwen3-8b}
+    run sft_graphs_profile 240 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 8 --warmup 6 \
+      --deferred-nonfinite-check --memory-profile --modes swiftune swiftune_graphs \
+      --out "$OUT/sft_graphs_profile_$model.json" ;;
   unsloth-flow)  # tests/compat/test_unsloth_flow.py: Unsloth's SFT notebook (tiny Qwen3 / Llama, 16-bit and 4-bit)
     # through Unsloth and through swiftune, each in its own process; Unsloth's wheels (carry .shared) go to
     # /tmp/site-unsloth, where the test looks for them (~4 min)
