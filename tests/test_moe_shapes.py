@@ -163,7 +163,8 @@ def test_planner_counts_every_expert_weight(name):
 
 def test_planner_counts_each_tokens_chosen_experts_in_the_activations():
     """The MoE layer saves k expert-width activations per token (not the config's dense
-    intermediate_size, which gpt-oss sets to one expert's width) and the k gathered inputs."""
+    intermediate_size, which gpt-oss sets to one expert's width) and, untiled, the k gathered inputs;
+    tiled, only the routing (the gathered inputs live inside a tile; measured in test_planner.py)."""
     import dataclasses
 
     from swiftune.memory.planner import TrainSetup, layer_saved_bytes
@@ -171,12 +172,17 @@ def test_planner_counts_each_tokens_chosen_experts_in_the_activations():
 
     shape = model_shape(KNOWN_MODELS["gpt-oss-20b"])
     assert shape.is_moe and shape.active_intermediate == 4 * 2880
-    setup = TrainSetup(full_finetune=True)
     dense_equivalent = dataclasses.replace(shape, experts=0, intermediate=shape.active_intermediate)
-    H, b, k = shape.hidden, setup.dtype_bytes, shape.experts_per_token
-    assert layer_saved_bytes(shape, 1000, setup) == layer_saved_bytes(dense_equivalent, 1000, setup) + 1000 * k * H * b
+    H, E, k = shape.hidden, shape.experts, shape.experts_per_token
+    untiled, tiled = TrainSetup(full_finetune=True, tiled_mlp=False), TrainSetup(full_finetune=True, tiled_mlp=True)
+    b = untiled.dtype_bytes
+    assert (layer_saved_bytes(shape, 1000, untiled)
+            == layer_saved_bytes(dense_equivalent, 1000, untiled) + 1000 * k * H * b)
+    assert (layer_saved_bytes(shape, 1000, tiled)
+            == layer_saved_bytes(dense_equivalent, 1000, tiled) + 1000 * (E * 4 + k * 16 + 4))
     fewer = dataclasses.replace(shape, experts_per_token=2)
-    assert layer_saved_bytes(fewer, 1000, setup) < layer_saved_bytes(shape, 1000, setup)
+    for setup in (untiled, tiled):
+        assert layer_saved_bytes(fewer, 1000, setup) < layer_saved_bytes(shape, 1000, setup)
 
 
 def test_plan_counts_expert_adapters_given_as_target_parameters():
