@@ -397,8 +397,12 @@ class GraphedLayerFunction(torch.autograd.Function):
                 grad.data[:, t:tb].zero_()
         ctx.graphs.backward.replay()
         # the input gradient stays in the static buffer for the layer below (whose backward comes next
-        # and reads it in place); the first layer's leaves the graphed stack as a tensor of its own
-        grad_x = grad[:, :t] if ctx.index > 0 else grad[:, :t].clone()
+        # and reads it in place); the first layer's leaves the graphed stack as a tensor of its own, where
+        # its input wants one (the embeddings' output does not with LoRA)
+        if not ctx.needs_input_grad[3]:
+            grad_x = None
+        else:
+            grad_x = grad[:, :t] if ctx.index > 0 else grad[:, :t].clone()
         return (None, None, None, grad_x, *ctx.graphs.param_grads)
 
 
