@@ -686,6 +686,13 @@ case "$part" in
         --new-tokens 1024 --no-baselines --no-checks --profile-steps 256 "${flags[@]}" --time-budget 105 \
         --out "$OUT/rollout_g64_fp8_$variant.json"
     done ;;
+  fp8-g64-kv)  # fp8-norm-kv-ab cut to its two ends (~4 min): #26's G=64 step, bf16 weights and cache against the FP8
+    # defaults (norm-made codes) with the FP8 KV cache, no profile, no tests
+    run rollout_g64_bf16 110 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 \
+      --no-baselines --no-checks --time-budget 95 --out "$OUT/rollout_g64_bf16.json"
+    run rollout_g64_fp8_norm-codes-kv-fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
+      --new-tokens 1024 --no-baselines --no-checks --fp8-norm-codes --kv-cache-dtype fp8 --time-budget 105 \
+      --out "$OUT/rollout_g64_fp8_norm-codes-kv-fp8.json" ;;
   lora-decode-ab)  # runtime LoRA (r=16, every linear layer; FP8 bases are never merged) on Qwen3-8B FP8 at G 8 / 64:
     # each adapter's product in two launches (FastRolloutEngine(lora_decode_kernel=True), the CUDA default) against two matmuls and
     # their casts, one call, bf16 (runtime and merged adapters) beside; the kernel's tests on CUDA first (~8 min)
