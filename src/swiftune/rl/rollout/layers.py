@@ -99,8 +99,8 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             if decode else None
         readers = gate_up if options.fp8_norm_codes else None
         x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
-        out = (decode_mlp(layer.mlp, x, codes, options.lora_decode_kernel, options.fp8_stacked_gate_up) if gate_up
-               else layer.mlp(x))
+        out = (decode_mlp(layer.mlp, x, codes, options.lora_decode_kernel, options.fp8_stacked_gate_up, gate_up)
+               if gate_up else layer.mlp(x))
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         last = i + 1 == len(layers)
         nxt = decoder.norm if last else layers[i + 1].input_layernorm
@@ -148,7 +148,8 @@ def _adapted(mlp: nn.Module, projections: tuple[nn.Module, nn.Module]) -> bool:
 
 
 def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor] | None = None,
-               lora_kernel: bool = False, stacked: bool = True) -> torch.Tensor | tuple:
+               lora_kernel: bool = False, stacked: bool = True,
+               projections: tuple[nn.Module, nn.Module] | None = None) -> torch.Tensor | tuple:
     """One decode step of a gated MLP whose FP8 ``gate_proj`` / ``up_proj`` codes lie in one buffer
     (``quantize_model_fp8``): one product for both (each LoRA adapter added to its own columns), the fused
     activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
@@ -156,8 +157,11 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch
     since) runs the module's own forward. ``codes``: ``x``'s FP8 codes and scales made already
     (:func:`shared_fp8_input`); ``lora_kernel``: runtime LoRA adapters' products added in two launches each
     (:func:`swiftune.models.lora_linear.fused_lora_forward`), gate/up then called one by one where they are not
-    stacked (``stacked=False`` or weights not laid out so); without it those run the module's own forward."""
-    projections = decode_mlp_projections(mlp, stacked, lora_kernel)
+    stacked (``stacked=False`` or weights not laid out so); without it those run the module's own forward.
+    ``projections``: what :func:`decode_mlp_projections` answered for these settings, where the caller asked it
+    already (the layer loop, to let the norm make their codes); ``None``: asked here."""
+    if projections is None:
+        projections = decode_mlp_projections(mlp, stacked, lora_kernel)
     if projections is None:
         return mlp(x)
     shared = shared_fp8_input(x, projections, codes)
