@@ -163,8 +163,9 @@ def test_planner_counts_every_expert_weight(name):
 
 def test_planner_counts_each_tokens_chosen_experts_in_the_activations():
     """The MoE layer saves k expert-width activations per token (not the config's dense
-    intermediate_size, which gpt-oss sets to one expert's width) and, untiled, the k gathered inputs;
-    tiled, only the routing (the gathered inputs live inside a tile; measured in test_planner.py)."""
+    intermediate_size, which gpt-oss sets to one expert's width) and the routing; untiled also, per routed
+    row, the sort's indices, the gathered input and the expert output (tiled, they live inside a tile;
+    measured in test_planner.py)."""
     import dataclasses
 
     from swiftune.memory.planner import TrainSetup, layer_saved_bytes
@@ -176,10 +177,11 @@ def test_planner_counts_each_tokens_chosen_experts_in_the_activations():
     H, E, k = shape.hidden, shape.experts, shape.experts_per_token
     untiled, tiled = TrainSetup(full_finetune=True, tiled_mlp=False), TrainSetup(full_finetune=True, tiled_mlp=True)
     b = untiled.dtype_bytes
+    routing = E * 4 + k * 16 + 4
     assert (layer_saved_bytes(shape, 1000, untiled)
-            == layer_saved_bytes(dense_equivalent, 1000, untiled) + 1000 * k * H * b)
+            == layer_saved_bytes(dense_equivalent, 1000, untiled) + 1000 * (routing + k * (16 + 2 * H * b)))
     assert (layer_saved_bytes(shape, 1000, tiled)
-            == layer_saved_bytes(dense_equivalent, 1000, tiled) + 1000 * (E * 4 + k * 16 + 4))
+            == layer_saved_bytes(dense_equivalent, 1000, tiled) + 1000 * routing)
     fewer = dataclasses.replace(shape, experts_per_token=2)
     for setup in (untiled, tiled):
         assert layer_saved_bytes(fewer, 1000, setup) < layer_saved_bytes(shape, 1000, setup)

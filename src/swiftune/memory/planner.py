@@ -235,8 +235,9 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
           norm 2     H b + 4                                              the residual it normalises
           Gemma 2/3  (H b + 4) per extra norm
           MLP        tiled: H b;  full FT: H b + 3 I b;  LoRA: 2 (cast(H) + r lb) + 2 I b + cast(I) + r lb
-          experts    I is k I_e (k experts of width I_e per token), plus k H b: the gathered inputs;
-                     tiled: E 4 + k (8 + 2 4) + 4, the routing (the gathered inputs live in a tile)
+          experts    I is k I_e (k experts of width I_e per token), plus the routing E 4 + k (8 + 2 4) + 4;
+                     untiled also k (2 8 + 2 H b): per routed row the sort's indices, the gathered input
+                     and the expert output (tiled, they live in a tile)
 
     ``cast(w) = w lb`` when each LoRA layer copies its input (:attr:`TrainSetup.lora_copies_input`:
     PEFT's float32 adapters, casts not switched off), else 0; then the adapters save the shared
@@ -266,13 +267,15 @@ def _saved_per_token(shape: ModelShape, s: TrainSetup) -> tuple[int, int]:
             mlp += H * b + I * b
     else:
         mlp += H * b + 3 * I * b
-    if shape.is_moe and s.tiled_mlp:
-        # tiled experts save only their input (above) and the routing: the router's float32 probabilities
-        # over the experts, the chosen experts' indices, their weights before and after renormalising and
-        # the renormalising sum; the gathered inputs live inside a tile
+    if shape.is_moe:
+        # the routing, tiled or not: the router's float32 probabilities over the experts, the chosen
+        # experts' indices, their weights before and after renormalising and the renormalising sum
         mlp += shape.experts * 4 + shape.experts_per_token * (8 + 2 * 4) + 4
-    elif shape.is_moe:  # each token's input gathered once per chosen expert, saved for the experts' backward
-        mlp += shape.experts_per_token * H * b
+    if shape.is_moe and not s.tiled_mlp:
+        # untiled, per routed row (the rest lives inside a tile): the sort's two int64 indices, the row's
+        # gathered input (for the expert weights' gradients: trained or adapted experts; counted for frozen
+        # ones too) and its expert output (for the routing weight's gradient)
+        mlp += shape.experts_per_token * (2 * 8 + 2 * H * b)
     return attn, mlp
 
 

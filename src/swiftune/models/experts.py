@@ -8,9 +8,9 @@ assignments are sorted by expert once, so each expert's tokens are one contiguou
     y_s[o_{e-1}:o_e] = x_s[o_{e-1}:o_e] @ B_e        for every expert e        (B_e = W_e^T or W_e)
 
 Forward: gather ``x_s = x[token_of]`` -> gate/up GEMM (+ bias) -> activation -> down GEMM (+ bias) ->
-scale by the routing weight -> ``index_add`` into the token rows. Backward is autograd's through
+scale by the routing weight -> each token's ``k`` rows summed into its row. Backward is autograd's through
 the same ops: the GEMM's gradients are grouped GEMMs too (``dX_s = dY_s B_e^T``, ``dB_e = X_s^T dY_s``
-per block), the gather's is a scatter-add, the routing weights get ``<y, dOut>`` per assignment.
+per block), the gather's is a scatter-add, the combine's a gather, the routing weights get ``<y, dOut>`` per assignment.
 
 Two ways for the GEMM, the same math: ``torch.nn.functional.grouped_mm`` (one kernel; bf16, CUDA
 with SM >= 80, and on CPU where torch has it) and a plain loop over the experts' blocks (the
@@ -142,8 +142,29 @@ def grouped_experts_forward(
     ``[T, H]``), as grouped GEMMs (module docstring); bound by :func:`swiftune.patch_model`."""
     _check_fused_layout(self)
     order, token_of, y = _routed_outputs(self, hidden_states, top_k_index, top_k_weights, spec, static=False)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add_(0, token_of, y.to(out.dtype))
+    return _SumAssignments.apply(y.to(hidden_states.dtype), order, token_of, top_k_index.shape[1])
+
+
+class _SumAssignments(torch.autograd.Function):
+    """``out[t] = sum_j y[row(t, j)]``: each token's ``k`` weighted expert outputs (``y [T k, H]`` in the
+    experts' sorted order, ``order`` the flat assignment ``t k + j`` of each sorted row) added into its row.
+
+    Forward: undo the sort (``row = order^-1``, a scatter of ``arange``), view as ``[T, k, H]`` and sum over
+    ``k``; the sum accumulates in float32 for bf16 and rounds once, with no atomics (deterministic on CUDA),
+    as transformers' grouped experts combine. Backward: every row of a token receives that token's gradient,
+    ``dy[i] = dout[token_of[i]]``, a gather; only ``token_of`` is saved. (``index_add_``'s autograd saves its
+    whole source, ``[T k, H]``, to shape that gather: ``k H b`` bytes a token held for nothing.)"""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, k: int) -> torch.Tensor:
+        sorted_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        ctx.save_for_backward(token_of)
+        return y[sorted_row].view(-1, k, y.shape[-1]).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (token_of,) = ctx.saved_tensors
+        return grad_out.index_select(0, token_of), None, None, None
 
 
 def rollout_experts_forward(
