@@ -17,6 +17,9 @@ Modes:
   swiftune_graphs   swiftune SFTTrainer, padding-free, each decoder layer's forward and backward replayed
                     as CUDA graphs (SFTConfig.cuda_graph_layers; an A/B mode: captures per token bucket
                     happen in the first steps, so give it --warmup enough to see the run's buckets)
+  swiftune_host_graphs
+                    swiftune_graphs with the layer inputs in pinned host memory between forward and backward
+                    (SFTConfig(cuda_graph_layers=True, activation_offloading=True): a ring of three on the GPU)
   swiftune_budget_graphs
                     micro-batches of --budget tokens with graphed layers
   swiftune_budget_fit
@@ -64,7 +67,7 @@ from benchmarks.child_output import failure_summary
 ALL_MODES = ["hf_padded", "trl_padding_free", "trl_liger", "swiftune", "swiftune_budget", "swiftune_budget_offload"]
 # A/B modes, run only when named in --modes
 EXTRA_MODES = ["swiftune_peft_lora", "swiftune_offload", "swiftune_offload_untiled", "swiftune_budget_offload_untiled",
-               "swiftune_graphs", "swiftune_budget_graphs",
+               "swiftune_graphs", "swiftune_host_graphs", "swiftune_budget_graphs",
                "swiftune_budget_fit", "swiftune_budget_fit_untiled"]
 
 
@@ -221,6 +224,8 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
             extra["logit_chunk_tokens"] = logit_chunk_tokens
         if mode.endswith("_graphs"):
             extra["cuda_graph_layers"] = True
+        if mode == "swiftune_host_graphs":
+            extra["activation_offloading"] = True
         if deferred_check:
             extra["deferred_nonfinite_check"] = True
         common.pop("gradient_checkpointing_kwargs")

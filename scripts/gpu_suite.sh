@@ -68,6 +68,7 @@
 #   scripts/gpu_suite.sh grpo-65k     # the 2 x 65,536 comparison: TRL vs swiftune (every checkpoint on the host), 2 steps each (~6 min)
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~12 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh grpo-65k-host [MODEL] # 2 x 65,536, every layer keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
+#   scripts/gpu_suite.sh sft-graphs-host [MODEL] # graphed batch 16 with the layer inputs on the host, beside graphed and Unsloth (~10 min)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
@@ -244,6 +245,16 @@ case "$part" in
     run sft_graphs_18gb 200 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
       --deferred-nonfinite-check --gpu-budget-gb 18.4 --modes swiftune_graphs \
       --out "$OUT/sft_graphs_18gb_$model.json" ;;
+  sft-graphs-host)  # issue 23's batch-16 memory: the graphed layers with their inputs in pinned host memory
+    # (SFTConfig(cuda_graph_layers=True, activation_offloading=True)) beside the graphed row and Unsloth, the
+    # deferred check and 256-token loss chunks as sft-graphs-memory; then the graphs' CUDA tests (~10 min)
+    model=${2:-qwen3-8b}
+    run unsloth_sft 230 python3 -m benchmarks.unsloth_sft --shared .shared --model "$model" --batch 16 --steps 12 \
+      --out "$OUT/unsloth_sft_$model.json"
+    run sft_graphs_host 300 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 70 --warmup 30 \
+      --deferred-nonfinite-check --logit-chunk-tokens 256 --modes swiftune_graphs swiftune_host_graphs \
+      --out "$OUT/sft_graphs_host_$model.json"
+    run graphs_tests 60 python3 -m pytest -q tests/test_layer_graphs.py -k cuda -p no:cacheprovider ;;
   sft-graphs-profile)  # what is alive at the peak of the graphed batch-16 step against the eager one (issue 23: the
     # graphed row's 20.6 GB against eager's 19.4 and Unsloth's 18.4): the last warm-up step of each profiled, the
     # run's peak beside it (~4 min)

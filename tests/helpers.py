@@ -76,14 +76,14 @@ def assert_gradients_match(ref_grads: dict, grads: dict, trainable: list[str], t
             assert grads[name].abs().max() > 0, f"{name}: zero gradient, the reference's is not"
 
 
-def builtin_qwen3(lora: bool, lora_seed: int = 1, r: int = 8) -> torch.nn.Module:
+def builtin_qwen3(lora: bool, lora_seed: int = 1, r: int = 8, **config) -> torch.nn.Module:
     """The built-in tokenizer's tiny Qwen3, the same random base weights every time (they play the
     pretrained weights); LoRA (alpha = 2r) from ``lora_seed``, with B drawn too (PEFT starts it at
-    zero) so that the gradients of A are not all zero."""
+    zero) so that the gradients of A are not all zero. ``config``: config fields changed (tiny_model_config)."""
     from swiftune.training import FastModel
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("qwen3"), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_model_config("qwen3", **config), dtype=torch.float32)
     if lora:
         torch.manual_seed(lora_seed)
         model = FastModel.get_peft_model(model, r=r, lora_alpha=2 * r, use_gradient_checkpointing=False)

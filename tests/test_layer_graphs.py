@@ -265,18 +265,87 @@ def test_negative_control_merged_documents_are_caught(family_models, monkeypatch
         _assert_parity(expected, _swiftune_step(model, examples), _trainable(reference))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_offloaded_inputs_equal_the_unpatched_model_over_steps(family):
+    """offload_inputs: six layers through a ring of three device buffers, four inputs kept on the host and
+    brought back in backward; three steps (the second a larger bucket: buffers made again), each against
+    transformers + PEFT per document after the same optimizer updates, loss and every LoRA gradient."""
+    from swiftune.training.layer_graphs import RING_SLOTS
+
+    base = tiny_model(family, num_hidden_layers=6).train()
+    reference = _lora_reference(base).train()
+    model = _graphed_model(base, reference, min_bucket_tokens=16, offload_inputs=True)
+    # (a smaller step than the two-layer test's: with six layers lr=0.5 leaves float32 noise near TOL, graphed or not)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref_params = dict(reference.named_parameters())
+    for step, lengths in enumerate([(10, 4, 7, 3, 6), (20, 9, 13, 2), (3, 3, 2, 4, 2)]):
+        examples = _examples(lengths, seed=step)
+        expected = _reference_step(reference, examples)
+        _assert_parity(expected, _swiftune_step(model, examples), _trainable(reference))
+        opt.step()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    ref_params[name].copy_(p)
+    stats = graphed_layer_stats(model)
+    assert stats["graphed_forwards"] == 3 and stats["fallback_forwards"] == 0, stats
+    stack = model.get_base_model()._swiftune_graphed_stack
+    assert len(stack.acts) == RING_SLOTS and len(stack.host) == 6 - 2
+    assert stats["host_input_bytes"] == 4 * stack.capacity * base.config.hidden_size * 4 > 0
+
+
+def test_negative_control_offloaded_inputs_not_brought_back_are_caught(monkeypatch):
+    """The offloaded parity check fails when backward recomputes from whatever the ring slot holds."""
+    from swiftune.training import layer_graphs
+
+    base = tiny_model("qwen3", num_hidden_layers=6).train()
+    reference = _lora_reference(base).train()
+    examples = _examples()
+    expected = _reference_step(reference, examples)
+    model = _graphed_model(base, reference, min_bucket_tokens=16, offload_inputs=True)
+    monkeypatch.setattr(layer_graphs.GraphedStack, "input_from_host", lambda self, index, bucket: None)
+    with pytest.raises(AssertionError):
+        _assert_parity(expected, _swiftune_step(model, examples), _trainable(reference))
+
+
+def test_offloaded_inputs_fall_back_where_hidden_states_are_recorded():
+    """Layer outputs are ring slots with offload_inputs: a forward that records them (transformers passes
+    output_hidden_states down to the layers) runs the layers as checkpointing does, and its hidden states are
+    the unpatched model's."""
+    base = tiny_model("qwen3", num_hidden_layers=6).train()
+    reference = _lora_reference(base).train()
+    model = _graphed_model(base, reference, min_bucket_tokens=16, offload_inputs=True)
+    batch = make_collator("padding_free", max_length=64, pad_token_id=PAD_ID)(_examples())
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
+    out = model(**inputs, output_hidden_states=True)
+    stats = graphed_layer_stats(model)
+    assert stats["graphed_forwards"] == 0 and "output_hidden_states" in stats["last_fallback"], stats["last_fallback"]
+    with torch.no_grad():  # the reference runs each document alone
+        per_doc = [reference(input_ids=torch.tensor([e["input_ids"]]), output_hidden_states=True).hidden_states
+                   for e in _examples()]
+    want = [torch.cat([states[layer] for states in per_doc], dim=1) for layer in range(7)]
+    assert len(out.hidden_states) == 7
+    for got, ref in zip(out.hidden_states[1:-1], want[1:-1]):  # the last one is after the final norm
+        assert rel_err(got, ref) < 1e-4
+    out.logits.float().sum().backward()
+    _swiftune_step(model, _examples())  # without recording: graphed again
+    assert graphed_layer_stats(model)["graphed_forwards"] == 1
+
+
 GPU_TOL = 2e-2  # the GPU parity suite's bound (tests/test_gradient_parity.py), with its per-tensor relief
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family):
+@pytest.mark.parametrize("family,offload_inputs", [("qwen3", False), ("llama", False), ("qwen3", True)])
+def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family, offload_inputs):
     """Real captures on the GPU, bf16 under autocast as the trainers run: four steps (the last
     replays the one before's graphs) against the unpatched fp32 model per document, within the GPU parity
-    suite's bound (or 3x transformers' own bf16 error on a tensor), and against swiftune's eager path."""
+    suite's bound (or 3x transformers' own bf16 error on a tensor), and against swiftune's eager path.
+    ``offload_inputs``: five layers, three inputs through pinned host memory on the side stream."""
+    layers = 5 if offload_inputs else 2
     base = tiny_model(family, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64).cuda().train()
+                      head_dim=64, num_hidden_layers=layers).cuda().train()
     reference = _lora_reference(base).train()
     with torch.no_grad():  # the same bf16-representable weights on every side
         for p in reference.parameters():
@@ -286,7 +355,7 @@ def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family):
                                      use_gradient_checkpointing=True, init_lora_weights=False)
     eager.load_state_dict(reference.state_dict())
     graphed = copy.deepcopy(eager)
-    enable_graphed_layers(graphed)
+    enable_graphed_layers(graphed, offload_inputs=offload_inputs)
     for step, lengths in enumerate([(40, 17, 33, 9), (25, 60, 11, 200, 30), (40, 17, 33, 9), (40, 17, 33, 9)]):
         examples = _examples(lengths, seed=min(step, 1))
         expected_loss, expected = _reference_step(reference, examples)
@@ -304,6 +373,7 @@ def test_cuda_graphs_bf16_equal_the_unpatched_model_and_the_eager_path(family):
     # 99 tokens (bucket 256), then 326 (bucket 512: larger buffers, so the third step captures 256 again);
     # the fourth step replays the third's graphs
     assert stats["captures"] == 3 * base.config.num_hidden_layers, stats
+    assert (stats["host_input_bytes"] > 0) == offload_inputs, stats
 
 
 @pytest.mark.gpu
@@ -332,27 +402,29 @@ def test_sft_trainer_with_graphed_layers_trains_like_plain_checkpointing(tmp_pat
     tokenizer = build_tokenizer()
     rows = [{"prompt": f"Reverse: {w}\n", "completion": w[::-1]} for w in ("abc", "garden", "river", "stone")] * 2
     losses = {}
-    for graphs in (False, True):
-        model = builtin_qwen3(lora=True)
-        args = swiftune.SFTConfig(output_dir=str(tmp_path / str(graphs)), max_steps=3, per_device_train_batch_size=4,
-                                  learning_rate=1e-2, logging_steps=1, save_strategy="no", report_to="none",
-                                  use_cpu=True, gradient_checkpointing=True, cuda_graph_layers=graphs, seed=0,
+    # plain checkpointing, graphed layers, graphed layers with their inputs on the host (activation_offloading)
+    for graphs, host in ((False, False), (True, False), (True, True)):
+        model = builtin_qwen3(lora=True, num_hidden_layers=4)  # two layer inputs on the host
+        args = swiftune.SFTConfig(output_dir=str(tmp_path / f"{graphs}{host}"), max_steps=3,
+                                  per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
+                                  save_strategy="no", report_to="none", use_cpu=True, gradient_checkpointing=True,
+                                  cuda_graph_layers=graphs, activation_offloading=host, seed=0,
                                   kernel_backend="reference")
         trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
         trainer.train()
-        losses[graphs] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses[graphs, host] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         if graphs:
             stats = graphed_layer_stats(trainer.model)
             assert stats["graphed_forwards"] == 3 and stats["fallback_forwards"] == 0, stats
-    assert len(losses[True]) == 3
-    assert torch.allclose(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-5, atol=0), losses
+            assert (stats["host_input_bytes"] > 0) == host, stats
+    assert len(losses[True, False]) == 3
+    for graphed in (losses[True, False], losses[True, True]):
+        assert torch.allclose(torch.tensor(graphed), torch.tensor(losses[False, False]), rtol=1e-5, atol=0), losses
 
 
-def test_config_refuses_graphs_with_offloading_or_padded_rows(tmp_path):
+def test_config_refuses_graphs_with_padded_rows(tmp_path):
     import swiftune
     from swiftune.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="cuda_graph_layers=True keeps every layer input on the GPU"):
-        swiftune.SFTConfig(output_dir=str(tmp_path), cuda_graph_layers=True, activation_offloading=True)
     with pytest.raises(ConfigError, match="padding_free=True"):
         swiftune.SFTConfig(output_dir=str(tmp_path), cuda_graph_layers=True, packing=True, max_length=64)

@@ -175,8 +175,9 @@ class SFTConfig(TrainingArguments):
     cuda_graph_layers: bool = field(
         default=False,
         metadata={"help": "swiftune: run each decoder layer's forward and backward as CUDA graph replays (LoRA, "
-                          "padding-free rows, checkpointing on the GPU; token counts padded to buckets). Steps "
-                          "another layout or setup cannot replay run as before."},
+                          "padding-free rows, checkpointing; token counts padded to buckets). Steps another layout "
+                          "or setup cannot replay run as before. With activation_offloading=True the layer inputs "
+                          "wait in pinned host memory between forward and backward."},
     )
     deferred_nonfinite_check: bool = field(
         default=False,
@@ -263,9 +264,6 @@ class SFTConfig(TrainingArguments):
                                   "already skips inf steps and syncs on them; use bf16=True, or "
                                   "deferred_nonfinite_check=False")
             self.logging_nan_inf_filter = False  # its per-micro-batch sync is what the deferred check avoids
-        if self.cuda_graph_layers and self.activation_offloading:
-            raise ConfigError("SFTConfig: cuda_graph_layers=True keeps every layer input on the GPU and "
-                              "activation_offloading=True moves them to the host; set only one of them")
         if self.cuda_graph_layers and not self.padding_free:
             raise ConfigError("SFTConfig: cuda_graph_layers=True replays one padding-free row per step; set "
                               "padding_free=True (the default without packing) or cuda_graph_layers=False")

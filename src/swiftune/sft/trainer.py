@@ -156,10 +156,10 @@ class SFTTrainer(SwiftuneTrainer):
             missing_dataset="SFTTrainer needs a train_dataset", **load_kwargs,
         )
         apply_tokenizer_fields(args, processing_class, model)
-        if args.activation_offloading:  # TRL's offloaded activations: swiftune's offloaded checkpointing
+        if args.cuda_graph_layers:  # with TRL's activation_offloading: the graphs' layer inputs on the host
+            enable_graphed_layers(model, offload_inputs=args.activation_offloading)
+        elif args.activation_offloading:  # TRL's offloaded activations: swiftune's offloaded checkpointing
             enable_gradient_checkpointing(model, "offload")
-        if args.cuda_graph_layers:
-            enable_graphed_layers(model)
         batch_mode = batch_layout_for(model, args.batch_mode)  # padded where swiftune's attention does not run
         self.batch_layout = batch_mode  # what the training batches are (args.batch_mode is what was asked)
         vision = multimodal_processor(processing_class, train_dataset)  # image-text rows: docs/vision.md

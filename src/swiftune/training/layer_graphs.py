@@ -34,8 +34,19 @@ parameters all LoRA adapters, with no active dropout; the same parameter tensors
 A second forward before the backward of the first would overwrite the saved inputs, so that
 backward raises instead of computing wrong gradients.
 
+Layer inputs on the host (``offload_inputs``). The static inputs of every layer stay on the GPU by
+default (``L + 1`` buffers at the largest bucket so far). With ``offload_inputs`` the layers read and
+write a ring of three device buffers (layer ``i`` reads slot ``i % 3`` and writes slot ``(i + 1) % 3``),
+and each layer's input but the last two's is copied into its own pinned host buffer on a side stream while
+the layer's forward replays. A forward that would overwrite a slot waits for that slot's copy to the host
+(three slots: the copy has the next layer's whole forward to finish). In backward, the input of layer
+``i - 1`` comes back into its slot on the side stream while layer ``i``'s backward replays, and layer
+``i - 1`` waits for it. The layer outputs the model sees are ring slots, overwritten three layers on; a
+forward that asks for hidden states passes ``output_hidden_states`` to the layers, which then run as before
+(a layer argument the graphs do not replay).
+
 Off CUDA (the tests) the same buffers, buckets and autograd node run, with each "graph" a Python
-closure called in place of a replay.
+closure called in place of a replay, and the copies to and from the host synchronous.
 """
 
 from __future__ import annotations
@@ -73,6 +84,9 @@ _HANDLED_KWARGS = frozenset({"attention_mask", "position_ids", "position_embeddi
                              "cache", "past_key_values", "past_key_value", "cache_position"})
 _VARLEN_KERNELS = ("varlen", "flash_attn")
 MIN_SLOTS = 8
+#: device buffers of the layer inputs with ``offload_inputs``: one being read, one being written, and the one
+#: whose copy to the host may still be running
+RING_SLOTS = 3
 
 
 #: the smallest step of the token buckets: multiples of it keep the kernels from specialising differently per bucket
@@ -133,7 +147,14 @@ class GraphedStack:
         self.use_cuda_graphs = use_cuda_graphs
         self.min_bucket_step = MIN_BUCKET_STEP  # enable_graphed_layers' min_bucket_tokens
         self.capacity = 0
-        self.acts: list[torch.Tensor] = []  # L + 1 buffers [1, capacity, H]: layer i reads acts[i], writes acts[i+1]
+        self.offload_inputs = False  # enable_graphed_layers' offload_inputs (module doc)
+        # [1, capacity, H] buffers: layer i reads acts[slot(i)] and writes acts[slot(i + 1)]; L + 1 of them, or
+        # RING_SLOTS with offloaded inputs, where host[i] keeps layer i's input (i < L - 2) between its passes
+        self.acts: list[torch.Tensor] = []
+        self.host: list[torch.Tensor] = []
+        self.copy_stream: Any = None  # CUDA: the side stream of the copies to and from the host
+        self.to_host: dict[int, Any] = {}  # layer -> CUDA event: its input's copy to the host is done
+        self.from_host: dict[int, Any] = {}  # layer -> CUDA event: its input is back in its slot
         self.grad: torch.Tensor | None = None  # [1, capacity, H]: upstream gradient in, input gradient out
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
@@ -163,6 +184,15 @@ class GraphedStack:
     # -- eligibility
     def cuda_graphs(self, device: torch.device) -> bool:
         return device.type == "cuda" and self.use_cuda_graphs is not False
+
+    def slot(self, index: int) -> int:
+        """The ``acts`` buffer holding layer ``index``'s input (``index = L``: the last layer's output)."""
+        return index % RING_SLOTS if self.offload_inputs else index
+
+    def offloads(self, index: int) -> bool:
+        """Whether layer ``index``'s input goes to the host: all but the last two, which are still in their
+        slots when backward begins."""
+        return self.offload_inputs and index < len(self.layers) - 2
 
     def _fallback(self, why: str) -> None:
         self.step = None
@@ -219,7 +249,13 @@ class GraphedStack:
         capacity = (max(bucket, token_bucket(self.capacity + self.capacity // 4, self.min_bucket_step)) if self.capacity
                     else bucket)
         hidden = x.shape[-1]
-        self.acts = [torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device) for _ in range(num_layers + 1)]
+        self.acts, self.host = [], []  # the old ones freed before the new ones are made
+        buffers = RING_SLOTS if self.offload_inputs else num_layers + 1
+        self.acts = [torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device) for _ in range(buffers)]
+        if self.offload_inputs:
+            pin = x.device.type == "cuda"
+            self.host = [torch.empty(1, capacity, hidden, dtype=x.dtype, pin_memory=pin)
+                         for i in range(num_layers) if self.offloads(i)]
         self.grad = torch.zeros(1, capacity, hidden, dtype=x.dtype, device=x.device)
         self.cos = torch.ones(1, capacity, cos.shape[-1], dtype=cos.dtype, device=x.device)
         self.sin = torch.zeros(1, capacity, cos.shape[-1], dtype=cos.dtype, device=x.device)
@@ -259,6 +295,38 @@ class GraphedStack:
                 "position_embeddings": (self.cos[:, :tb], self.sin[:, :tb]), PACKED_KWARG: layout,
                 "use_cache": False, **dict(step.flags)}
 
+    # -- layer inputs to and from the host (offload_inputs)
+    def _copy(self, device: torch.device, copy: Callable[[], None], events: dict[int, Any], index: int) -> None:
+        """Run ``copy`` after the work queued so far: on CUDA on the side stream, recording ``events[index]``
+        (waited for by :meth:`wait_copy`); elsewhere now."""
+        if device.type != "cuda":
+            copy()
+            return
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device=device)
+        main = torch.cuda.current_stream(device)
+        self.copy_stream.wait_stream(main)
+        with torch.cuda.stream(self.copy_stream):
+            copy()
+            events[index] = torch.cuda.Event()
+            events[index].record(self.copy_stream)
+
+    @staticmethod
+    def wait_copy(device: torch.device, events: dict[int, Any], index: int) -> None:
+        event = events.pop(index, None)
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def input_to_host(self, index: int, bucket: int) -> None:
+        """Layer ``index``'s input (in its slot now) into its host buffer, beside the layer's forward."""
+        src, dst = self.acts[self.slot(index)][:, :bucket], self.host[index][:, :bucket]
+        self._copy(src.device, lambda: dst.copy_(src, non_blocking=True), self.to_host, index)
+
+    def input_from_host(self, index: int, bucket: int) -> None:
+        """Layer ``index``'s input back into its slot, beside the backward of the layer above."""
+        src, dst = self.host[index][:, :bucket], self.acts[self.slot(index)][:, :bucket]
+        self._copy(dst.device, lambda: dst.data.copy_(src, non_blocking=True), self.from_host, index)
+
     # -- capture
     def layer_graphs(self, index: int, layer: nn.Module, orig: Callable) -> _LayerGraphs | None:
         step = self.step
@@ -295,7 +363,8 @@ class GraphedStack:
         step = self.step
         assert step is not None and self.grad is not None
         tb = step.bucket
-        x_in, x_out, grad = self.acts[index][:, :tb], self.acts[index + 1][:, :tb], self.grad[:, :tb]
+        x_in, x_out = self.acts[self.slot(index)][:, :tb], self.acts[self.slot(index + 1)][:, :tb]
+        grad = self.grad[:, :tb]
         kwargs = self.static_kwargs()
         param_grads = self.gradient_buffers(index, params, ptrs)
         enabled, dtype = step.autocast
@@ -371,14 +440,19 @@ class GraphedLayerFunction(torch.autograd.Function):
                 *params: torch.Tensor) -> torch.Tensor:
         step = stack.step
         assert step is not None
-        t = step.tokens
-        x_in = stack.acts[index]
+        t, tb = step.tokens, step.bucket
+        x_in = stack.acts[stack.slot(index)]
         if x.data_ptr() != x_in.data_ptr() or x.shape[1] != t:
             _write(x_in[:, :t], x)
+        if stack.offloads(index):
+            stack.input_to_host(index, tb)
+        if stack.offload_inputs and index >= RING_SLOTS - 1:
+            # the slot this layer writes held the input of the layer RING_SLOTS - 1 below: copied out first
+            GraphedStack.wait_copy(x.device, stack.to_host, index - (RING_SLOTS - 1))
         graphs.forward.replay()
-        ctx.stack, ctx.index, ctx.graphs, ctx.tokens, ctx.bucket = stack, index, graphs, t, step.bucket
+        ctx.stack, ctx.index, ctx.graphs, ctx.tokens, ctx.bucket = stack, index, graphs, t, tb
         ctx.generation = step.generation
-        return stack.acts[index + 1][:, :t]
+        return stack.acts[stack.slot(index + 1)][:, :t]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
@@ -395,6 +469,12 @@ class GraphedLayerFunction(torch.autograd.Function):
             _write(grad[:, :t], grad_out)
             if tb > t:
                 grad.data[:, t:tb].zero_()
+        if stack.offloads(ctx.index):
+            GraphedStack.wait_copy(grad.device, stack.from_host, ctx.index)
+        if ctx.index >= 1 and stack.offloads(ctx.index - 1):
+            # the layer below's input back into its slot (which the layer RING_SLOTS - 1 above last read, in a
+            # backward queued before this point) while this layer's backward replays
+            stack.input_from_host(ctx.index - 1, tb)
         ctx.graphs.backward.replay()
         # the input gradient stays in the static buffer for the layer below (whose backward comes next
         # and reads it in place); the first layer's leaves the graphed stack as a tensor of its own, where
@@ -485,7 +565,7 @@ def _varlen_kernel(attn: nn.Module, x: torch.Tensor) -> str | None:
 
 
 def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = None,
-                          min_bucket_tokens: int = MIN_BUCKET_STEP) -> nn.Module:
+                          min_bucket_tokens: int = MIN_BUCKET_STEP, offload_inputs: bool = False) -> nn.Module:
     """Run every decoder layer of a LoRA model as CUDA graphs in training (see the module doc).
 
     Args:
@@ -496,14 +576,18 @@ def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = No
             everywhere (the same buffers and node, no capture; for tests and debugging).
         min_bucket_tokens: the smallest step of the token buckets (:func:`token_bucket`); the default keeps
             the kernels' shapes multiples of 256; tests off CUDA pass less to pad their few tokens less.
+        offload_inputs: keep the layer inputs in pinned host memory between their forward and backward, with a
+            ring of three device buffers (module doc): ``L - 2`` layer inputs fewer on the GPU, at the largest
+            bucket so far, for copies that overlap the replays.
     Returns ``model``.
     """
     if isinstance(min_bucket_tokens, bool) or not isinstance(min_bucket_tokens, int) or min_bucket_tokens < 1:
         raise ValueError(f"min_bucket_tokens must be a positive int, got {min_bucket_tokens!r}")
     hf = causal_lm_of(model)
     if is_offloaded_checkpointing(hf):
-        raise ValueError("graphed layers replace checkpointing and keep every layer input on the GPU; they do not "
-                         "combine with offloaded checkpointing (use_gradient_checkpointing='offload'): use one")
+        raise ValueError("graphed layers replace checkpointing; they do not combine with offloaded checkpointing "
+                         "(use_gradient_checkpointing='offload'): use one, or enable_graphed_layers(model, "
+                         "offload_inputs=True) for graphed layers with their inputs on the host")
     layers = decoder_layers(hf)
     stack = getattr(hf, _STACK, None)
     if stack is None:
@@ -511,6 +595,8 @@ def enable_graphed_layers(model: nn.Module, *, use_cuda_graphs: bool | None = No
         setattr(hf, _STACK, stack)
     stack.use_cuda_graphs = use_cuda_graphs
     stack.min_bucket_step = min_bucket_tokens
+    if stack.offload_inputs != bool(offload_inputs):  # other buffers: made again, and every graph captured again
+        stack.offload_inputs, stack.capacity = bool(offload_inputs), 0
     bind_layer_forwards(layers, _graphed_forward, stack, _KEYS)
     if getattr(hf, "config", None) is not None:
         hf.config.use_cache = False
@@ -531,12 +617,14 @@ def is_graphed(model: nn.Module) -> bool:
 
 def graphed_layer_stats(model: nn.Module) -> dict[str, Any]:
     """Counters: graphed and fallback forwards, captures, the last fallback's reason, the buffers' capacity,
-    and the bytes of the static parameter-gradient buffers (one set per layer, whatever the buckets)."""
+    the bytes of the static parameter-gradient buffers (one set per layer, whatever the buckets) and of the
+    host buffers of the offloaded layer inputs."""
     stack: GraphedStack | None = getattr(causal_lm_of(model), _STACK, None)
     if stack is None:
         return {}
     # the distinct buffers the kept graphs write (a set per graph, were they not shared)
     buffers = {id(b): b for graphs in stack.graphs.values() for b in graphs.param_grads}
     grad_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
+    host_bytes = sum(b.numel() * b.element_size() for b in stack.host)
     return {**stack.stats, "capacity_tokens": stack.capacity, "graph_sets": len(stack.graphs),
-            "gradient_buffer_bytes": grad_bytes}
+            "gradient_buffer_bytes": grad_bytes, "host_input_bytes": host_bytes}
