@@ -11,11 +11,13 @@ What runs is gradient checkpointing, with the layer's work in two graphs:
   buffer. Only the input stays alive until backward, as with checkpointing.
 * backward: the recompute with grad, then ``torch.autograd.grad`` of the output with respect to the
   input and the layer's LoRA parameters. The upstream gradient is read from a static buffer, and the
-  results go back into that buffer and into one static buffer per parameter (one set per layer,
-  shared by the layer's graphs of every bucket).
+  results go back into that buffer and into one static buffer per parameter (one set shared by the
+  layers of the same shapes and by their graphs of every bucket).
 
 :class:`GraphedLayerFunction` ties the two into autograd. The parameters are its inputs, so their
-gradients reach ``.grad`` through autograd's own accumulation.
+gradients reach ``.grad`` through autograd's own accumulation: the node returns one copy of the layer's
+gradient buffers (views of one flat tensor) after each backward replay, as the next layer's replay
+rewrites them.
 
 Static shapes. A graph replays fixed addresses and shapes, but a padding-free step has ``T`` tokens in
 ``N`` documents, both different every step. So the row is padded to a bucket of ``Tb`` tokens
@@ -164,10 +166,10 @@ class GraphedStack:
         # host by the reference kernel off CUDA) is emptied every step, and a captured kernel may not use one
         self.layouts: dict[tuple[int, int], PackedBatch] = {}
         self.graphs: dict[tuple, _LayerGraphs] = {}  # (layer, bucket, slots, autocast) -> graphs
-        # layer -> (parameter addresses, static gradient buffers): one set per layer, written by the backward
-        # graph of every bucket (a layer's backward replays once a pass, and autograd adds the buffers into
-        # .grad before that layer's next replay), not one set per bucket
-        self.param_grads: dict[int, tuple[tuple[int, ...], list[torch.Tensor]]] = {}
+        # the layers' trainable shapes and dtypes -> static gradient buffers (views of one flat tensor where the
+        # dtypes agree): one set shared by every layer of those shapes and by its graphs of every bucket; the
+        # autograd node hands autograd a copy right after each replay, before the next layer's replay rewrites it
+        self.param_grads: dict[tuple, list[torch.Tensor]] = {}
         self.pool: Any = None
         self.step: _StepLayout | None = None
         self.generation = 0
@@ -348,14 +350,20 @@ class GraphedStack:
         self.stats["captures"] += 1
         return graphs
 
-    def gradient_buffers(self, index: int, params: list[nn.Parameter], ptrs: tuple[int, ...]) -> list[torch.Tensor]:
-        """Layer ``index``'s static parameter-gradient buffers, shared by its graphs of every bucket;
-        new ones when its trainable parameters are other tensors than when they were made."""
-        kept = self.param_grads.get(index)
-        if kept is not None and kept[0] == ptrs:
-            return kept[1]
-        buffers = [torch.zeros_like(p) for p in params]
-        self.param_grads[index] = (ptrs, buffers)
+    def gradient_buffers(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The static parameter-gradient buffers of a layer with these trainable parameters: one set per
+        signature (shapes, dtypes, device), shared by the layers that have it and their graphs of every bucket;
+        views of one flat tensor when the dtypes agree (one copy hands a layer's gradients to autograd)."""
+        signature = tuple((tuple(p.shape), p.dtype, p.device) for p in params)
+        kept = self.param_grads.get(signature)
+        if kept is not None:
+            return kept
+        if params and len({p.dtype for p in params}) == 1:
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            buffers = [view.view_as(p) for view, p in zip(flat.split([p.numel() for p in params]), params)]
+        else:
+            buffers = [torch.zeros_like(p) for p in params]
+        self.param_grads[signature] = buffers
         return buffers
 
     def _capture(self, index: int, layer: nn.Module, orig: Callable, params: list[nn.Parameter],
@@ -366,7 +374,7 @@ class GraphedStack:
         x_in, x_out = self.acts[self.slot(index)][:, :tb], self.acts[self.slot(index + 1)][:, :tb]
         grad = self.grad[:, :tb]
         kwargs = self.static_kwargs()
-        param_grads = self.gradient_buffers(index, params, ptrs)
+        param_grads = self.gradient_buffers(params)
         enabled, dtype = step.autocast
         device_type = x_in.device.type
 
@@ -426,6 +434,18 @@ def _write(buffer: torch.Tensor, value: torch.Tensor) -> None:
     buffer.data.copy_(value)
 
 
+def _copies(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of a layer's gradient buffers, which the next layer's backward rewrites: one copy of their flat
+    tensor when they are its views (autograd adds them into ``.grad``, or takes them as ``.grad``)."""
+    if not buffers:
+        return []
+    base = buffers[0]._base
+    if base is not None and all(b._base is base for b in buffers) and \
+            sum(b.numel() for b in buffers) == base.numel():
+        return [view.view_as(b) for view, b in zip(base.clone().split([b.numel() for b in buffers]), buffers)]
+    return [b.clone() for b in buffers]
+
+
 def _first(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
@@ -483,7 +503,7 @@ class GraphedLayerFunction(torch.autograd.Function):
             grad_x = None
         else:
             grad_x = grad[:, :t] if ctx.index > 0 else grad[:, :t].clone()
-        return (None, None, None, grad_x, *ctx.graphs.param_grads)
+        return (None, None, None, grad_x, *_copies(ctx.graphs.param_grads))
 
 
 def _graphed_forward(self: nn.Module, *args, **kwargs):
@@ -617,13 +637,13 @@ def is_graphed(model: nn.Module) -> bool:
 
 def graphed_layer_stats(model: nn.Module) -> dict[str, Any]:
     """Counters: graphed and fallback forwards, captures, the last fallback's reason, the buffers' capacity,
-    the bytes of the static parameter-gradient buffers (one set per layer, whatever the buckets) and of the
-    host buffers of the offloaded layer inputs."""
+    the bytes of the static parameter-gradient buffers (one set for the layers of one shape, whatever the
+    buckets) and of the host buffers of the offloaded layer inputs."""
     stack: GraphedStack | None = getattr(causal_lm_of(model), _STACK, None)
     if stack is None:
         return {}
-    # the distinct buffers the kept graphs write (a set per graph, were they not shared)
-    buffers = {id(b): b for graphs in stack.graphs.values() for b in graphs.param_grads}
+    # the distinct buffers the kept graphs write (a set per layer and graph, were they not shared)
+    buffers = {b.data_ptr(): b for graphs in stack.graphs.values() for b in graphs.param_grads}
     grad_bytes = sum(b.numel() * b.element_size() for b in buffers.values())
     host_bytes = sum(b.numel() * b.element_size() for b in stack.host)
     return {**stack.stats, "capacity_tokens": stack.capacity, "graph_sets": len(stack.graphs),
