@@ -492,8 +492,8 @@ class GraphedLayerFunction(torch.autograd.Function):
         if stack.offloads(ctx.index):
             GraphedStack.wait_copy(grad.device, stack.from_host, ctx.index)
         if ctx.index >= 1 and stack.offloads(ctx.index - 1):
-            # the layer below's input back into its slot (which the layer RING_SLOTS - 1 above last read, in a
-            # backward queued before this point) while this layer's backward replays
+            # the layer below's input back into its slot (last read by the backward of the layer RING_SLOTS above
+            # that one, queued before this point) while this layer's backward replays
             stack.input_from_host(ctx.index - 1, tb)
         ctx.graphs.backward.replay()
         # the input gradient stays in the static buffer for the layer below (whose backward comes next
