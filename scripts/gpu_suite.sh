@@ -260,7 +260,7 @@ case "$part" in
     # graphed with the inputs on the host, each in its own process, 50 steps after 25 (~6 min)
     model=${2:-qwen3-8b}
     run graphs_tests 60 python3 -m pytest -q tests/test_layer_graphs.py -k cuda -p no:cacheprovider
-    run sft_graphs_host_ab 330 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 50 --warmup 25 \
+    run sft_graphs_host_ab 360 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 50 --warmup 25 \
       --deferred-nonfinite-check --logit-chunk-tokens 256 --modes swiftune_graphs swiftune_host_graphs \
       --out "$OUT/sft_graphs_host_ab_$model.json" ;;
   sft-graphs-profile)  # what is alive at the peak of the graphed batch-16 step against the eager one (issue 23: the
