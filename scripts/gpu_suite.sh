@@ -69,7 +69,7 @@
 #   scripts/gpu_suite.sh grpo-65k-attn [LAYERS...] # 2 x 65,536 with the sdpa outputs kept through the recompute (0 / 36 layers), then Unsloth's anchor (carry .shared; ~12 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh grpo-65k-host [MODEL] # 2 x 65,536, every layer keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh sft-graphs-host [MODEL] # graphed batch 16 with the layer inputs on the host, beside graphed and Unsloth (~10 min)
-#   scripts/gpu_suite.sh sft-graphs-host-ab [MODEL] # the same without Unsloth, 50 steps a mode, after the graphs' CUDA tests (~6 min)
+#   scripts/gpu_suite.sh sft-graphs-host-ab [MODEL [STEPS]] # the same without Unsloth, 50 steps a mode, after the graphs' CUDA tests (~6 min)
 #   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
@@ -258,9 +258,10 @@ case "$part" in
     run graphs_tests 60 python3 -m pytest -q tests/test_layer_graphs.py -k cuda -p no:cacheprovider ;;
   sft-graphs-host-ab)  # sft-graphs-host without Unsloth, in one call: the graphs' CUDA tests, then graphed against
     # graphed with the inputs on the host, each in its own process, 50 steps after 25 (~6 min)
-    model=${2:-qwen3-8b}
+    model=${2:-qwen3-8b} steps=${3:-50}
     run graphs_tests 60 python3 -m pytest -q tests/test_layer_graphs.py -k cuda -p no:cacheprovider
-    run sft_graphs_host_ab 360 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 50 --warmup 25 \
+    run sft_graphs_host_ab 360 python3 -m benchmarks.sft --model "$model" --batch 16 --steps "$steps" \
+      --warmup $((steps / 2)) \
       --deferred-nonfinite-check --logit-chunk-tokens 256 --modes swiftune_graphs swiftune_host_graphs \
       --out "$OUT/sft_graphs_host_ab_$model.json" ;;
   sft-graphs-profile)  # what is alive at the peak of the graphed batch-16 step against the eager one (issue 23: the
