@@ -157,7 +157,7 @@ class _SumAssignments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, k: int) -> torch.Tensor:
-        sorted_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        sorted_row = _sorted_row_of(order)
         ctx.save_for_backward(token_of)
         return y[sorted_row].view(-1, k, y.shape[-1]).sum(dim=1)
 
@@ -194,8 +194,7 @@ def rollout_experts_forward(
                                   static=hidden_states.is_cuda, adapters=adapters or {})
     tokens, k = top_k_index.shape
     y = y.to(hidden_states.dtype)
-    # sorted row of each (token, slot) assignment: the inverse of the sort's permutation
-    sorted_row = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    sorted_row = _sorted_row_of(order)
     # each token's slots by ascending expert (a token's k experts are distinct), as transformers' loop adds them
     by_expert = sorted_row.view(tokens, k).gather(1, top_k_index.argsort(dim=1))
     parts = y[by_expert]  # [T, k, H]
@@ -345,6 +344,12 @@ def _routed_outputs(
     if top_k_weights is None:
         return order, token_of, y
     return order, token_of, y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+
+
+def _sorted_row_of(order: torch.Tensor) -> torch.Tensor:
+    """The sorted row of each flat (token, slot) assignment: the inverse of :func:`expert_blocks`' permutation
+    ``order`` (a scatter of ``arange``, no host sync)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 def static_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
