@@ -350,6 +350,24 @@ def test_seeded_reproducibility_and_cache_reuse(prompts):
         FastRolloutEngine(model, keep_cache="sometimes")
 
 
+def test_auto_keep_cache_weighs_the_process_share_of_the_gpu(monkeypatch):
+    """keep_cache="auto" keeps a CUDA workspace up to 10% of the memory this process may use: the card's
+    times its per-process fraction (a shared or emulated smaller GPU), not the whole card's."""
+    import types
+
+    import swiftune.rl.rollout.fast as fast
+
+    engine = FastRolloutEngine(tiny_model("qwen3"))
+    cuda = types.SimpleNamespace(type="cuda")
+    seen = []
+    monkeypatch.setattr(fast, "gpu_capacity_bytes", lambda device: seen.append(device) or 24 * 10**9)
+    for nbytes, kept in ((2 * 10**9, True), (3 * 10**9, False)):  # 10% of a 24 GB share: 2.4 GB
+        engine._ws = types.SimpleNamespace(tok=types.SimpleNamespace(device=cuda), nbytes=lambda n=nbytes: n)
+        assert engine._keeps_cache() is kept
+    assert seen == [cuda, cuda]
+    engine._ws = None
+
+
 def _reference_keep(logits, top_k, top_p, min_p):
     """Plain per-row reference of the kept token set (temperature already applied)."""
     keep = []

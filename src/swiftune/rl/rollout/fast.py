@@ -17,7 +17,7 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
   once are capped so the cache fits ``memory_fraction`` of free memory (whole groups per chunk).
   ``keep_cache=True`` keeps it (and the captured graphs) for the next call of the same shape;
   ``"auto"`` (default) keeps it only while it takes at most ``KEEP_CACHE_FRACTION`` (10%) of the
-  GPU's memory, so that a long-context training step between two generations gets a large cache's
+  GPU memory this process may use (the card's, times its per-process memory fraction), so that a long-context training step between two generations gets a large cache's
   memory back (at the price of re-capturing the graphs next time).
 * **Attention.** During a call the model's attention implementation is switched to
   ``"swiftune_rollout"`` (:func:`swiftune.attention.registry.register_rollout_attention`; restored after),
@@ -84,7 +84,7 @@ from torch import nn
 from ...attention import build_packed_batch
 from ...attention.kv_cache import ROLLOUT_KWARG
 from ...attention.registry import register_rollout_attention
-from ...losses import free_gpu_bytes
+from ...losses import free_gpu_bytes, gpu_capacity_bytes
 from ...models.experts import check_decode_kernel_max_tokens, rollout_experts
 from ...models.families import FAMILIES
 from ...models.nf4_decode import NF4_DECODE_MAX_ROWS, check_nf4_decode_max_rows, nf4_decode_layers
@@ -627,8 +627,9 @@ class FastRolloutEngine:
             return bool(self.keep_cache)
         if self._ws is None or self._ws.tok.device.type != "cuda":
             return True
-        total = torch.cuda.get_device_properties(self._ws.tok.device).total_memory
-        return self._ws.nbytes() <= KEEP_CACHE_FRACTION * total
+        # the process's share of the card (set_per_process_memory_fraction: a shared GPU, or a smaller one
+        # emulated), not the whole card's memory
+        return self._ws.nbytes() <= KEEP_CACHE_FRACTION * gpu_capacity_bytes(self._ws.tok.device)
 
     def _drop_workspace(self) -> None:
         # The graphs' step closure refers back to the workspace: cut that cycle so the old graphs and
