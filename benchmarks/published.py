@@ -137,6 +137,17 @@ FIGURES: list[dict] = [
     dict(figure="sft_graphs_memory_qwen3-8b", file="2026-12-06/unsloth_sft_qwen3-8b_s48_h100.json",
          date="2026-12-06", versions=WITH_UNSLOTH, gpu="NVIDIA H100 80GB HBM3",
          command=f"{UNSLOTH_SFT} --steps 12 --out unsloth_sft.json"),
+    # three calls on one warm H100 80GB: the graphed batch-16 step against itself with the layer inputs in pinned host
+    # buffers (SFTConfig(cuda_graph_layers=True, activation_offloading=True)), 12 and 36 steps, each mode its own
+    # process; then the host-input row alone at the settings of sft_graphs_memory_qwen3-8b (70 steps after 30)
+    *[dict(figure="sft_graphs_host_qwen3-8b", file=f"2026-12-07/{out}_h100.json", date="2026-12-07", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3",
+           command=f"{GRAPHED_B16} --steps {steps} --warmup {warmup} --deferred-nonfinite-check "
+                   f"--logit-chunk-tokens 256 --modes {modes} --out {out}.json")
+      for out, steps, warmup, modes in (
+          ("sft_graphs_host_ab_qwen3-8b_s12", 12, 6, "swiftune_graphs swiftune_host_graphs"),
+          ("sft_graphs_host_ab_qwen3-8b_s36", 36, 18, "swiftune_graphs swiftune_host_graphs"),
+          ("sft_host_graphs_qwen3-8b_s70", 70, 30, "swiftune_host_graphs"))],
     # one device call (scripts/gpu_suite.sh sft-deferred): the graphed batch-16 step with the NaN/inf guards' host
     # waits and with the check deferred, each profiled once and timed over 70 steps, every run its own process
     *[dict(figure="sft_deferred_check_qwen3-8b", file=f"2026-12-05/{out}_qwen3-8b_b16_h200.json",

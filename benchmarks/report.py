@@ -225,6 +225,27 @@ def sft_graphs(fig: Figure) -> str:
     return table(header, out, set(range(1, len(header))))
 
 
+def sft_graphs_host(fig: Figure) -> str:
+    """Graphed layers with their inputs in pinned host buffers against the graphed layers with them on the GPU,
+    one call per number of timed steps (a row alone is a call of its own): tok/s over every timed step and over
+    the steps that captured no graph, the steady figure and the peak over the graphed row's of the same call."""
+    cells = {(s["timed_steps"], mode): (s, m) for mode, _, s, m in fig.groups()}
+    out = []
+    for (steps, mode), (s, m) in sorted(cells.items(), key=lambda c: (c[0][0], c[0][1] != "swiftune_graphs")):
+        ref = cells.get((steps, "swiftune_graphs"), (None, None))[1] if mode != "swiftune_graphs" else None
+        steady, peak = val(m, "steady_tokens_per_s"), val(m, "peak_gb")
+        capturing = val(m, "steps_capturing")
+        out.append([LABELS.get(mode, mode), f"{steps}" + (f" ({capturing:.0f} capturing)" if capturing is not None
+                                                          else ""),
+                    fmt(val(m, "graph_capacity_tokens"), thousands=True), fmt(val(m, "tokens_per_s"), thousands=True),
+                    fmt(steady, thousands=True),
+                    fmt(steady / val(ref, "steady_tokens_per_s")) if ref and steady else "", fmt(peak, 1),
+                    fmt(peak / val(ref, "peak_gb")) if ref and peak else "", fmt(val(m, "host_input_gb"), 2)])
+    header = ["mode", "timed steps", "token capacity", "tok/s, timed steps", "tok/s, steps without a capture",
+              "x graphed speed", "peak GB", "x graphed memory", "layer inputs on the host GB"]
+    return table(header, out, set(range(1, len(header))))
+
+
 def sft_fp8_graphs(fig: Figure) -> str:
     """Graphed layers on FP8 base weights against FP8 eager and bf16 graphed, one call: tok/s over every timed
     step and over the timed steps that captured no graph; "x eager" is the graphed row's steady figure over the
@@ -581,6 +602,7 @@ def attention(fig: Figure) -> str:
 
 RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_graphs_side_by_side_qwen3-8b": sft_graphs,
           "sft_graphs_shared_buffers_qwen3-8b": sft_graphs, "sft_graphs_memory_qwen3-8b": sft_graphs,
+          "sft_graphs_host_qwen3-8b": sft_graphs_host,
           "sft_16k_fit_qwen3-8b": sft, "sft_16k_fit_second_call_qwen3-8b": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "qlora_sft_offload_qwen3-8b": sft,
           "qlora_sft_untiled_qwen3-8b": sft, "qlora_sft_16k_untiled_qwen3-8b": sft,

@@ -42,7 +42,7 @@ UNITS: dict[str, str] = {
     "steps_capturing": "steps", "window_captures": "graphs",
     "reward_first_fifth": "reward", "reward_last_fifth": "reward",
     "profiled_step_wall_ms": "ms", "profiled_step_token_slots": "tokens",
-    "profiled_step_captures": "steps",
+    "profiled_step_captures": "steps", "graph_capacity_tokens": "tokens", "host_input_gb": "GB",
 }
 # the libraries a row may name; torch always, the rest where the tool used them
 VERSION_KEYS = ("torch", "transformers", "triton", "peft", "trl", "liger", "unsloth")
@@ -290,6 +290,11 @@ def rows_from_sft(data: list, ctx: Context) -> list[Row]:
             one("steady_tokens_per_s", r["steady_tokens_per_s"])
             if _num(r.get("steps_capturing")):
                 one("steps_capturing", r["steps_capturing"])
+        graphs = r.get("graphs") or {}
+        if _num(graphs.get("capacity_tokens")):  # graphed layers: the static buffers' token capacity
+            one("graph_capacity_tokens", graphs["capacity_tokens"])
+        if graphs.get("host_input_bytes"):  # graphed layers with their inputs in pinned host buffers
+            one("host_input_gb", graphs["host_input_bytes"] / 1e9)
         if _num(r.get("window_captures")):  # graphed layers timed as one window: the captures inside it
             one("window_captures", r["window_captures"])
     return out
