@@ -17,8 +17,9 @@ Same interface as :class:`~swiftune.rl.rollout.TransformersRolloutEngine` (``gen
   once are capped so the cache fits ``memory_fraction`` of free memory (whole groups per chunk).
   ``keep_cache=True`` keeps it (and the captured graphs) for the next call of the same shape;
   ``"auto"`` (default) keeps it only while it takes at most ``KEEP_CACHE_FRACTION`` (10%) of the
-  GPU memory this process may use (the card's, times its per-process memory fraction), so that a long-context training step between two generations gets a large cache's
-  memory back (at the price of re-capturing the graphs next time).
+  GPU memory this process may use (the card's, times its per-process memory fraction), so that a
+  long-context training step between two generations gets a large cache's memory back (at the price
+  of re-capturing the graphs next time).
 * **Attention.** During a call the model's attention implementation is switched to
   ``"swiftune_rollout"`` (:func:`swiftune.attention.registry.register_rollout_attention`; restored after),
   so every layer's own q/k/v projections, q/k norms and RoPE run as usual and only the attention
