@@ -27,6 +27,12 @@ case "${1:?start PART... | wait SECONDS}" in
     fi
     rm -rf "$CHAIN" && mkdir -p "$CHAIN"
     printf '%s\n' "$@" > "$CHAIN/parts.txt"
+    # the parts run from their own copy of the tree: every device call replaces the working tree's files and
+    # carried folders, and a part whose working directory or imports were under them failed mid-run (Unsloth's
+    # anchor, run in .shared/, lost its working directory: "FileNotFoundError" in inspect.getabsfile)
+    rm -rf "$CHAIN.tree" && mkdir -p "$CHAIN.tree"
+    tar cf - --exclude=./.git . | tar xf - -C "$CHAIN.tree"
+    cd "$CHAIN.tree"
     setsid nohup bash -c '
       n=0
       while IFS= read -r part; do
