@@ -85,6 +85,7 @@
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
+#   scripts/gpu_suite.sh sft-bisect [MODEL] [STEPS] # one swiftune SFT row per revision in .bisect/ (scripts/bisect_sources.sh REV...; carry .bisect), each with its time profile (~80 s a revision)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
 #   scripts/gpu_suite.sh qlora-sft-16k # QLoRA SFT 16K-token batches, inputs on the host, MLP untiled, beside Unsloth --4bit packed (carry .shared; ~7 min)
@@ -513,6 +514,16 @@ case "$part" in
       run "moe_sft_$model" 290 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 8 --warmup 3 \
         --modes swiftune trl_padding_free trl_liger --out "$OUT/moe_sft_$model.json"
     done ;;
+  sft-bisect)  # one SFT row per revision in .bisect/ (scripts/bisect_sources.sh; carry ".bisect"), each its own process
+    # with that revision's swiftune ahead of the tree's, then the same with the last warm-up step's device time by
+    # kind of kernel: sft-bisect MODEL [STEPS] (default gpt-oss-20b, 8 steps after 3; ~80 s a revision)
+    model=${2:-gpt-oss-20b} steps=${3:-8}
+    [ -f .bisect/revisions.txt ] || { echo "sft-bisect: no .bisect/ (scripts/bisect_sources.sh REV..., carry .bisect)"; exit 2; }
+    while read -r rev _; do
+      PYTHONPATH="$PWD/.bisect/$rev:$PYTHONPATH" python3 -c "import swiftune; print('$rev:', swiftune.__file__)"
+      PYTHONPATH="$PWD/.bisect/$rev:$PYTHONPATH" run "sft_bisect_$rev" 240 python3 -m benchmarks.sft --model "$model" \
+        --batch 16 --steps "$steps" --warmup 3 --modes swiftune --time-profile --out "$OUT/sft_bisect_${model}_$rev.json"
+    done < .bisect/revisions.txt ;;
   moe-sft-experts)  # moe-sft's gpt-oss-20b row with its experts adapted too (PEFT's target_parameters beside
     # all-linear, in every mode: all-linear alone reaches only gpt-oss's attention projections; ~3 min)
     run moe_sft_experts_gpt-oss-20b 290 python3 -m benchmarks.sft --model gpt-oss-20b --batch 16 --steps 8 --warmup 3 \
