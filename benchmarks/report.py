@@ -129,15 +129,18 @@ def sft(fig: Figure) -> str:
 def sft_beside_trl(fig: Figure) -> str:
     """One row per (shape, LoRA targets, mode) at one batch size: tok/s as a multiple of TRL's padding-free trainer
     and of TRL + Liger on the same shape and targets (where Liger ran there), peak memory, step time. Rows whose
-    adapters also sit on parameters (``lora_target_parameters``: MoE experts) are their own shape."""
-    cells = {(model, s.get("lora_target_parameters", ""), MODE_ORDER.index(mode) if mode in MODE_ORDER else 99,
-              mode): (s, m) for mode, model, s, m in fig.groups()}
-    tps = {(model, targets, mode): val(m, "tokens_per_s") for (model, targets, _, mode), (_, m) in cells.items()}
+    adapters also sit on parameters (``lora_target_parameters``: MoE experts) are their own shape, and so are the
+    rows of a later call of the same shape (setting ``call``), each compared with its own call's TRL rows."""
+    cells = {((model, s.get("lora_target_parameters", ""), s.get("call", "")),
+              MODE_ORDER.index(mode) if mode in MODE_ORDER else 99, mode): (s, m) for mode, model, s, m in fig.groups()}
+    tps = {(key, mode): val(m, "tokens_per_s") for (key, _, mode), (_, m) in cells.items()}
     out = []
-    for (model, targets, _, mode), (s, m) in sorted(cells.items()):
-        own = tps[(model, targets, mode)]
-        trl, liger = tps.get((model, targets, "trl_padding_free")), tps.get((model, targets, "trl_liger"))
-        shape = MODELS.get(model, model) + (f", LoRA also on {targets.replace(',', ', ')}" if targets else "")
+    for (key, _, mode), (s, m) in sorted(cells.items()):
+        model, targets, call = key
+        own = tps[(key, mode)]
+        trl, liger = tps.get((key, "trl_padding_free")), tps.get((key, "trl_liger"))
+        shape = (MODELS.get(model, model) + (f", LoRA also on {targets.replace(',', ', ')}" if targets else "")
+                 + (f" ({call})" if call else ""))
         out.append([shape, marked(m, LABELS.get(mode, mode)), str(s["batch"]),
                     fmt(own, thousands=True), fmt(own / trl) if trl else "", fmt(own / liger) if liger else "",
                     fmt(val(m, "peak_gb"), 1), fmt(val(m, "step_s"))])
@@ -244,6 +247,31 @@ def sft_graphs_host(fig: Figure) -> str:
     header = ["mode", "timed steps", "token capacity", "tok/s, timed steps", "tok/s, steps without a capture",
               "x graphed speed", "peak GB", "x graphed memory", "layer inputs on the host GB"]
     return table(header, out, set(range(1, len(header))))
+
+
+def sft_graphs_host_unsloth(fig: Figure) -> str:
+    """The graphed row with its layer inputs on the host beside Unsloth, over calls on one warm machine (settings
+    ``call`` and ``run_steps``, the steps each run took, warm-up included): every row's own figures, and each
+    swiftune row's speed (the steady figure where there is one, then over every timed step) and peak against
+    Unsloth's padding-free row of the most steps (its best speed and its highest peak)."""
+    groups = sorted(fig.groups(), key=lambda g: (g[2].get("call", ""), g[0].startswith("swiftune"), g[0]))
+    unsloth = [(s, m) for mode, _, s, m in groups if mode == "unsloth"]
+    ref_s, ref = max(unsloth, key=lambda sm: sm[0].get("run_steps", 0)) if unsloth else ({}, None)
+    out = []
+    for mode, _, s, m in groups:
+        tps, steady, peak = val(m, "tokens_per_s"), val(m, "steady_tokens_per_s"), val(m, "peak_gb")
+        capturing = val(m, "steps_capturing")
+        timed = f"{s.get('timed_steps', '')}" + (f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        ours = ref is not None and mode.startswith("swiftune")
+        out.append([s.get("call", ""), LABELS.get(mode, mode), str(s.get("run_steps", "")), timed,
+                    fmt(tps, thousands=True), fmt(steady, thousands=True),
+                    fmt(steady / val(ref, "tokens_per_s")) if ours and steady else "",
+                    fmt(tps / val(ref, "tokens_per_s")) if ours else "", fmt(peak, 2),
+                    fmt(peak / val(ref, "peak_gb")) if ours else ""])
+    against = f"Unsloth's {ref_s.get('run_steps', '')} steps"
+    header = ["call", "mode", "steps run", "timed steps", "tok/s, timed steps", "tok/s, steps without a capture",
+              f"x {against}, steady", f"x {against}, timed", "peak GB", f"x {against} peak"]
+    return table(header, out, set(range(2, len(header))))
 
 
 def sft_fp8_graphs(fig: Figure) -> str:
@@ -602,7 +630,7 @@ def attention(fig: Figure) -> str:
 
 RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sft_graphs, "sft_graphs_side_by_side_qwen3-8b": sft_graphs,
           "sft_graphs_shared_buffers_qwen3-8b": sft_graphs, "sft_graphs_memory_qwen3-8b": sft_graphs,
-          "sft_graphs_host_qwen3-8b": sft_graphs_host,
+          "sft_graphs_host_qwen3-8b": sft_graphs_host, "sft_graphs_host_unsloth_qwen3-8b": sft_graphs_host_unsloth,
           "sft_16k_fit_qwen3-8b": sft, "sft_16k_fit_second_call_qwen3-8b": sft, "sft_sweep_qwen3-8b": sft, "sft_sweep_llama3-8b": sft,
           "sft_sweep_qwen3-1.7b": sft, "qlora_sft_qwen3-8b": sft, "qlora_sft_offload_qwen3-8b": sft,
           "qlora_sft_untiled_qwen3-8b": sft, "qlora_sft_16k_untiled_qwen3-8b": sft,

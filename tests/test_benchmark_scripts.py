@@ -510,6 +510,41 @@ def test_sft_beside_trl_divides_by_each_shapes_own_baselines():
     assert "| a, LoRA also on x.e1, x.e2 | **swiftune** | 16 | 1,500 | 3.00 |  |" in text
     assert "| b | **swiftune** | 16 | 3,000 | 1.50 |  |" in text
     assert "| b | TRL, padding_free | 16 | 2,000 | 1.00 |  |" in text
+    # a later call of shape a (setting "call"): its own rows, over its own call's TRL, never the first call's
+    later = results.Context(command="c", date="d2", gpu="g", versions={}, settings={"figure": "f", "call": "later"})
+    again = [dict(mode="trl_padding_free", model="a", tokens_per_s=800.0), dict(mode="swiftune", model="a",
+                                                                                 tokens_per_s=2000.0)]
+    for r in again:
+        r.update(batch=16, peak_gb=50.0, sec_per_step=1.0, padding_fraction=0.0)
+    both = report.sft_beside_trl(report.Figure(results.rows_from_sft(records, ctx) + results.rows_from_sft(again, later)))
+    assert "| a (later) | **swiftune** | 16 | 2,000 | 2.50 |  |" in both
+    assert "| a | **swiftune** | 16 | 5,000 | 5.00 | 4.00 |" in both
+
+
+def test_sft_graphs_host_unsloth_compares_with_unsloths_longest_run():
+    """``report.sft_graphs_host_unsloth``: each swiftune row's steady and timed speed and its peak over the Unsloth
+    padding-free row of the most steps run (not the first Unsloth row, nor the packed one); Unsloth's rows
+    carry no ratio."""
+    from benchmarks import report, results
+
+    def rows(call, run_steps, records):
+        ctx = results.Context(command="c", date="d", gpu="g", versions={},
+                              settings={"figure": "f", "call": call, "run_steps": run_steps})
+        for r in records:
+            r.update(model="m", batch=16, sec_per_step=1.0, padding_fraction=0.0)
+        return results.rows_from_sft(records, ctx)
+
+    fig = report.Figure(
+        rows("A", 12, [dict(mode="unsloth", steps=8, tokens_per_s=4000.0, peak_gb=18.0),
+                       dict(mode="unsloth_packed", steps=8, tokens_per_s=6000.0, peak_gb=21.0)])
+        + rows("A", 70, [dict(mode="swiftune_host_graphs", steps=40, tokens_per_s=7500.0, peak_gb=18.3,
+                              steady_tokens_per_s=9500.0, steps_capturing=9)])
+        + rows("C", 66, [dict(mode="unsloth", steps=62, tokens_per_s=5000.0, peak_gb=18.6)]))
+    text = report.sft_graphs_host_unsloth(fig)
+    assert "x Unsloth's 66 steps, steady" in text
+    assert "| A | swiftune, graphed layers, inputs on the host | 70 | 40 (9 capturing) | 7,500 | 9,500 | 1.90 | 1.50 " \
+           "| 18.30 | 0.98 |" in text
+    assert "| A | Unsloth | 12 | 8 | 4,000 |  |  |  | 18.00 |  |" in text
 
 def test_largest_beside_multiple_is_an_upper_bound_when_the_baseline_never_failed():
     """``report.grpo_largest_beside``: with both brackets closed, swiftune's fit over the baseline's fit; with the
