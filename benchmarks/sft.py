@@ -107,6 +107,7 @@ def timing_callback(warmup: int, record: dict, step_sync: str = "each"):
             now, tokens = time.perf_counter(), record["counter"].tokens
             if state.global_step == warmup:
                 record["t0"], record["tokens0"] = now, tokens
+                record["frames0"] = _compiled_frames()
             if state.global_step > warmup:  # per timed step: its seconds, tokens and (graphed layers) captures
                 captures = record["captures"]() if "captures" in record else 0
                 record.setdefault("per_step", []).append(
@@ -117,6 +118,28 @@ def timing_callback(warmup: int, record: dict, step_sync: str = "each"):
             record["t1"], record["tokens1"] = now, tokens
 
     return Timer()
+
+
+def _compiled_frames() -> int:
+    """The frames torch.compile has compiled in this process so far (flex attention's included): a compile in
+    the timed steps costs seconds, and a row's speed read without that count can hide one."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
+def _compile_stats(record: dict) -> dict:
+    """``{"compiled_frames": N, "compiled_frames_timed": M}`` (M of the N in the timed steps; per-step sync only)
+    and the slowest timed step's seconds; empty where nothing was compiled and no step was timed apart."""
+    out = {}
+    frames = _compiled_frames()
+    if frames:
+        out["compiled_frames"] = frames
+        if "frames0" in record:
+            out["compiled_frames_timed"] = frames - record["frames0"]
+    if record.get("per_step"):
+        out["slowest_step_s"] = max(sec for sec, _, _ in record["per_step"])
+    return out
 
 
 def _window_end(start: bool, record: dict) -> None:
@@ -274,6 +297,7 @@ def run_one(mode: str, model_name: str, batch: int, steps: int, warmup: int, bud
                 **({"time_profile": record["profile"]} if "profile" in record else {}),
                 **({"host_profile": record["host_profile"]} if "host_profile" in record else {}),
                 **({"step_sync": step_sync} if step_sync != "each" else {}),
+                **_compile_stats(record),
                 **({"graphs": _graph_stats(trainer.model), **_steady_state(record, tokens / elapsed)}
                    if mode.endswith("_graphs") else {}),
                 **({"offload": _offload_counts(trainer.model)} if mode.startswith("swiftune") and gc_mode == "offload" else {}))
