@@ -202,7 +202,8 @@ def time_fast(model, prompt: list[int], rows: int, new_tokens: int, kv_bucket: i
             "nf4_decode_kernel": engine.nf4_decode_kernel, "nf4_decode_max_rows": engine.nf4_decode_max_rows,
             "nf4_dense": engine.nf4_dense, "nf4_dense_layers": int(st.get("nf4_dense_layers", 0)),
             "fp8_stacked_qkv": engine.fp8_stacked_qkv, "fp8_stacked_gate_up": engine.fp8_stacked_gate_up,
-            "fp8_norm_codes": engine.fp8_norm_codes, "lora_decode_kernel": engine.decode_options.lora_decode_kernel,
+            "fp8_norm_codes": engine.fp8_norm_codes, "fp8_glu_codes": engine.fp8_glu_codes,
+            "lora_decode_kernel": engine.decode_options.lora_decode_kernel,
             "kv_cache_dtype": engine.kv_cache_dtype,
             **({"profile": decode_profile(engine, profile_prompt(prompt, new_tokens, profile_steps), rows,
                                           profile_steps)} if profile_steps else {})}
@@ -251,6 +252,8 @@ FP8_AND_LORA_SWITCHES = (
     ("--fp8-norm-codes", True, "FP8 weights: the residual add + norm kernel makes q/k/v's and gate/up's input codes "
      "(the engine's default); --no-fp8-norm-codes: a separate quantise launch, the baseline "
      "(FastRolloutEngine(fp8_norm_codes=...))"),
+    ("--fp8-glu-codes", False, "FP8 weights: the MLP's activation kernel makes down_proj's input codes; "
+     "--no-fp8-glu-codes (the engine's default): a separate quantise launch (FastRolloutEngine(fp8_glu_codes=...))"),
     ("--lora-decode-kernel", None, "runtime LoRA rows: each adapter's product added in two launches (the "
      "engine's default on CUDA); --no-lora-decode-kernel: two matmuls and their casts, the baseline "
      "(FastRolloutEngine(lora_decode_kernel=...); neither: the engine's 'auto')"),
@@ -262,6 +265,7 @@ def weight_options(a) -> dict:
     (the library's defaults where it names none)."""
     options = {"nf4_decode_kernel": a.nf4_decode_kernel, "fp8_stacked_qkv": a.fp8_stacked_qkv,
                "fp8_stacked_gate_up": a.fp8_stacked_gate_up, "fp8_norm_codes": a.fp8_norm_codes,
+               "fp8_glu_codes": a.fp8_glu_codes,
                "lora_decode_kernel": "auto" if a.lora_decode_kernel is None else a.lora_decode_kernel,
                "kv_cache_dtype": a.kv_cache_dtype,
                "nf4_dense": {"on": True, "off": False}.get(a.nf4_dense, "auto")}

@@ -85,6 +85,7 @@
 #   scripts/gpu_suite.sh moe-cap-ab # Qwen3-30B-A3B G=64: the decode kernels up to 64 tokens against the cap of 16, profiled (~4 min)
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
+#   scripts/gpu_suite.sh fp8-glu-codes-ab # FP8 decode at G 8 / 64 with the MLP activation making down_proj's codes against the separate quantiser, profiled; its CUDA tests first (~5 min)
 #   scripts/gpu_suite.sh sft-bisect [MODEL] [STEPS] # one swiftune SFT row per revision in .bisect/ (scripts/bisect_sources.sh REV...; carry .bisect), each with its time profile (~80 s a revision)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -724,6 +725,17 @@ case "$part" in
     run rollout_g64_fp8_norm-codes-kv-fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
       --new-tokens 1024 --no-baselines --no-checks --fp8-norm-codes --kv-cache-dtype fp8 --time-budget 105 \
       --out "$OUT/rollout_g64_fp8_norm-codes-kv-fp8.json" ;;
+  fp8-glu-codes-ab)  # #26's G=64 FP8 step with the MLP's activation kernel making down_proj's codes (glu_fp8) against
+    # the separate quantise launch, the engine's other defaults (norm codes, FP8 KV cache) in both, each profiled for
+    # 256 more tokens; the kernel's and the engine's CUDA tests first (~5 min)
+    run glu_fp8_tests 150 python3 -m pytest -q tests/test_kernels.py -k glu_fp8 tests/test_fp8_norm_codes.py \
+      -p no:cacheprovider
+    for variant in no-glu-codes glu-codes; do
+      flag=--fp8-glu-codes; [ "$variant" = no-glu-codes ] && flag=--no-fp8-glu-codes
+      run "rollout_g64_fp8_$variant" 130 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 8 64 \
+        --new-tokens 1024 --no-baselines --no-checks --profile-steps 256 --kv-cache-dtype fp8 "$flag" \
+        --time-budget 115 --out "$OUT/rollout_g64_fp8_$variant.json"
+    done ;;
   lora-decode-ab)  # runtime LoRA (r=16, every linear layer; FP8 bases are never merged) on Qwen3-8B FP8 at G 8 / 64:
     # each adapter's product in two launches (FastRolloutEngine(lora_decode_kernel=True), the CUDA default) against two matmuls and
     # their casts, one call, bf16 (runtime and merged adapters) beside; the kernel's tests on CUDA first (~8 min)

@@ -79,3 +79,51 @@ def test_norm_codes_left_out_where_the_projections_do_not_quantise(monkeypatch):
     fl.quantize_model_fp8(fp8, scaled_mm=True)
     FastRolloutEngine(patch_model(fp8), use_cuda_graph=False).generate([[5, 9, 17]], 4, SamplingParams(max_tokens=3))
     assert calls == []
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_glu_codes_decode_as_the_separate_quantiser(lora, monkeypatch):
+    """``FastRolloutEngine(fp8_glu_codes=True)``: the MLP's activation kernel makes ``down_proj``'s input codes
+    (``glu_fp8``, the rowwise quantiser's bytes), so ``down_proj`` quantises nothing itself in a decode step; the
+    same greedy tokens and log-probabilities bit for bit as with ``down_proj`` quantising its own input (the
+    engine's default; a LoRA ``down_proj`` over the FP8 base adds its adapter product from the activation)."""
+    from swiftune.models import patch_model
+    from swiftune.rl.rollout import FastRolloutEngine, SamplingParams
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        from tests.test_fp8 import _require_cpu_scaled_mm
+
+        _require_cpu_scaled_mm()
+    model = tiny_model("qwen3").to(torch.bfloat16).to(device).eval()
+    width = model.config.intermediate_size
+    fl.quantize_model_fp8(model, scaled_mm=True)
+    model = patch_model(model)
+    model = _peft_fp8(model) if lora else model
+    layers = len((model.base_model.model if lora else model).model.layers)
+    made, own = [], []  # per call: rows of the activation that made codes; rows down_proj quantised itself
+    glu, quantise, dot = rollout_layers.gated_activation_fp8, fl.quantize_activation, fl.fp8_dot_matmul
+    monkeypatch.setattr(rollout_layers, "gated_activation_fp8",
+                        lambda mlp, g, u: made.append(g.reshape(-1, g.shape[-1]).shape[0]) or glu(mlp, g, u))
+    # down_proj quantising its own input: _scaled_mm's path, or the FP8 x FP8 kernel's given no codes
+    monkeypatch.setattr(fl, "quantize_activation",
+                        lambda x, *a, **k: (own.append(x.shape[0]) if x.shape[-1] == width else None) or
+                        quantise(x, *a, **k))
+    monkeypatch.setattr(fl, "fp8_dot_matmul",
+                        lambda x, *a, **k: (own.append(x.shape[0]) if x.shape[-1] == width and "x_scale" not in k
+                                            else None) or dot(x, *a, **k))
+    prompts = [[5, 9, 17, 33, 2], [7, 8, 100, 12], [3, 4, 5]]
+    params = SamplingParams(max_tokens=3, temperature=0.0, stop_token_ids=())
+    runs, counts = {}, {}
+    for on in (False, True):
+        made.clear(), own.clear()
+        engine = FastRolloutEngine(model, use_cuda_graph=False, kv_bucket=4, fp8_glu_codes=on,
+                                   lora_decode_kernel=False)
+        runs[on] = engine.generate(prompts, 6, params)  # 18 rows: the FP8 x FP8 rows, whose products quantise
+        counts[on] = (len(made), sorted(set(own)), len(own))
+    steps = params.max_tokens - 1
+    assert counts[False][0] == 0 and counts[False][1] == [18] and counts[False][2] == steps * layers
+    assert counts[True] == (steps * layers, [], 0)  # (the prefill's MLPs run their own forward: not counted)
+    assert runs[True].completion_ids == runs[False].completion_ids
+    for got, want in zip(runs[True].logprobs, runs[False].logprobs):
+        assert torch.equal(got, want)

@@ -13,8 +13,10 @@ from swiftune.kernels import (
     add_rms_norm_fp8,
     add_rms_norm_reference,
     fp8_quantize_rowwise,
+    fp8_quantize_rowwise_reference,
     geglu,
     geglu_reference,
+    glu_fp8,
     rms_norm,
     rms_norm_reference,
     rope_qk,
@@ -470,6 +472,52 @@ def test_add_rms_norm_fp8_is_add_rms_norm_then_the_rowwise_quantiser(device, dty
         back = q.double().cpu() * sc.double().cpu()
         assert ((back - y64).abs() <= y64.abs() * (2 ** -4 + 2 ** -7) + sc.double().cpu() * 2 ** -9 + 1e-6).all()
         assert (q.float().abs().amax(dim=1) == 448.0).sum() == 14  # each nonzero row's largest magnitude -> 448
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("approximate", ["silu", "none", "tanh"])
+@pytest.mark.parametrize("cols", [96, 300])
+def test_glu_fp8_is_the_activation_then_the_rowwise_quantiser(device, dtype, approximate, cols):
+    """glu_fp8 on the two column halves of one product (as a decode step's stacked gate/up hands them): its
+    output is swiglu's / geglu's kernel output bit for bit, its codes and scales the bytes of fp8_quantize_rowwise
+    of that output; within e4m3's half step of the float64 activation; a row of zeros gets scale 1 and zero
+    codes; the torch reference gives the reference activation and the reference quantiser's bytes of it."""
+    torch.manual_seed(cols)
+    wide64 = torch.randn(7, 1, 2 * cols, dtype=torch.float64) * 3
+    wide64[4] = 0.0
+    wide = wide64.to(device, dtype)
+    gate, up = wide[..., :cols], wide[..., cols:]  # strided views: rows 2 * cols apart
+    with torch.no_grad():
+        out, codes, scales = glu_fp8(gate, up, approximate, backend="triton")
+        plain = (swiglu(gate, up, backend="triton") if approximate == "silu"
+                 else geglu(gate, up, approximate, backend="triton"))
+        q_ref, sc_ref = fp8_quantize_rowwise(plain.reshape(-1, cols), backend="triton")
+        r_out, r_codes, r_scales = glu_fp8(gate, up, approximate, backend="reference")
+    assert out.shape == gate.shape and codes.dtype == torch.float8_e4m3fn and codes.shape == (7, cols)
+    assert scales.shape == (7, 1) and scales.dtype == torch.float32
+    assert torch.equal(out, plain)
+    assert torch.equal(codes.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scales, sc_ref)
+    assert torch.equal(scales[4], torch.ones(1, device=device)) and not codes[4].float().any()
+    want = swiglu_reference(gate, up) if approximate == "silu" else geglu_reference(gate, up, approximate)
+    assert torch.equal(r_out, want)
+    ref_q, ref_s = fp8_quantize_rowwise_reference(want.reshape(-1, cols))
+    assert torch.equal(r_codes.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(r_scales, ref_s)
+    # against float64: the codes times their scale are the activation to e4m3's half step and out's own rounding
+    g64, u64 = wide64[..., :cols], wide64[..., cols:]
+    act = (F.silu(g64) if approximate == "silu" else F.gelu(g64, approximate=approximate)) * u64
+    act = act.reshape(-1, cols)
+    back = codes.double().cpu() * scales.double().cpu()
+    slack = 2 ** -4 + (2 ** -7 if dtype == torch.bfloat16 else 2 ** -20) * 3
+    assert ((back - act).abs() <= act.abs() * slack + scales.double().cpu() * 2 ** -9 + 1e-6).all()
+
+
+def test_glu_fp8_refuses_grad():
+    gate = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        glu_fp8(gate, torch.randn(3, 8))
+    with pytest.raises(ValueError, match="approximate"):
+        with torch.no_grad():
+            glu_fp8(gate, torch.randn(3, 8), "relu")
 
 
 def test_add_rms_norm_refuses_grad_and_mismatched_residual():

@@ -25,6 +25,12 @@ kernel takes them as rows with a stride (``[rows, cols]`` views, each row ``stri
 before): the two column halves of one product that computed gate and up at once (the rollout engine's FP8
 decode step, :func:`swiftune.models.lora_linear.stacked_fp8_products`), read in place instead of copied; the
 same arithmetic, element by element.
+
+``glu_fp8`` (decoding only, no backward) also quantises each output row to e4m3 in the same program, the bytes
+of :func:`swiftune.kernels.fp8_quant.fp8_quantize_rowwise` of the output as rounded: the codes an FP8
+``down_proj`` would make of its input, one launch fewer per MLP in an FP8 decode step. A program holds one
+whole row (at most :data:`GLU_FP8_MAX_COLS` columns) so that the row's largest magnitude, and with it the
+scale, is known before its codes are written.
 """
 
 from __future__ import annotations
@@ -34,10 +40,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .launch import Backend, check_float, choose_backend, needs_int64, tl, triton
+from .fp8_quant import e4m3_codes, e4m3_scale, fp8_quantize_rowwise, fp8_quantize_rowwise_reference
+from .launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
 
 ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
 _BLOCK = 1024
+#: the widest row :func:`glu_fp8`'s one-program-per-row kernel takes (wider rows: the activation kernel, then the
+#: rowwise quantiser, the same bytes in two launches)
+GLU_FP8_MAX_COLS = 32768
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -108,6 +118,25 @@ if triton is not None:
         tl.store(out_ptr + row * cols + cols_, (a * u).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _glu_rows_fp8_kernel(g_ptr, u_ptr, out_ptr, q_ptr, s_ptr, cols, g_stride, u_stride,
+                             ACT: tl.constexpr, BLOCK: tl.constexpr):
+        """A program per row of at most ``BLOCK`` columns: the row's output as :func:`_glu_rows_fwd_kernel`
+        rounds it, then its e4m3 codes and float32 scale as the rowwise quantiser makes them of that output
+        (masked columns are 0 there too)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < cols
+        g = tl.load(g_ptr + row * g_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * u_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        a = _act_fwd(g, ACT).to(out_ptr.dtype.element_ty).to(tl.float32)
+        y = (a * u).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * cols + offs, y, mask=mask)
+        v = tl.where(mask, y.to(tl.float32), 0.0)
+        scale = e4m3_scale(tl.max(tl.abs(v), axis=0))
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * cols + offs, e4m3_codes(v, scale).to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _glu_bwd_kernel(
         dout_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, INT64: tl.constexpr
     ):
@@ -121,7 +150,7 @@ if triton is not None:
         tl.store(dg_ptr + offs, (da * _act_bwd(g, ACT)).to(dg_ptr.dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _glu_fwd_kernel = None
+    _glu_fwd_kernel = _glu_rows_fp8_kernel = None
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -203,3 +232,35 @@ def geglu(
     act = ACT_GELU if approximate == "none" else ACT_GELU_TANH
     return GLUFunction.apply(gate, up, act, _force_int64)
 
+
+
+def glu_fp8(gate: torch.Tensor, up: torch.Tensor, approximate: Literal["silu", "none", "tanh"] = "silu", *,
+            backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, codes, scales)``: :func:`swiglu`'s output (``approximate="silu"``) or :func:`geglu`'s (``"none"``,
+    ``"tanh"``), and its per-row e4m3 codes (``[rows, cols]``, rows = every axis but the last) and float32 scales
+    (``[rows, 1]``), the bytes of ``fp8_quantize_rowwise(out)``, in one launch. For decoding (no autograd), where
+    an FP8 ``down_proj`` reads ``out``; ``gate`` / ``up`` may be column views of one wider product."""
+    _validate(gate, up)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        raise RuntimeError("glu_fp8 has no backward: call it under torch.no_grad() (decoding)")
+    acts = {"silu": ACT_SILU, "none": ACT_GELU, "tanh": ACT_GELU_TANH}
+    if approximate not in acts:
+        raise ValueError(f"approximate must be 'silu', 'none' or 'tanh', got {approximate!r}")
+    cols = gate.shape[-1]
+    if choose_backend(backend, _glu_rows_fp8_kernel, {"gate": gate, "up": up}) == "reference":
+        out = swiglu_reference(gate, up) if approximate == "silu" else geglu_reference(gate, up, approximate)
+        codes, scales = fp8_quantize_rowwise_reference(out.reshape(-1, cols))
+        return out, codes, scales
+    g, u = _as_rows(gate), _as_rows(up)
+    if g is None or u is None or g.shape[0] == 0 or next_pow2(cols) > GLU_FP8_MAX_COLS:
+        out = swiglu(gate, up, backend=backend) if approximate == "silu" else geglu(gate, up, approximate,
+                                                                                     backend=backend)
+        codes, scales = fp8_quantize_rowwise(out.reshape(-1, cols), backend=backend)
+        return out, codes, scales
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    codes = torch.empty((g.shape[0], cols), dtype=torch.float8_e4m3fn, device=gate.device)
+    scales = torch.empty((g.shape[0], 1), dtype=torch.float32, device=gate.device)
+    block = next_pow2(cols)
+    _glu_rows_fp8_kernel[(g.shape[0],)](g, u, out, codes, scales, cols, g.stride(0), u.stride(0), ACT=acts[approximate],
+                                        BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+    return out, codes, scales

@@ -15,12 +15,12 @@ from torch import nn
 
 from ..attention.pieces import PIECES_KWARG, DocumentOutputs, project_pieces
 from ..attention.registry import PACKED_ATTENTION_IMPLEMENTATIONS
-from ..kernels import geglu, rms_norm, rope_qk, swiglu
+from ..kernels import geglu, glu_fp8, rms_norm, rope_qk, swiglu
 from .lora_linear import shared_fp8_input
 from .state import AttentionSpec, PatchState, patch_state
 
 __all__ = ["AttentionSpec", "fused_attention_forward", "fused_mlp_forward", "fused_rms_norm_forward",
-           "gated_activation"]
+           "gated_activation", "gated_activation_fp8"]
 
 
 def _state(module: nn.Module) -> PatchState:
@@ -127,6 +127,16 @@ def gated_activation(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> to
     if state.activation.kernel == "swiglu":
         return swiglu(gate, up, backend=state.kernel_backend)
     return geglu(gate, up, approximate=state.activation.approximate, backend=state.kernel_backend)
+
+
+def gated_activation_fp8(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gated_activation`'s output with its per-row FP8 codes and scales made in the same launch
+    (:func:`swiftune.kernels.glu_fp8`, the rowwise quantiser's bytes): what an FP8 ``down_proj`` of a decode
+    step would make of its input. No autograd."""
+    state = _state(mlp)
+    approximate = "silu" if state.activation.kernel == "swiglu" else state.activation.approximate or "none"
+    return glu_fp8(gate, up, approximate, backend=state.kernel_backend)
 
 
 def fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

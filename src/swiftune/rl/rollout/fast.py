@@ -232,6 +232,10 @@ class FastRolloutEngine:
             also makes the FP8 codes they read (:func:`swiftune.kernels.add_rms_norm_fp8`, the bytes the
             separate quantise launch makes, so the same tokens and log-probabilities); on by default, ``False``
             for the separate launch (the A/B of ``scripts/gpu_suite.sh fp8-norm-kv-ab``).
+        fp8_glu_codes: in those decode steps, a gated MLP's activation kernel also makes the FP8 codes its
+            ``down_proj`` reads (:func:`swiftune.kernels.glu_fp8`, the quantiser's bytes: the same tokens and
+            log-probabilities), where ``down_proj`` would quantise its input (the FP8 x FP8 rows, 17-64, and
+            ``_scaled_mm``'s above); off until timed (``scripts/gpu_suite.sh fp8-glu-codes-ab``).
         lora_decode_kernel: adapters at run time (``lora="runtime"``, and FP8 or 4-bit bases, which are never
             merged): in the fused layer loop's decode steps each adapter's product is added to its projection's
             in two launches (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and, for PEFT's
@@ -259,7 +263,7 @@ class FastRolloutEngine:
                  moe_fused_routing: bool = True, moe_route_kernels: bool = True, decode_attention: str = "auto",
                  nf4_decode_kernel: bool = True, nf4_decode_max_rows: int = NF4_DECODE_MAX_ROWS,
                  nf4_dense: bool | str = "auto", fp8_stacked_qkv: bool = True, fp8_stacked_gate_up: bool = True,
-                 fp8_norm_codes: bool = True, lora_decode_kernel: bool | str = "auto",
+                 fp8_norm_codes: bool = True, fp8_glu_codes: bool = False, lora_decode_kernel: bool | str = "auto",
                  kv_cache_dtype: str = "auto"):
         if keep_cache not in (True, False, "auto"):
             raise ValueError(f"keep_cache must be True, False or 'auto', got {keep_cache!r}")
@@ -296,6 +300,7 @@ class FastRolloutEngine:
         self.fp8_stacked_qkv = bool(fp8_stacked_qkv)
         self.fp8_stacked_gate_up = bool(fp8_stacked_gate_up)
         self.fp8_norm_codes = bool(fp8_norm_codes)
+        self.fp8_glu_codes = bool(fp8_glu_codes)
         if lora_decode_kernel not in (True, False, "auto"):
             raise ValueError(f"lora_decode_kernel must be True, False or 'auto', got {lora_decode_kernel!r}")
         self.lora_decode_kernel = lora_decode_kernel
@@ -479,7 +484,7 @@ class FastRolloutEngine:
         """The decode-step choices the layers read, as one object for each step's :class:`DecodeContext`."""
         return DecodeOptions(decode_attention=self.decode_attention, fp8_stacked_qkv=self.fp8_stacked_qkv,
                              fp8_stacked_gate_up=self.fp8_stacked_gate_up, fp8_norm_codes=self.fp8_norm_codes,
-                             lora_decode_kernel=self._lora_decode_kernel_on())
+                             fp8_glu_codes=self.fp8_glu_codes, lora_decode_kernel=self._lora_decode_kernel_on())
 
     def _lora_decode_kernel_on(self) -> bool:
         if self.lora_decode_kernel != "auto":

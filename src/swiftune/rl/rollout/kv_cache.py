@@ -157,6 +157,7 @@ class DecodeOptions:
     fp8_stacked_qkv: bool = False  # q/k/v's FP8 products as one (lora_linear.stacked_fp8_products)
     fp8_stacked_gate_up: bool = False  # and gate/up's (rollout.layers.decode_mlp)
     fp8_norm_codes: bool = False  # the norms make the next projections' FP8 codes (add_rms_norm_fp8)
+    fp8_glu_codes: bool = False  # the MLP's activation makes down_proj's FP8 codes (glu_fp8)
     lora_decode_kernel: bool = False  # runtime LoRA products in two launches each (lora_decode_add_)
 
 

@@ -19,7 +19,8 @@ and once for gate/up (swiftune's MLP forward), with the bits of each quantising 
 (:func:`swiftune.models.lora_linear.shared_fp8_input`); LoRA layers over FP8 bases (adapters at run
 time) too: their base products share the codes, their adapter products multiply the input itself.
 In decode steps (``fp8_norm_codes``) the residual add + norm kernel before them makes those codes
-itself (:func:`swiftune.kernels.add_rms_norm_fp8`, the quantiser's bytes): one launch fewer per norm.
+itself (:func:`swiftune.kernels.add_rms_norm_fp8`, the quantiser's bytes): one launch fewer per norm;
+with ``fp8_glu_codes`` the MLP's activation kernel makes ``down_proj``'s (:func:`swiftune.kernels.glu_fp8`).
 
 It runs only on models patched by :func:`swiftune.patch_model`, whose norms already compute with
 swiftune's RMSNorm kernel, so the fused path equals the layers' own forward exactly. Gemma
@@ -36,7 +37,7 @@ from torch import nn
 
 from ...kernels import add_rms_norm, add_rms_norm_fp8, decode_qkv, rms_norm
 from ...models.families import FAMILIES
-from ...models.forwards import gated_activation
+from ...models.forwards import gated_activation, gated_activation_fp8
 from ...models.lora_linear import is_fused_lora, shared_fp8_input, stacked_fp8_products, takes_shared_fp8_input
 from ...models.state import is_bound, patch_state
 
@@ -99,8 +100,8 @@ def prenorm_layers(decoder: nn.Module, h: torch.Tensor, position_ids: torch.Tens
             if decode else None
         readers = gate_up if options.fp8_norm_codes else None
         x, residual, codes = _add_norm(out, residual, layer.post_attention_layernorm, readers, backend)
-        out = (decode_mlp(layer.mlp, x, codes, options.lora_decode_kernel, options.fp8_stacked_gate_up, gate_up)
-               if gate_up else layer.mlp(x))
+        out = (decode_mlp(layer.mlp, x, codes, options.lora_decode_kernel, options.fp8_stacked_gate_up, gate_up,
+                          options.fp8_glu_codes) if gate_up else layer.mlp(x))
         out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MoE block also returns its router scores
         last = i + 1 == len(layers)
         nxt = decoder.norm if last else layers[i + 1].input_layernorm
@@ -149,7 +150,8 @@ def _adapted(mlp: nn.Module, projections: tuple[nn.Module, nn.Module]) -> bool:
 
 def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor] | None = None,
                lora_kernel: bool = False, stacked: bool = True,
-               projections: tuple[nn.Module, nn.Module] | None = None) -> torch.Tensor | tuple:
+               projections: tuple[nn.Module, nn.Module] | None = None, glu_codes: bool = False
+               ) -> torch.Tensor | tuple:
     """One decode step of a gated MLP whose FP8 ``gate_proj`` / ``up_proj`` codes lie in one buffer
     (``quantize_model_fp8``): one product for both (each LoRA adapter added to its own columns), the fused
     activation reading its two column halves in place, then ``down_proj``; what swiftune's MLP forward
@@ -159,7 +161,10 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch
     (:func:`swiftune.models.lora_linear.fused_lora_forward`), gate/up then called one by one where they are not
     stacked (``stacked=False`` or weights not laid out so); without it those run the module's own forward.
     ``projections``: what :func:`decode_mlp_projections` answered for these settings, where the caller asked it
-    already (the layer loop, to let the norm make their codes); ``None``: asked here."""
+    already (the layer loop, to let the norm make their codes); ``None``: asked here. ``glu_codes``: where
+    ``down_proj`` would quantise its input (:func:`takes_shared_fp8_input`), the activation kernel makes those
+    codes (:func:`~swiftune.models.forwards.gated_activation_fp8`, the quantiser's bytes) instead of a launch of
+    their own."""
     if projections is None:
         projections = decode_mlp_projections(mlp, stacked, lora_kernel)
     if projections is None:
@@ -170,7 +175,13 @@ def decode_mlp(mlp: nn.Module, x: torch.Tensor, codes: tuple[torch.Tensor, torch
         if not (lora_kernel and _adapted(mlp, projections)):
             return mlp(x)
         products = [p(x, **shared, **_lora_options(p, lora_kernel)) for p in projections]
-    return mlp.down_proj(gated_activation(mlp, *products), **_lora_options(mlp.down_proj, lora_kernel))
+    down, down_input = mlp.down_proj, {}
+    if glu_codes and takes_shared_fp8_input(products[0], (down,)):  # (the activation's output: gate's shape, dtype)
+        hidden, *made = gated_activation_fp8(mlp, *products)
+        down_input = shared_fp8_input(hidden, (down,), tuple(made))
+    else:
+        hidden = gated_activation(mlp, *products)
+    return down(hidden, **down_input, **_lora_options(down, lora_kernel))
 
 
 def _lora_options(projection: nn.Module, lora_kernel: bool) -> dict[str, bool]:
