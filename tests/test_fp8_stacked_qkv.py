@@ -126,14 +126,15 @@ def test_stacked_products_decline_what_they_do_not_compute():
         assert ll.stacked_fp8_products([attn.q_proj, attn.k_proj, plain.v_proj], x) is None
 
 
-@pytest.mark.parametrize("rows,scaled_mm", [(3, False), (40, True)])
+@pytest.mark.parametrize("rows,scaled_mm,glu_codes", [(3, False, False), (40, True, False), (40, True, True)])
 @pytest.mark.parametrize("lora", [False, True])
-def test_decode_mlp_equals_transformers_mlp_forward(rows, scaled_mm, lora):
+def test_decode_mlp_equals_transformers_mlp_forward(rows, scaled_mm, glu_codes, lora):
     """The decode step's MLP with gate/up as one product (the activation reading its two halves in place) gives
     transformers' own MLP forward over the same layers (``type(mlp).forward``: each projection's own call,
     ``act_fn(gate) * up``, then down) to bf16's rounding of the activation (the GLU kernel's, see
     tests/test_glu_rows.py), and the patched module's own forward (three products) bit for bit on the CPU; LoRA
-    adapters on gate/up (PEFT's layers) too."""
+    adapters on gate/up (PEFT's layers) too. ``glu_codes``: the activation also makes down_proj's input codes
+    (``glu_fp8``; 40 rows quantise), the same comparisons."""
     from swiftune.models import patch_model
 
     if scaled_mm:
@@ -145,14 +146,16 @@ def test_decode_mlp_equals_transformers_mlp_forward(rows, scaled_mm, lora):
     model = _peft_fp8(model) if lora else model
     mlp = (model.base_model.model if lora else model).model.layers[0].mlp
     x = torch.randn(rows, 1, mlp.config.hidden_size, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
-    calls = []
-    stacked = rollout_layers.stacked_fp8_products
+    calls, made = [], []
+    stacked, glu = rollout_layers.stacked_fp8_products, rollout_layers.gated_activation_fp8
     with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(rollout_layers, "stacked_fp8_products", lambda *a, **k: calls.append(1) or stacked(*a, **k))
-        got = rollout_layers.decode_mlp(mlp, x)
+        mp.setattr(rollout_layers, "gated_activation_fp8", lambda *a: made.append(1) or glu(*a))
+        got = rollout_layers.decode_mlp(mlp, x, glu_codes=glu_codes)
         want = type(mlp).forward(mlp, x)
         own = mlp(x)
     assert calls and got.shape == want.shape and got.abs().sum() > 0
+    assert len(made) == int(glu_codes)
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2 * want.float().abs().max().item())
     assert torch.equal(got, own)
 
