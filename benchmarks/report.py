@@ -196,6 +196,13 @@ def sft_busy(fig: Figure) -> str:
                   "of which after a host wait"], out, set(range(1, 9)))
 
 
+def timed_steps_label(s: dict, m: dict) -> str:
+    """A row's timed steps, with how many of them captured graphs where the run counted that."""
+    capturing = val(m, "steps_capturing")
+    return f"{s.get('timed_steps', s.get('steps', ''))}" + (f" ({capturing:.0f} capturing)" if capturing is not None
+                                                            else "")
+
+
 def sft_graphs(fig: Figure) -> str:
     """Graphed layers against swiftune's eager step, same call: tok/s over every timed step, and over the
     timed steps that captured no graph (a long run's steps once its token buckets are captured). Where the
@@ -216,9 +223,7 @@ def sft_graphs(fig: Figure) -> str:
         tps, steady = val(m, "tokens_per_s"), val(m, "steady_tokens_per_s")
         best = steady if steady is not None else tps
         ref = eager.get(budget)
-        capturing = val(m, "steps_capturing")
-        steps = f"{s.get('timed_steps', s.get('steps', ''))}" + (
-            f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        steps = timed_steps_label(s, m)
         row = [LABELS.get(mode, mode), "(~16K tok)" if budget else str(s["batch"]), fmt(tps, thousands=True),
                fmt(steady, thousands=True), fmt(best / ref) if ref and mode.endswith("_graphs") else ""]
         row += [fmt(best / others[o]) if ours and not budget and others[o] else "" for o in side]
@@ -237,9 +242,7 @@ def sft_graphs_host(fig: Figure) -> str:
     for (steps, mode), (s, m) in sorted(cells.items(), key=lambda c: (c[0][0], c[0][1] != "swiftune_graphs")):
         ref = cells.get((steps, "swiftune_graphs"), (None, None))[1] if mode != "swiftune_graphs" else None
         steady, peak = val(m, "steady_tokens_per_s"), val(m, "peak_gb")
-        capturing = val(m, "steps_capturing")
-        out.append([LABELS.get(mode, mode), f"{steps}" + (f" ({capturing:.0f} capturing)" if capturing is not None
-                                                          else ""),
+        out.append([LABELS.get(mode, mode), timed_steps_label(s, m),
                     fmt(val(m, "graph_capacity_tokens"), thousands=True), fmt(val(m, "tokens_per_s"), thousands=True),
                     fmt(steady, thousands=True),
                     fmt(steady / val(ref, "steady_tokens_per_s")) if ref and steady else "", fmt(peak, 1),
@@ -260,8 +263,7 @@ def sft_graphs_host_unsloth(fig: Figure) -> str:
     out = []
     for mode, _, s, m in groups:
         tps, steady, peak = val(m, "tokens_per_s"), val(m, "steady_tokens_per_s"), val(m, "peak_gb")
-        capturing = val(m, "steps_capturing")
-        timed = f"{s.get('timed_steps', '')}" + (f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        timed = timed_steps_label(s, m)
         ours = ref is not None and mode.startswith("swiftune")
         out.append([s.get("call", ""), LABELS.get(mode, mode), str(s.get("run_steps", "")), timed,
                     fmt(tps, thousands=True), fmt(steady, thousands=True),
@@ -291,8 +293,7 @@ def sft_fp8_graphs(fig: Figure) -> str:
     for (mode, weights), (s, m) in sorted(cells.items(), key=lambda kv: (kv[0][0].endswith("_graphs"),
                                                                         kv[0][1] != "fp8", kv[0][0])):
         graphed = mode.endswith("_graphs")
-        capturing = val(m, "steps_capturing")
-        steps = f"{s.get('timed_steps', '')}" + (f" ({capturing:.0f} capturing)" if capturing is not None else "")
+        steps = timed_steps_label(s, m)
         out.append([LABELS.get(mode, mode), str(s["batch"]), weights, fmt(val(m, "tokens_per_s"), thousands=True),
                     fmt(val(m, "steady_tokens_per_s"), thousands=True),
                     fmt(best(m) / eager[weights]) if graphed and eager.get(weights) else "",
