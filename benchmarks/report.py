@@ -256,23 +256,29 @@ def sft_graphs_host_unsloth(fig: Figure) -> str:
     """The graphed row with its layer inputs on the host beside Unsloth, over calls on one warm machine (settings
     ``call`` and ``run_steps``, the steps each run took, warm-up included): every row's own figures, and each
     swiftune row's speed (the steady figure where there is one, then over every timed step) and peak against
-    Unsloth's padding-free row of the most steps (its best speed and its highest peak)."""
+    Unsloth's padding-free row of its own call, and against Unsloth's padding-free row of the most steps (its
+    best speed and its highest peak)."""
     groups = sorted(fig.groups(), key=lambda g: (g[2].get("call", ""), g[0].startswith("swiftune"), g[0]))
     unsloth = [(s, m) for mode, _, s, m in groups if mode == "unsloth"]
     ref_s, ref = max(unsloth, key=lambda sm: sm[0].get("run_steps", 0)) if unsloth else ({}, None)
+    same_call = {s.get("call", ""): m for s, m in unsloth}
     out = []
     for mode, _, s, m in groups:
         tps, steady, peak = val(m, "tokens_per_s"), val(m, "steady_tokens_per_s"), val(m, "peak_gb")
-        timed = timed_steps_label(s, m)
-        ours = ref is not None and mode.startswith("swiftune")
-        out.append([s.get("call", ""), LABELS.get(mode, mode), str(s.get("run_steps", "")), timed,
-                    fmt(tps, thousands=True), fmt(steady, thousands=True),
-                    fmt(steady / val(ref, "tokens_per_s")) if ours and steady else "",
-                    fmt(tps / val(ref, "tokens_per_s")) if ours else "", fmt(peak, 2),
-                    fmt(peak / val(ref, "peak_gb")) if ours else ""])
+        best = steady if steady is not None else tps
+        ours = mode.startswith("swiftune")
+        own = same_call.get(s.get("call", "")) if ours else None
+        out.append([s.get("call", ""), LABELS.get(mode, mode), str(s.get("run_steps", "")), timed_steps_label(s, m),
+                    fmt(tps, thousands=True), fmt(steady, thousands=True), fmt(peak, 2),
+                    fmt(best / val(own, "tokens_per_s")) if own else "",
+                    fmt(peak / val(own, "peak_gb")) if own else "",
+                    fmt(steady / val(ref, "tokens_per_s")) if ours and ref and steady else "",
+                    fmt(tps / val(ref, "tokens_per_s")) if ours and ref else "",
+                    fmt(peak / val(ref, "peak_gb")) if ours and ref else ""])
     against = f"Unsloth's {ref_s.get('run_steps', '')} steps"
     header = ["call", "mode", "steps run", "timed steps", "tok/s, timed steps", "tok/s, steps without a capture",
-              f"x {against}, steady", f"x {against}, timed", "peak GB", f"x {against} peak"]
+              "peak GB", "x Unsloth of the same call", "x its peak", f"x {against}, steady", f"x {against}, timed",
+              f"x {against} peak"]
     return table(header, out, set(range(2, len(header))))
 
 

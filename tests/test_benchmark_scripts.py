@@ -522,9 +522,9 @@ def test_sft_beside_trl_divides_by_each_shapes_own_baselines():
 
 
 def test_sft_graphs_host_unsloth_compares_with_unsloths_longest_run():
-    """``report.sft_graphs_host_unsloth``: each swiftune row's steady and timed speed and its peak over the Unsloth
-    padding-free row of the most steps run (not the first Unsloth row, nor the packed one); Unsloth's rows
-    carry no ratio."""
+    """``report.sft_graphs_host_unsloth``: each swiftune row's speed and peak over its own call's Unsloth padding-free
+    row, and its steady and timed speed and peak over the Unsloth padding-free row of the most steps run (not the
+    first Unsloth row, nor the packed one); Unsloth's rows carry no ratio."""
     from benchmarks import report, results
 
     def rows(call, run_steps, records):
@@ -542,9 +542,10 @@ def test_sft_graphs_host_unsloth_compares_with_unsloths_longest_run():
         + rows("C", 66, [dict(mode="unsloth", steps=62, tokens_per_s=5000.0, peak_gb=18.6)]))
     text = report.sft_graphs_host_unsloth(fig)
     assert "x Unsloth's 66 steps, steady" in text
-    assert "| A | swiftune, graphed layers, inputs on the host | 70 | 40 (9 capturing) | 7,500 | 9,500 | 1.90 | 1.50 " \
-           "| 18.30 | 0.98 |" in text
-    assert "| A | Unsloth | 12 | 8 | 4,000 |  |  |  | 18.00 |  |" in text
+    # same call (A's Unsloth: 9,500 / 4,000, 18.3 / 18.0), then Unsloth's longest run (C)
+    assert "| A | swiftune, graphed layers, inputs on the host | 70 | 40 (9 capturing) | 7,500 | 9,500 | 18.30 " \
+           "| 2.38 | 1.02 | 1.90 | 1.50 | 0.98 |" in text
+    assert "| A | Unsloth | 12 | 8 | 4,000 |  | 18.00 |  |  |  |  |  |" in text
 
 def test_largest_beside_multiple_is_an_upper_bound_when_the_baseline_never_failed():
     """``report.grpo_largest_beside``: with both brackets closed, swiftune's fit over the baseline's fit; with the
