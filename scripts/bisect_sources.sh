@@ -3,7 +3,7 @@
 # the device), for scripts/gpu_suite.sh's sft-bisect: one benchmark row per revision in one call, the benchmark
 # scripts themselves as in the working tree.
 #
-#   scripts/bisect_sources.sh 48f49fc d286b64 725143d HEAD
+#   scripts/bisect_sources.sh HEAD 48f49fc d286b64 725143d HEAD   (a revision may come twice: first and last)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -gt 0 ] || { echo "bisect_sources.sh: name at least one revision" >&2; exit 2; }

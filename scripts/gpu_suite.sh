@@ -520,10 +520,14 @@ case "$part" in
     # kind of kernel: sft-bisect MODEL [STEPS] (default gpt-oss-20b, 8 steps after 3; ~80 s a revision)
     model=${2:-gpt-oss-20b} steps=${3:-8}
     [ -f .bisect/revisions.txt ] || { echo "sft-bisect: no .bisect/ (scripts/bisect_sources.sh REV..., carry .bisect)"; exit 2; }
+    # a revision may be named twice (first and last: torch.compile's cache on the machine warms after the first)
+    n=0
     while read -r rev _; do
+      n=$((n + 1))
       PYTHONPATH="$PWD/.bisect/$rev:$PYTHONPATH" python3 -c "import swiftune; print('$rev:', swiftune.__file__)"
-      PYTHONPATH="$PWD/.bisect/$rev:$PYTHONPATH" run "sft_bisect_$rev" 240 python3 -m benchmarks.sft --model "$model" \
-        --batch 16 --steps "$steps" --warmup 3 --modes swiftune --time-profile --out "$OUT/sft_bisect_${model}_$rev.json"
+      PYTHONPATH="$PWD/.bisect/$rev:$PYTHONPATH" run "sft_bisect_${n}_$rev" 240 python3 -m benchmarks.sft \
+        --model "$model" --batch 16 --steps "$steps" --warmup 3 --modes swiftune --time-profile \
+        --out "$OUT/sft_bisect_${model}_${n}_$rev.json"
     done < .bisect/revisions.txt ;;
   moe-sft-experts)  # moe-sft's gpt-oss-20b row with its experts adapted too (PEFT's target_parameters beside
     # all-linear, in every mode: all-linear alone reaches only gpt-oss's attention projections; ~3 min)
