@@ -528,7 +528,15 @@ case "$part" in
       PYTHONPATH="$PWD/.bisect/$rev:$PYTHONPATH" run "sft_bisect_${n}_$rev" 240 python3 -m benchmarks.sft \
         --model "$model" --batch 16 --steps "$steps" --warmup 3 --modes swiftune --time-profile \
         --out "$OUT/sft_bisect_${model}_${n}_$rev.json"
-    done < .bisect/revisions.txt ;;
+    done < .bisect/revisions.txt
+    python3 - "$OUT" "$model" <<'PY'
+import glob, json, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/sft_bisect_{sys.argv[2]}_*.json")):
+    for r in json.load(open(path)):
+        print(path.rsplit("/", 1)[1], *(f"{k}={r.get(k)}" for k in ("tokens_per_s", "peak_gb", "compiled_frames",
+              "compiled_frames_timed", "slowest_step_s", "error")))
+PY
+    ;;
   moe-sft-experts)  # moe-sft's gpt-oss-20b row with its experts adapted too (PEFT's target_parameters beside
     # all-linear, in every mode: all-linear alone reaches only gpt-oss's attention projections; ~3 min)
     run moe_sft_experts_gpt-oss-20b 290 python3 -m benchmarks.sft --model gpt-oss-20b --batch 16 --steps 8 --warmup 3 \
