@@ -792,3 +792,57 @@ def test_get_peft_model_offload_without_tiles_equals_peft():
     with pytest.raises(ValueError, match="tiled_mlp must be True, False or None"):
         swiftune.FastModel.get_peft_model(bad, r=4, tiled_mlp="no")
     assert not any(hasattr(m, "lora_A") for m in bad.modules())  # refused before PEFT adds adapters in place
+
+
+@pytest.mark.parametrize("mode,reentrant", [(True, False), ("offload", False), (True, True)],
+                         ids=["checkpointing", "offload", "reentrant"])
+def test_trainer_checkpointing_removes_the_input_hook_again(mode, reentrant, tmp_path):
+    """``SFTConfig(gradient_checkpointing=True)`` makes transformers' Trainer enable its checkpointing again at
+    ``train()``, and with it the input embeddings' require-grad hook that FastModel.get_peft_model had removed;
+    swiftune's trainer removes it again unless a layer checkpoints with reentrance (which needs it). The step's
+    LoRA gradients, taken before the optimizer, equal PEFT's own model run without checkpointing on the same row,
+    every one non-zero where the reference's is."""
+    import peft
+    from transformers import TrainerCallback
+    import swiftune
+    from swiftune.data import FormattingStats, TokenizedDataset, build_tokenizer
+
+    torch.manual_seed(0)
+    cfg = tiny_model_config("qwen3", vocab_size=320, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_config(cfg).train()
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_config(cfg).train(),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    reference.get_base_model().load_state_dict(base.state_dict(), strict=False)
+    model = swiftune.FastModel.get_peft_model(base, r=4, lora_alpha=8, use_gradient_checkpointing=mode,
+                                              offload_gpu_budget_bytes=0 if mode == "offload" else None)
+    with torch.no_grad():  # non-zero B, so that every A gets a gradient too; the same adapters in both
+        for (name, p), (ref_name, ref_p) in zip(model.named_parameters(), reference.named_parameters()):
+            assert name == ref_name
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+            ref_p.copy_(p)
+    ids = torch.randint(0, 320, (48,))
+
+    class Grads(TrainerCallback):
+        grads: dict[str, torch.Tensor] = {}
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            Grads.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    rows = TokenizedDataset([{"input_ids": ids.tolist(), "completion_mask": None}],
+                            FormattingStats(data_shape="pretokenized"))
+    args = swiftune.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1, learning_rate=0.0,
+                              max_grad_norm=0.0, save_strategy="no", report_to="none", use_cpu=True,
+                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=build_tokenizer(),
+                                  callbacks=[Grads()])
+    trainer.train()
+    hooks = getattr(model.get_base_model(), "_require_grads_hooks", None) or []
+    assert len(hooks) == (1 if reentrant else 0)
+    ref_loss = reference(input_ids=ids[None], labels=ids[None]).loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert Grads.grads.keys() == ref_grads.keys() and len(ref_grads) == 2 * 7 * cfg.num_hidden_layers
+    for name, ref in ref_grads.items():
+        assert ref.abs().max() > 0 and Grads.grads[name].abs().max() > 0, name
+        assert rel_err(Grads.grads[name], ref) < 1e-4, name

@@ -204,7 +204,7 @@ class GRPOTrainer(SwiftuneTrainer):
         metrics_cb = MetricsCallback(self.token_meter, args, plot_key="reward", plot_name="reward.png")
         if not args.plot_rewards:
             metrics_cb.plot = None
-        self.use_metrics_callback(metrics_cb)
+        self.use_swiftune_callbacks(metrics_cb)
         if self.ref_model is not None:
             self.ref_model.to(self.args.device)
             if args.sync_ref_model:

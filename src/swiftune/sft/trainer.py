@@ -218,7 +218,7 @@ class SFTTrainer(SwiftuneTrainer):
         # compute_loss normalises by num_items_in_batch itself: tell the Trainer not to divide
         # by the accumulation steps again, and to count the trained tokens of every micro-batch.
         self.model_accepts_loss_kwargs = True
-        self.use_metrics_callback(MetricsCallback(self.token_meter, args))
+        self.use_swiftune_callbacks(MetricsCallback(self.token_meter, args))
 
     # ------------------------------------------------------------------------ data
 

@@ -9,7 +9,9 @@ imports the other, so the start-up they share lives here, one layer below them:
   taken when none is given; a ``peft_config`` wraps the model with adapters; a model that is not
   patched yet is (:meth:`SwiftuneTrainer.prepare_model`);
 * the progress display: transformers' progress bar and printer give way to the trainer's
-  :class:`~swiftune.training.metrics.MetricsCallback` (:meth:`SwiftuneTrainer.use_metrics_callback`);
+  :class:`~swiftune.training.metrics.MetricsCallback` (:meth:`SwiftuneTrainer.use_swiftune_callbacks`);
+* the input embeddings' require-grad hook, which ``gradient_checkpointing=True`` puts back at ``train()``, is
+  removed again where checkpointing runs without reentrance (:class:`DropInputRequireGrads`);
 * every training step runs with PEFT's LoRA input casts switched off where autocast makes them
   no-ops (:func:`~swiftune.training.lora_casting.training_step_lora_casting`);
 * the Trainer's per-step walks over the model (``model.train()``, ``model.zero_grad()``, gradient
@@ -27,13 +29,13 @@ from accelerate.utils import DistributedType
 import torch
 from torch import nn
 from transformers import Trainer, set_seed
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback, TrainerCallback
 from transformers.utils import is_sagemaker_mp_enabled
 
 from ..errors import ConfigError
 from ..models import is_patched, patch_model
 from ..models.patching import fuse_lora_if_patched
-from .loading import FastModel
+from .loading import FastModel, checkpoints_reentrantly, drop_input_require_grads
 from .lora_casting import LoraLayerIndex, training_step_lora_casting
 from .metrics import MetricsCallback
 from .model_walks import ModelWalkIndex, listed_module_walks
@@ -41,12 +43,25 @@ from .quantization import refuse_full_finetuning_of_4bit
 from .safety import RunSafetyMixin
 
 
+class DropInputRequireGrads(TrainerCallback):
+    """At the start of training, the input embeddings' require-grad hook removed again where no layer checkpoints
+    with reentrance (:func:`~swiftune.training.loading.drop_input_require_grads` says what it costs).
+
+    ``Trainer.train`` with ``gradient_checkpointing=True`` enables transformers' checkpointing once more, and with
+    it that hook, after :meth:`FastModel.get_peft_model` had removed it; ``on_train_begin`` runs after that."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any):
+        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if hf_model is not None and not checkpoints_reentrantly(hf_model):
+            drop_input_require_grads(hf_model)
+
+
 class SwiftuneTrainer(RunSafetyMixin, Trainer):
     """A ``transformers.Trainer`` with swiftune's run safety and the start-up of the module doc.
 
     A subclass sets :attr:`config_class` and :attr:`default_output_dir`, and calls
     :meth:`resolve_args` and :meth:`prepare_model` before ``Trainer.__init__``, then
-    :meth:`use_metrics_callback` after it.
+    :meth:`use_swiftune_callbacks` after it.
     """
 
     config_class: ClassVar[type]
@@ -109,11 +124,13 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
             fuse_lora_if_patched(model)  # adapters added after patching, by the caller's own PEFT
         return model, processing_class
 
-    def use_metrics_callback(self, callback: MetricsCallback) -> None:
-        """Replace transformers' progress bar and log printer with ``callback`` (which shows both)."""
+    def use_swiftune_callbacks(self, callback: MetricsCallback) -> None:
+        """Replace transformers' progress bar and log printer with ``callback`` (which shows both); add
+        :class:`DropInputRequireGrads`."""
         self.remove_callback(ProgressCallback)
         self.remove_callback(PrinterCallback)
         self.add_callback(callback)
+        self.add_callback(DropInputRequireGrads)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # a training step's log carries the token counts and tokens/s since the last one, so that
@@ -179,4 +196,4 @@ class SwiftuneTrainer(RunSafetyMixin, Trainer):
         return self.accelerator.clip_grad_norm_(with_grads, self.args.max_grad_norm)
 
 
-__all__ = ["SwiftuneTrainer"]
+__all__ = ["DropInputRequireGrads", "SwiftuneTrainer"]

@@ -320,6 +320,17 @@ def drop_input_require_grads(hf_model: nn.Module) -> None:
         hf_model.disable_input_require_grads()
 
 
+def checkpoints_reentrantly(hf_model: nn.Module) -> bool:
+    """Whether a module of ``hf_model`` runs transformers' checkpointing with reentrance (``use_reentrant`` true or
+    left to torch's default): that checkpointing needs the input embeddings' output to require grad."""
+    for module in hf_model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and func is not None:
+            if getattr(func, "keywords", {}).get("use_reentrant", True):
+                return True
+    return False
+
+
 def enable_gradient_checkpointing(
     model: nn.Module, mode: bool | str = True, *, offload_gpu_budget_bytes: int | None = None,
     offload_host_budget_bytes: int | None = None, offload_attention_output_layers: int = 0,
