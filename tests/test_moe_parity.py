@@ -591,6 +591,34 @@ def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, chec
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_gpu_autocast_moe_keeps_bf16_and_equals_unpatched_model(family):
+    """Under bf16 autocast (a Trainer's ``bf16=True``), as the SFT and GRPO trainers run: every decoder layer
+    returns bf16 hidden states, and the loss and every gradient equal the unpatched fp32 model's. CUDA's autocast
+    runs ``sum`` in float32: the experts' combine once returned float32 there, and every later layer ran in float32
+    (gpt-oss-20b's batch-16 step 1.8x slower; the CPU's autocast keeps ``sum`` in bf16, so only CUDA shows it)."""
+    base = tiny_moe(family).cuda().train()
+    reference = copy.deepcopy(base)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    expected_loss, expected = _reference_step(reference, _examples())
+    _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
+    model = _swiftune_model(base.to(torch.bfloat16), reference, False, "on")
+    model.load_state_dict(reference.state_dict())
+    dtypes = []
+    for layer in causal_lm_of(model).model.layers:
+        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, grads = _swiftune_step(model, _examples(), "packed")
+    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
+    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
+    assert_gradients_match(expected, grads, _trainable(reference), allowed)
+
+
 # ----------------------------------------------------------------------------- loading and training
 
 def test_from_pretrained_patches_moe_and_sft_trains_padding_free(tmp_path):

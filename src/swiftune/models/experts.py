@@ -153,13 +153,19 @@ class _SumAssignments(torch.autograd.Function):
     ``k``; the sum accumulates in float32 for bf16 and rounds once, with no atomics (deterministic on CUDA),
     as transformers' grouped experts combine. Backward: every row of a token receives that token's gradient,
     ``dy[i] = dout[token_of[i]]``, a gather; only ``token_of`` is saved. (``index_add_``'s autograd saves its
-    whole source, ``[T k, H]``, to shape that gather: ``k H b`` bytes a token held for nothing.)"""
+    whole source, ``[T k, H]``, to shape that gather: ``k H b`` bytes a token held for nothing.)
+
+    The output keeps ``y``'s dtype under autocast too: CUDA's autocast runs ``sum`` in float32 and returns
+    float32, which made the block's output, the residual stream after it and every later layer's inputs float32
+    (the experts' grouped GEMMs then fell back to float32 products)."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, k: int) -> torch.Tensor:
         sorted_row = _sorted_row_of(order)
         ctx.save_for_backward(token_of)
-        return y[sorted_row].view(-1, k, y.shape[-1]).sum(dim=1)
+        with torch.autocast(y.device.type, enabled=False):
+            summed = y[sorted_row].view(-1, k, y.shape[-1]).sum(dim=1, dtype=torch.float32)
+        return summed.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
