@@ -833,7 +833,8 @@ def test_trainer_checkpointing_removes_the_input_hook_again(mode, reentrant, tmp
                             FormattingStats(data_shape="pretokenized"))
     args = swiftune.SFTConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=1, learning_rate=0.0,
                               max_grad_norm=0.0, save_strategy="no", report_to="none", use_cpu=True,
-                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+                              gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant},
+                              kernel_backend="reference")  # the hook is the point, not the kernels (interpreted: slow)
     trainer = swiftune.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=build_tokenizer(),
                                   callbacks=[Grads()])
     trainer.train()
