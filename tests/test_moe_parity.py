@@ -591,6 +591,38 @@ def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, chec
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
 
 
+class _CudaSumPolicy(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's policy for ``sum`` (inputs cast to float32, a float32 result) wherever autocast is on for
+    the CPU: the CPU's own autocast keeps ``sum`` in the input's dtype, so without this a CPU run cannot show
+    code that relies on ``sum`` keeping bf16."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in (torch.sum, torch.Tensor.sum) and torch.is_autocast_enabled("cpu")
+                and args[0].dtype in (torch.bfloat16, torch.float16)):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_autocast_with_cudas_sum_policy_keeps_every_layer_bf16(family):
+    """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ``sum`` emulated on the CPU:
+    every decoder layer returns bf16, and the loss equals the unpatched model's under the same emulation. The
+    experts' combine once summed under autocast and returned float32 on CUDA; every later layer then ran in
+    float32 (gpt-oss-20b's batch-16 step 1.8x slower). The CUDA test below is the same check on the device."""
+    base = tiny_moe(family).to(torch.bfloat16).train()
+    reference = copy.deepcopy(base)
+    model = _swiftune_model(base, reference, False, "off", kernel_backend="reference")
+    dtypes = []
+    for layer in causal_lm_of(model).model.layers:
+        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16), _CudaSumPolicy():
+        loss, _ = _swiftune_step(model, _examples(), "packed")
+        expected_loss, _ = _reference_step(reference, _examples())
+    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
+    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
