@@ -152,3 +152,26 @@ def count_launches(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, Counted())
     return grids
+
+
+class CudaAutocastFloat32Ops(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's float32 policy for the reductions and pointwise ops below, wherever autocast is on for the CPU:
+    their bf16 / fp16 inputs cast to float32 and a float32 result (an explicit ``dtype=`` kept). The CPU's own
+    autocast leaves them in the input's dtype, so without this a CPU run cannot show a patched forward that relies
+    on one of them keeping bf16 (the experts' combine once returned float32 under CUDA's autocast)."""
+
+    FUNCS = frozenset({
+        torch.sum, torch.Tensor.sum, torch.cumsum, torch.Tensor.cumsum, torch.prod, torch.Tensor.prod,
+        torch.softmax, torch.Tensor.softmax, torch.nn.functional.softmax, torch.nn.functional.log_softmax,
+        torch.Tensor.log_softmax, torch.exp, torch.Tensor.exp, torch.log, torch.Tensor.log, torch.pow,
+        torch.Tensor.pow, torch.Tensor.__pow__, torch.rsqrt, torch.Tensor.rsqrt, torch.reciprocal,
+        torch.Tensor.reciprocal, torch.nn.functional.layer_norm,
+    })
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.FUNCS and torch.is_autocast_enabled("cpu") and kwargs.get("dtype") is None:
+            def widen(t):
+                return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
+            args = tuple(widen(a) for a in args)
+        return func(*args, **kwargs)

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from swiftune.data import make_collator
-from swiftune.models import patch_model
+from swiftune.models import causal_lm_of, patch_model
 from swiftune.training import FastModel
 from swiftune.models.tiled_mlp import enable_tiled_mlp, tile_bounds
 from swiftune.sft.trainer import sft_loss
-from tests.helpers import VOCAB, assert_gradients_match, rel_err, tiny_model
+from tests.helpers import VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, rel_err, tiny_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 # families with sliding-window layers get windows shorter than the longest document
@@ -295,6 +295,28 @@ def _gpu_case(family: str, lora: bool, layout: str, checkpointing: str, **sizes)
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
     allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
+
+
+@pytest.mark.parametrize(("family", "lora"), [(f, False) for f in FAMILIES] + [("qwen3", True), ("gemma3", True)])
+def test_autocast_with_cudas_float32_ops_keeps_every_layer_bf16(family, lora):
+    """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ops emulated on the CPU
+    (:class:`tests.helpers.CudaAutocastFloat32Ops`): every decoder layer returns bf16, as the unpatched model's do,
+    and the loss equals the unpatched model's under the same emulation. (A patched forward relying on ``sum`` or
+    ``softmax`` keeping bf16 would widen the residual stream to float32 on CUDA only; the MoE combine once did.)"""
+    base = tiny_model(family).to(torch.bfloat16).train()
+    reference = _lora_reference(base) if lora else copy.deepcopy(base)
+    model = _swiftune_model(base, reference, lora, "off", kernel_backend="reference")
+    dtypes = {"patched": [], "unpatched": []}
+    for name, m in (("patched", model), ("unpatched", reference)):
+        for layer in causal_lm_of(m).model.layers:
+            layer.register_forward_hook(
+                lambda mod, a, out, name=name: dtypes[name].append((out[0] if isinstance(out, tuple) else out).dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastFloat32Ops():
+        loss, _ = _swiftune_step(model, _examples(), "packed")
+        expected_loss, _ = _reference_step(reference, _examples())
+    assert set(dtypes["unpatched"]) == {torch.bfloat16}, dtypes["unpatched"]
+    assert dtypes["patched"] and set(dtypes["patched"]) == {torch.bfloat16}, dtypes["patched"]
+    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
 
 
 @pytest.mark.gpu

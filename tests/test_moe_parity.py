@@ -35,7 +35,7 @@ from swiftune.models.moe import load_balancing_loss, record_router_logits, route
 from swiftune.sft.trainer import sft_loss
 from swiftune.data import make_collator
 from swiftune.training import FastModel
-from tests.helpers import VOCAB, assert_gradients_match, rel_err
+from tests.helpers import VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, rel_err
 from tests.test_gradient_parity import (
     GPU_TOL,
     PAD_ID,
@@ -591,22 +591,10 @@ def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, chec
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
 
 
-class _CudaSumPolicy(torch.overrides.TorchFunctionMode):
-    """CUDA autocast's policy for ``sum`` (inputs cast to float32, a float32 result) wherever autocast is on for
-    the CPU: the CPU's own autocast keeps ``sum`` in the input's dtype, so without this a CPU run cannot show
-    code that relies on ``sum`` keeping bf16."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (func in (torch.sum, torch.Tensor.sum) and torch.is_autocast_enabled("cpu")
-                and args[0].dtype in (torch.bfloat16, torch.float16)):
-            kwargs = {**kwargs, "dtype": torch.float32}
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_autocast_with_cudas_sum_policy_keeps_every_layer_bf16(family):
-    """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ``sum`` emulated on the CPU:
+def test_autocast_with_cudas_float32_ops_keeps_every_layer_bf16(family):
+    """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ops emulated on the CPU
+    (:class:`tests.helpers.CudaAutocastFloat32Ops`):
     every decoder layer returns bf16, and the loss equals the unpatched model's under the same emulation. The
     experts' combine once summed under autocast and returned float32 on CUDA; every later layer then ran in
     float32 (gpt-oss-20b's batch-16 step 1.8x slower). The CUDA test below is the same check on the device."""
@@ -616,7 +604,7 @@ def test_autocast_with_cudas_sum_policy_keeps_every_layer_bf16(family):
     dtypes = []
     for layer in causal_lm_of(model).model.layers:
         layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16), _CudaSumPolicy():
+    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastFloat32Ops():
         loss, _ = _swiftune_step(model, _examples(), "packed")
         expected_loss, _ = _reference_step(reference, _examples())
     assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
