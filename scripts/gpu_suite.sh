@@ -70,7 +70,7 @@
 #   scripts/gpu_suite.sh grpo-65k-host [MODEL] # 2 x 65,536, every layer keeping their sdpa outputs in pinned host memory, then on the GPU, Unsloth's anchor, and a device-time profile of the GPU-kept step (carry .shared; ~15 min: through scripts/gpu_chain.sh)
 #   scripts/gpu_suite.sh sft-graphs-host [MODEL] # graphed batch 16 with the layer inputs on the host, beside graphed and Unsloth (~10 min)
 #   scripts/gpu_suite.sh sft-graphs-host-ab [MODEL [STEPS]] # the same without Unsloth, 50 steps a mode, after the graphs' CUDA tests (~6 min)
-#   scripts/gpu_suite.sh moe-sft [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
+#   scripts/gpu_suite.sh moe-sft [STEPS] [MODEL...] # SFT batch 16 on Qwen3-30B-A3B and gpt-oss-20b: swiftune, TRL padding-free, TRL + Liger (~9 min)
 #   scripts/gpu_suite.sh gptoss-grpo-at GB|whole C... # swiftune's gpt-oss-20b GRPO trials at fixed completions, foreground (for gpu_chain.sh; ~7+ min a trial)
 #   scripts/gpu_suite.sh gptoss-grpo-trl GB|whole # TRL's loss path on gpt-oss-20b bisected on that budget (~3 min)
 #   scripts/gpu_suite.sh decode-attention-ab # the engine's decode attention, SDPA vs the split kernel, Qwen3-8B G 8/64, Qwen3-30B-A3B and gpt-oss-20b G 8, profiled, with the new kernels' CUDA tests (~10 min: through scripts/gpu_chain.sh)
@@ -509,10 +509,12 @@ case "$part" in
       --out "$OUT/unsloth_qlora_sft.json" ;;
   moe-sft)  # issue 25's SFT row: batch 16 on the reference lengths, LoRA r=16 on every linear and the experts,
     # swiftune against TRL 1.16 padding-free and TRL + Liger (where Liger covers the family), each in its own
-    # process; moe-sft MODEL...: those shapes (default Qwen3-30B-A3B then gpt-oss-20b, ~4-5 min a shape)
+    # process; moe-sft [STEPS] MODEL...: those shapes (default Qwen3-30B-A3B then gpt-oss-20b, ~4-5 min a shape),
+    # STEPS steps of which 3 warm up (default 8: five timed steps vary by up to 7% between runs of one revision)
+    steps=8; [[ "${2:-}" =~ ^[0-9]+$ ]] && { steps=$2; shift; }
     models=("${@:2}"); [ ${#models[@]} = 0 ] && models=(qwen3-30b-a3b gpt-oss-20b)
     for model in "${models[@]}"; do
-      run "moe_sft_$model" 290 python3 -m benchmarks.sft --model "$model" --batch 16 --steps 8 --warmup 3 \
+      run "moe_sft_$model" $((200 + 12 * steps)) python3 -m benchmarks.sft --model "$model" --batch 16 --steps "$steps" --warmup 3 \
         --modes swiftune trl_padding_free trl_liger --out "$OUT/moe_sft_$model.json"
     done ;;
   sft-bisect)  # one SFT row per revision in .bisect/ (scripts/bisect_sources.sh; carry ".bisect"), each its own process

@@ -279,9 +279,10 @@ QWEN3_8B_LAYER = dict(hidden_size=4096, intermediate_size=12288, num_attention_h
                       head_dim=128, num_hidden_layers=1)
 
 
-def _gpu_case(family: str, lora: bool, layout: str, checkpointing: str, **sizes) -> None:
+def _gpu_case(family: str, lora: bool, layout: str, checkpointing: str, autocast: bool = False, **sizes) -> None:
     """Swiftune in bf16 on CUDA (compiled kernels, the GPU's packed attention) against the unpatched
-    model in fp32 on CUDA, one document at a time, with the same bf16-representable weights."""
+    model in fp32 on CUDA, one document at a time, with the same bf16-representable weights. ``autocast``: the
+    swiftune step under bf16 autocast, as a Trainer's ``bf16=True`` runs it, every decoder layer returning bf16."""
     base = tiny_model(family, window=family in WINDOWED, **sizes).cuda().train()
     reference = _lora_reference(base) if lora else copy.deepcopy(base)
     with torch.no_grad():  # the same weights on every side: only the arithmetic differs
@@ -291,7 +292,12 @@ def _gpu_case(family: str, lora: bool, layout: str, checkpointing: str, **sizes)
     _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
     model = _swiftune_model(base.to(torch.bfloat16), reference, lora, checkpointing)
     model.load_state_dict(reference.state_dict())
-    loss, grads = _swiftune_step(model, _examples(), layout)
+    dtypes = []
+    for layer in causal_lm_of(model).model.layers:
+        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss, grads = _swiftune_step(model, _examples(), layout)
+    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
     allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
     assert_gradients_match(expected, grads, _trainable(reference), allowed)
@@ -327,6 +333,14 @@ def test_autocast_with_cudas_float32_ops_keeps_every_layer_bf16(family, lora):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_bf16_training_gradients_equal_unpatched_model(family, lora, layout, checkpointing):
     _gpu_case(family, lora, layout, checkpointing)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_gpu_autocast_training_gradients_equal_unpatched_model(family):
+    """The Trainer's way of running bf16 (autocast on): every layer bf16, loss and every LoRA gradient as above."""
+    _gpu_case(family, True, "packed", "on", autocast=True)
 
 
 @pytest.mark.gpu
