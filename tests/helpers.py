@@ -175,3 +175,11 @@ class CudaAutocastFloat32Ops(torch.overrides.TorchFunctionMode):
                 return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
             args = tuple(widen(a) for a in args)
         return func(*args, **kwargs)
+
+
+def record_layer_dtypes(layers) -> list[torch.dtype]:
+    """A list that every forward of each of ``layers`` (decoder layers) appends its output hidden states' dtype to."""
+    dtypes: list[torch.dtype] = []
+    for layer in layers:
+        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
+    return dtypes

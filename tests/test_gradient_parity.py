@@ -20,6 +20,7 @@ wherever the reference's is.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -30,7 +31,8 @@ from swiftune.models import causal_lm_of, patch_model
 from swiftune.training import FastModel
 from swiftune.models.tiled_mlp import enable_tiled_mlp, tile_bounds
 from swiftune.sft.trainer import sft_loss
-from tests.helpers import VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, rel_err, tiny_model
+from tests.helpers import (VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, record_layer_dtypes, rel_err,
+                           tiny_model)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 # families with sliding-window layers get windows shorter than the longest document
@@ -279,24 +281,33 @@ QWEN3_8B_LAYER = dict(hidden_size=4096, intermediate_size=12288, num_attention_h
                       head_dim=128, num_hidden_layers=1)
 
 
-def _gpu_case(family: str, lora: bool, layout: str, checkpointing: str, autocast: bool = False, **sizes) -> None:
+def _bf16_case(family: str, lora: bool, layout: str, checkpointing: str, autocast: bool = False,
+               device: str = "cuda", **sizes) -> None:
     """Swiftune in bf16 on CUDA (compiled kernels, the GPU's packed attention) against the unpatched
-    model in fp32 on CUDA, one document at a time, with the same bf16-representable weights. ``autocast``: the
-    swiftune step under bf16 autocast, as a Trainer's ``bf16=True`` runs it, every decoder layer returning bf16."""
-    base = tiny_model(family, window=family in WINDOWED, **sizes).cuda().train()
+    model in fp32, one document at a time, with the same bf16-representable weights. ``autocast``: the
+    swiftune step under bf16 autocast, as a Trainer's ``bf16=True`` runs it. ``device="cpu"``: the reference
+    kernels, and autocast with CUDA's float32 ops emulated (:class:`tests.helpers.CudaAutocastFloat32Ops`).
+    Every decoder layer returns bf16."""
+    cpu = device == "cpu"
+    base = tiny_model(family, window=family in WINDOWED, **sizes).to(device).train()
     reference = _lora_reference(base) if lora else copy.deepcopy(base)
     with torch.no_grad():  # the same weights on every side: only the arithmetic differs
         for p in reference.parameters():
             p.copy_(p.to(torch.bfloat16))
     expected_loss, expected = _reference_step(reference, _examples())
-    _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
-    model = _swiftune_model(base.to(torch.bfloat16), reference, lora, checkpointing)
+    plain = copy.deepcopy(reference).to(torch.bfloat16)
+    plain_dtypes = record_layer_dtypes(causal_lm_of(plain).model.layers)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
+            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
+        _, plain_bf16 = _reference_step(plain, _examples())
+    model = _swiftune_model(base.to(torch.bfloat16), reference, lora, checkpointing,
+                            **({"kernel_backend": "reference"} if cpu else {}))
     model.load_state_dict(reference.state_dict())
-    dtypes = []
-    for layer in causal_lm_of(model).model.layers:
-        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    dtypes = record_layer_dtypes(causal_lm_of(model).model.layers)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
+            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
         loss, grads = _swiftune_step(model, _examples(), layout)
+    assert set(plain_dtypes) == {torch.bfloat16}, plain_dtypes  # the unpatched model's layers keep bf16 too
     assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
     assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
     allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
@@ -307,22 +318,10 @@ def _gpu_case(family: str, lora: bool, layout: str, checkpointing: str, autocast
 def test_autocast_with_cudas_float32_ops_keeps_every_layer_bf16(family, lora):
     """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ops emulated on the CPU
     (:class:`tests.helpers.CudaAutocastFloat32Ops`): every decoder layer returns bf16, as the unpatched model's do,
-    and the loss equals the unpatched model's under the same emulation. (A patched forward relying on ``sum`` or
-    ``softmax`` keeping bf16 would widen the residual stream to float32 on CUDA only; the MoE combine once did.)"""
-    base = tiny_model(family).to(torch.bfloat16).train()
-    reference = _lora_reference(base) if lora else copy.deepcopy(base)
-    model = _swiftune_model(base, reference, lora, "off", kernel_backend="reference")
-    dtypes = {"patched": [], "unpatched": []}
-    for name, m in (("patched", model), ("unpatched", reference)):
-        for layer in causal_lm_of(m).model.layers:
-            layer.register_forward_hook(
-                lambda mod, a, out, name=name: dtypes[name].append((out[0] if isinstance(out, tuple) else out).dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastFloat32Ops():
-        loss, _ = _swiftune_step(model, _examples(), "packed")
-        expected_loss, _ = _reference_step(reference, _examples())
-    assert set(dtypes["unpatched"]) == {torch.bfloat16}, dtypes["unpatched"]
-    assert dtypes["patched"] and set(dtypes["patched"]) == {torch.bfloat16}, dtypes["patched"]
-    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+    and the loss and every gradient equal the unpatched fp32 model's (to 3x the unpatched bf16 model's error). A
+    patched forward relying on ``sum`` or ``softmax`` keeping bf16 would widen the residual stream to float32 on
+    CUDA only; the MoE combine once did."""
+    _bf16_case(family, lora, "packed", "off", autocast=True, device="cpu")
 
 
 @pytest.mark.gpu
@@ -332,7 +331,7 @@ def test_autocast_with_cudas_float32_ops_keeps_every_layer_bf16(family, lora):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_bf16_training_gradients_equal_unpatched_model(family, lora, layout, checkpointing):
-    _gpu_case(family, lora, layout, checkpointing)
+    _bf16_case(family, lora, layout, checkpointing)
 
 
 @pytest.mark.gpu
@@ -340,11 +339,11 @@ def test_gpu_bf16_training_gradients_equal_unpatched_model(family, lora, layout,
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_gpu_autocast_training_gradients_equal_unpatched_model(family):
     """The Trainer's way of running bf16 (autocast on): every layer bf16, loss and every LoRA gradient as above."""
-    _gpu_case(family, True, "packed", "on", autocast=True)
+    _bf16_case(family, True, "packed", "on", autocast=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_gpu_bf16_qwen3_8b_layer_gradients_equal_unpatched_model(lora):
-    _gpu_case("qwen3", lora, "padding_free", "on", **QWEN3_8B_LAYER)
+    _bf16_case("qwen3", lora, "padding_free", "on", **QWEN3_8B_LAYER)

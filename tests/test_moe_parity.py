@@ -19,6 +19,7 @@ transformers adds it; the swiftune side records the router logits of its packed 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import warnings
@@ -35,7 +36,7 @@ from swiftune.models.moe import load_balancing_loss, record_router_logits, route
 from swiftune.sft.trainer import sft_loss
 from swiftune.data import make_collator
 from swiftune.training import FastModel
-from tests.helpers import VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, rel_err
+from tests.helpers import VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, record_layer_dtypes, rel_err
 from tests.test_gradient_parity import (
     GPU_TOL,
     PAD_ID,
@@ -563,80 +564,68 @@ def test_grouped_experts_refuse_weights_that_are_not_fused():
 
 # ----------------------------------------------------------------------------- the same on the GPU, bf16
 
+def _moe_bf16_case(family: str, lora: str | None, layout: str, checkpointing: str, autocast: bool = False,
+                   device: str = "cuda") -> None:
+    """bf16 (compiled kernels, grouped_mm experts, flex with sinks on gpt-oss on CUDA) against the unpatched model
+    in fp32 with the same bf16-representable weights, one document at a time; tolerance as the dense suite's GPU
+    cases (2e-2, or 3x transformers' own bf16 error on a tensor). ``autocast``: the swiftune step under bf16
+    autocast, as a Trainer's ``bf16=True`` runs it. ``device="cpu"``: the reference kernels, and autocast with
+    CUDA's float32 ops emulated (:class:`tests.helpers.CudaAutocastFloat32Ops`). Every decoder layer returns bf16."""
+    cpu = device == "cpu"
+    backend = "reference" if cpu else "auto"
+    base = tiny_moe(family).to(device).train()
+    reference = copy.deepcopy(base) if lora is None else _targeted_lora_reference(base, lora)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    expected_loss, expected = _reference_step(reference, _examples())
+    plain = copy.deepcopy(reference).to(torch.bfloat16)
+    plain_dtypes = record_layer_dtypes(causal_lm_of(plain).model.layers)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
+            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
+        _, plain_bf16 = _reference_step(plain, _examples())
+    base = base.to(torch.bfloat16)
+    if lora is None:
+        model = _swiftune_model(base, reference, False, checkpointing, kernel_backend=backend)
+    else:
+        model = _targeted_lora_model(base, reference, lora, checkpointing, backend)
+    model.load_state_dict(reference.state_dict())
+    dtypes = record_layer_dtypes(causal_lm_of(model).model.layers)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
+            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
+        loss, grads = _swiftune_step(model, _examples(), layout)
+    assert set(plain_dtypes) == {torch.bfloat16}, plain_dtypes  # the unpatched model's layers keep bf16 too
+    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
+    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
+    assert_gradients_match(expected, grads, _trainable(reference), allowed)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
 @pytest.mark.parametrize(("layout", "checkpointing"), [("padding_free", "off"), ("packed", "on")])
 @pytest.mark.parametrize("lora", [None, "experts"], ids=["full", "lora_experts"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_gpu_bf16_moe_gradients_equal_unpatched_model(family, lora, layout, checkpointing):
-    """bf16 on CUDA (compiled kernels, grouped_mm experts, flex with sinks on gpt-oss) against the
-    unpatched model in fp32 on CUDA with the same bf16-representable weights, one document at a time;
-    tolerance as the dense suite's GPU cases (2e-2, or 3x transformers' own bf16 error on a tensor)."""
-    base = tiny_moe(family).cuda().train()
-    reference = copy.deepcopy(base) if lora is None else _targeted_lora_reference(base, lora)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    expected_loss, expected = _reference_step(reference, _examples())
-    _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
-    base = base.to(torch.bfloat16)
-    if lora is None:
-        model = _swiftune_model(base, reference, False, checkpointing)
-    else:
-        model = _targeted_lora_model(base, reference, lora, checkpointing, "auto")
-    model.load_state_dict(reference.state_dict())
-    loss, grads = _swiftune_step(model, _examples(), layout)
-    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
-    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
-    assert_gradients_match(expected, grads, _trainable(reference), allowed)
+    _moe_bf16_case(family, lora, layout, checkpointing)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_autocast_with_cudas_float32_ops_keeps_every_layer_bf16(family):
-    """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ops emulated on the CPU
-    (:class:`tests.helpers.CudaAutocastFloat32Ops`):
-    every decoder layer returns bf16, and the loss equals the unpatched model's under the same emulation. The
+    """A bf16 model under autocast (a Trainer's ``bf16=True``) with CUDA's float32 ops emulated on the CPU:
+    every decoder layer returns bf16, and the loss and every gradient equal the unpatched fp32 model's. The
     experts' combine once summed under autocast and returned float32 on CUDA; every later layer then ran in
     float32 (gpt-oss-20b's batch-16 step 1.8x slower). The CUDA test below is the same check on the device."""
-    base = tiny_moe(family).to(torch.bfloat16).train()
-    reference = copy.deepcopy(base)
-    model = _swiftune_model(base, reference, False, "off", kernel_backend="reference")
-    dtypes = []
-    for layer in causal_lm_of(model).model.layers:
-        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16), CudaAutocastFloat32Ops():
-        loss, _ = _swiftune_step(model, _examples(), "packed")
-        expected_loss, _ = _reference_step(reference, _examples())
-    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
-    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
+    _moe_bf16_case(family, None, "packed", "off", autocast=True, device="cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check.sh)")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_gpu_autocast_moe_keeps_bf16_and_equals_unpatched_model(family):
-    """Under bf16 autocast (a Trainer's ``bf16=True``), as the SFT and GRPO trainers run: every decoder layer
-    returns bf16 hidden states, and the loss and every gradient equal the unpatched fp32 model's. CUDA's autocast
-    runs ``sum`` in float32: the experts' combine once returned float32 there, and every later layer ran in float32
-    (gpt-oss-20b's batch-16 step 1.8x slower; the CPU's autocast keeps ``sum`` in bf16, so only CUDA shows it)."""
-    base = tiny_moe(family).cuda().train()
-    reference = copy.deepcopy(base)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    expected_loss, expected = _reference_step(reference, _examples())
-    _, plain_bf16 = _reference_step(copy.deepcopy(reference).to(torch.bfloat16), _examples())
-    model = _swiftune_model(base.to(torch.bfloat16), reference, False, "on")
-    model.load_state_dict(reference.state_dict())
-    dtypes = []
-    for layer in causal_lm_of(model).model.layers:
-        layer.register_forward_hook(lambda m, a, out: dtypes.append((out[0] if isinstance(out, tuple) else out).dtype))
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss, grads = _swiftune_step(model, _examples(), "packed")
-    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
-    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
-    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
-    assert_gradients_match(expected, grads, _trainable(reference), allowed)
+    """Under bf16 autocast (a Trainer's ``bf16=True``), as the SFT and GRPO trainers run, on CUDA, whose autocast
+    runs ``sum`` in float32 (the CPU's keeps it in bf16): every decoder layer bf16, loss and every gradient."""
+    _moe_bf16_case(family, None, "packed", "on", autocast=True)
 
 
 # ----------------------------------------------------------------------------- loading and training
