@@ -7,7 +7,7 @@ from .fp8_matmul import fp8_weight_only_matmul, fp8_weight_only_matmul_reference
 from .fp8_quant import fp8_quantize_rowwise, fp8_quantize_rowwise_reference
 from .lora_decode import lora_decode_add_, lora_decode_add_reference
 from .nf4_matmul import NF4Weight, nf4_weight_only_matmul, nf4_weight_only_matmul_reference
-from .glu import geglu, geglu_reference, glu_fp8, swiglu, swiglu_reference
+from .glu import gated_linear_unit, geglu, geglu_reference, glu_fp8, swiglu, swiglu_reference
 from .rms_norm import add_rms_norm, add_rms_norm_fp8, add_rms_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope_qk, rope_qk_reference
 
@@ -28,6 +28,7 @@ __all__ = [
     "nf4_weight_only_matmul_reference",
     "geglu",
     "geglu_reference",
+    "gated_linear_unit",
     "glu_fp8",
     "rms_norm",
     "rms_norm_reference",

@@ -233,8 +233,20 @@ def geglu(
     return GLUFunction.apply(gate, up, act, _force_int64)
 
 
+GluActivation = Literal["silu", "none", "tanh"]
+"""A gated MLP's activation as the GLU kernels name it: ``"silu"`` (SwiGLU) or GELU exact / tanh (GeGLU)."""
 
-def glu_fp8(gate: torch.Tensor, up: torch.Tensor, approximate: Literal["silu", "none", "tanh"] = "silu", *,
+
+def gated_linear_unit(gate: torch.Tensor, up: torch.Tensor, activation: GluActivation = "silu", *,
+                      backend: Backend = "auto") -> torch.Tensor:
+    """``act(gate) * up``: :func:`swiglu` for ``"silu"``, :func:`geglu` with that approximation otherwise (the one
+    place the name picks the kernel)."""
+    if activation == "silu":
+        return swiglu(gate, up, backend=backend)
+    return geglu(gate, up, activation, backend=backend)
+
+
+def glu_fp8(gate: torch.Tensor, up: torch.Tensor, approximate: GluActivation = "silu", *,
             backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out, codes, scales)``: :func:`swiglu`'s output (``approximate="silu"``) or :func:`geglu`'s (``"none"``,
     ``"tanh"``), and its per-row e4m3 codes (``[rows, cols]``, rows = every axis but the last) and float32 scales
@@ -248,13 +260,12 @@ def glu_fp8(gate: torch.Tensor, up: torch.Tensor, approximate: Literal["silu", "
         raise ValueError(f"approximate must be 'silu', 'none' or 'tanh', got {approximate!r}")
     cols = gate.shape[-1]
     if choose_backend(backend, _glu_rows_fp8_kernel, {"gate": gate, "up": up}) == "reference":
-        out = swiglu_reference(gate, up) if approximate == "silu" else geglu_reference(gate, up, approximate)
+        out = gated_linear_unit(gate, up, approximate, backend="reference")
         codes, scales = fp8_quantize_rowwise_reference(out.reshape(-1, cols))
         return out, codes, scales
     g, u = _as_rows(gate), _as_rows(up)
     if g is None or u is None or g.shape[0] == 0 or next_pow2(cols) > GLU_FP8_MAX_COLS:
-        out = swiglu(gate, up, backend=backend) if approximate == "silu" else geglu(gate, up, approximate,
-                                                                                     backend=backend)
+        out = gated_linear_unit(gate, up, approximate, backend=backend)
         codes, scales = fp8_quantize_rowwise(out.reshape(-1, cols), backend=backend)
         return out, codes, scales
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..attention.pieces import PIECES_KWARG, DocumentOutputs, project_pieces
 from ..attention.registry import PACKED_ATTENTION_IMPLEMENTATIONS
-from ..kernels import geglu, glu_fp8, rms_norm, rope_qk, swiglu
+from ..kernels import gated_linear_unit, glu_fp8, rms_norm, rope_qk
 from .lora_linear import shared_fp8_input
 from .state import AttentionSpec, PatchState, patch_state
 
@@ -124,9 +124,7 @@ def gated_activation(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> to
     (SwiGLU or GeGLU, the family's activation): what :func:`fused_mlp_forward` multiplies ``down_proj`` by.
     ``gate`` / ``up`` may be column views of one wider product (read in place)."""
     state = _state(mlp)
-    if state.activation.kernel == "swiglu":
-        return swiglu(gate, up, backend=state.kernel_backend)
-    return geglu(gate, up, approximate=state.activation.approximate, backend=state.kernel_backend)
+    return gated_linear_unit(gate, up, state.activation.glu, backend=state.kernel_backend)
 
 
 def gated_activation_fp8(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor
@@ -135,8 +133,7 @@ def gated_activation_fp8(mlp: nn.Module, gate: torch.Tensor, up: torch.Tensor
     (:func:`swiftune.kernels.glu_fp8`, the rowwise quantiser's bytes): what an FP8 ``down_proj`` of a decode
     step would make of its input. No autograd."""
     state = _state(mlp)
-    approximate = "silu" if state.activation.kernel == "swiglu" else state.activation.approximate or "none"
-    return glu_fp8(gate, up, approximate, backend=state.kernel_backend)
+    return glu_fp8(gate, up, state.activation.glu, backend=state.kernel_backend)
 
 
 def fused_rms_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

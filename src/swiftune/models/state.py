@@ -43,6 +43,11 @@ class GatedActivation:
     kernel: str
     approximate: str | None = None
 
+    @property
+    def glu(self) -> str:
+        """The name :func:`swiftune.kernels.gated_linear_unit` / ``glu_fp8`` take: ``"silu"``, ``"none"``, ``"tanh"``."""
+        return "silu" if self.kernel == "swiglu" else self.approximate or "none"
+
 
 @dataclass(frozen=True)
 class PatchState:
