@@ -17,6 +17,8 @@ WITH_TRL = {**BASE, "trl": "1.16.0", "liger": "0.8.5"}
 WITH_UNSLOTH = {**BASE, "unsloth": "2026.10.9"}
 
 SFT = "python -m benchmarks.sft --steps 10 --warmup 3"
+GRPO_65K_ATTN = ("python -m benchmarks.grpo --bisect-completion --model qwen3-8b --bisect-modes swiftune --share-prompt "
+                 "--swiftune-checkpointing offload_all --attention-output-layers")
 UNSLOTH_SFT = "python -m benchmarks.unsloth_sft --shared .shared --model qwen3-8b --batch 16"
 GRAPHED_B16 = "python -m benchmarks.sft --model qwen3-8b --batch 16"
 GPTOSS_ENGINE = ("python -m benchmarks.rollout --model gpt-oss-20b --rows 8 64 --new-tokens 1024 --no-baselines "
@@ -60,12 +62,13 @@ def _moe_routing(file: str, label: str, flags: str) -> dict:
                         f"--out {file.removesuffix('_h100.json')}.json")
 
 
-def _moe_sft(file: str, model: str, out: str, extra: str = "", date: str = "2026-12-06", call: str = "") -> dict:
+def _moe_sft(file: str, model: str, out: str, extra: str = "", date: str = "2026-12-06", call: str = "",
+             steps: int = 8) -> dict:
     """A ``sft_moe_b16`` file (one H100 80GB): batch 16, swiftune, TRL and TRL + Liger, each mode in its own
     process; ``extra``: more options of the command, ending in a space; ``call``: a later call's label."""
     return dict(figure="sft_moe_b16", file=f"{date}/{file}", date=date, versions=WITH_TRL,
                 gpu="NVIDIA H100 80GB HBM3", **({"settings": {"call": call}} if call else {}),
-                command=f"{MOE_SFT} {model} --batch 16 --steps 8 --warmup 3 --modes swiftune trl_padding_free "
+                command=f"{MOE_SFT} {model} --batch 16 --steps {steps} --warmup 3 --modes swiftune trl_padding_free "
                         f"trl_liger {extra}--out {out}")
 
 
@@ -626,11 +629,12 @@ FIGURES: list[dict] = [
     # target_parameters beside all-linear, in every mode), each mode in its own process (gpu_suite.sh moe-sft-experts)
     _moe_sft("sft_moe_experts_gpt-oss-20b_b16_h100.json", "gpt-oss-20b", "moe_sft_experts_gpt-oss-20b.json",
              "--lora-target-parameters mlp.experts.gate_up_proj mlp.experts.down_proj "),
-    # the same gpt-oss-20b command a day later (another H100 80GB, scripts/gpu_suite.sh moe-sft gpt-oss-20b): TRL's
-    # rows as before, swiftune's 2.35x slower and 2.5 GB higher (a regression between the two calls' revisions,
-    # not yet found: scripts/gpu_suite.sh sft-bisect runs the row at each suspect revision in one call)
-    _moe_sft("sft_moe_gpt-oss-20b_b16_h100.json", "gpt-oss-20b", "moe_sft_gpt-oss-20b.json", date="2026-12-07",
-             call="2026-12-07"),
+    # the same gpt-oss-20b command on 2026-12-07 after the experts' combine was fixed (55e7567: under CUDA's autocast
+    # it returned float32), 9 timed steps (another H100 80GB, scripts/gpu_suite.sh moe-sft 12 gpt-oss-20b). The
+    # same day's earlier call, with the fault (swiftune 3,478 tok/s at 46.7 GB), stays as raw only:
+    # 2026-12-07/sft_moe_gpt-oss-20b_b16_h100.json
+    _moe_sft("sft_moe_gpt-oss-20b_b16_fixed_h100.json", "gpt-oss-20b", "moe_sft_gpt-oss-20b.json", date="2026-12-07",
+             call="2026-12-07, combine fixed", steps=12),
     # GRPO, gpt-oss-20b on an 80e9-byte budget, one device call then two polls of one H100: swiftune at the
     # planner's bracket (213,504 fitted; the time budget skipped 204,032, which a fit above rules in; no failure
     # tried), then TRL's loss path bisected to 5%
@@ -653,4 +657,17 @@ FIGURES: list[dict] = [
          gpu="NVIDIA H100 80GB HBM3", keep=_modes("trl_grpo"),
          command=f"{GPTOSS_GRPO} --bisect-modes trl_grpo --time-budget 400 --out gptoss_grpo_trl.json && "
                  f"{GPTOSS_GRPO_MERGE}"),
+    # 2026-12-07, one H100 80GB, one call (scripts/gpu_suite.sh grpo-65k-host, each run its own process, one after
+    # the other): issue 23's GRPO row beside Unsloth's anchor: swiftune with every layer's input and every layer's
+    # kept sdpa outputs in pinned host memory, then the outputs kept on the GPU (out of memory on this 80 GB card),
+    # then Unsloth's anchor step at the same size
+    *(dict(figure="grpo_65k_beside_unsloth", file=f"2026-12-07/grpo_65k_attn36{host}_qwen3-8b_h100.json",
+           date="2026-12-07", versions=BASE, gpu="NVIDIA H100 80GB HBM3",
+           command=f"{GRPO_65K_ATTN} 36{flag} --completion-lengths 65536 --fixed-only --trial-repeats 2 "
+                   f"--time-budget {budget} --out grpo_65k_attn36{host}.json")
+      for host, flag, budget in (("_host", " --attention-outputs-on-host", 220), ("", "", 190))),
+    dict(figure="grpo_65k_beside_unsloth", file="2026-12-07/unsloth_grpo_65k_qwen3-8b_h100.json", date="2026-12-07",
+         versions={**WITH_UNSLOTH, "trl": "1.15.0"}, gpu="NVIDIA H100 80GB HBM3",
+         command="python -m benchmarks.unsloth_grpo --shared .shared --model qwen3-8b --completion-lengths 65536 "
+                 "--repeats 2 --time-budget 280 --model-dir /tmp/ck_qwen3-8b --out unsloth_grpo_65k.json"),
 ]

@@ -424,6 +424,35 @@ def grpo_65k_attn(fig: Figure) -> str:
                   "speed x 0 layers"], out, set(range(0, 6)))
 
 
+def grpo_65k_beside_unsloth(fig: Figure) -> str:
+    """The 2 x 65,536 step beside Unsloth's anchor step measured in the same call: swiftune by where its layers'
+    kept attention outputs live (pinned host memory or the GPU), a trial that ran out of memory as such."""
+    trials = [(mode, s, m) for mode, model, s, m in fig.groups() if s.get("completion") == 65536 and "fits" in m]
+    unsloth = next((m for mode, s, m in trials if mode == "unsloth" and "step_s" in m), None)
+
+    def label(mode: str, s: dict) -> str:
+        if mode == "unsloth":
+            return "Unsloth GRPOTrainer policy step (its patched TRL)"
+        if mode != "swiftune":
+            return LABELS.get(mode, mode)
+        layers = s.get("attention_output_layers") or 0
+        where = "in pinned host memory" if s.get("attention_outputs_on_host") else "on the GPU"
+        return f"**swiftune**, {layers} layers' attention outputs kept {where}" if layers else "**swiftune**"
+
+    out = []
+    for mode, s, m in sorted(trials, key=lambda t: (t[0] != "unsloth", not t[1].get("attention_outputs_on_host"))):
+        if "step_s" not in m:
+            out.append([marked(m, label(mode, s)), "out of memory", "", "", "", "", ""])
+            continue
+        ratio = unsloth is not None and mode != "unsloth"
+        out.append([marked(m, label(mode, s)), fmt(val(m, "step_s")), fmt(val(m, "first_step_s")),
+                    fmt(val(m, "peak_gb"), 1), fmt(val(m, "host_rss_gb"), 1),
+                    fmt(val(unsloth, "step_s") / val(m, "step_s")) if ratio else "",
+                    fmt(val(m, "peak_gb") / val(unsloth, "peak_gb")) if ratio else ""])
+    return table(["mode", "s / step (2nd)", "first step s", "peak GPU GB", "host RSS GB", "speed x Unsloth",
+                  "GPU memory x Unsloth"], out, set(range(1, 7)))
+
+
 def grpo_largest(fig: Figure) -> str:
     best = _largest(fig, "max_fit_completion", "first_fail_completion")
     out = []
@@ -643,7 +672,8 @@ RENDER = {"kernels": kernels, "sft_qwen3-8b_b16": sft, "sft_graphs_qwen3-8b": sf
           "qlora_sft_untiled_qwen3-8b": sft, "qlora_sft_16k_untiled_qwen3-8b": sft,
           "qlora_sft_16k_unsloth_qwen3-8b": sft, "sft_sweep_qwen3-0.6b": sft,
           "sft_full_qwen3-0.6b": sft, "sft_moe_b16": sft_beside_trl, "grpo_gptoss_80gb": grpo_largest_beside,
-          "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_65k_attn": grpo_65k_attn, "grpo_largest": grpo_largest,
+          "loss_curve": loss_curve, "grpo_65k": grpo_65k, "grpo_65k_attn": grpo_65k_attn,
+          "grpo_65k_beside_unsloth": grpo_65k_beside_unsloth, "grpo_largest": grpo_largest,
           "grpo_step": grpo_step, "grpo_e2e_qwen3-1.7b": grpo_e2e,
           "longctx_sweep_qwen3-8b": longctx_sweep, "longctx_largest": longctx_largest, "rollout": rollout,
           "rollout_moe": rollout, "rollout_decode_attention": rollout, "rollout_fp8": rollout_fp8,

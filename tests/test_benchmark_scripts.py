@@ -547,6 +547,30 @@ def test_sft_graphs_host_unsloth_compares_with_unsloths_longest_run():
            "| 2.38 | 1.02 | 1.90 | 1.50 | 0.98 |" in text
     assert "| A | Unsloth | 12 | 8 | 4,000 |  | 18.00 |  |  |  |  |  |" in text
 
+def test_grpo_65k_beside_unsloth_divides_by_unsloths_step_and_marks_a_failed_trial():
+    """``report.grpo_65k_beside_unsloth``: Unsloth's row first and without ratios; each swiftune row's speed is
+    Unsloth's step time over its own and its GPU memory its peak over Unsloth's, labelled by where its kept
+    attention outputs live; a trial that ran out of memory says so and carries no figures."""
+    from benchmarks import report, results
+
+    def data(mode, trial, **settings):
+        return {"benchmark": "grpo_bisect", "model": "qwen3-8b", "rows": 2, "prompt_tokens": 256, **settings,
+                "modes": {mode: {"mode": mode, "max_fit": None, "first_fail": None, "status": "fixed_only",
+                                 "trials": [{"completion": 65536, "tokens": 131584, **trial}]}}}
+
+    ctx = results.Context(command="c", date="d", gpu="g", versions={}, settings={"figure": "f"})
+    swift = dict(share_prompt=True, swiftune_checkpointing="offload_all", attention_output_layers=36)
+    rows = (results.rows_from(data("swiftune", dict(status="oom"), **swift), ctx)
+            + results.rows_from(data("swiftune", dict(status="ok", s=30.0, first_s=60.0, peak_gb=30.0,
+                                                     host_rss_gb=90.0), attention_outputs_on_host=True, **swift), ctx)
+            + results.rows_from(data("unsloth", dict(status="ok", s=33.0, first_s=70.0, peak_gb=72.0)), ctx))
+    lines = report.grpo_65k_beside_unsloth(report.Figure(rows)).splitlines()
+    assert lines[2] == "| Unsloth GRPOTrainer policy step (its patched TRL) | 33.00 | 70.00 | 72.0 |  |  |  |"
+    assert lines[3] == ("| **swiftune**, 36 layers' attention outputs kept in pinned host memory | 30.00 | 60.00 | 30.0 "
+                        "| 90.0 | 1.10 | 0.42 |")
+    assert lines[4] == "| **swiftune**, 36 layers' attention outputs kept on the GPU | out of memory |  |  |  |  |  |"
+
+
 def test_largest_beside_multiple_is_an_upper_bound_when_the_baseline_never_failed():
     """``report.grpo_largest_beside``: with both brackets closed, swiftune's fit over the baseline's fit; with the
     baseline's open (every length it tried fitted), only the bound its first failure gives ("< F/B"), and

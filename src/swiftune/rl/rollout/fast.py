@@ -235,7 +235,7 @@ class FastRolloutEngine:
         fp8_glu_codes: in those decode steps, a gated MLP's activation kernel also makes the FP8 codes its
             ``down_proj`` reads (:func:`swiftune.kernels.glu_fp8`, the quantiser's bytes: the same tokens and
             log-probabilities), where ``down_proj`` would quantise its input (the FP8 x FP8 rows, 17-64, and
-            ``_scaled_mm``'s above); off until timed (``scripts/gpu_suite.sh fp8-glu-codes-ab``).
+            ``_scaled_mm``'s above); off: timed on an H100 it saved no time (``scripts/gpu_suite.sh fp8-glu-codes-ab``).
         lora_decode_kernel: adapters at run time (``lora="runtime"``, and FP8 or 4-bit bases, which are never
             merged): in the fused layer loop's decode steps each adapter's product is added to its projection's
             in two launches (:func:`swiftune.kernels.lora_decode_add_`) instead of two matmuls and, for PEFT's
