@@ -150,6 +150,23 @@ def test_grpo_command_defaults_of_the_reward_and_warm_up():
     assert command_reward_spec(model_args) == "final_answer"
 
 
+def test_given_epochs_replace_the_builtin_runs_step_count(tmp_path, capsys):
+    """The built-in run's max_steps applies only where the user gives neither it nor num_train_epochs: given
+    epochs train those epochs (transformers lets a max_steps > 0 win over them), in a YAML file too; epochs of 0
+    with no step count are refused before loading."""
+    from swiftune.cli.grpo import parse_grpo_args
+
+    assert parse_sft_args([])[1].max_steps == 80
+    _, config, builtin = parse_sft_args(["--num_train_epochs", "2"])
+    assert builtin and (config.max_steps, config.num_train_epochs) == (-1, 2)
+    assert parse_sft_args(["--num_train_epochs", "2", "--max_steps", "5"])[1].max_steps == 5
+    assert parse_grpo_args(["--num_train_epochs", "1"])[1].max_steps == -1
+    (tmp_path / "run.yaml").write_text("num_train_epochs: 3\n")
+    assert parse_sft_args([str(tmp_path / "run.yaml")])[1].max_steps == -1
+    assert main(["sft", "--num_train_epochs", "0"]) == 2
+    assert "num_train_epochs" in one_line_error(capsys)
+
+
 def test_none_means_no_limit_on_the_command_line():
     from swiftune.cli.grpo import parse_grpo_args
 

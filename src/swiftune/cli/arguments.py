@@ -336,6 +336,12 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# A built-in default the user's own option replaces: the built-in run's max_steps would otherwise win over a
+# given num_train_epochs (transformers' rule: max_steps > 0 ignores the epochs), training a fixed number of steps
+# the user did not ask for.
+_SUPERSEDES: dict[str, tuple[str, ...]] = {"max_steps": ("num_train_epochs",)}
+
+
 def parse_command_args(argv: list[str], classes: tuple, prog: str, description: str,
                        builtin_defaults: dict[str, Any], default_output_dir: str):
     """``(model_args, config, builtin)`` from ``[CONFIG.yaml] [--key value ...]``.
@@ -375,7 +381,8 @@ def parse_command_args(argv: list[str], classes: tuple, prog: str, description: 
     builtin = "model_name_or_path" not in given
     prefix: list[str] = []
     if builtin:
-        prefix = [f"--{k}={v}" for k, v in builtin_defaults.items() if k not in given]
+        prefix = [f"--{k}={v}" for k, v in builtin_defaults.items()
+                  if k not in given and not given & set(_SUPERSEDES.get(k, ()))]
     elif "output_dir" not in given:
         prefix = [f"--output_dir={default_output_dir}"]
     if "use_cpu" not in given and not _has_cuda():

@@ -5,7 +5,8 @@
 Options are the fields of :class:`~swiftune.cli.arguments.ModelArguments` and of
 :class:`swiftune.SFTConfig`. Without ``--model_name_or_path`` it trains the built-in tiny model
 (random init) on the built-in instruction dataset, with :data:`BUILTIN_SFT_DEFAULTS` for every
-option not given: a run small enough for a CPU whose loss visibly falls.
+option not given (a given ``--num_train_epochs`` replaces its ``max_steps``): a run small enough for a CPU
+whose loss visibly falls.
 """
 
 from __future__ import annotations
