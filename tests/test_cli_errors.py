@@ -414,3 +414,21 @@ def test_commands_on_a_machine_without_cuda_run_use_cpu(monkeypatch):
     assert parse_sft_args([])[1].use_cpu is True
     monkeypatch.setattr(arguments, "_has_cuda", lambda: True)
     assert parse_sft_args(["--use_cpu", "true"])[1].use_cpu is True
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_resume_without_a_complete_checkpoint_is_refused_before_loading(tmp_path, monkeypatch, capsys, command):
+    """``--resume_from_checkpoint true`` with no complete checkpoint in output_dir, or a checkpoint folder a save
+    left incomplete, ends in one line before any model is built (it was the Trainer's error after loading)."""
+    import importlib
+
+    module = importlib.import_module(f"swiftune.cli.{command}")
+    monkeypatch.setattr(module, "build_model", lambda *a, **k: pytest.fail("the model was built before the check"))
+    out = tmp_path / "run"
+    assert main([command, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 2
+    assert "no complete checkpoint in output_dir" in one_line_error(capsys)
+    (out / "checkpoint-4").mkdir(parents=True)  # a save cut short: no trainer_state.json
+    assert main([command, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-4")]) == 2
+    assert "cannot be resumed from" in one_line_error(capsys)
+    assert main([command, "--output_dir", str(out), "--resume_from_checkpoint", "true"]) == 2
+    assert "1 incomplete: checkpoint-4" in one_line_error(capsys)

@@ -498,7 +498,8 @@ def check_model_args(model_args: ModelArguments) -> None:
 
 
 def check_paths(model_args: ModelArguments, config: Any) -> None:
-    """Local-looking model, dataset and checkpoint paths that do not exist, before anything loads."""
+    """Local-looking model, dataset and checkpoint paths that do not exist, and a resume with no complete
+    checkpoint to resume from, before anything loads."""
     from ..local_paths import resolve_local_path
 
     try:
@@ -506,8 +507,12 @@ def check_paths(model_args: ModelArguments, config: Any) -> None:
             value = getattr(model_args, name, None)
             if value:
                 setattr(model_args, name, resolve_local_path(value, f"--{name}"))
-        resume_target(getattr(config, "resume_from_checkpoint", None))
-    except FileNotFoundError as e:
+        resume = resume_target(getattr(config, "resume_from_checkpoint", None))
+        if resume:  # no complete checkpoint to resume from: said now, not after the model and data have loaded
+            from ..training.checkpoints import resolve_resume
+
+            resolve_resume(resume, config.output_dir)
+    except (FileNotFoundError, ValueError) as e:
         raise CommandLineError(str(e)) from e
 
 
