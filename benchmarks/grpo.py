@@ -625,7 +625,7 @@ def bisect_one_mode(args) -> dict:
             mem_profiled = cuda and record and L == args.memory_profile_completion
             with contextlib.ExitStack() as stack:
                 if profiled:
-                    stack.enter_context(device_time_profile(row))
+                    stack.enter_context(device_time_profile(row, gaps=True))  # and where the device idles
                 if mem_profiled:  # (recording slows the step down: its time is not a timing figure)
                     stack.enter_context(peak_profile(row))
                 policy_step(model, mode, L, args, device)

@@ -86,6 +86,7 @@
 #   scripts/gpu_suite.sh moe-routing-ab # Qwen3-30B-A3B decode with torch's routing ops, the router kernel, and the route kernels too, G 8 / 64, profiled (~7 min)
 #   scripts/gpu_suite.sh moe-sft-experts # moe-sft's gpt-oss-20b row with the experts adapted as well (PEFT target_parameters, every mode; ~3 min)
 #   scripts/gpu_suite.sh fp8-glu-codes-ab # FP8 decode at G 8 / 64 with the MLP activation making down_proj's codes against the separate quantiser, profiled; its CUDA tests first (~5 min)
+#   scripts/gpu_suite.sh grpo-65k-profile [MODEL] # the 2 x 65,536 GRPO step (inputs and kept attention outputs on the host) with its device-time profile and idle gaps (~4 min)
 #   scripts/gpu_suite.sh sft-bisect [MODEL] [STEPS] # one swiftune SFT row per revision in .bisect/ (scripts/bisect_sources.sh REV...; carry .bisect), each with its time profile (~80 s a revision)
 #   scripts/gpu_suite.sh gptoss-grpo [GB] # GRPO largest completion, gpt-oss-20b, G=2, 80 GB budget: TRL bisected, swiftune at the planner's answer, detached (~15-20 min): then gptoss-grpo-wait
 #   scripts/gpu_suite.sh qlora-sft-untiled # QLoRA SFT batch 16, layer inputs on the host and the MLP untiled, beside Unsloth --4bit (carry .shared; ~9 min)
@@ -474,6 +475,16 @@ case "$part" in
       --bisect-modes swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$layers" \
       --completion-lengths 65536 --fixed-only --profile-completion 65536 --time-budget 150 \
       --out "$OUT/grpo_65k_attn${layers}_profile_$model.json" ;;
+  grpo-65k-profile)  # where the 2 x 65,536 step's device time goes and where the device idles (issue 23's 1.2x
+    # Unsloth: 29.03 s on the H200 against 26.3 asked; the attention's products at sdpa's rate take about 16.9 s of
+    # it): the outputs kept in pinned host memory, which fits an 80 GB card, one warm-up step then the profiled one
+    # (~4 min). [MODEL]: qwen3-8b (default) or llama3-8b
+    model=${2:-qwen3-8b}
+    layers=$(python3 -c "from benchmarks.workload import shape_of; print(shape_of('$model')['num_hidden_layers'])")
+    run "grpo_65k_profile_$model" 280 python3 -m benchmarks.grpo --bisect-completion --model "$model" \
+      --bisect-modes swiftune --share-prompt --swiftune-checkpointing offload_all --attention-output-layers "$layers" \
+      --attention-outputs-on-host --completion-lengths 65536 --fixed-only --trial-repeats 2 \
+      --profile-completion 65536 --time-budget 270 --out "$OUT/grpo_65k_profile_$model.json" ;;
   qlora-sft-untiled)  # the batch-16 QLoRA row at <= Unsloth --4bit's peak: every layer input on the host with the
     # MLP untiled (a batch of short rows needs no tiles), against Unsloth --4bit in its own process, one call (carry
     # .shared and .whl; ~9 min)
