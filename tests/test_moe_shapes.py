@@ -21,6 +21,7 @@ from swiftune.memory.shapes import (
     lora_param_count,
     model_shape,
     param_count,
+    peft_adapts_dense_mlps_of_moe_models,
 )
 
 TINY = {
@@ -82,7 +83,8 @@ def test_tiny_qwen3_moe_lora_counts_equal_peft():
         "all-linear": (dict(target_modules="all-linear"), lora_param_count(shape, 4)),
         "explicit": (dict(target_modules=[], target_parameters=experts), expert_lora_param_count(shape, 4)),
         "seven": (dict(target_modules=attention + ["gate_proj", "up_proj", "down_proj"]),
-                  expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)),
+                  expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)
+                  + _dense_mlp_lora(shape, 4)),
     }
     for name, (kwargs, want) in cases.items():
         model = get_peft_model(_tiny("qwen3_moe"), LoraConfig(r=4, **kwargs))
@@ -108,7 +110,8 @@ def test_tiny_mixtral_lora_counts_equal_peft():
         "all-linear": (dict(target_modules="all-linear"), lora_param_count(shape, 4)),
         "explicit": (dict(target_modules=[], target_parameters=experts), expert_lora_param_count(shape, 4)),
         "v4 names": (dict(target_modules=attention + ["w1", "w2", "w3"]),
-                     expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)),
+                     expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)
+                  + _dense_mlp_lora(shape, 4)),
     }
     for name, (kwargs, want) in cases.items():
         model = get_peft_model(_tiny("mixtral"), LoraConfig(r=4, **kwargs))
@@ -120,6 +123,15 @@ def test_tiny_mixtral_lora_counts_equal_peft():
 def _attention_lora(shape, r: int) -> int:
     H, dq, dkv = shape.hidden, shape.q_dim, shape.kv_dim
     return r * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
+
+
+def _dense_mlp_lora(shape, r: int) -> int:
+    """The dense MLP layers' gate/up/down adapters of a MoE model, where the installed PEFT adapts them beside the
+    experts (0.22 on; 0.21 mapped the projection names onto the experts only)."""
+    if not peft_adapts_dense_mlps_of_moe_models():
+        return 0
+    H, I = shape.hidden, shape.intermediate
+    return r * (2 * (H + I) + (I + H)) * (shape.layers - shape.moe_layers)
 
 
 # the published sizes: Qwen3-30B-A3B 30.5B total / 3.3B active (embedding table counted), gpt-oss-20b

@@ -25,7 +25,7 @@ import torch
 import swiftune
 from swiftune.training.checkpointing import enable_offloaded_checkpointing, offload_stats
 
-from tests.helpers import assert_gradients_match
+from tests.helpers import assert_gradients_match, copy_lora_tensors
 from tests.test_qwen3_vl import SEVEN, VISION_LINEARS, _check_parity, _model, _processor, _rows, tiny_vl_moe, transformers
 
 peft = pytest.importorskip("peft")
@@ -73,11 +73,7 @@ def _reference_of(base, patched, lora: bool):
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=SEVEN + VISION_LINEARS, lora_dropout=0.0,
                              init_lora_weights=False)
     reference = peft.get_peft_model(reference, config)
-    want = dict(patched.named_parameters())
-    with torch.no_grad():
-        for name, p in reference.named_parameters():
-            if "lora_" in name:
-                p.copy_(want[name])
+    copy_lora_tensors(patched, reference)  # the same adapter names on both sides, at least one
     return reference
 
 

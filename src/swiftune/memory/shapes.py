@@ -72,7 +72,7 @@ KNOWN_MODELS: dict[str, dict[str, Any]] = {
 # composite vision-language configs whose vision_config is Qwen3-VL's vision tower (:class:`VisionShape`)
 _QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
-# MoE families whose fused experts PEFT (0.21) targets for the per-expert linear names (its weight
+# MoE families whose fused experts PEFT (0.21, 0.22) targets for the per-expert linear names (its weight
 # conversion table), "all-linear" included
 PEFT_MAPS_EXPERT_NAMES = ("qwen3_moe", "mixtral")
 _QK_NORM = ("qwen3", "gemma3_text", "gemma3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text")
@@ -413,12 +413,13 @@ def lora_param_count(shape: ModelShape, rank: int, vision: bool = True) -> int:
 
         r * [(H + dq) + 2 (H + dkv) + (dq + H)]  +  r * [2 (H + I) + (I + H)] (the MLP)
 
-    On Qwen3-MoE and Mixtral PEFT (0.21) maps the per-expert names (Mixtral: ``w1``/``w3``/``w2``) onto
+    On Qwen3-MoE and Mixtral PEFT maps the per-expert names (Mixtral: ``w1``/``w3``/``w2``) onto
     the fused 3-D experts instead: the
     experts of every sparse layer (gate/up at rank ``2 r``, see :func:`expert_lora_param_count`) and the
-    router (``r (H + E)``), and no longer finds the dense MLPs' projections (none in the released
-    models, where every layer is sparse). On gpt-oss, whose experts and router are plain parameters
-    PEFT has no mapping for, ``"all-linear"`` is the attention projections only.
+    router (``r (H + E)``). PEFT 0.21 then no longer finds the dense MLPs' projections; 0.22 adapts them too
+    (:func:`peft_adapts_dense_mlps_of_moe_models`). The released models have none: every layer is sparse.
+    On gpt-oss, whose experts and router are plain parameters PEFT has no mapping for, ``"all-linear"`` is
+    the attention projections only.
     """
     towers = vision_lora_param_count(shape.vision, rank) if vision and shape.vision is not None else 0
     return _text_lora_param_count(shape, rank) + towers
@@ -433,7 +434,25 @@ def _text_lora_param_count(shape: ModelShape, rank: int) -> int:
         dense_layers = shape.layers - shape.moe_layers
         return attention + rank * (2 * (H + I) + (I + H)) * dense_layers
     router = rank * (H + shape.experts) * shape.moe_layers
-    return attention + expert_lora_param_count(shape, rank, gate_up_rank=2 * rank) + router
+    dense = (rank * (2 * (H + I) + (I + H)) * (shape.layers - shape.moe_layers)
+             if peft_adapts_dense_mlps_of_moe_models() else 0)
+    return attention + expert_lora_param_count(shape, rank, gate_up_rank=2 * rank) + router + dense
+
+
+def peft_adapts_dense_mlps_of_moe_models() -> bool:
+    """Whether the installed PEFT's ``"all-linear"`` on Qwen3-MoE / Mixtral also adapts the projections of the
+    dense MLP layers (``mlp_only_layers``) beside the fused experts: from PEFT 0.22, which maps the experts through
+    ``target_parameters`` and keeps the projection names in ``target_modules``; 0.21 replaced the names. Without
+    PEFT installed: the newer behaviour."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("peft")
+    except PackageNotFoundError:
+        return True
+    from packaging.version import Version
+
+    return Version(installed) >= Version("0.22.0.dev0")
 
 
 def expert_lora_param_count(shape: ModelShape, rank: int, gate_up_rank: int | None = None) -> int:
