@@ -511,7 +511,7 @@ def check_paths(model_args: ModelArguments, config: Any) -> None:
         if resume:  # no complete checkpoint to resume from: said now, not after the model and data have loaded
             from ..training.checkpoints import resolve_resume
 
-            resolve_resume(resume, config.output_dir)
+            resolve_resume(resume, config.output_dir, warn=False)  # the trainer warns of what it skips
     except (FileNotFoundError, ValueError) as e:
         raise CommandLineError(str(e)) from e
 

@@ -333,21 +333,22 @@ def newest_complete_checkpoint(run_dir: str) -> tuple[str | None, list[tuple[str
     return None, skipped
 
 
-def resolve_resume(resume: str | bool | None, run_dir: str) -> str | None:
+def resolve_resume(resume: str | bool | None, run_dir: str, *, warn: bool = True) -> str | None:
     """The checkpoint folder to resume from: ``True`` = the newest complete one in ``run_dir``
-    (skipping incomplete ones with a warning); a path must be a complete checkpoint."""
+    (skipping incomplete ones with a warning, unless ``warn=False``: a check ahead of the trainer's own
+    call); a path must be a complete checkpoint."""
     if resume is None or resume is False:
         return None
     if resume is True:
         path, skipped = newest_complete_checkpoint(run_dir)
-        for bad, why in skipped:
+        for bad, why in skipped if warn else ():
             logger.warning("swiftune: skipping %s for resuming: %s", bad, why)
         if path is None:
             found = f" ({len(skipped)} incomplete: {', '.join(os.path.basename(p) for p, _ in skipped)})" \
                 if skipped else ""
             raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in output_dir {run_dir}{found}; "
                              "start without resume_from_checkpoint, or give a checkpoint folder")
-        if skipped:
+        if skipped and warn:
             logger.warning("swiftune: resuming from %s, the newest complete checkpoint", path)
         return path
     path = str(resume)
