@@ -284,28 +284,46 @@ QWEN3_8B_LAYER = dict(hidden_size=4096, intermediate_size=12288, num_attention_h
 def _bf16_case(family: str, lora: bool, layout: str, checkpointing: str, autocast: bool = False,
                device: str = "cuda", **sizes) -> None:
     """Swiftune in bf16 on CUDA (compiled kernels, the GPU's packed attention) against the unpatched
-    model in fp32, one document at a time, with the same bf16-representable weights. ``autocast``: the
-    swiftune step under bf16 autocast, as a Trainer's ``bf16=True`` runs it. ``device="cpu"``: the reference
-    kernels, and autocast with CUDA's float32 ops emulated (:class:`tests.helpers.CudaAutocastFloat32Ops`).
-    Every decoder layer returns bf16."""
+    model in fp32, one document at a time (:func:`bf16_step_equals_unpatched_fp32`). ``device="cpu"``: the
+    reference kernels, and autocast with CUDA's float32 ops emulated."""
     cpu = device == "cpu"
     base = tiny_model(family, window=family in WINDOWED, **sizes).to(device).train()
     reference = _lora_reference(base) if lora else copy.deepcopy(base)
+    bf16_step_equals_unpatched_fp32(
+        reference, lambda: _swiftune_model(base.to(torch.bfloat16), reference, lora, checkpointing,
+                                           **({"kernel_backend": "reference"} if cpu else {})),
+        layout, autocast, device)
+
+
+def bf16_step_equals_unpatched_fp32(reference: torch.nn.Module, swiftune_model, layout: str, autocast: bool,
+                                    device: str) -> None:
+    """``swiftune_model()`` (built after ``reference``'s weights are made bf16-representable, then given them) in
+    bf16 against ``reference``, the unpatched model in fp32, one document at a time: the loss, and every
+    trainable gradient to 2e-2 or 3x transformers' own bf16 error on that tensor, non-zero where the reference's
+    is. ``autocast``: the swiftune step (and the unpatched bf16 model's) under bf16 autocast, as a Trainer's
+    ``bf16=True`` runs it; on ``device="cpu"`` with CUDA's float32 ops emulated
+    (:class:`tests.helpers.CudaAutocastFloat32Ops`). Every decoder layer returns bf16, the unpatched model's too."""
+    cpu = device == "cpu"
     with torch.no_grad():  # the same weights on every side: only the arithmetic differs
         for p in reference.parameters():
             p.copy_(p.to(torch.bfloat16))
     expected_loss, expected = _reference_step(reference, _examples())
+
+    def bf16_autocast() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device, dtype=torch.bfloat16, enabled=autocast))
+        if cpu:
+            stack.enter_context(CudaAutocastFloat32Ops())
+        return stack
+
     plain = copy.deepcopy(reference).to(torch.bfloat16)
     plain_dtypes = record_layer_dtypes(causal_lm_of(plain).model.layers)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
-            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
+    with bf16_autocast():
         _, plain_bf16 = _reference_step(plain, _examples())
-    model = _swiftune_model(base.to(torch.bfloat16), reference, lora, checkpointing,
-                            **({"kernel_backend": "reference"} if cpu else {}))
+    model = swiftune_model()
     model.load_state_dict(reference.state_dict())
     dtypes = record_layer_dtypes(causal_lm_of(model).model.layers)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
-            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
+    with bf16_autocast():
         loss, grads = _swiftune_step(model, _examples(), layout)
     assert set(plain_dtypes) == {torch.bfloat16}, plain_dtypes  # the unpatched model's layers keep bf16 too
     assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes

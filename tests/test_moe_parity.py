@@ -19,7 +19,6 @@ transformers adds it; the swiftune side records the router logits of its packed 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import warnings
@@ -36,12 +35,12 @@ from swiftune.models.moe import load_balancing_loss, record_router_logits, route
 from swiftune.sft.trainer import sft_loss
 from swiftune.data import make_collator
 from swiftune.training import FastModel
-from tests.helpers import VOCAB, CudaAutocastFloat32Ops, assert_gradients_match, record_layer_dtypes, rel_err
+from tests.helpers import VOCAB, assert_gradients_match, rel_err
 from tests.test_gradient_parity import (
-    GPU_TOL,
     PAD_ID,
     TOL,
     _assert_parity,
+    bf16_step_equals_unpatched_fp32,
     _examples,
     _grads,
     _lora_reference,
@@ -567,38 +566,19 @@ def test_grouped_experts_refuse_weights_that_are_not_fused():
 def _moe_bf16_case(family: str, lora: str | None, layout: str, checkpointing: str, autocast: bool = False,
                    device: str = "cuda") -> None:
     """bf16 (compiled kernels, grouped_mm experts, flex with sinks on gpt-oss on CUDA) against the unpatched model
-    in fp32 with the same bf16-representable weights, one document at a time; tolerance as the dense suite's GPU
-    cases (2e-2, or 3x transformers' own bf16 error on a tensor). ``autocast``: the swiftune step under bf16
-    autocast, as a Trainer's ``bf16=True`` runs it. ``device="cpu"``: the reference kernels, and autocast with
-    CUDA's float32 ops emulated (:class:`tests.helpers.CudaAutocastFloat32Ops`). Every decoder layer returns bf16."""
-    cpu = device == "cpu"
-    backend = "reference" if cpu else "auto"
+    in fp32, one document at a time, as the dense suite's GPU cases
+    (:func:`tests.test_gradient_parity.bf16_step_equals_unpatched_fp32`). ``device="cpu"``: the reference kernels,
+    and autocast with CUDA's float32 ops emulated."""
+    backend = "reference" if device == "cpu" else "auto"
     base = tiny_moe(family).to(device).train()
     reference = copy.deepcopy(base) if lora is None else _targeted_lora_reference(base, lora)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.to(torch.bfloat16))
-    expected_loss, expected = _reference_step(reference, _examples())
-    plain = copy.deepcopy(reference).to(torch.bfloat16)
-    plain_dtypes = record_layer_dtypes(causal_lm_of(plain).model.layers)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
-            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
-        _, plain_bf16 = _reference_step(plain, _examples())
-    base = base.to(torch.bfloat16)
-    if lora is None:
-        model = _swiftune_model(base, reference, False, checkpointing, kernel_backend=backend)
-    else:
-        model = _targeted_lora_model(base, reference, lora, checkpointing, backend)
-    model.load_state_dict(reference.state_dict())
-    dtypes = record_layer_dtypes(causal_lm_of(model).model.layers)
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), \
-            CudaAutocastFloat32Ops() if cpu else contextlib.nullcontext():
-        loss, grads = _swiftune_step(model, _examples(), layout)
-    assert set(plain_dtypes) == {torch.bfloat16}, plain_dtypes  # the unpatched model's layers keep bf16 too
-    assert dtypes and set(dtypes) == {torch.bfloat16}, dtypes
-    assert torch.isfinite(loss) and rel_err(loss, expected_loss) < GPU_TOL, (float(loss), float(expected_loss))
-    allowed = {name: max(GPU_TOL, 3 * rel_err(plain_bf16[name], want)) for name, want in expected.items()}
-    assert_gradients_match(expected, grads, _trainable(reference), allowed)
+
+    def swiftune_model():
+        if lora is None:
+            return _swiftune_model(base.to(torch.bfloat16), reference, False, checkpointing, kernel_backend=backend)
+        return _targeted_lora_model(base.to(torch.bfloat16), reference, lora, checkpointing, backend)
+
+    bf16_step_equals_unpatched_fp32(reference, swiftune_model, layout, autocast, device)
 
 
 @pytest.mark.gpu
