@@ -111,7 +111,7 @@ def test_tiny_mixtral_lora_counts_equal_peft():
         "explicit": (dict(target_modules=[], target_parameters=experts), expert_lora_param_count(shape, 4)),
         "v4 names": (dict(target_modules=attention + ["w1", "w2", "w3"]),
                      expert_lora_param_count(shape, 4, gate_up_rank=8) + _attention_lora(shape, 4)
-                  + _dense_mlp_lora(shape, 4)),
+                     + _dense_mlp_lora(shape, 4)),
     }
     for name, (kwargs, want) in cases.items():
         model = get_peft_model(_tiny("mixtral"), LoraConfig(r=4, **kwargs))

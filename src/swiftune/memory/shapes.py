@@ -6,6 +6,7 @@ Pure Python: nothing from swiftune, no torch.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -428,17 +429,18 @@ def lora_param_count(shape: ModelShape, rank: int, vision: bool = True) -> int:
 def _text_lora_param_count(shape: ModelShape, rank: int) -> int:
     H, I, dq, dkv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
     attention = rank * ((H + dq) + 2 * (H + dkv) + (dq + H)) * shape.layers
+    mlp = rank * (2 * (H + I) + (I + H))  # a dense gated MLP's gate, up and down
     if not shape.is_moe:
-        return attention + rank * (2 * (H + I) + (I + H)) * shape.layers
+        return attention + mlp * shape.layers
+    dense_layers = shape.layers - shape.moe_layers
     if shape.model_type not in PEFT_MAPS_EXPERT_NAMES:
-        dense_layers = shape.layers - shape.moe_layers
-        return attention + rank * (2 * (H + I) + (I + H)) * dense_layers
+        return attention + mlp * dense_layers
     router = rank * (H + shape.experts) * shape.moe_layers
-    dense = (rank * (2 * (H + I) + (I + H)) * (shape.layers - shape.moe_layers)
-             if peft_adapts_dense_mlps_of_moe_models() else 0)
+    dense = mlp * dense_layers if peft_adapts_dense_mlps_of_moe_models() else 0
     return attention + expert_lora_param_count(shape, rank, gate_up_rank=2 * rank) + router + dense
 
 
+@functools.cache  # the installed PEFT does not change within a process; the planner's searches ask many times
 def peft_adapts_dense_mlps_of_moe_models() -> bool:
     """Whether the installed PEFT's ``"all-linear"`` on Qwen3-MoE / Mixtral also adapts the projections of the
     dense MLP layers (``mlp_only_layers``) beside the fused experts: from PEFT 0.22, which maps the experts through

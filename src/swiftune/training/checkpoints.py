@@ -341,8 +341,9 @@ def resolve_resume(resume: str | bool | None, run_dir: str, *, warn: bool = True
         return None
     if resume is True:
         path, skipped = newest_complete_checkpoint(run_dir)
-        for bad, why in skipped if warn else ():
-            logger.warning("swiftune: skipping %s for resuming: %s", bad, why)
+        if warn:
+            for bad, why in skipped:
+                logger.warning("swiftune: skipping %s for resuming: %s", bad, why)
         if path is None:
             found = f" ({len(skipped)} incomplete: {', '.join(os.path.basename(p) for p, _ in skipped)})" \
                 if skipped else ""
