@@ -176,6 +176,12 @@ case "$part" in
     wait_for grpo_e2e 54 12 /tmp/grpo_e2e.rows.jsonl ;;  # its JSON is rewritten after every tool; the rows come last
   grpo-e2e-wait)
     wait_for grpo_e2e 56 12 /tmp/grpo_e2e.rows.jsonl ;;
+  grpo-e2e-unsloth-probe)  # Unsloth's GRPOTrainer on a short workload (2 prompts x G=8, 512-token completions, one
+    # step) with synchronous launches, so that a device-side assertion's traceback names the statement that
+    # launched it (its 4,096-token run ended on a gather index out of bounds after ~8 min; ~3 min)
+    run grpo_e2e_unsloth_probe 280 env CUDA_LAUNCH_BLOCKING=1 python3 -m benchmarks.grpo_e2e --model qwen3-1.7b \
+      --modes unsloth --prompts 2 --completion-tokens 512 --steps 1 --shared .shared \
+      --out "$OUT/grpo_e2e_unsloth_probe.json" ;;
   grpo-step)
     run grpo_step 400 python3 -m benchmarks.grpo --completion-tokens 4096 --steps 2 --out "$OUT/grpo_step.json" ;;
   sft-8b)
@@ -750,6 +756,9 @@ PY
     run rollout_g64_fp8_norm-codes-kv-fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
       --new-tokens 1024 --no-baselines --no-checks --fp8-norm-codes --kv-cache-dtype fp8 --time-budget 105 \
       --out "$OUT/rollout_g64_fp8_norm-codes-kv-fp8.json" ;;
+  fp8-dot-sweep)  # #26's G=64 products: the FP8 x FP8 kernel's tile overrides with x's codes given, as the decode
+    # step runs them, per Qwen3-8B projection (and q/k/v, gate/up stacked) against bf16 (~2 min)
+    run kernels_fp8_matmul 240 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
   fp8-glu-codes-ab)  # #26's G=64 FP8 step with the MLP's activation kernel making down_proj's codes (glu_fp8) against
     # the separate quantise launch, the engine's other defaults (norm codes, FP8 KV cache) in both, each profiled for
     # 256 more tokens; the kernel's and the engine's CUDA tests first (~5 min)
