@@ -240,6 +240,7 @@ _DOT_SWEEP = [  # fp8_dot_matmul overrides, each a compile (shapes share them); 
     dict(block_n=32), dict(block_n=64, split_k=1), dict(block_n=64, split_k=2), dict(block_n=64, split_k=4),
     dict(block_n=64, num_stages=3), dict(block_n=64, num_stages=6), dict(block_n=64, block_k=256, num_stages=3),
     dict(block_n=64, num_warps=2),
+    dict(reduce_in_launch=False),  # a split K's partials added by a second launch (before 2026-12-07)
 ]
 # one decoder layer's products: as the model has them, and with q/k/v and gate/up each stacked into one
 _LAYER_PROJECTIONS = {"q/o_proj": 2, "k/v_proj": 2, "gate/up_proj": 2, "down_proj": 1}

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from swiftune.kernels.fp8_dot import fp8_dot_matmul, fp8_dot_matmul_reference
+from swiftune.kernels.fp8_dot import fp8_dot_matmul, fp8_dot_matmul_reference, fp8_dot_quantize
 from tests.test_fp8_matmul import _assert_close, _rel
 
 E4M3 = torch.float8_e4m3fn
@@ -158,6 +158,29 @@ def test_leading_axes_strided_x_64_bit_indexing_and_fixed_order_split(device):
     assert torch.equal(again, y64)  # the split-K partials are added in a fixed order: the same bits
 
 
+@pytest.mark.parametrize("m,n,k,split,block_m,bias", [(40, 96, 512, 2, 16, True), (64, 70, 384, 3, None, False),
+                                                      (17, 129, 1024, 4, 16, True), (33, 64, 256, 1, None, True)])
+def test_split_reduced_in_launch_equals_second_launch_bit_for_bit(device, m, n, k, split, block_m, bias):
+    """A split K's partials added by each tile's last program (the default) give the bits of the second
+    reduce launch (the same float32 additions in the same order), with several row and column tiles; both
+    within the float64 formula's bound; the tile counts are left at zero for the next call (which then
+    gives the same bits again)."""
+    from swiftune.kernels._fp8_common import tile_counters
+
+    x, q, s, b = _operands(m, n, k, torch.bfloat16, bias, seed=m + split, device=device)
+    xq, xs = _torch_quant(x)
+    kw = dict(backend="triton", split_k=split, block_m=block_m, block_n=32, x_scale=xs)
+    with torch.no_grad():
+        here = fp8_dot_matmul(xq, q, s, b, **kw)
+        counts = tile_counters.get(torch.device(device) if device == "cpu" else x.device, 1)
+        assert int(counts.abs().sum()) == 0  # every tile's count back at zero
+        launched = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=False, **kw)
+        again = fp8_dot_matmul(xq, q, s, b, **kw)
+    assert torch.equal(here, launched) and torch.equal(again, here)
+    _assert_formula(here, _float64(xq, xs, q, s, b), _abs_terms(xq, xs, q, s), torch.bfloat16, _fp8_slack(device))
+    assert here.abs().max() > 0
+
+
 def test_plain_cpu_reference_and_empty_inputs():
     """Without the interpreter's backend the plain-PyTorch path gives the formula too; no rows, or K = 0
     (an empty sum: the bias alone), need no kernel."""
@@ -213,16 +236,20 @@ from swiftune.kernels.fp8_dot import _fp8_dot_kernel
 out = []
 for bm, bn, bk, split, stages in json.loads(sys.argv[1]):
     sig = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16",
-           "y_ptr": "*bf16", "p_ptr": "*fp32" if split > 1 else "*bf16", "M": "i32", "N": "i32", "K": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "k_per_split": "i32"}
+           "y_ptr": "*bf16", "p_ptr": "*fp32" if split > 1 else "*bf16", "c_ptr": "*i32" if split > 1 else "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+           "k_per_split": "i32"}
     const = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, HAS_BIAS=True, FP8_DOT=True, SWAP_AB=True,
-                 PROMOTE_EVERY=bk, BITS_DOT_F32=False, EVEN_K=True, ROUND_BF16=False, INT64=False)
+                 PROMOTE_EVERY=bk, BITS_DOT_F32=False, EVEN_K=True, ROUND_BF16=False, INT64=False,
+                 REDUCE_HERE=split > 1)
     sig.update(dict.fromkeys(const, "constexpr"))
     k = triton.compile(ASTSource(_fp8_dot_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=stages))
     ptx = k.asm["ptx"]
     out.append(dict(mma=sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[.\w]*", ptx))),
-                    converts=len(re.findall(r"cvt[.\w]*e4m3", ptx)), shared=k.metadata.shared))
+                    converts=len(re.findall(r"cvt[.\w]*e4m3", ptx)), shared=k.metadata.shared,
+                    atomics=sorted(set(re.findall(r"atom\.[.\w]*", ptx))),
+                    l2_loads=len(re.findall(r"ld\.global\.cg", ptx))))
 print(json.dumps(out))
 """
 
@@ -231,7 +258,9 @@ def test_sm90_lowering_feeds_e4m3_codes_to_wgmma():
     """Compiled for sm_90 (no GPU needed): the default decode tiles (17..32 and 33..64 rows, N <= 2048
     and wider) and the benchmark's deepest pipelines lower to FP8 ``wgmma`` with the activation rows on
     the instruction's N side (``m64n{BLOCK_M}k32 e4m3 x e4m3``), no e4m3 conversion anywhere (the
-    codes go to the tensor cores untouched), within the H200's 227 KB of shared memory per block."""
+    codes go to the tensor cores untouched), within the H200's 227 KB of shared memory per block; a split
+    K's in-launch reduction counts each tile with a GPU-scope acquire-release atomic add and reads the
+    partials from L2 (``ld.global.cg``); an unsplit product has no atomic."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend compiles sm_90 code")
     configs = [(32, 64, 128, 8, 4), (32, 128, 128, 4, 4), (64, 64, 128, 8, 4), (64, 128, 128, 1, 4),
                (64, 128, 256, 2, 3), (64, 128, 128, 2, 6)]
@@ -243,10 +272,15 @@ def test_sm90_lowering_feeds_e4m3_codes_to_wgmma():
     if run.returncode and ("ptxas" in run.stderr and "not found" in run.stderr):
         pytest.skip("no ptxas in this Triton install")
     assert run.returncode == 0, run.stderr[-3000:]
-    for (bm, *_), got in zip(configs, json.loads(run.stdout.strip().splitlines()[-1])):
+    for (bm, _, _, split, _), got in zip(configs, json.loads(run.stdout.strip().splitlines()[-1])):
         assert got["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{bm}k32.f32.e4m3.e4m3"], got
         assert got["converts"] == 0, got
         assert 0 < got["shared"] <= 227 * 1024, got
+        if split > 1:  # the in-launch reduction: the tile's count released and acquired GPU-wide, partials from L2
+            assert any(".gpu." in a and ".acq_rel." in a and ".add." in a for a in got["atomics"]), got
+            assert got["l2_loads"] > 0, got
+        else:
+            assert got["atomics"] == [], got
 
 
 # Qwen3-8B's decoder projections: (N, K)
@@ -286,3 +320,22 @@ def test_cuda_qwen3_8b_projections_compiled_and_graph_replay(proj, m):
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernel: needs CUDA")
+@pytest.mark.parametrize("proj", list(_QWEN3_8B))
+def test_cuda_split_reduced_in_launch_equals_second_launch_every_time(proj):
+    """Compiled, at the G=64 decode step's 64 rows: the in-launch reduction (each tile's last program, its
+    count's release / acquire ordering the other programs' partial stores before its loads) gives the
+    second launch's bits on every one of 200 back-to-back calls (a missed ordering shows as a partial
+    read before it was written: a different value on some call), at the default split and forced ones."""
+    n, k = _QWEN3_8B[proj]
+    x, q, s, b = _operands(64, n, k, torch.bfloat16, proj == "k_v", device="cuda")
+    xq, xs = fp8_dot_quantize(x)
+    with torch.no_grad():
+        for split in (None, 2, 4, 8):
+            want = fp8_dot_matmul(xq, q, s, b, x_scale=xs, split_k=split, reduce_in_launch=False)
+            calls = [fp8_dot_matmul(xq, q, s, b, x_scale=xs, split_k=split) for _ in range(200)]
+            torch.cuda.synchronize()
+            assert all(torch.equal(y, want) for y in calls), (proj, split)

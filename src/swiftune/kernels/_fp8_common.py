@@ -1,6 +1,7 @@
 """Pieces shared by the two FP8 decode matmuls (:mod:`.fp8_matmul`, weight-only, and :mod:`.fp8_dot`,
 FP8 x FP8): the exact e4m3 decoding and bf16 rounding used inside their kernels, the deterministic
-split-K reduction both launch, the choice of the K split, and the launchers' argument checks.
+split-K reduction (a second launch, or the last program of each tile in the product's own launch), the
+choice of the K split, and the launchers' argument checks.
 
 The math of the decoding and of split K is in :mod:`.fp8_matmul`'s module docstring.
 """
@@ -109,6 +110,30 @@ if triton is not None:
         part = p_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
         tl.store(part, acc, mask=mask_m[:, None] & mask_n[None, :])
 
+    @triton.jit
+    def reduce_tile_if_last(p_ptr, c_ptr, tile, s_ptr, xs_ptr, b_ptr, y_ptr, M, N, offs_m, offs_n, mask_m, mask_n,
+                            stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                            HAS_ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """Split K without a second launch: after a program has stored its partial tile, it counts itself in
+        ``counters[tile]``; the program that arrives last adds the ``SPLIT`` partials of the tile in the fixed
+        order of :func:`split_k_reduce_kernel` (the same float32 operations, so the same bits), scales, adds the
+        bias, stores ``y`` and sets the count back to zero for the next call (a CUDA graph replays it as is).
+        The barrier puts every thread's partial stores before the count's release; the last program's
+        acquire, and its loads cached in L2 only (``.cg``: never a stale L1 line), see every other's."""
+        tl.debug_barrier()
+        arrived = tl.atomic_add(c_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            mask = mask_m[:, None] & mask_n[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):  # a fixed order: deterministic sums
+                acc += tl.load(p_ptr + (i * M + offs_m[:, None]) * N + offs_n[None, :], mask=mask, other=0.0,
+                               cache_modifier=".cg")
+            y = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+            if HAS_ROW_SCALE:
+                y = y * tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+            store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
+            tl.atomic_xchg(c_ptr + tile, 0, sem="relaxed", scope="gpu")
+
 
 def choose_split_k(tiles: int, m: int, k: int, block_k: int, device: torch.device, *,
                    sm_fill_percent: int, min_range_per_row: int) -> int:
@@ -126,6 +151,33 @@ def choose_split_k(tiles: int, m: int, k: int, block_k: int, device: torch.devic
            and split * 2 * min_range_per_row * m <= k):
         split *= 2
     return split
+
+
+TILE_COUNTERS = 4096  # tiles of one split-K product that can reduce in its own launch (more: a reduce launch)
+
+
+class _TileCounters:
+    """Zeroed int32 counts for :func:`reduce_tile_if_last`, one buffer per (device, CUDA stream): the kernel
+    leaves every count at zero when it ends, so the products one stream runs one after another share a
+    buffer, and products that may run at the same time (other streams) never do. A buffer first asked for
+    while a stream captures a CUDA graph is allocated there, its zeroing captured with it (replayed: the
+    counts are zero anyway)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, device: torch.device, tiles: int) -> torch.Tensor | None:
+        if tiles > TILE_COUNTERS:
+            return None
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (device.type, device.index, stream)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+        return buffer
+
+
+tile_counters = _TileCounters()
 
 
 def split_k_ranges(k: int, block_k: int, split: int) -> tuple[int, int]:

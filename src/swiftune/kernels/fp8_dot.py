@@ -41,9 +41,12 @@ K`` and writing ``M K + 4 M`` bytes (``torch._scaled_mm``'s path has the same la
 all the weights that multiply one ``x`` when the caller quantises it with :func:`fp8_dot_quantize` and
 passes the codes. Split K: when the column tiles leave SMs idle, K is cut into ``SPLIT`` ranges whose
 float32 partial sums (``4 SPLIT M N`` bytes, kept within half the weight's bytes) are added in a fixed
-order by the weight-only kernel's reduction, which also applies both scales and the bias. No atomics:
-the result is deterministic, a CUDA graph replay equals the eager call bit for bit, and the launcher
-reads no device value (no host sync), so the rollout engine's graphs capture it.
+order, then scaled and biased: by the program of each tile that finishes last, in the same launch
+(``reduce_in_launch=True``, the default: each program counts itself in an int32 per tile, and the
+count's release / acquire orders the partials' stores before the last program's loads), or by the
+weight-only kernel's reduction in a second launch. Both add the same partials in the same order (the
+same bits), so the result is deterministic, a CUDA graph replay equals the eager call bit for bit, and
+the launcher reads no device value (no host sync), so the rollout engine's graphs capture it.
 
 Three ways to run the K loop's product (``decode``): ``"fp8"`` ``tl.dot`` on ``float8e4nv`` operands
 (CUDA with compute capability >= 8.9; the Triton interpreter, which converts the codes to fp16 exactly
@@ -70,6 +73,7 @@ from ._fp8_common import (
     check_split_k,
     choose_split_k,
     split_k_ranges,
+    tile_counters,
 )
 from .fp8_quant import fp8_quantize_rowwise
 from .launch import Backend, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2, tl, triton
@@ -100,6 +104,7 @@ if triton is not None:
         decode_e4m3,
         load_k_step,
         output_tile,
+        reduce_tile_if_last,
         split_k_reduce_kernel,
         store_output_tile,
         store_partial_tile,
@@ -107,10 +112,12 @@ if triton is not None:
 
     @triton.jit
     def _fp8_dot_kernel(
-        xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+        xq_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+        k_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PROMOTE_EVERY: tl.constexpr,
         BITS_DOT_F32: tl.constexpr, EVEN_K: tl.constexpr, ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
+        REDUCE_HERE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -155,6 +162,10 @@ if triton is not None:
             store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
         else:
             store_partial_tile(p_ptr, acc, pid_k, M, N, offs_m, offs_n, mask_m, mask_n)
+            if REDUCE_HERE:
+                reduce_tile_if_last(p_ptr, c_ptr, pid_m * tl.num_programs(0) + pid_n, s_ptr, xs_ptr, b_ptr, y_ptr,
+                                    M, N, offs_m, offs_n, mask_m, mask_n, stride_ym, BLOCK_M, BLOCK_N, SPLIT,
+                                    True, HAS_BIAS, ROUND_BF16)
 
 else:  # pragma: no cover
     _fp8_dot_kernel = None
@@ -188,7 +199,8 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
                    backend: Backend = "auto", block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, split_k: int | None = None, swap_ab: bool = True,
                    num_warps: int = 4, num_stages: int = 4, precise_acc: bool = True,
-                   decode: DotDecode = "auto", _force_int64: bool = False) -> torch.Tensor:
+                   decode: DotDecode = "auto", reduce_in_launch: bool = True,
+                   _force_int64: bool = False) -> torch.Tensor:
     """``(q(x) sx) (Q s)^T + b`` with ``x`` quantised to e4m3 per row (see the module docstring).
 
     ``x`` ``[..., K]``: bf16, fp16 or fp32 (quantised here with the fused per-row kernel; the result has
@@ -201,7 +213,9 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     count): ``block_m``, ``block_n`` (powers of two >= 16), ``block_k`` (a power of two >= 32),
     ``split_k`` (>= 1), ``swap_ab`` (the weight tile on the tensor cores' M side), ``num_warps``,
     ``num_stages``, ``precise_acc`` (promote the FP8 accumulator to float32 every ``block_k``
-    products), ``decode`` (``"fp8"``, ``"bits"`` or ``"auto"``). A float64 ``x`` takes the reference.
+    products), ``decode`` (``"fp8"``, ``"bits"`` or ``"auto"``), ``reduce_in_launch`` (a split K's partial
+    sums added by each tile's last program rather than by a second launch). A float64 ``x`` takes the
+    reference.
     """
     quantised = x.dtype == torch.float8_e4m3fn
     if not quantised:
@@ -279,14 +293,16 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     int64 = _force_int64 or needs_int64(xq, w, y, partial)
     b = bias if bias is not None else s
     round_bf16 = interpreted and out_dtype == torch.bfloat16
+    counters = tile_counters.get(x.device, n_tiles * m_tiles) if split > 1 and reduce_in_launch else None
     _fp8_dot_kernel[(n_tiles, split, m_tiles)](
-        xq, xs, w, s, b, y, partial, m, n, k, xq.stride(0), w.stride(0), y.stride(0), k_per_split,
+        xq, xs, w, s, b, y, partial, counters if counters is not None else s, m, n, k, xq.stride(0), w.stride(0),
+        y.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, HAS_BIAS=bias is not None,
         FP8_DOT=fp8_dot, SWAP_AB=swap_ab, PROMOTE_EVERY=block_k if precise_acc else 0, BITS_DOT_F32=interpreted,
-        EVEN_K=k == split * k_per_split, ROUND_BF16=round_bf16, INT64=int64,
+        EVEN_K=k == split * k_per_split, ROUND_BF16=round_bf16, INT64=int64, REDUCE_HERE=counters is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if split > 1:
+    if split > 1 and counters is None:
         split_k_reduce_kernel[(-(-n // REDUCE_BLOCK), m)](
             partial, s, xs, b, y, m, n, y.stride(0),
             SPLIT=split, BLOCK=REDUCE_BLOCK, HAS_ROW_SCALE=True, HAS_BIAS=bias is not None,
