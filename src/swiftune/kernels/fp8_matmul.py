@@ -38,9 +38,10 @@ when ``BLOCK_N >= 2 M``, which the default tiles keep.
 
 Split K. When the column tiles alone leave SMs idle (the k/v projections' N = 1024, or N = 4096 at
 wide tiles), K is cut into ``SPLIT`` ranges: each program writes its float32 partial sums
-(``4 SPLIT M N`` bytes, at most half the weight's bytes, mostly read back from L2) and a second
-kernel adds the partials in a fixed order, scales, adds the bias and rounds. No atomics, so the result is
-deterministic: a CUDA graph replay equals the eager run bit for bit. The launcher reads no device
+(``4 SPLIT M N`` bytes, at most half the weight's bytes, mostly read back from L2); the program of
+each tile that finishes last (by default; or a second kernel) adds the partials in a fixed order, scales,
+adds the bias and rounds, so the result is deterministic: a CUDA graph replay equals the eager run bit
+for bit. The launcher reads no device
 value (no host sync), so the rollout engine's CUDA graphs capture it.
 """
 
@@ -59,6 +60,7 @@ from ._fp8_common import (
     check_split_k,
     choose_split_k,
     split_k_ranges,
+    tile_counters,
 )
 from .launch import Backend, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2, tl, triton
 
@@ -87,6 +89,7 @@ if triton is not None:
         decode_e4m3,
         load_k_step,
         output_tile,
+        reduce_tile_if_last,
         split_k_reduce_kernel,
         store_output_tile,
         store_partial_tile,
@@ -94,10 +97,10 @@ if triton is not None:
 
     @triton.jit
     def _fp8_wo_kernel(
-        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
+        x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
         HAS_BIAS: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_F32: tl.constexpr, EVEN_K: tl.constexpr,
-        ROUND_BF16: tl.constexpr, INT64: tl.constexpr,
+        ROUND_BF16: tl.constexpr, INT64: tl.constexpr, REDUCE_HERE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -125,6 +128,10 @@ if triton is not None:
             store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
         else:
             store_partial_tile(p_ptr, acc, pid_k, M, N, offs_m, offs_n, mask_m, mask_n)
+            if REDUCE_HERE:
+                reduce_tile_if_last(p_ptr, c_ptr, pid_m * tl.num_programs(0) + pid_n, s_ptr, s_ptr, b_ptr, y_ptr,
+                                    M, N, offs_m, offs_n, mask_m, mask_n, stride_ym, BLOCK_M, BLOCK_N, SPLIT,
+                                    False, HAS_BIAS, ROUND_BF16)
 
 else:  # pragma: no cover
     _fp8_wo_kernel = None
@@ -138,7 +145,7 @@ def _native_fp8(device: torch.device, interpreted: bool) -> bool:
 def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                            bias: torch.Tensor | None = None, *, backend: Backend = "auto",
                            block_n: int | None = None, split_k: int | None = None, decode: Decode = "auto",
-                           _force_int64: bool = False) -> torch.Tensor:
+                           reduce_in_launch: bool = True, _force_int64: bool = False) -> torch.Tensor:
     """``x (Q * s)^T + b`` in ``x``'s dtype, accumulated in float32 (see the module docstring).
 
     ``x`` ``[..., K]`` (bf16, fp16 or fp32; the last axis contiguous), ``weight`` ``[N, K]``
@@ -149,8 +156,9 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     ``block_n`` (a power of two >= 16) and ``split_k`` (>= 1) override the tile width and the K
     split chosen from ``M``, ``N``, ``K`` and the GPU's SM count (the benchmark sweeps them);
     ``decode``: ``"native"`` (hardware e4m3 conversion, compute capability >= 8.9), ``"bits"`` (the
-    integer decoding) or ``"auto"`` (native where the GPU has it). A ``float64`` ``x`` takes the
-    reference.
+    integer decoding) or ``"auto"`` (native where the GPU has it); ``reduce_in_launch``: a split K's partial
+    sums added by each tile's last program rather than by a second launch (the same bits, see
+    :mod:`swiftune.kernels.fp8_dot`). A ``float64`` ``x`` takes the reference.
     """
     check_float("x", x)
     n, k = check_fp8_weight(weight, x)
@@ -194,13 +202,16 @@ def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     int64 = _force_int64 or needs_int64(x2, w, y, partial)
     b = bias if bias is not None else s
     round_bf16 = interpreted and x.dtype == torch.bfloat16
+    counters = tile_counters.get(x.device, n_tiles * m_tiles) if split > 1 and reduce_in_launch else None
     _fp8_wo_kernel[(n_tiles, split, m_tiles)](
-        x2, w, s, b, y, partial, m, n, k, x2.stride(0), w.stride(0), y.stride(0), k_per_split,
+        x2, w, s, b, y, partial, counters if counters is not None else s, m, n, k, x2.stride(0), w.stride(0),
+        y.stride(0), k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_BLOCK_K, SPLIT=split, HAS_BIAS=bias is not None,
         NATIVE_FP8=native, DOT_F32=x.dtype == torch.float32 or interpreted,
-        EVEN_K=k == split * k_per_split, ROUND_BF16=round_bf16, INT64=int64, num_warps=4, num_stages=4,
+        EVEN_K=k == split * k_per_split, ROUND_BF16=round_bf16, INT64=int64, REDUCE_HERE=counters is not None,
+        num_warps=4, num_stages=4,
     )
-    if split > 1:
+    if split > 1 and counters is None:
         split_k_reduce_kernel[(-(-n // REDUCE_BLOCK), m)](
             partial, s, s, b, y, m, n, y.stride(0),
             SPLIT=split, BLOCK=REDUCE_BLOCK, HAS_ROW_SCALE=False, HAS_BIAS=bias is not None, ROUND_BF16=round_bf16,
