@@ -756,6 +756,10 @@ PY
     run rollout_g64_fp8_norm-codes-kv-fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
       --new-tokens 1024 --no-baselines --no-checks --fp8-norm-codes --kv-cache-dtype fp8 --time-budget 105 \
       --out "$OUT/rollout_g64_fp8_norm-codes-kv-fp8.json" ;;
+  fp8-reduce-tests)  # the FP8 decode kernels' CUDA tests (the split-K reduction in the product's own launch: 200
+    # back-to-back calls per Qwen3-8B projection equal the second launch's bits; graph replays; ~1-2 min)
+    run fp8_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_dot.py tests/test_fp8_matmul.py \
+      -k cuda ;;
   fp8-dot-sweep)  # #26's G=64 products: the FP8 x FP8 kernel's tile overrides with x's codes given, as the decode
     # step runs them, per Qwen3-8B projection (and q/k/v, gate/up stacked) against bf16 (~2 min)
     run kernels_fp8_matmul 240 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
