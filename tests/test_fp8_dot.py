@@ -161,7 +161,7 @@ def test_leading_axes_strided_x_64_bit_indexing_and_fixed_order_split(device):
 @pytest.mark.parametrize("m,n,k,split,block_m,bias", [(40, 96, 512, 2, 16, True), (64, 70, 384, 3, None, False),
                                                       (17, 129, 1024, 4, 16, True), (33, 64, 256, 1, None, True)])
 def test_split_reduced_in_launch_equals_second_launch_bit_for_bit(device, m, n, k, split, block_m, bias):
-    """A split K's partials added by each tile's last program (the default) give the bits of the second
+    """A split K's partials added by each tile's last program (``reduce_in_launch``) give the bits of the second
     reduce launch (the same float32 additions in the same order), with several row and column tiles; both
     within the float64 formula's bound; the tile counts are left at zero for the next call (which then
     gives the same bits again)."""
@@ -171,11 +171,11 @@ def test_split_reduced_in_launch_equals_second_launch_bit_for_bit(device, m, n, 
     xq, xs = _torch_quant(x)
     kw = dict(backend="triton", split_k=split, block_m=block_m, block_n=32, x_scale=xs)
     with torch.no_grad():
-        here = fp8_dot_matmul(xq, q, s, b, **kw)
+        here = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=True, **kw)
         counts = tile_counters.get(torch.device(device) if device == "cpu" else x.device, 1)
         assert int(counts.abs().sum()) == 0  # every tile's count back at zero
         launched = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=False, **kw)
-        again = fp8_dot_matmul(xq, q, s, b, **kw)
+        again = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=True, **kw)
     assert torch.equal(here, launched) and torch.equal(again, here)
     _assert_formula(here, _float64(xq, xs, q, s, b), _abs_terms(xq, xs, q, s), torch.bfloat16, _fp8_slack(device))
     assert here.abs().max() > 0
@@ -336,6 +336,7 @@ def test_cuda_split_reduced_in_launch_equals_second_launch_every_time(proj):
     with torch.no_grad():
         for split in (None, 2, 4, 8):
             want = fp8_dot_matmul(xq, q, s, b, x_scale=xs, split_k=split, reduce_in_launch=False)
-            calls = [fp8_dot_matmul(xq, q, s, b, x_scale=xs, split_k=split) for _ in range(200)]
+            calls = [fp8_dot_matmul(xq, q, s, b, x_scale=xs, split_k=split, reduce_in_launch=True)
+                     for _ in range(200)]
             torch.cuda.synchronize()
             assert all(torch.equal(y, want) for y in calls), (proj, split)

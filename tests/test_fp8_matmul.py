@@ -89,7 +89,7 @@ def test_leading_axes_strided_x_and_64_bit_indexing(device):
 
 @pytest.mark.parametrize("m,split,bias", [(5, 2, True), (16, 3, False), (40, 4, True)])
 def test_split_reduced_in_launch_equals_second_launch_bit_for_bit(device, m, split, bias):
-    """A split K's partials added by each tile's last program (the default) give the bits of the second
+    """A split K's partials added by each tile's last program (``reduce_in_launch``) give the bits of the second
     reduce launch, with several column tiles (and row tiles past 16 rows), within the float64 formula's
     bound; a repeat gives them again (the tile counts were left at zero). On CUDA: 100 back-to-back calls."""
     x, q, s, b = _operands(m, 200, 1024, torch.bfloat16, bias, seed=split, device=device)
@@ -97,8 +97,9 @@ def test_split_reduced_in_launch_equals_second_launch_bit_for_bit(device, m, spl
     with torch.no_grad():
         launched = fp8_weight_only_matmul(x, q, s, b, backend="triton", split_k=split, block_n=32,
                                           reduce_in_launch=False)
-        here = [fp8_weight_only_matmul(x, q, s, b, backend="triton", split_k=split, block_n=32) for _ in range(repeats)]
-        again = fp8_weight_only_matmul(x, q, s, b, backend="triton", split_k=split, block_n=32)
+        here = [fp8_weight_only_matmul(x, q, s, b, backend="triton", split_k=split, block_n=32, reduce_in_launch=True)
+                for _ in range(repeats)]
+        again = fp8_weight_only_matmul(x, q, s, b, backend="triton", split_k=split, block_n=32, reduce_in_launch=True)
     assert all(torch.equal(y, launched) for y in here) and torch.equal(again, launched)
     _assert_close(launched, _float64(x, q, s, b), torch.bfloat16)
     assert launched.abs().max() > 0

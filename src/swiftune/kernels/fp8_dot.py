@@ -41,12 +41,13 @@ K`` and writing ``M K + 4 M`` bytes (``torch._scaled_mm``'s path has the same la
 all the weights that multiply one ``x`` when the caller quantises it with :func:`fp8_dot_quantize` and
 passes the codes. Split K: when the column tiles leave SMs idle, K is cut into ``SPLIT`` ranges whose
 float32 partial sums (``4 SPLIT M N`` bytes, kept within half the weight's bytes) are added in a fixed
-order, then scaled and biased: by the program of each tile that finishes last, in the same launch
-(``reduce_in_launch=True``, the default: each program counts itself in an int32 per tile, and the
-count's release / acquire orders the partials' stores before the last program's loads), or by the
-weight-only kernel's reduction in a second launch. Both add the same partials in the same order (the
-same bits), so the result is deterministic, a CUDA graph replay equals the eager call bit for bit, and
-the launcher reads no device value (no host sync), so the rollout engine's graphs capture it.
+order, then scaled and biased: by the weight-only kernel's reduction in a second launch (the default),
+or by the program of each tile that finishes last, in the same launch (``reduce_in_launch=True``: each
+program counts itself in an int32 per tile, and the count's release / acquire orders the partials' stores
+before the last program's loads; off by default until its CUDA tests and timing have run on a GPU).
+Both add the same partials in the same order (the same bits), so the result is deterministic, a CUDA
+graph replay equals the eager call bit for bit, and the launcher reads no device value (no host sync), so
+the rollout engine's graphs capture it.
 
 Three ways to run the K loop's product (``decode``): ``"fp8"`` ``tl.dot`` on ``float8e4nv`` operands
 (CUDA with compute capability >= 8.9; the Triton interpreter, which converts the codes to fp16 exactly
@@ -199,7 +200,7 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
                    backend: Backend = "auto", block_m: int | None = None, block_n: int | None = None,
                    block_k: int | None = None, split_k: int | None = None, swap_ab: bool = True,
                    num_warps: int = 4, num_stages: int = 4, precise_acc: bool = True,
-                   decode: DotDecode = "auto", reduce_in_launch: bool = True,
+                   decode: DotDecode = "auto", reduce_in_launch: bool = False,
                    _force_int64: bool = False) -> torch.Tensor:
     """``(q(x) sx) (Q s)^T + b`` with ``x`` quantised to e4m3 per row (see the module docstring).
 

@@ -38,10 +38,10 @@ when ``BLOCK_N >= 2 M``, which the default tiles keep.
 
 Split K. When the column tiles alone leave SMs idle (the k/v projections' N = 1024, or N = 4096 at
 wide tiles), K is cut into ``SPLIT`` ranges: each program writes its float32 partial sums
-(``4 SPLIT M N`` bytes, at most half the weight's bytes, mostly read back from L2); the program of
-each tile that finishes last (by default; or a second kernel) adds the partials in a fixed order, scales,
-adds the bias and rounds, so the result is deterministic: a CUDA graph replay equals the eager run bit
-for bit. The launcher reads no device
+(``4 SPLIT M N`` bytes, at most half the weight's bytes, mostly read back from L2); a second kernel
+(or, with ``reduce_in_launch=True``, the program of each tile that finishes last) adds the partials in a
+fixed order, scales, adds the bias and rounds, so the result is deterministic: a CUDA graph replay equals
+the eager run bit for bit. The launcher reads no device
 value (no host sync), so the rollout engine's CUDA graphs capture it.
 """
 
@@ -145,7 +145,7 @@ def _native_fp8(device: torch.device, interpreted: bool) -> bool:
 def fp8_weight_only_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                            bias: torch.Tensor | None = None, *, backend: Backend = "auto",
                            block_n: int | None = None, split_k: int | None = None, decode: Decode = "auto",
-                           reduce_in_launch: bool = True, _force_int64: bool = False) -> torch.Tensor:
+                           reduce_in_launch: bool = False, _force_int64: bool = False) -> torch.Tensor:
     """``x (Q * s)^T + b`` in ``x``'s dtype, accumulated in float32 (see the module docstring).
 
     ``x`` ``[..., K]`` (bf16, fp16 or fp32; the last axis contiguous), ``weight`` ``[N, K]``
