@@ -451,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decoder's linear weights in FP8 (e4m3, per-row float32 scales, swiftune's FP8Linear: "
                         "torch._scaled_mm on FP8 GPUs): rollouts from load_in_fp8's base; the HBM floor counts a "
                         "byte a weight plus the scales")
+    p.add_argument("--fp8-reduce-in-launch", action="store_true",
+                   help="--load-in-fp8: the decode products add a split K's partials in their own launch "
+                        "(swiftune.models.fp8_linear.reduce_decode_splits_in_launch); default: a second launch")
     p.add_argument("--out", default=None, help="JSON path (default $OUT/rollout.json when $OUT is set)")
     p.add_argument("--result-rows", default=None, help="write the figures as result rows (JSON Lines) here "
                    "(default: the JSON path with .rows.jsonl; --rows is the rollout's G)")
@@ -495,10 +498,15 @@ def main(argv: list[str] | None = None) -> int:
                      "copy_bandwidth_gbs": bw / 1e9, "prompt_tokens": prompt_tokens, "baseline_steps": base_steps,
                      "weights": ("nf4" if a.load_in_4bit else "fp8" if a.load_in_fp8
                                  else str(dtype).removeprefix("torch.")),
+                     "fp8_reduce_in_launch": a.fp8_reduce_in_launch,
                      "runs": [], "checks": {}, "skipped": []}
     t_start = time.perf_counter()
     for name in models:
         model = build_model(name, device, dtype, a.load_in_4bit, a.load_in_fp8)
+        if a.fp8_reduce_in_launch:
+            from swiftune.models.fp8_linear import reduce_decode_splits_in_launch
+
+            reduce_decode_splits_in_launch(model)
         cfg = model.config
         gen = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, cfg.vocab_size, (prompt_tokens,), generator=gen).tolist()

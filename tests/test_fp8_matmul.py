@@ -295,3 +295,38 @@ def test_fp8_linear_no_grad_17_to_64_rows_take_the_fp8_dot_kernel(device, monkey
         layer(torch.randn(fl.DOT_DECODE_MAX_ROWS + 1, 96, device=device, dtype=torch.bfloat16))
     layer(x)  # grad mode: the training path
     assert calls == [40]
+
+
+def test_reduce_decode_splits_in_launch_reaches_both_decode_kernels(tmp_path_factory, monkeypatch):
+    """``reduce_decode_splits_in_launch(model)`` sets every FP8 layer of a LoRA model on FP8 bases, and its
+    decode products then ask both kernels for the in-launch reduction (few rows: the weight-only kernel;
+    17..64 rows: the FP8 x FP8 one, with stacked q/k/v and gate/up where the engine stacks them); off, they
+    ask for the second launch. The logits are the same bits either way (the reductions add the same partials
+    in the same order)."""
+    from swiftune.training import FastModel
+    from tests.helpers import save_tiny_checkpoints
+    from tests.test_fp8 import _require_cpu_scaled_mm
+
+    _require_cpu_scaled_mm()  # 17..64 rows take the FP8 x FP8 kernel where _scaled_mm would run
+    path = save_tiny_checkpoints(tmp_path_factory, families=("qwen3",))["qwen3"]
+    model, _ = FastModel.from_pretrained(path, load_in_fp8=True, dtype=torch.bfloat16, device_map="cpu")
+    for layer in model.modules():
+        if isinstance(layer, fl.FP8Linear):
+            layer.scaled_mm = True
+    model = FastModel.get_peft_model(model, r=4, lora_alpha=8, use_gradient_checkpointing=False)
+    asked: list[tuple[str, bool]] = []
+    for name in ("fp8_weight_only_matmul", "fp8_dot_matmul"):
+        launcher = getattr(fl, name)
+        monkeypatch.setattr(fl, name, lambda *a, _n=name, _f=launcher, **k: asked.append((_n, k["reduce_in_launch"]))
+                            or _f(*a, **k))
+    few, many = torch.tensor([[5, 9, 17, 33]]), torch.randint(3, 90, (1, 20))
+    layers = sum(isinstance(m, fl.FP8Linear) for m in model.modules())
+    logits = {}
+    for enabled in (False, True):
+        assert fl.reduce_decode_splits_in_launch(model, enabled) == layers > 0
+        asked.clear()
+        with torch.no_grad():
+            logits[enabled] = (model(input_ids=few).logits, model(input_ids=many.to(torch.long)).logits)
+        assert {n for n, _ in asked} == {"fp8_weight_only_matmul", "fp8_dot_matmul"}, asked
+        assert {flag for _, flag in asked} == {enabled}
+    assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))

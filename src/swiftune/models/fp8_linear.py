@@ -73,7 +73,7 @@ __all__ = ["BlockFP8Checkpoint", "DECODE_MAX_ROWS", "DOT_DECODE_MAX_ROWS", "FP8L
            "GATE_UP_NAMES", "QKV_NAMES", "QuantizedActivation", "adjacent_rows", "block_scales_to_layer_scales",
            "block_size_of", "dequantize_rowwise", "fp8_grad_input", "fp8_matmul", "fp8_matmul_supported",
            "input_compute_dtype", "is_fp8_linear", "lay_out_adjacent", "quantize_activation", "quantize_model_fp8",
-           "quantize_rowwise", "quantize_shared_input"]
+           "quantize_rowwise", "quantize_shared_input", "reduce_decode_splits_in_launch"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -173,11 +173,13 @@ class FP8State:
     """What a matmul needs besides the e4m3 weight: its per-row scales ``[out, 1]``, whether
     ``torch._scaled_mm`` may be used (the caller's GPU has FP8 tensor cores), and whether the product
     is for inference (no gradient through it: the caller runs under ``torch.no_grad``), when up to
-    :data:`DECODE_MAX_ROWS` rows take the weight-only kernel."""
+    :data:`DECODE_MAX_ROWS` rows take the weight-only kernel; ``reduce_in_launch``: the decode kernels add a
+    split K's partial sums in the product's own launch (:func:`reduce_decode_splits_in_launch`)."""
 
     scale: torch.Tensor
     scaled_mm: bool
     inference: bool = False
+    reduce_in_launch: bool = False
 
 
 def _use_scaled_mm(state: FP8State, a: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -289,15 +291,17 @@ def fp8_matmul(x2: torch.Tensor, weight: torch.Tensor, state: FP8State, dtype: t
     if path == "dot":
         # _scaled_mm's math (per-row e4m3 activations) through the decode kernel's tiles
         if quantized is None:
-            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias)
+            return fp8_dot_matmul(x2.to(dtype), weight, state.scale.view(-1), bias,
+                                  reduce_in_launch=state.reduce_in_launch)
         return fp8_dot_matmul(quantized.codes, weight, state.scale.view(-1), bias, x_scale=quantized.scales,
-                              out_dtype=dtype)
+                              out_dtype=dtype, reduce_in_launch=state.reduce_in_launch)
     if path == "scaled_mm":
         xq, xs = quantize_activation(x2) if quantized is None else (quantized.codes, quantized.scales)
         y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=state.scale.view(1, -1), out_dtype=dtype)
     elif _use_weight_only(state, x2, weight, dtype):
         # the Triton kernel on CUDA (and under the interpreter), its float32 reference on plain CPU
-        return fp8_weight_only_matmul(x2.to(dtype), weight, state.scale, bias)
+        return fp8_weight_only_matmul(x2.to(dtype), weight, state.scale, bias,
+                                      reduce_in_launch=state.reduce_in_launch)
     else:
         y = torch.mm(x2.to(dtype), dequantize_rowwise(weight, state.scale, dtype).t())
     return y if bias is None else y.add_(bias.to(dtype))
@@ -345,6 +349,10 @@ class FP8Linear(nn.Linear):
     """A frozen ``nn.Linear`` whose weight is e4m3 (``weight``, ``[out, in]``) with float32 per-row
     scales (the ``weight_scale`` buffer, ``[out, 1]``); computes in the autocast dtype when
     autocast is on, else in the input's dtype (as ``nn.Linear`` computes in its weight's)."""
+
+    #: decode products (no grad, up to :data:`DOT_DECODE_MAX_ROWS` rows) add a split K's partials in their own
+    #: launch (:func:`reduce_decode_splits_in_launch`); the second reduce launch otherwise
+    reduce_decode_splits_in_launch: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: torch.device | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, scaled_mm: bool = False) -> None:
@@ -417,7 +425,8 @@ class FP8Linear(nn.Linear):
                                            quantized)
         # no_grad (the rollout engine's decoding, evaluation): no autograd node, and few rows take the
         # weight-only kernel (grad mode, not x.requires_grad, decides: training keeps one path)
-        state = FP8State(self.weight_scale, self.scaled_mm, inference=True)
+        state = FP8State(self.weight_scale, self.scaled_mm, inference=True,
+                         reduce_in_launch=self.reduce_decode_splits_in_launch)
         y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight, state, dtype, self.bias, quantized)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -518,6 +527,17 @@ def adjacent_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         offset += t.numel()
     return first.as_strided((sum(t.shape[0] for t in tensors), first.shape[1]), first.stride(),
                             first.storage_offset())
+
+
+def reduce_decode_splits_in_launch(model: nn.Module, enabled: bool = True) -> int:
+    """Whether the decode products of ``model``'s :class:`FP8Linear` layers (and of PEFT LoRA layers over
+    them) add a split K's partial sums in the product's own launch, by each tile's last program, instead of
+    a second reduce launch: the same bits either way (:mod:`swiftune.kernels.fp8_dot`). Off unless set
+    here. Returns how many layers were set."""
+    layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+    for layer in layers:
+        layer.reduce_decode_splits_in_launch = bool(enabled)
+    return len(layers)
 
 
 def quantize_model_fp8(model: nn.Module, scaled_mm: bool | None = None, checkpoint: str | None = None,
