@@ -41,8 +41,8 @@ wide tiles), K is cut into ``SPLIT`` ranges: each program writes its float32 par
 (``4 SPLIT M N`` bytes, at most half the weight's bytes, mostly read back from L2); a second kernel
 (or, with ``reduce_in_launch=True``, the program of each tile that finishes last) adds the partials in a
 fixed order, scales, adds the bias and rounds, so the result is deterministic: a CUDA graph replay equals
-the eager run bit for bit. The launcher reads no device
-value (no host sync), so the rollout engine's CUDA graphs capture it.
+the eager run bit for bit. The launcher reads no device value (no host sync), so the rollout engine's CUDA
+graphs capture it.
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ class FP8Linear(nn.Linear):
 
     #: decode products (no grad, up to :data:`DOT_DECODE_MAX_ROWS` rows) add a split K's partials in their own
     #: launch (:func:`reduce_decode_splits_in_launch`); the second reduce launch otherwise
-    reduce_decode_splits_in_launch: bool = False
+    split_k_in_launch: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: torch.device | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16, scaled_mm: bool = False) -> None:
@@ -426,7 +426,7 @@ class FP8Linear(nn.Linear):
         # no_grad (the rollout engine's decoding, evaluation): no autograd node, and few rows take the
         # weight-only kernel (grad mode, not x.requires_grad, decides: training keeps one path)
         state = FP8State(self.weight_scale, self.scaled_mm, inference=True,
-                         reduce_in_launch=self.reduce_decode_splits_in_launch)
+                         reduce_in_launch=self.split_k_in_launch)
         y = fp8_matmul(x.reshape(-1, x.shape[-1]), self.weight, state, dtype, self.bias, quantized)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -536,7 +536,7 @@ def reduce_decode_splits_in_launch(model: nn.Module, enabled: bool = True) -> in
     here. Returns how many layers were set."""
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     for layer in layers:
-        layer.reduce_decode_splits_in_launch = bool(enabled)
+        layer.split_k_in_launch = bool(enabled)
     return len(layers)
 
 

@@ -256,7 +256,7 @@ def fused_lora_forward(self: nn.Module, x: torch.Tensor, *args: Any, quantized: 
     if fp8:
         # no gradient through the product (rollouts): a few rows take the weight-only FP8 kernel
         quant_state = FP8State(base.weight_scale, base.scaled_mm, inference=not torch.is_grad_enabled(),
-                               reduce_in_launch=base.reduce_decode_splits_in_launch)
+                               reduce_in_launch=base.split_k_in_launch)
     else:
         quant_state = getattr(weight, "quant_state", None) if type(base) is not nn.Linear else None
     if lora_kernel and _takes_lora_decode_kernel(x, quant_state, fp8):
@@ -353,7 +353,7 @@ def stacked_fp8_products(projections: Sequence[nn.Module], x: torch.Tensor,
         return None
     x2 = x.reshape(-1, x.shape[-1])
     state = FP8State(scale, bases[0].scaled_mm, inference=True,
-                     reduce_in_launch=bases[0].reduce_decode_splits_in_launch)
+                     reduce_in_launch=bases[0].split_k_in_launch)
     y = fp8_matmul(x2.to(dtype), weight, state, dtype, None, quantized)
     outs = list(y.split([b.out_features for b in bases], dim=1))
     inputs: dict[torch.dtype, torch.Tensor] = {}  # x in each adapter dtype, cast once for the group
