@@ -172,7 +172,7 @@ def test_split_reduced_in_launch_equals_second_launch_bit_for_bit(device, m, n, 
     kw = dict(backend="triton", split_k=split, block_m=block_m, block_n=32, x_scale=xs)
     with torch.no_grad():
         here = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=True, **kw)
-        counts = tile_counters.get(torch.device(device) if device == "cpu" else x.device, 1)
+        counts = tile_counters.get(x.device, 1)  # the buffer the launcher used
         assert int(counts.abs().sum()) == 0  # every tile's count back at zero
         launched = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=False, **kw)
         again = fp8_dot_matmul(xq, q, s, b, reduce_in_launch=True, **kw)

@@ -326,7 +326,7 @@ def test_reduce_decode_splits_in_launch_reaches_both_decode_kernels(tmp_path_fac
         assert fl.reduce_decode_splits_in_launch(model, enabled) == layers > 0
         asked.clear()
         with torch.no_grad():
-            logits[enabled] = (model(input_ids=few).logits, model(input_ids=many.to(torch.long)).logits)
+            logits[enabled] = (model(input_ids=few).logits, model(input_ids=many).logits)
         assert {n for n, _ in asked} == {"fp8_weight_only_matmul", "fp8_dot_matmul"}, asked
         assert {flag for _, flag in asked} == {enabled}
     assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))

@@ -105,6 +105,16 @@ if triton is not None:
                  mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
+    def store_scaled_tile(acc, s_ptr, xs_ptr, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
+                          HAS_ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """A tile's float32 sums times the weight's per-row scales ``s`` (the output's columns) and, with
+        ``HAS_ROW_SCALE``, the activations' per-row scales ``xs``; then :func:`store_output_tile`."""
+        y = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if HAS_ROW_SCALE:
+            y = y * tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
+        store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
+
+    @triton.jit
     def store_partial_tile(p_ptr, acc, pid_k, M, N, offs_m, offs_n, mask_m, mask_n):
         """Split K: the float32 partial sums of K range ``pid_k`` into ``partial[pid_k]`` ``[M, N]``."""
         part = p_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :]
@@ -128,10 +138,8 @@ if triton is not None:
             for i in tl.static_range(SPLIT):  # a fixed order: deterministic sums
                 acc += tl.load(p_ptr + (i * M + offs_m[:, None]) * N + offs_n[None, :], mask=mask, other=0.0,
                                cache_modifier=".cg")
-            y = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-            if HAS_ROW_SCALE:
-                y = y * tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-            store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
+            store_scaled_tile(acc, s_ptr, xs_ptr, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
+                              HAS_ROW_SCALE, HAS_BIAS, ROUND_BF16)
             tl.atomic_xchg(c_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 

@@ -107,8 +107,8 @@ if triton is not None:
         output_tile,
         reduce_tile_if_last,
         split_k_reduce_kernel,
-        store_output_tile,
         store_partial_tile,
+        store_scaled_tile,
     )
 
     @triton.jit
@@ -158,9 +158,8 @@ if triton is not None:
         if SWAP_AB:
             acc = tl.trans(acc)
         if SPLIT == 1:
-            y = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-            y = y * tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
-            store_output_tile(y, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, HAS_BIAS, ROUND_BF16)
+            store_scaled_tile(acc, s_ptr, xs_ptr, b_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym, True,
+                              HAS_BIAS, ROUND_BF16)
         else:
             store_partial_tile(p_ptr, acc, pid_k, M, N, offs_m, offs_n, mask_m, mask_n)
             if REDUCE_HERE:
