@@ -24,6 +24,7 @@ from swiftune.kernels import (
     swiglu,
     swiglu_reference,
 )
+from swiftune.kernels import rope as rope_module
 from swiftune.kernels.launch import autograd_owner, choose_backend, needs_int64
 from swiftune.kernels.logit_grad import logit_block_grad_, logit_block_grad_reference
 from swiftune.kernels.logit_stats import logit_block_stats, logit_block_stats_reference
@@ -55,11 +56,21 @@ def grads_of(fn, inputs, grad_outputs):
 # ----------------------------------------------------------------------------------- RoPE
 
 
+@pytest.fixture(params=[1, 4, 64], ids=lambda n: f"{n}-tokens")
+def rope_tokens(request, monkeypatch, device):
+    """Tokens per RoPE program: 1 is what a GPU runs; the interpreter's default takes 64 (a tile of
+    [64, heads, D/2]); 4 puts several programs on a launch, the last one part-empty."""
+    if device != "cpu" and request.param != 1:
+        pytest.skip("a GPU runs one token per program")
+    monkeypatch.setattr(rope_module, "tokens_per_program", lambda interpreted: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "head_dim,n_q,n_k", [(64, 4, 4), (80, 8, 2), (128, 8, 1), (256, 2, 1)]
 )
-def test_rope_matches_float64_reference(device, dtype, head_dim, n_q, n_k):
+def test_rope_matches_float64_reference(device, rope_tokens, dtype, head_dim, n_q, n_k):
     torch.manual_seed(head_dim * 31 + n_q)
     B, S = 2, 11
     pos = torch.stack([torch.arange(S), packed_positions([4, 3, 4])[0]])  # row 1 is a packed row
@@ -84,7 +95,27 @@ def test_rope_matches_float64_reference(device, dtype, head_dim, n_q, n_k):
         assert rel_err(actual, expected) < TOL[dtype]
 
 
-def test_rope_packed_row_equals_documents_alone(device):
+def test_rope_programs_write_no_token_past_the_last(device, rope_tokens):
+    """q and k are the first B rows of larger buffers: the programs of a launch that takes several
+    tokens each (the last one part-empty) rotate those rows and leave the next row's memory as it was."""
+    torch.manual_seed(5)
+    B, S, D = 2, 7, 16  # 14 tokens: a part-empty last program at 4 and 64 tokens each
+    cos, sin = (t.float().to(device) for t in rope_tables(torch.arange(S).expand(B, S), D))
+    q_buf, k_buf = torch.randn(B + 1, 4, S, D, device=device), torch.randn(B + 1, 2, S, D, device=device)
+    q_spare, k_spare = q_buf[B].clone(), k_buf[B].clone()
+    eq, ek = rope_qk_reference(q_buf[:B], k_buf[:B], cos, sin)
+    for backward in (False, True):  # both directions, into fresh buffers of the same layout
+        q_out, k_out = q_buf.clone(), k_buf.clone()
+        rope_module._launch(q_buf[:B], k_buf[:B], q_out[:B], k_out[:B], cos, sin, backward=backward)
+        assert torch.equal(q_out[B], q_spare) and torch.equal(k_out[B], k_spare)
+        if not backward:
+            assert rel_err(q_out[:B], eq) < 1e-6 and rel_err(k_out[:B], ek) < 1e-6
+    oq, ok = rope_qk(q_buf[:B], k_buf[:B], cos, sin, backend="triton")  # the public call
+    assert torch.equal(q_buf[B], q_spare) and torch.equal(k_buf[B], k_spare)
+    assert rel_err(oq, eq) < 1e-6 and rel_err(ok, ek) < 1e-6
+
+
+def test_rope_packed_row_equals_documents_alone(device, rope_tokens):
     """A packed row with restarting positions rotates each document exactly as if alone."""
     torch.manual_seed(1)
     lengths, D = [5, 2, 6], 64
@@ -106,7 +137,7 @@ def test_rope_packed_row_equals_documents_alone(device):
     assert rel_err(bq, oq) > 1e-2
 
 
-def test_rope_in_place_and_autograd_through_views(device):
+def test_rope_in_place_and_autograd_through_views(device, rope_tokens):
     torch.manual_seed(2)
     B, S, Hq, Hk, D = 2, 6, 4, 2, 32
     cos, sin = (t.float().to(device) for t in rope_tables(torch.arange(S).expand(B, S), D))
@@ -223,7 +254,7 @@ def test_rope_after_a_custom_function_keeps_q_and_k_in_the_graph(device, produce
         assert oq.data_ptr() == q.data_ptr()
 
 
-def test_rope_broadcast_tables_and_int64_flag(device):
+def test_rope_broadcast_tables_and_int64_flag(device, rope_tokens):
     torch.manual_seed(3)
     B, S, D = 3, 7, 64
     cos, sin = (t.float().to(device) for t in rope_tables(torch.arange(S)[None], D))  # [1, S, D]
@@ -235,7 +266,7 @@ def test_rope_broadcast_tables_and_int64_flag(device):
         assert rel_err(oq, eq) < 1e-6 and rel_err(ok, ek) < 1e-6
 
 
-def test_rope_head_offsets_past_int32_with_an_int32_head_stride(device):
+def test_rope_head_offsets_past_int32_with_an_int32_head_stride(device, rope_tokens):
     """A head stride that fits int32 times a head index that does not: a ``[B, H, S, D]``-contiguous
     gradient of a long row (676K tokens: a head stride of 86.5M elements, head 25 passes 2^31), the
     layout the attention hands back to RoPE's backward. The kernel's 64-bit variant must compute the

@@ -1,5 +1,6 @@
 """The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path, the GLU's row kernel, the
-residual add + RMSNorm with its FP8 codes and the LoRA decode product compiled ahead of time for an H100/H200
+residual add + RMSNorm with its FP8 codes, the LoRA decode product and the training RoPE (one token a program, as a
+GPU runs it, and the interpreter's 64) compiled ahead of time for an H100/H200
 (sm_90) on a machine without a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
@@ -29,6 +30,7 @@ from swiftune.kernels import decode_attention, glu, moe_decode, moe_route, moe_r
 decode_qkv = importlib.import_module("swiftune.kernels.decode_qkv")
 rms_norm = importlib.import_module("swiftune.kernels.rms_norm")
 lora_decode = importlib.import_module("swiftune.kernels.lora_decode")
+rope = importlib.import_module("swiftune.kernels.rope")
 
 HOPPER = GPUTarget("cuda", 90, 32)
 def _expert_combine_signature(weights: str) -> dict:
@@ -65,6 +67,12 @@ DECODE_QKV_SIGNATURE = {
     **dict.fromkeys(("sq_b", "sq_h", "sk_b", "sk_h", "sv_b", "sv_h", "sc_b", "sqo_b", "sqo_h", "skc_b", "skc_h",
                      "skc_s", "svc_b", "svc_h", "svc_s", "ss_b", "ss_h", "n_q_heads", "head_dim", "half"), "i32"),
     "eps": "fp32", "NORM": "constexpr", "BLOCK_D": "constexpr", "BLOCK_HALF": "constexpr", "FP8": "constexpr"}
+
+ROPE_SIGNATURE = {
+    **dict.fromkeys(("q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cos_ptr", "sin_ptr"), "*bf16"),
+    **dict.fromkeys((f"s{t}_{a}" for t in ("q", "k", "qo", "ko") for a in "bhsd"), "i32"),
+    **dict.fromkeys(("sc_b", "sc_s", "sc_d", "seq_len", "n_tokens", "n_q_heads", "n_k_heads", "half"), "i32"),
+    **dict.fromkeys(("BACKWARD", "BLOCK_HQ", "BLOCK_HK", "BLOCK_D", "INT64", "TOKENS"), "constexpr")}
 
 CASES = {
     "expert_sort's count, Qwen3-30B-A3B (128 experts)": (
@@ -161,6 +169,11 @@ CASES = {
          **dict.fromkeys(("BLOCK_M", "BLOCK_R", "BLOCK_N", "F32"), "constexpr")},
         {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_N": 128, "F32": adapter == "fp32"}, {"num_warps": 4})
        for adapter in ("fp32", "bf16")},
+    **{f"RoPE of q and k, Qwen3-8B heads (32 q, 8 k, D 128), {tokens} token(s) a program, {'backward' if back else 'forward'}": (
+        rope._rope_qk_kernel, ROPE_SIGNATURE,
+        {"BACKWARD": back, "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_D": 64, "INT64": False, "TOKENS": tokens},
+        {"num_warps": 8})
+       for tokens in (1, 64) for back in (False, True)},
 }
 
 

@@ -23,8 +23,9 @@ The map is linear in ``x``; its transpose gives the backward pass
 For the standard tables (``c1 == c2``, ``s1 == s2``) this is the same rotation with the sine
 negated. Nothing but cos and sin is saved for backward.
 
-One program handles one (row, token) pair for all Hq + Hk heads, so cos/sin are loaded once
-and reused by every head. The forward pass rotates q and k in place when autograd allows it
+On a GPU one program handles one (row, token) pair for all Hq + Hk heads, so cos/sin are loaded
+once and reused by every head; under the Triton interpreter (CPU) one program takes 64 tokens, the
+same arithmetic on a 3-D tile (see :func:`tokens_per_program`). The forward pass rotates q and k in place when autograd allows it
 (they are not leaves that require grad); the backward pass writes fresh gradient tensors,
 because incoming gradients may be broadcast views that must not be written.
 """
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .launch import Backend, autograd_owner, check_float, choose_backend, needs_int64, next_pow2, tl, triton
+from .launch import (Backend, autograd_owner, check_float, choose_backend, kernel_is_interpreted, needs_int64,
+                     next_pow2, tl, triton)
 
 
 def rope_qk_reference(
@@ -53,19 +55,29 @@ if triton is not None:
 
     @triton.jit
     def _rope_rows(
-        x_ptr, y_ptr, c1, c2, s1, s2, b, t,
+        x_ptr, y_ptr, c1, c2, s1, s2, b, t, token_ok,
         sx_b, sx_h, sx_s, sx_d, sy_b, sy_h, sy_s, sy_d,
         n_heads, half,
         BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, INT64: tl.constexpr,
+        TOKENS: tl.constexpr,
     ):
-        h = tl.arange(0, BLOCK_H)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
+        # TOKENS == 1: b, t are scalars and the tile is [heads, D/2]; otherwise b, t, token_ok are
+        # [TOKENS, 1, 1] and the tile is [TOKENS, heads, D/2] (c*, s*: [TOKENS, 1, D/2])
+        if TOKENS == 1:
+            h = tl.arange(0, BLOCK_H)[:, None]
+            d = tl.arange(0, BLOCK_D)[None, :]
+        else:
+            h = tl.arange(0, BLOCK_H)[None, :, None]
+            d = tl.arange(0, BLOCK_D)[None, None, :]
         if INT64:
             # a stride that fits int32 times a head index may not: a [B, H, S, D]-contiguous gradient of
             # 676K tokens has a head stride of S x D = 86.5M, and head 25 x 86.5M passes 2^31
             h = h.to(tl.int64)
             d = d.to(tl.int64)
-        mask = (h < n_heads) & (d < half)
+        if TOKENS == 1:
+            mask = (h < n_heads) & (d < half)
+        else:
+            mask = token_ok & (h < n_heads) & (d < half)
         x_base = x_ptr + b * sx_b + t * sx_s + h * sx_h
         y_base = y_ptr + b * sy_b + t * sy_s + h * sy_h
         x1 = tl.load(x_base + d * sx_d, mask=mask, other=0.0).to(tl.float32)
@@ -85,47 +97,69 @@ if triton is not None:
         sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d,
         sqo_b, sqo_h, sqo_s, sqo_d, sko_b, sko_h, sko_s, sko_d,
         sc_b, sc_s, sc_d,
-        seq_len, n_q_heads, n_k_heads, half,
+        seq_len, n_tokens, n_q_heads, n_k_heads, half,
         BACKWARD: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-        BLOCK_D: tl.constexpr, INT64: tl.constexpr,
+        BLOCK_D: tl.constexpr, INT64: tl.constexpr, TOKENS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if INT64:
             pid = pid.to(tl.int64)
-        b = pid // seq_len
-        t = pid % seq_len
-        d = tl.arange(0, BLOCK_D)[None, :]
-        dmask = d < half
+        if TOKENS == 1:
+            n = pid
+            d = tl.arange(0, BLOCK_D)[None, :]
+        else:
+            n = pid * TOKENS + tl.arange(0, TOKENS)[:, None, None]
+            d = tl.arange(0, BLOCK_D)[None, None, :]
+        token_ok = n < n_tokens  # (b, t) pairs flattened: n = b * seq_len + t
+        b = n // seq_len
+        t = n % seq_len
+        if TOKENS == 1:
+            dmask = d < half  # the grid has one program per token: none past the end
+        else:
+            dmask = (d < half) & token_ok
         c_base = b * sc_b + t * sc_s
         c1 = tl.load(cos_ptr + c_base + d * sc_d, mask=dmask, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + c_base + (d + half) * sc_d, mask=dmask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + c_base + d * sc_d, mask=dmask, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + c_base + (d + half) * sc_d, mask=dmask, other=0.0).to(tl.float32)
-        _rope_rows(q_ptr, qo_ptr, c1, c2, s1, s2, b, t, sq_b, sq_h, sq_s, sq_d,
-                   sqo_b, sqo_h, sqo_s, sqo_d, n_q_heads, half, BACKWARD, BLOCK_HQ, BLOCK_D, INT64)
-        _rope_rows(k_ptr, ko_ptr, c1, c2, s1, s2, b, t, sk_b, sk_h, sk_s, sk_d,
-                   sko_b, sko_h, sko_s, sko_d, n_k_heads, half, BACKWARD, BLOCK_HK, BLOCK_D, INT64)
+        _rope_rows(q_ptr, qo_ptr, c1, c2, s1, s2, b, t, token_ok, sq_b, sq_h, sq_s, sq_d,
+                   sqo_b, sqo_h, sqo_s, sqo_d, n_q_heads, half, BACKWARD, BLOCK_HQ, BLOCK_D, INT64, TOKENS)
+        _rope_rows(k_ptr, ko_ptr, c1, c2, s1, s2, b, t, token_ok, sk_b, sk_h, sk_s, sk_d,
+                   sko_b, sko_h, sko_s, sko_d, n_k_heads, half, BACKWARD, BLOCK_HK, BLOCK_D, INT64, TOKENS)
 
 else:  # pragma: no cover
     _rope_qk_kernel = None
 
 
-def _launch(q, k, q_out, k_out, cos, sin, backward: bool, force_int64: bool = False) -> None:
+INTERPRETER_TOKENS_PER_PROGRAM = 64
+
+
+def tokens_per_program(interpreted: bool) -> int:
+    """Tokens one program rotates. On a GPU, one: a program per (row, token), every head of q and k, its
+    cos/sin loaded once. Under the Triton interpreter, which runs the programs one after another in
+    Python, 64: the same arithmetic on ``[64, heads, D/2]`` tiles, so a CPU test's launch runs 64 times
+    fewer programs."""
+    return INTERPRETER_TOKENS_PER_PROGRAM if interpreted else 1
+
+
+def _launch(q, k, q_out, k_out, cos, sin, backward: bool, force_int64: bool = False,
+            tokens: int | None = None) -> None:
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     # cos/sin may broadcast over the batch ([1, S, D]): stride 0 reuses row 0 for every b.
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     int64 = force_int64 or needs_int64(q, k, q_out, k_out, cos)
+    tokens = tokens_per_program(kernel_is_interpreted(_rope_qk_kernel)) if tokens is None else tokens
     half = D // 2
     block_d = next_pow2(half)
     block_hq, block_hk = next_pow2(Hq), next_pow2(Hk)
     num_warps = 4 if block_hq * block_d <= 4096 else 8
-    _rope_qk_kernel[(B * S,)](
+    _rope_qk_kernel[(triton.cdiv(B * S, tokens),)](
         q, k, q_out, k_out, cos, sin,
         *q.stride(), *k.stride(), *q_out.stride(), *k_out.stride(),
         sc_b, cos.stride(1), cos.stride(2),
-        S, Hq, Hk, half,
-        BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, INT64=int64,
+        S, B * S, Hq, Hk, half,
+        BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, INT64=int64, TOKENS=tokens,
         num_warps=num_warps,
     )
 
