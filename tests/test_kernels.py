@@ -631,13 +631,19 @@ def test_rms_norm_errors():
 @pytest.mark.parametrize("scale,softcap,temperature,entropy", [
     (None, None, 1.0, False), (0.5, None, 0.7, True), (None, 30.0, 1.0, False), (1.5, 10.0, 0.8, True),
 ])
-def test_logit_block_kernels_match_the_reference(device, dtype, scale, softcap, temperature, entropy):
-    """Both phases on one block of vocabulary columns [v0, v0 + 70): labels inside and outside it
-    (outside: no target logit, no one-hot in the gradient), tiles that do not divide the width."""
+@pytest.mark.parametrize("width", [70, 1100])
+def test_logit_block_kernels_match_the_reference(device, dtype, scale, softcap, temperature, entropy, width):
+    """Both phases on one block of vocabulary columns [v0, v0 + width): labels inside and outside it
+    (outside: no target logit, no one-hot in the gradient); 1,100 columns take several tiles, the last
+    one part-empty, under the interpreter (512 columns a tile; on a GPU a tile spans up to 4,096: one)."""
+    from swiftune.kernels.logit_stats import INTERPRETER_BLOCK
+
+    assert INTERPRETER_BLOCK < 1100 <= 3 * INTERPRETER_BLOCK and 1100 % INTERPRETER_BLOCK
     torch.manual_seed(3)
-    rows, width, v0 = 9, 70, 100
+    rows, v0 = 9, 100
     z = (torch.randn(rows, width) * 4).to(device=device, dtype=dtype)
     labels = torch.randint(v0 - 20, v0 + width + 20, (rows,), device=device)
+    labels[:3] = torch.tensor([v0, v0 + width - 1, v0 + width // 2])  # the first, last and a middle tile's column
     lse, tgt, ent = logit_block_stats(z, labels, v0, scale, softcap, temperature, entropy)
     lse_r, tgt_r, ent_r = logit_block_stats_reference(z, labels, v0, scale, softcap, temperature, entropy)
     assert rel_err(lse, lse_r) < 1e-5 and rel_err(tgt, tgt_r) < 1e-5

@@ -65,6 +65,9 @@ else:  # pragma: no cover
     logit_stats_kernel = None
 
 
+INTERPRETER_BLOCK = 512  # columns of a tile under the Triton interpreter (CPU)
+
+
 def logit_launch_args(z: torch.Tensor, scale: float | None, softcap: float | None,
                       temperature: float) -> tuple[float, float, dict]:
     """``(a, b, meta)`` of both logit kernels: ``y' = b tanh(a z)`` with a soft-cap (``a = s / c``,
@@ -77,8 +80,9 @@ def logit_launch_args(z: torch.Tensor, scale: float | None, softcap: float | Non
     if z.is_cuda:
         block = min(4096, next_pow2(z.shape[1]))
         meta = {"BLOCK": block, "num_warps": 8 if block >= 2048 else 4}
-    else:  # interpreter: small tiles keep tests quick and exercise the tile loop
-        meta = {"BLOCK": min(32, next_pow2(z.shape[1]))}
+    else:  # interpreter: it runs a tile's operations as numpy calls, each of about the same cost at 32 or 512
+        # columns, so wide tiles make a CPU test's loss fast (the unit tests give wider blocks: several tiles)
+        meta = {"BLOCK": min(INTERPRETER_BLOCK, next_pow2(z.shape[1]))}
     return a, b, meta
 
 
