@@ -4,6 +4,8 @@ On CPU the Triton kernels run through the interpreter (tests/conftest.py sets it
 machine the same tests run the compiled kernels (`device` fixture).
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,8 @@ from swiftune.kernels import (
 )
 from swiftune.kernels import rope as rope_module
 from swiftune.kernels.launch import autograd_owner, choose_backend, needs_int64
+
+rms_norm_module = importlib.import_module("swiftune.kernels.rms_norm")  # the package exports a function of that name
 from swiftune.kernels.logit_grad import logit_block_grad_, logit_block_grad_reference
 from swiftune.kernels.logit_stats import logit_block_stats, logit_block_stats_reference
 from tests.helpers import rel_err
@@ -388,10 +392,21 @@ def test_glu_int64_flag_and_errors(device):
 # ------------------------------------------------------------------------------------ RMSNorm
 
 
+@pytest.fixture(params=[1, 4, 64], ids=lambda n: f"{n}-rows")
+def rms_rows(request, monkeypatch, device):
+    """Rows per RMSNorm program: 1 is what a GPU runs (forward; its backward walks the rows); the
+    interpreter's default takes 64 (a [64, BLOCK] tile); 4 puts several programs on a launch, the last
+    one part-empty (21 rows)."""
+    if device != "cpu" and request.param != 1:
+        pytest.skip("a GPU runs one row per forward program")
+    monkeypatch.setattr(rms_norm_module, "rows_per_program", lambda interpreted: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 100, 1000, 2050])
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-def test_rms_norm_matches_float64_reference(device, dtype, hidden, offset):
+def test_rms_norm_matches_float64_reference(device, rms_rows, dtype, hidden, offset):
     torch.manual_seed(hidden + int(offset))
     x64 = torch.randn(3, 7, hidden, dtype=torch.float64) * 2 + 0.3
     w64 = torch.randn(hidden, dtype=torch.float64) * 0.5 + (0.0 if offset else 1.0)
@@ -409,7 +424,28 @@ def test_rms_norm_matches_float64_reference(device, dtype, hidden, offset):
         assert rel_err(actual, expected) < TOL[dtype]
 
 
-def test_rms_norm_non_contiguous_fp32_weight_and_int64(device):
+def test_rms_norm_programs_write_no_row_past_the_last(device, rms_rows):
+    """The rows to normalise are the first 21 of a larger buffer, and the outputs the first 21 rows of
+    theirs: with several rows a program (the last program part-empty) the next row is left as it was,
+    forward (y, r) and backward (dx)."""
+    torch.manual_seed(4)
+    n_rows, n_cols = 21, 48
+    x_buf = torch.randn(n_rows + 1, n_cols, device=device)
+    w = torch.randn(n_cols, device=device)
+    y_buf, r_buf = torch.full_like(x_buf, 7.0), torch.full((n_rows + 1,), 7.0, device=device)
+    rows = rms_norm_module.rows_per_program(True)
+    rms_norm_module._rms_fwd_kernel[(-(-n_rows // rows),)](
+        x_buf, w, y_buf, r_buf, n_rows, n_cols, n_cols, n_cols, 1e-6, 0.0, BLOCK=64, INT64=False, ROWS=rows)
+    assert torch.all(y_buf[n_rows] == 7.0) and r_buf[n_rows] == 7.0
+    assert rel_err(y_buf[:n_rows], rms_norm_reference(x_buf[:n_rows], w, 1e-6)) < 1e-6
+    x = x_buf[:n_rows].clone().requires_grad_()
+    (dx,) = torch.autograd.grad(rms_norm(x, w, 1e-6, backend="triton"), (x,), torch.ones(n_rows, n_cols, device=device))
+    xr = x.detach().double().requires_grad_()
+    (ex,) = torch.autograd.grad(rms_norm_reference(xr, w.double(), 1e-6), (xr,), torch.ones_like(xr))
+    assert rel_err(dx, ex) < 1e-5 and ex.abs().sum() > 0
+
+
+def test_rms_norm_non_contiguous_fp32_weight_and_int64(device, rms_rows):
     """bf16 activations with an fp32 weight (mixed precision), strided input, forced 64-bit path."""
     torch.manual_seed(7)
     base = torch.randn(6, 2, 96, device=device, dtype=torch.float64)
@@ -426,7 +462,7 @@ def test_rms_norm_non_contiguous_fp32_weight_and_int64(device):
     assert rel_err(o, ro) < 1e-2 and rel_err(x.grad, xr.grad) < 1e-2 and rel_err(w.grad, wr.grad) < 1e-5
 
 
-def test_rms_norm_backward_takes_64_bit_offsets_from_a_gradient_whose_rows_lie_far_apart(device):
+def test_rms_norm_backward_takes_64_bit_offsets_from_a_gradient_whose_rows_lie_far_apart(device, rms_rows):
     """The 64-bit choice of RMSNorm's backward looks at the incoming gradient as well as the input: a
     gradient that is a view into a larger buffer (what a concatenation's backward hands back) can have
     rows ``2^30 + 1024`` elements apart while the input is small and dense. Deciding from the input

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .fp8_quant import e4m3_codes, e4m3_scale, fp8_quantize_rowwise_reference
-from .launch import Backend, check_float, choose_backend, needs_int64, next_pow2, tl, triton
+from .launch import Backend, check_float, choose_backend, kernel_is_interpreted, needs_int64, next_pow2, tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
@@ -42,13 +42,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 if triton is not None:
 
     @triton.jit
-    def rms_row(x, w_ptr, y_row_ptr, cols, mask, n_cols, eps, offset):
+    def rms_row(x, w_ptr, y_row_ptr, cols, mask, n_cols, eps, offset, ROWS: tl.constexpr = 1):
         """Normalise one float32 row ``x`` and store ``round(x * r * (offset + w))`` at
         ``y_row_ptr + cols``; returns ``r``. Every forward kernel that normalises (this module's,
-        ``decode_qkv``) goes through it, so their roundings agree bit for bit."""
+        ``decode_qkv``) goes through it, so their roundings agree bit for bit. ``ROWS > 1`` (the
+        interpreter's tiles, see :func:`rows_per_program`): ``x`` is ``[ROWS, BLOCK]``, ``y_row_ptr``
+        and ``mask`` are too, ``cols`` is ``[1, BLOCK]``, and ``r`` is ``[ROWS]``."""
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        tl.store(y_row_ptr + cols, (x * r * (offset + w)).to(y_row_ptr.dtype.element_ty), mask=mask)
+        if ROWS == 1:
+            r = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+            tl.store(y_row_ptr + cols, (x * r * (offset + w)).to(y_row_ptr.dtype.element_ty), mask=mask)
+        else:
+            r = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+            tl.store(y_row_ptr + cols, (x * r[:, None] * (offset + w)).to(y_row_ptr.dtype.element_ty), mask=mask)
         return r
 
     @triton.jit
@@ -65,42 +71,68 @@ if triton is not None:
 
     @triton.jit
     def _rms_fwd_kernel(
-        x_ptr, w_ptr, y_ptr, r_ptr, n_cols, stride_x, stride_y, eps, offset,
-        BLOCK: tl.constexpr, INT64: tl.constexpr,
+        x_ptr, w_ptr, y_ptr, r_ptr, n_rows, n_cols, stride_x, stride_y, eps, offset,
+        BLOCK: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr,
     ):
-        row, cols, mask, x = _load_program_row(x_ptr, stride_x, n_cols, BLOCK, INT64)
-        r = rms_row(x, w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
-        tl.store(r_ptr + row, r)
+        if ROWS == 1:
+            row, cols, mask, x = _load_program_row(x_ptr, stride_x, n_cols, BLOCK, INT64)
+            r = rms_row(x, w_ptr, y_ptr + row * stride_y, cols, mask, n_cols, eps, offset)
+            tl.store(r_ptr + row, r)
+        else:
+            first = tl.program_id(0) * ROWS
+            if INT64:
+                first = first.to(tl.int64)
+            rows = first + tl.arange(0, ROWS)
+            cols = tl.arange(0, BLOCK)[None, :]
+            mask = (rows[:, None] < n_rows) & (cols < n_cols)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            r = rms_row(x, w_ptr, y_ptr + rows[:, None] * stride_y, cols, mask, n_cols, eps, offset, ROWS)
+            tl.store(r_ptr + rows, r, mask=rows < n_rows)
 
     @triton.jit
     def _rms_bwd_kernel(
         dy_ptr, x_ptr, w_ptr, r_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols,
         stride_dy, stride_x, stride_dx, offset,
-        BLOCK: tl.constexpr, INT64: tl.constexpr,
+        BLOCK: tl.constexpr, INT64: tl.constexpr, ROWS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_prog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32) + offset
-        dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        first = pid
-        if INT64:
-            first = pid.to(tl.int64)
-        # rows first, first + n_prog, ...: the row is computed from ``first`` rather than taken as the loop's
-        # induction variable, so it is 64-bit whenever ``first`` is (the interpreter's loop variable is a Python
-        # int whatever the bounds' types, and a Python int times an int32 stride wraps at 2^31)
-        for i in range(0, tl.cdiv(n_rows - pid, n_prog)):
-            row = first + i * n_prog
-            x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(r_ptr + row)
+        if ROWS > 1:  # the interpreter's tiles: rows [pid ROWS, (pid + 1) ROWS), one [ROWS, BLOCK] tile
+            first_row = pid * ROWS
+            if INT64:
+                first_row = first_row.to(tl.int64)
+            rows = first_row + tl.arange(0, ROWS)
+            tile = (rows[:, None] < n_rows) & mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + rows, mask=rows < n_rows, other=0.0)[:, None]
             x_hat = x * r
-            g = dy * w
-            dx = r * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
-            tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * x_hat
-        tl.store(dw_part_ptr + pid * n_cols + cols, dw, mask=mask)
+            g = dy * w[None, :]
+            dx = r * (g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None])
+            tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=tile)
+            tl.store(dw_part_ptr + pid * n_cols + cols, tl.sum(dy * x_hat, axis=0), mask=mask)
+        else:
+            dw = tl.zeros((BLOCK,), dtype=tl.float32)
+            first = pid
+            if INT64:
+                first = pid.to(tl.int64)
+            # rows first, first + n_prog, ...: the row is computed from ``first`` rather than taken as the loop's
+            # induction variable, so it is 64-bit whenever ``first`` is (the interpreter's loop variable is a Python
+            # int whatever the bounds' types, and a Python int times an int32 stride wraps at 2^31)
+            for i in range(0, tl.cdiv(n_rows - pid, n_prog)):
+                row = first + i * n_prog
+                x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(r_ptr + row)
+                x_hat = x * r
+                g = dy * w
+                dx = r * (g - x_hat * (tl.sum(g * x_hat, axis=0) / n_cols))
+                tl.store(dx_ptr + row * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw += dy * x_hat
+            tl.store(dw_part_ptr + pid * n_cols + cols, dw, mask=mask)
 
     @triton.jit
     def _add_rms_fwd_kernel(
@@ -129,6 +161,17 @@ else:  # pragma: no cover
     rms_row = None
     _rms_fwd_kernel = None
     _add_rms_fwd_kernel = None
+
+
+INTERPRETER_ROWS_PER_PROGRAM = 64
+
+
+def rows_per_program(interpreted: bool) -> int:
+    """Rows one program of :func:`rms_norm` normalises (forward) or differentiates (backward). On a GPU,
+    one row a forward program, and a fixed number of backward programs walking the rows. Under the
+    Triton interpreter, which runs programs (and every jit helper they call) one after another in
+    Python: 64 rows a program as one ``[64, BLOCK]`` tile, the same arithmetic."""
+    return INTERPRETER_ROWS_PER_PROGRAM if interpreted else 1
 
 
 def _num_warps(block: int) -> int:
@@ -166,9 +209,10 @@ class RMSNormFunction(torch.autograd.Function):
         r = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = next_pow2(n_cols)
         int64 = force_int64 or needs_int64(x2)
-        _rms_fwd_kernel[(n_rows,)](
-            x2, weight, y2, r, n_cols, x2.stride(0), y2.stride(0), eps, offset,
-            BLOCK=block, INT64=int64, num_warps=_num_warps(block),
+        rows = rows_per_program(kernel_is_interpreted(_rms_fwd_kernel))
+        _rms_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+            x2, weight, y2, r, n_rows, n_cols, x2.stride(0), y2.stride(0), eps, offset,
+            BLOCK=block, INT64=int64, ROWS=rows, num_warps=_num_warps(block),
         )
         ctx.save_for_backward(x2, weight, r)  # not y: an in-place op may rewrite y afterwards
         ctx.offset, ctx.int64, ctx.shape = offset, int64, shape
@@ -180,10 +224,11 @@ class RMSNormFunction(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         dy2 = _as_rows(dy, n_cols)
         dx = torch.empty_like(x2)
+        rows = rows_per_program(kernel_is_interpreted(_rms_bwd_kernel))
         if x2.is_cuda:
             n_prog = min(n_rows, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
         else:
-            n_prog = min(n_rows, 4)
+            n_prog = triton.cdiv(n_rows, rows) if rows > 1 else min(n_rows, 4)
         n_prog = max(n_prog, 1)
         dw_part = torch.empty((n_prog, n_cols), dtype=torch.float32, device=x2.device)
         block = next_pow2(n_cols)
@@ -193,7 +238,7 @@ class RMSNormFunction(torch.autograd.Function):
         _rms_bwd_kernel[(n_prog,)](
             dy2, x2, weight, r, dx, dw_part, n_rows, n_cols,
             dy2.stride(0), x2.stride(0), dx.stride(0), ctx.offset,
-            BLOCK=block, INT64=int64, num_warps=_num_warps(block),
+            BLOCK=block, INT64=int64, ROWS=rows, num_warps=_num_warps(block),
         )
         dw = dw_part.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx.view(ctx.shape), dw, None, None, None

@@ -25,9 +25,9 @@ negated. Nothing but cos and sin is saved for backward.
 
 On a GPU one program handles one (row, token) pair for all Hq + Hk heads, so cos/sin are loaded
 once and reused by every head; under the Triton interpreter (CPU) one program takes 64 tokens, the
-same arithmetic on a 3-D tile (see :func:`tokens_per_program`). The forward pass rotates q and k in place when autograd allows it
-(they are not leaves that require grad); the backward pass writes fresh gradient tensors,
-because incoming gradients may be broadcast views that must not be written.
+same arithmetic on a 3-D tile (see :func:`tokens_per_program`). The forward pass rotates q and k
+in place when autograd allows it (they are not leaves that require grad); the backward pass writes
+fresh gradient tensors, because incoming gradients may be broadcast views that must not be written.
 """
 
 from __future__ import annotations
