@@ -1,6 +1,6 @@
 """The MoE routing kernels, the split decode attention, decode_qkv's FP8 cache path, the GLU's row kernel, the
 residual add + RMSNorm with its FP8 codes, the LoRA decode product, and the training RMSNorm and RoPE (one row
-or token a program, as a GPU runs them, and the interpreter's 64) compiled ahead of time for an H100/H200
+or token a program: the GPU's form, not the interpreter's tiles) compiled ahead of time for an H100/H200
 (sm_90) on a machine without a GPU.
 
 The CPU suite runs every kernel through the Triton interpreter, which checks what a kernel computes but not
@@ -169,26 +169,23 @@ CASES = {
          **dict.fromkeys(("BLOCK_M", "BLOCK_R", "BLOCK_N", "F32"), "constexpr")},
         {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_N": 128, "F32": adapter == "fp32"}, {"num_warps": 4})
        for adapter in ("fp32", "bf16")},
-    **{f"RoPE of q and k, Qwen3-8B heads (32 q, 8 k, D 128), {tokens} token(s) a program, "
-       f"{'backward' if back else 'forward'}": (
+    **{f"RoPE of q and k, Qwen3-8B heads (32 q, 8 k, D 128), one token a program, {direction}": (
         rope._rope_qk_kernel, ROPE_SIGNATURE,
-        {"BACKWARD": back, "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_D": 64, "INT64": False, "TOKENS": tokens},
-        {"num_warps": 8})
-       for tokens in (1, 64) for back in (False, True)},
-    **{f"RMSNorm forward, Qwen3-8B hidden (4,096), {rows} row(s) a program": (
+        {"BACKWARD": direction == "backward", "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_D": 64, "INT64": False,
+         "TOKENS": 1}, {"num_warps": 8})
+       for direction in ("forward", "backward")},
+    "RMSNorm forward, Qwen3-8B hidden (4,096), one row a program": (
         rms_norm._rms_fwd_kernel,
         {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "r_ptr": "*fp32",
          **dict.fromkeys(("n_rows", "n_cols", "stride_x", "stride_y"), "i32"), "eps": "fp32", "offset": "fp32",
          **dict.fromkeys(("BLOCK", "INT64", "ROWS"), "constexpr")},
-        {"BLOCK": 4096, "INT64": False, "ROWS": rows}, {"num_warps": 8})
-       for rows in (1, 64)},
-    **{f"RMSNorm backward, Qwen3-8B hidden (4,096), {rows} row(s) a program": (
+        {"BLOCK": 4096, "INT64": False, "ROWS": 1}, {"num_warps": 8}),
+    "RMSNorm backward, Qwen3-8B hidden (4,096), rows walked by each program": (
         rms_norm._rms_bwd_kernel,
         {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "r_ptr": "*fp32", "dx_ptr": "*bf16",
          "dw_part_ptr": "*fp32", **dict.fromkeys(("n_rows", "n_cols", "stride_dy", "stride_x", "stride_dx"), "i32"),
          "offset": "fp32", **dict.fromkeys(("BLOCK", "INT64", "ROWS"), "constexpr")},
-        {"BLOCK": 4096, "INT64": False, "ROWS": rows}, {"num_warps": 8})
-       for rows in (1, 64)},
+        {"BLOCK": 4096, "INT64": False, "ROWS": 1}, {"num_warps": 8}),
 }
 
 

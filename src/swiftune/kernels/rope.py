@@ -142,14 +142,13 @@ def tokens_per_program(interpreted: bool) -> int:
     return INTERPRETER_TOKENS_PER_PROGRAM if interpreted else 1
 
 
-def _launch(q, k, q_out, k_out, cos, sin, backward: bool, force_int64: bool = False,
-            tokens: int | None = None) -> None:
+def _launch(q, k, q_out, k_out, cos, sin, backward: bool, force_int64: bool = False) -> None:
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     # cos/sin may broadcast over the batch ([1, S, D]): stride 0 reuses row 0 for every b.
     sc_b = 0 if cos.shape[0] == 1 else cos.stride(0)
     int64 = force_int64 or needs_int64(q, k, q_out, k_out, cos)
-    tokens = tokens_per_program(kernel_is_interpreted(_rope_qk_kernel)) if tokens is None else tokens
+    tokens = tokens_per_program(kernel_is_interpreted(_rope_qk_kernel))
     half = D // 2
     block_d = next_pow2(half)
     block_hq, block_hk = next_pow2(Hq), next_pow2(Hk)
