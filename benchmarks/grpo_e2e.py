@@ -16,7 +16,8 @@ random token ids, ``--generations`` (G = 8) completions each, all 64 sampled in 
 optimizer step (``per_device_train_batch_size`` ``--micro-batch`` x ``gradient_accumulation_steps``
 = prompts x G / micro-batch, TRL's ``steps_per_generation`` default), every completion run to
 ``--completion-tokens`` (4,096; no stop token: swiftune's engine is called without stop ids, TRL and
-Unsloth get ``generation_kwargs={"min_new_tokens": L}``), two reward functions (share of even token
+Unsloth get ``generation_kwargs={"min_new_tokens": L}``; the tokenizer's pad token is its eos, so that
+no tool's completions hold the pad id: see :func:`e2e_tokenizer`), two reward functions (share of even token
 ids, and the completion's length in words), ``beta`` 0 (TRL's default: no reference pass),
 ``loss_type="dapo"``, bf16. ``--steps`` (2) optimizer steps; the last is reported, split into
 ``generation`` (the tool's sampling call), ``scoring`` (rewards, old log-probs, advantages: the rest
@@ -48,6 +49,22 @@ RESULT = "RESULT "
 
 
 # ------------------------------------------------------------------------------------ workload
+
+
+def e2e_tokenizer(vocab_size: int):
+    """The word tokenizer with its pad token on eos (``t1``), for all three tools.
+
+    A random-init model samples every id, the pad id included, about once per vocabulary-size tokens
+    (~1.7 times in the 262,144 tokens of a 1.7B step). Unsloth's GRPO rebuilds its masks from the
+    pad id (``input_ids != pad_token_id``, and the pad-id tokens moved to the row's end), so a sampled
+    pad id in mid-completion shifted its rows: its 4,096-token run ended on a gather index out of
+    bounds. TRL and swiftune take each completion's length from the sampler instead. With pad on eos,
+    the ``min_new_tokens`` that keeps TRL's and Unsloth's completions full length also keeps the pad id
+    out of them, as a trained model's sampler would; swiftune's engine (no stop ids) may still sample
+    the id, which it treats as any other token."""
+    from benchmarks.workload import word_tokenizer
+
+    return word_tokenizer(vocab_size, pad_token="t1")
 
 
 def prompt_rows(args, vocab: int) -> list[dict]:
@@ -201,7 +218,6 @@ def child_swiftune(args) -> dict:
     import torch
 
     from benchmarks.grpo import build_swiftune_model
-    from benchmarks.workload import word_tokenizer
     from swiftune import GRPOConfig, GRPOTrainer
     from swiftune.rl import TransformersRolloutEngine
     from swiftune.rl.rollout.fast import FastRolloutEngine
@@ -217,13 +233,14 @@ def child_swiftune(args) -> dict:
         def generate(self, prompt_ids, num_generations, params):
             return super().generate(prompt_ids, num_generations, dataclasses.replace(params, stop_token_ids=()))
 
-    engine = FullLength(model, pad_token_id=0, seed=0)
+    tokenizer = e2e_tokenizer(model.config.vocab_size)
+    engine = FullLength(model, pad_token_id=tokenizer.pad_token_id, seed=0)
     clock, rewards = StepClock(cuda), Rewards()
     config = GRPOConfig(**common_config(args, cuda), max_prompt_length=args.prompt_tokens, metrics_file=None,
                         plot_rewards=False, gradient_checkpointing=False)  # already on (get_peft_model)
     trainer = GRPOTrainer(model, rewards.functions(), args=config,
                           train_dataset=prompt_rows(args, model.config.vocab_size),
-                          processing_class=word_tokenizer(model.config.vocab_size), rollout_engine=engine)
+                          processing_class=tokenizer, rollout_engine=engine)
     time_trainer(trainer, clock, engine, "generate")
     trainer.add_callback(clock.callback())
     trainer.train()
@@ -263,25 +280,25 @@ def child_trl(args) -> dict:
     from peft import LoraConfig, get_peft_model
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.workload import random_model, word_tokenizer
+    from benchmarks.workload import random_model
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     model = random_model(args.model, device, torch.bfloat16 if cuda else torch.float32)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM"))
-    return train_trl_style(args, "trl", model, word_tokenizer(model.config.vocab_size), GRPOTrainer, GRPOConfig, cuda)
+    return train_trl_style(args, "trl", model, e2e_tokenizer(model.config.vocab_size), GRPOTrainer, GRPOConfig, cuda)
 
 
 def save_checkpoint(args) -> None:
     """A plain transformers process (never Unsloth) writes the random-init model + word tokenizer."""
     import torch
 
-    from benchmarks.workload import random_model, word_tokenizer
+    from benchmarks.workload import random_model
 
     model = random_model(args.model, torch.device("cpu"), torch.bfloat16)
     model.save_pretrained(args.save_checkpoint)
-    word_tokenizer(model.config.vocab_size).save_pretrained(args.save_checkpoint)
+    e2e_tokenizer(model.config.vocab_size).save_pretrained(args.save_checkpoint)
 
 
 def child_unsloth(args) -> dict:

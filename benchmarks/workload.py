@@ -284,11 +284,12 @@ def step_context_callback(step: int, open_context: Callable[[], contextlib.Abstr
     return StepContext()
 
 
-def word_tokenizer(vocab_size: int):
-    """A tokenizer whose token ``i`` is the word ``t{i}`` (pad t0, eos t1, unk t2): text <-> ids exactly."""
+def word_tokenizer(vocab_size: int, pad_token: str = "t0"):
+    """A tokenizer whose token ``i`` is the word ``t{i}`` (pad t0 unless ``pad_token`` says another, eos t1,
+    unk t2): text <-> ids exactly."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="t0", eos_token="t1", unk_token="t2")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token=pad_token, eos_token="t1", unk_token="t2")

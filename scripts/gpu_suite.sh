@@ -10,6 +10,7 @@
 #   scripts/gpu_suite.sh rollout      # engine vs generate, Qwen3-1.7B + 8B, G 8/64, N 1024, fused-layers A/B (~7 min)
 #   scripts/gpu_suite.sh rollout-long # the N=8192 rows, no baselines (~6 min)
 #   scripts/gpu_suite.sh grpo-e2e [MODEL] [MODE...] # one whole GRPOTrainer step (8 prompts x G=8, 4K completions): swiftune, TRL, Unsloth (or the MODEs), detached (carry .shared; at 1.7B swiftune ~2 min, TRL ~17): then grpo-e2e-wait
+#   scripts/gpu_suite.sh grpo-e2e-run [MODEL] [MODE...] # the same in the foreground (for gpu_chain.sh; default swiftune and Unsloth)
 #   scripts/gpu_suite.sh grpo-step    # GRPO steps, Qwen3-1.7B, G=8, 4K completions, 2nd reported (~3 min)
 #   scripts/gpu_suite.sh sft-8b       # SFT batch sweep 1..32, Qwen3-8B, every mode (~9 min)
 #   scripts/gpu_suite.sh sft-small    # the sweep for Qwen3-0.6B and 1.7B, batch-size modes (~8 min)
@@ -176,6 +177,12 @@ case "$part" in
     wait_for grpo_e2e 54 12 /tmp/grpo_e2e.rows.jsonl ;;  # its JSON is rewritten after every tool; the rows come last
   grpo-e2e-wait)
     wait_for grpo_e2e 56 12 /tmp/grpo_e2e.rows.jsonl ;;
+  grpo-e2e-run)  # grpo-e2e in the foreground, for gpu_chain.sh: grpo-e2e-run MODEL MODE... (swiftune ~2 min at 1.7B,
+    # Unsloth's two steps ~16 min, stopped at 25 min)
+    model=${2:-qwen3-1.7b}
+    modes=("${@:3}"); [ ${#modes[@]} -gt 0 ] || modes=(swiftune unsloth)
+    run grpo_e2e 1500 python3 -m benchmarks.grpo_e2e --model "$model" --modes "${modes[@]}" --shared .shared \
+      --out "$OUT/grpo_e2e.json" ;;
   grpo-e2e-unsloth-probe)  # Unsloth's GRPOTrainer on a short workload (2 prompts x G=8, 512-token completions, one
     # step) with synchronous launches, so that a device-side assertion's traceback names the statement that
     # launched it (its 4,096-token run ended on a gather index out of bounds after ~8 min; ~3 min)

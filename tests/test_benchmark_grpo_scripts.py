@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -505,6 +506,12 @@ def test_grpo_e2e_times_a_whole_step_per_tool_and_reports_failures(tmp_path):
     assert grpo_e2e.main(["--save-checkpoint", str(ck), "--model", "tiny"]) == 0
     tok = AutoTokenizer.from_pretrained(str(ck))
     assert tok.eos_token == "t1" and tok("t5 t7")["input_ids"] == [5, 7]
+    # pad on eos: min_new_tokens keeps both out of TRL's and Unsloth's completions (Unsloth rebuilds its
+    # masks from the pad id, and a sampled pad id broke its rows)
+    assert tok.pad_token_id == tok.eos_token_id == 1
+    config = grpo_e2e.trl_config(grpo_e2e.build_parser().parse_args(["--completion-tokens", "12"]), False,
+                                 lambda **fields: types.SimpleNamespace(**fields))
+    assert config.generation_kwargs == {"min_new_tokens": 12}
     assert AutoModelForCausalLM.from_pretrained(str(ck)).config.vocab_size == tok.vocab_size
 
     site = tmp_path / "site"
