@@ -412,6 +412,22 @@ FIGURES: list[dict] = [
       for file, product, flag, keep in (
           ("ops", "the torch ops", "no-lora-decode-kernel", _modes("fast_engine_lora")),
           ("two-launch-kernel", "the two-launch kernel", "lora-decode-kernel", None))),
+    # a later H100 80GB call at G=64 (scripts/gpu_suite.sh fp8-g64-reduce-ab): bf16, then FP8 (the engine's defaults:
+    # stacked q/k/v and gate/up, the norm kernel's codes, FP8 KV cache) with a split K's partial sums added by a
+    # second launch (the default), then by each tile's last program in the product's own launch
+    *(dict(figure="rollout_fp8", file=f"2026-12-07/{file}_s57_h100.json", date="2026-12-07", versions=BASE,
+           gpu="NVIDIA H100 80GB HBM3",
+           settings={"call": "H100, split-K reduce A/B",
+                     **({"qkv": "one product", "gate_up": "one product", "codes": "the norm kernel's",
+                         "split_k_reduce": reduce} if reduce else {})},
+           command=f"python -m benchmarks.rollout --model qwen3-8b {flags}--rows 64 --new-tokens 1024 "
+                   f"--no-baselines --no-checks {extra}--time-budget {budget} --out {out}.json")
+      for file, out, reduce, flags, extra, budget in (
+          ("rollout_g64_bf16", "rollout_g64_bf16", "", "", "", 95),
+          ("rollout_g64_fp8_second-launch", "rollout_g64_fp8", "a second launch", "--load-in-fp8 ",
+           "--kv-cache-dtype fp8 ", 105),
+          ("rollout_g64_fp8_in-launch", "rollout_g64_fp8_in-launch", "in the product's launch", "--load-in-fp8 ",
+           "--kv-cache-dtype fp8 --fp8-reduce-in-launch ", 105))),
     dict(figure="rollout_moe", file="2026-12-02/rollout_moe_h200.json", date="2026-12-02", versions=BASE,
          settings={"experts": "grouped GEMM"},
          command="python -m benchmarks.rollout --model qwen3-30b-a3b mixtral-8x7b --rows 8 64 --new-tokens 1024 "

@@ -587,7 +587,8 @@ def rollout(fig: Figure) -> str:
 def rollout_fp8(fig: Figure) -> str:
     """FP8 (e4m3 weights, per-row scales) against bf16 weights, same engine, shape, G and N; "x bf16" pairs the
     rows of one call only (a ``call`` setting names later calls; ``qkv`` / ``gate_up``: q/k/v, gate/up as one FP8
-    product or one each; ``codes``: what makes their input's FP8 codes)."""
+    product or one each; ``codes``: what makes their input's FP8 codes; ``split_k_reduce``: where a split K's
+    partial sums are added)."""
     runs = {}
     for mode, model, s, m in fig.groups():
         # the row's own LoRA mode (a bf16 call times the adapters at run time and merged; FP8 bases only at run time)
@@ -596,15 +597,16 @@ def rollout_fp8(fig: Figure) -> str:
                 if mode == "fast_engine_lora" else "")
         key = (model, s["rows"], s["new_tokens"], lora, s.get("call", ""))
         weights = s.get("weights", "bf16") + (", KV cache fp8" if s.get("kv_cache") == "fp8" else "")
-        runs[(key, weights, s.get("qkv", ""), s.get("gate_up", ""), s.get("codes", ""))] = m
+        runs[(key, weights, s.get("qkv", ""), s.get("gate_up", ""), s.get("codes", ""), s.get("split_k_reduce", ""))] = m
     out = []
-    for (key, weights, qkv, gate_up, codes), m in runs.items():
+    for (key, weights, qkv, gate_up, codes, reduce), m in runs.items():
         model, rows, new_tokens, lora, call = key
-        bf16 = runs.get((key, "bf16", "", "", ""))
+        bf16 = runs.get((key, "bf16", "", "", "", ""))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         base = val(bf16, "tokens_per_s") if bf16 and weights != "bf16" else None
         label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", f"gate/up: {gate_up}" if gate_up
-                                      else "", f"their input codes: {codes}" if codes else "", lora) if x)
+                                      else "", f"their input codes: {codes}" if codes else "",
+                                      f"split K added {reduce}" if reduce else "", lora) if x)
         label += f" ({call})" if call else ""
         out.append([MODELS.get(model, model), str(rows), f"{new_tokens:,}", label, fmt(tps, thousands=True), fmt(ms),
                     fmt(floor) if floor else "", fmt(ms / floor) if floor else "", fmt(tps / base) if base else ""])
