@@ -283,7 +283,10 @@ def fp8_dot_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     block_k = block_k or _DEFAULT_BLOCK_K
     block_m = block_m or min(max(16, next_pow2(m)), 64)
-    block_n = block_n or (64 if n <= 2048 else 128)
+    # 64 columns at 33..64 rows for K up to 4,096: twice the programs, and the decode sweep
+    # (benchmarks.kernels --fp8-matmul, docs/benchmarks.md) found it faster on every such projection of
+    # Qwen3-8B; a long K (down_proj's) keeps 128, where 64 was slower
+    block_n = block_n or (64 if n <= 2048 or (m > 32 and k <= 4096) else 128)
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
     # programs for 90% of the SMs; SPLIT <= K / (8 M) keeps the partials within half the weight's bytes
     split = split_k if split_k is not None else choose_split_k(m_tiles * n_tiles, m, k, block_k, x.device,
