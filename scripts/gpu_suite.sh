@@ -30,6 +30,7 @@
 #   scripts/gpu_suite.sh qlora-rollout-dense # the engine from NF4 weights dequantised once per call vs per step, Qwen3-8B, G 8/64 (~5 min; carry .whl)
 #   scripts/gpu_suite.sh qlora-rollout-nf4-64 # the NF4 kernel to 64 rows: tests, matmul table 1-64 rows, the engine at G=32/64 bound to 64 vs 16 rows (~8 min; carry .whl)
 #   scripts/gpu_suite.sh fp8-rollout  # the engine decoding from FP8 weights (weight-only kernel at <= 16 rows, _scaled_mm above) vs from bf16 in the same call, Qwen3-8B, G 8/64, N 1024; the FP8 kernels' CUDA tests and decode matmul microbenchmark first (~8 min)
+#   scripts/gpu_suite.sh fp8-g64      # the G=64 decode step, Qwen3-8B: bf16, then FP8 (engine defaults, FP8 KV cache), one call (~4 min)
 #   scripts/gpu_suite.sh fp8-dot      # the FP8 x FP8 decode kernel (17-64 rows): its tests compiled (Qwen3-8B projections, graph replay == eager), then the decode matmul table with its columns and sweep (~3 min)
 #   scripts/gpu_suite.sh moe-rollout  # the engine on Qwen3-30B-A3B and Mixtral-8x7B, G 8/64, N 1024, against the HBM floor of the routed experts + the rest + KV, and LoRA r=16 (experts included) at G=8 on the 30B; the MoE engine's CUDA tests first (~7-8 min)
 #   scripts/gpu_suite.sh gptoss-rollout # gpt-oss on the engine (sinks, sliding/full layers, YaRN): its CUDA tests, then the gpt-oss-20b shape, G 8/64, N 1024, vs the HBM floor of its routed experts + the rest + KV, and LoRA r=16 at G=8 (~6 min; apart from moe-rollout, which fills its 10-minute call)
@@ -778,6 +779,11 @@ PY
         --rows 64 --new-tokens 1024 --no-baselines --no-checks --kv-cache-dtype fp8 $reduce --time-budget 105 \
         --out "$OUT/rollout_g64_fp8${reduce:+_in-launch}.json"
     done ;;
+  fp8-g64)  # #26's G=64 step: bf16, then FP8 with the engine's defaults and the FP8 KV cache, one call (~4 min)
+    run rollout_g64_bf16 110 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 \
+      --no-baselines --no-checks --time-budget 95 --out "$OUT/rollout_g64_bf16.json"
+    run rollout_g64_fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 \
+      --no-baselines --no-checks --kv-cache-dtype fp8 --time-budget 105 --out "$OUT/rollout_g64_fp8.json" ;;
   fp8-dot-sweep)  # #26's G=64 products: the FP8 x FP8 kernel's tile overrides with x's codes given, as the decode
     # step runs them, per Qwen3-8B projection (and q/k/v, gate/up stacked) against bf16 (~2 min)
     run kernels_fp8_matmul 240 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
