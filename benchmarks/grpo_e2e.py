@@ -57,8 +57,9 @@ def e2e_tokenizer(vocab_size: int):
     A random-init model samples every id, the pad id included, about once per vocabulary-size tokens
     (~1.7 times in the 262,144 tokens of a 1.7B step). Unsloth's GRPO rebuilds its masks from the
     pad id (``input_ids != pad_token_id``, and the pad-id tokens moved to the row's end), so a sampled
-    pad id in mid-completion shifted its rows: its 4,096-token run ended on a gather index out of
-    bounds. TRL and swiftune take each completion's length from the sampler instead. With pad on eos,
+    pad id in mid-completion shifts its rows: the likely cause of the gather index out of bounds that
+    ended its 4,096-token run (not yet confirmed on a GPU). TRL and swiftune take each completion's
+    length from the sampler instead. With pad on eos,
     the ``min_new_tokens`` that keeps TRL's and Unsloth's completions full length also keeps the pad id
     out of them, as a trained model's sampler would; swiftune's engine (no stop ids) may still sample
     the id, which it treats as any other token."""
