@@ -584,6 +584,10 @@ def rollout(fig: Figure) -> str:
                   "generate static tok/s", "x static", "generate dynamic tok/s", "x dynamic"], out, set(range(1, 12)) - {3})
 
 
+# the settings that tell one FP8 run of a call from another (a bf16 run has none of them)
+FP8_VARIANT_SETTINGS = ("qkv", "gate_up", "codes", "split_k_reduce")
+
+
 def rollout_fp8(fig: Figure) -> str:
     """FP8 (e4m3 weights, per-row scales) against bf16 weights, same engine, shape, G and N; "x bf16" pairs the
     rows of one call only (a ``call`` setting names later calls; ``qkv`` / ``gate_up``: q/k/v, gate/up as one FP8
@@ -597,11 +601,12 @@ def rollout_fp8(fig: Figure) -> str:
                 if mode == "fast_engine_lora" else "")
         key = (model, s["rows"], s["new_tokens"], lora, s.get("call", ""))
         weights = s.get("weights", "bf16") + (", KV cache fp8" if s.get("kv_cache") == "fp8" else "")
-        runs[(key, weights, s.get("qkv", ""), s.get("gate_up", ""), s.get("codes", ""), s.get("split_k_reduce", ""))] = m
+        runs[(key, weights, tuple(s.get(name, "") for name in FP8_VARIANT_SETTINGS))] = m
     out = []
-    for (key, weights, qkv, gate_up, codes, reduce), m in runs.items():
+    for (key, weights, variant), m in runs.items():
         model, rows, new_tokens, lora, call = key
-        bf16 = runs.get((key, "bf16", "", "", "", ""))
+        qkv, gate_up, codes, reduce = variant
+        bf16 = runs.get((key, "bf16", ("",) * len(FP8_VARIANT_SETTINGS)))
         tps, ms, floor = val(m, "tokens_per_s"), val(m, "step_ms"), val(m, "hbm_floor_ms")
         base = val(bf16, "tokens_per_s") if bf16 and weights != "bf16" else None
         label = ", ".join(x for x in (weights, f"q/k/v: {qkv}" if qkv else "", f"gate/up: {gate_up}" if gate_up

@@ -140,6 +140,13 @@ wait_for() {  # wait_for NAME TRIES LINES [DONE]: until /tmp/NAME.json (or the f
   tail -"$lines" "/tmp/$name.log"; cp /tmp/"$name".* "$OUT/" 2>/dev/null
 }
 
+rollout_g64_bf16_fp8() {  # issue 26's G=64 decode step, Qwen3-8B: bf16, then FP8 (engine defaults, FP8 KV cache)
+  run rollout_g64_bf16 110 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 \
+    --no-baselines --no-checks --time-budget 95 --out "$OUT/rollout_g64_bf16.json"
+  run rollout_g64_fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 \
+    --no-baselines --no-checks --kv-cache-dtype fp8 --time-budget 105 --out "$OUT/rollout_g64_fp8.json"
+}
+
 part=${1:?"which part? see the header of $0"}
 case "$part" in
   parity-figures)
@@ -772,18 +779,12 @@ PY
     # K reduced in each product's own launch (--fp8-reduce-in-launch), one call, after the kernels' CUDA tests (~7 min)
     run fp8_reduce_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_dot.py tests/test_fp8_matmul.py \
       -k cuda
-    run rollout_g64_bf16 110 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --time-budget 95 --out "$OUT/rollout_g64_bf16.json"
-    for reduce in "" --fp8-reduce-in-launch; do
-      run "rollout_g64_fp8${reduce:+_in-launch}" 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 \
-        --rows 64 --new-tokens 1024 --no-baselines --no-checks --kv-cache-dtype fp8 $reduce --time-budget 105 \
-        --out "$OUT/rollout_g64_fp8${reduce:+_in-launch}.json"
-    done ;;
+    rollout_g64_bf16_fp8
+    run rollout_g64_fp8_in-launch 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 \
+      --new-tokens 1024 --no-baselines --no-checks --kv-cache-dtype fp8 --fp8-reduce-in-launch --time-budget 105 \
+      --out "$OUT/rollout_g64_fp8_in-launch.json" ;;
   fp8-g64)  # #26's G=64 step: bf16, then FP8 with the engine's defaults and the FP8 KV cache, one call (~4 min)
-    run rollout_g64_bf16 110 python3 -m benchmarks.rollout --model qwen3-8b --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --time-budget 95 --out "$OUT/rollout_g64_bf16.json"
-    run rollout_g64_fp8 120 python3 -m benchmarks.rollout --model qwen3-8b --load-in-fp8 --rows 64 --new-tokens 1024 \
-      --no-baselines --no-checks --kv-cache-dtype fp8 --time-budget 105 --out "$OUT/rollout_g64_fp8.json" ;;
+    rollout_g64_bf16_fp8 ;;
   fp8-dot-sweep)  # #26's G=64 products: the FP8 x FP8 kernel's tile overrides with x's codes given, as the decode
     # step runs them, per Qwen3-8B projection (and q/k/v, gate/up stacked) against bf16 (~2 min)
     run kernels_fp8_matmul 240 python3 -m benchmarks.kernels --fp8-matmul --out "$OUT/kernels_fp8_matmul.json" ;;
